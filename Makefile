@@ -1,0 +1,50 @@
+# rollmesh: every target does its own set-up on a fresh machine.
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+STAMP   := .venv/.installed
+# A CPU build of torch where there is no GPU (the machine's pip finds it locally).
+TORCH   ?= torch==2.13.0
+MODEL   ?= models/tiny
+PYTEST_ARGS ?=
+
+.PHONY: setup run test proto lint format bench model clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+$(MODEL)/config.json: | $(STAMP)
+	.venv/bin/rollmesh init-model --out $(MODEL)
+
+model: $(MODEL)/config.json
+
+# The quickstart. Until the end-to-end loop lands this is the inference demo:
+# an embedded engine behind the LLMProxy, generating for a few prompts.
+run: $(STAMP) model
+	.venv/bin/rollmesh demo --model $(MODEL)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+proto: $(STAMP)
+	$(PY) -m services.protogen
+
+lint: $(STAMP)
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+format: $(STAMP)
+	.venv/bin/ruff format .
+	.venv/bin/ruff check --fix .
+
+bench: $(STAMP) model
+	.venv/bin/rollmesh bench engine --model $(MODEL) --json
+	.venv/bin/rollmesh bench proxy --model $(MODEL) --json
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache

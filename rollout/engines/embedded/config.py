@@ -1,0 +1,30 @@
+"""Configuration of the embedded engine server."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    """One embedded engine: which model it serves, where, and how large its running batch is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field("models/tiny", description="Local Hugging Face model directory to serve.")
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(30000, ge=0, le=65535, description="HTTP port (SGLang's default is 30000).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when available.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and activations dtype; float32 keeps log-probs exact on CPU."
+    )
+    max_running_requests: int = Field(
+        64, ge=1, description="Requests decoded together in one batch; the rest wait in the queue."
+    )
+    max_prefill_tokens: int = Field(
+        4096, ge=1, description="Prompt tokens (padded) admitted into one prefill forward pass."
+    )
+    seed: int = Field(0, description="Seed of the engine's sampler for requests without sampling_seed.")
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
+    served_model_name: str | None = Field(None, description="Name reported by /model_info; default the path.")

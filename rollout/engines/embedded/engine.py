@@ -1,0 +1,407 @@
+"""The embedded engine's core: a scheduler thread running continuous batching over a HF model.
+
+Requests arrive from any thread (``submit``) and are answered through ``concurrent.futures``.
+One background thread owns the model and the running batch; each loop iteration it applies
+commands (new requests, aborts, pause/continue, weight swaps), admits waiting requests with one
+batched prefill, and advances every running request by one token. A request leaves the batch
+the moment it finishes, so a long generation never holds back short ones.
+
+Weight updates swap weights between two steps and *retract* every running request: its cache
+is dropped and it is re-prefilled (prompt + tokens so far) under the new weights, so no KV
+computed under old weights is ever reused. Each generated token records the weight version
+that produced it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from rollout.engines.embedded.config import EngineConfig
+from rollout.engines.embedded.kv_batch import KVBatch, cache_to_kv, prefill_inputs
+from rollout.engines.embedded.sampling import SamplingParams, sample_next_tokens
+from rollout.engines.embedded.weights import check_named_tensors, copy_named_tensors, weights_checksum
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class EngineError(ValueError):
+    """A request the engine refuses; ``field`` names the offending input."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class GenerateOutput:
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    token_versions: list[int]
+    finish_reason: dict
+    prompt_tokens: int
+    weight_version: int
+    e2e_latency_s: float
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    future: Future
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    t0: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.output_ids
+
+
+class EmbeddedEngine:
+    """Continuous-batching generation over any local Hugging Face causal LM."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.hf_config = AutoConfig.from_pretrained(config.model_path)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.max_context = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        self.eos_ids = self._eos_ids(config.model_path)
+        self.model = self._load(config.model_path)
+        self.weight_version = 0
+        self.checksum = weights_checksum(self.model.state_dict())
+        self.model_path = config.model_path
+
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []
+        self._batch = KVBatch()
+        self._rids: set[str] = set()
+        self._paused = False
+        self._staged: dict[str, torch.Tensor] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._sampler = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.counters = collections.Counter()
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> EmbeddedEngine:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout_s)
+        for req in list(self._running) + list(self._waiting):
+            self._finish(req, {"type": "abort", "message": "engine shut down"})
+
+    def _load(self, path: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa")
+        return model.to(self.device).eval()
+
+    @staticmethod
+    def _eos_ids(path: str) -> frozenset[int]:
+        from transformers import GenerationConfig
+
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:  # no generation_config.json: fall back to the model config
+            from transformers import AutoConfig
+
+            eos = AutoConfig.from_pretrained(path).eos_token_id
+        if eos is None:
+            return frozenset()
+        return frozenset([eos] if isinstance(eos, int) else eos)
+
+    # ----------------------------------------------------------------- public API (any thread)
+    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+        if not input_ids:
+            raise EngineError("input_ids", "must not be empty")
+        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError("input_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.max_new_tokens <= 0:
+            raise EngineError("sampling_params.max_new_tokens", f"must be >= 1, got {params.max_new_tokens}")
+        if len(input_ids) + params.max_new_tokens > self.max_context:
+            raise EngineError(
+                "sampling_params.max_new_tokens",
+                f"prompt ({len(input_ids)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"model's context of {self.max_context} tokens",
+            )
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError("sampling_params.stop_token_ids", f"token id {bad[0]} is outside the vocabulary")
+
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> Future:
+        """Queue a generation; the future resolves to a ``GenerateOutput``."""
+        self.validate(input_ids, params)
+        fut: Future = Future()
+        gen = None
+        if params.sampling_seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        req = _Request(rid, list(input_ids), params, fut, gen, stop)
+        self._commands.put(lambda: self._enqueue(req))
+        return fut
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> Future:
+        """Abort one request (or all): it returns its partial output with finish type 'abort'."""
+        return self._call(lambda: self._abort(rid, abort_all))
+
+    def pause(self, mode: PauseMode = "abort") -> Future:
+        return self._call(lambda: self._pause(mode))
+
+    def resume(self) -> Future:
+        return self._call(self._resume)
+
+    def load_weights_from_disk(self, path: str, weight_version: int | None) -> Future:
+        """Load a HF directory (in the caller's thread) and swap it in between two steps."""
+        from transformers import AutoConfig
+
+        other = AutoConfig.from_pretrained(path)
+        if other.vocab_size != self.vocab_size or type(other) is not type(self.hf_config):
+            raise EngineError("model_path", f"{path} is a different architecture or vocabulary")
+        model = self._load(path)
+        checksum = weights_checksum(model.state_dict())
+        return self._call(lambda: self._swap_model(model, path, weight_version, checksum))
+
+    def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Validate a bucket of named tensors and hold it until ``commit_staged``; returns staged count."""
+        try:
+            check_named_tensors(self.model, tensors)
+        except ValueError as e:
+            raise EngineError("tensors", str(e)) from None
+        return self._call(lambda: self._stage(tensors)).result()
+
+    def commit_staged(self, weight_version: int | None) -> Future:
+        """Apply every staged tensor at once between two steps."""
+        return self._call(lambda: self._commit_staged(weight_version))
+
+    def info(self) -> dict:
+        return {
+            "model_path": self.model_path,
+            "served_model_name": self.config.served_model_name or self.config.model_path,
+            "weight_version": str(self.weight_version),
+            "weights_checksum": self.checksum,
+            "is_generation": True,
+            "vocab_size": self.vocab_size,
+            "max_context_length": self.max_context,
+            "device": str(self.device),
+        }
+
+    def load(self) -> dict:
+        return {
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+            "paused": self._paused,
+            "weight_version": self.weight_version,
+        }
+
+    # ----------------------------------------------------------------- scheduler thread
+    def _call(self, fn) -> Future:
+        fut: Future = Future()
+
+        def run():
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # reported to the caller, the loop goes on
+                fut.set_exception(e)
+
+        self._commands.put(run)
+        return fut
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            busy = bool(self._running or self._waiting) and not self._paused
+            try:
+                cmd = self._commands.get(timeout=None if not busy else 0) if busy else self._commands.get(True, 0.5)
+                cmd()
+                while True:  # drain everything that arrived during the last step
+                    self._commands.get_nowait()()
+            except queue.Empty:
+                pass
+            if self._paused or self._stop.is_set():
+                continue
+            try:
+                with torch.inference_mode():
+                    self._admit()
+                    if self._running:
+                        self._decode_step()
+            except Exception as e:  # a model failure must not kill the server: fail the batch
+                log.exception("engine step failed")
+                for req in list(self._running):
+                    self._finish(req, {"type": "abort", "message": f"engine error: {e}"})
+                self._running, self._batch = [], KVBatch()
+                self.counters["step_errors"] += 1
+
+    def _enqueue(self, req: _Request) -> None:
+        if req.rid in self._rids:
+            req.future.set_exception(EngineError("rid", f"request {req.rid!r} is already in flight"))
+            return
+        self._rids.add(req.rid)
+        self._waiting.append(req)
+        self.counters["requests"] += 1
+
+    def _admit(self) -> None:
+        room = self.config.max_running_requests - len(self._running)
+        if room <= 0 or not self._waiting:
+            return
+        group: list[_Request] = []
+        while self._waiting and len(group) < room:
+            width = max([len(r.context) for r in group] + [len(self._waiting[0].context)])
+            if group and width * (len(group) + 1) > self.config.max_prefill_tokens:
+                break
+            group.append(self._waiting.popleft())
+        ids, positions, masks, lengths = prefill_inputs([r.context for r in group], self.device)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True)
+        self.counters["prefill_tokens"] += sum(lengths)
+        tokens, logprobs = sample_next_tokens(
+            out.logits[:, -1], [r.params for r in group], [r.generator for r in group], self._sampler
+        )
+        keep = [i for i, r in enumerate(group) if not self._append(r, int(tokens[i]), float(logprobs[i]))]
+        if keep:
+            kv = cache_to_kv(out.past_key_values)
+            if len(keep) < len(group):
+                index = torch.tensor(keep, device=self.device)
+                kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kv]
+            self._batch.extend(kv, [lengths[i] for i in keep])
+            self._running += [group[i] for i in keep]
+
+    def _decode_step(self) -> None:
+        ids, positions, masks = self._batch.decode_inputs([r.output_ids[-1] for r in self._running], self.device)
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=masks,
+            past_key_values=self._batch.cache(),
+            use_cache=True,
+        )
+        self._batch.advance(out.past_key_values)
+        tokens, logprobs = sample_next_tokens(
+            out.logits[:, -1],
+            [r.params for r in self._running],
+            [r.generator for r in self._running],
+            self._sampler,
+        )
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        keep = [i for i, r in enumerate(self._running) if not self._append(r, tokens[i], logprobs[i])]
+        if len(keep) < len(self._running):
+            self._batch.keep(keep)
+            self._running = [self._running[i] for i in keep]
+        self.counters["decode_steps"] += 1
+
+    def _append(self, req: _Request, token: int, logprob: float) -> bool:
+        """Record a generated token; finish the request and return True if it is done."""
+        req.output_ids.append(token)
+        req.logprobs.append(logprob)
+        req.versions.append(self.weight_version)
+        self.counters["generated_tokens"] += 1
+        if token in req.stop_ids:
+            self._finish(req, {"type": "stop", "matched": token})
+        elif len(req.output_ids) >= req.params.max_new_tokens or len(req.context) >= self.max_context:
+            self._finish(req, {"type": "length", "length": len(req.output_ids)})
+        else:
+            return False
+        return True
+
+    def _finish(self, req: _Request, reason: dict) -> None:
+        self._rids.discard(req.rid)
+        self.counters[f"finished_{reason['type']}"] += 1
+        if req.future.done():
+            return
+        req.future.set_result(
+            GenerateOutput(
+                rid=req.rid,
+                output_ids=list(req.output_ids),
+                output_logprobs=list(req.logprobs),
+                token_versions=list(req.versions),
+                finish_reason=reason,
+                prompt_tokens=len(req.prompt),
+                weight_version=self.weight_version,
+                e2e_latency_s=time.perf_counter() - req.t0,
+            )
+        )
+
+    def _abort(self, rid: str | None, abort_all: bool) -> int:
+        victims = [r for r in self._running + list(self._waiting) if abort_all or r.rid == rid]
+        if not victims:
+            return 0
+        gone = {id(r) for r in victims}
+        keep = [i for i, r in enumerate(self._running) if id(r) not in gone]
+        if len(keep) < len(self._running):
+            self._batch.keep(keep)
+            self._running = [self._running[i] for i in keep]
+        self._waiting = collections.deque(r for r in self._waiting if id(r) not in gone)
+        for r in victims:
+            self._finish(r, {"type": "abort", "message": "aborted by request"})
+        return len(victims)
+
+    def _retract_running(self) -> int:
+        """Drop the running batch's cache and queue its requests first, to be re-prefilled."""
+        n = len(self._running)
+        self._waiting.extendleft(reversed(self._running))
+        self._running, self._batch = [], KVBatch()
+        return n
+
+    def _pause(self, mode: PauseMode) -> int:
+        if mode not in ("abort", "retract", "in_place"):
+            raise EngineError("mode", f"must be one of abort, retract, in_place; got {mode!r}")
+        self._paused = True
+        if mode == "abort":
+            return self._abort(None, abort_all=True)
+        if mode == "retract":
+            return self._retract_running()
+        return len(self._running)
+
+    def _resume(self) -> None:
+        self._paused = False
+
+    def _swap_model(self, model, path: str, version: int | None, checksum: str) -> dict:
+        self.model, self.model_path, self.checksum = model, path, checksum
+        return self._bump_version(version)
+
+    def _stage(self, tensors: dict[str, torch.Tensor]) -> int:
+        self._staged.update(tensors)
+        return len(self._staged)
+
+    def _commit_staged(self, version: int | None) -> dict:
+        if not self._staged:
+            raise EngineError("tensors", "nothing staged: send at least one bucket before the final one")
+        with torch.no_grad():
+            copy_named_tensors(self.model, self._staged)
+        self._staged = {}
+        self.checksum = weights_checksum(self.model.state_dict())
+        return self._bump_version(version)
+
+    def _bump_version(self, version: int | None) -> dict:
+        retracted = self._retract_running()
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
+        self.counters["weight_updates"] += 1
+        return {"weight_version": self.weight_version, "checksum": self.checksum, "retracted": retracted}

@@ -1,0 +1,84 @@
+"""Sampling parameters and the pure math of turning logits into tokens and log-probs.
+
+Log-probs follow SGLang: ``log_softmax(logits / temperature)`` over the full vocabulary, taken
+*before* top-p / top-k truncation, so they are the behaviour policy's probabilities of the
+sampled tokens at that temperature. Greedy decoding (temperature 0) reports
+``log_softmax(logits)``, as if temperature were 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    """SGLang's ``sampling_params``, the subset an RL system needs, with SGLang's names."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(128, description="Tokens to generate at most; >= 1.")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept.")
+    top_k: int = Field(-1, description="Most likely tokens kept; -1 or 0 = all.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra tokens that end generation.")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
+    sampling_seed: int | None = Field(None, description="Seed of this request's sampler: same seed, same tokens.")
+
+
+def token_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Log-probs of the whole vocabulary at each row's temperature.
+
+    logits: [B, V] float; temperatures: [B] (0 = greedy, treated as 1). Returns [B, V].
+    """
+    temps = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    return torch.log_softmax(logits.float() / temps[:, None], dim=-1)
+
+
+def truncate_top_k_top_p(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token outside each row's top-k and top-p nucleus.
+
+    logprobs: [B, V]; top_k: [B] int (<= 0 = no limit); top_p: [B] float in (0, 1].
+    The most likely token always survives.
+    """
+    sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
+    ranks = torch.arange(logprobs.shape[-1], device=logprobs.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logprobs.shape[-1]))
+    drop = ranks >= k[:, None]
+    # Mass strictly before each token: a token is kept while the nucleus is still below top_p.
+    mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
+    return torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row and return ``(token_ids [B], logprobs [B])``.
+
+    Rows with a ``sampling_seed`` draw from their own generator so their output does not
+    depend on which other requests share the batch.
+    """
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device)
+    logprobs = token_logprobs(logits, temps)
+    tokens = logprobs.argmax(dim=-1)
+    sampled = (temps > 0).nonzero().flatten().tolist()
+    if sampled:
+        top_k = torch.tensor([params[i].top_k for i in sampled], device=device)
+        top_p = torch.tensor([params[i].top_p for i in sampled], device=device)
+        probs = truncate_top_k_top_p(logprobs[sampled], top_k, top_p).exp()
+        shared = [j for j, i in enumerate(sampled) if generators[i] is None]
+        if shared:
+            draws = torch.multinomial(probs[shared], 1, generator=default_generator).flatten()
+            tokens[[sampled[j] for j in shared]] = draws
+        for j, i in enumerate(sampled):
+            if generators[i] is not None:
+                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen

@@ -1,0 +1,1 @@
+"""Processes and wires: servers, clients, generated stubs, the CLI. The only package that opens sockets."""

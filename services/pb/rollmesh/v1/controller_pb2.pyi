@@ -1,0 +1,87 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("client_id", "num_groups")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    num_groups: int
+    def __init__(self, client_id: _Optional[str] = ..., num_groups: _Optional[int] = ...) -> None: ...
+
+class AdmitResponse(_message.Message):
+    __slots__ = ("num_admitted", "version")
+    NUM_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    num_admitted: int
+    version: int
+    def __init__(self, num_admitted: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("client_id", "num_groups")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    num_groups: int
+    def __init__(self, client_id: _Optional[str] = ..., num_groups: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BeginUpdateRequest(_message.Message):
+    __slots__ = ("new_version", "timeout_s")
+    NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    new_version: int
+    timeout_s: float
+    def __init__(self, new_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class BeginUpdateResponse(_message.Message):
+    __slots__ = ("update_id",)
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    def __init__(self, update_id: _Optional[str] = ...) -> None: ...
+
+class CommitUpdateRequest(_message.Message):
+    __slots__ = ("update_id", "version")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    version: int
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class CommitUpdateResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class AbortUpdateRequest(_message.Message):
+    __slots__ = ("update_id", "reason")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    reason: str
+    def __init__(self, update_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortUpdateResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class WatchVersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VersionEvent(_message.Message):
+    __slots__ = ("version", "suspended")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUSPENDED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    suspended: bool
+    def __init__(self, version: _Optional[int] = ..., suspended: _Optional[bool] = ...) -> None: ...

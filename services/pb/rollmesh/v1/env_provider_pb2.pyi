@@ -1,0 +1,57 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ResetRequest(_message.Message):
+    __slots__ = ("env_name", "seed", "config_json")
+    ENV_NAME_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    env_name: str
+    seed: int
+    config_json: str
+    def __init__(self, env_name: _Optional[str] = ..., seed: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("episode_id", "observation", "info_json")
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    episode_id: str
+    observation: str
+    info_json: str
+    def __init__(self, episode_id: _Optional[str] = ..., observation: _Optional[str] = ..., info_json: _Optional[str] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("episode_id", "action", "timeout_s")
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    episode_id: str
+    action: str
+    timeout_s: float
+    def __init__(self, episode_id: _Optional[str] = ..., action: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("observation", "reward", "done", "info_json")
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    observation: str
+    reward: float
+    done: bool
+    info_json: str
+    def __init__(self, observation: _Optional[str] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., info_json: _Optional[str] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ("episode_id",)
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    episode_id: str
+    def __init__(self, episode_id: _Optional[str] = ...) -> None: ...
+
+class CloseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

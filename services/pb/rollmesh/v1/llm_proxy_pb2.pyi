@@ -1,0 +1,184 @@
+from services.pb.rollmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SuspendMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SUSPEND_MODE_UNSPECIFIED: _ClassVar[SuspendMode]
+    SUSPEND_MODE_CONTINUE: _ClassVar[SuspendMode]
+    SUSPEND_MODE_ABORT: _ClassVar[SuspendMode]
+    SUSPEND_MODE_IN_PLACE: _ClassVar[SuspendMode]
+SUSPEND_MODE_UNSPECIFIED: SuspendMode
+SUSPEND_MODE_CONTINUE: SuspendMode
+SUSPEND_MODE_ABORT: SuspendMode
+SUSPEND_MODE_IN_PLACE: SuspendMode
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SEED_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    sampling_seed: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sampling_seed: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "trajectory_id", "input_ids", "sampling_params", "timeout_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    trajectory_id: str
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params: SamplingParams
+    timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "output_ids", "output_logprobs", "token_versions", "finish_reason", "weight_version", "engine", "prompt_tokens", "e2e_latency_s", "num_segments")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    E2E_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    token_versions: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: _common_pb2.FinishReason
+    weight_version: int
+    engine: str
+    prompt_tokens: int
+    e2e_latency_s: float
+    num_segments: int
+    def __init__(self, request_id: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., e2e_latency_s: _Optional[float] = ..., num_segments: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id", "abort_all")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ALL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    abort_all: bool
+    def __init__(self, request_id: _Optional[str] = ..., abort_all: _Optional[bool] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("num_aborted",)
+    NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    num_aborted: int
+    def __init__(self, num_aborted: _Optional[int] = ...) -> None: ...
+
+class SuspendRequest(_message.Message):
+    __slots__ = ("mode", "timeout_s")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    mode: SuspendMode
+    timeout_s: float
+    def __init__(self, mode: _Optional[_Union[SuspendMode, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SuspendResponse(_message.Message):
+    __slots__ = ("num_in_flight",)
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    num_in_flight: int
+    def __init__(self, num_in_flight: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("model_path", "weight_version", "timeout_s")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    weight_version: int
+    timeout_s: float
+    def __init__(self, model_path: _Optional[str] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class EngineUpdateResult(_message.Message):
+    __slots__ = ("engine", "success", "weight_version", "message")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    success: bool
+    weight_version: int
+    message: str
+    def __init__(self, engine: _Optional[str] = ..., success: _Optional[bool] = ..., weight_version: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("success", "engines")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    engines: _containers.RepeatedCompositeFieldContainer[EngineUpdateResult]
+    def __init__(self, success: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineUpdateResult, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineStats(_message.Message):
+    __slots__ = ("name", "url", "healthy", "in_flight", "outstanding_tokens", "weight_version", "requests_total", "failures_total")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    url: str
+    healthy: bool
+    in_flight: int
+    outstanding_tokens: int
+    weight_version: int
+    requests_total: int
+    failures_total: int
+    def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., healthy: _Optional[bool] = ..., in_flight: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., weight_version: _Optional[int] = ..., requests_total: _Optional[int] = ..., failures_total: _Optional[int] = ...) -> None: ...
+
+class ProxyStats(_message.Message):
+    __slots__ = ("suspended", "in_flight", "requests_total", "retries_total", "weight_version", "engines")
+    SUSPENDED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    suspended: bool
+    in_flight: int
+    requests_total: int
+    retries_total: int
+    weight_version: int
+    engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
+    def __init__(self, suspended: _Optional[bool] = ..., in_flight: _Optional[int] = ..., requests_total: _Optional[int] = ..., retries_total: _Optional[int] = ..., weight_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,122 @@
+"""A tiny Qwen2-architecture causal LM, built locally so nothing is downloaded.
+
+The output is a standard Hugging Face directory (``config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json`` with a chat template), so every engine and the
+trainer load it with ``from_pretrained`` exactly as they would load a real checkpoint.
+
+The tokenizer is byte level with no merges: one token per byte plus the chat special tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+# Qwen's ChatML layout; ``add_generation_prompt`` opens the assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class TinyModelConfig(BaseModel):
+    """Shape of the tiny model. Defaults give about 0.9 M parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hidden_size: int = Field(128, ge=16, description="Width of the residual stream.")
+    intermediate_size: int = Field(384, ge=16, description="Width of the MLP.")
+    num_hidden_layers: int = Field(4, ge=1, description="Decoder layers.")
+    num_attention_heads: int = Field(4, ge=1, description="Query heads.")
+    num_key_value_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
+    max_position_embeddings: int = Field(1024, ge=32, description="Context length in tokens.")
+    seed: int = Field(0, description="Seed of the random initialisation.")
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer with no merges, built with the ``tokenizers`` library.
+
+    It has the same pipeline as Qwen2's tokenizer (ByteLevel, digits split one by one), which
+    matters because ``AutoTokenizer`` rebuilds a Qwen2 tokenizer from ``tokenizer.json``'s
+    vocab and merges. With no merges every byte is one token: digits and single characters
+    are single tokens, which the quickstart's verifiable tasks rely on.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: _byte_of(c))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + byte_chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _byte_of(char: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's bytes_to_unicode inverse)."""
+    code = ord(char)
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
+
+
+def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) -> Path:
+    """Write a randomly initialised tiny Qwen2 model and its tokenizer to ``out_dir``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = cfg or TinyModelConfig()
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(
+            f"hidden_size={cfg.hidden_size} must be a multiple of num_attention_heads={cfg.num_attention_heads}"
+        )
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads={cfg.num_attention_heads} must be a multiple of "
+            f"num_key_value_heads={cfg.num_key_value_heads}"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    hf_cfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(cfg.seed)
+    model = Qwen2ForCausalLM(hf_cfg)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = pad_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def count_parameters(model) -> int:
+    """Unique parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
