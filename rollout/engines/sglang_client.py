@@ -1,0 +1,152 @@
+"""Async client for SGLang's HTTP API (and the embedded engine, which speaks the same subset).
+
+It works unchanged against a real SGLang server: it only sends SGLang's field names and reads
+``meta_info`` defensively (``output_token_weight_versions`` is a rollmesh extension that SGLang
+does not send; ``weight_version`` is then used for every token). No ``import sglang`` here.
+
+Errors are split by what the caller should do: ``EngineRejected`` (HTTP 4xx: the request is bad,
+do not retry) and ``EngineUnavailable`` (connection refused, timeout, 5xx: try another engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+
+class EngineRejected(ValueError):
+    """The engine answered 4xx: the request itself is wrong."""
+
+
+class EngineUnavailable(ConnectionError):
+    """The engine did not answer in time or failed: the request may succeed elsewhere."""
+
+
+@dataclass
+class EngineResult:
+    output_ids: list[int]
+    output_logprobs: list[float]
+    token_versions: list[int]
+    finish_type: str  # stop | length | abort
+    weight_version: int
+    prompt_tokens: int
+    e2e_latency_s: float
+
+
+def _int_version(v) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1  # SGLang's default version string is "default"
+
+
+def parse_generate_response(body: dict) -> EngineResult:
+    meta = body.get("meta_info", {})
+    ids = list(body.get("output_ids", []))
+    triples = meta.get("output_token_logprobs") or []
+    version = _int_version(meta.get("weight_version"))
+    versions = meta.get("output_token_weight_versions") or [version] * len(ids)
+    finish = meta.get("finish_reason") or {"type": "abort"}
+    return EngineResult(
+        output_ids=ids,
+        output_logprobs=[float(t[0]) for t in triples],
+        token_versions=[int(v) for v in versions],
+        finish_type=finish.get("type", "abort") if isinstance(finish, dict) else str(finish),
+        weight_version=version,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        e2e_latency_s=float(meta.get("e2e_latency", 0.0)),
+    )
+
+
+class SGLangClient:
+    """One engine server. Every call has a timeout; none retries (the proxy decides that)."""
+
+    def __init__(self, base_url: str, timeout_s: float = 60.0, max_connections: int = 256) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _post(self, path: str, timeout_s: float | None = None, **kwargs) -> dict:
+        try:
+            r = await self._http.post(path, timeout=timeout_s or self.timeout_s, **kwargs)
+        except httpx.HTTPError as e:
+            raise EngineUnavailable(f"{self.base_url}{path}: {type(e).__name__}: {e}") from e
+        return self._check(path, r)
+
+    async def _get(self, path: str, timeout_s: float | None = None) -> dict:
+        try:
+            r = await self._http.get(path, timeout=timeout_s or self.timeout_s)
+        except httpx.HTTPError as e:
+            raise EngineUnavailable(f"{self.base_url}{path}: {type(e).__name__}: {e}") from e
+        return self._check(path, r)
+
+    def _check(self, path: str, r: httpx.Response) -> dict:
+        if 400 <= r.status_code < 500:
+            try:
+                msg = r.json().get("message", r.text)
+            except ValueError:
+                msg = r.text
+            raise EngineRejected(msg)
+        if r.status_code >= 500:
+            raise EngineUnavailable(f"{self.base_url}{path}: HTTP {r.status_code}: {r.text[:200]}")
+        return r.json()
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        rid: str | None = None,
+        return_logprob: bool = True,
+        timeout_s: float | None = None,
+    ) -> EngineResult:
+        payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        if rid is not None:
+            payload["rid"] = rid
+        return parse_generate_response(await self._post("/generate", timeout_s, json=payload))
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False, timeout_s: float = 5.0) -> dict:
+        return await self._post("/abort_request", timeout_s, json={"rid": rid or "", "abort_all": abort_all})
+
+    async def pause(self, mode: str = "abort", timeout_s: float = 10.0) -> dict:
+        return await self._post("/pause_generation", timeout_s, json={"mode": mode})
+
+    async def resume(self, timeout_s: float = 10.0) -> dict:
+        return await self._post("/continue_generation", timeout_s, json={})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int, timeout_s: float = 120.0) -> dict:
+        body = {"model_path": model_path, "weight_version": str(weight_version)}
+        return await self._post("/update_weights_from_disk", timeout_s, json=body)
+
+    async def update_weights_from_tensors(
+        self, buckets: list[dict], weight_version: int, timeout_s: float = 120.0
+    ) -> dict:
+        """Send buckets of named CPU tensors as safetensors bodies (rollmesh extension); the last commits."""
+        from safetensors.torch import save
+
+        if not buckets:
+            raise ValueError("buckets: at least one bucket of tensors is needed")
+        res: dict = {}
+        for i, bucket in enumerate(buckets):
+            final = i == len(buckets) - 1
+            params = {"final": str(final).lower()} | ({"weight_version": weight_version} if final else {})
+            data = save({k: v.contiguous() for k, v in bucket.items()})
+            res = await self._post("/update_weights_from_safetensors", timeout_s, params=params, content=data)
+        return res
+
+    async def model_info(self, timeout_s: float = 5.0) -> dict:
+        return await self._get("/model_info", timeout_s)
+
+    async def health(self, timeout_s: float = 2.0) -> bool:
+        try:
+            await self._get("/health", timeout_s)
+            return True
+        except (EngineUnavailable, EngineRejected):
+            return False

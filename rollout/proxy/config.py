@@ -1,0 +1,34 @@
+"""Configuration of the LLMProxy service."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ProxyConfig(BaseModel):
+    """One LLMProxy in front of a pool of engine servers (embedded or SGLang)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine_urls: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:30000"], description="Base URLs of the engine servers."
+    )
+    host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port.")
+    metrics_port: int = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="Deadline of a Generate call when the caller gives none (suspension included)."
+    )
+    abort_grace_s: float = Field(
+        5.0, gt=0, description="After a deadline, how long to wait for the engine to return the partial output."
+    )
+    max_retries: int = Field(2, ge=0, description="Other engines tried when an engine fails a request.")
+    health_check_interval_s: float = Field(1.0, gt=0, description="Period of the /health probe of every engine.")
+    health_check_timeout_s: float = Field(2.0, gt=0, description="Timeout of one /health probe.")
+    control_timeout_s: float = Field(10.0, gt=0, description="Timeout of pause/continue/abort calls to an engine.")
+    update_weights_timeout_s: float = Field(
+        120.0, gt=0, description="Timeout of one engine's weight update when the caller gives none."
+    )
+    affinity_capacity: int = Field(
+        100_000, ge=0, description="Trajectory→engine affinity entries kept (LRU); 0 disables affinity."
+    )

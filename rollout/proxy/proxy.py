@@ -1,0 +1,366 @@
+"""The LLMProxy: one front door to a pool of inference engines.
+
+A request passes the *suspend gate*, is routed to an engine and generated there. If the engine
+fails (connection refused, timeout, 5xx) it is taken out of rotation and the request is retried
+on another engine; the health loop puts it back once ``/health`` answers and its weights match.
+
+Suspension modes decide what happens to in-flight generations during a weight update:
+``continue`` aborts them at the engines, keeps the partial tokens here and, after ``resume``,
+re-submits prompt + partial tokens so they finish under the new weights (abort-and-continue:
+the re-prefill costs little next to waiting for the longest generation to drain); ``abort``
+returns them to the caller as aborted; ``in_place`` pauses the engines with requests inside.
+Every token keeps the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rollout.engines.sglang_client import EngineRejected, EngineUnavailable, SGLangClient
+from rollout.proxy.config import ProxyConfig
+from rollout.proxy.router import EngineSlot, Router
+
+log = logging.getLogger(__name__)
+
+SuspendMode = Literal["continue", "abort", "in_place"]
+_ENGINE_PAUSE_MODE = {"continue": "abort", "abort": "abort", "in_place": "in_place"}
+
+
+class RequestInvalid(ValueError):
+    """Bad input; ``field`` names it. Maps to HTTP 400 / gRPC INVALID_ARGUMENT."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+class NoEngineAvailable(RuntimeError):
+    """Every engine is out of rotation (or failed this request)."""
+
+
+@dataclass
+class ProxyRequest:
+    input_ids: list[int]
+    sampling_params: dict
+    request_id: str = ""
+    trajectory_id: str = ""
+    timeout_s: float = 0.0
+
+
+@dataclass
+class ProxyResult:
+    request_id: str
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    finish_type: str = "abort"  # stop | length | abort | timeout
+    weight_version: int = 0
+    engine: str = ""
+    prompt_tokens: int = 0
+    e2e_latency_s: float = 0.0
+    num_segments: int = 0
+
+
+@dataclass
+class _InFlight:
+    request: ProxyRequest
+    result: ProxyResult
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    slot: EngineSlot | None = None
+    engine_rid: str = ""
+
+
+def _validate(req: ProxyRequest) -> None:
+    if not req.input_ids:
+        raise RequestInvalid("input_ids", "must not be empty")
+    if any(t < 0 for t in req.input_ids):
+        raise RequestInvalid("input_ids", "token ids must be >= 0")
+    sp = req.sampling_params
+    if int(sp.get("max_new_tokens", 0)) <= 0:
+        raise RequestInvalid("sampling_params.max_new_tokens", f"must be >= 1, got {sp.get('max_new_tokens', 0)}")
+    if sp.get("temperature", 1.0) < 0:
+        raise RequestInvalid("sampling_params.temperature", "must be >= 0")
+    if not 0 < sp.get("top_p", 1.0) <= 1:
+        raise RequestInvalid("sampling_params.top_p", "must be in (0, 1]")
+    if req.timeout_s < 0:
+        raise RequestInvalid("timeout_s", "must be >= 0")
+
+
+class LLMProxy:
+    def __init__(self, config: ProxyConfig, client_factory=SGLangClient) -> None:
+        self.config = config
+        slots = [EngineSlot(name=f"engine-{i}", url=u) for i, u in enumerate(config.engine_urls)]
+        self.router = Router(slots, config.affinity_capacity)
+        self.clients = {s.name: client_factory(s.url, timeout_s=config.request_timeout_s) for s in slots}
+        self._open = asyncio.Event()
+        self._open.set()
+        self._mode: SuspendMode = "continue"
+        self._in_flight: dict[str, _InFlight] = {}
+        self._last_update: tuple[str, int] | None = None  # (model_path, version) every engine should serve
+        self.weight_version = 0
+        self.counters: Counter[str] = Counter()
+        self._seq = itertools.count()
+        self._health_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> LLMProxy:
+        await self.check_health()
+        versions = {s.weight_version for s in self.router.engines if s.healthy}
+        if len(versions) == 1:
+            self.weight_version = versions.pop()
+        self._health_task = asyncio.create_task(self._health_loop())
+        return self
+
+    async def close(self) -> None:
+        if self._health_task:
+            self._health_task.cancel()
+        await asyncio.gather(*(c.close() for c in self.clients.values()), return_exceptions=True)
+
+    @property
+    def suspended(self) -> bool:
+        return not self._open.is_set()
+
+    # ------------------------------------------------------------------ generate
+    async def generate(self, req: ProxyRequest) -> ProxyResult:
+        _validate(req)
+        req.request_id = req.request_id or uuid.uuid4().hex
+        if req.request_id in self._in_flight:
+            raise RequestInvalid("request_id", f"{req.request_id!r} is already in flight")
+        t0 = time.perf_counter()
+        deadline = t0 + (req.timeout_s or self.config.request_timeout_s)
+        fl = _InFlight(req, ProxyResult(request_id=req.request_id))
+        self._in_flight[req.request_id] = fl
+        self.counters["requests"] += 1
+        try:
+            await self._run(fl, deadline)
+        finally:
+            del self._in_flight[req.request_id]
+        fl.result.e2e_latency_s = time.perf_counter() - t0
+        self.counters[f"finished_{fl.result.finish_type}"] += 1
+        return fl.result
+
+    async def _run(self, fl: _InFlight, deadline: float) -> None:
+        req, res = fl.request, fl.result
+        max_new = int(req.sampling_params["max_new_tokens"])
+        failed: set[str] = set()
+        while True:
+            if not await self._wait_open(fl, deadline):
+                res.finish_type = "abort" if fl.aborted.is_set() else "timeout"
+                return
+            slot = self.router.pick(req.trajectory_id, frozenset(failed))
+            if slot is None:
+                if res.output_ids:  # keep what was generated; the caller decides
+                    res.finish_type = "abort"
+                    return
+                raise NoEngineAvailable(f"no engine in rotation ({len(failed)} failed this request)")
+            params = dict(req.sampling_params, max_new_tokens=max_new - len(res.output_ids))
+            try:
+                out = await self._call_engine(fl, slot, req.input_ids + res.output_ids, params, deadline)
+            except EngineUnavailable as e:
+                self._take_out(slot, str(e))
+                failed.add(slot.name)
+                if len(failed) > self.config.max_retries:
+                    raise NoEngineAvailable(f"{len(failed)} engines failed this request; last: {e}") from e
+                self.counters["retries"] += 1
+                continue
+            except EngineRejected as e:
+                raise RequestInvalid(_field_of(str(e)), str(e)) from e
+            if out is None:  # deadline passed and the engine did not give the partial back in time
+                res.finish_type = "timeout"
+                return
+            res.num_segments += 1
+            res.output_ids += out.output_ids
+            res.output_logprobs += out.output_logprobs
+            res.token_versions += out.token_versions
+            res.weight_version, res.engine = out.weight_version, slot.name
+            res.prompt_tokens = len(req.input_ids)
+            if out.finish_type != "abort":
+                res.finish_type = out.finish_type
+                return
+            if fl.aborted.is_set() or time.perf_counter() >= deadline:
+                res.finish_type = "abort" if fl.aborted.is_set() else "timeout"
+                return
+            if not self.suspended or self._mode == "abort":
+                res.finish_type = "abort"  # aborted at the engine by someone else
+                return
+            if len(res.output_ids) >= max_new:
+                res.finish_type = "length"
+                return
+            # Suspended in "continue" mode: wait for resume, then go on from the partial tokens.
+
+    async def _wait_open(self, fl: _InFlight, deadline: float) -> bool:
+        if self._open.is_set() and not fl.aborted.is_set():
+            return True
+        waiters = [asyncio.ensure_future(self._open.wait()), asyncio.ensure_future(fl.aborted.wait())]
+        try:
+            await asyncio.wait(waiters, timeout=max(0.0, deadline - time.perf_counter()), return_when="FIRST_COMPLETED")
+        finally:
+            for w in waiters:
+                w.cancel()
+        return self._open.is_set() and not fl.aborted.is_set()
+
+    async def _call_engine(self, fl: _InFlight, slot: EngineSlot, ids: list[int], params: dict, deadline: float):
+        """One engine call. On the deadline, abort it there and take the partial output back."""
+        fl.slot, fl.engine_rid = slot, f"{fl.request.request_id}#{next(self._seq)}"
+        cost = len(ids) + int(params["max_new_tokens"])
+        slot.in_flight += 1
+        slot.outstanding_tokens += cost
+        slot.requests_total += 1
+        client = self.clients[slot.name]
+        grace = self.config.abort_grace_s
+        remaining = max(0.001, deadline - time.perf_counter())
+        task = asyncio.ensure_future(client.generate(ids, params, rid=fl.engine_rid, timeout_s=remaining + grace))
+        try:
+            done, _ = await asyncio.wait([task], timeout=remaining)
+            if not done:
+                self.counters["deadline_aborts"] += 1
+                with contextlib.suppress(EngineUnavailable, EngineRejected):
+                    await client.abort(fl.engine_rid, timeout_s=grace)
+                done, _ = await asyncio.wait([task], timeout=grace)
+                if not done:
+                    task.cancel()
+                    return None
+            return task.result()
+        finally:
+            slot.in_flight -= 1
+            slot.outstanding_tokens -= cost
+            fl.slot = None
+
+    # ------------------------------------------------------------------ control
+    async def abort(self, request_id: str = "", abort_all: bool = False) -> int:
+        victims = [f for rid, f in self._in_flight.items() if abort_all or rid == request_id]
+        for fl in victims:
+            fl.aborted.set()
+        calls = [
+            self.clients[fl.slot.name].abort(fl.engine_rid, timeout_s=self.config.control_timeout_s)
+            for fl in victims
+            if fl.slot is not None
+        ]
+        await asyncio.gather(*calls, return_exceptions=True)
+        return len(victims)
+
+    async def suspend(self, mode: SuspendMode = "continue", timeout_s: float = 0.0) -> int:
+        if mode not in _ENGINE_PAUSE_MODE:
+            raise RequestInvalid("mode", f"must be one of {sorted(_ENGINE_PAUSE_MODE)}, got {mode!r}")
+        self._mode = mode
+        self._open.clear()
+        n = len(self._in_flight)
+        timeout = timeout_s or self.config.control_timeout_s
+        await self._fan_out(lambda c: c.pause(_ENGINE_PAUSE_MODE[mode], timeout_s=timeout), "pause")
+        self.counters["suspends"] += 1
+        return n
+
+    async def resume(self, timeout_s: float = 0.0) -> None:
+        timeout = timeout_s or self.config.control_timeout_s
+        await self._fan_out(lambda c: c.resume(timeout_s=timeout), "resume")
+        self._open.set()
+
+    async def update_weights(self, model_path: str, version: int, timeout_s: float = 0.0) -> tuple[bool, list[dict]]:
+        """Load ``model_path`` on every engine in rotation; succeed only if all confirm ``version``.
+
+        Engines out of rotation are brought to this version before they rejoin (health loop).
+        """
+        if not model_path:
+            raise RequestInvalid("model_path", "must not be empty")
+        timeout = timeout_s or self.config.update_weights_timeout_s
+        slots = [s for s in self.router.engines if s.healthy]
+        results = await asyncio.gather(
+            *(self._update_one(s, model_path, version, timeout) for s in slots), return_exceptions=False
+        )
+        ok = bool(slots) and all(r["success"] for r in results)
+        if not slots:
+            results = [{"engine": "", "success": False, "weight_version": -1, "message": "no engine in rotation"}]
+        if ok:
+            self._last_update = (model_path, version)
+            self.weight_version = version
+            self.counters["weight_updates"] += 1
+        else:
+            self.counters["weight_update_failures"] += 1
+        return ok, results
+
+    async def _update_one(self, slot: EngineSlot, path: str, version: int, timeout: float) -> dict:
+        try:
+            res = await asyncio.wait_for(
+                self.clients[slot.name].update_weights_from_disk(path, version, timeout_s=timeout), timeout
+            )
+            got = int(res.get("weight_version", -1))
+            slot.weight_version = got
+            ok = got == version
+            msg = res.get("message", "") if ok else f"engine reports version {got}, expected {version}"
+        except (EngineUnavailable, EngineRejected, TimeoutError, ValueError) as e:
+            ok, got, msg = False, slot.weight_version, f"{type(e).__name__}: {e}"
+        return {"engine": slot.name, "success": ok, "weight_version": got, "message": msg}
+
+    async def _fan_out(self, call, what: str) -> None:
+        slots = [s for s in self.router.engines if s.healthy]
+        results = await asyncio.gather(*(call(self.clients[s.name]) for s in slots), return_exceptions=True)
+        for s, r in zip(slots, results):
+            if isinstance(r, Exception):
+                self._take_out(s, f"{what} failed: {r}")
+
+    # ------------------------------------------------------------------ health
+    def _take_out(self, slot: EngineSlot, why: str) -> None:
+        if slot.healthy:
+            log.warning("engine %s (%s) out of rotation: %s", slot.name, slot.url, why)
+        slot.healthy = False
+        slot.failures_total += 1
+        self.counters["engine_failures"] += 1
+
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._probe(s) for s in self.router.engines))
+
+    async def _probe(self, slot: EngineSlot) -> None:
+        client = self.clients[slot.name]
+        if not await client.health(self.config.health_check_timeout_s):
+            if slot.healthy:
+                self._take_out(slot, "health check failed")
+            return
+        if slot.healthy:
+            return
+        try:  # rejoin only at the mesh's weight version, and in the mesh's suspend state
+            info = await client.model_info(self.config.health_check_timeout_s)
+            slot.weight_version = int(info.get("weight_version", -1))
+            if self._last_update and slot.weight_version != self._last_update[1]:
+                res = await self._update_one(slot, *self._last_update, self.config.update_weights_timeout_s)
+                if not res["success"]:
+                    return
+            if self.suspended:
+                await client.pause(_ENGINE_PAUSE_MODE[self._mode], timeout_s=self.config.control_timeout_s)
+            else:
+                await client.resume(timeout_s=self.config.control_timeout_s)
+        except (EngineUnavailable, EngineRejected, ValueError):
+            return
+        log.info("engine %s (%s) back in rotation", slot.name, slot.url)
+        slot.healthy = True
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # the loop must outlive any single probe
+                log.exception("health check round failed")
+
+    def stats(self) -> dict:
+        return {
+            "suspended": self.suspended,
+            "in_flight": len(self._in_flight),
+            "requests_total": self.counters["requests"],
+            "retries_total": self.counters["retries"],
+            "weight_version": self.weight_version,
+            "engines": [vars(s).copy() for s in self.router.engines],
+        }
+
+
+def _field_of(message: str) -> str:
+    """The field an engine's 400 message names (``"field: reason"``), else ``input_ids``."""
+    head = message.split(":", 1)[0]
+    return head if head and " " not in head else "input_ids"

@@ -1,0 +1,222 @@
+"""HTTP server of the embedded engine: the subset of SGLang's API an RL system needs.
+
+Field names and semantics follow SGLang so the same client (``rollout.engines.sglang_client``)
+drives a real SGLang server on GPU and this engine on CPU. Two rollmesh extensions are marked:
+``/update_weights_from_safetensors`` (bucketed weights from the trainer as safetensors bytes) and
+``meta_info.output_token_weight_versions``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.engines.embedded import EmbeddedEngine, EngineError, GenerateOutput, SamplingParams
+from services.http_errors import bad_request, install_error_handlers
+
+
+class GenerateReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: list[int] | list[list[int]] = Field(description="One prompt or a batch of prompts, as token ids.")
+    rid: str | list[str] | None = Field(None, description="Request id(s); generated when absent.")
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    return_logprob: bool = False
+    stream: bool = Field(False, description="Streaming is not supported by the embedded engine.")
+
+
+class AbortReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: str = "abort"
+
+
+class UpdateFromDiskReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | int | None = None
+    abort_all_requests: bool = False
+
+
+def _version(value: str | int | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise EngineError("weight_version", f"must be an integer (rollmesh versions), got {value!r}") from None
+
+
+class _Metrics:
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("rollmesh_engine_requests", "Finished generate requests", ["finish"], registry=r)
+        self.tokens = Counter("rollmesh_engine_generated_tokens", "Tokens generated", registry=r)
+        self.latency = Histogram(
+            "rollmesh_engine_generation_latency_seconds",
+            "End-to-end latency of one generate request",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        for name, doc, key in [
+            ("rollmesh_engine_running_requests", "Requests in the running batch", "num_running"),
+            ("rollmesh_engine_waiting_requests", "Requests waiting for admission", "num_waiting"),
+            ("rollmesh_engine_paused", "1 while generation is paused", "paused"),
+            ("rollmesh_engine_weight_version", "Weight version being served", "weight_version"),
+        ]:
+            Gauge(name, doc, registry=r).set_function(lambda key=key: float(engine.load()[key]))
+
+    def observe(self, out: GenerateOutput) -> None:
+        self.requests.labels(out.finish_reason["type"]).inc()
+        self.tokens.inc(len(out.output_ids))
+        self.latency.observe(out.e2e_latency_s)
+
+
+def _response(out: GenerateOutput, return_logprob: bool) -> dict:
+    meta = {
+        "id": out.rid,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": len(out.output_ids),
+        "weight_version": str(out.weight_version),
+        "e2e_latency": out.e2e_latency_s,
+        "output_token_weight_versions": out.token_versions,  # rollmesh extension
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids)]
+    return {"output_ids": out.output_ids, "meta_info": meta}
+
+
+def create_app(engine: EmbeddedEngine) -> FastAPI:
+    app = FastAPI(title="rollmesh embedded engine")
+    install_error_handlers(app)
+    metrics = _Metrics(engine)
+    counter = iter(range(1 << 62))
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        return bad_request(exc.field, exc.message)
+
+    @app.post("/generate")
+    async def generate(req: GenerateReq):
+        if req.stream:
+            raise EngineError("stream", "streaming is not supported; send stream=false")
+        batched = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+        prompts = req.input_ids if batched else [req.input_ids]
+        n = len(prompts)
+        rids = req.rid if isinstance(req.rid, list) else [req.rid] * n
+        params = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * n
+        if len(rids) != n:
+            raise EngineError("rid", f"got {len(rids)} ids for {n} prompts")
+        if len(params) != n:
+            raise EngineError("sampling_params", f"got {len(params)} entries for {n} prompts")
+        rids = [r if r is not None else f"req-{next(counter)}" for r in rids]
+        params = [p or SamplingParams() for p in params]
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                engine.validate(prompt, p)
+            except EngineError as e:
+                field = e.field if not batched else e.field.replace("input_ids", f"input_ids[{i}]")
+                raise EngineError(field, e.message) from None
+        futures = [engine.submit(rid, prompt, p) for rid, prompt, p in zip(rids, prompts, params)]
+        outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        for out in outs:
+            metrics.observe(out)
+        body = [_response(o, req.return_logprob) for o in outs]
+        return body if batched else body[0]
+
+    @app.post("/abort_request")
+    async def abort_request(req: AbortReq):
+        if not req.rid and not req.abort_all:
+            raise EngineError("rid", "give a rid or abort_all=true")
+        n = await asyncio.wrap_future(engine.abort(req.rid or None, req.abort_all))
+        return {"success": True, "num_aborted": n}
+
+    @app.post("/pause_generation")
+    async def pause_generation(req: PauseReq):
+        n = await asyncio.wrap_future(engine.pause(req.mode))  # type: ignore[arg-type]
+        return {"success": True, "message": f"paused ({req.mode})", "num_affected": n}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await asyncio.wrap_future(engine.resume())
+        return {"success": True, "message": "continued"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateFromDiskReq):
+        version = _version(req.weight_version)
+        if req.abort_all_requests:
+            await asyncio.wrap_future(engine.abort(abort_all=True))
+        t0 = time.perf_counter()
+        try:
+            fut = await asyncio.to_thread(engine.load_weights_from_disk, req.model_path, version)
+        except OSError as e:
+            raise EngineError("model_path", f"cannot load {req.model_path}: {e}") from None
+        res = await asyncio.wrap_future(fut)
+        return {"success": True, "message": f"loaded in {time.perf_counter() - t0:.3f}s", **res}
+
+    @app.post("/update_weights_from_safetensors")  # rollmesh extension
+    async def update_weights_from_safetensors(
+        request: Request,
+        weight_version: int | None = Query(None, description="Version to report once the final bucket lands."),
+        final: bool = Query(True, description="Apply everything staged so far after this bucket."),
+    ):
+        from safetensors.torch import load as load_safetensors
+
+        body = await request.body()
+        try:
+            tensors = load_safetensors(body) if body else {}
+        except Exception as e:  # safetensors raises several types for bad bytes
+            raise EngineError("body", f"not a safetensors payload ({e})") from None
+        staged = await asyncio.to_thread(engine.stage_tensors, tensors) if tensors else 0
+        if not final:
+            return {"success": True, "staged_tensors": staged}
+        res = await asyncio.wrap_future(engine.commit_staged(weight_version))
+        return {"success": True, "message": "updated", **res}
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info():
+        return engine.info()
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": str(engine.weight_version), "checksum": engine.checksum}
+
+    @app.get("/server_info")
+    async def server_info():
+        return {**engine.info(), **engine.load(), "counters": dict(engine.counters)}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prom_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(engine_config) -> None:
+    """Run the engine server until SIGTERM/SIGINT (uvicorn shuts down gracefully)."""
+    import uvicorn
+
+    engine = EmbeddedEngine(engine_config).start()
+    try:
+        uvicorn.run(
+            create_app(engine), host=engine_config.host, port=engine_config.port, log_level="warning", access_log=False
+        )
+    finally:
+        engine.shutdown()

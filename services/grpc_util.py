@@ -1,0 +1,74 @@
+"""Shared gRPC plumbing: strict request decoding, health checking and server start-up.
+
+Handlers receive raw bytes and decode them here, so a malformed or unknown-field message gets
+``INVALID_ARGUMENT`` naming the problem (grpcio's own deserializer would answer ``INTERNAL``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import grpc
+from google.protobuf import unknown_fields
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+
+def decode(cls: type[Message], raw: bytes) -> Message:
+    """Parse ``raw`` as ``cls``; ``ValueError`` for corrupt bytes or fields the contract lacks."""
+    try:
+        msg = cls.FromString(raw)
+    except DecodeError as e:
+        raise ValueError(f"body: malformed {cls.DESCRIPTOR.full_name} ({e})") from None
+    _reject_unknown(msg, cls.DESCRIPTOR.name)
+    return msg
+
+
+def _reject_unknown(msg: Message, path: str) -> None:
+    unknown = list(unknown_fields.UnknownFieldSet(msg))
+    if unknown:
+        raise ValueError(f"{path}: unknown field number {unknown[0].field_number}")
+    for fd, value in msg.ListFields():
+        if fd.message_type is None or fd.message_type.GetOptions().map_entry:
+            continue
+        for i, sub in enumerate(value if fd.label == fd.LABEL_REPEATED else [value]):
+            _reject_unknown(sub, f"{path}.{fd.name}" + (f"[{i}]" if fd.label == fd.LABEL_REPEATED else ""))
+
+
+Handler = Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]
+
+
+def unary_service(service_name: str, methods: dict[str, tuple[type[Message], Handler]]) -> grpc.GenericRpcHandler:
+    """A generic handler: ``{"Generate": (GenerateRequest, handler)}`` → strict-decoding RPCs."""
+
+    def wrap(req_cls: type[Message], fn: Handler):
+        async def call(raw: bytes, context: grpc.aio.ServicerContext):
+            try:
+                request = decode(req_cls, raw)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return await fn(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            call, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
+        )
+
+    return grpc.method_handlers_generic_handler(
+        service_name, {name: wrap(cls, fn) for name, (cls, fn) in methods.items()}
+    )
+
+
+async def start_server(handler: grpc.GenericRpcHandler, service_name: str, host: str, port: int) -> grpc.aio.Server:
+    """Start a grpc.aio server with health checking; returns it started (``port`` 0 picks one)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((handler,))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    server.bound_port = bound
+    await server.start()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server

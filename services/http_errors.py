@@ -1,0 +1,30 @@
+"""HTTP 400 for bad input, with a message that names the field (FastAPI's default is a 422 list)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+
+def _field(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query")]
+    return ".".join(parts) or "body"
+
+
+def bad_request(field: str, message: str) -> JSONResponse:
+    return JSONResponse(
+        status_code=400, content={"object": "error", "code": 400, "field": field, "message": f"{field}: {message}"}
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        field = _field(tuple(err.get("loc", ())))
+        if err.get("type") == "json_invalid":
+            return bad_request("body", f"malformed JSON ({err.get('ctx', {}).get('error', 'invalid')})")
+        if err.get("type") == "extra_forbidden":
+            return bad_request(field, "unknown field")
+        return bad_request(field, err.get("msg", "invalid value"))
