@@ -31,8 +31,8 @@ def _reject_unknown(msg: Message, path: str) -> None:
     for fd, value in msg.ListFields():
         if fd.message_type is None or fd.message_type.GetOptions().map_entry:
             continue
-        for i, sub in enumerate(value if fd.label == fd.LABEL_REPEATED else [value]):
-            _reject_unknown(sub, f"{path}.{fd.name}" + (f"[{i}]" if fd.label == fd.LABEL_REPEATED else ""))
+        for i, sub in enumerate(value if fd.is_repeated else [value]):
+            _reject_unknown(sub, f"{path}.{fd.name}" + (f"[{i}]" if fd.is_repeated else ""))
 
 
 Handler = Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]

@@ -1,0 +1,125 @@
+"""The ``rollmesh`` command line. Entry points parse, then import the heavy modules, then run."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="rollmesh: asynchronous RL post-training mesh")
+serve_app = typer.Typer(no_args_is_help=True, help="Run one service in the foreground (what containers run).")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; each prints a JSON line last.")
+app.add_typer(serve_app, name="serve")
+app.add_typer(bench_app, name="bench")
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML run config (defaults when omitted).")
+SetOpt = typer.Option([], "--set", help="Override a config key, e.g. --set engine.port=30001 (repeatable).")
+
+
+def _config(config: Path | None, overrides: list[str]):
+    from services.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides)
+    except ConfigError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command("init-model")
+def init_model(
+    out: Path = typer.Option(..., "--out", help="Directory to write the Hugging Face model into."),
+    seed: int = typer.Option(0, help="Seed of the random initialisation."),
+    hidden_size: int = typer.Option(128, help="Width of the residual stream."),
+    num_layers: int = typer.Option(4, help="Decoder layers."),
+) -> None:
+    """Build the tiny Qwen2 model and tokenizer locally (no download)."""
+    from trainer.tiny_model import TinyModelConfig, build_tiny_model, count_parameters
+
+    cfg = TinyModelConfig(seed=seed, hidden_size=hidden_size, num_hidden_layers=num_layers)
+    path = build_tiny_model(out, cfg)
+    from transformers import AutoModelForCausalLM
+
+    n = count_parameters(AutoModelForCausalLM.from_pretrained(path))
+    typer.echo(f"wrote {path} ({n / 1e6:.2f} M parameters)")
+
+
+@serve_app.command("engine")
+def serve_engine(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
+    """The embedded inference engine's HTTP server (SGLang API subset)."""
+    cfg = _config(config, set_)
+    _logging()
+    from services.engine.server import serve
+
+    serve(cfg.engine)
+
+
+@serve_app.command("llm-proxy")
+def serve_llm_proxy(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
+    """The LLMProxy gRPC service in front of the configured engines."""
+    cfg = _config(config, set_)
+    _logging()
+    from services.llm_proxy.server import serve
+
+    serve(cfg.proxy)
+
+
+@app.command()
+def demo(model: Path = typer.Option(Path("models/tiny"), help="Model directory.")) -> None:
+    """Inference demo: an embedded engine behind the LLMProxy answering a few chat prompts."""
+    import asyncio
+
+    from services.demo import run_demo
+
+    asyncio.run(run_demo(str(model)))
+
+
+@bench_app.command("engine")
+def bench_engine(
+    model: Path = typer.Option(Path("models/tiny"), help="Model directory."),
+    num_prompts: int = typer.Option(256, help="Prompts to generate for."),
+    max_new_tokens: int = typer.Option(128, help="Longest response, in tokens."),
+    batch_size: int = typer.Option(64, help="Running batch (engine) and static batch (HF generate)."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Embedded engine (continuous batching) vs HF generate (static batches) on long-tailed lengths."""
+    from services.bench.engine_bench import run
+
+    _emit(run(str(model), num_prompts, max_new_tokens, batch_size), json_)
+
+
+@bench_app.command("proxy")
+def bench_proxy(
+    model: Path = typer.Option(Path("models/tiny"), help="Model directory."),
+    clients: int = typer.Option(64, help="Concurrent clients."),
+    requests_per_client: int = typer.Option(20, help="Sequential 1-token requests per client."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Latency the LLMProxy adds over calling the engine directly (1-token generations)."""
+    from services.bench.proxy_bench import run
+
+    _emit(run(str(model), clients, requests_per_client), json_)
+
+
+def _emit(result: dict, as_json: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in result.items():
+        table.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    Console(stderr=as_json).print(table)
+    if as_json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    app()

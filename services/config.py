@@ -1,0 +1,77 @@
+"""The run config: one typed section per component, loaded from YAML with dotted overrides.
+
+``load_config("run.yaml", ["engine.port=30001", "proxy.engine_urls=[http://a:1]"])`` reads the
+file, applies each override (values parsed as YAML scalars/lists), and validates. Unknown keys
+are errors that name the key, so a renamed option fails loudly instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rollout.engines.embedded.config import EngineConfig
+from rollout.proxy.config import ProxyConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema."""
+
+
+class RollmeshConfig(BaseModel):
+    """Everything one rollmesh run needs; each section configures one component."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_name: str = Field("rollmesh", description="Name of the run (directory names, Redis key prefix).")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The embedded engine server.")
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="The LLMProxy in front of the engines.")
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply one ``a.b.c=value`` override to a nested dict in place."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected KEY=VALUE, e.g. engine.port=30001")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {override!r}: empty key segment")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {p!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key {key!r}")
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls=RollmeshConfig) -> Any:
+    """Load ``cls`` from a YAML file (or defaults when ``path`` is None) plus overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+        data = loaded
+    for o in overrides or []:
+        apply_override(data, o)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{path or 'config'}: {format_validation_error(e)}") from None

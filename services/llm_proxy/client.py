@@ -1,0 +1,56 @@
+"""Async gRPC client of the LLMProxy (what EnvManagers and the trainer use)."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
+from services.pb.rollmesh.v1 import llm_proxy_pb2_grpc
+
+
+class ProxyClient:
+    def __init__(self, address: str, timeout_s: float = 300.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address)
+        self.stub = llm_proxy_pb2_grpc.LLMProxyStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        *,
+        request_id: str = "",
+        trajectory_id: str = "",
+        timeout_s: float = 0.0,
+        **sampling,
+    ) -> pb.GenerateResponse:
+        req = pb.GenerateRequest(
+            request_id=request_id,
+            trajectory_id=trajectory_id,
+            input_ids=input_ids,
+            sampling_params=pb.SamplingParams(max_new_tokens=max_new_tokens, **sampling),
+            timeout_s=timeout_s,
+        )
+        return await self.stub.Generate(req, timeout=(timeout_s or self.timeout_s) + 5.0)
+
+    async def suspend(self, mode: int = pb.SUSPEND_MODE_CONTINUE, timeout_s: float = 30.0) -> pb.SuspendResponse:
+        return await self.stub.Suspend(pb.SuspendRequest(mode=mode, timeout_s=timeout_s), timeout=timeout_s + 5)
+
+    async def resume(self, timeout_s: float = 30.0) -> pb.ResumeResponse:
+        return await self.stub.Resume(pb.ResumeRequest(timeout_s=timeout_s), timeout=timeout_s + 5)
+
+    async def abort(self, request_id: str = "", abort_all: bool = False) -> pb.AbortResponse:
+        return await self.stub.Abort(pb.AbortRequest(request_id=request_id, abort_all=abort_all), timeout=30)
+
+    async def update_weights(
+        self, model_path: str, weight_version: int, timeout_s: float = 120.0
+    ) -> pb.UpdateWeightsResponse:
+        req = pb.UpdateWeightsRequest(model_path=model_path, weight_version=weight_version, timeout_s=timeout_s)
+        return await self.stub.UpdateWeights(req, timeout=timeout_s + 10)
+
+    async def stats(self) -> pb.ProxyStats:
+        return await self.stub.Stats(pb.StatsRequest(), timeout=10)
