@@ -189,7 +189,12 @@ class EmbeddedEngine:
         if other.vocab_size != self.vocab_size or type(other) is not type(self.hf_config):
             raise EngineError("model_path", f"{path} is a different architecture or vocabulary")
         model = self._load(path)
-        checksum = weights_checksum(model.state_dict())
+        state = model.state_dict()
+        try:
+            check_named_tensors(self.model, state)
+        except ValueError as e:
+            raise EngineError("model_path", f"{path} does not fit the served model: {e}") from None
+        checksum = weights_checksum(state)
         return self._call(lambda: self._swap_model(model, path, weight_version, checksum))
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> int:

@@ -1,0 +1,41 @@
+"""Shared fixtures: a tiny model built once per session, real engine server processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.launch import start_engine_process, stop_process
+from trainer.tiny_model import TinyModelConfig, build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelConfig(seed=0)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_b(tmp_path_factory) -> str:
+    """Same architecture, other weights: what a weight update switches to."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_b"), TinyModelConfig(seed=1)))
+
+
+@pytest.fixture(scope="session")
+def engine_url(tiny_model):
+    proc, url = start_engine_process(tiny_model)
+    yield url
+    stop_process(proc)
+
+
+@pytest.fixture
+def make_engine_process(tiny_model):
+    """Start extra engine processes for one test; all are stopped after it."""
+    procs = []
+
+    def start(port: int | None = None, model: str | None = None):
+        proc, url = start_engine_process(model or tiny_model, port)
+        procs.append(proc)
+        return proc, url
+
+    yield start
+    for p in procs:
+        stop_process(p)

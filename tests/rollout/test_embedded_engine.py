@@ -1,0 +1,150 @@
+"""The engine core in-process, against plain transformers on the same weights."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollout.engines.embedded import EmbeddedEngine, EngineConfig, EngineError, SamplingParams
+
+T = 60  # seconds: no test waits on the engine longer than this
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    eng = EmbeddedEngine(EngineConfig(model_path=tiny_model, max_running_requests=8)).start()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    return AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+
+
+def teacher_forced_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : -1]
+    return lp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+PROMPTS = [[1, 20, 21, 22], [1] + list(range(40, 75)), [3] * 9, [1, 100, 101, 102, 103, 104, 105]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_teacher_forced_forward(engine, hf, temperature):
+    futs = [
+        engine.submit(
+            f"lp{temperature}-{i}",
+            p,
+            SamplingParams(max_new_tokens=25 + 5 * i, temperature=temperature, ignore_eos=True, sampling_seed=i),
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+    for p, f in zip(PROMPTS, futs):
+        out = f.result(T)
+        ref = teacher_forced_logprobs(hf, p, out.output_ids, temperature)
+        assert (ref - torch.tensor(out.output_logprobs)).abs().max().item() <= 1e-4
+        assert out.finish_reason == {"type": "length", "length": len(out.output_ids)}
+
+
+def test_greedy_equals_hf_generate(engine, hf):
+    futs = [
+        engine.submit(f"g{i}", p, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))
+        for i, p in enumerate(PROMPTS)
+    ]
+    for p, f in zip(PROMPTS, futs):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert f.result(T).output_ids == ref[0, len(p) :].tolist()
+
+
+def test_short_request_is_not_held_back_by_a_long_one(engine):
+    long = engine.submit("long", [1, 2, 3], SamplingParams(max_new_tokens=400, ignore_eos=True))
+    time.sleep(0.05)
+    short = engine.submit("short", [1, 5], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    out = short.result(T)
+    assert len(out.output_ids) == 3
+    assert not long.done(), "the short request had to wait for the long one"
+    assert len(long.result(T).output_ids) == 400
+
+
+def test_stop_tokens_and_eos(engine, hf):
+    greedy = engine.submit("s0", PROMPTS[0], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    ids = greedy.result(T).output_ids
+    stop = ids[4]
+    out = engine.submit("s1", PROMPTS[0], SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[stop]))
+    out = out.result(T)
+    assert out.output_ids == ids[: ids.index(stop) + 1]
+    assert out.finish_reason == {"type": "stop", "matched": stop}
+
+
+def test_abort_returns_exactly_the_tokens_generated_so_far(engine, hf):
+    prompt = [1, 7, 8, 9]
+    fut = engine.submit("ab", prompt, SamplingParams(max_new_tokens=600, temperature=0, ignore_eos=True))
+    time.sleep(0.3)
+    assert engine.abort("ab").result(T) == 1
+    out = fut.result(T)
+    assert out.finish_reason["type"] == "abort"
+    assert 0 < len(out.output_ids) < 600
+    assert len(out.output_logprobs) == len(out.output_ids)
+    full = engine.submit(
+        "ab2", prompt, SamplingParams(max_new_tokens=len(out.output_ids), temperature=0, ignore_eos=True)
+    ).result(T)
+    assert out.output_ids == full.output_ids  # a true prefix of what it would have generated
+
+
+def test_seeded_sampling_is_reproducible_whatever_else_runs(engine):
+    p = SamplingParams(max_new_tokens=20, temperature=1.0, sampling_seed=123, ignore_eos=True)
+    alone = engine.submit("seed-a", PROMPTS[0], p).result(T).output_ids
+    noise = [engine.submit(f"noise{i}", PROMPTS[1], SamplingParams(max_new_tokens=30)) for i in range(4)]
+    crowded = engine.submit("seed-b", PROMPTS[0], p).result(T).output_ids
+    [f.result(T) for f in noise]
+    assert alone == crowded
+
+
+def test_pause_in_place_holds_requests_and_continue_finishes_them(engine):
+    fut = engine.submit("pp", [1, 2], SamplingParams(max_new_tokens=300, ignore_eos=True))
+    time.sleep(0.1)
+    engine.pause("in_place").result(T)
+    queued = engine.submit("pq", [1, 3], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    time.sleep(0.3)
+    assert not fut.done() and not queued.done()
+    engine.resume().result(T)
+    assert len(fut.result(T).output_ids) == 300
+    assert len(queued.result(T).output_ids) == 2
+
+
+def test_pause_abort_returns_partial_and_retract_keeps_going(engine):
+    fut = engine.submit("pa", [1, 2], SamplingParams(max_new_tokens=500, ignore_eos=True))
+    time.sleep(0.1)
+    assert engine.pause("abort").result(T) == 1
+    out = fut.result(T)
+    assert out.finish_reason["type"] == "abort" and len(out.output_ids) < 500
+    engine.resume().result(T)
+    fut = engine.submit("pr", [1, 2], SamplingParams(max_new_tokens=300, ignore_eos=True))
+    time.sleep(0.1)
+    engine.pause("retract").result(T)
+    time.sleep(0.1)
+    assert not fut.done()
+    engine.resume().result(T)
+    assert len(fut.result(T).output_ids) == 300
+
+
+def test_bad_input_is_refused_with_the_field_named(engine):
+    cases = [
+        ([], SamplingParams(), "input_ids"),
+        ([1, engine.vocab_size], SamplingParams(), "input_ids"),
+        ([-1], SamplingParams(), "input_ids"),
+        ([1], SamplingParams(max_new_tokens=0), "sampling_params.max_new_tokens"),
+        ([1], SamplingParams(max_new_tokens=engine.max_context), "sampling_params.max_new_tokens"),
+        ([1], SamplingParams(stop_token_ids=[10**6]), "sampling_params.stop_token_ids"),
+    ]
+    for ids, params, field in cases:
+        with pytest.raises(EngineError) as e:
+            engine.submit("bad", ids, params)
+        assert e.value.field == field
+    assert len(engine.submit("ok", [1], SamplingParams(max_new_tokens=2)).result(T).output_ids) >= 1

@@ -1,0 +1,38 @@
+"""Import rules of ARCHITECTURE.md and the README's promises."""
+
+import re
+import subprocess
+from pathlib import Path
+
+RULES = {
+    "rollout": {"trainer", "services"},
+    "trainer": {"rollout", "services"},
+    "sample_buffer": {"rollout", "trainer", "services"},
+}
+
+
+def test_import_direction():
+    for pkg, banned in RULES.items():
+        for f in Path(pkg).rglob("*.py"):
+            for line in f.read_text().splitlines():
+                m = re.match(r"\s*(?:from|import)\s+(\w+)", line)
+                assert not (m and m.group(1) in banned), f"{f}: {line.strip()} breaks the import rule"
+
+
+def test_no_sglang_import_on_cpu_path():
+    for pkg in ("rollout", "services", "trainer", "sample_buffer"):
+        for f in Path(pkg).rglob("*.py"):
+            assert not re.search(r"^\s*(import|from)\s+sglang", f.read_text(), re.M), f
+
+
+def test_readme_opens_with_the_two_commands_and_they_exist():
+    readme = Path("README.md").read_text()
+    first_block = readme.split("```")[1]
+    assert "make run" in first_block and "make test" in first_block
+    targets = subprocess.run(["make", "-qp"], capture_output=True, text=True).stdout
+    for t in ("run", "test", "proto", "lint", "bench"):
+        assert re.search(rf"^{t}:", targets, re.M), f"make {t} is missing"
+
+
+def test_ci_runs_make_test():
+    assert "make test" in Path(".ci/run").read_text()
