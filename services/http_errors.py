@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 
 def _field(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query")]
-    return ".".join(parts) or "body"
+    """``("body", "sampling_params", "SamplingParams", "top_p")`` → ``sampling_params.top_p``.
+
+    Union members appear in pydantic's locations under their type names; they are not fields.
+    """
+    out = ""
+    for p in loc[1:] if loc and loc[0] in ("body", "query") else loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif re.fullmatch(r"[a-z_][a-z0-9_]*", p):
+            out += f".{p}" if out else p
+    return out or "body"
 
 
 def bad_request(field: str, message: str) -> JSONResponse:

@@ -1,0 +1,173 @@
+"""The embedded engine's HTTP server in its own process, driven by the SGLang client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save
+from transformers import AutoModelForCausalLM
+
+from rollout.engines.sglang_client import EngineRejected, SGLangClient, parse_generate_response
+
+
+def post(url, path, **kw):
+    return httpx.post(url + path, timeout=60, **kw)
+
+
+def test_generate_speaks_sglang_fields(engine_url):
+    r = post(
+        engine_url,
+        "/generate",
+        json={
+            "input_ids": [1, 10, 11],
+            "rid": "x1",
+            "return_logprob": True,
+            "sampling_params": {
+                "max_new_tokens": 5,
+                "temperature": 0.8,
+                "top_p": 0.9,
+                "top_k": 20,
+                "ignore_eos": True,
+                "sampling_seed": 3,
+            },
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    meta = body["meta_info"]
+    assert len(body["output_ids"]) == 5 and meta["id"] == "x1"
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 5
+    assert meta["weight_version"] == "0" and meta["e2e_latency"] > 0
+    triples = meta["output_token_logprobs"]
+    assert [t[1] for t in triples] == body["output_ids"] and all(t[2] is None and t[0] <= 0 for t in triples)
+
+
+def test_batch_generate_and_logprobs_match_teacher_forcing(engine_url, tiny_model):
+    prompts = [[1, 2, 3], [1] + list(range(50, 80))]
+    r = post(
+        engine_url,
+        "/generate",
+        json={
+            "input_ids": prompts,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "ignore_eos": True},
+        },
+    )
+    outs = [parse_generate_response(b) for b in r.json()]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([p + o.output_ids])).logits[0], -1)[len(p) - 1 : -1]
+        ref = lp.gather(-1, torch.tensor(o.output_ids)[:, None]).squeeze(-1)
+        assert (ref - torch.tensor(o.output_logprobs)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "payload, field",
+    [
+        ({"input_ids": [], "sampling_params": {"max_new_tokens": 2}}, "input_ids"),
+        ({"input_ids": [1, 999999], "sampling_params": {"max_new_tokens": 2}}, "input_ids"),
+        ({"input_ids": [[1], [2, 999999]]}, "input_ids[1]"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10**6}}, "sampling_params.max_new_tokens"),
+        ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+        ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+        ({"input_ids": [1], "text_input": "hi"}, "text_input"),
+        ({"input_ids": "abc"}, "input_ids"),
+        ({"sampling_params": {}}, "input_ids"),
+        ({"input_ids": [1], "stream": True}, "stream"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(engine_url, payload, field):
+    r = post(engine_url, "/generate", json=payload)
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == field, r.json()
+
+
+def test_malformed_json_is_a_400_and_the_server_keeps_serving(engine_url):
+    r = post(engine_url, "/generate", content=b'{"input_ids": [1, 2', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["message"]
+    r = post(engine_url, "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200
+
+
+def test_abort_request_returns_partial(engine_url):
+    async def go():
+        client = SGLangClient(engine_url)
+        task = asyncio.create_task(client.generate([1, 4], {"max_new_tokens": 900, "ignore_eos": True}, rid="abt"))
+        await asyncio.sleep(0.3)
+        res = await client.abort("abt")
+        out = await task
+        await client.close()
+        return res, out
+
+    res, out = asyncio.run(go())
+    assert res["num_aborted"] == 1
+    assert out.finish_type == "abort" and 0 < len(out.output_ids) < 900
+    assert len(out.output_logprobs) == len(out.output_ids)
+
+
+def test_pause_continue_and_model_info(engine_url):
+    async def go():
+        client = SGLangClient(engine_url)
+        await client.pause("in_place")
+        task = asyncio.create_task(client.generate([1, 4], {"max_new_tokens": 3}))
+        await asyncio.sleep(0.3)
+        waiting = not task.done()
+        await client.resume()
+        out = await asyncio.wait_for(task, 30)
+        info = await client.model_info()
+        with pytest.raises(EngineRejected, match="mode"):
+            await client.pause("sideways")
+        await client.close()
+        return waiting, out, info
+
+    waiting, out, info = asyncio.run(go())
+    assert waiting and len(out.output_ids) >= 1
+    assert info["weight_version"] == "0" and info["is_generation"] and len(info["weights_checksum"]) == 16
+
+
+def test_metrics_endpoint(engine_url):
+    post(engine_url, "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})
+    text = httpx.get(engine_url + "/metrics").text
+    assert "rollmesh_engine_generated_tokens_total" in text
+    assert "rollmesh_engine_weight_version" in text and "rollmesh_engine_generation_latency_seconds_bucket" in text
+
+
+def test_weight_updates_over_http(make_engine_process, tiny_model_b):
+    _, url = make_engine_process()
+    b = AutoModelForCausalLM.from_pretrained(tiny_model_b).eval()
+    prompt = [1, 60, 61]
+    ref = b.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = ref[0, 3:].tolist()
+    greedy = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        client = SGLangClient(url)
+        res = await client.update_weights_from_disk(tiny_model_b, 4)
+        after_disk = (await client.generate(prompt, greedy)).output_ids
+        version = (await client.model_info())["weight_version"]
+        state = {k: v for k, v in b.state_dict().items() if k != "lm_head.weight"}
+        names = sorted(state)
+        buckets = [{n: state[n] for n in names[i : i + 10]} for i in range(0, len(names), 10)]
+        res2 = await client.update_weights_from_tensors(buckets, 5)
+        after_tensors = await client.generate(prompt, greedy)
+        with pytest.raises(EngineRejected, match="model_path"):
+            await client.update_weights_from_disk("/does/not/exist", 6)
+        await client.close()
+        return res, after_disk, version, res2, after_tensors
+
+    res, after_disk, version, res2, after_tensors = asyncio.run(go())
+    assert res["success"] and res["weight_version"] == 4 and version == "4"
+    assert after_disk == ref
+    assert res2["weight_version"] == 5 and res2["checksum"] == res["checksum"]
+    assert after_tensors.output_ids == ref and set(after_tensors.token_versions) == {5}
+    bad = httpx.post(url + "/update_weights_from_safetensors", content=b"not safetensors", timeout=30)
+    assert bad.status_code == 400 and bad.json()["field"] == "body"
+    bad = httpx.post(url + "/update_weights_from_safetensors", content=save({"nope": torch.zeros(1)}), timeout=30)
+    assert bad.status_code == 400 and "nope" in bad.json()["message"]
