@@ -16,7 +16,11 @@ import httpx
 
 
 class EngineRejected(ValueError):
-    """The engine answered 4xx: the request itself is wrong."""
+    """The engine answered 4xx: the request itself is wrong. ``field`` names the input when known."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class EngineUnavailable(ConnectionError):
@@ -91,10 +95,10 @@ class SGLangClient:
     def _check(self, path: str, r: httpx.Response) -> dict:
         if 400 <= r.status_code < 500:
             try:
-                msg = r.json().get("message", r.text)
+                body = r.json()
             except ValueError:
-                msg = r.text
-            raise EngineRejected(msg)
+                body = {}
+            raise EngineRejected(body.get("message", r.text), body.get("field", ""))
         if r.status_code >= 500:
             raise EngineUnavailable(f"{self.base_url}{path}: HTTP {r.status_code}: {r.text[:200]}")
         return r.json()

@@ -172,7 +172,8 @@ class LLMProxy:
                 self.counters["retries"] += 1
                 continue
             except EngineRejected as e:
-                raise RequestInvalid(_field_of(str(e)), str(e)) from e
+                field = e.field or "input_ids"
+                raise RequestInvalid(field, str(e).removeprefix(f"{field}: ")) from e
             if out is None:  # deadline passed and the engine did not give the partial back in time
                 res.finish_type = "timeout"
                 return
@@ -358,9 +359,3 @@ class LLMProxy:
             "weight_version": self.weight_version,
             "engines": [vars(s).copy() for s in self.router.engines],
         }
-
-
-def _field_of(message: str) -> str:
-    """The field an engine's 400 message names (``"field: reason"``), else ``input_ids``."""
-    head = message.split(":", 1)[0]
-    return head if head and " " not in head else "input_ids"

@@ -1,0 +1,210 @@
+"""The LLMProxy gRPC service over real engine processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoModelForCausalLM
+
+from rollout.proxy import ProxyConfig
+from services.launch import free_port, stop_process
+from services.llm_proxy.client import ProxyClient
+from services.llm_proxy.server import start_proxy
+from services.pb.rollmesh.v1 import common_pb2
+from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def two_engines(tiny_model):
+    from services.launch import start_engine_process
+
+    procs = [start_engine_process(tiny_model) for _ in range(2)]
+    yield [url for _, url in procs]
+    for p, _ in procs:
+        stop_process(p)
+
+
+def run(scenario, urls, **cfg):
+    """Start a proxy on a free port in this event loop, run ``scenario(client, proxy)``, stop everything."""
+
+    async def main():
+        config = ProxyConfig(engine_urls=urls, port=0, metrics_port=0, health_check_interval_s=0.2, **cfg)
+        server, proxy = await start_proxy(config)
+        client = ProxyClient(f"127.0.0.1:{server.bound_port}")
+        try:
+            return await scenario(client, proxy)
+        finally:
+            await client.close()
+            await server.stop(0)
+            await proxy.close()
+
+    return asyncio.run(main())
+
+
+def greedy(model_path, prompt, n):
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def test_generate_and_routing(two_engines, tiny_model):
+    async def scenario(client, proxy):
+        one = await client.generate([1, 40, 41], 16, trajectory_id="t", **GREEDY)
+        same = {(await client.generate([1, 40, 41, 9], 4, trajectory_id="t")).engine for _ in range(5)}
+        spread = await asyncio.gather(
+            *(client.generate([1, 2, 3], 60, trajectory_id=f"s{i}", ignore_eos=True) for i in range(8))
+        )
+        return one, same, {r.engine for r in spread}, await client.stats()
+
+    one, same, spread, stats = run(scenario, two_engines)
+    assert list(one.output_ids) == greedy(tiny_model, [1, 40, 41], 16)
+    assert one.finish_reason == common_pb2.FINISH_REASON_LENGTH and one.prompt_tokens == 3
+    assert len(one.output_logprobs) == 16 and set(one.token_versions) == {0} and one.num_segments == 1
+    assert same == {one.engine}  # affinity: one episode, one engine
+    assert spread == {"engine-0", "engine-1"}  # least outstanding tokens spreads load
+    assert stats.requests_total == 14 and all(e.healthy for e in stats.engines)
+
+
+def test_bad_input_is_invalid_argument_and_the_proxy_keeps_serving(two_engines):
+    async def scenario(client, proxy):
+        errors = {}
+        cases = {
+            "input_ids": pb.GenerateRequest(sampling_params=pb.SamplingParams(max_new_tokens=2)),
+            "sampling_params.max_new_tokens": pb.GenerateRequest(input_ids=[1]),
+            "sampling_params.top_p": pb.GenerateRequest(
+                input_ids=[1], sampling_params=pb.SamplingParams(max_new_tokens=1, top_p=2.0)
+            ),
+            "oov": pb.GenerateRequest(input_ids=[1, 10**6], sampling_params=pb.SamplingParams(max_new_tokens=1)),
+        }
+        for name, req in cases.items():
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.stub.Generate(req, timeout=30)
+            errors[name] = (e.value.code(), e.value.details())
+        raw = client._channel.unary_unary("/rollmesh.v1.LLMProxy/Generate")
+        for name, payload in {
+            "corrupt": b"\xff\xff\xff",
+            "unknown": pb.GenerateRequest(input_ids=[1]).SerializeToString() + bytes([0xF8, 0x06, 0x01]),
+        }.items():
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await raw(payload, timeout=30)
+            errors[name] = (e.value.code(), e.value.details())
+        ok = await client.generate([1, 2], 2)
+        return errors, ok
+
+    errors, ok = run(scenario, two_engines)
+    for name, (code, details) in errors.items():
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, details)
+    assert errors["input_ids"][1].startswith("input_ids:")
+    assert errors["sampling_params.max_new_tokens"][1].startswith("sampling_params.max_new_tokens:")
+    assert errors["sampling_params.top_p"][1].startswith("sampling_params.top_p:")
+    assert "input_ids" in errors["oov"][1] and "vocabulary" in errors["oov"][1]
+    assert "malformed" in errors["corrupt"][1] and "unknown field number 111" in errors["unknown"][1]
+    assert len(ok.output_ids) >= 1
+
+
+def test_suspend_update_resume_continues_from_partial_tokens(make_engine_process, tiny_model, tiny_model_b):
+    _, url = make_engine_process()
+    prompt = [1, 30, 31, 32]
+
+    async def scenario(client, proxy):
+        task = asyncio.create_task(client.generate(prompt, 400, request_id="long", **GREEDY))
+        await asyncio.sleep(0.3)
+        suspended = await client.suspend(pb.SUSPEND_MODE_CONTINUE)
+        update = await client.update_weights(tiny_model_b, 1)
+        waiting = not task.done()
+        await client.resume()
+        return suspended, update, waiting, await task, await client.stats()
+
+    suspended, update, waiting, out, stats = run(scenario, [url])
+    assert suspended.num_in_flight == 1 and waiting
+    assert update.success and [e.weight_version for e in update.engines] == [1]
+    assert out.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(out.output_ids) == 400
+    assert out.num_segments == 2 and out.weight_version == 1 and stats.weight_version == 1
+    versions = list(out.token_versions)
+    switch = versions.index(1)
+    assert set(versions[:switch]) == {0} and set(versions[switch:]) == {1}
+    ids = list(out.output_ids)
+    assert ids[:switch] == greedy(tiny_model, prompt, switch)
+    assert ids[switch:] == greedy(tiny_model_b, prompt + ids[:switch], 400 - switch)
+
+
+def test_suspend_abort_mode_and_gate(two_engines):
+    async def scenario(client, proxy):
+        task = asyncio.create_task(client.generate([1, 5], 900, ignore_eos=True))
+        await asyncio.sleep(0.3)
+        await client.suspend(pb.SUSPEND_MODE_ABORT)
+        aborted = await task
+        gated = await client.generate([1, 5], 2, timeout_s=0.5)  # waits at the closed gate until its deadline
+        await client.resume()
+        after = await client.generate([1, 5], 2)
+        return aborted, gated, after
+
+    aborted, gated, after = run(scenario, two_engines)
+    assert aborted.finish_reason == common_pb2.FINISH_REASON_ABORT and 0 < len(aborted.output_ids) < 900
+    assert gated.finish_reason == common_pb2.FINISH_REASON_TIMEOUT and len(gated.output_ids) == 0
+    assert len(after.output_ids) >= 1
+
+
+def test_deadline_returns_partial_and_abort_rpc(two_engines):
+    async def scenario(client, proxy):
+        timed = await client.generate([1, 6], 1000, timeout_s=0.3, ignore_eos=True)
+        task = asyncio.create_task(client.generate([1, 7], 900, request_id="victim", ignore_eos=True))
+        await asyncio.sleep(0.3)
+        n = await client.abort("victim")
+        return timed, n.num_aborted, await task
+
+    timed, n, victim = run(scenario, two_engines)
+    assert timed.finish_reason == common_pb2.FINISH_REASON_TIMEOUT and len(timed.output_ids) > 0
+    assert n == 1 and victim.finish_reason == common_pb2.FINISH_REASON_ABORT and len(victim.output_ids) < 900
+
+
+def test_failed_update_reports_per_engine_and_keeps_version(two_engines):
+    async def scenario(client, proxy):
+        res = await client.update_weights("/does/not/exist", 9)
+        return res, await client.stats()
+
+    res, stats = run(scenario, two_engines)
+    assert not res.success and len(res.engines) == 2
+    assert all(not e.success and "model_path" in e.message for e in res.engines)
+    assert stats.weight_version == 0
+
+
+def test_dead_engine_leaves_rotation_and_comes_back(make_engine_process, tiny_model):
+    port = free_port()
+    proc_a, url_a = make_engine_process(port)
+    _, url_b = make_engine_process()
+
+    async def scenario(client, proxy):
+        os.kill(proc_a.pid, signal.SIGKILL)
+        proc_a.wait(10)
+        outs = await asyncio.gather(*(client.generate([1, 2, 3], 4, trajectory_id=f"k{i}") for i in range(6)))
+        down = await client.stats()
+        make_engine_process(port)  # same address: the health loop must notice it again
+        for _ in range(100):
+            if all(e.healthy for e in (await client.stats()).engines):
+                break
+            await asyncio.sleep(0.1)
+        return outs, down, await client.stats()
+
+    outs, down, up = run(scenario, [url_a, url_b])
+    assert all(len(o.output_ids) == 4 and o.engine == "engine-1" for o in outs)
+    assert not down.engines[0].healthy and down.engines[0].failures_total >= 1
+    assert all(e.healthy for e in up.engines)
+
+
+def test_grpc_health_service(two_engines):
+    async def scenario(client, proxy):
+        stub = health_pb2_grpc.HealthStub(client._channel)
+        res = await stub.Check(health_pb2.HealthCheckRequest(service="rollmesh.v1.LLMProxy"), timeout=5)
+        return res.status
+
+    assert run(scenario, two_engines) == health_pb2.HealthCheckResponse.SERVING
