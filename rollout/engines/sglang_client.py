@@ -4,15 +4,19 @@ It works unchanged against a real SGLang server: it only sends SGLang's field na
 ``meta_info`` defensively (``output_token_weight_versions`` is a rollmesh extension that SGLang
 does not send; ``weight_version`` is then used for every token). No ``import sglang`` here.
 
+It uses aiohttp rather than httpx: with hundreds of concurrent requests httpx's connection pool
+costs ~9 ms of CPU per request on this project's 2-core machines, aiohttp ~0.5 ms.
+
 Errors are split by what the caller should do: ``EngineRejected`` (HTTP 4xx: the request is bad,
 do not retry) and ``EngineUnavailable`` (connection refused, timeout, 5xx: try another engine).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 
 class EngineRejected(ValueError):
@@ -66,42 +70,46 @@ def parse_generate_response(body: dict) -> EngineResult:
 class SGLangClient:
     """One engine server. Every call has a timeout; none retries (the proxy decides that)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 60.0, max_connections: int = 256) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 60.0, max_connections: int = 0) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=timeout_s,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        self._max_connections = max_connections  # 0 = unbounded
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        # Created on first use, inside the event loop that will run the requests.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._max_connections))
+        return self._session
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
 
-    async def _post(self, path: str, timeout_s: float | None = None, **kwargs) -> dict:
+    async def _request(self, method: str, path: str, timeout_s: float | None, **kwargs) -> dict:
+        url = self.base_url + path
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            r = await self._http.post(path, timeout=timeout_s or self.timeout_s, **kwargs)
-        except httpx.HTTPError as e:
-            raise EngineUnavailable(f"{self.base_url}{path}: {type(e).__name__}: {e}") from e
-        return self._check(path, r)
-
-    async def _get(self, path: str, timeout_s: float | None = None) -> dict:
-        try:
-            r = await self._http.get(path, timeout=timeout_s or self.timeout_s)
-        except httpx.HTTPError as e:
-            raise EngineUnavailable(f"{self.base_url}{path}: {type(e).__name__}: {e}") from e
-        return self._check(path, r)
-
-    def _check(self, path: str, r: httpx.Response) -> dict:
-        if 400 <= r.status_code < 500:
+            async with self._http().request(method, url, timeout=timeout, **kwargs) as r:
+                text = await r.text()
+                status = r.status
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            raise EngineUnavailable(f"{url}: {type(e).__name__}: {e}") from e
+        if 400 <= status < 500:
             try:
-                body = r.json()
+                body = json.loads(text)
             except ValueError:
                 body = {}
-            raise EngineRejected(body.get("message", r.text), body.get("field", ""))
-        if r.status_code >= 500:
-            raise EngineUnavailable(f"{self.base_url}{path}: HTTP {r.status_code}: {r.text[:200]}")
-        return r.json()
+            raise EngineRejected(body.get("message", text), body.get("field", ""))
+        if status >= 500:
+            raise EngineUnavailable(f"{url}: HTTP {status}: {text[:200]}")
+        return json.loads(text)
+
+    async def _post(self, path: str, timeout_s: float | None = None, **kwargs) -> dict:
+        return await self._request("POST", path, timeout_s, **kwargs)
+
+    async def _get(self, path: str, timeout_s: float | None = None) -> dict:
+        return await self._request("GET", path, timeout_s)
 
     async def generate(
         self,
@@ -142,7 +150,7 @@ class SGLangClient:
             final = i == len(buckets) - 1
             params = {"final": str(final).lower()} | ({"weight_version": weight_version} if final else {})
             data = save({k: v.contiguous() for k, v in bucket.items()})
-            res = await self._post("/update_weights_from_safetensors", timeout_s, params=params, content=data)
+            res = await self._post("/update_weights_from_safetensors", timeout_s, params=params, data=data)
         return res
 
     async def model_info(self, timeout_s: float = 5.0) -> dict:

@@ -287,6 +287,7 @@ class EmbeddedEngine:
         ids, positions, masks, lengths = prefill_inputs([r.context for r in group], self.device)
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True)
         self.counters["prefill_tokens"] += sum(lengths)
+        self.counters["prefill_batches"] += 1
         tokens, logprobs = sample_next_tokens(
             out.logits[:, -1], [r.params for r in group], [r.generator for r in group], self._sampler
         )
@@ -305,10 +306,10 @@ class EmbeddedEngine:
             input_ids=ids,
             position_ids=positions,
             attention_mask=masks,
-            past_key_values=self._batch.cache(),
+            past_key_values=self._batch.cache,
             use_cache=True,
         )
-        self._batch.advance(out.past_key_values)
+        self._batch.advance()
         tokens, logprobs = sample_next_tokens(
             out.logits[:, -1],
             [r.params for r in self._running],

@@ -60,10 +60,14 @@ def _mask_mapping(mask: torch.Tensor) -> dict:
 
 
 class KVBatch:
-    """The cache and per-row real lengths of the requests currently being decoded."""
+    """The cache and per-row real lengths of the requests currently being decoded.
+
+    One ``DynamicCache`` lives as long as the batch: decode steps append to it in place, joins
+    and leaves rewrite its per-layer tensors, so no step copies the cache twice.
+    """
 
     def __init__(self) -> None:
-        self.kv: KV = []
+        self.cache: DynamicCache | None = None
         self.lengths: list[int] = []  # real (unpadded) tokens in the cache, per row
 
     def __len__(self) -> int:
@@ -71,36 +75,42 @@ class KVBatch:
 
     @property
     def width(self) -> int:
-        return self.kv[0][0].shape[2] if self.kv else 0
+        return self.cache.layers[0].keys.shape[2] if self.cache is not None else 0
+
+    def _set(self, kv: KV) -> None:
+        for layer, (k, v) in zip(self.cache.layers, kv, strict=True):
+            layer.keys, layer.values = k, v
 
     def extend(self, kv: KV, lengths: list[int]) -> None:
         """Append rows (right-aligned, as produced by ``prefill_inputs``)."""
-        if not self.kv:
-            self.kv, self.lengths = kv, list(lengths)
+        if self.cache is None:
+            self.cache, self.lengths = kv_to_cache(kv), list(lengths)
             return
         new_width = kv[0][0].shape[2]
         width = max(self.width, new_width)
-        self.kv = [
-            (
-                torch.cat([_left_pad(k0, width - self.width), _left_pad(k1, width - new_width)]),
-                torch.cat([_left_pad(v0, width - self.width), _left_pad(v1, width - new_width)]),
-            )
-            for (k0, v0), (k1, v1) in zip(self.kv, kv, strict=True)
-        ]
+        self._set(
+            [
+                (
+                    torch.cat([_left_pad(layer.keys, width - self.width), _left_pad(k1, width - new_width)]),
+                    torch.cat([_left_pad(layer.values, width - self.width), _left_pad(v1, width - new_width)]),
+                )
+                for layer, (k1, v1) in zip(self.cache.layers, kv, strict=True)
+            ]
+        )
         self.lengths += lengths
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order) and trim padding every remaining row shares."""
         if not rows:
-            self.kv, self.lengths = [], []
+            self.cache, self.lengths = None, []
             return
+        trim = self.width - max(self.lengths[r] for r in rows)
         if rows != list(range(len(self.lengths))):
-            index = torch.tensor(rows, device=self.kv[0][0].device)
-            self.kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]
+            index = torch.tensor(rows, device=self.cache.layers[0].keys.device)
+            self._set([(y.keys.index_select(0, index), y.values.index_select(0, index)) for y in self.cache.layers])
             self.lengths = [self.lengths[r] for r in rows]
-        trim = self.width - max(self.lengths)
         if trim > 0:
-            self.kv = [(k[:, :, trim:], v[:, :, trim:]) for k, v in self.kv]
+            self._set([(y.keys[:, :, trim:], y.values[:, :, trim:]) for y in self.cache.layers])
 
     def decode_inputs(self, last_tokens: list[int], device) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """``input_ids`` [B, 1], ``position_ids`` [B, 1] and masks for one decode step."""
@@ -112,10 +122,6 @@ class KVBatch:
         mask = (cols >= pads)[:, None, None, :]
         return ids, positions, _mask_mapping(mask)
 
-    def cache(self) -> DynamicCache:
-        return kv_to_cache(self.kv)
-
-    def advance(self, cache: DynamicCache) -> None:
-        """Take the cache a decode step returned (one more column, every row one more token)."""
-        self.kv = cache_to_kv(cache)
+    def advance(self) -> None:
+        """After a decode step appended one column in place: every row holds one more token."""
         self.lengths = [n + 1 for n in self.lengths]

@@ -72,7 +72,10 @@ def sample_next_tokens(
     if sampled:
         top_k = torch.tensor([params[i].top_k for i in sampled], device=device)
         top_p = torch.tensor([params[i].top_p for i in sampled], device=device)
-        probs = truncate_top_k_top_p(logprobs[sampled], top_k, top_p).exp()
+        rows = logprobs[sampled]
+        if bool((top_k > 0).any() or (top_p < 1).any()):
+            rows = truncate_top_k_top_p(rows, top_k, top_p)
+        probs = rows.exp()
         shared = [j for j, i in enumerate(sampled) if generators[i] is None]
         if shared:
             draws = torch.multinomial(probs[shared], 1, generator=default_generator).flatten()

@@ -1,0 +1,44 @@
+"""`rollmesh init-model` writes a standard HF directory that plain transformers loads."""
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+from services.cli import app
+from trainer.tiny_model import count_parameters
+
+
+def test_init_model_loads_with_plain_transformers(tmp_path):
+    out = tmp_path / "m"
+    res = CliRunner().invoke(app, ["init-model", "--out", str(out), "--seed", "3"])
+    assert res.exit_code == 0, res.output
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / f).exists(), f
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
+    assert 0.5e6 <= count_parameters(model) <= 5e6
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "7+2= ?\nok"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text.startswith("<|im_start|>user\n7+2= ?\nok<|im_end|>\n") and text.endswith("<|im_start|>assistant\n")
+    ids = tok(text).input_ids
+    assert tok.decode(ids) == text  # lossless round trip, whitespace included
+    digits = [tok(str(d)).input_ids for d in range(10)]
+    assert all(len(d) == 1 for d in digits) and len({d[0] for d in digits}) == 10  # one token per digit
+    assert tok.eos_token == "<|im_end|>" and model.config.eos_token_id == tok.eos_token_id
+
+
+def test_init_model_is_seeded(tmp_path):
+    runner = CliRunner()
+    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
+        assert runner.invoke(app, ["init-model", "--out", str(tmp_path / name), "--seed", str(seed)]).exit_code == 0
+    w = {n: AutoModelForCausalLM.from_pretrained(tmp_path / n).model.embed_tokens.weight for n in "abc"}
+    assert torch.equal(w["a"], w["b"]) and not torch.equal(w["a"], w["c"])
+
+
+def test_cli_rejects_bad_config_clearly(tmp_path):
+    res = CliRunner().invoke(app, ["serve", "engine", "--set", "engine.nonsense=1"])
+    assert res.exit_code == 2 and "unknown key 'engine.nonsense'" in res.output
