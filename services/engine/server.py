@@ -9,6 +9,7 @@ drives a real SGLang server on GPU and this engine on CPU. Two rollmesh extensio
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 from fastapi import FastAPI, Query, Request, Response
@@ -213,6 +214,9 @@ def serve(engine_config) -> None:
     """Run the engine server until SIGTERM/SIGINT (uvicorn shuts down gracefully)."""
     import uvicorn
 
+    # The scheduler thread and the HTTP event loop share the GIL; a short switch interval keeps
+    # the loop answering while the scheduler runs Python between kernels (p99 latency).
+    sys.setswitchinterval(0.0005)
     engine = EmbeddedEngine(engine_config).start()
     try:
         uvicorn.run(
