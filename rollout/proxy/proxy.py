@@ -103,6 +103,7 @@ class LLMProxy:
         self._open = asyncio.Event()
         self._open.set()
         self._mode: SuspendMode = "continue"
+        self._suspend_epoch = 0  # bumped by every suspend: tells a segment it was cut by one
         self._in_flight: dict[str, _InFlight] = {}
         self._last_update: tuple[str, int] | None = None  # (model_path, version) every engine should serve
         self.weight_version = 0
@@ -162,6 +163,7 @@ class LLMProxy:
                     return
                 raise NoEngineAvailable(f"no engine in rotation ({len(failed)} failed this request)")
             params = dict(req.sampling_params, max_new_tokens=max_new - len(res.output_ids))
+            epoch = self._suspend_epoch
             try:
                 out = await self._call_engine(fl, slot, req.input_ids + res.output_ids, params, deadline)
             except EngineUnavailable as e:
@@ -189,8 +191,8 @@ class LLMProxy:
             if fl.aborted.is_set() or time.perf_counter() >= deadline:
                 res.finish_type = "abort" if fl.aborted.is_set() else "timeout"
                 return
-            if not self.suspended or self._mode == "abort":
-                res.finish_type = "abort"  # aborted at the engine by someone else
+            if self._suspend_epoch == epoch or self._mode != "continue":
+                res.finish_type = "abort"  # aborted at the engine by someone else, or abort mode
                 return
             if len(res.output_ids) >= max_new:
                 res.finish_type = "length"
@@ -252,6 +254,7 @@ class LLMProxy:
         if mode not in _ENGINE_PAUSE_MODE:
             raise RequestInvalid("mode", f"must be one of {sorted(_ENGINE_PAUSE_MODE)}, got {mode!r}")
         self._mode = mode
+        self._suspend_epoch += 1
         self._open.clear()
         n = len(self._in_flight)
         timeout = timeout_s or self.config.control_timeout_s
