@@ -211,16 +211,36 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
 
 
 def serve(engine_config) -> None:
-    """Run the engine server until SIGTERM/SIGINT (uvicorn shuts down gracefully)."""
+    """Run the engine server until SIGTERM/SIGINT, then drain and exit 0."""
+    import contextlib
+    import signal
+
     import uvicorn
+
+    class _Server(uvicorn.Server):
+        # uvicorn re-raises the captured signal after shutting down (exit code -15); a service
+        # that shut down cleanly exits 0 and runs its own clean-up.
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     # The scheduler thread and the HTTP event loop share the GIL; a short switch interval keeps
     # the loop answering while the scheduler runs Python between kernels (p99 latency).
     sys.setswitchinterval(0.0005)
     engine = EmbeddedEngine(engine_config).start()
     try:
-        uvicorn.run(
-            create_app(engine), host=engine_config.host, port=engine_config.port, log_level="warning", access_log=False
+        config = uvicorn.Config(
+            create_app(engine),
+            host=engine_config.host,
+            port=engine_config.port,
+            log_level="warning",
+            access_log=False,
         )
+        _Server(config).run()
     finally:
         engine.shutdown()
