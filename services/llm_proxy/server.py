@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 
@@ -174,6 +175,7 @@ async def start_proxy(config: ProxyConfig) -> tuple[grpc.aio.Server, LLMProxy]:
 def serve(config: ProxyConfig) -> None:
     async def main() -> None:
         server, proxy = await start_proxy(config)
+        gc.freeze()  # long-lived start-up objects out of the collector's way (tail latency)
         log.info("LLMProxy serving on %s:%d for %d engines", config.host, server.bound_port, len(config.engine_urls))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
