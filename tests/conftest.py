@@ -39,3 +39,12 @@ def make_engine_process(tiny_model):
     yield start
     for p in procs:
         stop_process(p)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()

@@ -1,0 +1,154 @@
+"""The SampleBuffer's behaviour, shared by its backends.
+
+Every group ends in exactly one state, each with a counter: ``consumed`` (handed out and
+acked), ``dropped_stale`` (too old to train on when its turn came), ``dropped_filtered``
+(no learning signal), ``dropped_capacity`` (the buffer stayed full for the whole put timeout)
+and, for bytes that cannot be read back, ``dropped_corrupt``. Backends implement five
+primitives; the freshness rule, the blocking and the accounting live here once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from sample_buffer.codec import GroupHeader, decode_group, encode_group, read_header
+from sample_buffer.config import BufferConfig
+from sample_buffer.filters import GroupFilter, zero_variance
+from sample_buffer.trajectory import Group
+
+COUNTERS = (
+    "put",
+    "consumed",
+    "dropped_stale",
+    "dropped_filtered",
+    "dropped_capacity",
+    "dropped_corrupt",
+    "redelivered",
+)
+
+
+class BufferFull(TimeoutError):
+    """The buffer stayed at capacity for the whole put timeout; the group was not stored."""
+
+
+class BufferBackendError(RuntimeError):
+    """The backend cannot serve (e.g. a Redis key of the wrong type); the message says which."""
+
+
+@dataclass
+class Batch:
+    batch_id: str  # "" when nothing was handed out
+    groups: list[bytes] = field(default_factory=list)  # encoded groups, oldest first
+
+    def decode(self) -> list[Group]:
+        return [decode_group(g) for g in self.groups]
+
+
+@dataclass
+class PutResult:
+    accepted: bool
+    reason: str = ""  # why not: filtered
+
+
+def min_version(current_version: int, max_staleness: int) -> int:
+    """Oldest ``start_version`` still fresh enough: a group may lag ``max_staleness`` versions."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
+    return current_version - max_staleness
+
+
+class SampleBuffer(ABC):
+    def __init__(self, config: BufferConfig) -> None:
+        self.config = config
+        self.filters: list[GroupFilter] = [zero_variance] if config.filter_zero_variance else []
+
+    # ------------------------------------------------------------------ API
+    async def put(self, group: Group | bytes, timeout_s: float | None = None) -> PutResult:
+        """Store a complete group; waits while the buffer is full, ``BufferFull`` after the timeout."""
+        data = encode_group(group) if isinstance(group, Group) else bytes(group)
+        header = read_header(data)  # CodecError on bad bytes: nothing stored, nothing counted
+        for f in self.filters:
+            if reason := f(header):
+                await self._count(f"dropped_{reason}")
+                return PutResult(False, reason)
+        timeout = self.config.put_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while not await self._append(header, data):
+            if time.monotonic() >= deadline:
+                await self._count("dropped_capacity")
+                raise BufferFull(f"buffer full ({self.config.capacity_groups} groups) for {timeout:.1f}s")
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.1)
+        return PutResult(True)
+
+    async def get(self, num_groups: int, current_version: int, max_staleness: int, timeout_s: float) -> Batch:
+        """Up to ``num_groups`` fresh groups, oldest first; waits up to ``timeout_s`` for a full batch
+        and returns what it has then (possibly nothing, with an empty ``batch_id``)."""
+        if num_groups < 1:
+            raise ValueError(f"num_groups: must be >= 1, got {num_groups}")
+        floor = min_version(current_version, max_staleness)
+        batch_id = uuid.uuid4().hex
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        got: list[bytes] = []
+        while True:
+            wait = max(0.0, deadline - time.monotonic())
+            got += await self._take(batch_id, num_groups - len(got), floor, wait)
+            if len(got) >= num_groups or time.monotonic() >= deadline:
+                break
+        if not got:
+            await self._forget(batch_id)
+        return Batch(batch_id if got else "", got)
+
+    async def ack(self, batch_id: str) -> int:
+        """Mark a batch consumed; returns how many groups this ack consumed (0 if already acked or
+        if the batch timed out and its groups went to another batch)."""
+        if not batch_id:
+            raise ValueError("batch_id: must not be empty")
+        return await self._ack(batch_id)
+
+    async def stats(self) -> dict:
+        return await self._stats()
+
+    async def close(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------ backend primitives
+    @abstractmethod
+    async def _append(self, header: GroupHeader, data: bytes) -> bool:
+        """Store unless at capacity (then False). Counts ``put``."""
+
+    @abstractmethod
+    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> list[bytes]:
+        """Hand up to ``k`` groups to ``batch_id``: first those whose batch passed the visibility
+        timeout, then new ones; drop (and count) stale and corrupt ones on the way. May wait up to
+        ``wait_s`` for the first group."""
+
+    @abstractmethod
+    async def _ack(self, batch_id: str) -> int:
+        """Remove the groups ``batch_id`` still holds; count them ``consumed``."""
+
+    @abstractmethod
+    async def _forget(self, batch_id: str) -> None:
+        """Drop any bookkeeping of a batch that got nothing."""
+
+    @abstractmethod
+    async def _count(self, name: str, n: int = 1) -> None: ...
+
+    @abstractmethod
+    async def _stats(self) -> dict:
+        """``depth``, ``in_flight`` and every counter of ``COUNTERS``."""
+
+
+def make_buffer(config: BufferConfig) -> SampleBuffer:
+    if config.backend == "memory":
+        from sample_buffer.memory import MemoryBuffer
+
+        return MemoryBuffer(config)
+    from sample_buffer.redis_buffer import RedisBuffer
+
+    return RedisBuffer(config)

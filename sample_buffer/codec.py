@@ -1,0 +1,130 @@
+"""Compact binary encoding of a ``Group``: what travels over gRPC and sits in Redis.
+
+Layout: ``[format version: 1 byte][flags: 1 byte][header length: u32 LE][header][body]``.
+The header is a small msgpack map (group id, prompt id, start version, rewards, size) so the
+buffer can apply freshness and filtering without decoding the trajectories. The body is msgpack
+with every array as raw little-endian bytes, optionally zlib-compressed (flag bit 0). Encoding
+is a handful of memory copies; the same bytes go from the EnvManager to Redis to the trainer.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from sample_buffer.trajectory import Group, Trajectory, TrajectoryError
+
+FORMAT_VERSION = 1
+_FLAG_ZLIB = 1
+_PREFIX = struct.Struct("<BBI")
+
+
+class CodecError(ValueError):
+    """Bytes that are not an encoded group of a known format version."""
+
+
+@dataclass(frozen=True)
+class GroupHeader:
+    group_id: str
+    prompt_id: str
+    start_version: int
+    rewards: tuple[float, ...]
+    size: int
+
+
+def _arr(a: np.ndarray | None, dtype) -> bytes | None:
+    return None if a is None else np.ascontiguousarray(a, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+
+
+def encode_group(group: Group, compress: bool = False) -> bytes:
+    header = msgpack.packb(
+        {
+            "g": group.group_id,
+            "p": group.prompt_id,
+            "v": group.start_version,
+            "r": group.rewards,
+            "n": len(group.trajectories),
+        }
+    )
+    body = msgpack.packb(
+        [
+            [
+                t.trajectory_id,
+                t.prompt_id,
+                _arr(t.token_ids, np.int32),
+                _arr(t.loss_mask, np.int8),
+                _arr(t.behavior_logprobs, np.float32),
+                _arr(t.token_versions, np.int32),
+                t.reward,
+                t.start_version,
+                t.finish_reason,
+                _arr(t.token_rewards, np.float32),
+                t.metadata,
+            ]
+            for t in group.trajectories
+        ]
+    )
+    flags = 0
+    if compress:
+        body, flags = zlib.compress(body, 1), _FLAG_ZLIB
+    return _PREFIX.pack(FORMAT_VERSION, flags, len(header)) + header + body
+
+
+def _split(data: bytes) -> tuple[int, bytes, memoryview]:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise CodecError(f"expected bytes, got {type(data).__name__}")
+    if len(data) < _PREFIX.size:
+        raise CodecError(f"payload of {len(data)} bytes is too short to be an encoded group")
+    version, flags, hlen = _PREFIX.unpack_from(data)
+    if version != FORMAT_VERSION:
+        raise CodecError(f"unknown group format version {version} (this build reads {FORMAT_VERSION})")
+    if _PREFIX.size + hlen > len(data):
+        raise CodecError(f"header length {hlen} runs past the end of the {len(data)}-byte payload")
+    view = memoryview(data)
+    return flags, bytes(view[_PREFIX.size : _PREFIX.size + hlen]), view[_PREFIX.size + hlen :]
+
+
+def read_header(data: bytes) -> GroupHeader:
+    """The group's header without decoding its trajectories."""
+    _, header, _ = _split(data)
+    try:
+        h = msgpack.unpackb(header)
+        return GroupHeader(str(h["g"]), str(h["p"]), int(h["v"]), tuple(float(r) for r in h["r"]), int(h["n"]))
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+        raise CodecError(f"corrupt group header: {type(e).__name__}: {e}") from None
+
+
+def decode_group(data: bytes) -> Group:
+    flags, _, body = _split(data)
+    head = read_header(data)
+    try:
+        raw = zlib.decompress(body) if flags & _FLAG_ZLIB else body
+        rows = msgpack.unpackb(raw)
+        trajs = [
+            Trajectory(
+                trajectory_id=r[0],
+                group_id=head.group_id,
+                prompt_id=r[1],
+                token_ids=np.frombuffer(r[2], dtype="<i4"),
+                loss_mask=np.frombuffer(r[3], dtype="<i1"),
+                behavior_logprobs=np.frombuffer(r[4], dtype="<f4"),
+                token_versions=np.frombuffer(r[5], dtype="<i4"),
+                reward=r[6],
+                start_version=r[7],
+                finish_reason=r[8],
+                token_rewards=None if r[9] is None else np.frombuffer(r[9], dtype="<f4"),
+                metadata=r[10],
+            )
+            for r in rows
+        ]
+    except TrajectoryError as e:
+        raise CodecError(f"decoded group {head.group_id!r} is invalid: {e}") from None
+    except (ValueError, TypeError, IndexError, zlib.error, msgpack.UnpackException) as e:
+        raise CodecError(f"corrupt group body: {type(e).__name__}: {e}") from None
+    if len(trajs) != head.size:
+        raise CodecError(f"group {head.group_id!r}: header says {head.size} trajectories, body has {len(trajs)}")
+    return Group(head.group_id, head.prompt_id, trajs)

@@ -1,0 +1,33 @@
+"""Configuration of the SampleBuffer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BufferConfig(BaseModel):
+    """Where trajectories wait between rollout and training, and the rules they wait under."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["redis", "memory"] = Field("redis", description="'memory' keeps groups in the service's process.")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server (redis backend).")
+    key_prefix: str = Field("rollmesh:default", description="Prefix of every Redis key: one per run shares a Redis.")
+    capacity_groups: int = Field(
+        4096, ge=1, description="Groups held at most, handed-out-but-unacked included; put waits beyond it."
+    )
+    visibility_timeout_s: float = Field(
+        120.0, gt=0, description="A batch not acked within this is handed out again (its consumer died)."
+    )
+    put_timeout_s: float = Field(
+        30.0, ge=0, description="How long put waits on a full buffer when the caller gives none."
+    )
+    filter_zero_variance: bool = Field(
+        True, description="Drop groups whose rewards are all equal (DAPO dynamic sampling: no learning signal)."
+    )
+    redis_timeout_s: float = Field(10.0, gt=0, description="Timeout of one Redis command.")
+    host: str = Field("127.0.0.1", description="Address the gRPC service binds.")
+    port: int = Field(50052, ge=0, le=65535, description="gRPC port of the service.")
+    metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")

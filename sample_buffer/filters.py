@@ -1,0 +1,16 @@
+"""Group filters applied at put time. Each returns a drop reason or None to keep the group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sample_buffer.codec import GroupHeader
+
+GroupFilter = Callable[[GroupHeader], str | None]
+
+
+def zero_variance(header: GroupHeader) -> str | None:
+    """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage everywhere."""
+    if len(header.rewards) > 1 and max(header.rewards) - min(header.rewards) == 0.0:
+        return "filtered"
+    return None

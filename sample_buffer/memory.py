@@ -1,0 +1,102 @@
+"""In-process backend: the embedded default and the reference the Redis backend is tested against."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections import Counter
+
+from sample_buffer.buffer import COUNTERS, SampleBuffer
+from sample_buffer.codec import CodecError, GroupHeader, read_header
+from sample_buffer.config import BufferConfig
+
+log = logging.getLogger(__name__)
+
+
+class MemoryBuffer(SampleBuffer):
+    def __init__(self, config: BufferConfig) -> None:
+        super().__init__(config)
+        self._seq = itertools.count()
+        self._entries: dict[int, tuple[int, bytes]] = {}  # seq -> (start_version, data)
+        self._ready: list[int] = []  # heap of seqs: oldest first, redelivered ones regain their place
+        self._batches: dict[str, tuple[float, list[int]]] = {}  # batch_id -> (handed out at, seqs)
+        self._counters: Counter[str] = Counter()
+        self._arrived = asyncio.Event()
+
+    async def _append(self, header: GroupHeader, data: bytes) -> bool:
+        if len(self._entries) >= self.config.capacity_groups:
+            return False
+        seq = next(self._seq)
+        self._entries[seq] = (header.start_version, data)
+        heapq.heappush(self._ready, seq)
+        self._counters["put"] += 1
+        self._arrived.set()
+        return True
+
+    def _redeliver_expired(self) -> None:
+        now = time.monotonic()
+        for batch_id, (t0, seqs) in list(self._batches.items()):
+            if now - t0 >= self.config.visibility_timeout_s:
+                del self._batches[batch_id]
+                for s in seqs:
+                    heapq.heappush(self._ready, s)
+                self._counters["redelivered"] += len(seqs)
+
+    def _until_next_expiry(self) -> float:
+        if not self._batches:
+            return float("inf")
+        oldest = min(t0 for t0, _ in self._batches.values())
+        return max(0.0, oldest + self.config.visibility_timeout_s - time.monotonic())
+
+    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> list[bytes]:
+        self._redeliver_expired()
+        if not self._ready and wait_s > 0:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=min(wait_s, self._until_next_expiry()))
+            except TimeoutError:
+                pass
+            self._redeliver_expired()
+        out, seqs = [], []
+        while self._ready and len(out) < k:
+            seq = heapq.heappop(self._ready)
+            version, data = self._entries[seq]
+            if version < floor:
+                del self._entries[seq]
+                self._counters["dropped_stale"] += 1
+                continue
+            try:
+                read_header(data)
+            except CodecError as e:
+                log.error("dropping a corrupt group: %s", e)
+                del self._entries[seq]
+                self._counters["dropped_corrupt"] += 1
+                continue
+            out.append(data)
+            seqs.append(seq)
+        if seqs:
+            t0, held = self._batches.get(batch_id, (time.monotonic(), []))
+            self._batches[batch_id] = (t0, held + seqs)
+        return out
+
+    async def _ack(self, batch_id: str) -> int:
+        _, seqs = self._batches.pop(batch_id, (0.0, []))
+        for s in seqs:
+            del self._entries[s]
+        self._counters["consumed"] += len(seqs)
+        return len(seqs)
+
+    async def _forget(self, batch_id: str) -> None:
+        self._batches.pop(batch_id, None)
+
+    async def _count(self, name: str, n: int = 1) -> None:
+        self._counters[name] += n
+
+    async def _stats(self) -> dict:
+        in_flight = sum(len(s) for _, s in self._batches.values())
+        return {"depth": len(self._entries) - in_flight, "in_flight": in_flight} | {
+            c: self._counters[c] for c in COUNTERS
+        }

@@ -1,0 +1,167 @@
+"""Redis backend: one Redis Stream per run, one consumer group, one consumer per batch.
+
+Why a stream: XADD appends durably (AOF), XREADGROUP hands each entry to exactly one reader and
+keeps it in the pending list until XACK, and XAUTOCLAIM moves entries whose reader went quiet
+past the visibility timeout to a new reader. Naming the consumer after the batch makes a batch's
+entries exactly "what that consumer still owns", so a late ack of a batch whose entries were
+re-delivered acks nothing (the new batch owns them) and no group is consumed twice.
+
+Keys (prefix per run, so runs share one Redis): ``{prefix}:groups`` (the stream; fields ``d``
+encoded group, ``v`` start version) and ``{prefix}:stats`` (a hash of counters). Acked and
+dropped entries are deleted from the stream, so its length is what the buffer holds and the
+capacity check is one XLEN inside the same Lua script as the XADD (no check-then-act race).
+
+Durability: run Redis with ``appendonly yes`` and ``appendfsync always`` (the tests and the
+deploy configs do) so an acknowledged put survives ``kill -9``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from sample_buffer.buffer import COUNTERS, BufferBackendError, SampleBuffer
+from sample_buffer.codec import CodecError, GroupHeader, read_header
+from sample_buffer.config import BufferConfig
+
+log = logging.getLogger(__name__)
+GROUP = b"trainers"
+
+_APPEND = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
+local id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[2], 'v', ARGV[3])
+redis.call('HINCRBY', KEYS[2], 'put', 1)
+return id
+"""
+
+
+class RedisBuffer(SampleBuffer):
+    def __init__(self, config: BufferConfig) -> None:
+        super().__init__(config)
+        self.stream = f"{config.key_prefix}:groups"
+        self.stats_key = f"{config.key_prefix}:stats"
+        self.redis = aioredis.from_url(
+            config.redis_url,
+            socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=config.redis_timeout_s,
+            decode_responses=False,
+        )
+        self._append_script = self.redis.register_script(_APPEND)
+        self._ready = False
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def _ensure_group(self) -> None:
+        if self._ready:
+            return
+        try:
+            await self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise self._explain(e) from None
+        self._ready = True
+
+    def _explain(self, e: RedisError) -> BufferBackendError:
+        if "WRONGTYPE" in str(e):
+            return BufferBackendError(
+                f"Redis key {self.stream!r} or {self.stats_key!r} exists with another type: is another program "
+                f"using the key prefix {self.config.key_prefix!r}? ({e})"
+            )
+        return BufferBackendError(f"Redis error on {self.config.redis_url}: {type(e).__name__}: {e}")
+
+    async def _append(self, header: GroupHeader, data: bytes) -> bool:
+        try:
+            await self._ensure_group()
+            entry = await self._append_script(
+                keys=[self.stream, self.stats_key], args=[self.config.capacity_groups, data, header.start_version]
+            )
+        except RedisError as e:
+            raise self._explain(e) from None
+        return entry is not None
+
+    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> list[bytes]:
+        try:
+            await self._ensure_group()
+            idle_ms = int(self.config.visibility_timeout_s * 1000)
+            _, claimed, _ = await self.redis.xautoclaim(self.stream, GROUP, batch_id, idle_ms, "0-0", count=k)
+            entries = list(claimed)
+            if claimed:
+                await self.redis.hincrby(self.stats_key, "redelivered", len(claimed))
+            if len(entries) < k:
+                # Block for new entries, but not so long that a batch passing its visibility
+                # timeout meanwhile waits long for the next XAUTOCLAIM.
+                poll_s = min(wait_s, max(0.05, self.config.visibility_timeout_s / 4), 1.0)
+                block = int(poll_s * 1000) if not entries and poll_s > 0 else None
+                res = await self.redis.xreadgroup(
+                    GROUP, batch_id, {self.stream: ">"}, count=k - len(entries), block=block
+                )
+                for _, rows in res or []:
+                    entries += rows
+            return await self._sort_out(entries, floor)
+        except RedisError as e:
+            raise self._explain(e) from None
+
+    async def _sort_out(self, entries: list, floor: int) -> list[bytes]:
+        """Keep fresh, readable groups; ack, delete and count the rest."""
+        keep, stale, corrupt = [], [], []
+        for entry_id, fields in entries:
+            data, version = fields.get(b"d"), fields.get(b"v")
+            try:
+                if data is None or version is None:
+                    raise CodecError("stream entry lacks its 'd' or 'v' field")
+                read_header(data)
+            except CodecError as e:
+                log.error("dropping corrupt group %s: %s", entry_id, e)
+                corrupt.append(entry_id)
+                continue
+            (stale if int(version) < floor else keep).append((entry_id, data))
+        await self._drop([i for i, _ in stale], "dropped_stale")
+        await self._drop(corrupt, "dropped_corrupt")
+        return [d for _, d in keep]
+
+    async def _drop(self, ids: list[bytes], reason: str) -> None:
+        if ids:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xack(self.stream, GROUP, *ids).xdel(self.stream, *ids).hincrby(self.stats_key, reason, len(ids))
+            await pipe.execute()
+
+    async def _ack(self, batch_id: str) -> int:
+        try:
+            await self._ensure_group()
+            pending = await self.redis.xpending_range(
+                self.stream, GROUP, min="-", max="+", count=self.config.capacity_groups, consumername=batch_id
+            )
+            ids = [p["message_id"] for p in pending]
+            if ids:
+                await self._drop(ids, "consumed")
+            await self.redis.xgroup_delconsumer(self.stream, GROUP, batch_id)
+            return len(ids)
+        except RedisError as e:
+            raise self._explain(e) from None
+
+    async def _forget(self, batch_id: str) -> None:
+        try:
+            await self.redis.xgroup_delconsumer(self.stream, GROUP, batch_id)
+        except RedisError as e:
+            raise self._explain(e) from None
+
+    async def _count(self, name: str, n: int = 1) -> None:
+        try:
+            await self.redis.hincrby(self.stats_key, name, n)
+        except RedisError as e:
+            raise self._explain(e) from None
+
+    async def _stats(self) -> dict:
+        try:
+            await self._ensure_group()
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xlen(self.stream).xpending(self.stream, GROUP).hgetall(self.stats_key)
+            length, pending, counters = await pipe.execute()
+        except RedisError as e:
+            raise self._explain(e) from None
+        in_flight = int(pending["pending"])
+        counters = {k.decode(): int(v) for k, v in counters.items()}
+        return {"depth": length - in_flight, "in_flight": in_flight} | {c: counters.get(c, 0) for c in COUNTERS}

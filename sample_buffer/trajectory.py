@@ -1,0 +1,138 @@
+"""Trajectories and groups: what rollout hands to training, validated on construction.
+
+Arrays are numpy so that encoding is a memory copy, not a per-token Python loop. Per-token
+fields come in two lengths: ``token_ids``/``loss_mask``/``token_rewards`` cover the whole
+sequence; ``behavior_logprobs``/``token_versions`` cover only the generated tokens (where
+``loss_mask`` is 1), in order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FINISH_REASONS = frozenset({"stop", "length", "abort", "timeout", "error", "env_error"})
+
+
+class TrajectoryError(ValueError):
+    """A trajectory or group that breaks the data model; the message names the field."""
+
+
+def _array(name: str, value, dtype) -> np.ndarray:
+    arr = np.asarray(value, dtype=dtype)
+    if arr.ndim != 1:
+        raise TrajectoryError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    return arr
+
+
+@dataclass
+class Trajectory:
+    trajectory_id: str
+    group_id: str
+    prompt_id: str
+    token_ids: np.ndarray  # [T] int32, prompt + generated + environment tokens
+    loss_mask: np.ndarray  # [T] int8, 1 on tokens the policy generated
+    behavior_logprobs: np.ndarray  # [G] float32, G = loss_mask.sum(): the engine's log-probs
+    token_versions: np.ndarray  # [G] int32, policy version that generated each token
+    reward: float
+    start_version: int  # version at the first generated token
+    finish_reason: str = "stop"
+    token_rewards: np.ndarray | None = None  # [T] float32, optional
+    metadata: dict = field(default_factory=dict)  # env name, timings, turn boundaries
+
+    def __post_init__(self) -> None:
+        self.token_ids = _array("token_ids", self.token_ids, np.int32)
+        self.loss_mask = _array("loss_mask", self.loss_mask, np.int8)
+        self.behavior_logprobs = _array("behavior_logprobs", self.behavior_logprobs, np.float32)
+        self.token_versions = _array("token_versions", self.token_versions, np.int32)
+        if self.token_rewards is not None:
+            self.token_rewards = _array("token_rewards", self.token_rewards, np.float32)
+        self.reward, self.start_version = float(self.reward), int(self.start_version)
+        self.validate()
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def validate(self) -> None:
+        t = len(self.token_ids)
+        if not self.trajectory_id or not self.group_id:
+            raise TrajectoryError("trajectory_id and group_id must be non-empty")
+        if len(self.loss_mask) != t:
+            raise TrajectoryError(f"loss_mask: length {len(self.loss_mask)} != token_ids length {t}")
+        if t and not np.isin(self.loss_mask, (0, 1)).all():
+            raise TrajectoryError("loss_mask: values must be 0 or 1")
+        g = self.num_generated
+        if len(self.behavior_logprobs) != g:
+            raise TrajectoryError(f"behavior_logprobs: length {len(self.behavior_logprobs)} != generated tokens {g}")
+        if len(self.token_versions) != g:
+            raise TrajectoryError(f"token_versions: length {len(self.token_versions)} != generated tokens {g}")
+        if g and not (np.isfinite(self.behavior_logprobs).all() and (self.behavior_logprobs <= 0).all()):
+            raise TrajectoryError("behavior_logprobs: log-probs must be finite and <= 0")
+        if g and int(self.token_versions[0]) != self.start_version:
+            raise TrajectoryError(
+                f"start_version: {self.start_version} != version of the first generated token "
+                f"{int(self.token_versions[0])}"
+            )
+        if self.token_rewards is not None and len(self.token_rewards) != t:
+            raise TrajectoryError(f"token_rewards: length {len(self.token_rewards)} != token_ids length {t}")
+        if not np.isfinite(self.reward):
+            raise TrajectoryError(f"reward: must be finite, got {self.reward}")
+        if self.finish_reason not in FINISH_REASONS:
+            raise TrajectoryError(f"finish_reason: {self.finish_reason!r} is not one of {sorted(FINISH_REASONS)}")
+
+
+@dataclass
+class Group:
+    """The trajectories of one prompt, handed to training together (GRPO needs whole groups)."""
+
+    group_id: str
+    prompt_id: str
+    trajectories: list[Trajectory]
+
+    def __post_init__(self) -> None:
+        if not self.trajectories:
+            raise TrajectoryError(f"group {self.group_id!r}: has no trajectories")
+        for t in self.trajectories:
+            if t.group_id != self.group_id:
+                raise TrajectoryError(f"group {self.group_id!r}: holds trajectory of group {t.group_id!r}")
+
+    @property
+    def start_version(self) -> int:
+        """The oldest member's version: a group is as stale as its stalest sample."""
+        return min(t.start_version for t in self.trajectories)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+
+class GroupAssembler:
+    """Collects trajectories into groups of ``size``; a group is complete when all its members
+    are in or its deadline passes (then it completes with the members it has)."""
+
+    def __init__(self, size: int, deadline_s: float | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"size: must be >= 1, got {size}")
+        self.size, self.deadline_s = size, deadline_s
+        self._open: dict[str, tuple[float, str, list[Trajectory]]] = {}
+
+    def add(self, traj: Trajectory, now: float | None = None) -> Group | None:
+        started, prompt_id, members = self._open.setdefault(
+            traj.group_id, (now if now is not None else time.monotonic(), traj.prompt_id, [])
+        )
+        members.append(traj)
+        if len(members) >= self.size:
+            del self._open[traj.group_id]
+            return Group(traj.group_id, prompt_id, members)
+        return None
+
+    def expire(self, now: float | None = None) -> list[Group]:
+        """Groups whose deadline passed, completed with the members they have."""
+        if self.deadline_s is None:
+            return []
+        now = now if now is not None else time.monotonic()
+        done = [gid for gid, (t0, _, _) in self._open.items() if now - t0 >= self.deadline_s]
+        return [Group(gid, self._open[gid][1], self._open.pop(gid)[2]) for gid in done]

@@ -1,0 +1,25 @@
+import numpy as np
+
+from sample_buffer.trajectory import Group, Trajectory
+
+
+def make_group(gid: str, version: int = 0, rewards=(0.0, 1.0), prompt_len: int = 4, gen_len: int = 6) -> Group:
+    rng = np.random.default_rng(abs(hash(gid)) % 2**32)
+    trajs = []
+    for i, r in enumerate(rewards):
+        trajs.append(
+            Trajectory(
+                trajectory_id=f"{gid}/{i}",
+                group_id=gid,
+                prompt_id=f"p-{gid}",
+                token_ids=rng.integers(0, 250, prompt_len + gen_len),
+                loss_mask=[0] * prompt_len + [1] * gen_len,
+                behavior_logprobs=-rng.random(gen_len),
+                token_versions=[version] * gen_len,
+                reward=r,
+                start_version=version,
+                finish_reason="stop",
+                metadata={"env": "test", "turns": [prompt_len]},
+            )
+        )
+    return Group(gid, f"p-{gid}", trajs)

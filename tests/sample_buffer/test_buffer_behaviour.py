@@ -1,0 +1,205 @@
+"""One behavioural suite for both backends: the Redis one runs against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from sample_buffer.buffer import BufferFull, make_buffer
+from sample_buffer.codec import CodecError
+from sample_buffer.config import BufferConfig
+from tests.sample_buffer.helpers import make_group
+
+_made: list = []  # buffers of the running test, closed inside its event loop by run()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def buffer_factory(request):
+    made = _made
+
+    def make(**kw):
+        cfg = {"backend": request.param}
+        if request.param == "redis":
+            server = request.getfixturevalue("redis_server")
+            cfg |= {"redis_url": server.url, "key_prefix": f"test:{uuid.uuid4().hex[:8]}"}
+        buf = make_buffer(BufferConfig(**(cfg | kw)))
+        made.append(buf)
+        return buf
+
+    yield make
+    made.clear()
+
+
+def run(coro):
+    async def main():
+        try:
+            return await coro
+        finally:
+            for b in _made:
+                await b.close()
+
+    return asyncio.run(main())
+
+
+def ids(batch):
+    return [g.group_id for g in batch.decode()]
+
+
+def test_put_get_ack_round_trip_oldest_first(buffer_factory):
+    async def go():
+        buf = buffer_factory()
+        for i in range(5):
+            assert (await buf.put(make_group(f"g{i}", version=1))).accepted
+        batch = await buf.get(3, current_version=1, max_staleness=0, timeout_s=2)
+        mid = await buf.stats()
+        assert await buf.ack(batch.batch_id) == 3
+        rest = await buf.get(3, current_version=1, max_staleness=0, timeout_s=0.2)
+        return batch, mid, rest, await buf.stats()
+
+    batch, mid, rest, stats = run(go())
+    assert ids(batch) == ["g0", "g1", "g2"] and batch.decode()[0].trajectories[0].trajectory_id == "g0/0"
+    assert (mid["depth"], mid["in_flight"]) == (2, 3)
+    assert ids(rest) == ["g3", "g4"]  # partial batch at the timeout
+    assert stats["put"] == 5 and stats["consumed"] == 3 and stats["in_flight"] == 2
+
+
+def test_freshness_at_the_boundary_versions(buffer_factory):
+    async def go():
+        buf = buffer_factory()
+        for v in (1, 2, 3, 4, 5, 6):
+            await buf.put(make_group(f"v{v}", version=v))
+        fresh = await buf.get(10, current_version=5, max_staleness=2, timeout_s=0.2)
+        on_policy_buf = buffer_factory()
+        for v in (4, 5):
+            await on_policy_buf.put(make_group(f"w{v}", version=v))
+        on_policy = await on_policy_buf.get(10, current_version=5, max_staleness=0, timeout_s=0.2)
+        return fresh, await buf.stats(), on_policy, await on_policy_buf.stats()
+
+    fresh, stats, on_policy, stats0 = run(go())
+    assert ids(fresh) == ["v3", "v4", "v5", "v6"]  # 5 - 2 = 3 is the oldest allowed
+    assert stats["dropped_stale"] == 2 and stats["depth"] == 0
+    assert ids(on_policy) == ["w5"] and stats0["dropped_stale"] == 1
+
+
+def test_zero_variance_groups_are_filtered_and_counted(buffer_factory):
+    async def go():
+        buf = buffer_factory()
+        flat = await buf.put(make_group("flat", rewards=(1.0, 1.0, 1.0)))
+        kept = await buf.put(make_group("mixed", rewards=(1.0, 0.0, 1.0)))
+        unfiltered = buffer_factory(filter_zero_variance=False)
+        also = await unfiltered.put(make_group("flat2", rewards=(0.0, 0.0)))
+        return flat, kept, also, await buf.stats()
+
+    flat, kept, also, stats = run(go())
+    assert not flat.accepted and flat.reason == "filtered" and kept.accepted and also.accepted
+    assert stats["dropped_filtered"] == 1 and stats["put"] == 1
+
+
+def test_unacked_batch_is_redelivered_after_the_visibility_timeout(buffer_factory):
+    async def go():
+        buf = buffer_factory(visibility_timeout_s=0.3)
+        for i in range(3):
+            await buf.put(make_group(f"r{i}"))
+        first = await buf.get(3, 0, 0, timeout_s=1)
+        nothing = await buf.get(3, 0, 0, timeout_s=0.05)  # still invisible
+        again = await buf.get(3, 0, 0, timeout_s=2)  # the first consumer "died"
+        late_ack = await buf.ack(first.batch_id)
+        ack = await buf.ack(again.batch_id)
+        twice = await buf.ack(again.batch_id)
+        after = await buf.get(3, 0, 0, timeout_s=0.1)
+        return first, nothing, again, late_ack, ack, twice, after, await buf.stats()
+
+    first, nothing, again, late_ack, ack, twice, after, stats = run(go())
+    assert ids(first) == ids(again) == ["r0", "r1", "r2"] and nothing.groups == []
+    assert first.batch_id != again.batch_id
+    assert (late_ack, ack, twice) == (0, 3, 0)  # consumed exactly once
+    assert after.batch_id == "" and after.groups == []  # acked: never handed out again
+    assert stats["consumed"] == 3 and stats["redelivered"] == 3 and stats["in_flight"] == 0
+
+
+def test_full_buffer_makes_put_wait_then_fail_clearly(buffer_factory):
+    async def go():
+        buf = buffer_factory(capacity_groups=2)
+        await buf.put(make_group("a"))
+        await buf.put(make_group("b"))
+        with pytest.raises(BufferFull, match="full"):
+            await buf.put(make_group("c"), timeout_s=0.2)
+        waiting = asyncio.create_task(buf.put(make_group("d"), timeout_s=5))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        batch = await buf.get(1, 0, 0, timeout_s=1)
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # handed out but not acked still takes room
+        await buf.ack(batch.batch_id)
+        assert (await asyncio.wait_for(waiting, 5)).accepted
+        return await buf.stats()
+
+    stats = run(go())
+    assert stats["dropped_capacity"] == 1 and stats["put"] == 3 and stats["depth"] == 2
+
+
+def test_two_concurrent_consumers_never_get_the_same_group(buffer_factory):
+    async def go():
+        buf = buffer_factory()
+        n = 40
+        for i in range(n):
+            await buf.put(make_group(f"c{i}"))
+        seen: dict[str, list[str]] = {"A": [], "B": []}
+
+        async def consumer(name):
+            while True:
+                batch = await buf.get(3, 0, 0, timeout_s=0.3)
+                if not batch.groups:
+                    return
+                seen[name] += ids(batch)
+                await asyncio.sleep(0.001)
+                await buf.ack(batch.batch_id)
+
+        await asyncio.gather(consumer("A"), consumer("B"))
+        return n, seen, await buf.stats()
+
+    n, seen, stats = run(go())
+    assert not set(seen["A"]) & set(seen["B"])
+    assert sorted(seen["A"] + seen["B"]) == sorted(f"c{i}" for i in range(n))
+    assert seen["A"] and seen["B"] and stats["consumed"] == n
+
+
+def test_bad_payload_is_refused_and_nothing_is_lost(buffer_factory):
+    async def go():
+        buf = buffer_factory()
+        await buf.put(make_group("ok"))
+        with pytest.raises(CodecError):
+            await buf.put(b"\x01\x00garbage")
+        with pytest.raises(ValueError, match="max_staleness"):
+            await buf.get(1, 0, -1, timeout_s=0)
+        with pytest.raises(ValueError, match="num_groups"):
+            await buf.get(0, 0, 0, timeout_s=0)
+        return await buf.get(1, 0, 0, timeout_s=1), await buf.stats()
+
+    batch, stats = run(go())
+    assert ids(batch) == ["ok"] and stats["put"] == 1
+
+
+def test_every_group_ends_in_exactly_one_state(buffer_factory):
+    async def go():
+        buf = buffer_factory(capacity_groups=6)
+        attempts = 0
+        for i in range(10):
+            attempts += 1
+            try:
+                await buf.put(
+                    make_group(f"s{i}", version=i % 4, rewards=(1.0, 1.0) if i % 5 == 0 else (0.0, 1.0)), timeout_s=0.01
+                )
+            except BufferFull:
+                pass
+        batch = await buf.get(2, current_version=3, max_staleness=1, timeout_s=0.5)
+        await buf.ack(batch.batch_id)
+        await buf.get(1, current_version=3, max_staleness=1, timeout_s=0.5)  # left in flight
+        return attempts, await buf.stats()
+
+    attempts, s = run(go())
+    ended = s["consumed"] + s["dropped_stale"] + s["dropped_filtered"] + s["dropped_capacity"]
+    assert attempts == ended + s["depth"] + s["in_flight"]
+    assert s["dropped_filtered"] == 2 and s["dropped_capacity"] >= 1 and s["dropped_stale"] >= 1

@@ -1,0 +1,95 @@
+import numpy as np
+import pytest
+
+from sample_buffer.codec import CodecError, decode_group, encode_group, read_header
+from sample_buffer.trajectory import Group, GroupAssembler, Trajectory, TrajectoryError
+from tests.sample_buffer.helpers import make_group
+
+
+def traj(**kw):
+    base = dict(
+        trajectory_id="t",
+        group_id="g",
+        prompt_id="p",
+        token_ids=[1, 2, 3, 4],
+        loss_mask=[0, 0, 1, 1],
+        behavior_logprobs=[-0.5, -1.0],
+        token_versions=[3, 4],
+        reward=1.0,
+        start_version=3,
+    )
+    return Trajectory(**(base | kw))
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"loss_mask": [0, 1, 1]}, "loss_mask"),
+        ({"loss_mask": [0, 2, 1, 1], "behavior_logprobs": [-1.0, -1.0, -1.0]}, "loss_mask"),
+        ({"behavior_logprobs": [-0.5]}, "behavior_logprobs"),
+        ({"behavior_logprobs": [-0.5, 0.1]}, "behavior_logprobs"),
+        ({"behavior_logprobs": [-0.5, float("nan")]}, "behavior_logprobs"),
+        ({"token_versions": [3]}, "token_versions"),
+        ({"start_version": 2}, "start_version"),
+        ({"token_rewards": [0.0]}, "token_rewards"),
+        ({"reward": float("inf")}, "reward"),
+        ({"finish_reason": "bored"}, "finish_reason"),
+    ],
+)
+def test_invalid_trajectories_name_the_field(kw, field):
+    with pytest.raises(TrajectoryError, match=field):
+        traj(**kw)
+
+
+def test_codec_round_trip_is_exact():
+    g = make_group("g1", version=7, rewards=(0.0, 0.5, 1.0))
+    g.trajectories[0].token_rewards = np.arange(10, dtype=np.float32)
+    for compress in (False, True):
+        data = encode_group(g, compress=compress)
+        h = read_header(data)
+        assert (h.group_id, h.start_version, h.rewards, h.size) == ("g1", 7, (0.0, 0.5, 1.0), 3)
+        back = decode_group(data)
+        assert back.group_id == "g1" and back.prompt_id == g.prompt_id
+        for a, b in zip(g.trajectories, back.trajectories):
+            for f in ("token_ids", "loss_mask", "behavior_logprobs", "token_versions"):
+                assert np.array_equal(getattr(a, f), getattr(b, f)), f
+            assert (a.reward, a.start_version, a.metadata, a.trajectory_id) == (
+                b.reward,
+                b.start_version,
+                b.metadata,
+                b.trajectory_id,
+            )
+        assert np.array_equal(back.trajectories[0].token_rewards, np.arange(10))
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "too short"),
+        (b"\x07\x00\x00\x00\x00\x00", "unknown group format version 7"),
+        (b"\x01\x00\xff\x00\x00\x00abc", "runs past the end"),
+        (b"\x01\x00\x03\x00\x00\x00\xc1\xc1\xc1", "corrupt group header"),
+    ],
+)
+def test_bad_bytes_give_clear_errors(data, message):
+    with pytest.raises(CodecError, match=message):
+        decode_group(data)
+
+
+def test_corrupt_body_is_a_codec_error():
+    data = encode_group(make_group("g2"))
+    with pytest.raises(CodecError, match="corrupt group body"):
+        decode_group(data[:-7])
+
+
+def test_group_assembler_completes_on_size_or_deadline():
+    asm = GroupAssembler(size=2, deadline_s=10)
+    a = traj(trajectory_id="a", group_id="x")
+    assert asm.add(a, now=0) is None
+    done = asm.add(traj(trajectory_id="b", group_id="x"), now=1)
+    assert isinstance(done, Group) and [t.trajectory_id for t in done.trajectories] == ["a", "b"]
+    asm.add(traj(trajectory_id="c", group_id="y"), now=0)
+    assert asm.expire(now=5) == []
+    [late] = asm.expire(now=10)
+    assert late.group_id == "y" and len(late.trajectories) == 1
+    assert Group("z", "p", [traj(group_id="z", start_version=3)]).start_version == 3
