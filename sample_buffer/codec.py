@@ -10,6 +10,7 @@ is a handful of memory copies; the same bytes go from the EnvManager to Redis to
 from __future__ import annotations
 
 import struct
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class GroupHeader:
     start_version: int
     rewards: tuple[float, ...]
     size: int
+    created_unix_s: float  # when the group was encoded: its age in the buffer is measured from here
 
 
 def _arr(a: np.ndarray | None, dtype) -> bytes | None:
@@ -48,6 +50,7 @@ def encode_group(group: Group, compress: bool = False) -> bytes:
             "v": group.start_version,
             "r": group.rewards,
             "n": len(group.trajectories),
+            "t": time.time(),
         }
     )
     body = msgpack.packb(
@@ -93,7 +96,8 @@ def read_header(data: bytes) -> GroupHeader:
     _, header, _ = _split(data)
     try:
         h = msgpack.unpackb(header)
-        return GroupHeader(str(h["g"]), str(h["p"]), int(h["v"]), tuple(float(r) for r in h["r"]), int(h["n"]))
+        rewards = tuple(float(r) for r in h["r"])
+        return GroupHeader(str(h["g"]), str(h["p"]), int(h["v"]), rewards, int(h["n"]), float(h["t"]))
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
         raise CodecError(f"corrupt group header: {type(e).__name__}: {e}") from None
 

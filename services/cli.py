@@ -70,6 +70,16 @@ def serve_llm_proxy(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
     serve(cfg.proxy)
 
 
+@serve_app.command("sample-buffer")
+def serve_sample_buffer(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
+    """The SampleBuffer gRPC service (Redis-backed unless buffer.backend=memory)."""
+    cfg = _config(config, set_)
+    _logging()
+    from services.sample_buffer.server import serve
+
+    serve(cfg.buffer)
+
+
 @app.command()
 def demo(model: Path = typer.Option(Path("models/tiny"), help="Model directory.")) -> None:
     """Inference demo: an embedded engine behind the LLMProxy answering a few chat prompts."""
@@ -105,6 +115,19 @@ def bench_proxy(
     from services.bench.proxy_bench import run
 
     _emit(run(str(model), clients, requests_per_client), json_)
+
+
+@bench_app.command("buffer")
+def bench_buffer(
+    groups: int = typer.Option(20_000, help="Groups to put and get."),
+    group_size: int = typer.Option(8, help="Trajectories per group."),
+    tokens: int = typer.Option(512, help="Tokens per trajectory."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Groups through the gRPC SampleBuffer backed by a local redis-server, vs raw Redis SET/GET."""
+    from services.bench.buffer_bench import run
+
+    _emit(run(groups, group_size, tokens), json_)
 
 
 def _emit(result: dict, as_json: bool) -> None:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollout.engines.embedded.config import EngineConfig
 from rollout.proxy.config import ProxyConfig
+from sample_buffer.config import BufferConfig
 
 
 class ConfigError(ValueError):
@@ -29,6 +30,9 @@ class RollmeshConfig(BaseModel):
     run_name: str = Field("rollmesh", description="Name of the run (directory names, Redis key prefix).")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The embedded engine server.")
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="The LLMProxy in front of the engines.")
+    buffer: BufferConfig = Field(
+        default_factory=BufferConfig, description="The SampleBuffer between rollout and training."
+    )
 
 
 def apply_override(data: dict, override: str) -> None:

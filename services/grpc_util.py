@@ -58,9 +58,11 @@ def unary_service(service_name: str, methods: dict[str, tuple[type[Message], Han
     )
 
 
-async def start_server(handler: grpc.GenericRpcHandler, service_name: str, host: str, port: int) -> grpc.aio.Server:
+async def start_server(
+    handler: grpc.GenericRpcHandler, service_name: str, host: str, port: int, options: list | None = None
+) -> grpc.aio.Server:
     """Start a grpc.aio server with health checking; returns it started (``port`` 0 picks one)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *(options or [])])
     server.add_generic_rpc_handlers((handler,))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -43,7 +43,7 @@ def make_engine_process(tiny_model):
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    from tests.redis_server import RedisServer
+    from services.launch import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server

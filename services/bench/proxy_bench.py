@@ -72,10 +72,23 @@ async def _via_proxy(address: str, clients: int, n: int) -> tuple[list[float], f
     return lat, wall
 
 
-def _start_proxy_process(engine_url: str) -> tuple[subprocess.Popen, str]:
+def wait_grpc_healthy(address: str, timeout_s: float) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.1)
+    raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f}s")
+
+
+def _start_proxy_process(engine_url: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "llm-proxy"]
     cmd += [
@@ -88,17 +101,12 @@ def _start_proxy_process(engine_url: str) -> tuple[subprocess.Popen, str]:
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return proc, address
-            except grpc.RpcError:
-                time.sleep(0.1)
-    stop_process(proc)
-    raise TimeoutError("LLMProxy did not become healthy in 60s")
+    try:
+        wait_grpc_healthy(address, 60)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, address
 
 
 def _uv(coro):

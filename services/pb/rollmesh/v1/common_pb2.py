@@ -24,21 +24,13 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rollmesh/v1/common.proto\x12\x0brollmesh.v1\"\xfb\x02\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x11\n\tloss_mask\x18\x05 \x03(\x05\x12\x19\n\x11\x62\x65havior_logprobs\x18\x06 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x07 \x03(\x03\x12\x0e\n\x06reward\x18\x08 \x01(\x02\x12\x15\n\rtoken_rewards\x18\t \x03(\x02\x12\x15\n\rstart_version\x18\n \x01(\x03\x12\x30\n\rfinish_reason\x18\x0b \x01(\x0e\x32\x19.rollmesh.v1.FinishReason\x12\x37\n\x08metadata\x18\x0c \x03(\x0b\x32%.rollmesh.v1.Trajectory.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"t\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12-\n\x0ctrajectories\x18\x03 \x03(\x0b\x32\x17.rollmesh.v1.Trajectory\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x04 \x01(\x01*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x19\n\x15\x46INISH_REASON_TIMEOUT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rollmesh/v1/common.proto\x12\x0brollmesh.v1*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x19\n\x15\x46INISH_REASON_TIMEOUT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAJECTORY_METADATAENTRY']._loaded_options = None
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=542
-  _globals['_FINISHREASON']._serialized_end=714
-  _globals['_TRAJECTORY']._serialized_start=42
-  _globals['_TRAJECTORY']._serialized_end=421
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_start=374
-  _globals['_TRAJECTORY_METADATAENTRY']._serialized_end=421
-  _globals['_GROUP']._serialized_start=423
-  _globals['_GROUP']._serialized_end=539
+  _globals['_FINISHREASON']._serialized_start=42
+  _globals['_FINISHREASON']._serialized_end=214
 # @@protoc_insertion_point(module_scope)

@@ -1,9 +1,8 @@
-from services.pb.rollmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -11,9 +10,9 @@ class PutRequest(_message.Message):
     __slots__ = ("group", "timeout_s")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    group: _common_pb2.Group
+    group: bytes
     timeout_s: float
-    def __init__(self, group: _Optional[_Union[_common_pb2.Group, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, group: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("accepted", "reason")
@@ -40,8 +39,8 @@ class GetResponse(_message.Message):
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
-    groups: _containers.RepeatedCompositeFieldContainer[_common_pb2.Group]
-    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.Group, _Mapping]]] = ...) -> None: ...
+    groups: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("batch_id",)
@@ -60,7 +59,7 @@ class BufferStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("depth", "in_flight", "put_total", "consumed_total", "dropped_by_reason")
+    __slots__ = ("depth", "in_flight", "put_total", "consumed_total", "dropped_by_reason", "redelivered_total")
     class DroppedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,9 +72,11 @@ class BufferStats(_message.Message):
     PUT_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     depth: int
     in_flight: int
     put_total: int
     consumed_total: int
     dropped_by_reason: _containers.ScalarMap[str, int]
-    def __init__(self, depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., put_total: _Optional[int] = ..., consumed_total: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    redelivered_total: int
+    def __init__(self, depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., put_total: _Optional[int] = ..., consumed_total: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., redelivered_total: _Optional[int] = ...) -> None: ...

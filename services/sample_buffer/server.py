@@ -1,0 +1,185 @@
+"""gRPC SampleBuffer service: a thin adapter over ``sample_buffer.SampleBuffer``."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+import time
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from sample_buffer.buffer import BufferBackendError, BufferFull, SampleBuffer, make_buffer
+from sample_buffer.codec import CodecError, read_header
+from sample_buffer.config import BufferConfig
+from services.grpc_util import start_server, unary_service
+from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
+
+log = logging.getLogger(__name__)
+SERVICE = "rollmesh.v1.SampleBuffer"
+DROP_REASONS = ("stale", "filtered", "capacity", "corrupt")
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+class BufferMetrics:
+    """Per-RPC histograms plus the buffer's own counters, refreshed in the background."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.latest: dict = {}
+        self.puts = Counter("rollmesh_buffer_put_requests", "Put calls by result", ["result"], registry=r)
+        self.got = Counter("rollmesh_buffer_handed_out_groups", "Groups handed out by Get", registry=r)
+        self.get_seconds = Histogram(
+            "rollmesh_buffer_get_latency_seconds",
+            "Get latency, waiting included",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.staleness = Histogram(
+            "rollmesh_buffer_staleness_versions",
+            "current_version - start_version of each group handed out",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+            registry=r,
+        )
+        self.age = Histogram(
+            "rollmesh_buffer_age_seconds",
+            "Time from encoding to hand-out of each group",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        r.register(self)
+
+    def collect(self):
+        s = self.latest
+        if not s:
+            return
+        yield GaugeMetricFamily("rollmesh_buffer_depth_groups", "Groups waiting to be handed out", value=s["depth"])
+        yield GaugeMetricFamily(
+            "rollmesh_buffer_in_flight_groups", "Groups handed out, not acked", value=s["in_flight"]
+        )
+        yield CounterMetricFamily("rollmesh_buffer_put_groups", "Groups stored", value=s["put"])
+        yield CounterMetricFamily("rollmesh_buffer_consumed_groups", "Groups acked by the trainer", value=s["consumed"])
+        yield CounterMetricFamily(
+            "rollmesh_buffer_redelivered_groups", "Groups handed out again", value=s["redelivered"]
+        )
+        dropped = CounterMetricFamily("rollmesh_buffer_dropped_groups", "Groups dropped, by reason", labels=["reason"])
+        for reason in DROP_REASONS:
+            dropped.add_metric([reason], s[f"dropped_{reason}"])
+        yield dropped
+
+
+def build_handler(buffer: SampleBuffer, metrics: BufferMetrics) -> grpc.GenericRpcHandler:
+    async def put(req: pb.PutRequest, ctx) -> pb.PutResponse:
+        try:
+            res = await buffer.put(req.group, req.timeout_s or None)
+        except CodecError as e:
+            metrics.puts.labels("invalid").inc()
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"group: {e}")
+        except BufferFull as e:
+            metrics.puts.labels("full").inc()
+            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except BufferBackendError as e:
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        metrics.puts.labels("accepted" if res.accepted else res.reason).inc()
+        return pb.PutResponse(accepted=res.accepted, reason=res.reason)
+
+    async def get(req: pb.GetRequest, ctx) -> pb.GetResponse:
+        t0 = time.perf_counter()
+        try:
+            batch = await buffer.get(req.num_groups, req.current_version, req.max_staleness, req.timeout_s)
+        except ValueError as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except BufferBackendError as e:
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        metrics.get_seconds.observe(time.perf_counter() - t0)
+        metrics.got.inc(len(batch.groups))
+        now = time.time()
+        for data in batch.groups:
+            h = read_header(data)
+            metrics.staleness.observe(max(0, req.current_version - h.start_version))
+            metrics.age.observe(max(0.0, now - h.created_unix_s))
+        return pb.GetResponse(batch_id=batch.batch_id, groups=batch.groups)
+
+    async def ack(req: pb.AckRequest, ctx) -> pb.AckResponse:
+        try:
+            return pb.AckResponse(num_acked=await buffer.ack(req.batch_id))
+        except ValueError as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except BufferBackendError as e:
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def stats(req: pb.BufferStatsRequest, ctx) -> pb.BufferStats:
+        try:
+            s = await buffer.stats()
+        except BufferBackendError as e:
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        metrics.latest = s
+        return pb.BufferStats(
+            depth=s["depth"],
+            in_flight=s["in_flight"],
+            put_total=s["put"],
+            consumed_total=s["consumed"],
+            dropped_by_reason={r: s[f"dropped_{r}"] for r in DROP_REASONS},
+            redelivered_total=s["redelivered"],
+        )
+
+    return unary_service(
+        SERVICE,
+        {
+            "Put": (pb.PutRequest, put),
+            "Get": (pb.GetRequest, get),
+            "Ack": (pb.AckRequest, ack),
+            "Stats": (pb.BufferStatsRequest, stats),
+        },
+    )
+
+
+async def _refresh(buffer: SampleBuffer, metrics: BufferMetrics, period_s: float = 1.0) -> None:
+    while True:
+        try:
+            metrics.latest = await buffer.stats()
+        except BufferBackendError as e:
+            log.warning("stats refresh failed: %s", e)
+        await asyncio.sleep(period_s)
+
+
+async def start_buffer_service(config: BufferConfig):
+    """Start the buffer, its gRPC server and its metrics; returns (server, buffer, refresh task)."""
+    buffer = make_buffer(config)
+    metrics = BufferMetrics()
+    server = await start_server(
+        build_handler(buffer, metrics),
+        SERVICE,
+        config.host,
+        config.port,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    refresh = asyncio.create_task(_refresh(buffer, metrics))
+    if config.metrics_port:
+        start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+    return server, buffer, refresh
+
+
+def serve(config: BufferConfig) -> None:
+    async def main() -> None:
+        server, buffer, refresh = await start_buffer_service(config)
+        gc.freeze()
+        log.info("SampleBuffer (%s) serving on %s:%d", config.backend, config.host, server.bound_port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        refresh.cancel()
+        await server.stop(grace=5)
+        await buffer.close()
+
+    import uvloop
+
+    uvloop.run(main())
