@@ -69,22 +69,42 @@ class SampleBuffer(ABC):
     # ------------------------------------------------------------------ API
     async def put(self, group: Group | bytes, timeout_s: float | None = None) -> PutResult:
         """Store a complete group; waits while the buffer is full, ``BufferFull`` after the timeout."""
-        data = encode_group(group) if isinstance(group, Group) else bytes(group)
-        header = read_header(data)  # CodecError on bad bytes: nothing stored, nothing counted
-        for f in self.filters:
-            if reason := f(header):
-                await self._count(f"dropped_{reason}")
-                return PutResult(False, reason)
+        return (await self.put_many([group], timeout_s))[0]
+
+    async def put_many(self, groups: list[Group | bytes], timeout_s: float | None = None) -> list[PutResult]:
+        """Store several groups in one backend round trip, in order. Every payload is checked
+        before any is stored (``CodecError`` stores nothing); filtered groups are counted and
+        skipped; groups still without room at the timeout raise ``BufferFull`` (the earlier ones
+        of the call are stored)."""
+        datas = [encode_group(g) if isinstance(g, Group) else bytes(g) for g in groups]
+        headers = [read_header(d) for d in datas]
+        results = [PutResult(True) for _ in datas]
+        todo = []
+        for i, h in enumerate(headers):
+            for f in self.filters:
+                if reason := f(h):
+                    results[i] = PutResult(False, reason)
+                    await self._count(f"dropped_{reason}")
+                    break
+            else:
+                todo.append(i)
         timeout = self.config.put_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         delay = 0.005
-        while not await self._append(header, data):
+        while todo:
+            stored = await self._append([(headers[i], datas[i]) for i in todo])
+            todo = todo[stored:]
+            if not todo:
+                break
             if time.monotonic() >= deadline:
-                await self._count("dropped_capacity")
-                raise BufferFull(f"buffer full ({self.config.capacity_groups} groups) for {timeout:.1f}s")
+                await self._count("dropped_capacity", len(todo))
+                raise BufferFull(
+                    f"buffer full ({self.config.capacity_groups} groups) for {timeout:.1f}s: "
+                    f"{len(todo)} of {len(datas)} groups not stored"
+                )
             await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.1)
-        return PutResult(True)
+        return results
 
     async def get(self, num_groups: int, current_version: int, max_staleness: int, timeout_s: float) -> Batch:
         """Up to ``num_groups`` fresh groups, oldest first; waits up to ``timeout_s`` for a full batch
@@ -119,8 +139,8 @@ class SampleBuffer(ABC):
 
     # ------------------------------------------------------------------ backend primitives
     @abstractmethod
-    async def _append(self, header: GroupHeader, data: bytes) -> bool:
-        """Store unless at capacity (then False). Counts ``put``."""
+    async def _append(self, items: list[tuple[GroupHeader, bytes]]) -> int:
+        """Store items in order until the buffer is full; return how many were stored. Counts ``put``."""
 
     @abstractmethod
     async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> list[bytes]:

@@ -26,15 +26,19 @@ class MemoryBuffer(SampleBuffer):
         self._counters: Counter[str] = Counter()
         self._arrived = asyncio.Event()
 
-    async def _append(self, header: GroupHeader, data: bytes) -> bool:
-        if len(self._entries) >= self.config.capacity_groups:
-            return False
-        seq = next(self._seq)
-        self._entries[seq] = (header.start_version, data)
-        heapq.heappush(self._ready, seq)
-        self._counters["put"] += 1
-        self._arrived.set()
-        return True
+    async def _append(self, items: list[tuple[GroupHeader, bytes]]) -> int:
+        stored = 0
+        for header, data in items:
+            if len(self._entries) >= self.config.capacity_groups:
+                break
+            seq = next(self._seq)
+            self._entries[seq] = (header.start_version, data)
+            heapq.heappush(self._ready, seq)
+            stored += 1
+        self._counters["put"] += stored
+        if stored:
+            self._arrived.set()
+        return stored
 
     def _redeliver_expired(self) -> None:
         now = time.monotonic()

@@ -72,15 +72,27 @@ class RedisBuffer(SampleBuffer):
             )
         return BufferBackendError(f"Redis error on {self.config.redis_url}: {type(e).__name__}: {e}")
 
-    async def _append(self, header: GroupHeader, data: bytes) -> bool:
+    async def _append(self, items: list[tuple[GroupHeader, bytes]]) -> int:
+        """One pipelined round trip; each script call re-checks capacity, so the stored ones are
+        a prefix of ``items`` (a full buffer stays full within one pipeline: nobody acks in it)."""
         try:
             await self._ensure_group()
-            entry = await self._append_script(
-                keys=[self.stream, self.stats_key], args=[self.config.capacity_groups, data, header.start_version]
-            )
+            pipe = self.redis.pipeline(transaction=False)
+            for header, data in items:
+                await self._append_script(  # queued on the pipeline, not sent yet
+                    keys=[self.stream, self.stats_key],
+                    args=[self.config.capacity_groups, data, header.start_version],
+                    client=pipe,
+                )
+            ids = await pipe.execute()
         except RedisError as e:
             raise self._explain(e) from None
-        return entry is not None
+        stored = 0
+        for entry in ids:
+            if entry is None:
+                break
+            stored += 1
+        return stored
 
     async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> list[bytes]:
         try:

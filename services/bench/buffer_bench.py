@@ -1,8 +1,9 @@
 """`rollmesh bench buffer`: groups through the gRPC SampleBuffer backed by Redis, vs raw Redis.
 
 A local redis-server (AOF, fsync on every write: the durable configuration) and the buffer
-service in its own process; in this process, producers put pre-encoded groups while one
-consumer gets batches and acks them, as a trainer would. The raw figure is SET+GET of a value
+service in its own process; in this process, concurrent producers put pre-encoded groups
+through a ``PutBatcher`` (as EnvManager workers do) while one consumer gets batches of 32 and
+acks them, as a trainer would. The raw figure is SET+GET of a value
 of the same size from Python with the same concurrency: the ceiling the service is held to.
 """
 
@@ -21,7 +22,7 @@ from sample_buffer.codec import encode_group
 from sample_buffer.trajectory import Group, Trajectory
 from services.launch import RedisServer, free_port, stop_process
 
-PRODUCERS = 16
+PRODUCERS = 64  # concurrent episode workers putting groups
 GET_BATCH = 32
 
 
@@ -66,14 +67,15 @@ def _start_service(redis_url: str) -> tuple[subprocess.Popen, str]:
 
 
 async def _through_service(address: str, payloads: list[bytes], total: int) -> tuple[float, list[float]]:
-    from services.sample_buffer.client import BufferClient
+    from services.sample_buffer.client import BufferClient, PutBatcher
 
     client = BufferClient(address)
+    batcher = PutBatcher(client)
     latencies: list[float] = []
 
     async def produce(k: int) -> None:
         for i in range(k, total, PRODUCERS):
-            await client.put(payloads[i % len(payloads)], timeout_s=60)
+            await batcher.put(payloads[i % len(payloads)], timeout_s=60)
 
     async def consume() -> None:
         done = 0

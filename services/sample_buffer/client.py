@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
-from sample_buffer.buffer import Batch
+from sample_buffer.buffer import Batch, PutResult
 from sample_buffer.codec import encode_group
 from sample_buffer.trajectory import Group
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
@@ -27,9 +29,13 @@ class BufferClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def put(self, group: Group | bytes, timeout_s: float = 0.0) -> pb.PutResponse:
-        data = encode_group(group) if isinstance(group, Group) else group
-        return await self.stub.Put(pb.PutRequest(group=data, timeout_s=timeout_s), timeout=timeout_s + self.timeout_s)
+    async def put(self, group: Group | bytes, timeout_s: float = 0.0) -> PutResult:
+        return (await self.put_many([group], timeout_s))[0]
+
+    async def put_many(self, groups: list[Group | bytes], timeout_s: float = 0.0) -> list[PutResult]:
+        datas = [encode_group(g) if isinstance(g, Group) else g for g in groups]
+        res = await self.stub.Put(pb.PutRequest(groups=datas, timeout_s=timeout_s), timeout=timeout_s + self.timeout_s)
+        return [PutResult(r.accepted, r.reason) for r in res.results]
 
     async def get(self, num_groups: int, current_version: int, max_staleness: int, timeout_s: float) -> Batch:
         req = pb.GetRequest(
@@ -43,3 +49,45 @@ class BufferClient:
 
     async def stats(self) -> pb.BufferStats:
         return await self.stub.Stats(pb.BufferStatsRequest(), timeout=self.timeout_s)
+
+
+class PutBatcher:
+    """Micro-batches puts: groups that finish within ``max_delay_s`` of each other share one RPC.
+
+    ``await batcher.put(group)`` returns that group's result once its batch is stored, so the
+    caller keeps per-group back-pressure and errors while the wire sees few, larger calls.
+    """
+
+    def __init__(self, client: BufferClient, max_groups: int = 32, max_delay_s: float = 0.005) -> None:
+        self.client, self.max_groups, self.max_delay_s = client, max_groups, max_delay_s
+        self._pending: list[tuple[bytes, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+
+    async def put(self, group: Group | bytes, timeout_s: float = 0.0) -> PutResult:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((encode_group(group) if isinstance(group, Group) else group, fut))
+        if len(self._pending) >= self.max_groups:
+            self._flush(timeout_s)
+        elif self._flusher is None:
+            self._flusher = asyncio.get_running_loop().call_later(self.max_delay_s, self._flush, timeout_s)
+        return await fut
+
+    def _flush(self, timeout_s: float) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            self._flusher = None
+        batch, self._pending = self._pending, []
+        if batch:
+            asyncio.ensure_future(self._send(batch, timeout_s))
+
+    async def _send(self, batch: list[tuple[bytes, asyncio.Future]], timeout_s: float) -> None:
+        try:
+            results = await self.client.put_many([d for d, _ in batch], timeout_s)
+        except Exception as e:  # every waiting caller gets the error of its batch
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for (_, fut), res in zip(batch, results, strict=True):
+            if not fut.done():
+                fut.set_result(res)

@@ -30,7 +30,9 @@ class BufferMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.latest: dict = {}
-        self.puts = Counter("rollmesh_buffer_put_requests", "Put calls by result", ["result"], registry=r)
+        self.puts = Counter(
+            "rollmesh_buffer_put_groups_by_result", "Groups offered to Put, by result", ["result"], registry=r
+        )
         self.got = Counter("rollmesh_buffer_handed_out_groups", "Groups handed out by Get", registry=r)
         self.get_seconds = Histogram(
             "rollmesh_buffer_get_latency_seconds",
@@ -73,18 +75,21 @@ class BufferMetrics:
 
 def build_handler(buffer: SampleBuffer, metrics: BufferMetrics) -> grpc.GenericRpcHandler:
     async def put(req: pb.PutRequest, ctx) -> pb.PutResponse:
+        if not req.groups:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "groups: at least one encoded group is needed")
         try:
-            res = await buffer.put(req.group, req.timeout_s or None)
+            results = await buffer.put_many(list(req.groups), req.timeout_s or None)
         except CodecError as e:
             metrics.puts.labels("invalid").inc()
-            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"group: {e}")
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"groups: {e}")
         except BufferFull as e:
             metrics.puts.labels("full").inc()
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except BufferBackendError as e:
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        metrics.puts.labels("accepted" if res.accepted else res.reason).inc()
-        return pb.PutResponse(accepted=res.accepted, reason=res.reason)
+        for r in results:
+            metrics.puts.labels("accepted" if r.accepted else r.reason).inc()
+        return pb.PutResponse(results=[pb.PutResult(accepted=r.accepted, reason=r.reason) for r in results])
 
     async def get(req: pb.GetRequest, ctx) -> pb.GetResponse:
         t0 = time.perf_counter()

@@ -2,25 +2,31 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PutRequest(_message.Message):
-    __slots__ = ("group", "timeout_s")
-    GROUP_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("groups", "timeout_s")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    group: bytes
+    groups: _containers.RepeatedScalarFieldContainer[bytes]
     timeout_s: float
-    def __init__(self, group: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, groups: _Optional[_Iterable[bytes]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
-class PutResponse(_message.Message):
+class PutResult(_message.Message):
     __slots__ = ("accepted", "reason")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PutResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("num_groups", "current_version", "max_staleness", "timeout_s")
