@@ -7,9 +7,15 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: setup run test proto lint format bench model clean
+.PHONY: setup run test proto lint format bench model clean servers
 
 setup: $(STAMP)
+
+# Servers the tests start themselves (on free loopback ports): redis-server.
+servers:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (Debian package)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -28,7 +34,7 @@ model: $(MODEL)/config.json
 run: $(STAMP) model
 	.venv/bin/rollmesh demo --model $(MODEL)
 
-test: $(STAMP)
+test: $(STAMP) servers
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 proto: $(STAMP)
@@ -42,9 +48,10 @@ format: $(STAMP)
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-bench: $(STAMP) model
+bench: $(STAMP) model servers
 	.venv/bin/rollmesh bench engine --model $(MODEL) --json
 	.venv/bin/rollmesh bench proxy --model $(MODEL) --json
+	.venv/bin/rollmesh bench buffer --json
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

@@ -203,3 +203,22 @@ def test_every_group_ends_in_exactly_one_state(buffer_factory):
     ended = s["consumed"] + s["dropped_stale"] + s["dropped_filtered"] + s["dropped_capacity"]
     assert attempts == ended + s["depth"] + s["in_flight"]
     assert s["dropped_filtered"] == 2 and s["dropped_capacity"] >= 1 and s["dropped_stale"] >= 1
+
+
+def test_put_many_keeps_order_filters_and_stops_at_capacity(buffer_factory):
+    async def go():
+        buf = buffer_factory(capacity_groups=3)
+        res = await buf.put_many(
+            [make_group("m0"), make_group("flat", rewards=(2.0, 2.0)), make_group("m1"), make_group("m2")]
+        )
+        with pytest.raises(BufferFull, match="2 of 2 groups not stored"):
+            await buf.put_many([make_group("m3"), make_group("m4")], timeout_s=0.1)
+        with pytest.raises(CodecError):
+            await buf.put_many([make_group("m5"), b"junk"])  # checked before anything is stored
+        batch = await buf.get(10, 0, 0, timeout_s=0.2)
+        return res, batch, await buf.stats()
+
+    res, batch, stats = run(go())
+    assert [r.accepted for r in res] == [True, False, True, True] and res[1].reason == "filtered"
+    assert ids(batch) == ["m0", "m1", "m2"]
+    assert stats["put"] == 3 and stats["dropped_capacity"] == 2 and stats["dropped_filtered"] == 1
