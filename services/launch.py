@@ -35,6 +35,45 @@ def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None 
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
 
 
+def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll the gRPC health service at ``address`` until it reports SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process exited with code {proc.returncode} before {address} was SERVING")
+            try:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            except grpc.RpcError:
+                time.sleep(0.1)
+    raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f}s")
+
+
+def start_service_process(service: str, section: str, overrides: list[str], timeout_s: float = 60.0):
+    """Run ``rollmesh serve SERVICE`` on a free port with ``SECTION.key=value`` overrides; returns
+    (process, gRPC address) once its health check says SERVING."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "services.cli", "serve", service, "--set", f"{section}.port={port}"]
+    for o in overrides:
+        cmd += ["--set", f"{section}.{o}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_grpc_healthy(address, timeout_s, proc)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, address
+
+
 def start_engine_process(
     model_path: str, port: int | None = None, extra: list[str] | None = None, timeout_s: float = 120.0
 ) -> tuple[subprocess.Popen, str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import numpy as np
 
 from sample_buffer.codec import encode_group
 from sample_buffer.trajectory import Group, Trajectory
-from services.launch import RedisServer, free_port, stop_process
+from services.launch import RedisServer, start_service_process, stop_process
 
 PRODUCERS = 64  # concurrent episode workers putting groups
 GET_BATCH = 32
@@ -50,20 +49,8 @@ def make_payloads(n_distinct: int, group_size: int, tokens: int) -> list[bytes]:
 
 
 def _start_service(redis_url: str) -> tuple[subprocess.Popen, str]:
-    from services.bench.proxy_bench import wait_grpc_healthy
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "sample-buffer"]
-    for o in (f"redis_url={redis_url}", f"port={port}", "metrics_port=0", "key_prefix=bench", "capacity_groups=4096"):
-        cmd += ["--set", f"buffer.{o}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    address = f"127.0.0.1:{port}"
-    try:
-        wait_grpc_healthy(address, 60)
-    except BaseException:
-        stop_process(proc)
-        raise
-    return proc, address
+    overrides = [f"redis_url={redis_url}", "metrics_port=0", "key_prefix=bench", "capacity_groups=4096"]
+    return start_service_process("sample-buffer", "buffer", overrides)
 
 
 async def _through_service(address: str, payloads: list[bytes], total: int) -> tuple[float, list[float]]:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 import time
 
-from services.launch import free_port, start_engine_process, stop_process
+from services.launch import start_engine_process, start_service_process, stop_process
 
 PROMPT = [1, 20, 21, 22, 23, 24, 25, 26]
 
@@ -34,79 +33,43 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _direct(url: str, clients: int, n: int) -> tuple[list[float], float]:
-    from rollout.engines.sglang_client import SGLangClient
-
-    client = SGLangClient(url, timeout_s=60)
+async def _load(call, clients: int, n: int) -> tuple[list[float], float]:
+    """``clients`` concurrent loops of ``n`` sequential calls; returns (latencies, wall)."""
     lat: list[float] = []
 
     async def worker():
         for _ in range(n):
             t = time.perf_counter()
-            await client.generate(PROMPT, {"max_new_tokens": 1}, return_logprob=True)
+            await call()
             lat.append(time.perf_counter() - t)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
-    wall = time.perf_counter() - t0
-    await client.close()
-    return lat, wall
+    return lat, time.perf_counter() - t0
+
+
+async def _direct(url: str, clients: int, n: int) -> tuple[list[float], float]:
+    from rollout.engines.sglang_client import SGLangClient
+
+    client = SGLangClient(url, timeout_s=60)
+    try:
+        return await _load(lambda: client.generate(PROMPT, {"max_new_tokens": 1}), clients, n)
+    finally:
+        await client.close()
 
 
 async def _via_proxy(address: str, clients: int, n: int) -> tuple[list[float], float]:
     from services.llm_proxy.client import ProxyClient
 
     client = ProxyClient(address, timeout_s=60)
-    lat: list[float] = []
-
-    async def worker():
-        for _ in range(n):
-            t = time.perf_counter()
-            await client.generate(PROMPT, 1)
-            lat.append(time.perf_counter() - t)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    wall = time.perf_counter() - t0
-    await client.close()
-    return lat, wall
-
-
-def wait_grpc_healthy(address: str, timeout_s: float) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.1)
-    raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f}s")
+    try:
+        return await _load(lambda: client.generate(PROMPT, 1), clients, n)
+    finally:
+        await client.close()
 
 
 def _start_proxy_process(engine_url: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "llm-proxy"]
-    cmd += [
-        "--set",
-        f"proxy.engine_urls=[{engine_url}]",
-        "--set",
-        f"proxy.port={port}",
-        "--set",
-        "proxy.metrics_port=0",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    address = f"127.0.0.1:{port}"
-    try:
-        wait_grpc_healthy(address, 60)
-    except BaseException:
-        stop_process(proc)
-        raise
-    return proc, address
+    return start_service_process("llm-proxy", "proxy", [f"engine_urls=[{engine_url}]", "metrics_port=0"])
 
 
 def _uv(coro):

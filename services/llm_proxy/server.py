@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import logging
-import signal
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from rollout.proxy import LLMProxy, ProxyConfig, ProxyRequest, RequestInvalid
 from rollout.proxy.proxy import NoEngineAvailable
-from services.grpc_util import start_server, unary_service
+from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 
@@ -173,18 +170,9 @@ async def start_proxy(config: ProxyConfig) -> tuple[grpc.aio.Server, LLMProxy]:
 
 
 def serve(config: ProxyConfig) -> None:
-    async def main() -> None:
+    async def start():
         server, proxy = await start_proxy(config)
-        gc.freeze()  # long-lived start-up objects out of the collector's way (tail latency)
         log.info("LLMProxy serving on %s:%d for %d engines", config.host, server.bound_port, len(config.engine_urls))
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await server.stop(grace=5)
-        await proxy.close()
+        return server, proxy.close
 
-    import uvloop  # about 30% less CPU per request than asyncio's default loop here
-
-    uvloop.run(main())
+    serve_until_signal(start)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import signal
 import time
 
 import grpc
@@ -15,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sample_buffer.buffer import BufferBackendError, BufferFull, SampleBuffer, make_buffer
 from sample_buffer.codec import CodecError, read_header
 from sample_buffer.config import BufferConfig
-from services.grpc_util import start_server, unary_service
+from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -172,19 +170,14 @@ async def start_buffer_service(config: BufferConfig):
 
 
 def serve(config: BufferConfig) -> None:
-    async def main() -> None:
+    async def start():
         server, buffer, refresh = await start_buffer_service(config)
-        gc.freeze()
         log.info("SampleBuffer (%s) serving on %s:%d", config.backend, config.host, server.bound_port)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        refresh.cancel()
-        await server.stop(grace=5)
-        await buffer.close()
 
-    import uvloop
+        async def cleanup() -> None:
+            refresh.cancel()
+            await buffer.close()
 
-    uvloop.run(main())
+        return server, cleanup
+
+    serve_until_signal(start)

@@ -4,26 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import grpc
 import httpx
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.launch import free_port
-
-
-def wait_grpc_serving(address: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.1)
-    raise TimeoutError(address)
+from services.launch import free_port, wait_grpc_healthy
 
 
 def test_proxy_process_serves_metrics_and_stops_on_sigterm(engine_url):
@@ -33,7 +18,7 @@ def test_proxy_process_serves_metrics_and_stops_on_sigterm(engine_url):
     cmd += ["--set", f"proxy.metrics_port={metrics_port}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        wait_grpc_serving(f"127.0.0.1:{port}")
+        wait_grpc_healthy(f"127.0.0.1:{port}", 60, proc)
         from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
         from services.pb.rollmesh.v1 import llm_proxy_pb2_grpc
 
@@ -62,3 +47,23 @@ def test_engine_process_stops_on_sigterm(make_engine_process):
     assert httpx.get(url + "/health", timeout=5).status_code == 200
     proc.terminate()
     assert proc.wait(15) == 0
+
+
+def test_buffer_process_serves_and_stops_on_sigterm(redis_server):
+    from services.launch import start_service_process
+
+    proc, address = start_service_process(
+        "sample-buffer", "buffer", [f"redis_url={redis_server.url}", "key_prefix=proc-test", "metrics_port=0"]
+    )
+    try:
+        from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
+        from services.pb.rollmesh.v1 import sample_buffer_pb2_grpc
+
+        with grpc.insecure_channel(address) as ch:
+            stats = sample_buffer_pb2_grpc.SampleBufferStub(ch).Stats(pb.BufferStatsRequest(), timeout=10)
+        assert stats.depth == 0 and "stale" in stats.dropped_by_reason
+        proc.terminate()
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
