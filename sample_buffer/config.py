@@ -12,7 +12,11 @@ class BufferConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["redis", "memory"] = Field("redis", description="'memory' keeps groups in the service's process.")
+    backend: Literal["memory", "redis"] = Field(
+        "memory",
+        description="'memory' (the embedded default) keeps groups in the service's process; 'redis' is durable "
+        "and what deployments use.",
+    )
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server (redis backend).")
     key_prefix: str = Field("rollmesh:default", description="Prefix of every Redis key: one per run shares a Redis.")
     capacity_groups: int = Field(

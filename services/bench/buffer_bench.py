@@ -49,7 +49,13 @@ def make_payloads(n_distinct: int, group_size: int, tokens: int) -> list[bytes]:
 
 
 def _start_service(redis_url: str) -> tuple[subprocess.Popen, str]:
-    overrides = [f"redis_url={redis_url}", "metrics_port=0", "key_prefix=bench", "capacity_groups=4096"]
+    overrides = [
+        "backend=redis",
+        f"redis_url={redis_url}",
+        "metrics_port=0",
+        "key_prefix=bench",
+        "capacity_groups=4096",
+    ]
     return start_service_process("sample-buffer", "buffer", overrides)
 
 

@@ -20,6 +20,7 @@ from tests.sample_buffer.helpers import make_group
 def run(scenario, redis_url: str, **kw):
     async def main():
         cfg = BufferConfig(
+            backend="redis",
             redis_url=redis_url,
             key_prefix=f"svc:{uuid.uuid4().hex[:8]}",
             port=0,

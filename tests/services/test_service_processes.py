@@ -53,7 +53,9 @@ def test_buffer_process_serves_and_stops_on_sigterm(redis_server):
     from services.launch import start_service_process
 
     proc, address = start_service_process(
-        "sample-buffer", "buffer", [f"redis_url={redis_server.url}", "key_prefix=proc-test", "metrics_port=0"]
+        "sample-buffer",
+        "buffer",
+        ["backend=redis", f"redis_url={redis_server.url}", "key_prefix=proc-test", "metrics_port=0"],
     )
     try:
         from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
