@@ -1,0 +1,98 @@
+"""Each estimator against a literal, loop-by-loop implementation of its definition."""
+
+import math
+
+import pytest
+import torch
+
+from trainer.advantages import AdvantageConfig, compute_advantages, dr_grpo, gae, grpo, reinforce_pp, rloo
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(8, generator=g, dtype=torch.float64)
+    group_ids = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])
+    mask = torch.zeros(8, 6, dtype=torch.float64)
+    for i, (s, e) in enumerate([(1, 6), (2, 5), (0, 6), (3, 6), (1, 4), (2, 6), (0, 2), (1, 6)]):
+        mask[i, s:e] = 1
+    return rewards, mask, group_ids
+
+
+def literal_group(rewards, group_ids):
+    groups = {}
+    for i, gid in enumerate(group_ids.tolist()):
+        groups.setdefault(gid, []).append(float(rewards[i]))
+    return groups
+
+
+def test_grpo_and_dr_grpo():
+    rewards, mask, gids = batch()
+    groups = literal_group(rewards, gids)
+    out, out_dr = grpo(rewards, mask, gids, eps=1e-6), dr_grpo(rewards, mask, gids)
+    for i, gid in enumerate(gids.tolist()):
+        rs = groups[gid]
+        mean = sum(rs) / len(rs)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / max(1, len(rs) - 1))
+        for t in range(6):
+            want = (float(rewards[i]) - mean) / (std + 1e-6) if mask[i, t] else 0.0
+            assert out[i, t].item() == pytest.approx(want, abs=1e-9)
+            assert out_dr[i, t].item() == pytest.approx((float(rewards[i]) - mean) * float(mask[i, t]), abs=1e-12)
+
+
+def test_rloo_leave_one_out():
+    rewards, mask, gids = batch()
+    groups = literal_group(rewards, gids)
+    out = rloo(rewards, mask, gids)
+    for i, gid in enumerate(gids.tolist()):
+        rs = groups[gid]
+        r = float(rewards[i])
+        want = 0.0 if len(rs) == 1 else r - (sum(rs) - r) / (len(rs) - 1)
+        assert out[i][mask[i] > 0].tolist() == pytest.approx([want] * int(mask[i].sum()), abs=1e-12)
+
+
+def test_gae_matches_the_recursion():
+    rewards, mask, gids = batch()
+    values = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    gamma, lam = 0.9, 0.8
+    adv, ret = gae(rewards, mask, gids, values=values, gamma=gamma, lam=lam)
+    for i in range(8):
+        idx = [t for t in range(6) if mask[i, t]]
+        r = [0.0] * len(idx)
+        r[-1] = float(rewards[i])
+        a_next, want = 0.0, {}
+        for k in reversed(range(len(idx))):
+            v = float(values[i, idx[k]])
+            v_next = float(values[i, idx[k + 1]]) if k + 1 < len(idx) else 0.0
+            a_next = r[k] + gamma * v_next - v + gamma * lam * a_next
+            want[idx[k]] = a_next
+        for t in range(6):
+            assert adv[i, t].item() == pytest.approx(want.get(t, 0.0), abs=1e-9)
+            assert ret[i, t].item() == pytest.approx((want[t] + float(values[i, t])) if t in want else 0.0, abs=1e-9)
+
+
+def test_reinforce_pp_whitens_discounted_returns():
+    rewards, mask, gids = batch()
+    out = reinforce_pp(rewards, mask, gids, gamma=0.95)
+    raw = []
+    for i in range(8):
+        idx = [t for t in range(6) if mask[i, t]]
+        for k in range(len(idx)):
+            raw.append((i, idx[k], float(rewards[i]) * 0.95 ** (len(idx) - 1 - k)))
+    vals = [v for _, _, v in raw]
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+    for i, t, v in raw:
+        assert out[i, t].item() == pytest.approx((v - mean) / math.sqrt(std**2 + 1e-6), abs=1e-6)
+    assert out[mask == 0].abs().max() == 0
+
+
+def test_clipping_whitening_and_errors():
+    rewards, mask, gids = batch()
+    clipped, _ = compute_advantages(AdvantageConfig(estimator="dr_grpo", reward_clip=0.1), rewards, mask, gids)
+    assert clipped.abs().max() <= 0.2 + 1e-12
+    white, _ = compute_advantages(AdvantageConfig(estimator="rloo", whiten=True), rewards, mask, gids)
+    assert abs(white[mask > 0].mean().item()) < 1e-9
+    with pytest.raises(ValueError, match="estimator"):
+        compute_advantages(AdvantageConfig(estimator="nope"), rewards, mask, gids)
+    with pytest.raises(ValueError, match="critic"):
+        compute_advantages(AdvantageConfig(estimator="gae"), rewards, mask, gids)

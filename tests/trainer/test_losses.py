@@ -1,0 +1,189 @@
+"""Every policy loss against a literal per-token implementation of its paper's formula."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.losses import (
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    aggregate,
+    kl_penalty,
+    policy_loss,
+    value_loss,
+)
+
+B, T = 6, 7
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    # Ratios from e^-2 to e^2: far outside every clip range as well as inside.
+    lp = (old + (torch.rand(B, T, generator=g, dtype=torch.float64) * 4 - 2)).clamp(max=-1e-3)
+    behav = (old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5).clamp(max=-1e-3)
+    prox = (old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).clamp(max=-1e-3)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv[1] = adv[1, 0]  # constant within a sequence, like outcome rewards
+    mask = (torch.rand(B, T, generator=g) > 0.3).double()
+    mask[0, :] = 0  # a fully masked sequence
+    mask[2, :] = 1
+    return lp.requires_grad_(True), old, behav, prox, adv, mask
+
+
+def lit_tokens(fn, lp, mask):
+    """Literal per-token losses: fn(b, t) computed with Python floats, 0 where masked."""
+    return [[fn(b, t) if mask[b, t] else 0.0 for t in range(T)] for b in range(B)]
+
+
+def clip(x, lo, hi):
+    return min(max(x, lo), hi)
+
+
+def f(x):
+    return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
+
+
+CFG = PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis_cap=2.0, cispo_clip_high=0.28)
+
+
+def literal(variant, lp, old, behav, prox, adv, b, t, cfg=CFG):
+    lp_, old_, mu, px, a = f(lp[b, t]), f(old[b, t]), f(behav[b, t]), f(prox[b, t]), f(adv[b, t])
+    r = math.exp(lp_ - old_)
+    if variant == "ppo":
+        loss = max(-a * r, -a * clip(r, 1 - cfg.clip_low, 1 + cfg.clip_high))
+        return min(loss, -a * cfg.dual_clip) if a < 0 else loss
+    if variant == "decoupled_ppo":
+        rp = math.exp(lp_ - px)
+        w = min(math.exp(px - mu), cfg.behavior_weight_cap)
+        return w * max(-a * rp, -a * clip(rp, 1 - cfg.clip_low, 1 + cfg.clip_high))
+    if variant == "tis":
+        return -min(math.exp(lp_ - mu), cfg.tis_cap) * a * lp_
+    if variant == "cispo":
+        return -clip(r, 1 - cfg.cispo_clip_low, 1 + cfg.cispo_clip_high) * a * lp_
+    if variant == "topr":
+        return -a * lp_ if a >= 0 else -min(math.exp(lp_ - mu), 1.0) * a * lp_
+    if variant == "reinforce":
+        return -a * lp_
+    raise KeyError(variant)
+
+
+def literal_weight_grad(variant, lp, old, behav, prox, adv, b, t, cfg=CFG):
+    """d(per-token loss)/d(log π) of the literal formula, stop-gradients respected."""
+    lp_, old_, mu, px, a = f(lp[b, t]), f(old[b, t]), f(behav[b, t]), f(prox[b, t]), f(adv[b, t])
+    r = math.exp(lp_ - old_)
+    if variant == "ppo":
+        lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+        unclipped, clipped = -a * r, -a * clip(r, lo, hi)
+        loss = max(unclipped, clipped)
+        if a < 0 and -a * cfg.dual_clip < loss:
+            return 0.0
+        if unclipped >= clipped:
+            return -a * r
+        return 0.0
+    if variant == "decoupled_ppo":
+        rp = math.exp(lp_ - px)
+        w = min(math.exp(px - mu), cfg.behavior_weight_cap)
+        lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+        return w * (-a * rp) if -a * rp >= -a * clip(rp, lo, hi) else 0.0
+    if variant == "tis":
+        return -min(math.exp(lp_ - mu), cfg.tis_cap) * a
+    if variant == "cispo":
+        return -clip(r, 1 - cfg.cispo_clip_low, 1 + cfg.cispo_clip_high) * a
+    if variant == "topr":
+        return -a if a >= 0 else -min(math.exp(lp_ - mu), 1.0) * a
+    if variant == "reinforce":
+        return -a
+    raise KeyError(variant)
+
+
+@pytest.mark.parametrize("variant", ["ppo", "decoupled_ppo", "tis", "cispo", "topr", "reinforce"])
+def test_token_level_variants_match_literal_formula(variant):
+    lp, old, behav, prox, adv, mask = inputs()
+    cfg = CFG.model_copy(update={"agg_mode": "token-mean"})
+    loss, metrics = policy_loss(
+        variant, lp, old, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg
+    )
+    lit = lit_tokens(lambda b, t: literal(variant, lp, old, behav, prox, adv, b, t), lp, mask)
+    n = float(mask.sum())
+    assert loss.item() == pytest.approx(sum(map(sum, lit)) / n, rel=1e-10, abs=1e-12)
+    loss.backward()
+    for b in range(B):
+        for t in range(T):
+            want = literal_weight_grad(variant, lp, old, behav, prox, adv, b, t) / n if mask[b, t] else 0.0
+            assert lp.grad[b, t].item() == pytest.approx(want, rel=1e-9, abs=1e-12), (variant, b, t)
+    assert 0.0 <= metrics["clip_frac"] <= 1.0 and metrics["ratio_max"] >= metrics["ratio_mean"] > 0
+
+
+def test_gspo_is_the_sequence_level_clipped_objective():
+    lp, old, _, _, adv, mask = inputs(3)
+    seq_adv = adv[:, :1].expand(B, T).contiguous()  # GSPO's advantage is per sequence
+    cfg = PolicyLossConfig(agg_mode="seq-mean-token-mean", gspo_clip_low=0.1, gspo_clip_high=0.15)
+    loss, _ = policy_loss("gspo", lp, old, seq_adv, mask, config=cfg)
+    loss.backward()
+    want, grads = [], torch.zeros(B, T, dtype=torch.float64)
+    rows = [b for b in range(B) if mask[b].sum() > 0]
+    for b in rows:
+        idx = [t for t in range(T) if mask[b, t]]
+        s = math.exp(sum(f(lp[b, t]) - f(old[b, t]) for t in idx) / len(idx))
+        a = f(seq_adv[b, 0])
+        unclipped, clipped = -a * s, -a * clip(s, 0.9, 1.15)
+        want.append(max(unclipped, clipped))
+        if unclipped >= clipped:  # d(-a s)/d lp_t = -a s / |idx|
+            for t in idx:
+                grads[b, t] = -a * s / len(idx) / len(rows)
+    assert loss.item() == pytest.approx(sum(want) / len(rows), rel=1e-10)
+    torch.testing.assert_close(lp.grad, grads, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_aggregation_modes(mode):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.4).double()
+    mask[3] = 0
+    rows = [b for b in range(B) if mask[b].sum()]
+    tok = {b: [f(x[b, t]) for t in range(T) if mask[b, t]] for b in rows}
+    want = {
+        "token-mean": sum(map(sum, tok.values())) / sum(map(len, tok.values())),
+        "seq-mean-token-sum": sum(sum(v) for v in tok.values()) / len(rows),
+        "seq-mean-token-mean": sum(sum(v) / len(v) for v in tok.values()) / len(rows),
+        "seq-mean-token-sum-norm": sum(map(sum, tok.values())) / (len(rows) * 11),
+    }[mode]
+    assert aggregate(x, mask, mode, norm_len=11).item() == pytest.approx(want, rel=1e-12)
+
+
+def test_smooth_pieces_pass_gradcheck():
+    lp, old, behav, prox, adv, mask = inputs(7)
+    x = lp.detach().clone().requires_grad_(True)
+    cfg = PolicyLossConfig(agg_mode="seq-mean-token-mean")
+    assert torch.autograd.gradcheck(lambda z: policy_loss("reinforce", z, old, adv, mask, config=cfg)[0], (x,))
+    for kind in ("k1", "k2", "k3"):
+        assert torch.autograd.gradcheck(lambda z, k=kind: kl_penalty(z, old, k).sum(), (x,))
+    v = torch.randn(B, T, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda z: value_loss(z, z.detach(), old, mask, clip=None), (v,))
+
+
+def test_kl_estimators_and_value_loss_literal():
+    lp, old, *_ = inputs(9)
+    r = (old - lp).exp()  # π_ref / π
+    torch.testing.assert_close(kl_penalty(lp, old, "k1"), lp - old)
+    torch.testing.assert_close(kl_penalty(lp, old, "k2"), 0.5 * (lp - old) ** 2)
+    torch.testing.assert_close(kl_penalty(lp, old, "k3"), r - 1 - r.log())
+    v, v_old, ret = torch.tensor([[1.0, 3.0]]), torch.tensor([[0.5, 1.0]]), torch.tensor([[2.0, 0.0]])
+    # token 0: max((1-2)², (0.7-2)²) = 1.69; token 1: max(9, (1.2-0)²) = 9 → 0.5·mean = 2.6725
+    assert value_loss(v, v_old, ret, torch.ones(1, 2), clip=0.2).item() == pytest.approx(2.6725)
+
+
+def test_registry_errors_and_custom_variant():
+    lp, old, behav, prox, adv, mask = inputs()
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        policy_loss("nope", lp, old, adv, mask, config=CFG)
+    with pytest.raises(ValueError, match="behavior_logprobs"):
+        policy_loss("decoupled_ppo", lp, old, adv, mask, config=CFG)
+    custom, _ = policy_loss("trainer.losses:reinforce", lp, old, adv, mask, config=CFG)
+    builtin, _ = policy_loss("reinforce", lp, old, adv, mask, config=CFG)
+    assert custom.item() == builtin.item() and set(POLICY_LOSSES) >= {"ppo", "gspo", "topr"}

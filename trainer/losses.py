@@ -1,0 +1,228 @@
+"""The policy-loss family, KL and entropy terms, and the critic's value loss: pure functions.
+
+Shapes: ``[B, T]`` per-token tensors, ``mask`` 1 on the tokens the loss counts. Every variant has
+the signature of ``policy_loss`` and returns the per-token loss matrix; ``policy_loss`` adds the
+aggregation and the metrics. Log-prob arguments:
+
+- ``logprobs``: the current policy π_θ (carries the gradient);
+- ``old_logprobs``: the policy the ratio is taken against (π_old);
+- ``behavior_logprobs``: what the inference engine reported when it sampled the token (μ);
+- ``proximal_logprobs``: decoupled PPO's proximal policy π_prox.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.advantages import masked_mean
+
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class PolicyLossConfig(BaseModel):
+    """Hyper-parameters of the policy losses; each variant reads the ones it needs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    variant: str = Field("decoupled_ppo", description="One of POLICY_LOSSES, or 'module:function' of your own.")
+    clip_low: float = Field(0.2, ge=0, description="ε_low: ratio clipped below at 1 - ε_low (ppo, gspo, decoupled).")
+    clip_high: float = Field(0.28, ge=0, description="ε_high: ratio clipped above at 1 + ε_high (DAPO clip-higher).")
+    dual_clip: float | None = Field(None, gt=1, description="ppo: dual-clip constant c (> 1) for negative advantages.")
+    gspo_clip_low: float = Field(3e-4, ge=0, description="gspo: sequence-ratio clip below.")
+    gspo_clip_high: float = Field(4e-4, ge=0, description="gspo: sequence-ratio clip above.")
+    behavior_weight_cap: float | None = Field(
+        5.0, gt=0, description="decoupled_ppo: cap of the π_prox/μ weight (None = uncapped)."
+    )
+    tis_cap: float = Field(2.0, gt=0, description="tis: truncation c of the importance weight min(π/μ, c).")
+    cispo_clip_low: float = Field(1.0, ge=0, description="cispo: ε_low of the clipped weight (1.0 = no lower clip).")
+    cispo_clip_high: float = Field(0.28, ge=0, description="cispo: ε_high of the clipped weight.")
+    topr_pos_coef: float = Field(1.0, ge=0, description="topr: coefficient of positive-advantage samples.")
+    topr_neg_coef: float = Field(1.0, ge=0, description="topr: coefficient of negative-advantage samples.")
+    agg_mode: AggMode = Field("token-mean", description="How the per-token loss matrix becomes one number.")
+    norm_len: int | None = Field(
+        None, ge=1, description="seq-mean-token-sum-norm: the constant length divided by (default: T)."
+    )
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: AggMode, norm_len: int | None = None) -> torch.Tensor:
+    """Reduce a [B, T] loss matrix. Sequence means skip sequences with no masked token."""
+    mask = mask.to(loss.dtype)
+    if mode == "token-mean":
+        return (loss * mask).sum() / mask.sum().clamp(min=1)
+    seq_tokens = mask.sum(-1)
+    valid = (seq_tokens > 0).to(loss.dtype)
+    n_seq = valid.sum().clamp(min=1)
+    if mode == "seq-mean-token-sum":
+        return ((loss * mask).sum(-1) * valid).sum() / n_seq
+    if mode == "seq-mean-token-mean":
+        return ((loss * mask).sum(-1) / seq_tokens.clamp(min=1) * valid).sum() / n_seq
+    if mode == "seq-mean-token-sum-norm":
+        return (loss * mask).sum() / (n_seq * (norm_len or loss.shape[-1]))
+    raise ValueError(f"agg_mode: unknown {mode!r}")
+
+
+def _clip_frac(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Where the clipped term is the one taken (the gradient is cut)."""
+    return ((ratio > 1 + high) & (adv > 0)) | ((ratio < 1 - low) & (adv < 0))
+
+
+def ppo(logprobs, old_logprobs, advantages, mask, *, config, **_):
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped = torch.clamp(ratio, 1 - config.clip_low, 1 + config.clip_high)
+    loss = torch.maximum(-advantages * ratio, -advantages * clipped)
+    if config.dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * config.dual_clip), loss)
+    return loss, ratio, _clip_frac(ratio, advantages, config.clip_low, config.clip_high)
+
+
+def gspo(logprobs, old_logprobs, advantages, mask, *, config, **_):
+    """GSPO: s_i = exp(mean_t log(π/π_old)) per sequence, clipped at the sequence level. Written
+    in its token form s_i,t = sg(s_i)·π_t/sg(π_t), whose value and gradient equal the sequence
+    form's when the advantage is constant over a sequence."""
+    log_seq_ratio = masked_mean(logprobs - old_logprobs, mask, dim=-1)
+    ratio = torch.exp(logprobs - logprobs.detach() + log_seq_ratio.detach()[:, None])
+    clipped = torch.clamp(ratio, 1 - config.gspo_clip_low, 1 + config.gspo_clip_high)
+    loss = torch.maximum(-advantages * ratio, -advantages * clipped)
+    return loss, ratio, _clip_frac(ratio, advantages, config.gspo_clip_low, config.gspo_clip_high)
+
+
+def decoupled_ppo(
+    logprobs, old_logprobs, advantages, mask, *, config, behavior_logprobs=None, proximal_logprobs=None, **_
+):
+    """Decoupled PPO (AReaL): clip π/π_prox, weight the whole term by sg(π_prox/μ)."""
+    if behavior_logprobs is None:
+        raise ValueError("decoupled_ppo needs behavior_logprobs (the engine's log-probs)")
+    prox = old_logprobs if proximal_logprobs is None else proximal_logprobs
+    ratio = torch.exp(logprobs - prox)
+    clipped = torch.clamp(ratio, 1 - config.clip_low, 1 + config.clip_high)
+    weight = torch.exp(prox - behavior_logprobs).detach()
+    if config.behavior_weight_cap is not None:
+        weight = weight.clamp(max=config.behavior_weight_cap)
+    loss = weight * torch.maximum(-advantages * ratio, -advantages * clipped)
+    return loss, ratio, _clip_frac(ratio, advantages, config.clip_low, config.clip_high)
+
+
+def tis(logprobs, old_logprobs, advantages, mask, *, config, behavior_logprobs=None, **_):
+    """Truncated IS: -sg(min(π/μ, c))·A·log π."""
+    mu = old_logprobs if behavior_logprobs is None else behavior_logprobs
+    ratio = torch.exp(logprobs - mu)
+    weight = torch.clamp(ratio, max=config.tis_cap).detach()
+    return -weight * advantages * logprobs, ratio, ratio > config.tis_cap
+
+
+def cispo(logprobs, old_logprobs, advantages, mask, *, config, **_):
+    """CISPO: -sg(clip(π/π_old, 1-ε_low, 1+ε_high))·A·log π (the weight is clipped, never the gradient)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    weight = torch.clamp(ratio, 1 - config.cispo_clip_low, 1 + config.cispo_clip_high).detach()
+    clipped = (ratio > 1 + config.cispo_clip_high) | (ratio < 1 - config.cispo_clip_low)
+    return -weight * advantages * logprobs, ratio, clipped
+
+
+def topr(logprobs, old_logprobs, advantages, mask, *, config, behavior_logprobs=None, **_):
+    """TOPR: plain REINFORCE on A >= 0; truncated IS sg(min(π/μ, 1)) on A < 0."""
+    mu = old_logprobs if behavior_logprobs is None else behavior_logprobs
+    ratio = torch.exp(logprobs - mu)
+    neg_weight = torch.clamp(ratio, max=1.0).detach()
+    pos = -config.topr_pos_coef * advantages * logprobs
+    neg = -config.topr_neg_coef * neg_weight * advantages * logprobs
+    return torch.where(advantages >= 0, pos, neg), ratio, (advantages < 0) & (ratio > 1)
+
+
+def reinforce(logprobs, old_logprobs, advantages, mask, *, config, **_):
+    ratio = torch.exp(logprobs - old_logprobs)
+    return -advantages * logprobs, ratio, torch.zeros_like(ratio, dtype=torch.bool)
+
+
+POLICY_LOSSES: dict[str, Callable] = {
+    "ppo": ppo,
+    "gspo": gspo,
+    "decoupled_ppo": decoupled_ppo,
+    "tis": tis,
+    "cispo": cispo,
+    "topr": topr,
+    "reinforce": reinforce,
+}
+
+
+def resolve_variant(name: str) -> Callable:
+    """A registered variant, or a user's own ``package.module:function`` with the same signature."""
+    if name in POLICY_LOSSES:
+        return POLICY_LOSSES[name]
+    if ":" in name:
+        import importlib
+
+        module, fn = name.split(":", 1)
+        return getattr(importlib.import_module(module), fn)
+    raise ValueError(f"variant: unknown policy loss {name!r}; choose from {sorted(POLICY_LOSSES)} or 'module:fn'")
+
+
+def policy_loss(
+    variant: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    behavior_logprobs: torch.Tensor | None = None,
+    proximal_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    config: PolicyLossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Aggregated loss of ``variant`` and its metrics (clip fraction, ratio mean/max, approx KL)."""
+    fn = resolve_variant(variant)
+    per_token, ratio, clipped = fn(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        config=config,
+        behavior_logprobs=behavior_logprobs,
+        proximal_logprobs=proximal_logprobs,
+    )
+    loss = aggregate(per_token, mask, config.agg_mode, config.norm_len)
+    with torch.no_grad():
+        m = mask.bool()
+        log_ratio = (logprobs - old_logprobs)[m]
+        metrics = {
+            "clip_frac": clipped[m].float().mean().item() if m.any() else 0.0,
+            "ratio_mean": ratio[m].mean().item() if m.any() else 1.0,
+            "ratio_max": ratio[m].max().item() if m.any() else 1.0,
+            # k3 estimate of KL(π_old || π): (r - 1) - log r with r = π/π_old.
+            "approx_kl": (log_ratio.exp() - 1 - log_ratio).mean().item() if m.any() else 0.0,
+        }
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy, mask).item()
+    return loss, metrics
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: Literal["k1", "k2", "k3"]) -> torch.Tensor:
+    """Per-token estimate of KL(π || π_ref) from samples of π (Schulman's k1, k2, k3)."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio
+    raise ValueError(f"kind: unknown KL estimator {kind!r} (k1, k2, k3)")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position: [..., V] → [...]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float | None = 0.2
+) -> torch.Tensor:
+    """PPO's critic loss: 0.5·max((V - R)², (clip(V, V_old ± ε) - R)²), token-mean."""
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * masked_mean(loss, mask)
