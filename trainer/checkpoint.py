@@ -1,0 +1,90 @@
+"""Checkpoints with torch.distributed.checkpoint: model, optimizer, scheduler, RNG, step, version.
+
+A checkpoint is written into ``step_N.partial`` and renamed to ``step_N`` only after every rank
+finished and rank 0 wrote the ``COMPLETE`` marker, so a crash mid-write never leaves something
+``latest`` would pick. Works single-process and under FSDP2 (each rank writes its shards).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+MARKER = "COMPLETE"
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (None when there is none)."""
+    root = Path(root)
+    done = [p for p in root.glob("step_*") if p.is_dir() and (p / MARKER).exists() and p.name[5:].isdigit()]
+    return max(done, key=lambda p: int(p.name[5:]), default=None)
+
+
+def save_checkpoint(engine, root: str | Path, keep_last: int | None = None) -> Path:
+    root = Path(root)
+    final = root / f"step_{engine.step}"
+    tmp = root / f"step_{engine.step}.partial"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+    extra = {
+        "step": engine.step,
+        "version": engine.version,
+        "scheduler": engine.scheduler.state_dict(),
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    torch.save(extra, tmp / f"extra_rank{_rank()}.pt")
+    if engine.critic is not None:
+        c_sd, co_sd = get_state_dict(engine.critic, engine.critic_optimizer)
+        dcp.save({"model": c_sd, "optim": co_sd}, checkpoint_id=str(tmp / "critic"))
+    _barrier()
+    if _rank() == 0:
+        (tmp / MARKER).write_text(f"step {engine.step}\n")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        if keep_last:
+            done = sorted((p for p in root.glob("step_*") if (p / MARKER).exists()), key=lambda p: int(p.name[5:]))
+            for old in done[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(engine, path: str | Path) -> None:
+    path = Path(path)
+    if not (path / MARKER).exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / "state"))
+    set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if engine.critic is not None:
+        c_sd, co_sd = get_state_dict(engine.critic, engine.critic_optimizer)
+        cstate = {"model": c_sd, "optim": co_sd}
+        dcp.load(cstate, checkpoint_id=str(path / "critic"))
+        set_state_dict(engine.critic, engine.critic_optimizer, model_state_dict=cstate["model"],
+                       optim_state_dict=cstate["optim"])  # fmt: skip
+    extra = torch.load(path / f"extra_rank{_rank()}.pt", weights_only=False)
+    engine.step, engine.version = extra["step"], extra["version"]
+    engine.scheduler.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["rng_cpu"])
+    if extra["rng_cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(extra["rng_cuda"])

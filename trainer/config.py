@@ -1,0 +1,42 @@
+"""Configuration of the trainer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.advantages import AdvantageConfig
+from trainer.losses import PolicyLossConfig
+
+
+class TrainerConfig(BaseModel):
+    """The training engine: model, optimiser, batching, loss terms, checkpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field("models/tiny", description="Local Hugging Face model directory to train.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when available.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    seed: int = Field(0, description="Seed of torch's generators.")
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate of AdamW.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 to lr over this many optimizer steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Shape after warm-up.")
+    total_steps: int = Field(1000, ge=1, description="Optimizer steps of the run (the cosine schedule's length).")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None = off).")
+    micro_batch_tokens: int = Field(
+        8192, ge=1, description="Tokens per micro-batch (one forward/backward); gradients accumulate over them."
+    )
+    pack_sequences: bool = Field(True, description="Pack several trajectories per row (block-diagonal attention).")
+    advantages: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage estimation.")
+    loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig, description="The policy loss.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = off).")
+    ref_model_path: str | None = Field(None, description="Frozen reference model for a KL term (None = no KL).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    kl_in_reward: bool = Field(False, description="Subtract the KL from the rewards instead of adding a loss term.")
+    critic: bool = Field(False, description="Train a value model (needed by the 'gae' estimator).")
+    critic_lr: float = Field(1e-5, gt=0, description="Learning rate of the critic.")
+    value_clip: float | None = Field(0.2, gt=0, description="Clip range of the critic's value loss.")

@@ -1,0 +1,229 @@
+"""The training engine: log-probs in packed micro-batches, one optimizer step per batch.
+
+Runs single-process, or under ``torchrun`` with FSDP2 (``fully_shard`` per decoder layer and at
+the root). Under FSDP2 each rank trains on its own whole groups; the loss normalisers (token and
+sequence counts) are all-reduced first and each rank's loss is scaled by the world size, so the
+averaged gradients equal the single-process gradient of the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from trainer.advantages import compute_advantages, masked_mean
+from trainer.batch import TrainBatch
+from trainer.config import TrainerConfig
+from trainer.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, value_loss
+from trainer.packing import gather_token_logprobs, packed_inputs, padded_inputs, plan_micro_batches
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce(x: float, op=None) -> float:
+    if _world()[1] == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def lr_lambda(config: TrainerConfig):
+    def f(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.lr_schedule == "cosine":
+            span = max(1, config.total_steps - config.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - config.warmup_steps) / span)))
+        return 1.0
+
+    return f
+
+
+class TrainEngine:
+    def __init__(self, config: TrainerConfig) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.rank, self.world = _world()
+        if config.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.world > 1:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.manual_seed(config.seed)
+        dtype = getattr(torch, config.dtype)
+        self.model = self._prepare(AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype))
+        self.ref = None
+        if config.ref_model_path:
+            self.ref = AutoModelForCausalLM.from_pretrained(config.ref_model_path, dtype=dtype).to(self.device).eval()
+            self.ref.requires_grad_(False)
+        self.critic = self.critic_optimizer = None
+        if config.critic:
+            from transformers import AutoModelForTokenClassification
+
+            critic = AutoModelForTokenClassification.from_pretrained(config.model_path, num_labels=1, dtype=dtype)
+            self.critic = self._prepare(critic)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.critic_lr)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.step = 0  # optimizer steps taken
+        self.version = 0  # policy version: bumped by every step, published to the engines
+
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        model.config.use_cache = False
+        model.to(self.device)
+        if self.world > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.base_model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        return model
+
+    # ------------------------------------------------------------------ forward passes
+    def _forward(self, model, seqs: list[list[int]], width: int, entropy: bool = False):
+        """Per-token log-probs (and entropies) of ``seqs``: [b, width], aligned to the tokens."""
+        if self.config.pack_sequences:
+            ids, positions, masks = packed_inputs(seqs, self.device)
+            logits = model(input_ids=ids, position_ids=positions, attention_mask=masks).logits
+            flat_lp = gather_token_logprobs(logits, ids)[0]
+            flat_ent = torch.nn.functional.pad(entropy_from_logits(logits[0, :-1]), (1, 0)) if entropy else None
+            lp = torch.zeros(len(seqs), width, device=self.device)
+            ent = torch.zeros(len(seqs), width, device=self.device) if entropy else None
+            start = 0
+            for i, s in enumerate(seqs):
+                n = len(s)
+                # The first token of a packed sequence has no prediction of its own.
+                lp[i, 1:n] = flat_lp[start + 1 : start + n]
+                if entropy:
+                    ent[i, 1:n] = flat_ent[start + 1 : start + n]
+                start += n
+            return lp, ent
+        ids, attn = padded_inputs(seqs, self.device)
+        logits = model(input_ids=ids, attention_mask=attn).logits
+        lp = gather_token_logprobs(logits, ids) * attn
+        ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0)) * attn if entropy else None
+        pad = width - lp.shape[1]
+        if pad:
+            lp = torch.nn.functional.pad(lp, (0, pad))
+            ent = torch.nn.functional.pad(ent, (0, pad)) if entropy else None
+        return lp, ent
+
+    def micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        lengths = [len(s) for s in batch.sequences]
+        if self.config.pack_sequences:
+            return plan_micro_batches(lengths, self.config.micro_batch_tokens)
+        # Unpacked rows are padded to the longest, so the budget counts padded tokens.
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        bins, cur = [], []
+        for i in order:
+            if cur and lengths[cur[0]] * (len(cur) + 1) > self.config.micro_batch_tokens:
+                bins.append(sorted(cur))
+                cur = []
+            cur.append(i)
+        return bins + ([sorted(cur)] if cur else [])
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, model=None, entropy: bool = False):
+        """[B, T] log-probs of every token under ``model`` (default: the policy), no gradient."""
+        model = model or self.model
+        width = batch.loss_mask.shape[1]
+        out = torch.zeros(len(batch.sequences), width, device=self.device)
+        ent = torch.zeros_like(out) if entropy else None
+        for rows in self.micro_batches(batch):
+            lp, e = self._forward(model, [batch.sequences[r] for r in rows], width, entropy)
+            out[rows] = lp
+            if entropy:
+                ent[rows] = e
+        return (out, ent) if entropy else out
+
+    def values(self, batch: TrainBatch, grad: bool = False) -> torch.Tensor:
+        ids, attn = padded_inputs(batch.sequences, self.device)
+        with torch.set_grad_enabled(grad):
+            v = self.critic(input_ids=ids, attention_mask=attn).logits[..., 0].float() * attn
+        return torch.nn.functional.pad(v, (0, batch.loss_mask.shape[1] - v.shape[1]))
+
+    # ------------------------------------------------------------------ one optimizer step
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        cfg = self.config
+        self.model.train()
+        mask = batch.loss_mask.to(self.device)
+        behav = batch.behavior_logprobs.to(self.device)
+        old = self.logprobs(batch)  # the proximal policy: these weights, before this step
+        ref = self.logprobs(batch, self.ref) if self.ref is not None else None
+        rewards = batch.rewards.to(self.device)
+        if ref is not None and cfg.kl_in_reward:
+            rewards = rewards - cfg.kl_coef * (kl_penalty(old, ref, cfg.kl_estimator) * mask).sum(-1)
+        values = self.values(batch) if self.critic is not None else None
+        adv, returns = compute_advantages(cfg.advantages, rewards, mask, batch.group_ids.to(self.device), values)
+
+        n_tok = _all_reduce(float(mask.sum()))
+        n_seq = _all_reduce(float((mask.sum(-1) > 0).sum()))
+        norm_len = cfg.loss.norm_len or int(_all_reduce(float(mask.shape[1]), dist.ReduceOp.MAX))
+        loss_cfg = cfg.loss.model_copy(update={"norm_len": norm_len})
+        token_mode = cfg.loss.agg_mode == "token-mean"
+
+        sums: dict[str, float] = defaultdict(float)
+        for rows in self.micro_batches(batch):
+            seqs = [batch.sequences[r] for r in rows]
+            lp, ent = self._forward(self.model, seqs, mask.shape[1], entropy=cfg.entropy_coef > 0)
+            m = mask[rows]
+            pg, metrics = policy_loss(
+                cfg.loss.variant, lp, old[rows], adv[rows], m,
+                behavior_logprobs=behav[rows], proximal_logprobs=old[rows], entropy=ent, config=loss_cfg,
+            )  # fmt: skip
+            tok_w, seq_w = float(m.sum()) / max(n_tok, 1), float((m.sum(-1) > 0).sum()) / max(n_seq, 1)
+            weight = tok_w if token_mode else seq_w
+            total = pg * weight
+            if ent is not None:
+                total = total - cfg.entropy_coef * masked_mean(ent, m) * tok_w
+            if ref is not None and not cfg.kl_in_reward and cfg.kl_coef > 0:
+                kl = aggregate(kl_penalty(lp, ref[rows], cfg.kl_estimator), m, cfg.loss.agg_mode, norm_len)
+                total = total + cfg.kl_coef * kl * weight
+                sums["kl"] += float(kl.detach()) * weight
+            (total * self.world).backward()
+            sums["loss"] += float(total.detach())
+            sums["pg_loss"] += float(pg.detach()) * weight
+            for k, v in metrics.items():
+                sums[k] += v * tok_w
+        grad_norm = self._clip(self.model)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        self.version += 1
+        out = {k: _all_reduce(v) for k, v in sums.items()}
+        out |= {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "tokens": n_tok}
+        out["reward_mean"] = _all_reduce(float(batch.rewards.sum())) / _all_reduce(float(len(batch.rewards)))
+        if self.critic is not None:
+            out["value_loss"] = self._critic_step(batch, values, returns, mask)
+        return out
+
+    def _clip(self, model) -> float:
+        params = [p for p in model.parameters() if p.grad is not None]
+        if self.config.grad_clip is None:
+            norms = [p.grad.detach().norm() for p in params]
+            total = torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]).norm()
+            return float(total)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def _critic_step(self, batch: TrainBatch, old_values, returns, mask) -> float:
+        v = self.values(batch, grad=True)
+        loss = value_loss(v, old_values, returns, mask, self.config.value_clip)
+        (loss * self.world).backward()
+        self._clip(self.critic)
+        self.critic_optimizer.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        return _all_reduce(float(loss.detach())) / self.world

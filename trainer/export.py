@@ -1,0 +1,65 @@
+"""Weights out of the trainer, for the inference engines.
+
+Two forms: a Hugging Face directory (what ``/update_weights_from_disk`` loads) and a stream of
+buckets of (name, tensor) pairs, each at most ``max_bytes`` (what an in-memory transport sends:
+the embedded engine's ``/update_weights_from_safetensors``, or NCCL broadcast on GPU). Names are
+Hugging Face parameter names, so any engine that loads the checkpoint accepts them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+_HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")  # fmt: skip
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU tensors by HF name (every rank must call it under FSDP2), tied copies dropped."""
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if getattr(model.config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def weight_buckets(state: dict[str, torch.Tensor], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Split a state dict into ordered buckets of at most ``max_bytes`` (a bigger tensor travels alone)."""
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes: must be > 0, got {max_bytes}")
+    bucket, size = {}, 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if bucket and size + n > max_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = t
+        size += n
+    if bucket:
+        yield bucket
+
+
+def export_hf(model: torch.nn.Module, source_dir: str | Path, out_dir: str | Path) -> Path | None:
+    """Write a HF directory (safetensors + the source's config and tokenizer files); rank 0 writes."""
+    from safetensors.torch import save_file
+
+    state = full_state_dict(model)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank != 0:
+        return None
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in _HF_FILES:
+        if (Path(source_dir) / name).exists():
+            shutil.copy(Path(source_dir) / name, tmp / name)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # an engine never sees a half-written directory
+    return out
