@@ -93,7 +93,14 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ forward passes
     def _forward(self, model, seqs: list[list[int]], width: int, entropy: bool = False):
-        """Per-token log-probs (and entropies) of ``seqs``: [b, width], aligned to the tokens."""
+        """Per-token log-probs (and entropies) of ``seqs``: [b, width], aligned to the tokens.
+        An empty ``seqs`` (a rank's filler micro-batch) runs one dummy token and returns [0, width]
+        tensors still attached to the graph, so its backward joins the collectives."""
+        if not seqs:
+            dummy = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
+            zero = dummy.sum() * 0.0
+            lp = torch.zeros(0, width, device=self.device) + zero
+            return lp, (torch.zeros(0, width, device=self.device) + zero if entropy else None)
         if self.config.pack_sequences:
             ids, positions, masks = packed_inputs(seqs, self.device)
             logits = model(input_ids=ids, position_ids=positions, attention_mask=masks).logits
@@ -121,18 +128,22 @@ class TrainEngine:
         return lp, ent
 
     def micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        """Row indices per micro-batch. Under FSDP2 every rank runs the same number of forward
+        passes (each one all-gathers parameters), so ranks with fewer get empty micro-batches."""
         lengths = [len(s) for s in batch.sequences]
         if self.config.pack_sequences:
-            return plan_micro_batches(lengths, self.config.micro_batch_tokens)
-        # Unpacked rows are padded to the longest, so the budget counts padded tokens.
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        bins, cur = [], []
-        for i in order:
-            if cur and lengths[cur[0]] * (len(cur) + 1) > self.config.micro_batch_tokens:
-                bins.append(sorted(cur))
-                cur = []
-            cur.append(i)
-        return bins + ([sorted(cur)] if cur else [])
+            bins = plan_micro_batches(lengths, self.config.micro_batch_tokens)
+        else:  # unpacked rows are padded to the longest, so the budget counts padded tokens
+            order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+            bins, cur = [], []
+            for i in order:
+                if cur and lengths[cur[0]] * (len(cur) + 1) > self.config.micro_batch_tokens:
+                    bins.append(sorted(cur))
+                    cur = []
+                cur.append(i)
+            bins += [sorted(cur)] if cur else []
+        most = int(_all_reduce(float(len(bins)), dist.ReduceOp.MAX))
+        return bins + [[] for _ in range(most - len(bins))]
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model=None, entropy: bool = False):
@@ -178,6 +189,9 @@ class TrainEngine:
         for rows in self.micro_batches(batch):
             seqs = [batch.sequences[r] for r in rows]
             lp, ent = self._forward(self.model, seqs, mask.shape[1], entropy=cfg.entropy_coef > 0)
+            if not rows:  # filler micro-batch: a zero loss that still runs the backward collectives
+                (lp.sum() * 0.0).backward()
+                continue
             m = mask[rows]
             pg, metrics = policy_loss(
                 cfg.loss.variant, lp, old[rows], adv[rows], m,

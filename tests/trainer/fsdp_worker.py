@@ -1,0 +1,42 @@
+"""Run under torchrun: train on this rank's whole groups with FSDP2 and report loss and weights.
+
+Usage: torchrun --nproc_per_node 2 tests/trainer/fsdp_worker.py MODEL_DIR OUT_FILE STEPS
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests.trainer.helpers import toy_batch
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.config import TrainerConfig
+from trainer.engine import TrainEngine
+from trainer.export import full_state_dict
+
+
+def main() -> None:
+    model, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = TrainEngine(TrainerConfig(model_path=model, lr=1e-3, micro_batch_tokens=48))
+    losses = []
+    for step in range(steps):
+        batch = toy_batch(seed=step)
+        groups = batch.group_ids.tolist()
+        mine = [i for i, g in enumerate(groups) if g % world == rank]  # whole groups per rank
+        losses.append(engine.train_step(batch.select(mine))["loss"])
+    state = full_state_dict(engine.model)
+    ckpt = save_checkpoint(engine, out + ".ckpt")
+    again = TrainEngine(TrainerConfig(model_path=model, lr=1e-3, micro_batch_tokens=48))
+    load_checkpoint(again, latest_checkpoint(out + ".ckpt"))
+    reloaded = full_state_dict(again.model)
+    if rank == 0:
+        same = all(torch.equal(reloaded[k], v) for k, v in state.items())
+        torch.save({"losses": losses, "state": state, "world": world, "ckpt": str(ckpt), "reload_equal": same}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
