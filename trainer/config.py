@@ -30,6 +30,12 @@ class TrainerConfig(BaseModel):
         8192, ge=1, description="Tokens per micro-batch (one forward/backward); gradients accumulate over them."
     )
     pack_sequences: bool = Field(True, description="Pack several trajectories per row (block-diagonal attention).")
+    pack_row_tokens: int = Field(
+        512,
+        ge=1,
+        description="Longest packed row. The dense block-diagonal mask costs row² per row, so short "
+        "rows are cheaper on CPU; raise it where a variable-length attention kernel serves the mask.",
+    )
     advantages: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage estimation.")
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig, description="The policy loss.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = off).")

@@ -18,7 +18,7 @@ from trainer.advantages import compute_advantages, masked_mean
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
 from trainer.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, value_loss
-from trainer.packing import gather_token_logprobs, packed_inputs, padded_inputs, plan_micro_batches
+from trainer.packing import gather_token_logprobs, pack_rows, packed_inputs, padded_inputs, plan_micro_batches
 
 
 def _world() -> tuple[int, int]:
@@ -102,20 +102,22 @@ class TrainEngine:
             lp = torch.zeros(0, width, device=self.device) + zero
             return lp, (torch.zeros(0, width, device=self.device) + zero if entropy else None)
         if self.config.pack_sequences:
-            ids, positions, masks = packed_inputs(seqs, self.device)
+            rows = pack_rows(seqs, self.config.pack_row_tokens)
+            ids, positions, masks = packed_inputs([[seqs[i] for i in row] for row in rows], self.device)
             logits = model(input_ids=ids, position_ids=positions, attention_mask=masks).logits
-            flat_lp = gather_token_logprobs(logits, ids)[0]
-            flat_ent = torch.nn.functional.pad(entropy_from_logits(logits[0, :-1]), (1, 0)) if entropy else None
+            row_lp = gather_token_logprobs(logits, ids)
+            row_ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0)) if entropy else None
             lp = torch.zeros(len(seqs), width, device=self.device)
             ent = torch.zeros(len(seqs), width, device=self.device) if entropy else None
-            start = 0
-            for i, s in enumerate(seqs):
-                n = len(s)
-                # The first token of a packed sequence has no prediction of its own.
-                lp[i, 1:n] = flat_lp[start + 1 : start + n]
-                if entropy:
-                    ent[i, 1:n] = flat_ent[start + 1 : start + n]
-                start += n
+            for r, row in enumerate(rows):
+                start = 0
+                for i in row:
+                    n = len(seqs[i])
+                    # The first token of a packed sequence has no prediction of its own.
+                    lp[i, 1:n] = row_lp[r, start + 1 : start + n]
+                    if entropy:
+                        ent[i, 1:n] = row_ent[r, start + 1 : start + n]
+                    start += n
             return lp, ent
         ids, attn = padded_inputs(seqs, self.device)
         logits = model(input_ids=ids, attention_mask=attn).logits

@@ -17,9 +17,11 @@ def engine(model, **kw) -> TrainEngine:
     return TrainEngine(TrainerConfig(model_path=model, lr=1e-3, **kw))
 
 
-def test_packed_logprobs_equal_unpacked(tiny_model):
+@pytest.mark.parametrize("row_tokens", [512, 24])  # one packed row per micro-batch, or several
+def test_packed_logprobs_equal_unpacked(tiny_model, row_tokens):
     batch = toy_batch()
-    packed = engine(tiny_model, pack_sequences=True, micro_batch_tokens=64).logprobs(batch, entropy=True)
+    packer = engine(tiny_model, pack_sequences=True, micro_batch_tokens=64, pack_row_tokens=row_tokens)
+    packed = packer.logprobs(batch, entropy=True)
     plain = engine(tiny_model, pack_sequences=False, micro_batch_tokens=64).logprobs(batch, entropy=True)
     width = batch.loss_mask.shape[1]
     for i, s in enumerate(batch.sequences):  # beyond each sequence both are 0
