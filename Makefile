@@ -52,6 +52,7 @@ bench: $(STAMP) model servers
 	.venv/bin/rollmesh bench engine --model $(MODEL) --json
 	.venv/bin/rollmesh bench proxy --model $(MODEL) --json
 	.venv/bin/rollmesh bench buffer --json
+	.venv/bin/rollmesh bench trainer --model $(MODEL) --json
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

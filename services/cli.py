@@ -130,6 +130,19 @@ def bench_buffer(
     _emit(run(groups, group_size, tokens), json_)
 
 
+@bench_app.command("trainer")
+def bench_trainer(
+    model: Path = typer.Option(Path("models/tiny"), help="Model directory."),
+    steps: int = typer.Option(20, help="Optimizer steps to time."),
+    trajectories: int = typer.Option(256, help="Trajectories per step (groups of 8)."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """GRPO training steps on the tiny model, with and without sequence packing."""
+    from services.bench.trainer_bench import run
+
+    _emit(run(str(model), steps, trajectories), json_)
+
+
 def _emit(result: dict, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -31,7 +31,7 @@ class TrainerConfig(BaseModel):
     )
     pack_sequences: bool = Field(True, description="Pack several trajectories per row (block-diagonal attention).")
     pack_row_tokens: int = Field(
-        512,
+        256,
         ge=1,
         description="Longest packed row. The dense block-diagonal mask costs row² per row, so short "
         "rows are cheaper on CPU; raise it where a variable-length attention kernel serves the mask.",
