@@ -29,7 +29,11 @@ class TrainerConfig(BaseModel):
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Tokens per micro-batch (one forward/backward); gradients accumulate over them."
     )
-    pack_sequences: bool = Field(True, description="Pack several trajectories per row (block-diagonal attention).")
+    pack_sequences: bool = Field(
+        False,
+        description="Pack several trajectories per row (block-diagonal attention). Off by default: with "
+        "length-sorted micro-batches and sdpa's dense masks it measured 0.83x of unpacked on CPU.",
+    )
     pack_row_tokens: int = Field(
         256,
         ge=1,

@@ -48,12 +48,15 @@ def test_a_step_moves_probability_towards_rewarded_samples(tiny_model):
         assert key in metrics and torch.isfinite(torch.tensor(metrics[key])), key
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_gradient_accumulation_equals_one_big_batch(tiny_model, agg):
+@pytest.mark.parametrize(
+    "agg, pack", [("token-mean", True), ("seq-mean-token-mean", False), ("seq-mean-token-sum-norm", True)]
+)
+def test_gradient_accumulation_equals_one_big_batch(tiny_model, agg, pack):
     batch = toy_batch()
     results = []
     for budget in (10_000, 40):
-        eng = engine(tiny_model, micro_batch_tokens=budget, loss={"variant": "decoupled_ppo", "agg_mode": agg})
+        loss = {"variant": "decoupled_ppo", "agg_mode": agg}
+        eng = engine(tiny_model, micro_batch_tokens=budget, pack_sequences=pack, pack_row_tokens=24, loss=loss)
         assert (len(eng.micro_batches(batch)) > 1) == (budget == 40)
         m = eng.train_step(batch)
         results.append((m["loss"], full_state_dict(eng.model)))
