@@ -80,6 +80,16 @@ def serve_sample_buffer(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> N
     serve(cfg.buffer)
 
 
+@serve_app.command("controller")
+def serve_controller(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
+    """The AsyncController gRPC service (admission and weight-update protocol)."""
+    cfg = _config(config, set_)
+    _logging()
+    from services.controller.server import serve
+
+    serve(cfg.controller)
+
+
 @app.command()
 def demo(model: Path = typer.Option(Path("models/tiny"), help="Model directory.")) -> None:
     """Inference demo: an embedded engine behind the LLMProxy answering a few chat prompts."""

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rollout.engines.embedded.config import EngineConfig
 from rollout.proxy.config import ProxyConfig
 from sample_buffer.config import BufferConfig
+from services.controller.config import ControllerConfig
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,9 @@ class RollmeshConfig(BaseModel):
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="The LLMProxy in front of the engines.")
     buffer: BufferConfig = Field(
         default_factory=BufferConfig, description="The SampleBuffer between rollout and training."
+    )
+    controller: ControllerConfig = Field(
+        default_factory=ControllerConfig, description="The AsyncController: version, admission, weight updates."
     )
 
 

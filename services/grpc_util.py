@@ -39,8 +39,13 @@ def _reject_unknown(msg: Message, path: str) -> None:
 Handler = Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]
 
 
-def unary_service(service_name: str, methods: dict[str, tuple[type[Message], Handler]]) -> grpc.GenericRpcHandler:
-    """A generic handler: ``{"Generate": (GenerateRequest, handler)}`` → strict-decoding RPCs."""
+def unary_service(
+    service_name: str,
+    methods: dict[str, tuple[type[Message], Handler]],
+    streams: dict[str, tuple[type[Message], Callable]] | None = None,
+) -> grpc.GenericRpcHandler:
+    """A generic handler: ``{"Generate": (GenerateRequest, handler)}`` → strict-decoding RPCs;
+    ``streams`` maps server-streaming methods to async generator functions."""
 
     def wrap(req_cls: type[Message], fn: Handler):
         async def call(raw: bytes, context: grpc.aio.ServicerContext):
@@ -54,9 +59,22 @@ def unary_service(service_name: str, methods: dict[str, tuple[type[Message], Han
             call, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
         )
 
-    return grpc.method_handlers_generic_handler(
-        service_name, {name: wrap(cls, fn) for name, (cls, fn) in methods.items()}
-    )
+    def wrap_stream(req_cls: type[Message], fn):
+        async def call(raw: bytes, context: grpc.aio.ServicerContext):
+            try:
+                request = decode(req_cls, raw)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            async for item in fn(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            call, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
+        )
+
+    handlers = {name: wrap(cls, fn) for name, (cls, fn) in methods.items()}
+    handlers |= {name: wrap_stream(cls, fn) for name, (cls, fn) in (streams or {}).items()}
+    return grpc.method_handlers_generic_handler(service_name, handlers)
 
 
 async def start_server(

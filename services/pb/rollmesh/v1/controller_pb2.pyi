@@ -13,20 +13,24 @@ class AdmitRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., num_groups: _Optional[int] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
-    __slots__ = ("num_admitted", "version")
+    __slots__ = ("num_admitted", "version", "capacity")
     NUM_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     num_admitted: int
     version: int
-    def __init__(self, num_admitted: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    capacity: int
+    def __init__(self, num_admitted: _Optional[int] = ..., version: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("client_id", "num_groups")
+    __slots__ = ("client_id", "num_groups", "num_finished")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     num_groups: int
-    def __init__(self, client_id: _Optional[str] = ..., num_groups: _Optional[int] = ...) -> None: ...
+    num_finished: int
+    def __init__(self, client_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., num_finished: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -47,12 +51,14 @@ class BeginUpdateResponse(_message.Message):
     def __init__(self, update_id: _Optional[str] = ...) -> None: ...
 
 class CommitUpdateRequest(_message.Message):
-    __slots__ = ("update_id", "version")
+    __slots__ = ("update_id", "version", "model_path")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     version: int
-    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    model_path: str
+    def __init__(self, update_id: _Optional[str] = ..., version: _Optional[int] = ..., model_path: _Optional[str] = ...) -> None: ...
 
 class CommitUpdateResponse(_message.Message):
     __slots__ = ("version",)

@@ -1,0 +1,25 @@
+"""Configuration of the AsyncController."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ControllerConfig(BaseModel):
+    """Policy version, admission under the async ratio, and the weight-update protocol."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    async_ratio: int = Field(1, ge=0, description="Versions a sample may lag its training step; 0 = on-policy.")
+    groups_per_step: int = Field(8, ge=1, description="Groups (prompts) the trainer consumes per optimizer step.")
+    proxy_address: str = Field("127.0.0.1:50051", description="LLMProxy gRPC address (suspend/resume/restore).")
+    initial_model_path: str = Field(
+        "models/tiny", description="Weights the engines serve at version 0: restored if the first update aborts."
+    )
+    update_timeout_s: float = Field(
+        300.0, gt=0, description="An update not committed within this is aborted and rolled back."
+    )
+    control_timeout_s: float = Field(30.0, gt=0, description="Timeout of each suspend/resume/restore call.")
+    host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
+    port: int = Field(50053, ge=0, le=65535, description="gRPC port.")
+    metrics_port: int = Field(9103, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")

@@ -1,0 +1,170 @@
+"""The AsyncController: policy version, admission control, and suspend → update → resume.
+
+The weight update is a small state machine with a deadline at every step: ``begin_update``
+suspends the LLMProxy (in-flight generations are kept as partial and continue after resume);
+the trainer then pushes weights through the proxy; ``commit_update`` makes the new version
+current and resumes; ``abort_update`` (called by the trainer, or by the watchdog when the
+update outlives ``update_timeout_s``) restores the previous weights on every engine and
+resumes. Generation never stays suspended because a trainer died mid-update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+from rollout.admission import admission_capacity
+from services.controller.config import ControllerConfig
+
+log = logging.getLogger(__name__)
+
+
+class UpdateConflict(RuntimeError):
+    """An update is already in progress, or the update id is not the current one."""
+
+
+@dataclass
+class _Update:
+    update_id: str
+    new_version: int
+    started: float
+    watchdog: asyncio.Task | None = None
+
+
+class AsyncController:
+    def __init__(self, config: ControllerConfig, proxy=None) -> None:
+        """``proxy``: an object with async ``suspend()``, ``resume()`` and
+        ``update_weights(model_path, version)`` (the LLMProxy gRPC client); None for tests of
+        admission alone."""
+        self.config = config
+        self.proxy = proxy
+        self.version = 0
+        self.model_path = config.initial_model_path
+        self.in_flight = 0
+        self.finished = 0
+        self.counters: Counter[str] = Counter()
+        self._update: _Update | None = None
+        self._lock = asyncio.Lock()
+        self._watchers: set[asyncio.Queue] = set()
+
+    # ------------------------------------------------------------------ admission
+    def capacity(self) -> int:
+        c = self.config
+        return admission_capacity(c.async_ratio, self.version, c.groups_per_step, self.finished, self.in_flight)
+
+    async def admit(self, client_id: str, n: int) -> tuple[int, int]:
+        if n < 0:
+            raise ValueError(f"num_groups: must be >= 0, got {n}")
+        granted = min(n, self.capacity())
+        self.in_flight += granted
+        self.counters["admitted"] += granted
+        self.counters["admit_refused"] += n - granted
+        return granted, self.version
+
+    async def release(self, client_id: str, unused: int, finished: int) -> None:
+        if unused < 0 or finished < 0:
+            raise ValueError("num_groups and num_finished: must be >= 0")
+        if unused + finished > self.in_flight:
+            raise ValueError(
+                f"num_groups + num_finished = {unused + finished} exceeds the {self.in_flight} groups in flight"
+            )
+        self.in_flight -= unused + finished
+        self.finished += finished
+        self.counters["released"] += unused
+
+    # ------------------------------------------------------------------ weight updates
+    async def begin_update(self, new_version: int, timeout_s: float = 0.0) -> str:
+        async with self._lock:
+            if self._update is not None:
+                raise UpdateConflict(f"update {self._update.update_id} to v{self._update.new_version} is in progress")
+            if new_version <= self.version:
+                raise ValueError(f"new_version: must be > current version {self.version}, got {new_version}")
+            update = _Update(uuid.uuid4().hex, new_version, time.monotonic())
+            if self.proxy is not None:
+                await asyncio.wait_for(self.proxy.suspend(), self.config.control_timeout_s)
+            self._update = update
+            update.watchdog = asyncio.create_task(self._watchdog(update, timeout_s or self.config.update_timeout_s))
+            self.counters["updates_begun"] += 1
+            self._notify(suspended=True)
+            return update.update_id
+
+    async def commit_update(self, update_id: str, version: int, model_path: str = "") -> int:
+        async with self._lock:
+            update = self._current(update_id)
+            if version != update.new_version:
+                raise ValueError(f"version: update {update_id} was begun for v{update.new_version}, got {version}")
+            self.version = version
+            if model_path:
+                self.model_path = model_path
+            await self._finish(update, "committed")
+            return self.version
+
+    async def abort_update(self, update_id: str, reason: str = "") -> int:
+        async with self._lock:
+            return await self._abort(self._current(update_id), reason or "aborted by caller")
+
+    async def _abort(self, update: _Update, reason: str) -> int:
+        log.warning("weight update to v%d aborted: %s", update.new_version, reason)
+        if self.proxy is not None:
+            try:  # some engines may already hold the new weights: bring every engine back
+                await asyncio.wait_for(
+                    self.proxy.update_weights(self.model_path, self.version), self.config.control_timeout_s
+                )
+            except Exception as e:  # reported and counted; generation resumes regardless
+                log.error("restoring v%d (%s) failed: %s", self.version, self.model_path, e)
+                self.counters["restore_failures"] += 1
+        await self._finish(update, "aborted")
+        return self.version
+
+    async def _finish(self, update: _Update, result: str) -> None:
+        if update.watchdog is not None and update.watchdog is not asyncio.current_task():
+            update.watchdog.cancel()
+        self._update = None
+        self.counters[f"updates_{result}"] += 1
+        self.counters["update_seconds_total"] += time.monotonic() - update.started
+        if self.proxy is not None:
+            try:
+                await asyncio.wait_for(self.proxy.resume(), self.config.control_timeout_s)
+            except Exception as e:
+                log.error("resume after %s update failed: %s", result, e)
+                self.counters["resume_failures"] += 1
+        self._notify(suspended=False)
+
+    async def _watchdog(self, update: _Update, timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)
+        async with self._lock:
+            if self._update is update:
+                self.counters["updates_timed_out"] += 1
+                await self._abort(update, f"not committed within {timeout_s:.1f}s")
+
+    def _current(self, update_id: str) -> _Update:
+        if self._update is None or self._update.update_id != update_id:
+            raise UpdateConflict(f"update {update_id!r} is not in progress (it may have timed out and rolled back)")
+        return self._update
+
+    # ------------------------------------------------------------------ version stream
+    def _notify(self, suspended: bool) -> None:
+        for q in self._watchers:
+            q.put_nowait((self.version, suspended))
+
+    async def watch(self):
+        """Yields (version, suspended) now and at every change."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._watchers.add(q)
+        try:
+            yield self.version, self._update is not None
+            while True:
+                yield await q.get()
+        finally:
+            self._watchers.discard(q)
+
+    async def close(self) -> None:
+        if self._update is not None and self._update.watchdog is not None:
+            self._update.watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._update.watchdog

@@ -1,0 +1,138 @@
+"""gRPC AsyncController service: a thin adapter over ``AsyncController``."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.controller.config import ControllerConfig
+from services.controller.controller import AsyncController, UpdateConflict
+from services.grpc_util import serve_until_signal, start_server, unary_service
+from services.llm_proxy.client import ProxyClient
+from services.pb.rollmesh.v1 import controller_pb2 as pb
+from services.pb.rollmesh.v1 import llm_proxy_pb2
+
+log = logging.getLogger(__name__)
+SERVICE = "rollmesh.v1.AsyncController"
+
+
+class ProxyControl:
+    """The three LLMProxy calls the controller makes, each failing loudly."""
+
+    def __init__(self, client: ProxyClient, timeout_s: float) -> None:
+        self.client, self.timeout_s = client, timeout_s
+
+    async def suspend(self) -> None:
+        await self.client.suspend(llm_proxy_pb2.SUSPEND_MODE_CONTINUE, timeout_s=self.timeout_s)
+
+    async def resume(self) -> None:
+        await self.client.resume(timeout_s=self.timeout_s)
+
+    async def update_weights(self, model_path: str, version: int) -> None:
+        res = await self.client.update_weights(model_path, version, timeout_s=self.timeout_s)
+        if not res.success:
+            raise RuntimeError("; ".join(f"{e.engine}: {e.message}" for e in res.engines if not e.success))
+
+
+class _ControllerCollector:
+    def __init__(self, ctl: AsyncController) -> None:
+        self.ctl = ctl
+
+    def collect(self):
+        ctl = self.ctl
+        for name, doc, value in [
+            ("rollmesh_controller_policy_version", "Current policy version", ctl.version),
+            ("rollmesh_controller_in_flight_groups", "Admitted groups not finished", ctl.in_flight),
+            ("rollmesh_controller_admission_capacity_groups", "Slots free under the staleness bound", ctl.capacity()),
+            ("rollmesh_controller_suspended", "1 during a weight update", float(ctl._update is not None)),
+        ]:
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily(
+            "rollmesh_controller_admitted_groups", "Groups admitted", value=ctl.counters["admitted"]
+        )
+        yield CounterMetricFamily("rollmesh_controller_finished_groups", "Admitted groups finished", value=ctl.finished)
+        updates = CounterMetricFamily(
+            "rollmesh_controller_weight_updates", "Weight updates by result", labels=["result"]
+        )
+        for result in ("committed", "aborted", "timed_out"):
+            updates.add_metric([result], ctl.counters[f"updates_{result}"])
+        yield updates
+
+
+def build_metrics(ctl: AsyncController) -> CollectorRegistry:
+    r = CollectorRegistry()
+    r.register(_ControllerCollector(ctl))
+    return r
+
+
+def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
+    async def guarded(ctx, coro):
+        try:
+            return await coro
+        except ValueError as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except UpdateConflict as e:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except (TimeoutError, grpc.aio.AioRpcError) as e:
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, f"LLMProxy did not answer: {e}")
+
+    async def admit(req: pb.AdmitRequest, ctx) -> pb.AdmitResponse:
+        granted, version = await guarded(ctx, ctl.admit(req.client_id, req.num_groups))
+        return pb.AdmitResponse(num_admitted=granted, version=version, capacity=ctl.capacity())
+
+    async def release(req: pb.ReleaseRequest, ctx) -> pb.ReleaseResponse:
+        await guarded(ctx, ctl.release(req.client_id, req.num_groups, req.num_finished))
+        return pb.ReleaseResponse()
+
+    async def begin(req: pb.BeginUpdateRequest, ctx) -> pb.BeginUpdateResponse:
+        return pb.BeginUpdateResponse(update_id=await guarded(ctx, ctl.begin_update(req.new_version, req.timeout_s)))
+
+    async def commit(req: pb.CommitUpdateRequest, ctx) -> pb.CommitUpdateResponse:
+        version = await guarded(ctx, ctl.commit_update(req.update_id, req.version, req.model_path))
+        return pb.CommitUpdateResponse(version=version)
+
+    async def abort(req: pb.AbortUpdateRequest, ctx) -> pb.AbortUpdateResponse:
+        return pb.AbortUpdateResponse(version=await guarded(ctx, ctl.abort_update(req.update_id, req.reason)))
+
+    async def watch(req: pb.WatchVersionRequest, ctx):
+        async for version, suspended in ctl.watch():
+            yield pb.VersionEvent(version=version, suspended=suspended)
+
+    return unary_service(
+        SERVICE,
+        {
+            "Admit": (pb.AdmitRequest, admit),
+            "Release": (pb.ReleaseRequest, release),
+            "BeginUpdate": (pb.BeginUpdateRequest, begin),
+            "CommitUpdate": (pb.CommitUpdateRequest, commit),
+            "AbortUpdate": (pb.AbortUpdateRequest, abort),
+        },
+        streams={"WatchVersion": (pb.WatchVersionRequest, watch)},
+    )
+
+
+async def start_controller(config: ControllerConfig):
+    """Start the controller and its gRPC server; returns (server, controller, proxy client)."""
+    proxy_client = ProxyClient(config.proxy_address, timeout_s=config.control_timeout_s)
+    ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s))
+    server = await start_server(build_handler(ctl), SERVICE, config.host, config.port)
+    if config.metrics_port:
+        start_http_server(config.metrics_port, addr=config.host, registry=build_metrics(ctl))
+    return server, ctl, proxy_client
+
+
+def serve(config: ControllerConfig) -> None:
+    async def start():
+        server, ctl, proxy_client = await start_controller(config)
+        log.info("AsyncController serving on %s:%d", config.host, server.bound_port)
+
+        async def cleanup() -> None:
+            await ctl.close()
+            await proxy_client.close()
+
+        return server, cleanup
+
+    serve_until_signal(start)

@@ -1,0 +1,134 @@
+"""The AsyncController over gRPC, driving a real LLMProxy in front of a real engine process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from rollout.proxy import ProxyConfig
+from services.controller.config import ControllerConfig
+from services.controller.server import start_controller
+from services.llm_proxy.client import ProxyClient
+from services.llm_proxy.server import start_proxy
+from services.pb.rollmesh.v1 import controller_pb2 as pb
+from services.pb.rollmesh.v1 import controller_pb2_grpc
+
+
+def run(scenario, engine_url: str, model_path: str, **cfg):
+    async def main():
+        proxy_server, proxy = await start_proxy(ProxyConfig(engine_urls=[engine_url], port=0, metrics_port=0))
+        config = ControllerConfig(
+            proxy_address=f"127.0.0.1:{proxy_server.bound_port}", initial_model_path=model_path, port=0,
+            metrics_port=0, **cfg,
+        )  # fmt: skip
+        server, ctl, proxy_client = await start_controller(config)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}")
+        stub = controller_pb2_grpc.AsyncControllerStub(channel)
+        gen = ProxyClient(f"127.0.0.1:{proxy_server.bound_port}")
+        try:
+            return await scenario(stub, gen, proxy)
+        finally:
+            await gen.close()
+            await channel.close()
+            await server.stop(0)
+            await ctl.close()
+            await proxy_client.close()
+            await proxy_server.stop(0)
+            await proxy.close()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def engine(make_engine_process):
+    return make_engine_process()[1]
+
+
+def test_admission_follows_the_async_ratio(engine, tiny_model, tiny_model_b):
+    async def scenario(stub, gen, proxy):
+        first = await stub.Admit(pb.AdmitRequest(client_id="env", num_groups=10))
+        await stub.Release(pb.ReleaseRequest(client_id="env", num_groups=1, num_finished=3))
+        again = await stub.Admit(pb.AdmitRequest(client_id="env", num_groups=10))
+        update = await stub.BeginUpdate(pb.BeginUpdateRequest(new_version=1))
+        await stub.CommitUpdate(pb.CommitUpdateRequest(update_id=update.update_id, version=1, model_path=tiny_model))
+        after = await stub.Admit(pb.AdmitRequest(client_id="env", num_groups=10))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Release(pb.ReleaseRequest(client_id="env", num_finished=99))
+        return first, again, after, e.value
+
+    first, again, after, err = run(scenario, engine, tiny_model, async_ratio=1, groups_per_step=2)
+    assert (first.num_admitted, first.version, first.capacity) == (4, 0, 0)  # (1 + 0 + 1) x 2
+    assert again.num_admitted == 1  # 4 slots - 3 finished: a released slot returns, a finished one does not
+    assert (after.num_admitted, after.version) == (2, 1)  # one more version, one more batch
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds" in err.details()
+
+
+def test_update_protocol_continues_generation_under_new_weights(engine, tiny_model, tiny_model_b):
+    async def scenario(stub, gen, proxy):
+        events = []
+
+        async def watch():
+            async for ev in stub.WatchVersion(pb.WatchVersionRequest()):
+                events.append((ev.version, ev.suspended))
+                if ev.version == 1 and not ev.suspended:
+                    return
+
+        watcher = asyncio.create_task(watch())
+        long = asyncio.create_task(gen.generate([1, 30, 31], 300, temperature=0.0, ignore_eos=True))
+        await asyncio.sleep(0.3)
+        update = await stub.BeginUpdate(pb.BeginUpdateRequest(new_version=1, timeout_s=30))
+        suspended = proxy.suspended
+        pushed = await gen.update_weights(tiny_model_b, 1)  # the trainer's push, through the proxy
+        with pytest.raises(grpc.aio.AioRpcError) as conflict:
+            await stub.BeginUpdate(pb.BeginUpdateRequest(new_version=2))
+        committed = await stub.CommitUpdate(
+            pb.CommitUpdateRequest(update_id=update.update_id, version=1, model_path=tiny_model_b)
+        )
+        out = await long
+        await asyncio.wait_for(watcher, 10)
+        return suspended, pushed, conflict.value, committed, out, events, proxy.suspended
+
+    suspended, pushed, conflict, committed, out, events, still = run(scenario, engine, tiny_model)
+    assert suspended and pushed.success and committed.version == 1 and not still
+    assert conflict.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert out.num_segments == 2 and set(out.token_versions) == {0, 1} and len(out.output_ids) == 300
+    assert events[0] == (0, False) and (0, True) in events and events[-1] == (1, False)
+
+
+def test_an_update_that_is_never_committed_rolls_back(engine, tiny_model, tiny_model_b):
+    async def scenario(stub, gen, proxy):
+        before = await gen.generate([1, 50, 51], 12, temperature=0.0, ignore_eos=True)
+        update = await stub.BeginUpdate(pb.BeginUpdateRequest(new_version=1, timeout_s=0.5))
+        await gen.update_weights(tiny_model_b, 1)  # half done, then the trainer "dies"
+        await asyncio.sleep(1.5)
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await stub.CommitUpdate(pb.CommitUpdateRequest(update_id=update.update_id, version=1))
+        after = await gen.generate([1, 50, 51], 12, temperature=0.0, ignore_eos=True)
+        admit = await stub.Admit(pb.AdmitRequest(client_id="x", num_groups=1))
+        return before, after, late.value, admit, proxy.suspended
+
+    before, after, late, admit, suspended = run(scenario, engine, tiny_model)
+    assert late.code() == grpc.StatusCode.FAILED_PRECONDITION and "rolled back" in late.details()
+    assert not suspended and admit.version == 0
+    assert list(after.output_ids) == list(before.output_ids)  # the old weights are back
+    assert after.weight_version == 0
+
+
+def test_bad_requests(engine, tiny_model):
+    async def scenario(stub, gen, proxy):
+        codes = []
+        for call in (
+            stub.BeginUpdate(pb.BeginUpdateRequest(new_version=0)),
+            stub.Admit(pb.AdmitRequest(num_groups=-1)),
+            stub.CommitUpdate(pb.CommitUpdateRequest(update_id="nope", version=1)),
+            stub.AbortUpdate(pb.AbortUpdateRequest(update_id="nope")),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call
+            codes.append(e.value.code())
+        return codes
+
+    codes = run(scenario, engine, tiny_model)
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 2 + [grpc.StatusCode.FAILED_PRECONDITION] * 2
