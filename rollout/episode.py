@@ -1,0 +1,106 @@
+"""One episode: render the observation once, generate, step the environment, repeat.
+
+Token-in, token-out: the prompt is rendered once with the chat template; generated tokens go
+into the trajectory exactly as the engine produced them and are never re-tokenized; a later
+user turn is rendered on its own and appended (loss mask 0). Every generation and every
+environment step has a deadline; missing one ends the trajectory with ``timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.envs.base import Env
+from sample_buffer.trajectory import Trajectory
+
+
+@dataclass
+class Generation:
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish: str  # stop | length | abort | timeout
+
+
+# generate(input_ids, sampling_params, trajectory_id, timeout_s) -> Generation
+GenerateFn = Callable[[list[int], dict, str, float], Awaitable[Generation]]
+
+
+class EpisodeConfig(BaseModel):
+    """Per-episode limits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = Field(1, ge=1, description="Generations per episode at most.")
+    max_new_tokens: int = Field(8, ge=1, description="Tokens per generation at most.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    generation_timeout_s: float = Field(60.0, gt=0, description="Deadline of one generation (suspension included).")
+    step_timeout_s: float = Field(30.0, gt=0, description="Deadline of one environment step (reward included).")
+
+
+def render_user_turn(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+async def run_episode(
+    env: Env,
+    seed: int,
+    generate: GenerateFn,
+    tokenizer,
+    config: EpisodeConfig,
+    *,
+    trajectory_id: str,
+    group_id: str,
+    prompt_id: str,
+) -> Trajectory:
+    t0 = time.monotonic()
+    obs = env.reset(seed)
+    tokens = render_user_turn(tokenizer, obs)
+    mask = [0] * len(tokens)
+    logprobs: list[float] = []
+    versions: list[int] = []
+    reward, finish, turns = 0.0, "stop", []
+    sampling = {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "top_p": config.top_p}
+    for _ in range(config.max_turns):
+        gen = await generate(tokens, sampling, trajectory_id, config.generation_timeout_s)
+        turns.append(len(tokens))
+        tokens += gen.output_ids
+        mask += [1] * len(gen.output_ids)
+        logprobs += gen.logprobs
+        versions += gen.versions
+        if gen.finish in ("timeout", "abort"):
+            finish = gen.finish
+            break
+        action = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        try:
+            result = await asyncio.wait_for(asyncio.to_thread(env.step, action), config.step_timeout_s)
+        except TimeoutError:
+            finish = "timeout"
+            break
+        reward += result.reward
+        finish = gen.finish
+        if result.done or result.observation is None:
+            break
+        next_turn = render_user_turn(tokenizer, result.observation)
+        tokens += next_turn
+        mask += [0] * len(next_turn)
+    return Trajectory(
+        trajectory_id=trajectory_id,
+        group_id=group_id,
+        prompt_id=prompt_id,
+        token_ids=tokens,
+        loss_mask=mask,
+        behavior_logprobs=logprobs,
+        token_versions=versions,
+        reward=reward,
+        start_version=versions[0] if versions else 0,
+        finish_reason=finish,
+        metadata={"env": env.name, "turn_starts": turns, "seconds": round(time.monotonic() - t0, 4)},
+    )

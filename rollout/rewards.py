@@ -1,0 +1,28 @@
+"""Reward functions: ``fn(response, answer) -> float``. A registry, plus ``module:function``."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+
+def exact_match(response: str, answer: str) -> float:
+    """1.0 when the response, stripped of surrounding whitespace, is exactly the answer."""
+    return 1.0 if response.strip() == str(answer).strip() else 0.0
+
+
+def first_token_match(response: str, answer: str) -> float:
+    """1.0 when the response starts with the answer (the rest is ignored)."""
+    return 1.0 if response.strip().startswith(str(answer).strip()) else 0.0
+
+
+REWARDS: dict[str, Callable[[str, str], float]] = {"exact_match": exact_match, "first_token_match": first_token_match}
+
+
+def resolve_reward(name: str) -> Callable[[str, str], float]:
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name:
+        module, fn = name.split(":", 1)
+        return getattr(importlib.import_module(module), fn)
+    raise ValueError(f"reward: unknown {name!r}; choose from {sorted(REWARDS)} or 'module:function'")

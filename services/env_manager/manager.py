@@ -1,0 +1,130 @@
+"""The EnvManager: workers that admit a prompt, run its group, and put the group in the buffer.
+
+Queue scheduling: each worker owns one prompt at a time; its ``group_size`` episodes are
+independent requests (prompt replication) and each is scored the moment it ends. The group goes
+to the buffer as soon as its last member is scored, and the worker asks for the next prompt;
+nothing waits for a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter
+
+from rollout.envs import SingleTurnEnv, load_jsonl
+from rollout.episode import Generation, run_episode
+from rollout.rewards import resolve_reward
+from sample_buffer.trajectory import Group
+from services.env_manager.config import EnvManagerConfig
+from services.pb.rollmesh.v1 import common_pb2
+from services.pb.rollmesh.v1 import controller_pb2 as cpb
+
+log = logging.getLogger(__name__)
+_FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_TIMEOUT: "timeout",
+}
+
+
+def proxy_generate(client):
+    """A ``GenerateFn`` over the LLMProxy gRPC client."""
+
+    async def generate(ids: list[int], sampling: dict, trajectory_id: str, timeout_s: float) -> Generation:
+        res = await client.generate(ids, trajectory_id=trajectory_id, timeout_s=timeout_s, **sampling)
+        return Generation(
+            list(res.output_ids), list(res.output_logprobs), list(res.token_versions), _FINISH[res.finish_reason]
+        )
+
+    return generate
+
+
+class EnvManager:
+    def __init__(self, config: EnvManagerConfig, proxy, buffer, controller_stub) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.rows = load_jsonl(config.dataset_path)
+        self.reward_fn = resolve_reward(config.reward)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
+        self.generate = proxy_generate(proxy)
+        self.buffer, self.controller = buffer, controller_stub
+        self.counters: Counter[str] = Counter()
+        self._order = list(range(len(self.rows)))
+        random.Random(config.seed).shuffle(self._order)
+        self._next = 0
+        self._workers: list[asyncio.Task] = []
+        self.running = False
+
+    def _next_prompt(self) -> int:
+        idx = self._order[self._next % len(self._order)]
+        self._next += 1
+        return idx
+
+    async def start(self, num_workers: int = 0) -> None:
+        if self.running:
+            return
+        self.running = True
+        n = num_workers or self.config.num_workers
+        self._workers = [asyncio.create_task(self._worker(i)) for i in range(n)]
+
+    async def stop(self) -> int:
+        self.running = False
+        for w in self._workers:
+            w.cancel()
+        results = await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+        return sum(isinstance(r, asyncio.CancelledError) for r in results)
+
+    async def _worker(self, k: int) -> None:
+        while self.running:
+            res = await self.controller.Admit(cpb.AdmitRequest(client_id=f"env-{k}", num_groups=1), timeout=30)
+            if res.num_admitted == 0:
+                await asyncio.sleep(self.config.admit_poll_s)
+                continue
+            try:
+                await self._run_group(self._next_prompt())
+            except asyncio.CancelledError:
+                await self._release(unused=1)
+                raise
+            except Exception:  # one failed group must not stop the pool: logged, counted, released
+                log.exception("group failed")
+                self.counters["env_error"] += 1
+                await self._release(finished=1)
+                continue
+            await self._release(finished=1)
+
+    async def _release(self, unused: int = 0, finished: int = 0) -> None:
+        req = cpb.ReleaseRequest(client_id="env", num_groups=unused, num_finished=finished)
+        await self.controller.Release(req, timeout=30)
+
+    async def _run_group(self, row: int) -> None:
+        gid = f"p{row}-{self.counters['groups_started']}"
+        self.counters["groups_started"] += 1
+        envs = [SingleTurnEnv(self.rows, self.reward_fn) for _ in range(self.config.group_size)]
+        trajs = await asyncio.gather(
+            *(
+                run_episode(
+                    env,
+                    row,
+                    self.generate,
+                    self.tokenizer,
+                    self.config.episode,
+                    trajectory_id=f"{gid}/{i}",
+                    group_id=gid,
+                    prompt_id=f"p{row}",
+                )  # fmt: skip
+                for i, env in enumerate(envs)
+            )
+        )
+        for t in trajs:
+            self.counters[f"finish_{t.finish_reason}"] += 1
+            self.counters["trajectories"] += 1
+        res = await self.buffer.put(Group(gid, f"p{row}", list(trajs)), timeout_s=60)
+        self.counters["groups_put" if res.accepted else f"groups_{res.reason}"] += 1
+
+    def stats(self) -> dict:
+        return {"running": self.running, "workers": len(self._workers)} | dict(self.counters)
