@@ -16,7 +16,20 @@ def first_token_match(response: str, answer: str) -> float:
     return 1.0 if response.strip().startswith(str(answer).strip()) else 0.0
 
 
-REWARDS: dict[str, Callable[[str, str], float]] = {"exact_match": exact_match, "first_token_match": first_token_match}
+def digit_answer(response: str, answer: str) -> float:
+    """1.0 for the right first character; 0.1 for a wrong digit (the format is right). The small
+    format credit gives a randomly initialised model a signal long before it guesses an answer."""
+    head = response.strip()[:1]
+    if head == str(answer).strip()[:1]:
+        return 1.0
+    return 0.1 if head.isdigit() else 0.0
+
+
+REWARDS: dict[str, Callable[[str, str], float]] = {
+    "exact_match": exact_match,
+    "first_token_match": first_token_match,
+    "digit_answer": digit_answer,
+}
 
 
 def resolve_reward(name: str) -> Callable[[str, str], float]:

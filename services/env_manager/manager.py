@@ -86,22 +86,24 @@ class EnvManager:
                 await asyncio.sleep(self.config.admit_poll_s)
                 continue
             try:
-                await self._run_group(self._next_prompt())
+                accepted = await self._run_group(self._next_prompt())
             except asyncio.CancelledError:
                 await self._release(unused=1)
                 raise
             except Exception:  # one failed group must not stop the pool: logged, counted, released
                 log.exception("group failed")
                 self.counters["env_error"] += 1
-                await self._release(finished=1)
+                await self._release(unused=1)
                 continue
-            await self._release(finished=1)
+            # A group the buffer filtered will never be trained on: its slot goes back to the pool,
+            # or dynamic filtering would use up the staleness budget and starve the trainer.
+            await self._release(finished=1) if accepted else await self._release(unused=1)
 
     async def _release(self, unused: int = 0, finished: int = 0) -> None:
         req = cpb.ReleaseRequest(client_id="env", num_groups=unused, num_finished=finished)
         await self.controller.Release(req, timeout=30)
 
-    async def _run_group(self, row: int) -> None:
+    async def _run_group(self, row: int) -> bool:
         gid = f"p{row}-{self.counters['groups_started']}"
         self.counters["groups_started"] += 1
         envs = [SingleTurnEnv(self.rows, self.reward_fn) for _ in range(self.config.group_size)]
@@ -125,6 +127,7 @@ class EnvManager:
             self.counters["trajectories"] += 1
         res = await self.buffer.put(Group(gid, f"p{row}", list(trajs)), timeout_s=60)
         self.counters["groups_put" if res.accepted else f"groups_{res.reason}"] += 1
+        return res.accepted
 
     def stats(self) -> dict:
         return {"running": self.running, "workers": len(self._workers)} | dict(self.counters)
