@@ -90,6 +90,35 @@ def serve_controller(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None
     serve(cfg.controller)
 
 
+@serve_app.command("env-manager")
+def serve_env_manager(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
+    """An EnvManager pool running episodes through the LLMProxy into the SampleBuffer."""
+    cfg = _config(config, set_)
+    _logging()
+    from services.env_manager.server import serve
+
+    serve(cfg.env_manager)
+
+
+@serve_app.command("trainer")
+def serve_trainer(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
+    """The trainer process: pulls groups, trains, publishes weights, checkpoints (exits when done)."""
+    cfg = _config(config, set_)
+    _logging()
+    from services.trainer_main import serve
+
+    serve(cfg)
+
+
+@app.command()
+def run(config: Path = typer.Argument(..., help="Run config (YAML)."), set_: list[str] = SetOpt) -> None:
+    """Start the whole mesh locally, train, evaluate, shut down; prints a final summary line."""
+    _config(config, set_)  # fail fast on a bad config, before any process starts
+    from services.launcher import run_mesh
+
+    raise typer.Exit(run_mesh(config, set_))
+
+
 @app.command()
 def demo(model: Path = typer.Option(Path("models/tiny"), help="Model directory.")) -> None:
     """Inference demo: an embedded engine behind the LLMProxy answering a few chat prompts."""

@@ -17,10 +17,23 @@ from rollout.engines.embedded.config import EngineConfig
 from rollout.proxy.config import ProxyConfig
 from sample_buffer.config import BufferConfig
 from services.controller.config import ControllerConfig
+from services.env_manager.config import EnvManagerConfig
+from services.trainer_loop import TrainLoopConfig
+from trainer.config import TrainerConfig
 
 
 class ConfigError(ValueError):
     """A config file or override that does not fit the schema."""
+
+
+class RunConfig(BaseModel):
+    """What `rollmesh run` starts on this machine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_engines: int = Field(1, ge=1, description="Embedded engine processes behind the LLMProxy.")
+    heldout_path: str | None = Field(None, description="JSONL evaluated greedily at the end (accuracy).")
+    startup_timeout_s: float = Field(180.0, gt=0, description="How long each service may take to become healthy.")
 
 
 class RollmeshConfig(BaseModel):
@@ -37,6 +50,10 @@ class RollmeshConfig(BaseModel):
     controller: ControllerConfig = Field(
         default_factory=ControllerConfig, description="The AsyncController: version, admission, weight updates."
     )
+    env_manager: EnvManagerConfig = Field(default_factory=EnvManagerConfig, description="The EnvManager pool.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The training engine.")
+    train_loop: TrainLoopConfig = Field(default_factory=TrainLoopConfig, description="The trainer process loop.")
+    run: RunConfig = Field(default_factory=RunConfig, description="`rollmesh run`: how the local mesh is laid out.")
 
 
 def apply_override(data: dict, override: str) -> None:

@@ -24,8 +24,7 @@ def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-            raise RuntimeError(f"process exited with code {proc.returncode} before {url} was healthy:\n{out[-3000:]}")
+            raise RuntimeError(f"process exited with code {proc.returncode} before {url} was healthy")
         try:
             if httpx.get(url, timeout=1.0).status_code == 200:
                 return
@@ -57,14 +56,26 @@ def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | N
     raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f}s")
 
 
-def start_service_process(service: str, section: str, overrides: list[str], timeout_s: float = 60.0):
+def serve_command(service: str, section: str, overrides: list[str], config_path: str | None = None) -> list[str]:
+    """``rollmesh serve SERVICE [--config PATH] --set SECTION.key=value ...`` as an argv list."""
+    cmd = [sys.executable, "-m", "services.cli", "serve", service]
+    if config_path:
+        cmd += ["--config", str(config_path)]
+    for o in overrides:
+        cmd += ["--set", o if "." in o.split("=", 1)[0] else f"{section}.{o}"]
+    return cmd
+
+
+def start_service_process(
+    service: str, section: str, overrides: list[str], timeout_s: float = 60.0, config_path: str | None = None,
+    log_path: Path | None = None,
+):  # fmt: skip
     """Run ``rollmesh serve SERVICE`` on a free port with ``SECTION.key=value`` overrides; returns
     (process, gRPC address) once its health check says SERVING."""
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", service, "--set", f"{section}.port={port}"]
-    for o in overrides:
-        cmd += ["--set", f"{section}.{o}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = serve_command(service, section, [f"port={port}", *overrides], config_path)
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives as long as the process)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     try:
         wait_grpc_healthy(address, timeout_s, proc)
@@ -75,22 +86,29 @@ def start_service_process(service: str, section: str, overrides: list[str], time
 
 
 def start_engine_process(
-    model_path: str, port: int | None = None, extra: list[str] | None = None, timeout_s: float = 120.0
+    model_path: str,
+    port: int | None = None,
+    extra: list[str] | None = None,
+    timeout_s: float = 120.0,
+    config_path: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """Run ``rollmesh serve engine`` as its own process; returns (process, base URL) once healthy."""
+    """Run ``rollmesh serve engine`` as its own process; returns (process, base URL) once healthy.
+    Its output goes to an unnamed temporary file (a pipe nobody reads would block it) and is shown
+    if it fails to start."""
+    import tempfile
+
     port = port or free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "engine"]
-    cmd += ["--set", f"engine.model_path={model_path}", "--set", f"engine.port={port}"]
-    for o in extra or []:
-        cmd += ["--set", o]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    cmd = serve_command("engine", "engine", [f"model_path={model_path}", f"port={port}", *(extra or [])], config_path)
+    out = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the process)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_healthy(url + "/health", timeout_s, proc)
-    except BaseException:
+    except BaseException as e:
         stop_process(proc)
-        raise
+        out.seek(0)
+        log_tail = out.read().decode(errors="replace")[-3000:]
+        raise RuntimeError(f"engine on port {port} failed to start: {e}\n{log_tail}") from e
     return proc, url
 
 

@@ -22,6 +22,7 @@ class EnvManagerConfig(BaseModel):
     proxy_address: str = Field("127.0.0.1:50051", description="LLMProxy gRPC address.")
     buffer_address: str = Field("127.0.0.1:50052", description="SampleBuffer gRPC address.")
     controller_address: str = Field("127.0.0.1:50053", description="AsyncController gRPC address.")
+    autostart: bool = Field(True, description="Start the workers when the service starts (else wait for Start).")
     admit_poll_s: float = Field(0.05, gt=0, description="Wait before asking again when admission is refused.")
     host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
     port: int = Field(50054, ge=0, le=65535, description="gRPC port.")
