@@ -29,10 +29,9 @@ $(MODEL)/config.json: | $(STAMP)
 
 model: $(MODEL)/config.json
 
-# The quickstart. Until the end-to-end loop lands this is the inference demo:
-# an embedded engine behind the LLMProxy, generating for a few prompts.
+# The quickstart: the whole mesh on this machine, GRPO on single-digit sums.
 run: $(STAMP) model
-	.venv/bin/rollmesh demo --model $(MODEL)
+	.venv/bin/rollmesh run examples/quickstart.yaml
 
 test: $(STAMP) servers
 	$(PY) -m pytest -q $(PYTEST_ARGS)

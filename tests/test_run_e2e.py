@@ -1,0 +1,27 @@
+"""`rollmesh run` end to end on the quickstart config, cut down to a few steps."""
+
+import re
+import subprocess
+import sys
+
+
+def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"engine.model_path={tiny_model}", f"controller.initial_model_path={tiny_model}",
+        f"env_manager.tokenizer_path={tiny_model}", f"trainer.model_path={tiny_model}",
+        "train_loop.steps=4", f"train_loop.run_dir={run_dir}", "controller.groups_per_step=2",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
+    for o in overrides:
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    final = re.search(r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accuracy=([\d.]+) wall_s=([\d.]+)$",
+                      proc.stdout, re.M)  # fmt: skip
+    assert final and int(final.group(1)) == 4 and 0.0 <= float(final.group(3)) <= 1.0
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 4
+    assert (run_dir / "checkpoints" / "step_4" / "COMPLETE").exists()
+    leftovers = subprocess.run(["pgrep", "-f", f"train_loop.run_dir={run_dir}"], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", "services still running after rollmesh run returned"
