@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -82,6 +83,11 @@ def plot_rewards(metrics: list[dict], out: Path) -> None:
 def run_mesh(config_path: Path, overrides: list[str]) -> int:
     cfg = load_config(config_path, overrides)
     console = Console()
+
+    def _on_sigterm(signum, frame):  # stop the mesh on SIGTERM as on Ctrl-C, never leave orphans
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
     run_dir = Path(cfg.train_loop.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     logs = run_dir / "logs"

@@ -25,3 +25,25 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     assert (run_dir / "checkpoints" / "step_4" / "COMPLETE").exists()
     leftovers = subprocess.run(["pgrep", "-f", f"train_loop.run_dir={run_dir}"], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", "services still running after rollmesh run returned"
+
+
+def test_sigterm_stops_every_service(tiny_model, tmp_path):
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
+    for o in (f"engine.model_path={tiny_model}", f"trainer.model_path={tiny_model}", "train_loop.steps=1000",
+              f"env_manager.tokenizer_path={tiny_model}", f"train_loop.run_dir={run_dir}"):  # fmt: skip
+        cmd += ["--set", o]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    assert (run_dir / "metrics.jsonl").exists(), "the mesh never trained a step"
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(60) == 130
+    time.sleep(1)
+    leftovers = subprocess.run(["pgrep", "-f", f"train_loop.run_dir={run_dir}"], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", "services still running after SIGTERM"
