@@ -50,64 +50,31 @@ def init_model(
     typer.echo(f"wrote {path} ({n / 1e6:.2f} M parameters)")
 
 
-@serve_app.command("engine")
-def serve_engine(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
-    """The embedded inference engine's HTTP server (SGLang API subset)."""
-    cfg = _config(config, set_)
-    _logging()
-    from services.engine.server import serve
-
-    serve(cfg.engine)
-
-
-@serve_app.command("llm-proxy")
-def serve_llm_proxy(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
-    """The LLMProxy gRPC service in front of the configured engines."""
-    cfg = _config(config, set_)
-    _logging()
-    from services.llm_proxy.server import serve
-
-    serve(cfg.proxy)
+# rollmesh serve NAME: (module with serve(section_config), config section or None for the whole config, help)
+SERVICES = {
+    "engine": ("services.engine.server", "engine", "The embedded inference engine's HTTP server (SGLang API subset)."),
+    "llm-proxy": ("services.llm_proxy.server", "proxy", "The LLMProxy gRPC service in front of the engines."),
+    "sample-buffer": ("services.sample_buffer.server", "buffer", "The SampleBuffer gRPC service."),
+    "controller": ("services.controller.server", "controller", "The AsyncController: admission, weight updates."),
+    "env-manager": ("services.env_manager.server", "env_manager", "An EnvManager pool running episodes."),
+    "trainer": ("services.trainer_main", None, "The trainer process: train, publish, checkpoint; exits when done."),
+}
 
 
-@serve_app.command("sample-buffer")
-def serve_sample_buffer(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
-    """The SampleBuffer gRPC service (Redis-backed unless buffer.backend=memory)."""
-    cfg = _config(config, set_)
-    _logging()
-    from services.sample_buffer.server import serve
+def _register_serve(name: str, module: str, section: str | None, doc: str) -> None:
+    def command(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
+        cfg = _config(config, set_)
+        _logging()
+        import importlib
 
-    serve(cfg.buffer)
+        importlib.import_module(module).serve(getattr(cfg, section) if section else cfg)
 
-
-@serve_app.command("controller")
-def serve_controller(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
-    """The AsyncController gRPC service (admission and weight-update protocol)."""
-    cfg = _config(config, set_)
-    _logging()
-    from services.controller.server import serve
-
-    serve(cfg.controller)
+    command.__doc__ = doc
+    serve_app.command(name)(command)
 
 
-@serve_app.command("env-manager")
-def serve_env_manager(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
-    """An EnvManager pool running episodes through the LLMProxy into the SampleBuffer."""
-    cfg = _config(config, set_)
-    _logging()
-    from services.env_manager.server import serve
-
-    serve(cfg.env_manager)
-
-
-@serve_app.command("trainer")
-def serve_trainer(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
-    """The trainer process: pulls groups, trains, publishes weights, checkpoints (exits when done)."""
-    cfg = _config(config, set_)
-    _logging()
-    from services.trainer_main import serve
-
-    serve(cfg)
+for _name, (_module, _section, _doc) in SERVICES.items():
+    _register_serve(_name, _module, _section, _doc)
 
 
 @app.command()

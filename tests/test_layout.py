@@ -36,3 +36,16 @@ def test_readme_opens_with_the_two_commands_and_they_exist():
 
 def test_ci_runs_make_test():
     assert "make test" in Path(".ci/run").read_text()
+
+
+def test_every_rollmesh_command_in_the_readme_exists():
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    found = re.findall(r"`rollmesh ((?:bench|serve) [a-z][a-z-]*|[a-z][a-z-]*)", Path("README.md").read_text())
+    commands = set(found)
+    assert {"run", "bench engine", "serve engine", "init-model"} <= commands
+    for cmd in sorted(commands):
+        res = CliRunner().invoke(app, [*cmd.split(), "--help"])
+        assert res.exit_code == 0, f"`rollmesh {cmd}` in README.md does not exist: {res.output[-300:]}"
