@@ -11,6 +11,7 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
         f"engine.model_path={tiny_model}", f"controller.initial_model_path={tiny_model}",
         f"env_manager.tokenizer_path={tiny_model}", f"trainer.model_path={tiny_model}",
         "train_loop.steps=4", f"train_loop.run_dir={run_dir}", "controller.groups_per_step=2",
+        "buffer.filter_zero_variance=false",  # a random model's groups are mostly all-zero: keep them
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
     for o in overrides:
@@ -35,7 +36,8 @@ def test_sigterm_stops_every_service(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
     for o in (f"engine.model_path={tiny_model}", f"trainer.model_path={tiny_model}", "train_loop.steps=1000",
-              f"env_manager.tokenizer_path={tiny_model}", f"train_loop.run_dir={run_dir}"):  # fmt: skip
+              f"env_manager.tokenizer_path={tiny_model}", f"train_loop.run_dir={run_dir}",
+              "buffer.filter_zero_variance=false"):  # fmt: skip
         cmd += ["--set", o]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
