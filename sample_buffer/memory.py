@@ -5,15 +5,12 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import logging
 import time
 from collections import Counter
 
 from sample_buffer.buffer import COUNTERS, SampleBuffer
-from sample_buffer.codec import CodecError, GroupHeader, read_header
+from sample_buffer.codec import GroupHeader
 from sample_buffer.config import BufferConfig
-
-log = logging.getLogger(__name__)
 
 
 class MemoryBuffer(SampleBuffer):
@@ -71,13 +68,6 @@ class MemoryBuffer(SampleBuffer):
             if version < floor:
                 del self._entries[seq]
                 self._counters["dropped_stale"] += 1
-                continue
-            try:
-                read_header(data)
-            except CodecError as e:
-                log.error("dropping a corrupt group: %s", e)
-                del self._entries[seq]
-                self._counters["dropped_corrupt"] += 1
                 continue
             out.append(data)
             seqs.append(seq)

@@ -400,8 +400,7 @@ class EmbeddedEngine:
     def _commit_staged(self, version: int | None) -> dict:
         if not self._staged:
             raise EngineError("tensors", "nothing staged: send at least one bucket before the final one")
-        with torch.no_grad():
-            copy_named_tensors(self.model, self._staged)
+        copy_named_tensors(self.model, self._staged)  # no_grad inside
         self._staged = {}
         self.checksum = weights_checksum(self.model.state_dict())
         return self._bump_version(version)

@@ -70,9 +70,6 @@ class KVBatch:
         self.cache: DynamicCache | None = None
         self.lengths: list[int] = []  # real (unpadded) tokens in the cache, per row
 
-    def __len__(self) -> int:
-        return len(self.lengths)
-
     @property
     def width(self) -> int:
         return self.cache.layers[0].keys.shape[2] if self.cache is not None else 0
