@@ -29,9 +29,14 @@ $(MODEL)/config.json: | $(STAMP)
 
 model: $(MODEL)/config.json
 
-# The quickstart: the whole mesh on this machine, GRPO on single-digit sums.
-run: $(STAMP) model
-	.venv/bin/rollmesh run examples/quickstart.yaml
+# The quickstart's starting point: the tiny model after a format-only warm-up (answers with a
+# digit, at chance on which one; see trainer/format_prior.py).
+models/tiny-digits/config.json: | $(STAMP)
+	.venv/bin/rollmesh init-model --out models/tiny-digits --digit-prior-steps 100
+
+# The quickstart: the whole mesh on this machine, GRPO on "find the digit" (kq7x -> 7).
+run: $(STAMP) models/tiny-digits/config.json
+	.venv/bin/rollmesh run examples/quickstart.yaml --fresh
 
 test: $(STAMP) servers
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -52,6 +57,7 @@ bench: $(STAMP) model servers
 	.venv/bin/rollmesh bench proxy --model $(MODEL) --json
 	.venv/bin/rollmesh bench buffer --json
 	.venv/bin/rollmesh bench trainer --model $(MODEL) --json
+	.venv/bin/rollmesh bench async --model $(MODEL) --json
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

@@ -9,6 +9,7 @@ environment step has a deadline; missing one ends the trajectory with ``timeout`
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.envs.base import Env
+from rollout.turn_barrier import TurnBarrier
 from sample_buffer.trajectory import Trajectory
 
 
@@ -59,7 +61,24 @@ async def run_episode(
     trajectory_id: str,
     group_id: str,
     prompt_id: str,
+    barrier: TurnBarrier | None = None,
 ) -> Trajectory:
+    """Run one episode. With a ``barrier`` (batch rollout) every turn's generation waits for all
+    episodes' generations, and every environment step for all episodes' steps."""
+    try:
+        return await _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier)
+    finally:
+        if barrier is not None:
+            barrier.leave()
+
+
+async def _env_step(env: Env, action: str):
+    if inspect.iscoroutinefunction(env.step):
+        return await env.step(action)
+    return await asyncio.to_thread(env.step, action)
+
+
+async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier):
     t0 = time.monotonic()
     obs = env.reset(seed)
     tokens = render_user_turn(tokenizer, obs)
@@ -78,12 +97,16 @@ async def run_episode(
         if gen.finish in ("timeout", "abort"):
             finish = gen.finish
             break
+        if barrier is not None:
+            await barrier.wait()  # generate all, then step all
         action = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
         try:
-            result = await asyncio.wait_for(asyncio.to_thread(env.step, action), config.step_timeout_s)
+            result = await asyncio.wait_for(_env_step(env, action), config.step_timeout_s)
         except TimeoutError:
             finish = "timeout"
             break
+        if barrier is not None and not (result.done or result.observation is None):
+            await barrier.wait()  # step all, then generate the next turn together
         reward += result.reward
         finish = gen.finish
         if result.done or result.observation is None:

@@ -43,6 +43,9 @@ class BufferBackendError(RuntimeError):
 class Batch:
     batch_id: str  # "" when nothing was handed out
     groups: list[bytes] = field(default_factory=list)  # encoded groups, oldest first
+    # Groups dropped as too stale while filling this batch. They will never be trained on, so the
+    # consumer hands their admission slots back (or staleness drops would shrink the async budget).
+    dropped_stale: int = 0
 
     def decode(self) -> list[Group]:
         return [decode_group(g) for g in self.groups]
@@ -115,14 +118,16 @@ class SampleBuffer(ABC):
         batch_id = uuid.uuid4().hex
         deadline = time.monotonic() + max(0.0, timeout_s)
         got: list[bytes] = []
+        stale = 0
         while True:
             wait = max(0.0, deadline - time.monotonic())
-            got += await self._take(batch_id, num_groups - len(got), floor, wait)
+            fresh, dropped = await self._take(batch_id, num_groups - len(got), floor, wait)
+            got, stale = got + fresh, stale + dropped
             if len(got) >= num_groups or time.monotonic() >= deadline:
                 break
         if not got:
             await self._forget(batch_id)
-        return Batch(batch_id if got else "", got)
+        return Batch(batch_id if got else "", got, stale)
 
     async def ack(self, batch_id: str) -> int:
         """Mark a batch consumed; returns how many groups this ack consumed (0 if already acked or
@@ -143,10 +148,10 @@ class SampleBuffer(ABC):
         """Store items in order until the buffer is full; return how many were stored. Counts ``put``."""
 
     @abstractmethod
-    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> list[bytes]:
+    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> tuple[list[bytes], int]:
         """Hand up to ``k`` groups to ``batch_id``: first those whose batch passed the visibility
         timeout, then new ones; drop (and count) stale and corrupt ones on the way. May wait up to
-        ``wait_s`` for the first group."""
+        ``wait_s`` for the first group. Returns the groups and how many were dropped as stale."""
 
     @abstractmethod
     async def _ack(self, batch_id: str) -> int:

@@ -52,7 +52,7 @@ class MemoryBuffer(SampleBuffer):
         oldest = min(t0 for t0, _ in self._batches.values())
         return max(0.0, oldest + self.config.visibility_timeout_s - time.monotonic())
 
-    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> list[bytes]:
+    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> tuple[list[bytes], int]:
         self._redeliver_expired()
         if not self._ready and wait_s > 0:
             self._arrived.clear()
@@ -61,20 +61,21 @@ class MemoryBuffer(SampleBuffer):
             except TimeoutError:
                 pass
             self._redeliver_expired()
-        out, seqs = [], []
+        out, seqs, stale = [], [], 0
         while self._ready and len(out) < k:
             seq = heapq.heappop(self._ready)
             version, data = self._entries[seq]
             if version < floor:
                 del self._entries[seq]
-                self._counters["dropped_stale"] += 1
+                stale += 1
                 continue
             out.append(data)
             seqs.append(seq)
         if seqs:
             t0, held = self._batches.get(batch_id, (time.monotonic(), []))
             self._batches[batch_id] = (t0, held + seqs)
-        return out
+        self._counters["dropped_stale"] += stale
+        return out, stale
 
     async def _ack(self, batch_id: str) -> int:
         _, seqs = self._batches.pop(batch_id, (0.0, []))

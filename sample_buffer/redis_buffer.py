@@ -111,7 +111,7 @@ class RedisBuffer(SampleBuffer):
             stored += 1
         return stored
 
-    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> list[bytes]:
+    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> tuple[list[bytes], int]:
         try:
             await self._ensure_group()
             idle_ms = int(self.config.visibility_timeout_s * 1000)
@@ -133,7 +133,7 @@ class RedisBuffer(SampleBuffer):
         except RedisError as e:
             raise self._explain(e) from None
 
-    async def _sort_out(self, entries: list, floor: int) -> list[bytes]:
+    async def _sort_out(self, entries: list, floor: int) -> tuple[list[bytes], int]:
         """Keep fresh, readable groups; ack, delete and count the rest."""
         keep, stale, corrupt = [], [], []
         for entry_id, fields in entries:
@@ -149,7 +149,7 @@ class RedisBuffer(SampleBuffer):
             (stale if int(version) < floor else keep).append((entry_id, data))
         await self._drop([i for i, _ in stale], "dropped_stale")
         await self._drop(corrupt, "dropped_corrupt")
-        return [d for _, d in keep]
+        return [d for _, d in keep], len(stale)
 
     async def _drop(self, ids: list[bytes], reason: str) -> None:
         if ids:

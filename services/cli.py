@@ -38,11 +38,16 @@ def init_model(
     seed: int = typer.Option(0, help="Seed of the random initialisation."),
     hidden_size: int = typer.Option(128, help="Width of the residual stream."),
     num_layers: int = typer.Option(4, help="Decoder layers."),
+    digit_prior_steps: int = typer.Option(
+        0, help="Format-only warm-up steps: the model learns to answer with one digit, not which one."
+    ),
 ) -> None:
     """Build the tiny Qwen2 model and tokenizer locally (no download)."""
     from trainer.tiny_model import TinyModelConfig, build_tiny_model, count_parameters
 
-    cfg = TinyModelConfig(seed=seed, hidden_size=hidden_size, num_hidden_layers=num_layers)
+    cfg = TinyModelConfig(
+        seed=seed, hidden_size=hidden_size, num_hidden_layers=num_layers, digit_prior_steps=digit_prior_steps
+    )
     path = build_tiny_model(out, cfg)
     from transformers import AutoModelForCausalLM
 
@@ -78,12 +83,16 @@ for _name, (_module, _section, _doc) in SERVICES.items():
 
 
 @app.command()
-def run(config: Path = typer.Argument(..., help="Run config (YAML)."), set_: list[str] = SetOpt) -> None:
+def run(
+    config: Path = typer.Argument(..., help="Run config (YAML)."),
+    set_: list[str] = SetOpt,
+    fresh: bool = typer.Option(False, "--fresh", help="Delete the run directory's checkpoints instead of resuming."),
+) -> None:
     """Start the whole mesh locally, train, evaluate, shut down; prints a final summary line."""
     _config(config, set_)  # fail fast on a bad config, before any process starts
     from services.launcher import run_mesh
 
-    raise typer.Exit(run_mesh(config, set_))
+    raise typer.Exit(run_mesh(config, set_, fresh))
 
 
 @app.command()
@@ -149,6 +158,28 @@ def bench_trainer(
     _emit(run(str(model), steps, trajectories), json_)
 
 
+@bench_app.command("async")
+def bench_async(
+    model: Path = typer.Option(Path("models/tiny"), help="Tokenizer directory (prompts are rendered with it)."),
+    steps: int = typer.Option(8, help="Measured training steps per scenario."),
+    warmup: int = typer.Option(2, help="Steps before measuring (the pipeline fills)."),
+    engines: int = typer.Option(4, help="Simulated engines (identical in every scenario)."),
+    time_scale: float = typer.Option(50.0, help="Simulated seconds per wall second."),
+    scenario: list[str] = typer.Option([], "--scenario", help="Run only these (repeatable); default all."),
+    agentic: bool = typer.Option(True, help="Also run the agentic variant (sync_batch and async_2)."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Synchronous vs queue scheduling vs async_ratio 1/2/4 on the latency simulator (real services)."""
+    import sys
+
+    from services.bench.async_bench import run
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr if json_ else sys.stdout, flush=True)
+
+    _emit(run(str(model), steps, warmup, engines, time_scale, scenario or None, agentic, progress), json_)
+
+
 def _emit(result: dict, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -157,6 +188,8 @@ def _emit(result: dict, as_json: bool) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for k, v in result.items():
+        if isinstance(v, dict):  # details (per scenario): in the JSON line only
+            continue
         table.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     Console(stderr=as_json).print(table)
     if as_json:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -80,7 +83,102 @@ def plot_rewards(metrics: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
-def run_mesh(config_path: Path, overrides: list[str]) -> int:
+def _prepare_run_dir(run_dir: Path, fresh: bool, console: Console) -> int:
+    """Start over (``fresh``) or resume; returns how many metrics lines belong to earlier runs.
+
+    A run directory without a complete checkpoint holds nothing to resume, so its old metrics
+    are dropped rather than mixed into the new curve.
+    """
+    from trainer.checkpoint import latest_checkpoint
+
+    if fresh:
+        for sub in ("checkpoints", "weights"):
+            shutil.rmtree(run_dir / sub, ignore_errors=True)
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    metrics = run_dir / "metrics.jsonl"
+    if ckpt is None:
+        metrics.unlink(missing_ok=True)
+        return 0
+    console.print(f"[yellow]resuming from {ckpt}[/] (pass --fresh to start over)")
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+@dataclass
+class Mesh:
+    """The services of a running mesh (the trainer is started separately)."""
+
+    procs: list[subprocess.Popen]
+    engine_urls: list[str]
+    proxy: str
+    buffer: str
+    controller: str
+
+    @property
+    def wiring(self) -> list[str]:
+        """``--set`` overrides that point a client (EnvManager, trainer) at this mesh."""
+        return [f"env_manager.proxy_address={self.proxy}", f"env_manager.buffer_address={self.buffer}",
+                f"env_manager.controller_address={self.controller}"]  # fmt: skip
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            stop_process(p)
+
+
+def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh:
+    """Engines → LLMProxy → SampleBuffer → AsyncController → EnvManager, each healthy before the
+    next. On any failure everything started so far is stopped."""
+    mesh = Mesh([], [], "", "", "")
+    up = dict(config_path=str(config_path), timeout_s=cfg.run.startup_timeout_s)
+    try:
+
+        def engine(_):
+            return start_engine_process(
+                cfg.engine.model_path, free_port(), overrides, cfg.run.startup_timeout_s, str(config_path)
+            )
+
+        with ThreadPoolExecutor(cfg.run.num_engines) as pool:  # engines load in parallel
+            futures = [pool.submit(engine, i) for i in range(cfg.run.num_engines)]
+        started = [f.result() for f in futures if f.exception() is None]
+        mesh.procs += [p for p, _ in started]
+        mesh.engine_urls += [u for _, u in started]
+        for f in futures:
+            if f.exception() is not None:
+                raise f.exception()
+        proc, mesh.proxy = start_service_process(
+            "llm-proxy", "proxy", [*overrides, f"proxy.engine_urls=[{','.join(mesh.engine_urls)}]",
+                                   "proxy.metrics_port=0"],
+            log_path=logs / "proxy.log", **up,
+        )  # fmt: skip
+        mesh.procs.append(proc)
+        proc, mesh.buffer = start_service_process(
+            "sample-buffer", "buffer", [*overrides, "buffer.metrics_port=0"], log_path=logs / "buffer.log", **up
+        )
+        mesh.procs.append(proc)
+        ctl = [*overrides, f"controller.proxy_address={mesh.proxy}", "controller.metrics_port=0"]
+        proc, mesh.controller = start_service_process(
+            "controller", "controller", ctl, log_path=logs / "controller.log", **up
+        )
+        mesh.procs.append(proc)
+        proc, _ = start_service_process(
+            "env-manager", "env_manager", [*overrides, *mesh.wiring, "env_manager.metrics_port=0"],
+            log_path=logs / "env_manager.log", **up,
+        )  # fmt: skip
+        mesh.procs.append(proc)
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh
+
+
+def start_trainer(config_path: Path, overrides: list[str], mesh: Mesh, log_path: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        serve_command("trainer", "trainer", [*overrides, *mesh.wiring], str(config_path)),
+        stdout=open(log_path, "ab"),  # noqa: SIM115 (closed with the process)
+        stderr=subprocess.STDOUT,
+    )
+
+
+def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> int:
     cfg = load_config(config_path, overrides)
     console = Console()
 
@@ -90,49 +188,21 @@ def run_mesh(config_path: Path, overrides: list[str]) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     run_dir = Path(cfg.train_loop.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    earlier = _prepare_run_dir(run_dir, fresh, console)
     logs = run_dir / "logs"
-    procs: list[subprocess.Popen] = []
+    mesh: Mesh | None = None
+    trainer: subprocess.Popen | None = None
     t0 = time.time()
-    common = [*overrides]
     try:
-        engine_urls = []
-        for _ in range(cfg.run.num_engines):
-            proc, url = start_engine_process(
-                cfg.engine.model_path, free_port(), common, cfg.run.startup_timeout_s, str(config_path)
-            )
-            procs.append(proc)
-            engine_urls.append(url)
-        console.print(f"[green]engines[/] {', '.join(engine_urls)}")
-        up = dict(config_path=str(config_path), timeout_s=cfg.run.startup_timeout_s)
-        proc, proxy_addr = start_service_process(
-            "llm-proxy", "proxy", [*common, f"proxy.engine_urls=[{','.join(engine_urls)}]", "proxy.metrics_port=0"],
-            log_path=logs / "proxy.log", **up,
-        )  # fmt: skip
-        procs.append(proc)
-        proc, buffer_addr = start_service_process(
-            "sample-buffer", "buffer", [*common, "buffer.metrics_port=0"], log_path=logs / "buffer.log", **up
-        )
-        procs.append(proc)
-        ctl_overrides = [*common, f"controller.proxy_address={proxy_addr}", "controller.metrics_port=0"]
-        proc, ctl_addr = start_service_process(
-            "controller", "controller", ctl_overrides, log_path=logs / "controller.log", **up
-        )
-        procs.append(proc)
-        wiring = [f"env_manager.proxy_address={proxy_addr}", f"env_manager.buffer_address={buffer_addr}",
-                  f"env_manager.controller_address={ctl_addr}"]  # fmt: skip
-        proc, _ = start_service_process(
-            "env-manager", "env_manager", [*common, *wiring, "env_manager.metrics_port=0"],
-            log_path=logs / "env_manager.log", **up,
-        )  # fmt: skip
-        procs.append(proc)
-        console.print(f"[green]mesh up[/] proxy {proxy_addr}, buffer {buffer_addr}, controller {ctl_addr}")
-        trainer = subprocess.Popen(
-            serve_command("trainer", "trainer", [*common, *wiring], str(config_path)),
-            stdout=open(logs / "trainer.log", "ab"),  # noqa: SIM115 (closed with the process)
-            stderr=subprocess.STDOUT,
-        )
-        procs.append(trainer)
-        seen, history = 0, []
+        mesh = start_mesh(cfg, config_path, overrides, logs)
+        console.print(f"[green]engines[/] {', '.join(mesh.engine_urls)}")
+        console.print(f"[green]mesh up[/] proxy {mesh.proxy}, buffer {mesh.buffer}, controller {mesh.controller}")
+        proxy_addr = mesh.proxy
+        if cfg.run.heldout_path and not earlier:
+            acc0 = asyncio.run(heldout_accuracy(proxy_addr, cfg))
+            console.print(f"held-out accuracy before training: {acc0:.3f}")
+        history, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
+        trainer = start_trainer(config_path, overrides, mesh, logs / "trainer.log")
         while trainer.poll() is None:
             time.sleep(1.0)
             new, seen = _tail_metrics(run_dir / "metrics.jsonl", seen)
@@ -152,8 +222,9 @@ def run_mesh(config_path: Path, overrides: list[str]) -> int:
         acc = asyncio.run(heldout_accuracy(proxy_addr, cfg)) if cfg.run.heldout_path else float("nan")
         last5 = [m["reward_mean"] for m in history[-5:]]
         reward_last5 = sum(last5) / max(1, len(last5))
+        steps = history[-1]["step"] if history else 0
         print(
-            f"final: steps={len(history)} reward_mean_last5={reward_last5:.3f} heldout_accuracy={acc:.3f} "
+            f"final: steps={steps} reward_mean_last5={reward_last5:.3f} heldout_accuracy={acc:.3f} "
             f"wall_s={time.time() - t0:.1f}",
             flush=True,
         )
@@ -162,5 +233,7 @@ def run_mesh(config_path: Path, overrides: list[str]) -> int:
         console.print("[yellow]interrupted: stopping the mesh[/]")
         return 130
     finally:
-        for p in reversed(procs):
-            stop_process(p)
+        if trainer is not None:
+            stop_process(trainer)
+        if mesh is not None:
+            mesh.stop()

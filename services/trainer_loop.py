@@ -34,7 +34,7 @@ class TrainLoopConfig(BaseModel):
 
     steps: int = Field(100, ge=1, description="Optimizer steps of the run.")
     run_dir: str = Field("runs/default", description="Checkpoints, exported weights and metrics.jsonl go here.")
-    checkpoint_every: int = Field(20, ge=1, description="Checkpoint every k steps (and at the end).")
+    checkpoint_every: int = Field(20, ge=0, description="Checkpoint every k steps and at the end; 0 = never.")
     get_timeout_s: float = Field(120.0, gt=0, description="How long one Get waits for a full batch.")
     publish_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight update on the engines.")
     keep_weight_versions: int = Field(2, ge=1, description="Exported weight directories kept on disk.")
@@ -42,10 +42,10 @@ class TrainLoopConfig(BaseModel):
 
 class TrainerLoop:
     def __init__(self, loop_cfg: TrainLoopConfig, engine, buffer, controller, proxy, *, groups_per_step: int,
-                 max_staleness: int, model_path: str) -> None:  # fmt: skip
+                 max_staleness: int) -> None:  # fmt: skip
         self.cfg, self.engine = loop_cfg, engine
         self.buffer, self.controller, self.proxy = buffer, controller, proxy
-        self.groups_per_step, self.max_staleness, self.model_path = groups_per_step, max_staleness, model_path
+        self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
         self.run_dir = Path(loop_cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -71,6 +71,9 @@ class TrainerLoop:
         while len(groups) < self.groups_per_step and time.perf_counter() < deadline:
             wait = deadline - time.perf_counter()
             batch = await self.buffer.get(self.groups_per_step - len(groups), version, self.max_staleness, wait)
+            if batch.dropped_stale:
+                req = cpb.ReleaseRequest(client_id="trainer", num_dropped=batch.dropped_stale)
+                await self.controller.Release(req, timeout=30)
             if batch.batch_id:
                 batch_ids.append(batch.batch_id)
                 groups += batch.decode()
@@ -100,7 +103,8 @@ class TrainerLoop:
         }
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        if self.engine.step % self.cfg.checkpoint_every == 0 or self.engine.step >= self.cfg.steps:
+        every = self.cfg.checkpoint_every
+        if every and (self.engine.step % every == 0 or self.engine.step >= self.cfg.steps):
             from trainer.checkpoint import save_checkpoint
 
             save_checkpoint(self.engine, self.run_dir / "checkpoints", keep_last=2)
@@ -108,10 +112,8 @@ class TrainerLoop:
 
     async def publish(self) -> bool:
         """Export the new weights and move every engine to them; roll back on any failure."""
-        from trainer.export import export_hf
-
         version = self.engine.version
-        out = export_hf(self.engine.model, self.model_path, self.run_dir / "weights" / f"v{version}")
+        out = self.engine.export(self.run_dir / "weights" / f"v{version}")
         begin = await self.controller.BeginUpdate(
             cpb.BeginUpdateRequest(new_version=version, timeout_s=self.cfg.publish_timeout_s * 2), timeout=60
         )

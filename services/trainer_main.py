@@ -17,16 +17,16 @@ def serve(cfg) -> None:
     from services.sample_buffer.client import BufferClient
     from services.trainer_loop import TrainerLoop
     from trainer.engine import TrainEngine
+    from trainer.sim import SimTrainEngine
 
     async def main() -> None:
         proxy = ProxyClient(cfg.env_manager.proxy_address)
         buffer = BufferClient(cfg.env_manager.buffer_address)
         channel = grpc.aio.insecure_channel(cfg.env_manager.controller_address)
-        engine = TrainEngine(cfg.trainer)
+        engine = SimTrainEngine(cfg.trainer.sim) if cfg.trainer.sim is not None else TrainEngine(cfg.trainer)
         loop = TrainerLoop(
             cfg.train_loop, engine, buffer, controller_pb2_grpc.AsyncControllerStub(channel), proxy,
             groups_per_step=cfg.controller.groups_per_step, max_staleness=cfg.controller.async_ratio,
-            model_path=cfg.trainer.model_path,
         )  # fmt: skip
         loop.resume()
         try:

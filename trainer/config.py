@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainer.advantages import AdvantageConfig
 from trainer.losses import PolicyLossConfig
+from trainer.sim import SimTrainerConfig
 
 
 class TrainerConfig(BaseModel):
@@ -19,6 +20,9 @@ class TrainerConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when available.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
     seed: int = Field(0, description="Seed of torch's generators.")
+    num_threads: int = Field(
+        0, ge=0, description="torch intra-op CPU threads; 0 keeps torch's default. Set 1 when sharing cores."
+    )
     lr: float = Field(1e-5, gt=0, description="Peak learning rate of AdamW.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
@@ -49,4 +53,7 @@ class TrainerConfig(BaseModel):
     kl_in_reward: bool = Field(False, description="Subtract the KL from the rewards instead of adding a loss term.")
     critic: bool = Field(False, description="Train a value model (needed by the 'gae' estimator).")
     critic_lr: float = Field(1e-5, gt=0, description="Learning rate of the critic.")
+    sim: SimTrainerConfig | None = Field(
+        None, description="Run the simulated trainer (time proportional to tokens; trainer/sim.py); None = real."
+    )
     value_clip: float | None = Field(0.2, gt=0, description="Clip range of the critic's value loss.")

@@ -59,6 +59,8 @@ class TrainEngine:
             self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.world > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         dtype = getattr(torch, config.dtype)
         self.model = self._prepare(AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype))
@@ -225,6 +227,12 @@ class TrainEngine:
         if self.critic is not None:
             out["value_loss"] = self._critic_step(batch, values, returns, mask)
         return out
+
+    def export(self, out_dir):
+        """Write the current policy as a HF directory (rank 0 writes; others return None)."""
+        from trainer.export import export_hf
+
+        return export_hf(self.model, self.config.model_path, out_dir)
 
     def _clip(self, model) -> float:
         params = [p for p in model.parameters() if p.grad is not None]

@@ -37,6 +37,9 @@ class TinyModelConfig(BaseModel):
     num_key_value_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
     max_position_embeddings: int = Field(1024, ge=32, description="Context length in tokens.")
     seed: int = Field(0, description="Seed of the random initialisation.")
+    digit_prior_steps: int = Field(
+        0, ge=0, description="Steps of format-only warm-up (answer with one digit; see trainer/format_prior.py)."
+    )
 
 
 def build_tokenizer():
@@ -112,6 +115,10 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
     model = Qwen2ForCausalLM(hf_cfg)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
+    if cfg.digit_prior_steps:
+        from trainer.format_prior import prime_digit_format
+
+        prime_digit_format(model, tokenizer, cfg.digit_prior_steps, seed=cfg.seed)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

@@ -66,16 +66,20 @@ class AsyncController:
         self.counters["admit_refused"] += n - granted
         return granted, self.version
 
-    async def release(self, client_id: str, unused: int, finished: int) -> None:
-        if unused < 0 or finished < 0:
-            raise ValueError("num_groups and num_finished: must be >= 0")
+    async def release(self, client_id: str, unused: int, finished: int, dropped: int = 0) -> None:
+        if unused < 0 or finished < 0 or dropped < 0:
+            raise ValueError("num_groups, num_finished and num_dropped: must be >= 0")
         if unused + finished > self.in_flight:
             raise ValueError(
                 f"num_groups + num_finished = {unused + finished} exceeds the {self.in_flight} groups in flight"
             )
+        if dropped > self.finished + finished:
+            raise ValueError(f"num_dropped = {dropped} exceeds the {self.finished + finished} finished groups")
         self.in_flight -= unused + finished
-        self.finished += finished
+        # A finished group dropped untrained (too stale) frees its slot like an unused one.
+        self.finished += finished - dropped
         self.counters["released"] += unused
+        self.counters["dropped"] += dropped
 
     # ------------------------------------------------------------------ weight updates
     async def begin_update(self, new_version: int, timeout_s: float = 0.0) -> str:

@@ -84,7 +84,7 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
         return pb.AdmitResponse(num_admitted=granted, version=version, capacity=ctl.capacity())
 
     async def release(req: pb.ReleaseRequest, ctx) -> pb.ReleaseResponse:
-        await guarded(ctx, ctl.release(req.client_id, req.num_groups, req.num_finished))
+        await guarded(ctx, ctl.release(req.client_id, req.num_groups, req.num_finished, req.num_dropped))
         return pb.ReleaseResponse()
 
     async def begin(req: pb.BeginUpdateRequest, ctx) -> pb.BeginUpdateResponse:

@@ -1,9 +1,13 @@
 """The EnvManager: workers that admit a prompt, run its group, and put the group in the buffer.
 
-Queue scheduling: each worker owns one prompt at a time; its ``group_size`` episodes are
-independent requests (prompt replication) and each is scored the moment it ends. The group goes
-to the buffer as soon as its last member is scored, and the worker asks for the next prompt;
-nothing waits for a batch.
+Queue scheduling (default): each worker owns one prompt at a time; its ``group_size`` episodes
+are independent requests (prompt replication) and each is scored the moment it ends. The group
+goes to the buffer as soon as its last member is scored, and the worker asks for the next
+prompt; nothing waits for a batch.
+
+Batch scheduling is the synchronous baseline ``rollmesh bench async`` measures against: one
+loop admits as many groups as it may, generates every response, then scores them all (a
+``TurnBarrier`` per turn), then puts them all.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ import logging
 import random
 from collections import Counter
 
-from rollout.envs import SingleTurnEnv, load_jsonl
+from rollout.envs import load_jsonl, make_env
 from rollout.episode import Generation, run_episode
 from rollout.rewards import resolve_reward
+from rollout.turn_barrier import TurnBarrier
 from sample_buffer.trajectory import Group
 from services.env_manager.config import EnvManagerConfig
 from services.pb.rollmesh.v1 import common_pb2
@@ -30,11 +35,16 @@ _FINISH = {
 }
 
 
-def proxy_generate(client):
-    """A ``GenerateFn`` over the LLMProxy gRPC client."""
+def proxy_generate(client, replicate: bool = True):
+    """A ``GenerateFn`` over the LLMProxy gRPC client. The request id is the trajectory id (one
+    request at a time per trajectory); without prompt replication the routing key is the group,
+    so all n samples of a prompt land on one engine."""
 
     async def generate(ids: list[int], sampling: dict, trajectory_id: str, timeout_s: float) -> Generation:
-        res = await client.generate(ids, trajectory_id=trajectory_id, timeout_s=timeout_s, **sampling)
+        route = trajectory_id if replicate else trajectory_id.rsplit("/", 1)[0]
+        res = await client.generate(
+            ids, request_id=trajectory_id, trajectory_id=route, timeout_s=timeout_s, **sampling
+        )  # fmt: skip
         return Generation(
             list(res.output_ids), list(res.output_logprobs), list(res.token_versions), _FINISH[res.finish_reason]
         )
@@ -50,7 +60,8 @@ class EnvManager:
         self.rows = load_jsonl(config.dataset_path)
         self.reward_fn = resolve_reward(config.reward)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
-        self.generate = proxy_generate(proxy)
+        make_env(config.env, self.rows, self.reward_fn, config.env_args)  # a bad env or env_args fails here
+        self.generate = proxy_generate(proxy, config.replicate_prompts)
         self.buffer, self.controller = buffer, controller_stub
         self.counters: Counter[str] = Counter()
         self._order = list(range(len(self.rows)))
@@ -69,7 +80,10 @@ class EnvManager:
             return
         self.running = True
         n = num_workers or self.config.num_workers
-        self._workers = [asyncio.create_task(self._worker(i)) for i in range(n)]
+        if self.config.scheduling == "batch":
+            self._workers = [asyncio.create_task(self._batch_loop(n))]
+        else:
+            self._workers = [asyncio.create_task(self._worker(i)) for i in range(n)]
 
     async def stop(self) -> int:
         self.running = False
@@ -99,14 +113,36 @@ class EnvManager:
             # or dynamic filtering would use up the staleness budget and starve the trainer.
             await self._release(finished=1) if accepted else await self._release(unused=1)
 
+    async def _batch_loop(self, max_groups: int) -> None:
+        """Synchronous rollout: admit a step's groups, generate all, score all, put all."""
+        while self.running:
+            res = await self.controller.Admit(
+                cpb.AdmitRequest(client_id="env-batch", num_groups=max_groups), timeout=30
+            )
+            n = res.num_admitted
+            if n == 0:
+                await asyncio.sleep(self.config.admit_poll_s)
+                continue
+            barrier = TurnBarrier(n * self.config.group_size)
+            results = await asyncio.gather(
+                *(self._run_group(self._next_prompt(), barrier) for _ in range(n)), return_exceptions=True
+            )
+            for r in results:
+                if isinstance(r, BaseException):
+                    log.error("group failed: %r", r)
+                    self.counters["env_error"] += 1
+            accepted = sum(r is True for r in results)
+            await self._release(unused=n - accepted, finished=accepted)
+
     async def _release(self, unused: int = 0, finished: int = 0) -> None:
         req = cpb.ReleaseRequest(client_id="env", num_groups=unused, num_finished=finished)
         await self.controller.Release(req, timeout=30)
 
-    async def _run_group(self, row: int) -> bool:
+    async def _run_group(self, row: int, barrier: TurnBarrier | None = None) -> bool:
         gid = f"p{row}-{self.counters['groups_started']}"
         self.counters["groups_started"] += 1
-        envs = [SingleTurnEnv(self.rows, self.reward_fn) for _ in range(self.config.group_size)]
+        envs = [make_env(self.config.env, self.rows, self.reward_fn, self.config.env_args)
+                for _ in range(self.config.group_size)]  # fmt: skip
         trajs = await asyncio.gather(
             *(
                 run_episode(
@@ -118,6 +154,7 @@ class EnvManager:
                     trajectory_id=f"{gid}/{i}",
                     group_id=gid,
                     prompt_id=f"p{row}",
+                    barrier=barrier,
                 )  # fmt: skip
                 for i, env in enumerate(envs)
             )

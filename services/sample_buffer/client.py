@@ -42,7 +42,7 @@ class BufferClient:
             num_groups=num_groups, current_version=current_version, max_staleness=max_staleness, timeout_s=timeout_s
         )
         res = await self.stub.Get(req, timeout=timeout_s + self.timeout_s)
-        return Batch(res.batch_id, list(res.groups))
+        return Batch(res.batch_id, list(res.groups), res.num_dropped_stale)
 
     async def ack(self, batch_id: str) -> int:
         return (await self.stub.Ack(pb.AckRequest(batch_id=batch_id), timeout=self.timeout_s)).num_acked

@@ -104,7 +104,7 @@ def build_handler(buffer: SampleBuffer, metrics: BufferMetrics) -> grpc.GenericR
             h = read_header(data)
             metrics.staleness.observe(max(0, req.current_version - h.start_version))
             metrics.age.observe(max(0.0, now - h.created_unix_s))
-        return pb.GetResponse(batch_id=batch.batch_id, groups=batch.groups)
+        return pb.GetResponse(batch_id=batch.batch_id, groups=batch.groups, num_dropped_stale=batch.dropped_stale)
 
     async def ack(req: pb.AckRequest, ctx) -> pb.AckResponse:
         try:

@@ -21,7 +21,7 @@ def test_jsonl_errors_name_the_line(tmp_path):
     p.write_text("{nope\n")
     with pytest.raises(ValueError, match="d.jsonl:1: not JSON"):
         load_jsonl(p)
-    assert len(load_jsonl("examples/arithmetic_train.jsonl")) == 45
+    assert len(load_jsonl("examples/find_digit_train.jsonl")) == 500
 
 
 def test_reward_registry():

@@ -80,7 +80,8 @@ def test_freshness_at_the_boundary_versions(buffer_factory):
     fresh, stats, on_policy, stats0 = run(go())
     assert ids(fresh) == ["v3", "v4", "v5", "v6"]  # 5 - 2 = 3 is the oldest allowed
     assert stats["dropped_stale"] == 2 and stats["depth"] == 0
-    assert ids(on_policy) == ["w5"] and stats0["dropped_stale"] == 1
+    assert fresh.dropped_stale == 2  # reported to the consumer, who returns their admission slots
+    assert ids(on_policy) == ["w5"] and stats0["dropped_stale"] == 1 and on_policy.dropped_stale == 1
 
 
 def test_zero_variance_groups_are_filtered_and_counted(buffer_factory):

@@ -54,15 +54,22 @@ def test_admission_follows_the_async_ratio(engine, tiny_model, tiny_model_b):
         update = await stub.BeginUpdate(pb.BeginUpdateRequest(new_version=1))
         await stub.CommitUpdate(pb.CommitUpdateRequest(update_id=update.update_id, version=1, model_path=tiny_model))
         after = await stub.Admit(pb.AdmitRequest(client_id="env", num_groups=10))
+        # The trainer reports 2 finished groups the buffer dropped as too stale: 2 slots return.
+        await stub.Release(pb.ReleaseRequest(client_id="trainer", num_dropped=2))
+        refilled = await stub.Admit(pb.AdmitRequest(client_id="env", num_groups=10))
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.Release(pb.ReleaseRequest(client_id="env", num_finished=99))
-        return first, again, after, e.value
+        with pytest.raises(grpc.aio.AioRpcError) as e2:
+            await stub.Release(pb.ReleaseRequest(client_id="trainer", num_dropped=99))
+        return first, again, after, refilled, e.value, e2.value
 
-    first, again, after, err = run(scenario, engine, tiny_model, async_ratio=1, groups_per_step=2)
+    first, again, after, refilled, err, err2 = run(scenario, engine, tiny_model, async_ratio=1, groups_per_step=2)
     assert (first.num_admitted, first.version, first.capacity) == (4, 0, 0)  # (1 + 0 + 1) x 2
     assert again.num_admitted == 1  # 4 slots - 3 finished: a released slot returns, a finished one does not
     assert (after.num_admitted, after.version) == (2, 1)  # one more version, one more batch
+    assert refilled.num_admitted == 2
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds" in err.details()
+    assert err2.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_dropped" in err2.details()
 
 
 def test_update_protocol_continues_generation_under_new_weights(engine, tiny_model, tiny_model_b):

@@ -38,7 +38,7 @@ def test_env_manager_fills_the_buffer_within_the_admission_bound(engine_url, tin
     assert in_flight == 0 and finished == 3
     tok = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
-    rows = {f"p{i}": r for i, r in enumerate(load_jsonl("examples/arithmetic_train.jsonl"))}
+    rows = {f"p{i}": r for i, r in enumerate(load_jsonl(EnvManagerConfig().dataset_path))}
     for g in groups:
         assert len(g.trajectories) == 4 and len({t.trajectory_id for t in g.trajectories}) == 4
         prompt = render_user_turn(tok, rows[g.prompt_id]["prompt"])

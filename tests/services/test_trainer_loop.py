@@ -30,7 +30,7 @@ def test_steps_publish_versions_and_resume(make_engine_process, tiny_model, tmp_
                 engine = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3))
                 cfg = TrainLoopConfig(steps=3, run_dir=str(run_dir), checkpoint_every=2, get_timeout_s=60)
                 return TrainerLoop(cfg, engine, mesh.buffer_client, mesh.controller_stub, mesh.proxy_client,
-                                   groups_per_step=2, max_staleness=1, model_path=tiny_model)  # fmt: skip
+                                   groups_per_step=2, max_staleness=1)  # fmt: skip
 
             await env.start()
             first = loop()
@@ -61,9 +61,11 @@ def test_a_failed_publish_rolls_back_and_generation_goes_on(make_engine_process,
             engine = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3))
             cfg = TrainLoopConfig(steps=1, run_dir=str(tmp_path / "run"), publish_timeout_s=10)
             loop = TrainerLoop(cfg, engine, mesh.buffer_client, mesh.controller_stub, mesh.proxy_client,
-                               groups_per_step=1, max_staleness=1, model_path=str(tmp_path / "missing"))  # fmt: skip
+                               groups_per_step=1, max_staleness=1)  # fmt: skip
+            # Exported without config.json (the source directory is missing): every engine refuses it.
+            engine.config = engine.config.model_copy(update={"model_path": str(tmp_path / "missing")})
             engine.version = 1
-            ok = await loop.publish()  # the export lacks config.json: every engine refuses it
+            ok = await loop.publish()
             out = await mesh.proxy_client.generate([1, 2, 3], 4)
             return ok, out, mesh.controller.version, mesh.proxy.suspended, mesh.controller.counters
 

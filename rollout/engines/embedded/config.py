@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.engines.sim.config import SimEngineConfig
+
 
 class EngineConfig(BaseModel):
     """One embedded engine: which model it serves, where, and how large its running batch is."""
@@ -28,3 +30,6 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="Seed of the engine's sampler for requests without sampling_seed.")
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
     served_model_name: str | None = Field(None, description="Name reported by /model_info; default the path.")
+    sim: SimEngineConfig | None = Field(
+        None, description="Serve the latency simulator instead of a model (rollout/engines/sim); None = real engine."
+    )

@@ -23,14 +23,16 @@ class AdmitResponse(_message.Message):
     def __init__(self, num_admitted: _Optional[int] = ..., version: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("client_id", "num_groups", "num_finished")
+    __slots__ = ("client_id", "num_groups", "num_finished", "num_dropped")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     num_groups: int
     num_finished: int
-    def __init__(self, client_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., num_finished: _Optional[int] = ...) -> None: ...
+    num_dropped: int
+    def __init__(self, client_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_dropped: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

@@ -41,12 +41,14 @@ class GetRequest(_message.Message):
     def __init__(self, num_groups: _Optional[int] = ..., current_version: _Optional[int] = ..., max_staleness: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("batch_id", "groups")
+    __slots__ = ("batch_id", "groups", "num_dropped_stale")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     groups: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    num_dropped_stale: int
+    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[bytes]] = ..., num_dropped_stale: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("batch_id",)

@@ -1,0 +1,37 @@
+"""Configuration of the latency simulator (engine side)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LengthModel(BaseModel):
+    """Response lengths: a lognormal fixed by its median and p99, capped (RL rollouts' long tail)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    median: float = Field(1000, gt=0, description="Median response length in tokens.")
+    p99: float = Field(14000, gt=0, description="99th percentile of the response length in tokens.")
+    cap: int = Field(16384, ge=1, description="Longest response (the request's max_new_tokens also caps it).")
+
+
+class SimEngineConfig(BaseModel):
+    """Decode time as a function of batch size, response lengths, weight-load time, time scale.
+
+    Defaults sketch a 7B model on one H100: a decode step of 12 ms plus 0.12 ms per running
+    sequence, so throughput grows with the batch until ``max_running_requests``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    time_scale: float = Field(100.0, gt=0, description="Simulated seconds per wall-clock second.")
+    decode_base_ms: float = Field(12.0, ge=0, description="Simulated time of one decode step, fixed part.")
+    decode_per_seq_ms: float = Field(0.12, ge=0, description="Simulated time of one decode step per sequence.")
+    weight_load_s: float = Field(2.0, ge=0, description="Simulated time to load new weights.")
+    lengths: LengthModel = Field(default_factory=LengthModel, description="Response length distribution.")
+    token_id: int = Field(120, ge=0, description="The token every simulated response is made of.")
+    seed: int = Field(0, description="Seed of the length draws (a request's length depends on it and its id).")
+
+    def step_s(self, batch: int) -> float:
+        """Simulated seconds of one decode step with ``batch`` running sequences."""
+        return (self.decode_base_ms + self.decode_per_seq_ms * batch) / 1000.0

@@ -1,0 +1,58 @@
+"""A simulated environment for ``rollmesh bench async``: turns and step latency from a model.
+
+Each step sleeps for a latency drawn from a lognormal (median, sigma) in simulated seconds,
+compressed by ``time_scale`` like the simulated engines, and the episode lasts ``turns``
+steps. The reward is a coin flip (seeded per episode), so GRPO groups carry signal. A high
+``latency_sigma`` is the agentic case: a few slow tool calls or sandboxes hold whole batches
+back in synchronous rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.envs.base import StepResult
+
+
+class SimEnvConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    turns: int = Field(1, ge=1, description="Environment steps per episode.")
+    latency_median_s: float = Field(0.5, ge=0, description="Median simulated seconds of one step (reward included).")
+    latency_sigma: float = Field(0.5, ge=0, description="Lognormal sigma of the step latency (0 = constant).")
+    latency_cap_s: float = Field(600.0, gt=0, description="Longest simulated step.")
+    time_scale: float = Field(100.0, gt=0, description="Simulated seconds per wall second (match the engines').")
+
+
+class SimEnv:
+    name = "sim"
+    _instances = itertools.count()  # the n envs of a group share a seed; this tells them apart
+
+    def __init__(self, rows: list[dict], reward_fn=None, **kwargs) -> None:
+        self.rows, self.config = rows, SimEnvConfig(**kwargs)
+        self._id = next(self._instances)
+        self._rng = random.Random(self._id)
+        self._turn = 0
+
+    def reset(self, seed: int) -> str:
+        self._rng = random.Random(seed * 1_000_003 + self._id)
+        self._turn = 0
+        return self.rows[seed % len(self.rows)]["prompt"]
+
+    def latency_s(self) -> float:
+        c = self.config
+        if c.latency_median_s == 0:
+            return 0.0
+        return min(c.latency_cap_s, self._rng.lognormvariate(math.log(c.latency_median_s), c.latency_sigma))
+
+    async def step(self, action: str) -> StepResult:
+        await asyncio.sleep(self.latency_s() / self.config.time_scale)
+        self._turn += 1
+        if self._turn < self.config.turns:
+            return StepResult("continue", 0.0, False)
+        return StepResult(None, float(self._rng.random() < 0.5), True)

@@ -1,0 +1,189 @@
+"""``rollmesh bench async``: does asynchrony pay? The real mesh on the latency simulator.
+
+Every scenario starts the real services (LLMProxy, SampleBuffer, AsyncController, EnvManager,
+trainer loop) as processes, on simulated engines (``rollout/engines/sim``) and a simulated
+trainer (``trainer/sim.py``) with identical resources, runs ``warmup + steps`` training steps and
+measures the simulated seconds per step after the warm-up:
+
+    sync_batch      async_ratio 0, batch rollout (generate all, then reward all), no replication
+    sync_queue      async_ratio 0, queue scheduling + prompt replication
+    async_1/2/4     queue scheduling + prompt replication, async_ratio 1, 2, 4
+
+and the agentic variant (several turns, environment latency with high variance) for sync_batch
+and async_2. The ideal step time is max(generation at full engines, training): every engine
+always decoding ``max_running_requests`` sequences, and training fully hidden behind rollout.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+SCENARIOS = {
+    "sync_batch": {"async_ratio": 0, "scheduling": "batch", "replicate": False},
+    "sync_queue": {"async_ratio": 0, "scheduling": "queue", "replicate": True},
+    "async_1": {"async_ratio": 1, "scheduling": "queue", "replicate": True},
+    "async_2": {"async_ratio": 2, "scheduling": "queue", "replicate": True},
+    "async_4": {"async_ratio": 4, "scheduling": "queue", "replicate": True},
+}
+AGENTIC = ("sync_batch", "async_2")
+
+
+def _config(
+    tmp: Path, name: str, scenario: dict, agentic: bool, *, engines: int, time_scale: float, steps: int,
+    tokenizer: str,
+) -> Path:  # fmt: skip
+    dataset = tmp / "prompts.jsonl"
+    if not dataset.exists():
+        dataset.write_text("".join(json.dumps({"prompt": f"task {i}", "answer": ""}) + "\n" for i in range(1000)))
+    groups_per_step, group_size, max_running = 8, 8, 64
+    if agentic:  # tool calls and sandboxes: median 5 s, p99 ~ 80 s per step, four turns
+        env_args = {"turns": 4, "latency_median_s": 5.0, "latency_sigma": 1.2, "time_scale": time_scale}
+        max_new_tokens = 4096
+    else:  # a verifier: about a second per reward
+        env_args = {"turns": 1, "latency_median_s": 1.0, "latency_sigma": 0.3, "time_scale": time_scale}
+        max_new_tokens = 16384
+    cfg = {
+        "run_name": name,
+        "engine": {"model_path": tokenizer, "max_running_requests": max_running, "sim": {"time_scale": time_scale}},
+        "proxy": {"request_timeout_s": 600},
+        "buffer": {"backend": "memory", "filter_zero_variance": False},
+        "controller": {
+            "async_ratio": scenario["async_ratio"],
+            "groups_per_step": groups_per_step,
+            "initial_model_path": tokenizer,
+            "update_timeout_s": 120,
+        },
+        "env_manager": {
+            "dataset_path": str(dataset),
+            "env": "sim",
+            "env_args": env_args,
+            "tokenizer_path": tokenizer,
+            "group_size": group_size,
+            # Enough workers for the largest bound: (4 + 1) x groups_per_step groups in flight.
+            "num_workers": 5 * groups_per_step,
+            "scheduling": scenario["scheduling"],
+            "replicate_prompts": scenario["replicate"],
+            "episode": {
+                "max_turns": env_args["turns"],
+                "max_new_tokens": max_new_tokens,
+                "generation_timeout_s": 600,
+                "step_timeout_s": 600,
+            },
+        },
+        "trainer": {"model_path": tokenizer, "sim": {"time_scale": time_scale}},
+        "train_loop": {"steps": steps, "run_dir": str(tmp / name), "checkpoint_every": 0, "get_timeout_s": 600},
+        "run": {"num_engines": engines},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_scenario(config_path: Path, warmup: int) -> dict:
+    """Start the mesh, train until the trainer exits, return per-step timings (simulated seconds)."""
+    from rollout.engines.sim.config import SimEngineConfig
+    from services.config import load_config
+    from services.launch import stop_process
+    from services.launcher import start_mesh, start_trainer
+
+    cfg = load_config(config_path, [])
+    run_dir = Path(cfg.train_loop.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    mesh = start_mesh(cfg, config_path, [], run_dir / "logs")
+    trainer = None
+    try:
+        trainer = start_trainer(config_path, [], mesh, run_dir / "logs" / "trainer.log")
+        limit = time.monotonic() + 900
+        while trainer.poll() is None and time.monotonic() < limit:
+            time.sleep(0.5)
+        if trainer.returncode != 0:
+            raise RuntimeError(f"trainer failed ({trainer.returncode}): see {run_dir / 'logs' / 'trainer.log'}")
+        stats = _buffer_stats(mesh.buffer)
+    finally:
+        if trainer is not None:
+            stop_process(trainer)
+        mesh.stop()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    scale = cfg.engine.sim.time_scale
+    measured = rows[warmup:]
+    step_s = (measured[-1]["wall"] - rows[warmup - 1]["wall"]) * scale / len(measured)
+    sim: SimEngineConfig = cfg.engine.sim
+    full = cfg.engine.max_running_requests / sim.step_s(cfg.engine.max_running_requests)  # tokens/s per engine
+    gen_tokens = sum(r["tokens"] for r in measured) / len(measured)
+    train_s = sum(r["sim_train_s"] for r in measured) / len(measured)
+    ideal = max(gen_tokens / (cfg.run.num_engines * full), train_s)
+    return {
+        "step_s": step_s,
+        "ideal_step_s": ideal,
+        "train_s": train_s,
+        "generated_tokens_per_step": gen_tokens,
+        "max_staleness": max(r["staleness_max"] for r in rows),
+        "bound": cfg.controller.async_ratio,
+        "dropped_stale": stats.get("stale", 0),
+        "consumed": stats.get("consumed", 0),
+    }
+
+
+def _buffer_stats(address: str) -> dict:
+    import asyncio
+
+    from services.sample_buffer.client import BufferClient
+
+    async def go():
+        client = BufferClient(address, timeout_s=10)
+        try:
+            s = await client.stats()
+            return {"consumed": s.consumed_total, **dict(s.dropped_by_reason)}
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def run(
+    tokenizer: str, steps: int = 8, warmup: int = 2, engines: int = 4, time_scale: float = 50.0,
+    scenarios: list[str] | None = None, agentic: bool = True, progress=print,
+) -> dict:  # fmt: skip
+    """Run the scenarios; returns the table rows and the summary the JSON line reports."""
+    if steps < 1 or warmup < 1:
+        raise ValueError("steps and warmup: must be >= 1")
+    names = scenarios or list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="rollmesh-bench-async-") as d:
+        tmp = Path(d)
+        plan = [(n, False) for n in names] + ([(n, True) for n in AGENTIC if n in names] if agentic else [])
+        for name, is_agentic in plan:
+            key = f"agentic_{name}" if is_agentic else name
+            path = _config(tmp, key, SCENARIOS[name], is_agentic, engines=engines, time_scale=time_scale,
+                           steps=warmup + steps, tokenizer=tokenizer)  # fmt: skip
+            t0 = time.monotonic()
+            results[key] = r = run_scenario(path, warmup)
+            progress(
+                f"{key:20s} {r['step_s']:8.1f} s/step (ideal {r['ideal_step_s']:.1f})  staleness max "
+                f"{r['max_staleness']} (bound {r['bound']})  dropped stale {r['dropped_stale']}  "
+                f"[{time.monotonic() - t0:.0f} s wall]"
+            )
+    return {"scenarios": results, **summarize(results)}
+
+
+def summarize(results: dict[str, dict]) -> dict:
+    def ratio(a: str, b: str) -> float | None:
+        return round(results[a]["step_s"] / results[b]["step_s"], 3) if a in results and b in results else None
+
+    a2 = results.get("async_2")
+    return {
+        "rlvr_speedup_async2_vs_sync": ratio("sync_batch", "async_2"),
+        "queue_scheduling_speedup": ratio("sync_batch", "sync_queue"),
+        "agentic_speedup_async2_vs_sync": ratio("agentic_sync_batch", "agentic_async_2"),
+        "efficiency_vs_ideal_async2": round(a2["ideal_step_s"] / a2["step_s"], 3) if a2 else None,
+        "max_observed_staleness": max((r["max_staleness"] for r in results.values()), default=None),
+        "staleness_within_bound": all(r["max_staleness"] <= r["bound"] for r in results.values()),
+    }
