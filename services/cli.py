@@ -161,12 +161,13 @@ def bench_trainer(
 @bench_app.command("async")
 def bench_async(
     model: Path = typer.Option(Path("models/tiny"), help="Tokenizer directory (prompts are rendered with it)."),
-    steps: int = typer.Option(8, help="Measured training steps per scenario."),
+    steps: int = typer.Option(6, help="Measured training steps per scenario."),
     warmup: int = typer.Option(2, help="Steps before measuring (the pipeline fills)."),
-    engines: int = typer.Option(4, help="Simulated engines (identical in every scenario)."),
-    time_scale: float = typer.Option(50.0, help="Simulated seconds per wall second."),
+    engines: int = typer.Option(2, help="Simulated engines (identical in every scenario)."),
+    time_scale: float = typer.Option(25.0, help="Simulated seconds per wall second."),
     scenario: list[str] = typer.Option([], "--scenario", help="Run only these (repeatable); default all."),
     agentic: bool = typer.Option(True, help="Also run the agentic variant (sync_batch and async_2)."),
+    keep: Path = typer.Option(None, help="Keep every scenario's config, logs and metrics.jsonl in this directory."),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
     """Synchronous vs queue scheduling vs async_ratio 1/2/4 on the latency simulator (real services)."""
@@ -177,7 +178,7 @@ def bench_async(
     def progress(line: str) -> None:
         print(line, file=sys.stderr if json_ else sys.stdout, flush=True)
 
-    _emit(run(str(model), steps, warmup, engines, time_scale, scenario or None, agentic, progress), json_)
+    _emit(run(str(model), steps, warmup, engines, time_scale, scenario or None, agentic, progress, keep), json_)
 
 
 def _emit(result: dict, as_json: bool) -> None:

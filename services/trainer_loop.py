@@ -87,6 +87,7 @@ class TrainerLoop:
         for batch_id in batch_ids:
             await self.buffer.ack(batch_id)
         t_train = time.perf_counter()
+        self.publish_times: dict[str, float] = {}
         published = await self.publish()
         t_pub = time.perf_counter()
         starts = [t.start_version for g in groups for t in g.trajectories]
@@ -99,6 +100,7 @@ class TrainerLoop:
             "time_get_s": t_get - t0,
             "time_train_s": t_train - t_get,
             "time_publish_s": t_pub - t_train,
+            **self.publish_times,
             "wall": time.time(),
         }
         with open(self.metrics_path, "a") as f:
@@ -113,19 +115,27 @@ class TrainerLoop:
     async def publish(self) -> bool:
         """Export the new weights and move every engine to them; roll back on any failure."""
         version = self.engine.version
+        t0 = time.perf_counter()
         out = self.engine.export(self.run_dir / "weights" / f"v{version}")
+        t1 = time.perf_counter()
         begin = await self.controller.BeginUpdate(
             cpb.BeginUpdateRequest(new_version=version, timeout_s=self.cfg.publish_timeout_s * 2), timeout=60
         )
+        t2 = time.perf_counter()
         try:
             res = await self.proxy.update_weights(str(out), version, timeout_s=self.cfg.publish_timeout_s)
             ok = res.success
             reason = "; ".join(e.message for e in res.engines if not e.success)
         except Exception as e:  # any failure rolls back: generation never stays suspended
             ok, reason = False, f"{type(e).__name__}: {e}"
+        t3 = time.perf_counter()
+        # Where a weight update spends its time: export, suspend (generation stops), load on the
+        # engines, commit + resume (generation continues).
+        self.publish_times = {"time_export_s": t1 - t0, "time_suspend_s": t2 - t1, "time_load_s": t3 - t2}
         if ok:
             req = cpb.CommitUpdateRequest(update_id=begin.update_id, version=version, model_path=str(out))
             await self.controller.CommitUpdate(req, timeout=60)
+            self.publish_times["time_resume_s"] = time.perf_counter() - t3
             self._prune_weights()
             return True
         log.error("publishing v%d failed: %s", version, reason)

@@ -40,7 +40,9 @@ def _config(
     dataset = tmp / "prompts.jsonl"
     if not dataset.exists():
         dataset.write_text("".join(json.dumps({"prompt": f"task {i}", "answer": ""}) + "\n" for i in range(1000)))
-    groups_per_step, group_size, max_running = 8, 8, 64
+    # One step's trajectories (16 x 8) fill every engine's running batch (2 x 64): the regime RL
+    # post-training runs in, where a step is a few times what the engines decode at once.
+    groups_per_step, group_size, max_running = 16, 8, 64
     if agentic:  # tool calls and sandboxes: median 5 s, p99 ~ 80 s per step, four turns
         env_args = {"turns": 4, "latency_median_s": 5.0, "latency_sigma": 1.2, "time_scale": time_scale}
         max_new_tokens = 4096
@@ -146,8 +148,8 @@ def _buffer_stats(address: str) -> dict:
 
 
 def run(
-    tokenizer: str, steps: int = 8, warmup: int = 2, engines: int = 4, time_scale: float = 50.0,
-    scenarios: list[str] | None = None, agentic: bool = True, progress=print,
+    tokenizer: str, steps: int = 6, warmup: int = 2, engines: int = 2, time_scale: float = 25.0,
+    scenarios: list[str] | None = None, agentic: bool = True, progress=print, keep: Path | None = None,
 ) -> dict:  # fmt: skip
     """Run the scenarios; returns the table rows and the summary the JSON line reports."""
     if steps < 1 or warmup < 1:
@@ -158,7 +160,8 @@ def run(
         raise ValueError(f"scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-async-") as d:
-        tmp = Path(d)
+        tmp = Path(keep or d)  # kept: configs, logs and metrics.jsonl of every scenario
+        tmp.mkdir(parents=True, exist_ok=True)
         plan = [(n, False) for n in names] + ([(n, True) for n in AGENTIC if n in names] if agentic else [])
         for name, is_agentic in plan:
             key = f"agentic_{name}" if is_agentic else name
