@@ -7,7 +7,7 @@ import sys
 
 def test_async_beats_sync_batch_within_the_staleness_bound(tiny_model):
     cmd = [sys.executable, "-m", "services.cli", "bench", "async", "--model", tiny_model, "--steps", "3",
-           "--warmup", "1", "--engines", "2", "--time-scale", "100", "--scenario", "sync_batch",
+           "--warmup", "1", "--engines", "2", "--time-scale", "50", "--scenario", "sync_batch",
            "--scenario", "async_2", "--no-agentic", "--json"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
