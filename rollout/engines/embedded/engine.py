@@ -29,6 +29,7 @@ from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.kv_batch import KVBatch, cache_to_kv, prefill_inputs
 from rollout.engines.embedded.sampling import SamplingParams, sample_next_tokens
 from rollout.engines.embedded.weights import check_named_tensors, copy_named_tensors, weights_checksum
+from rollout.engines.scheduler import SchedulerCommands
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class _Request:
         return self.prompt + self.output_ids
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(SchedulerCommands):
     """Continuous-batching generation over any local Hugging Face causal LM."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -221,27 +222,7 @@ class EmbeddedEngine:
             "device": str(self.device),
         }
 
-    def load(self) -> dict:
-        return {
-            "num_running": len(self._running),
-            "num_waiting": len(self._waiting),
-            "paused": self._paused,
-            "weight_version": self.weight_version,
-        }
-
     # ----------------------------------------------------------------- scheduler thread
-    def _call(self, fn) -> Future:
-        fut: Future = Future()
-
-        def run():
-            try:
-                fut.set_result(fn())
-            except Exception as e:  # reported to the caller, the loop goes on
-                fut.set_exception(e)
-
-        self._commands.put(run)
-        return fut
-
     def _loop(self) -> None:
         while not self._stop.is_set():
             busy = bool(self._running or self._waiting) and not self._paused

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from rollout.engines.embedded.engine import EngineError, GenerateOutput, PauseMode
 from rollout.engines.embedded.sampling import SamplingParams
+from rollout.engines.scheduler import SchedulerCommands
 from rollout.engines.sim.config import SimEngineConfig
 from rollout.engines.sim.lengths import draw_length, trailing_run
 
@@ -40,7 +41,7 @@ class _SimRequest:
     versions: list[int] = field(default_factory=list)
 
 
-class SimEngine:
+class SimEngine(SchedulerCommands):
     """Simulated continuous batching; see the module docstring."""
 
     def __init__(self, sim: SimEngineConfig, max_running_requests: int = 64, model_path: str = "sim") -> None:
@@ -123,27 +124,7 @@ class SimEngine:
             "time_scale": self.sim.time_scale,
         }
 
-    def load(self) -> dict:
-        return {
-            "num_running": len(self._running),
-            "num_waiting": len(self._waiting),
-            "paused": self._paused,
-            "weight_version": self.weight_version,
-        }
-
     # ----------------------------------------------------------------- scheduler thread
-    def _call(self, fn) -> Future:
-        fut: Future = Future()
-
-        def run():
-            try:
-                fut.set_result(fn())
-            except Exception as e:  # reported to the caller, the loop goes on
-                fut.set_exception(e)
-
-        self._commands.put(run)
-        return fut
-
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._advance()
