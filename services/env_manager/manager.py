@@ -124,9 +124,13 @@ class EnvManager:
                 await asyncio.sleep(self.config.admit_poll_s)
                 continue
             barrier = TurnBarrier(n * self.config.group_size)
-            results = await asyncio.gather(
-                *(self._run_group(self._next_prompt(), barrier) for _ in range(n)), return_exceptions=True
-            )
+            try:
+                results = await asyncio.gather(
+                    *(self._run_group(self._next_prompt(), barrier) for _ in range(n)), return_exceptions=True
+                )
+            except asyncio.CancelledError:
+                await self._release(unused=n)
+                raise
             for r in results:
                 if isinstance(r, BaseException):
                     log.error("group failed: %r", r)
