@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
+
+from rollout.registry import resolve
 
 
 def exact_match(response: str, answer: str) -> float:
@@ -33,9 +34,4 @@ REWARDS: dict[str, Callable[[str, str], float]] = {
 
 
 def resolve_reward(name: str) -> Callable[[str, str], float]:
-    if name in REWARDS:
-        return REWARDS[name]
-    if ":" in name:
-        module, fn = name.split(":", 1)
-        return getattr(importlib.import_module(module), fn)
-    raise ValueError(f"reward: unknown {name!r}; choose from {sorted(REWARDS)} or 'module:function'")
+    return resolve("reward", name, REWARDS)

@@ -21,7 +21,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -29,11 +28,9 @@ from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.kv_batch import KVBatch, cache_to_kv, prefill_inputs
 from rollout.engines.embedded.sampling import SamplingParams, sample_next_tokens
 from rollout.engines.embedded.weights import check_named_tensors, copy_named_tensors, weights_checksum
-from rollout.engines.scheduler import SchedulerCommands
+from rollout.engines.scheduler import PauseMode, SchedulerCommands
 
 log = logging.getLogger(__name__)
-
-PauseMode = Literal["abort", "retract", "in_place"]
 
 
 class EngineError(ValueError):
@@ -114,13 +111,6 @@ class EmbeddedEngine(SchedulerCommands):
         self._thread.start()
         return self
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        self._commands.put(lambda: None)
-        self._thread.join(timeout_s)
-        for req in list(self._running) + list(self._waiting):
-            self._finish(req, {"type": "abort", "message": "engine shut down"})
-
     def _load(self, path: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
@@ -171,16 +161,6 @@ class EmbeddedEngine(SchedulerCommands):
         req = _Request(rid, list(input_ids), params, fut, gen, stop)
         self._commands.put(lambda: self._enqueue(req))
         return fut
-
-    def abort(self, rid: str | None = None, abort_all: bool = False) -> Future:
-        """Abort one request (or all): it returns its partial output with finish type 'abort'."""
-        return self._call(lambda: self._abort(rid, abort_all))
-
-    def pause(self, mode: PauseMode = "abort") -> Future:
-        return self._call(lambda: self._pause(mode))
-
-    def resume(self) -> Future:
-        return self._call(self._resume)
 
     def load_weights_from_disk(self, path: str, weight_version: int | None) -> Future:
         """Load a HF directory (in the caller's thread) and swap it in between two steps."""

@@ -23,9 +23,9 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from rollout.engines.embedded.engine import EngineError, GenerateOutput, PauseMode
+from rollout.engines.embedded.engine import EngineError, GenerateOutput
 from rollout.engines.embedded.sampling import SamplingParams
-from rollout.engines.scheduler import SchedulerCommands
+from rollout.engines.scheduler import PauseMode, SchedulerCommands
 from rollout.engines.sim.config import SimEngineConfig
 from rollout.engines.sim.lengths import draw_length, trailing_run
 
@@ -66,13 +66,6 @@ class SimEngine(SchedulerCommands):
         self._thread.start()
         return self
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        self._commands.put(lambda: None)
-        self._thread.join(timeout_s)
-        for req in list(self._running) + list(self._waiting):
-            self._finish(req, {"type": "abort", "message": "engine shut down"})
-
     # ----------------------------------------------------------------- public API (any thread)
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
         if not input_ids:
@@ -90,15 +83,6 @@ class SimEngine(SchedulerCommands):
         req = _SimRequest(rid, len(input_ids), min(left, params.max_new_tokens), left <= params.max_new_tokens, fut)
         self._commands.put(lambda: self._enqueue(req))
         return fut
-
-    def abort(self, rid: str | None = None, abort_all: bool = False) -> Future:
-        return self._call(lambda: self._abort(rid, abort_all))
-
-    def pause(self, mode: PauseMode = "abort") -> Future:
-        return self._call(lambda: self._pause(mode))
-
-    def resume(self) -> Future:
-        return self._call(self._resume)
 
     def load_weights_from_disk(self, path: str, weight_version: int | None) -> Future:
         """Check the path, spend the simulated load time in the caller's thread, then swap."""
