@@ -86,9 +86,13 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
     logprobs: list[float] = []
     versions: list[int] = []
     reward, finish, turns = 0.0, "stop", []
+    generate_s: list[float] = []  # seconds of each turn's generation and environment step (for metrics)
+    step_s: list[float] = []
     sampling = {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "top_p": config.top_p}
     for _ in range(config.max_turns):
+        t_gen = time.monotonic()
         gen = await generate(tokens, sampling, trajectory_id, config.generation_timeout_s)
+        generate_s.append(round(time.monotonic() - t_gen, 6))
         turns.append(len(tokens))
         tokens += gen.output_ids
         mask += [1] * len(gen.output_ids)
@@ -100,11 +104,14 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         if barrier is not None:
             await barrier.wait()  # generate all, then step all
         action = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        t_step = time.monotonic()
         try:
             result = await asyncio.wait_for(_env_step(env, action), config.step_timeout_s)
         except TimeoutError:
             finish = "timeout"
             break
+        finally:
+            step_s.append(round(time.monotonic() - t_step, 6))
         if barrier is not None and not (result.done or result.observation is None):
             await barrier.wait()  # step all, then generate the next turn together
         reward += result.reward
@@ -125,5 +132,11 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         reward=reward,
         start_version=versions[0] if versions else 0,
         finish_reason=finish,
-        metadata={"env": env.name, "turn_starts": turns, "seconds": round(time.monotonic() - t0, 4)},
+        metadata={
+            "env": env.name,
+            "turn_starts": turns,
+            "seconds": round(time.monotonic() - t0, 4),
+            "generate_s": generate_s,
+            "step_s": step_s,
+        },
     )

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -112,6 +112,18 @@ class Mesh:
     proxy: str
     buffer: str
     controller: str
+    metrics: dict[str, list[str]] = field(default_factory=dict)  # Prometheus job → host:port targets
+
+    def metrics_port(self, job: str) -> str:
+        """A free loopback port for ``job``'s /metrics, recorded as a scrape target."""
+        port = free_port()
+        self.metrics.setdefault(job, []).append(f"127.0.0.1:{port}")
+        return str(port)
+
+    def write_scrape_targets(self, path: Path) -> None:
+        """Prometheus file_sd targets of this mesh (what `deploy/prometheus` scrapes in a cluster)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([{"targets": t, "labels": {"job": job}} for job, t in self.metrics.items()]))
 
     @property
     def wiring(self) -> list[str]:
@@ -141,26 +153,30 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh
         started = [f.result() for f in futures if f.exception() is None]
         mesh.procs += [p for p, _ in started]
         mesh.engine_urls += [u for _, u in started]
+        mesh.metrics["engine"] = [u.removeprefix("http://") for u in mesh.engine_urls]  # /metrics beside the API
         for f in futures:
             if f.exception() is not None:
                 raise f.exception()
         proc, mesh.proxy = start_service_process(
             "llm-proxy", "proxy", [*overrides, f"proxy.engine_urls=[{','.join(mesh.engine_urls)}]",
-                                   "proxy.metrics_port=0"],
+                                   f"proxy.metrics_port={mesh.metrics_port('llm-proxy')}"],
             log_path=logs / "proxy.log", **up,
         )  # fmt: skip
         mesh.procs.append(proc)
         proc, mesh.buffer = start_service_process(
-            "sample-buffer", "buffer", [*overrides, "buffer.metrics_port=0"], log_path=logs / "buffer.log", **up
-        )
+            "sample-buffer", "buffer", [*overrides, f"buffer.metrics_port={mesh.metrics_port('sample-buffer')}"],
+            log_path=logs / "buffer.log", **up,
+        )  # fmt: skip
         mesh.procs.append(proc)
-        ctl = [*overrides, f"controller.proxy_address={mesh.proxy}", "controller.metrics_port=0"]
+        ctl = [*overrides, f"controller.proxy_address={mesh.proxy}",
+               f"controller.metrics_port={mesh.metrics_port('controller')}"]  # fmt: skip
         proc, mesh.controller = start_service_process(
             "controller", "controller", ctl, log_path=logs / "controller.log", **up
         )
         mesh.procs.append(proc)
         proc, _ = start_service_process(
-            "env-manager", "env_manager", [*overrides, *mesh.wiring, "env_manager.metrics_port=0"],
+            "env-manager", "env_manager",
+            [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager')}"],
             log_path=logs / "env_manager.log", **up,
         )  # fmt: skip
         mesh.procs.append(proc)
@@ -171,8 +187,9 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh
 
 
 def start_trainer(config_path: Path, overrides: list[str], mesh: Mesh, log_path: Path) -> subprocess.Popen:
+    port = f"train_loop.metrics_port={mesh.metrics_port('trainer')}"
     return subprocess.Popen(
-        serve_command("trainer", "trainer", [*overrides, *mesh.wiring], str(config_path)),
+        serve_command("trainer", "trainer", [*overrides, *mesh.wiring, port], str(config_path)),
         stdout=open(log_path, "ab"),  # noqa: SIM115 (closed with the process)
         stderr=subprocess.STDOUT,
     )
@@ -203,6 +220,8 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
             console.print(f"held-out accuracy before training: {acc0:.3f}")
         history, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
         trainer = start_trainer(config_path, overrides, mesh, logs / "trainer.log")
+        mesh.write_scrape_targets(run_dir / "prometheus_targets.json")
+        console.print(f"metrics: Prometheus file_sd targets in {run_dir / 'prometheus_targets.json'}")
         while trainer.poll() is None:
             time.sleep(1.0)
             new, seen = _tail_metrics(run_dir / "metrics.jsonl", seen)

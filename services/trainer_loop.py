@@ -14,7 +14,6 @@ On restart it resumes from the newest complete checkpoint and the run continues.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import time
@@ -22,7 +21,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.metrics_log import MetricsLog, TrackingConfig
 from services.pb.rollmesh.v1 import controller_pb2 as cpb
+from services.trainer_metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,11 @@ class TrainLoopConfig(BaseModel):
     get_timeout_s: float = Field(120.0, gt=0, description="How long one Get waits for a full batch.")
     publish_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight update on the engines.")
     keep_weight_versions: int = Field(2, ge=1, description="Exported weight directories kept on disk.")
+    metrics_host: str = Field("127.0.0.1", description="Address the Prometheus /metrics endpoint binds.")
+    metrics_port: int = Field(9105, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="Also log metrics to TensorBoard / Weights & Biases."
+    )
 
 
 class TrainerLoop:
@@ -49,6 +55,8 @@ class TrainerLoop:
         self.run_dir = Path(loop_cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.metrics_log = MetricsLog(self.metrics_path, loop_cfg.tracking, self.run_dir.name, self.run_dir)
+        self.prom = TrainerMetrics()
 
     def resume(self) -> bool:
         from trainer.checkpoint import latest_checkpoint, load_checkpoint
@@ -90,37 +98,48 @@ class TrainerLoop:
         self.publish_times: dict[str, float] = {}
         published = await self.publish()
         t_pub = time.perf_counter()
-        starts = [t.start_version for g in groups for t in g.trajectories]
-        metrics |= {
-            "step": self.engine.step,
-            "version": self.engine.version,
-            "published": published,
-            "staleness_max": max(version - s for s in starts),
-            "staleness_mean": sum(version - s for s in starts) / len(starts),
-            "time_get_s": t_get - t0,
-            "time_train_s": t_train - t_get,
-            "time_publish_s": t_pub - t_train,
-            **self.publish_times,
-            "wall": time.time(),
-        }
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        staleness = [version - t.start_version for g in groups for t in g.trajectories]
         every = self.cfg.checkpoint_every
         if every and (self.engine.step % every == 0 or self.engine.step >= self.cfg.steps):
             from trainer.checkpoint import save_checkpoint
 
             save_checkpoint(self.engine, self.run_dir / "checkpoints", keep_last=2)
+        metrics |= {
+            "step": self.engine.step,
+            "version": self.engine.version,
+            "published": published,
+            "staleness_max": max(staleness),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "time_get_s": t_get - t0,
+            "time_train_s": t_train - t_get,
+            "time_publish_s": t_pub - t_train,
+            "time_checkpoint_s": time.perf_counter() - t_pub,
+            **self.publish_times,
+            "wall": time.time(),
+        }
+        self.metrics_log.write(metrics)
+        self.prom.observe_step(metrics, staleness)
         return metrics
 
     async def publish(self) -> bool:
-        """Export the new weights and move every engine to them; roll back on any failure."""
+        """Export the new weights and move every engine to them; roll back on any failure.
+
+        Every failure is logged and counted by cause (export, begin, load, commit); generation
+        goes on at the previous version and the next step publishes again.
+        """
         version = self.engine.version
         t0 = time.perf_counter()
-        out = self.engine.export(self.run_dir / "weights" / f"v{version}")
+        try:
+            out = self.engine.export(self.run_dir / "weights" / f"v{version}")
+        except Exception as e:
+            return self._failed("export", version, e)
         t1 = time.perf_counter()
-        begin = await self.controller.BeginUpdate(
-            cpb.BeginUpdateRequest(new_version=version, timeout_s=self.cfg.publish_timeout_s * 2), timeout=60
-        )
+        try:
+            begin = await self.controller.BeginUpdate(
+                cpb.BeginUpdateRequest(new_version=version, timeout_s=self.cfg.publish_timeout_s * 2), timeout=60
+            )
+        except Exception as e:  # generation was not suspended (or the controller's watchdog resumes it)
+            return self._failed("begin", version, e)
         t2 = time.perf_counter()
         try:
             res = await self.proxy.update_weights(str(out), version, timeout_s=self.cfg.publish_timeout_s)
@@ -132,17 +151,44 @@ class TrainerLoop:
         # Where a weight update spends its time: export, suspend (generation stops), load on the
         # engines, commit + resume (generation continues).
         self.publish_times = {"time_export_s": t1 - t0, "time_suspend_s": t2 - t1, "time_load_s": t3 - t2}
-        if ok:
+        if not ok:
+            await self._abort_update(begin.update_id, reason)
+            return self._failed("load", version, reason)
+        try:
             req = cpb.CommitUpdateRequest(update_id=begin.update_id, version=version, model_path=str(out))
             await self.controller.CommitUpdate(req, timeout=60)
-            self.publish_times["time_resume_s"] = time.perf_counter() - t3
-            self._prune_weights()
-            return True
-        log.error("publishing v%d failed: %s", version, reason)
-        await self.controller.AbortUpdate(cpb.AbortUpdateRequest(update_id=begin.update_id, reason=reason), timeout=60)
+        except Exception as e:
+            await self._abort_update(begin.update_id, f"commit failed: {e}")
+            return self._failed("commit", version, e)
+        self.publish_times["time_resume_s"] = time.perf_counter() - t3
+        self.prom.update_seconds.observe(time.perf_counter() - t0)
+        self.prom.update_bytes.inc(_dir_bytes(out))
+        self._prune_weights()
+        return True
+
+    def _failed(self, cause: str, version: int, error) -> bool:
+        log.error("publishing v%d failed at %s: %s", version, cause, error)
+        self.prom.update_failures.labels(cause).inc()
         return False
+
+    async def _abort_update(self, update_id: str, reason: str) -> None:
+        try:
+            await self.controller.AbortUpdate(cpb.AbortUpdateRequest(update_id=update_id, reason=reason), timeout=60)
+        except Exception as e:  # the controller's watchdog aborts an update nobody commits
+            log.error("AbortUpdate failed (the controller's watchdog will roll back): %s", e)
+
+    def close(self) -> None:
+        self.metrics_log.close()
 
     def _prune_weights(self) -> None:
         dirs = sorted((self.run_dir / "weights").glob("v*"), key=lambda p: int(p.name[1:].split(".")[0]))
         for old in dirs[: -self.cfg.keep_weight_versions]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _dir_bytes(path) -> int:
+    """Size of an exported weight directory (0 for an engine that exports nothing)."""
+    p = Path(path) if path is not None else None
+    if p is None or not p.exists():
+        return 0
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())

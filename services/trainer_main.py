@@ -13,6 +13,7 @@ def serve(cfg) -> None:
     import grpc
 
     from services.llm_proxy.client import ProxyClient
+    from services.metrics import serve_metrics
     from services.pb.rollmesh.v1 import controller_pb2_grpc
     from services.sample_buffer.client import BufferClient
     from services.trainer_loop import TrainerLoop
@@ -29,12 +30,15 @@ def serve(cfg) -> None:
             groups_per_step=cfg.controller.groups_per_step, max_staleness=cfg.controller.async_ratio,
         )  # fmt: skip
         loop.resume()
+        loop.prom.version.set(engine.version)
+        serve_metrics(loop.prom.registry, cfg.train_loop.metrics_host, cfg.train_loop.metrics_port, "trainer")
         try:
             while engine.step < cfg.train_loop.steps:
                 metrics = await loop.step()
                 if metrics:
                     log.info("step %d reward %.3f loss %.4f", metrics["step"], metrics["reward_mean"], metrics["loss"])
         finally:
+            loop.close()
             await asyncio.gather(proxy.close(), buffer.close(), channel.close())
 
     asyncio.run(main())

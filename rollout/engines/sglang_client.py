@@ -40,6 +40,8 @@ class EngineResult:
     weight_version: int
     prompt_tokens: int
     e2e_latency_s: float
+    queue_time_s: float | None = None  # rollmesh engines report these; a stock SGLang server may not
+    ttft_s: float | None = None
 
 
 def _int_version(v) -> int:
@@ -64,6 +66,8 @@ def parse_generate_response(body: dict) -> EngineResult:
         weight_version=version,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         e2e_latency_s=float(meta.get("e2e_latency", 0.0)),
+        queue_time_s=float(meta["queue_time"]) if "queue_time" in meta else None,
+        ttft_s=float(meta["ttft"]) if "ttft" in meta else None,
     )
 
 

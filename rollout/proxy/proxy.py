@@ -67,6 +67,8 @@ class ProxyResult:
     prompt_tokens: int = 0
     e2e_latency_s: float = 0.0
     num_segments: int = 0
+    queue_time_s: float = 0.0  # waiting at the suspend gate, plus the engine's queue for the first segment
+    ttft_s: float | None = None  # arrival → first token, when the engine reports its own TTFT
 
 
 @dataclass
@@ -76,6 +78,7 @@ class _InFlight:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     slot: EngineSlot | None = None
     engine_rid: str = ""
+    t0: float = field(default_factory=time.perf_counter)
 
 
 def _validate(req: ProxyRequest) -> None:
@@ -92,6 +95,16 @@ def _validate(req: ProxyRequest) -> None:
         raise RequestInvalid("sampling_params.top_p", "must be in (0, 1]")
     if req.timeout_s < 0:
         raise RequestInvalid("timeout_s", "must be >= 0")
+
+
+# Why an engine failed a weight update (the ``cause`` label of the failure counter).
+_UPDATE_FAILURE_CAUSES = {
+    EngineUnavailable: "unavailable",
+    EngineRejected: "rejected",
+    TimeoutError: "timeout",
+    ValueError: "bad_response",
+}
+UPDATE_FAILURE_CAUSES = ("unavailable", "rejected", "timeout", "bad_response", "version_mismatch", "no_engine")
 
 
 class LLMProxy:
@@ -135,16 +148,15 @@ class LLMProxy:
         req.request_id = req.request_id or uuid.uuid4().hex
         if req.request_id in self._in_flight:
             raise RequestInvalid("request_id", f"{req.request_id!r} is already in flight")
-        t0 = time.perf_counter()
-        deadline = t0 + (req.timeout_s or self.config.request_timeout_s)
         fl = _InFlight(req, ProxyResult(request_id=req.request_id))
+        deadline = fl.t0 + (req.timeout_s or self.config.request_timeout_s)
         self._in_flight[req.request_id] = fl
         self.counters["requests"] += 1
         try:
             await self._run(fl, deadline)
         finally:
             del self._in_flight[req.request_id]
-        fl.result.e2e_latency_s = time.perf_counter() - t0
+        fl.result.e2e_latency_s = time.perf_counter() - fl.t0
         self.counters[f"finished_{fl.result.finish_type}"] += 1
         return fl.result
 
@@ -164,6 +176,7 @@ class LLMProxy:
                 raise NoEngineAvailable(f"no engine in rotation ({len(failed)} failed this request)")
             params = dict(req.sampling_params, max_new_tokens=max_new - len(res.output_ids))
             epoch = self._suspend_epoch
+            t_call = time.perf_counter()
             try:
                 out = await self._call_engine(fl, slot, req.input_ids + res.output_ids, params, deadline)
             except EngineUnavailable as e:
@@ -179,6 +192,10 @@ class LLMProxy:
             if out is None:  # deadline passed and the engine did not give the partial back in time
                 res.finish_type = "timeout"
                 return
+            if res.num_segments == 0:
+                res.queue_time_s += out.queue_time_s or 0.0
+                if out.ttft_s is not None and out.output_ids:
+                    res.ttft_s = t_call - fl.t0 + out.ttft_s
             res.num_segments += 1
             res.output_ids += out.output_ids
             res.output_logprobs += out.output_logprobs
@@ -202,12 +219,14 @@ class LLMProxy:
     async def _wait_open(self, fl: _InFlight, deadline: float) -> bool:
         if self._open.is_set() and not fl.aborted.is_set():
             return True
+        t0 = time.perf_counter()
         waiters = [asyncio.ensure_future(self._open.wait()), asyncio.ensure_future(fl.aborted.wait())]
         try:
             await asyncio.wait(waiters, timeout=max(0.0, deadline - time.perf_counter()), return_when="FIRST_COMPLETED")
         finally:
             for w in waiters:
                 w.cancel()
+            fl.result.queue_time_s += time.perf_counter() - t0
         return self._open.is_set() and not fl.aborted.is_set()
 
     async def _call_engine(self, fl: _InFlight, slot: EngineSlot, ids: list[int], params: dict, deadline: float):
@@ -281,7 +300,8 @@ class LLMProxy:
         )
         ok = bool(slots) and all(r["success"] for r in results)
         if not slots:
-            results = [{"engine": "", "success": False, "weight_version": -1, "message": "no engine in rotation"}]
+            results = [{"engine": "", "success": False, "weight_version": -1, "message": "no engine in rotation",
+                        "cause": "no_engine"}]  # fmt: skip
         if ok:
             self._last_update = (model_path, version)
             self.weight_version = version
@@ -299,9 +319,11 @@ class LLMProxy:
             slot.weight_version = got
             ok = got == version
             msg = res.get("message", "") if ok else f"engine reports version {got}, expected {version}"
+            cause = "" if ok else "version_mismatch"
         except (EngineUnavailable, EngineRejected, TimeoutError, ValueError) as e:
             ok, got, msg = False, slot.weight_version, f"{type(e).__name__}: {e}"
-        return {"engine": slot.name, "success": ok, "weight_version": got, "message": msg}
+            cause = _UPDATE_FAILURE_CAUSES.get(type(e), "error")
+        return {"engine": slot.name, "success": ok, "weight_version": got, "message": msg, "cause": cause}
 
     async def _fan_out(self, call, what: str) -> None:
         slots = [s for s in self.router.engines if s.healthy]

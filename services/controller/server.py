@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.controller.config import ControllerConfig
 from services.controller.controller import AsyncController, UpdateConflict
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.llm_proxy.client import ProxyClient
+from services.metrics import serve_metrics
 from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2
 
@@ -42,23 +43,38 @@ class _ControllerCollector:
         self.ctl = ctl
 
     def collect(self):
-        ctl = self.ctl
+        ctl, c = self.ctl, self.ctl.counters
         for name, doc, value in [
             ("rollmesh_controller_policy_version", "Current policy version", ctl.version),
+            ("rollmesh_controller_async_ratio_versions", "Staleness bound: versions a sample may lag",
+             ctl.config.async_ratio),
+            ("rollmesh_controller_groups_per_step_groups", "Groups the trainer consumes per step",
+             ctl.config.groups_per_step),
             ("rollmesh_controller_in_flight_groups", "Admitted groups not finished", ctl.in_flight),
             ("rollmesh_controller_admission_capacity_groups", "Slots free under the staleness bound", ctl.capacity()),
             ("rollmesh_controller_suspended", "1 during a weight update", float(ctl._update is not None)),
-        ]:
+        ]:  # fmt: skip
             yield GaugeMetricFamily(name, doc, value=value)
-        yield CounterMetricFamily(
-            "rollmesh_controller_admitted_groups", "Groups admitted", value=ctl.counters["admitted"]
-        )
-        yield CounterMetricFamily("rollmesh_controller_finished_groups", "Admitted groups finished", value=ctl.finished)
+        for name, doc, value in [
+            ("rollmesh_controller_admitted_groups", "Admission slots granted", c["admitted"]),
+            ("rollmesh_controller_admit_refused_groups", "Admission slots asked for and refused", c["admit_refused"]),
+            ("rollmesh_controller_finished_groups", "Admitted groups that ended in the buffer", ctl.finished),
+            ("rollmesh_controller_released_unused_groups", "Admitted slots given back unused (failed, filtered)",
+             c["released"]),
+            ("rollmesh_controller_dropped_stale_groups", "Finished groups the buffer dropped as too stale",
+             c["dropped"]),
+            ("rollmesh_controller_weight_update_duration_seconds", "Time spent suspended in weight updates",
+             c["update_seconds_total"]),
+            ("rollmesh_controller_restore_failures", "Rollbacks that could not restore the previous weights",
+             c["restore_failures"]),
+            ("rollmesh_controller_resume_failures", "Resumes of the LLMProxy that failed", c["resume_failures"]),
+        ]:  # fmt: skip
+            yield CounterMetricFamily(name, doc, value=value)
         updates = CounterMetricFamily(
-            "rollmesh_controller_weight_updates", "Weight updates by result", labels=["result"]
+            "rollmesh_controller_weight_updates", "Weight updates, by result", labels=["result"]
         )
         for result in ("committed", "aborted", "timed_out"):
-            updates.add_metric([result], ctl.counters[f"updates_{result}"])
+            updates.add_metric([result], c[f"updates_{result}"])
         yield updates
 
 
@@ -119,8 +135,7 @@ async def start_controller(config: ControllerConfig):
     proxy_client = ProxyClient(config.proxy_address, timeout_s=config.control_timeout_s)
     ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s))
     server = await start_server(build_handler(ctl), SERVICE, config.host, config.port)
-    if config.metrics_port:
-        start_http_server(config.metrics_port, addr=config.host, registry=build_metrics(ctl))
+    serve_metrics(build_metrics(ctl), config.host, config.metrics_port, "AsyncController")
     return server, ctl, proxy_client
 
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.engines.embedded import EmbeddedEngine, EngineError, GenerateOutput, SamplingParams
 from services.http_errors import bad_request, install_error_handlers
+from services.metrics import LATENCY_BUCKETS_S, init_labels
 
 
 class GenerateReq(BaseModel):
@@ -64,14 +65,23 @@ def _version(value: str | int | None) -> int | None:
 class _Metrics:
     def __init__(self, engine: EmbeddedEngine) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("rollmesh_engine_requests", "Finished generate requests", ["finish"], registry=r)
+        self.requests = Counter("rollmesh_engine_requests", "Finished generate requests, by finish reason", ["finish"],
+                                registry=r)  # fmt: skip
+        init_labels(self.requests, "stop", "length", "abort")
         self.tokens = Counter("rollmesh_engine_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("rollmesh_engine_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.latency = Histogram(
-            "rollmesh_engine_generation_latency_seconds",
-            "End-to-end latency of one generate request",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=r,
-        )
+            "rollmesh_engine_generation_latency_seconds", "End-to-end latency of one generate request",
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "rollmesh_engine_time_to_first_token_seconds", "Submit to first generated token",
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.queue = Histogram(
+            "rollmesh_engine_queue_time_seconds", "Submit to admission into the running batch",
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
         for name, doc, key in [
             ("rollmesh_engine_running_requests", "Requests in the running batch", "num_running"),
             ("rollmesh_engine_waiting_requests", "Requests waiting for admission", "num_waiting"),
@@ -83,7 +93,11 @@ class _Metrics:
     def observe(self, out: GenerateOutput) -> None:
         self.requests.labels(out.finish_reason["type"]).inc()
         self.tokens.inc(len(out.output_ids))
+        self.prompt_tokens.inc(out.prompt_tokens)
         self.latency.observe(out.e2e_latency_s)
+        self.queue.observe(out.queue_time_s)
+        if out.output_ids:
+            self.ttft.observe(out.ttft_s)
 
 
 def _response(out: GenerateOutput, return_logprob: bool) -> dict:
@@ -94,7 +108,9 @@ def _response(out: GenerateOutput, return_logprob: bool) -> dict:
         "completion_tokens": len(out.output_ids),
         "weight_version": str(out.weight_version),
         "e2e_latency": out.e2e_latency_s,
-        "output_token_weight_versions": out.token_versions,  # rollmesh extension
+        "output_token_weight_versions": out.token_versions,  # rollmesh extensions from here
+        "queue_time": out.queue_time_s,
+        "ttft": out.ttft_s,
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids)]

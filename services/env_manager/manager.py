@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 
 from rollout.envs import load_jsonl, make_env
@@ -23,6 +24,7 @@ from rollout.rewards import resolve_reward
 from rollout.turn_barrier import TurnBarrier
 from sample_buffer.trajectory import Group
 from services.env_manager.config import EnvManagerConfig
+from services.env_manager.metrics import EnvMetrics
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import controller_pb2 as cpb
 
@@ -60,7 +62,10 @@ class EnvManager:
         self.rows = load_jsonl(config.dataset_path)
         self.reward_fn = resolve_reward(config.reward)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
-        make_env(config.env, self.rows, self.reward_fn, config.env_args)  # a bad env or env_args fails here
+        probe = make_env(config.env, self.rows, self.reward_fn, config.env_args)  # bad env or env_args fail here
+        self.running_episodes = 0
+        self.metrics = EnvMetrics(getattr(probe, "name", config.env), self.metric_stats)
+        self.reward_fn = self.metrics.timed_reward(self.reward_fn)
         self.generate = proxy_generate(proxy, config.replicate_prompts)
         self.buffer, self.controller = buffer, controller_stub
         self.counters: Counter[str] = Counter()
@@ -107,6 +112,7 @@ class EnvManager:
             except Exception:  # one failed group must not stop the pool: logged, counted, released
                 log.exception("group failed")
                 self.counters["env_error"] += 1
+                self.metrics.groups.labels("failed").inc()
                 await self._release(unused=1)
                 continue
             # A group the buffer filtered will never be trained on: its slot goes back to the pool,
@@ -135,6 +141,7 @@ class EnvManager:
                 if isinstance(r, BaseException):
                     log.error("group failed: %r", r)
                     self.counters["env_error"] += 1
+                    self.metrics.groups.labels("failed").inc()
             accepted = sum(r is True for r in results)
             await self._release(unused=n - accepted, finished=accepted)
 
@@ -145,9 +152,26 @@ class EnvManager:
     async def _run_group(self, row: int, barrier: TurnBarrier | None = None) -> bool:
         gid = f"p{row}-{self.counters['groups_started']}"
         self.counters["groups_started"] += 1
+        t0 = time.monotonic()
         envs = [make_env(self.config.env, self.rows, self.reward_fn, self.config.env_args)
                 for _ in range(self.config.group_size)]  # fmt: skip
-        trajs = await asyncio.gather(
+        self.running_episodes += len(envs)
+        try:
+            trajs = await self._run_episodes(envs, row, gid, barrier)
+        finally:
+            self.running_episodes -= len(envs)
+        for t in trajs:
+            self.counters[f"finish_{t.finish_reason}"] += 1
+            self.counters["trajectories"] += 1
+        group = Group(gid, f"p{row}", list(trajs))
+        res = await self.buffer.put(group, timeout_s=60)
+        self.counters["groups_put" if res.accepted else f"groups_{res.reason}"] += 1
+        self.metrics.observe_group(group, time.monotonic() - t0)
+        self.metrics.groups.labels("put" if res.accepted else "filtered").inc()
+        return res.accepted
+
+    async def _run_episodes(self, envs: list, row: int, gid: str, barrier: TurnBarrier | None):
+        return await asyncio.gather(
             *(
                 run_episode(
                     env,
@@ -163,12 +187,9 @@ class EnvManager:
                 for i, env in enumerate(envs)
             )
         )
-        for t in trajs:
-            self.counters[f"finish_{t.finish_reason}"] += 1
-            self.counters["trajectories"] += 1
-        res = await self.buffer.put(Group(gid, f"p{row}", list(trajs)), timeout_s=60)
-        self.counters["groups_put" if res.accepted else f"groups_{res.reason}"] += 1
-        return res.accepted
+
+    def metric_stats(self) -> dict:
+        return {"running_episodes": self.running_episodes, "workers": len(self._workers)}
 
     def stats(self) -> dict:
         return {"running": self.running, "workers": len(self._workers)} | dict(self.counters)

@@ -11,6 +11,7 @@ from services.env_manager.config import EnvManagerConfig
 from services.env_manager.manager import EnvManager
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.llm_proxy.client import ProxyClient
+from services.metrics import serve_metrics
 from services.pb.rollmesh.v1 import controller_pb2_grpc
 from services.pb.rollmesh.v1 import env_manager_pb2 as pb
 from services.sample_buffer.client import BufferClient
@@ -52,6 +53,7 @@ def serve(config: EnvManagerConfig) -> None:
         channel = grpc.aio.insecure_channel(config.controller_address)
         manager = EnvManager(config, proxy, buffer, controller_pb2_grpc.AsyncControllerStub(channel))
         server = await start_server(build_handler(manager), SERVICE, config.host, config.port)
+        serve_metrics(manager.metrics.registry, config.host, config.metrics_port, "EnvManager")
         if config.autostart:
             await manager.start()
         log.info("EnvManager serving on %s:%d", config.host, server.bound_port)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rollout.proxy import LLMProxy, ProxyConfig, ProxyRequest, RequestInvalid
-from rollout.proxy.proxy import NoEngineAvailable
+from rollout.proxy.proxy import UPDATE_FAILURE_CAUSES, NoEngineAvailable
 from services.grpc_util import serve_until_signal, start_server, unary_service
+from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 
@@ -43,36 +45,112 @@ def sampling_dict(sp: pb.SamplingParams) -> dict:
     return out
 
 
+class _EngineCollector:
+    """Per-engine gauges read from the router at scrape time (engines come and go)."""
+
+    def __init__(self, proxy: LLMProxy) -> None:
+        self.proxy = proxy
+
+    def collect(self):
+        p = self.proxy
+        families = {
+            "up": GaugeMetricFamily("rollmesh_proxy_engine_up", "1 while the engine is in rotation", labels=["engine"]),
+            "version": GaugeMetricFamily(
+                "rollmesh_proxy_engine_weight_version", "Weight version the engine last confirmed", labels=["engine"]
+            ),
+            "in_flight": GaugeMetricFamily(
+                "rollmesh_proxy_engine_in_flight_requests", "Engine calls in flight", labels=["engine"]
+            ),
+            "outstanding": GaugeMetricFamily(
+                "rollmesh_proxy_engine_outstanding_tokens",
+                "Prompt + max_new_tokens of calls in flight",
+                labels=["engine"],
+            ),  # fmt: skip
+            "failures": CounterMetricFamily(
+                "rollmesh_proxy_engine_failures", "Times the engine was taken out of rotation", labels=["engine"]
+            ),
+        }
+        for e in p.router.engines:
+            families["up"].add_metric([e.name], float(e.healthy))
+            families["version"].add_metric([e.name], e.weight_version)
+            families["in_flight"].add_metric([e.name], e.in_flight)
+            families["outstanding"].add_metric([e.name], e.outstanding_tokens)
+            families["failures"].add_metric([e.name], e.failures_total)
+        yield from families.values()
+        yield GaugeMetricFamily(
+            "rollmesh_proxy_in_flight_requests", "Generate calls in flight", value=len(p._in_flight)
+        )
+        yield GaugeMetricFamily("rollmesh_proxy_suspended", "1 while the suspend gate is closed", value=p.suspended)
+        yield GaugeMetricFamily(
+            "rollmesh_proxy_weight_version", "Weight version every engine confirmed", value=p.weight_version
+        )
+        yield GaugeMetricFamily(
+            "rollmesh_proxy_engines_configured", "Engines behind this proxy", value=len(p.router.engines)
+        )
+        yield GaugeMetricFamily(
+            "rollmesh_proxy_engines_in_rotation", "Engines answering health checks",
+            value=sum(e.healthy for e in p.router.engines),
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "rollmesh_proxy_retries", "Requests retried on another engine", value=p.counters["retries"]
+        )
+
+
 class ProxyMetrics:
     def __init__(self, proxy: LLMProxy) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("rollmesh_proxy_requests", "Generate calls by finish reason", ["finish"], registry=r)
-        self.tokens = Counter("rollmesh_proxy_generated_tokens", "Tokens returned", ["engine"], registry=r)
+        self.requests = Counter(
+            "rollmesh_proxy_requests", "Generate calls, by engine and finish reason", ["engine", "finish"], registry=r
+        )
+        self.tokens = Counter("rollmesh_proxy_generated_tokens", "Tokens returned, by engine", ["engine"], registry=r)
+        self.prompt_tokens = Counter(
+            "rollmesh_proxy_prompt_tokens", "Prompt tokens of answered calls, by engine", ["engine"], registry=r
+        )
+        for e in proxy.router.engines:
+            init_labels(self.tokens, e.name)
+            init_labels(self.prompt_tokens, e.name)
+            for finish in _FINISH:
+                self.requests.labels(e.name, finish)
         self.latency = Histogram(
-            "rollmesh_proxy_generate_latency_seconds",
-            "Generate latency seen by callers",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            "rollmesh_proxy_generate_latency_seconds", "Generate latency seen by callers (suspensions included)",
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "rollmesh_proxy_time_to_first_token_seconds", "Arrival to first token (engines that report their TTFT)",
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.queue = Histogram(
+            "rollmesh_proxy_queue_time_seconds", "Waiting at the suspend gate plus in the engine's queue",
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.updates = Counter("rollmesh_proxy_weight_updates", "Weight updates, by result", ["result"], registry=r)
+        init_labels(self.updates, "ok", "failed")
+        self.update_failures = Counter(
+            "rollmesh_proxy_weight_update_failures", "Engines that failed a weight update, by cause", ["cause"],
             registry=r,
-        )
-        self.updates = Counter("rollmesh_proxy_weight_updates", "Weight updates by result", ["result"], registry=r)
+        )  # fmt: skip
+        init_labels(self.update_failures, *UPDATE_FAILURE_CAUSES)
         self.update_seconds = Histogram(
-            "rollmesh_proxy_weight_update_duration_seconds", "Fan-out weight update duration", registry=r
-        )
-        Gauge("rollmesh_proxy_in_flight_requests", "Generate calls in flight", registry=r).set_function(
-            lambda: len(proxy._in_flight)
-        )
-        Gauge("rollmesh_proxy_suspended", "1 while the suspend gate is closed", registry=r).set_function(
-            lambda: float(proxy.suspended)
-        )
-        Gauge("rollmesh_proxy_weight_version", "Weight version every engine confirmed", registry=r).set_function(
-            lambda: proxy.weight_version
-        )
-        Gauge("rollmesh_proxy_engines_in_rotation", "Engines answering health checks", registry=r).set_function(
-            lambda: sum(s.healthy for s in proxy.router.engines)
-        )
-        Gauge("rollmesh_proxy_retries", "Requests retried on another engine (total)", registry=r).set_function(
-            lambda: proxy.counters["retries"]
-        )
+            "rollmesh_proxy_weight_update_duration_seconds", "Fan-out weight update duration",
+            buckets=SLOW_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        r.register(_EngineCollector(proxy))
+
+    def observe(self, res) -> None:
+        engine = res.engine or "none"
+        self.requests.labels(engine, res.finish_type).inc()
+        self.tokens.labels(engine).inc(len(res.output_ids))
+        self.prompt_tokens.labels(engine).inc(res.prompt_tokens)
+        self.latency.observe(res.e2e_latency_s)
+        self.queue.observe(res.queue_time_s)
+        if res.ttft_s is not None:
+            self.ttft.observe(res.ttft_s)
+
+    def observe_update(self, ok: bool, results: list[dict]) -> None:
+        self.updates.labels("ok" if ok else "failed").inc()
+        for r in results:
+            if not r["success"]:
+                self.update_failures.labels(r.get("cause") or "error").inc()
 
 
 def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHandler:
@@ -90,9 +168,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NoEngineAvailable as e:
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        metrics.requests.labels(res.finish_type).inc()
-        metrics.tokens.labels(res.engine or "none").inc(len(res.output_ids))
-        metrics.latency.observe(res.e2e_latency_s)
+        metrics.observe(res)
         return pb.GenerateResponse(
             request_id=res.request_id,
             output_ids=res.output_ids,
@@ -126,7 +202,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
                 ok, results = await proxy.update_weights(req.model_path, req.weight_version, req.timeout_s)
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        metrics.updates.labels("ok" if ok else "failed").inc()
+        metrics.observe_update(ok, results)
         return pb.UpdateWeightsResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
 
     async def stats(req: pb.StatsRequest, ctx) -> pb.ProxyStats:
@@ -164,8 +240,7 @@ async def start_proxy(config: ProxyConfig) -> tuple[grpc.aio.Server, LLMProxy]:
     proxy = await LLMProxy(config).start()
     metrics = ProxyMetrics(proxy)
     server = await start_server(build_handler(proxy, metrics), SERVICE, config.host, config.port)
-    if config.metrics_port:
-        start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+    serve_metrics(metrics.registry, config.host, config.metrics_port, "LLMProxy")
     return server, proxy
 
 

@@ -7,13 +7,14 @@ import logging
 import time
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sample_buffer.buffer import BufferBackendError, BufferFull, SampleBuffer, make_buffer
 from sample_buffer.codec import CodecError, read_header
 from sample_buffer.config import BufferConfig
 from services.grpc_util import serve_until_signal, start_server, unary_service
+from services.metrics import AGE_BUCKETS_S, LATENCY_BUCKETS_S, VERSION_BUCKETS, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -25,29 +26,31 @@ MAX_MESSAGE_BYTES = 256 << 20
 class BufferMetrics:
     """Per-RPC histograms plus the buffer's own counters, refreshed in the background."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity_groups: int = 0) -> None:
         self.registry = r = CollectorRegistry()
+        self.capacity_groups = capacity_groups
         self.latest: dict = {}
         self.puts = Counter(
             "rollmesh_buffer_put_groups_by_result", "Groups offered to Put, by result", ["result"], registry=r
         )
+        init_labels(self.puts, "accepted", "filtered", "full", "invalid")
         self.got = Counter("rollmesh_buffer_handed_out_groups", "Groups handed out by Get", registry=r)
         self.get_seconds = Histogram(
             "rollmesh_buffer_get_latency_seconds",
             "Get latency, waiting included",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.staleness = Histogram(
             "rollmesh_buffer_staleness_versions",
             "current_version - start_version of each group handed out",
-            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+            buckets=VERSION_BUCKETS,
             registry=r,
         )
         self.age = Histogram(
             "rollmesh_buffer_age_seconds",
             "Time from encoding to hand-out of each group",
-            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            buckets=AGE_BUCKETS_S,
             registry=r,
         )
         r.register(self)
@@ -57,6 +60,9 @@ class BufferMetrics:
         if not s:
             return
         yield GaugeMetricFamily("rollmesh_buffer_depth_groups", "Groups waiting to be handed out", value=s["depth"])
+        yield GaugeMetricFamily(
+            "rollmesh_buffer_capacity_groups", "Groups held at most before Put waits", value=self.capacity_groups
+        )
         yield GaugeMetricFamily(
             "rollmesh_buffer_in_flight_groups", "Groups handed out, not acked", value=s["in_flight"]
         )
@@ -152,7 +158,7 @@ async def _refresh(buffer: SampleBuffer, metrics: BufferMetrics, period_s: float
 async def start_buffer_service(config: BufferConfig):
     """Start the buffer, its gRPC server and its metrics; returns (server, buffer, refresh task)."""
     buffer = make_buffer(config)
-    metrics = BufferMetrics()
+    metrics = BufferMetrics(config.capacity_groups)
     server = await start_server(
         build_handler(buffer, metrics),
         SERVICE,
@@ -164,8 +170,7 @@ async def start_buffer_service(config: BufferConfig):
         ],
     )
     refresh = asyncio.create_task(_refresh(buffer, metrics))
-    if config.metrics_port:
-        start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+    serve_metrics(metrics.registry, config.host, config.metrics_port, "SampleBuffer")
     return server, buffer, refresh
 
 

@@ -51,6 +51,8 @@ class GenerateOutput:
     prompt_tokens: int
     weight_version: int
     e2e_latency_s: float
+    queue_time_s: float = 0.0  # submitted → first admitted to the running batch
+    ttft_s: float = 0.0  # submitted → first token (0 when none was generated)
 
 
 @dataclass
@@ -62,6 +64,8 @@ class _Request:
     generator: torch.Generator | None
     stop_ids: frozenset[int]
     t0: float = field(default_factory=time.perf_counter)
+    t_admit: float = 0.0
+    t_first: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -245,6 +249,9 @@ class EmbeddedEngine(SchedulerCommands):
             if group and width * (len(group) + 1) > self.config.max_prefill_tokens:
                 break
             group.append(self._waiting.popleft())
+        now = time.perf_counter()
+        for r in group:
+            r.t_admit = r.t_admit or now  # a retracted request keeps its first admission
         ids, positions, masks, lengths = prefill_inputs([r.context for r in group], self.device)
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True)
         self.counters["prefill_tokens"] += sum(lengths)
@@ -286,6 +293,8 @@ class EmbeddedEngine(SchedulerCommands):
 
     def _append(self, req: _Request, token: int, logprob: float) -> bool:
         """Record a generated token; finish the request and return True if it is done."""
+        if not req.output_ids:
+            req.t_first = time.perf_counter()
         req.output_ids.append(token)
         req.logprobs.append(logprob)
         req.versions.append(self.weight_version)
@@ -313,6 +322,8 @@ class EmbeddedEngine(SchedulerCommands):
                 prompt_tokens=len(req.prompt),
                 weight_version=self.weight_version,
                 e2e_latency_s=time.perf_counter() - req.t0,
+                queue_time_s=max(0.0, (req.t_admit or time.perf_counter()) - req.t0),
+                ttft_s=max(0.0, req.t_first - req.t0) if req.t_first else 0.0,
             )
         )
 

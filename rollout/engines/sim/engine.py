@@ -38,6 +38,8 @@ class _SimRequest:
     stop_at_end: bool  # the response ends inside this request (stop) rather than at max_new_tokens
     future: Future
     t0: float = field(default_factory=time.perf_counter)
+    t_admit: float = 0.0
+    t_first: float = 0.0
     versions: list[int] = field(default_factory=list)
 
 
@@ -145,6 +147,8 @@ class SimEngine(SchedulerCommands):
         still = []
         for req in self._running:
             n = min(whole, req.remaining)
+            if n and not req.versions:
+                req.t_first = time.perf_counter()
             req.remaining -= n
             req.versions += [self.weight_version] * n
             self.counters["generated_tokens"] += n
@@ -157,7 +161,9 @@ class SimEngine(SchedulerCommands):
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running and not self._paused:
-            self._running.append(self._waiting.popleft())
+            req = self._waiting.popleft()
+            req.t_admit = req.t_admit or time.perf_counter()
+            self._running.append(req)
 
     def _enqueue(self, req: _SimRequest) -> None:
         self._advance()  # the batch grows now: settle the time spent at the old size first
@@ -179,6 +185,8 @@ class SimEngine(SchedulerCommands):
                 prompt_tokens=req.prompt_tokens,
                 weight_version=self.weight_version,
                 e2e_latency_s=time.perf_counter() - req.t0,
+                queue_time_s=max(0.0, (req.t_admit or time.perf_counter()) - req.t0),
+                ttft_s=max(0.0, req.t_first - req.t0) if req.t_first else 0.0,
             )
         )
 

@@ -124,16 +124,18 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class EngineUpdateResult(_message.Message):
-    __slots__ = ("engine", "success", "weight_version", "message")
+    __slots__ = ("engine", "success", "weight_version", "message", "cause")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     engine: str
     success: bool
     weight_version: int
     message: str
-    def __init__(self, engine: _Optional[str] = ..., success: _Optional[bool] = ..., weight_version: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    cause: str
+    def __init__(self, engine: _Optional[str] = ..., success: _Optional[bool] = ..., weight_version: _Optional[int] = ..., message: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("success", "engines")

@@ -1,0 +1,77 @@
+"""The EnvManager's Prometheus metrics: episodes, groups, and where an episode spends its time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
+from prometheus_client.core import GaugeMetricFamily
+
+from sample_buffer.trajectory import Group
+from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, init_labels
+
+FINISH_REASONS = ("stop", "length", "abort", "timeout")
+GROUP_RESULTS = ("put", "filtered", "failed")
+
+
+class EnvMetrics:
+    def __init__(self, env: str, manager_stats: Callable[[], dict]) -> None:
+        self.env = env
+        self.registry = r = CollectorRegistry()
+        self.episodes = Counter("rollmesh_env_episodes", "Episodes ended, by env and finish reason",
+                                ["env", "finish"], registry=r)  # fmt: skip
+        for finish in FINISH_REASONS:
+            self.episodes.labels(env, finish)
+        self.groups = Counter("rollmesh_env_groups", "Groups ended, by result", ["result"], registry=r)
+        init_labels(self.groups, *GROUP_RESULTS)
+        self.trajectory_tokens = Counter(
+            "rollmesh_env_generated_tokens", "Generated tokens of ended episodes", ["env"], registry=r
+        )
+        self.reward = Summary("rollmesh_env_trajectory_reward", "Reward of each ended episode", ["env"], registry=r)
+
+        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS_S) -> Histogram:
+            h = Histogram(name, doc, ["env"], buckets=buckets, registry=r)
+            h.labels(env)
+            return h
+
+        self.step = hist("rollmesh_env_step_latency_seconds", "One environment step (reward included)")
+        self.reward_latency = hist("rollmesh_env_reward_latency_seconds", "One reward-function call")
+        self.generation = hist("rollmesh_env_generation_latency_seconds", "One turn's generation, as the env waits")
+        self.episode = hist("rollmesh_env_episode_duration_seconds", "Reset to the end of an episode", SLOW_BUCKETS_S)
+        self.group = hist("rollmesh_env_group_duration_seconds", "Admission to the buffer, one group", SLOW_BUCKETS_S)
+        for m in (self.trajectory_tokens, self.reward):
+            m.labels(env)
+        self._stats = manager_stats
+        r.register(self)
+
+    def collect(self):
+        s = self._stats()
+        yield GaugeMetricFamily("rollmesh_env_running_episodes", "Episodes in progress", value=s["running_episodes"])
+        yield GaugeMetricFamily("rollmesh_env_workers", "Workers of this pool", value=s["workers"])
+
+    def timed_reward(self, reward_fn: Callable) -> Callable:
+        """``reward_fn`` that records each call's latency."""
+        hist = self.reward_latency.labels(self.env)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return reward_fn(*args, **kwargs)
+            finally:
+                hist.observe(time.perf_counter() - t0)
+
+        return timed
+
+    def observe_group(self, group: Group, seconds: float) -> None:
+        self.group.labels(self.env).observe(seconds)
+        for t in group.trajectories:
+            env = t.metadata.get("env", self.env)
+            self.episodes.labels(env, t.finish_reason).inc()
+            self.reward.labels(env).observe(t.reward)
+            self.trajectory_tokens.labels(env).inc(sum(t.loss_mask))
+            self.episode.labels(env).observe(t.metadata.get("seconds", 0.0))
+            for s in t.metadata.get("generate_s", ()):
+                self.generation.labels(env).observe(s)
+            for s in t.metadata.get("step_s", ()):
+                self.step.labels(env).observe(s)

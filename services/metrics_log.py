@@ -1,0 +1,75 @@
+"""Where a step's training metrics go: ``metrics.jsonl`` always, TensorBoard and W&B when asked.
+
+TensorBoard and Weights & Biases are optional dependencies (``pip install 'rollmesh[track]'``);
+asking for one that is not installed fails at start-up with the install command, not mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrackingConfig(BaseModel):
+    """Experiment trackers the trainer also writes its metrics to."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensorboard_dir: str | None = Field(None, description="Write TensorBoard event files here (needs tensorboard).")
+    wandb_project: str | None = Field(None, description="Log to this Weights & Biases project (needs wandb).")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="offline writes the run under run_dir/wandb to `wandb sync` later (no network)."
+    )
+
+
+def _require(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise RuntimeError(
+            f"{module} is not installed but the config asks for it: pip install 'rollmesh[track]'"
+        ) from None
+
+
+class MetricsLog:
+    """Appends each step's metrics to ``path`` (one JSON object per line) and to the trackers."""
+
+    def __init__(self, path: Path, tracking: TrackingConfig | None = None, run_name: str = "rollmesh",
+                 run_dir: Path | None = None) -> None:  # fmt: skip
+        self.path = path
+        tracking = tracking or TrackingConfig()
+        self._tb = self._wandb = None
+        if tracking.tensorboard_dir:
+            _require("tensorboard")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(tracking.tensorboard_dir)
+        if tracking.wandb_project:
+            wandb = _require("wandb")
+            self._wandb = wandb.init(
+                project=tracking.wandb_project, name=run_name, mode=tracking.wandb_mode,
+                dir=str(run_dir or path.parent), resume="allow",
+            )  # fmt: skip
+
+    def write(self, metrics: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and k != "step"}
+        step = int(metrics["step"])
+        if self._tb is not None:
+            for k, v in numbers.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

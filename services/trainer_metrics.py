@@ -1,0 +1,101 @@
+"""The trainer process's Prometheus metrics: steps, where a step's time goes, losses, weight sync.
+
+A step's time is split into phases (``rollmesh_trainer_phase_seconds_total``): ``wait_data``
+(waiting for enough fresh groups: generation and reward are the bottleneck), ``train``,
+``weight_sync`` (export + suspend + load + resume) and ``checkpoint``. ``rate()`` of each over the
+same window is the step-time breakdown the overview dashboard shows.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.metrics import SLOW_BUCKETS_S, VERSION_BUCKETS, init_labels
+
+PHASES = ("wait_data", "train", "weight_sync", "checkpoint")
+# Why publishing new weights failed: exporting them, suspending generation (BeginUpdate),
+# loading them on the engines, or committing the update.
+UPDATE_FAILURE_CAUSES = ("export", "begin", "load", "commit")
+# Training metrics exported as gauges (name in metrics.jsonl → gauge name, help).
+_GAUGES = {
+    "reward_mean": ("rollmesh_trainer_reward_mean", "Mean trajectory reward of the last step's batch"),
+    "clip_frac": ("rollmesh_trainer_clip_fraction_ratio", "Share of tokens whose ratio was clipped, last step"),
+    "approx_kl": ("rollmesh_trainer_approx_kl", "Approximate KL(behaviour || current) of the last step"),
+    "entropy": ("rollmesh_trainer_entropy_nats", "Mean token entropy of the last step"),
+    "grad_norm": ("rollmesh_trainer_grad_norm", "Gradient norm before clipping, last step"),
+    "lr": ("rollmesh_trainer_learning_rate", "Learning rate of the last step"),
+    "ratio_max": ("rollmesh_trainer_importance_ratio_max", "Largest importance ratio of the last step"),
+}
+
+
+def loss_terms(metrics: dict) -> dict[str, float]:
+    """The loss and its parts in a step's metrics: ``loss``, ``pg_loss``, ``kl_loss``, ..."""
+    return {("total" if k == "loss" else k.removesuffix("_loss")): float(v)
+            for k, v in metrics.items() if k == "loss" or k.endswith("_loss")}  # fmt: skip
+
+
+class TrainerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.steps = Counter("rollmesh_trainer_steps", "Optimizer steps taken", registry=r)
+        self.version = Gauge("rollmesh_trainer_policy_version", "Policy version of the trainer's weights", registry=r)
+        self.last_step = Gauge(
+            "rollmesh_trainer_last_step_timestamp_seconds", "Unix time the last step finished", registry=r
+        )
+        self.last_step.set(time.time())  # a trainer that never steps goes stale from its start
+        self.step_seconds = Histogram(
+            "rollmesh_trainer_step_duration_seconds", "Wall time of one step, waiting included",
+            buckets=SLOW_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.phase = Counter(
+            "rollmesh_trainer_phase_seconds", "Seconds spent in each phase of a step", ["phase"], registry=r
+        )
+        init_labels(self.phase, *PHASES)
+        self.tokens = Counter("rollmesh_trainer_tokens", "Tokens trained on (loss mask)", registry=r)
+        self.tokens_per_s = Gauge(
+            "rollmesh_trainer_tokens_per_second", "Train tokens per second of compute, last step", registry=r
+        )
+        self.trajectories = Counter("rollmesh_trainer_trajectories", "Trajectories trained on", registry=r)
+        self.loss = Gauge("rollmesh_trainer_loss", "Loss terms of the last step", ["term"], registry=r)
+        init_labels(self.loss, "total", "pg")
+        self.gauges = {k: Gauge(name, doc, registry=r) for k, (name, doc) in _GAUGES.items()}
+        self.staleness = Histogram(
+            "rollmesh_trainer_staleness_versions", "Trainer version minus the sample's start version, per trajectory",
+            buckets=VERSION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.staleness_max = Gauge(
+            "rollmesh_trainer_staleness_max_versions", "Largest staleness in the last step's batch", registry=r
+        )
+        self.update_seconds = Histogram(
+            "rollmesh_trainer_weight_update_duration_seconds", "Publishing one version: export to resume",
+            buckets=SLOW_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.update_bytes = Counter(
+            "rollmesh_trainer_weight_update_bytes", "Bytes of weights published to the engines", registry=r
+        )
+        self.update_failures = Counter(
+            "rollmesh_trainer_weight_update_failures", "Weight updates that failed, by cause", ["cause"], registry=r
+        )
+        init_labels(self.update_failures, *UPDATE_FAILURE_CAUSES)
+
+    def observe_step(self, m: dict, staleness: list[int]) -> None:
+        self.steps.inc()
+        self.version.set(m["version"])
+        self.last_step.set(time.time())
+        for phase, key in (("wait_data", "time_get_s"), ("train", "time_train_s"), ("weight_sync", "time_publish_s"),
+                           ("checkpoint", "time_checkpoint_s")):  # fmt: skip
+            self.phase.labels(phase).inc(m.get(key, 0.0))
+        self.step_seconds.observe(sum(m.get(k, 0.0) for k in ("time_get_s", "time_train_s", "time_publish_s")))
+        self.tokens.inc(m.get("tokens", 0))
+        self.tokens_per_s.set(m.get("tokens", 0) / max(m.get("time_train_s", 0.0), 1e-9))
+        self.trajectories.inc(len(staleness))
+        for term, value in loss_terms(m).items():
+            self.loss.labels(term).set(value)
+        for key, gauge in self.gauges.items():
+            if key in m:
+                gauge.set(m[key])
+        for s in staleness:
+            self.staleness.observe(s)
+        self.staleness_max.set(max(staleness, default=0))
