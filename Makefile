@@ -11,11 +11,14 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-# Servers the tests start themselves (on free loopback ports): redis-server.
+# Servers and tools the tests start themselves (on free loopback ports), from Debian packages:
+# redis-server, prometheus + promtool, docker-compose (only `config` is run: no Docker daemon).
+APT_TOOLS := redis-server:redis-server prometheus:prometheus promtool:prometheus docker-compose:docker-compose
 servers:
-	@command -v redis-server >/dev/null || { \
-	  echo "installing redis-server (Debian package)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@missing=""; for t in $(APT_TOOLS); do command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing (Debian packages)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
