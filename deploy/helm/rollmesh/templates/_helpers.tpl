@@ -1,0 +1,177 @@
+{{/* Name of the release's objects: <release>-rollmesh unless the release name says rollmesh. */}}
+{{- define "rollmesh.fullname" -}}
+{{- if contains "rollmesh" .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-rollmesh" .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels of one component: call with (dict "root" $ "component" "llm-proxy"). */}}
+{{- define "rollmesh.selectorLabels" -}}
+app.kubernetes.io/name: rollmesh
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "rollmesh.labels" -}}
+{{ include "rollmesh.selectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ .root.Chart.Name }}-{{ .root.Chart.Version }}
+{{- end -}}
+
+{{- define "rollmesh.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{- end -}}
+
+{{/* host:port of a component's Service. */}}
+{{- define "rollmesh.address" -}}
+{{ include "rollmesh.fullname" .root }}-{{ .component }}:{{ .port }}
+{{- end -}}
+
+{{- define "rollmesh.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
+{{- else -}}
+{{- required "redis.externalUrl is required when redis.enabled is false" .Values.redis.externalUrl -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Node selector of a GPU workload ("engine" or "trainer") under placement.mode. */}}
+{{- define "rollmesh.gpuNodeSelector" -}}
+{{- $root := .root -}}
+{{- if eq $root.Values.placement.mode "colocated" -}}
+{{- toYaml $root.Values.placement.colocatedNodeSelector -}}
+{{- else if eq $root.Values.placement.mode "disaggregated" -}}
+{{- toYaml (index $root.Values .component).nodeSelector -}}
+{{- else -}}
+{{- fail (printf "placement.mode must be disaggregated or colocated, got %q" $root.Values.placement.mode) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The run config every service reads: config from values, plus the mesh's addresses and paths. */}}
+{{- define "rollmesh.config" -}}
+{{- $name := include "rollmesh.fullname" . -}}
+{{- $urls := list -}}
+{{- range $i := until (int .Values.engine.replicas) -}}
+{{- $urls = append $urls (printf "http://%s-engine-%d.%s-engine:%d" $name $i $name (int $.Values.engine.port)) -}}
+{{- end -}}
+{{- $proxy := include "rollmesh.address" (dict "root" . "component" "llm-proxy" "port" .Values.proxy.port) -}}
+{{- $buffer := include "rollmesh.address" (dict "root" . "component" "sample-buffer" "port" .Values.buffer.port) -}}
+{{- $controller := include "rollmesh.address" (dict "root" . "component" "controller" "port" .Values.controller.port) -}}
+{{- $mesh := dict
+  "engine" (dict "model_path" .Values.model.path "host" "0.0.0.0" "port" .Values.engine.port)
+  "proxy" (dict "engine_urls" $urls "host" "0.0.0.0" "port" .Values.proxy.port "metrics_port" .Values.proxy.metricsPort)
+  "buffer" (dict "backend" "redis" "redis_url" (include "rollmesh.redisUrl" .) "key_prefix" (printf "rollmesh:%s" .Release.Name)
+                 "host" "0.0.0.0" "port" .Values.buffer.port "metrics_port" .Values.buffer.metricsPort)
+  "controller" (dict "proxy_address" $proxy "initial_model_path" .Values.model.path "host" "0.0.0.0"
+                     "port" .Values.controller.port "metrics_port" .Values.controller.metricsPort)
+  "env_manager" (dict "proxy_address" $proxy "buffer_address" $buffer "controller_address" $controller
+                      "tokenizer_path" .Values.model.path "host" "0.0.0.0" "port" .Values.envManager.port
+                      "metrics_port" .Values.envManager.metricsPort)
+  "trainer" (dict "model_path" .Values.model.path)
+  "train_loop" (dict "run_dir" (printf "%s/%s" .Values.runs.mountPath .Release.Name) "metrics_host" "0.0.0.0"
+                     "metrics_port" .Values.trainer.metricsPort)
+-}}
+{{- toYaml (mergeOverwrite (deepCopy .Values.config) $mesh) -}}
+{{- end -}}
+
+{{/* Volumes and mounts every rollmesh pod has: the config, the model, the data, the runs volume. */}}
+{{- define "rollmesh.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "rollmesh.fullname" . }}-config
+- name: model
+  {{- toYaml .Values.model.volume | nindent 2 }}
+- name: data
+  {{- toYaml .Values.data.volume | nindent 2 }}
+- name: runs
+  persistentVolumeClaim:
+    claimName: {{ .Values.runs.existingClaim | default (printf "%s-runs" (include "rollmesh.fullname" .)) }}
+{{- end -}}
+
+{{- define "rollmesh.volumeMounts" -}}
+- name: config
+  mountPath: /etc/rollmesh
+  readOnly: true
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+- name: data
+  mountPath: {{ .Values.data.mountPath }}
+  readOnly: true
+- name: runs
+  mountPath: {{ .Values.runs.mountPath }}
+{{- end -}}
+
+{{/*
+A CPU gRPC service: Deployment + Service, health-probed over gRPC.
+Call with (dict "root" $ "component" "llm-proxy" "serve" "llm-proxy" "values" .Values.proxy "replicas" 1).
+*/}}
+{{- define "rollmesh.grpcService" -}}
+{{- $root := .root -}}
+{{- $v := .values -}}
+{{- $ctx := dict "root" $root "component" .component -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "rollmesh.fullname" $root }}-{{ .component }}
+  labels:
+    {{- include "rollmesh.labels" $ctx | nindent 4 }}
+spec:
+  replicas: {{ .replicas }}
+  selector:
+    matchLabels:
+      {{- include "rollmesh.selectorLabels" $ctx | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "rollmesh.selectorLabels" $ctx | nindent 8 }}
+      annotations:
+        checksum/config: {{ include "rollmesh.config" $root | sha256sum }}
+    spec:
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      terminationGracePeriodSeconds: 60
+      containers:
+        - name: {{ .component }}
+          image: {{ include "rollmesh.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: ["rollmesh", "serve", {{ .serve | quote }}, "--config", "/etc/rollmesh/config.yaml"]
+          ports:
+            - {name: grpc, containerPort: {{ $v.port }}}
+            - {name: metrics, containerPort: {{ $v.metricsPort }}}
+          readinessProbe:
+            grpc: {port: {{ $v.port }}}
+            periodSeconds: 5
+          livenessProbe:
+            grpc: {port: {{ $v.port }}}
+            initialDelaySeconds: 60
+            periodSeconds: 20
+            failureThreshold: 6
+          resources:
+            {{- toYaml $v.resources | nindent 12 }}
+          volumeMounts:
+            {{- include "rollmesh.volumeMounts" $root | nindent 12 }}
+      {{- with $v.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumes:
+        {{- include "rollmesh.volumes" $root | nindent 8 }}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "rollmesh.fullname" $root }}-{{ .component }}
+  labels:
+    {{- include "rollmesh.labels" $ctx | nindent 4 }}
+spec:
+  selector:
+    {{- include "rollmesh.selectorLabels" $ctx | nindent 4 }}
+  ports:
+    - {name: grpc, port: {{ $v.port }}, targetPort: grpc}
+    - {name: metrics, port: {{ $v.metricsPort }}, targetPort: metrics}
+{{- end -}}

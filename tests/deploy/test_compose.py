@@ -1,0 +1,116 @@
+"""docker-compose.yaml validates with the real docker-compose, and everything it names exists.
+
+Only ``docker-compose config`` runs (no Docker daemon here): the file is valid, every build
+context and Dockerfile exists, every command is a `rollmesh serve` service with a config that
+loads, and the published ports are the ports those configs serve on.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from services.cli import SERVICES
+from services.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "deploy" / "docker-compose.yaml"
+# compose service → (config section, whether it serves gRPC on `port`)
+SECTIONS = {"llm-proxy": "proxy", "sample-buffer": "buffer", "controller": "controller",
+            "env-manager": "env_manager", "engine-cpu": "engine"}  # fmt: skip
+
+
+def compose_config() -> dict:
+    binary = shutil.which("docker-compose")
+    assert binary, "docker-compose is not installed: `make test` installs it (Debian package docker-compose)"
+    res = subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return yaml.safe_load(res.stdout)
+
+
+def _source(volume) -> str:
+    """A volume's source, in the long (dict) or short (``src:dst[:mode]``) syntax."""
+    return str(volume["source"]) if isinstance(volume, dict) else volume.split(":")[0]
+
+
+def test_compose_file_is_valid_and_has_both_profiles():
+    services = compose_config()["services"]
+    profiles = {name: set(s.get("profiles", [])) for name, s in services.items()}
+    assert {"redis", "prometheus", "grafana"} <= {n for n, p in profiles.items() if not p}, "always-on services"
+    assert {"engine-cpu", "trainer-cpu"} <= {n for n, p in profiles.items() if p == {"cpu"}}
+    assert {"engine-gpu", "trainer-gpu"} <= {n for n, p in profiles.items() if p == {"gpu"}}
+    for shared in ("llm-proxy", "sample-buffer", "controller", "env-manager"):
+        assert profiles[shared] == {"cpu", "gpu"}, shared
+    gpu = services["trainer-gpu"]
+    assert gpu["command"][0] == "torchrun"
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_every_image_command_and_port_exists_in_the_project():
+    services = compose_config()["services"]
+    for name, s in services.items():
+        if "build" in s:
+            context = Path(s["build"]["context"])
+            assert context == ROOT, name
+            dockerfile = context / s["build"]["dockerfile"]
+            assert dockerfile.is_file(), f"{name}: {dockerfile} does not exist"
+            for src in re.findall(r"^COPY (\S+)", dockerfile.read_text(), re.M):
+                assert (ROOT / src).exists(), f"{dockerfile.name}: COPY {src} names nothing in the project"
+        cmd = s.get("command") or []
+        if "serve" in cmd:
+            service = cmd[cmd.index("serve") + 1]
+            assert service in SERVICES, f"{name}: `rollmesh serve {service}` is not a rollmesh service"
+            config_path = ROOT / cmd[cmd.index("--config") + 1]
+            cfg = load_config(config_path)  # validates against the real schema
+            published = {int(p["target"]) for p in s.get("ports", [])}
+            if name in SECTIONS:
+                section = getattr(cfg, SECTIONS[name])
+                assert section.port in published and section.host == "0.0.0.0", name
+                if hasattr(section, "metrics_port"):
+                    assert section.metrics_port in published, f"{name}: metrics port not published"
+            if service == "trainer":
+                assert cfg.train_loop.metrics_port in published and cfg.train_loop.metrics_host == "0.0.0.0"
+        for volume in s.get("volumes", []):
+            source = _source(volume)
+            if source.startswith("/") and "deploy" in source:
+                assert Path(source).exists(), f"{name}: mounts {source}, which does not exist"
+
+
+def test_prometheus_targets_are_compose_services_on_their_metrics_ports():
+    services = compose_config()["services"]
+    names = set(services)
+    for s in services.values():
+        names |= set(((s.get("networks") or {}).get("default") or {}).get("aliases") or [])
+    cfg = load_config(ROOT / "deploy" / "configs" / "compose.yaml")
+    ports = {"engine": cfg.engine.port, "llm-proxy": cfg.proxy.metrics_port, "sample-buffer": cfg.buffer.metrics_port,
+             "controller": cfg.controller.metrics_port, "env-manager": cfg.env_manager.metrics_port,
+             "trainer": cfg.train_loop.metrics_port}  # fmt: skip
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    for job in prom["scrape_configs"]:
+        for target in job["static_configs"][0]["targets"]:
+            host, port = target.split(":")
+            assert host in names, f"{job['job_name']}: {host} is not a compose service"
+            assert int(port) == ports[job["job_name"]], f"{job['job_name']}: scrapes {port}"
+    grafana = services["grafana"]["volumes"]
+    assert any(_source(v).endswith("grafana/dashboards") for v in grafana)
+    datasource = yaml.safe_load(
+        (ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yaml").read_text()
+    )["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090" and "prometheus" in services
+
+
+def test_dashboards_are_what_make_dashboards_writes(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_dashboards", ROOT / "deploy/grafana/make_dashboards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.write(tmp_path)
+    for path in (ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"):
+        assert (tmp_path / path.name).read_text() == path.read_text(), f"{path.name}: run make_dashboards.py"
+    assert {p.name for p in tmp_path.iterdir()} == {"overview.json", "staleness.json", "health.json"}
