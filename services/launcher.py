@@ -186,10 +186,14 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh
     return mesh
 
 
-def start_trainer(config_path: Path, overrides: list[str], mesh: Mesh, log_path: Path) -> subprocess.Popen:
+def start_trainer(config_path: Path, overrides: list[str], mesh: Mesh, log_path: Path, procs: int = 1):
+    """The trainer process; with ``procs`` > 1, ``procs`` ranks under torchrun (rank 0 serves /metrics)."""
     port = f"train_loop.metrics_port={mesh.metrics_port('trainer')}"
+    cmd = serve_command("trainer", "trainer", [*overrides, *mesh.wiring, port], str(config_path))
+    if procs > 1:  # python -m torch.distributed.run ... -m services.cli serve trainer ...
+        cmd = [cmd[0], "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs), *cmd[1:]]
     return subprocess.Popen(
-        serve_command("trainer", "trainer", [*overrides, *mesh.wiring, port], str(config_path)),
+        cmd,
         stdout=open(log_path, "ab"),  # noqa: SIM115 (closed with the process)
         stderr=subprocess.STDOUT,
     )
@@ -219,7 +223,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
             acc0 = asyncio.run(heldout_accuracy(proxy_addr, cfg))
             console.print(f"held-out accuracy before training: {acc0:.3f}")
         history, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
-        trainer = start_trainer(config_path, overrides, mesh, logs / "trainer.log")
+        trainer = start_trainer(config_path, overrides, mesh, logs / "trainer.log", cfg.run.trainer_procs)
         mesh.write_scrape_targets(run_dir / "prometheus_targets.json")
         console.print(f"metrics: Prometheus file_sd targets in {run_dir / 'prometheus_targets.json'}")
         while trainer.poll() is None:

@@ -47,16 +47,29 @@ class TrainLoopConfig(BaseModel):
 
 
 class TrainerLoop:
+    """One trainer process, or one rank under torchrun.
+
+    Under torchrun rank 0 alone talks to the mesh (buffer, controller, LLMProxy) and writes the
+    metrics; it broadcasts each step's encoded groups, every rank trains on its share of whole
+    groups (FSDP2 averages the gradients), every rank takes part in exporting and checkpointing.
+    """
+
     def __init__(self, loop_cfg: TrainLoopConfig, engine, buffer, controller, proxy, *, groups_per_step: int,
-                 max_staleness: int) -> None:  # fmt: skip
+                 max_staleness: int, rank: int = 0, world: int = 1) -> None:  # fmt: skip
+        if groups_per_step < world:
+            raise ValueError(f"controller.groups_per_step ({groups_per_step}) must be >= the {world} trainer ranks")
         self.cfg, self.engine = loop_cfg, engine
         self.buffer, self.controller, self.proxy = buffer, controller, proxy
         self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
+        self.rank, self.world = rank, world
         self.run_dir = Path(loop_cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.metrics_log = MetricsLog(self.metrics_path, loop_cfg.tracking, self.run_dir.name, self.run_dir)
+        self.metrics_log = (
+            MetricsLog(self.metrics_path, loop_cfg.tracking, self.run_dir.name, self.run_dir) if rank == 0 else None
+        )
         self.prom = TrainerMetrics()
+        self.publish_times: dict[str, float] = {}
 
     def resume(self) -> bool:
         from trainer.checkpoint import latest_checkpoint, load_checkpoint
@@ -68,13 +81,9 @@ class TrainerLoop:
         log.info("resumed from %s (step %d, version %d)", ckpt, self.engine.step, self.engine.version)
         return True
 
-    async def step(self) -> dict | None:
-        """One training step; None when no full batch arrived in time."""
-        from trainer.batch import batch_from_groups
-
-        t0 = time.perf_counter()
-        version = self.engine.version
-        deadline = t0 + self.cfg.get_timeout_s
+    async def _fetch(self, version: int) -> tuple[list[bytes], list[str]] | None:
+        """Rank 0: encoded groups for one step and their batch ids; None when too few arrived."""
+        deadline = time.perf_counter() + self.cfg.get_timeout_s
         batch_ids, groups = [], []
         while len(groups) < self.groups_per_step and time.perf_counter() < deadline:
             wait = deadline - time.perf_counter()
@@ -84,26 +93,54 @@ class TrainerLoop:
                 await self.controller.Release(req, timeout=30)
             if batch.batch_id:
                 batch_ids.append(batch.batch_id)
-                groups += batch.decode()
+                groups += batch.groups
         if len(groups) < self.groups_per_step:
             log.warning(
                 "only %d of %d groups arrived in %.0fs", len(groups), self.groups_per_step, self.cfg.get_timeout_s
             )
             return None  # the unacked ones are handed out again after the visibility timeout
+        return groups, batch_ids
+
+    def _from_rank0(self, obj):
+        """``obj`` as rank 0 has it, on every rank (no-op in a single process)."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    async def step(self) -> dict | None:
+        """One training step; None when no full batch arrived in time."""
+        from sample_buffer.codec import decode_group
+        from trainer.batch import batch_from_groups
+
+        t0 = time.perf_counter()
+        version = self.engine.version
+        fetched = self._from_rank0(await self._fetch(version) if self.rank == 0 else None)
+        if fetched is None:
+            return None
+        encoded, batch_ids = fetched
+        groups = [decode_group(g) for g in encoded[self.rank :: self.world]]  # whole groups per rank
         t_get = time.perf_counter()
         metrics = await asyncio.to_thread(self.engine.train_step, batch_from_groups(groups))
-        for batch_id in batch_ids:
-            await self.buffer.ack(batch_id)
+        if self.rank == 0:
+            for batch_id in batch_ids:
+                await self.buffer.ack(batch_id)
         t_train = time.perf_counter()
-        self.publish_times: dict[str, float] = {}
+        self.publish_times = {}
         published = await self.publish()
         t_pub = time.perf_counter()
-        staleness = [version - t.start_version for g in groups for t in g.trajectories]
         every = self.cfg.checkpoint_every
         if every and (self.engine.step % every == 0 or self.engine.step >= self.cfg.steps):
             from trainer.checkpoint import save_checkpoint
 
             save_checkpoint(self.engine, self.run_dir / "checkpoints", keep_last=2)
+        if self.rank != 0:
+            return metrics
+        everyone = groups if self.world == 1 else [decode_group(g) for g in encoded]
+        staleness = [version - t.start_version for g in everyone for t in g.trajectories]
         metrics |= {
             "step": self.engine.step,
             "version": self.engine.version,
@@ -130,9 +167,11 @@ class TrainerLoop:
         version = self.engine.version
         t0 = time.perf_counter()
         try:
-            out = self.engine.export(self.run_dir / "weights" / f"v{version}")
+            out = self.engine.export(self.run_dir / "weights" / f"v{version}")  # every rank gathers, rank 0 writes
         except Exception as e:
             return self._failed("export", version, e)
+        if self.rank != 0:
+            return True  # rank 0 alone moves the engines to the new weights
         t1 = time.perf_counter()
         try:
             begin = await self.controller.BeginUpdate(
@@ -178,7 +217,8 @@ class TrainerLoop:
             log.error("AbortUpdate failed (the controller's watchdog will roll back): %s", e)
 
     def close(self) -> None:
-        self.metrics_log.close()
+        if self.metrics_log is not None:
+            self.metrics_log.close()
 
     def _prune_weights(self) -> None:
         dirs = sorted((self.run_dir / "weights").glob("v*"), key=lambda p: int(p.name[1:].split(".")[0]))

@@ -1,5 +1,6 @@
 """`rollmesh run` end to end on the quickstart config, cut down to a few steps."""
 
+import json
 import re
 import subprocess
 import sys
@@ -26,6 +27,26 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     assert (run_dir / "checkpoints" / "step_4" / "COMPLETE").exists()
     leftovers = subprocess.run(["pgrep", "-f", f"train_loop.run_dir={run_dir}"], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", "services still running after rollmesh run returned"
+
+
+def test_rollmesh_run_with_the_trainer_under_torchrun(tiny_model, tmp_path):
+    """run.trainer_procs=2: two gloo ranks (FSDP2) train on whole groups; rank 0 publishes and logs."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
+    for o in (f"engine.model_path={tiny_model}", f"controller.initial_model_path={tiny_model}",
+              f"env_manager.tokenizer_path={tiny_model}", f"trainer.model_path={tiny_model}", "run.heldout_path=null",
+              "run.trainer_procs=2", "train_loop.steps=3", "train_loop.checkpoint_every=3",
+              f"train_loop.run_dir={run_dir}", "controller.groups_per_step=4"):  # fmt: skip
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
+    assert "trainer: 2 rank(s)" in log
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["published"] for m in steps)  # rank 0 only writes
+    ckpt = run_dir / "checkpoints" / "step_3"
+    assert (ckpt / "COMPLETE").exists() and (ckpt / "extra_rank1.pt").exists()
+    assert (run_dir / "weights" / "v3" / "model.safetensors").exists()
 
 
 def test_sigterm_stops_every_service(tiny_model, tmp_path):
