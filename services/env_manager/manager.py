@@ -166,8 +166,11 @@ class EnvManager:
         group = Group(gid, f"p{row}", list(trajs))
         res = await self.buffer.put(group, timeout_s=60)
         self.counters["groups_put" if res.accepted else f"groups_{res.reason}"] += 1
-        self.metrics.observe_group(group, time.monotonic() - t0)
-        self.metrics.groups.labels("put" if res.accepted else "filtered").inc()
+        try:  # the group is in the buffer: a metrics fault must not make it count as failed
+            self.metrics.observe_group(group, time.monotonic() - t0)
+            self.metrics.groups.labels("put" if res.accepted else "filtered").inc()
+        except Exception:
+            log.exception("recording metrics of group %s failed", gid)
         return res.accepted
 
     async def _run_episodes(self, envs: list, row: int, gid: str, barrier: TurnBarrier | None):

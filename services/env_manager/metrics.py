@@ -69,7 +69,7 @@ class EnvMetrics:
             env = t.metadata.get("env", self.env)
             self.episodes.labels(env, t.finish_reason).inc()
             self.reward.labels(env).observe(t.reward)
-            self.trajectory_tokens.labels(env).inc(sum(t.loss_mask))
+            self.trajectory_tokens.labels(env).inc(len(t.behavior_logprobs))  # generated tokens
             self.episode.labels(env).observe(t.metadata.get("seconds", 0.0))
             for s in t.metadata.get("generate_s", ()):
                 self.generation.labels(env).observe(s)
