@@ -98,11 +98,13 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     mesh = start_mesh(cfg, config_path, [], run_dir / "logs")
     trainer = None
+    occupancy: list[tuple[float, float]] = []  # (wall time, sequences decoding on all engines)
     try:
         trainer = start_trainer(config_path, [], mesh, run_dir / "logs" / "trainer.log")
         limit = time.monotonic() + 900
         while trainer.poll() is None and time.monotonic() < limit:
-            time.sleep(0.5)
+            occupancy.append((time.time(), _running_sequences(mesh.engine_urls)))
+            time.sleep(0.25)
         if trainer.returncode != 0:
             raise RuntimeError(f"trainer failed ({trainer.returncode}): see {run_dir / 'logs' / 'trainer.log'}")
         stats = _buffer_stats(mesh.buffer)
@@ -119,7 +121,12 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
     gen_tokens = sum(r["tokens"] for r in measured) / len(measured)
     train_s = sum(r["sim_train_s"] for r in measured) / len(measured)
     ideal = max(gen_tokens / (cfg.run.num_engines * full), train_s)
+    window = [n for t, n in occupancy if t >= rows[warmup - 1]["wall"]]
     return {
+        # Share of the engines' decode slots busy over the measured steps (1.0 = always full).
+        "engine_occupancy": round(
+            sum(window) / max(1, len(window)) / (cfg.run.num_engines * cfg.engine.max_running_requests), 3
+        ),
         "step_s": step_s,
         "ideal_step_s": ideal,
         "train_s": train_s,
@@ -129,6 +136,22 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
         "dropped_stale": stats.get("stale", 0),
         "consumed": stats.get("consumed", 0),
     }
+
+
+def _running_sequences(engine_urls: list[str]) -> float:
+    """Sequences in the engines' running batches now (paused engines count as idle)."""
+    import httpx
+
+    total = 0.0
+    for url in engine_urls:
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=2).text
+        except httpx.HTTPError:
+            continue
+        values = dict(line.split() for line in text.splitlines() if line.startswith("rollmesh_engine_") and " " in line)
+        if float(values.get("rollmesh_engine_paused", 0)) == 0:
+            total += float(values.get("rollmesh_engine_running_requests", 0))
+    return total
 
 
 def _buffer_stats(address: str) -> dict:
@@ -172,6 +195,7 @@ def run(
             progress(
                 f"{key:20s} {r['step_s']:8.1f} s/step (ideal {r['ideal_step_s']:.1f})  staleness max "
                 f"{r['max_staleness']} (bound {r['bound']})  dropped stale {r['dropped_stale']}  "
+                f"engines {r['engine_occupancy']:.0%} full  "
                 f"[{time.monotonic() - t0:.0f} s wall]"
             )
     return {"scenarios": results, **summarize(results)}

@@ -97,7 +97,9 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
 
     async def admit(req: pb.AdmitRequest, ctx) -> pb.AdmitResponse:
         granted, version = await guarded(ctx, ctl.admit(req.client_id, req.num_groups))
-        return pb.AdmitResponse(num_admitted=granted, version=version, capacity=ctl.capacity())
+        return pb.AdmitResponse(
+            num_admitted=granted, version=version, capacity=ctl.capacity(), async_ratio=ctl.config.async_ratio
+        )
 
     async def release(req: pb.ReleaseRequest, ctx) -> pb.ReleaseResponse:
         await guarded(ctx, ctl.release(req.client_id, req.num_groups, req.num_finished, req.num_dropped))

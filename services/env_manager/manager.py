@@ -17,7 +17,11 @@ import logging
 import random
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
+import grpc
+
+from rollout.admission import group_is_stale
 from rollout.envs import load_jsonl, make_env
 from rollout.episode import Generation, run_episode
 from rollout.rewards import resolve_reward
@@ -54,6 +58,15 @@ def proxy_generate(client, replicate: bool = True):
     return generate
 
 
+@dataclass
+class _GroupState:
+    """A group being rolled out, as far as staleness is concerned."""
+
+    running: set[str]  # trajectory (= request) ids still generating
+    finished_starts: list[int] = field(default_factory=list)  # start versions of finished members
+    stale: bool = False
+
+
 class EnvManager:
     def __init__(self, config: EnvManagerConfig, proxy, buffer, controller_stub) -> None:
         from transformers import AutoTokenizer
@@ -74,6 +87,11 @@ class EnvManager:
         self._next = 0
         self._workers: list[asyncio.Task] = []
         self.running = False
+        # Staleness: the controller's version (WatchVersion) and bound (Admit), and per group being
+        # rolled out the start versions of its finished members and the ids of its running ones.
+        self.proxy = proxy
+        self.version, self.async_ratio = 0, None
+        self._rolling: dict[str, _GroupState] = {}
 
     def _next_prompt(self) -> int:
         idx = self._order[self._next % len(self._order)]
@@ -89,6 +107,7 @@ class EnvManager:
             self._workers = [asyncio.create_task(self._batch_loop(n))]
         else:
             self._workers = [asyncio.create_task(self._worker(i)) for i in range(n)]
+        self._workers.append(asyncio.create_task(self._watch_versions()))
 
     async def stop(self) -> int:
         self.running = False
@@ -98,9 +117,34 @@ class EnvManager:
         self._workers = []
         return sum(isinstance(r, asyncio.CancelledError) for r in results)
 
+    async def _watch_versions(self) -> None:
+        """Follow the controller's version; at each new one, stop rolling out groups that can no
+        longer be trained on (their slots go back to admission, their engines to fresh work)."""
+        while self.running:
+            try:
+                async for event in self.controller.WatchVersion(cpb.WatchVersionRequest()):
+                    self.version = max(self.version, event.version)
+                    await self._abort_stale_groups()
+            except grpc.aio.AioRpcError as e:  # the controller restarted or is gone: retry, never stop
+                log.warning("WatchVersion: %s; retrying in 1 s", e.code())
+                await asyncio.sleep(1.0)
+
+    async def _abort_stale_groups(self) -> None:
+        if self.async_ratio is None:
+            return
+        for gid, state in list(self._rolling.items()):
+            if not state.stale and group_is_stale(state.finished_starts, self.version, self.async_ratio):
+                state.stale = True
+                log.info("group %s is staler than the bound at v%d: aborting %d generations",
+                         gid, self.version, len(state.running))  # fmt: skip
+                await asyncio.gather(
+                    *(self.proxy.abort(request_id=tid) for tid in state.running), return_exceptions=True
+                )
+
     async def _worker(self, k: int) -> None:
         while self.running:
             res = await self.controller.Admit(cpb.AdmitRequest(client_id=f"env-{k}", num_groups=1), timeout=30)
+            self.async_ratio = res.async_ratio
             if res.num_admitted == 0:
                 await asyncio.sleep(self.config.admit_poll_s)
                 continue
@@ -126,6 +170,7 @@ class EnvManager:
                 cpb.AdmitRequest(client_id="env-batch", num_groups=max_groups), timeout=30
             )
             n = res.num_admitted
+            self.async_ratio = res.async_ratio
             if n == 0:
                 await asyncio.sleep(self.config.admit_poll_s)
                 continue
@@ -156,13 +201,19 @@ class EnvManager:
         envs = [make_env(self.config.env, self.rows, self.reward_fn, self.config.env_args)
                 for _ in range(self.config.group_size)]  # fmt: skip
         self.running_episodes += len(envs)
+        self._rolling[gid] = state = _GroupState(running={f"{gid}/{i}" for i in range(len(envs))})
         try:
-            trajs = await self._run_episodes(envs, row, gid, barrier)
+            trajs = await self._run_episodes(envs, row, gid, barrier, state)
         finally:
             self.running_episodes -= len(envs)
+            del self._rolling[gid]
         for t in trajs:
             self.counters[f"finish_{t.finish_reason}"] += 1
             self.counters["trajectories"] += 1
+        if state.stale:  # never put: the buffer would only drop it; counted, and its slot goes back
+            self.counters["groups_stale"] += 1
+            self.metrics.groups.labels("stale").inc()
+            return False
         group = Group(gid, f"p{row}", list(trajs))
         res = await self.buffer.put(group, timeout_s=60)
         self.counters["groups_put" if res.accepted else f"groups_{res.reason}"] += 1
@@ -173,23 +224,18 @@ class EnvManager:
             log.exception("recording metrics of group %s failed", gid)
         return res.accepted
 
-    async def _run_episodes(self, envs: list, row: int, gid: str, barrier: TurnBarrier | None):
-        return await asyncio.gather(
-            *(
-                run_episode(
-                    env,
-                    row,
-                    self.generate,
-                    self.tokenizer,
-                    self.config.episode,
-                    trajectory_id=f"{gid}/{i}",
-                    group_id=gid,
-                    prompt_id=f"p{row}",
-                    barrier=barrier,
-                )  # fmt: skip
-                for i, env in enumerate(envs)
-            )
-        )
+    async def _run_episodes(self, envs: list, row: int, gid: str, barrier: TurnBarrier | None, state: _GroupState):
+        async def one(i: int, env):
+            tid = f"{gid}/{i}"
+            t = await run_episode(env, row, self.generate, self.tokenizer, self.config.episode, trajectory_id=tid,
+                                  group_id=gid, prompt_id=f"p{row}", barrier=barrier)  # fmt: skip
+            state.running.discard(tid)
+            if t.token_versions is not None and len(t.token_versions):
+                state.finished_starts.append(int(t.start_version))
+                await self._abort_stale_groups()  # a finished member may reveal the group is already too old
+            return t
+
+        return await asyncio.gather(*(one(i, env) for i, env in enumerate(envs)))
 
     def metric_stats(self) -> dict:
         return {"running_episodes": self.running_episodes, "workers": len(self._workers)}

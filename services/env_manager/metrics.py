@@ -12,7 +12,7 @@ from sample_buffer.trajectory import Group
 from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, init_labels
 
 FINISH_REASONS = ("stop", "length", "abort", "timeout")
-GROUP_RESULTS = ("put", "filtered", "failed")
+GROUP_RESULTS = ("put", "filtered", "stale", "failed")
 
 
 class EnvMetrics:

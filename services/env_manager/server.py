@@ -18,6 +18,7 @@ from services.sample_buffer.client import BufferClient
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.EnvManager"
+_FAILURES = ("env_error", "finish_timeout", "groups_filtered", "groups_stale")
 
 
 def build_handler(manager: EnvManager) -> grpc.GenericRpcHandler:
@@ -38,7 +39,9 @@ def build_handler(manager: EnvManager) -> grpc.GenericRpcHandler:
             episodes_finished=c["trajectories"],
             trajectories_put=c["groups_put"] * manager.config.group_size,
             groups_put=c["groups_put"],
-            failures_by_reason={k: v for k, v in c.items() if k in ("env_error", "finish_timeout", "groups_filtered")},
+            failures_by_reason={
+                k: v for k, v in c.items() if k in ("env_error", "finish_timeout", "groups_filtered", "groups_stale")
+            },
         )
 
     return unary_service(

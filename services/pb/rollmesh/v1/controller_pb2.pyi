@@ -13,14 +13,16 @@ class AdmitRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., num_groups: _Optional[int] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
-    __slots__ = ("num_admitted", "version", "capacity")
+    __slots__ = ("num_admitted", "version", "capacity", "async_ratio")
     NUM_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_RATIO_FIELD_NUMBER: _ClassVar[int]
     num_admitted: int
     version: int
     capacity: int
-    def __init__(self, num_admitted: _Optional[int] = ..., version: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
+    async_ratio: int
+    def __init__(self, num_admitted: _Optional[int] = ..., version: _Optional[int] = ..., capacity: _Optional[int] = ..., async_ratio: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("client_id", "num_groups", "num_finished", "num_dropped")
