@@ -168,6 +168,7 @@ def bench_async(
     scenario: list[str] = typer.Option([], "--scenario", help="Run only these (repeatable); default all."),
     agentic: bool = typer.Option(True, help="Also run the agentic variant (sync_batch and async_2)."),
     keep: Path = typer.Option(None, help="Keep every scenario's config, logs and metrics.jsonl in this directory."),
+    suspend_mode: str = typer.Option("in_place", help="controller.suspend_mode of every scenario: in_place|continue."),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
     """Synchronous vs queue scheduling vs async_ratio 1/2/4 on the latency simulator (real services)."""
@@ -178,7 +179,10 @@ def bench_async(
     def progress(line: str) -> None:
         print(line, file=sys.stderr if json_ else sys.stdout, flush=True)
 
-    _emit(run(str(model), steps, warmup, engines, time_scale, scenario or None, agentic, progress, keep), json_)
+    _emit(
+        run(str(model), steps, warmup, engines, time_scale, scenario or None, agentic, progress, keep, suspend_mode),
+        json_,
+    )
 
 
 def _emit(result: dict, as_json: bool) -> None:

@@ -35,7 +35,7 @@ AGENTIC = ("sync_batch", "async_2")
 
 def _config(
     tmp: Path, name: str, scenario: dict, agentic: bool, *, engines: int, time_scale: float, steps: int,
-    tokenizer: str,
+    tokenizer: str, suspend_mode: str = "in_place",
 ) -> Path:  # fmt: skip
     dataset = tmp / "prompts.jsonl"
     if not dataset.exists():
@@ -59,6 +59,7 @@ def _config(
             "groups_per_step": groups_per_step,
             "initial_model_path": tokenizer,
             "update_timeout_s": 120,
+            "suspend_mode": suspend_mode,
         },
         "env_manager": {
             "dataset_path": str(dataset),
@@ -173,6 +174,7 @@ def _buffer_stats(address: str) -> dict:
 def run(
     tokenizer: str, steps: int = 6, warmup: int = 2, engines: int = 2, time_scale: float = 25.0,
     scenarios: list[str] | None = None, agentic: bool = True, progress=print, keep: Path | None = None,
+    suspend_mode: str = "in_place",
 ) -> dict:  # fmt: skip
     """Run the scenarios; returns the table rows and the summary the JSON line reports."""
     if steps < 1 or warmup < 1:
@@ -189,7 +191,7 @@ def run(
         for name, is_agentic in plan:
             key = f"agentic_{name}" if is_agentic else name
             path = _config(tmp, key, SCENARIOS[name], is_agentic, engines=engines, time_scale=time_scale,
-                           steps=warmup + steps, tokenizer=tokenizer)  # fmt: skip
+                           steps=warmup + steps, tokenizer=tokenizer, suspend_mode=suspend_mode)  # fmt: skip
             t0 = time.monotonic()
             results[key] = r = run_scenario(path, warmup)
             progress(
@@ -198,7 +200,7 @@ def run(
                 f"engines {r['engine_occupancy']:.0%} full  "
                 f"[{time.monotonic() - t0:.0f} s wall]"
             )
-    return {"scenarios": results, **summarize(results)}
+    return {"scenarios": results, "suspend_mode": suspend_mode, **summarize(results)}
 
 
 def summarize(results: dict[str, dict]) -> dict:
@@ -211,6 +213,7 @@ def summarize(results: dict[str, dict]) -> dict:
         "queue_scheduling_speedup": ratio("sync_batch", "sync_queue"),
         "agentic_speedup_async2_vs_sync": ratio("agentic_sync_batch", "agentic_async_2"),
         "efficiency_vs_ideal_async2": round(a2["ideal_step_s"] / a2["step_s"], 3) if a2 else None,
+        "engine_occupancy_async2": a2["engine_occupancy"] if a2 else None,
         "max_observed_staleness": max((r["max_staleness"] for r in results.values()), default=None),
         "staleness_within_bound": all(r["max_staleness"] <= r["bound"] for r in results.values()),
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -18,6 +20,13 @@ class ControllerConfig(BaseModel):
     )
     update_timeout_s: float = Field(
         300.0, gt=0, description="An update not committed within this is aborted and rolled back."
+    )
+    suspend_mode: Literal["continue", "in_place"] = Field(
+        "continue",
+        description="How generation stops for a weight update. continue: in-flight requests are aborted and "
+        "re-submitted with their partial tokens after resume (re-prefilled under the new weights). in_place: "
+        "engines pause with their requests and KV cache inside and go on decoding after the load (no "
+        "re-submission; the KV of tokens before the switch stays from the old weights).",
     )
     control_timeout_s: float = Field(30.0, gt=0, description="Timeout of each suspend/resume/restore call.")
     host: str = Field("127.0.0.1", description="Address the gRPC server binds.")

@@ -23,11 +23,13 @@ SERVICE = "rollmesh.v1.AsyncController"
 class ProxyControl:
     """The three LLMProxy calls the controller makes, each failing loudly."""
 
-    def __init__(self, client: ProxyClient, timeout_s: float) -> None:
-        self.client, self.timeout_s = client, timeout_s
+    _MODES = {"continue": llm_proxy_pb2.SUSPEND_MODE_CONTINUE, "in_place": llm_proxy_pb2.SUSPEND_MODE_IN_PLACE}
+
+    def __init__(self, client: ProxyClient, timeout_s: float, mode: str = "continue") -> None:
+        self.client, self.timeout_s, self.mode = client, timeout_s, self._MODES[mode]
 
     async def suspend(self) -> None:
-        await self.client.suspend(llm_proxy_pb2.SUSPEND_MODE_CONTINUE, timeout_s=self.timeout_s)
+        await self.client.suspend(self.mode, timeout_s=self.timeout_s)
 
     async def resume(self) -> None:
         await self.client.resume(timeout_s=self.timeout_s)
@@ -135,7 +137,7 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
 async def start_controller(config: ControllerConfig):
     """Start the controller and its gRPC server; returns (server, controller, proxy client)."""
     proxy_client = ProxyClient(config.proxy_address, timeout_s=config.control_timeout_s)
-    ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s))
+    ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s, config.suspend_mode))
     server = await start_server(build_handler(ctl), SERVICE, config.host, config.port)
     serve_metrics(build_metrics(ctl), config.host, config.metrics_port, "AsyncController")
     return server, ctl, proxy_client

@@ -104,6 +104,26 @@ def test_update_protocol_continues_generation_under_new_weights(engine, tiny_mod
     assert events[0] == (0, False) and (0, True) in events and events[-1] == (1, False)
 
 
+def test_in_place_suspend_keeps_requests_inside_the_engine_across_an_update(engine, tiny_model, tiny_model_b):
+    """suspend_mode in_place: the engine pauses with the request and its KV inside, loads the new
+    weights and goes on decoding; the proxy never re-submits (one segment), versions still switch."""
+
+    async def scenario(stub, gen, proxy):
+        long = asyncio.create_task(gen.generate([1, 30, 31], 300, temperature=0.0, ignore_eos=True))
+        await asyncio.sleep(0.3)
+        update = await stub.BeginUpdate(pb.BeginUpdateRequest(new_version=1, timeout_s=30))
+        in_flight_while_suspended = len(proxy._in_flight)
+        pushed = await gen.update_weights(tiny_model_b, 1)
+        await stub.CommitUpdate(pb.CommitUpdateRequest(update_id=update.update_id, version=1, model_path=tiny_model_b))
+        return in_flight_while_suspended, pushed, await long
+
+    in_flight, pushed, out = run(scenario, engine, tiny_model, suspend_mode="in_place")
+    assert in_flight == 1 and pushed.success
+    assert out.num_segments == 1 and len(out.output_ids) == 300
+    versions = list(out.token_versions)
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)  # switched once, mid-request
+
+
 def test_an_update_that_is_never_committed_rolls_back(engine, tiny_model, tiny_model_b):
     async def scenario(stub, gen, proxy):
         before = await gen.generate([1, 50, 51], 12, temperature=0.0, ignore_eos=True)
