@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -37,3 +37,7 @@ def init_labels(metric, *values: str) -> None:
     """Create a labelled metric's children so each exports 0 before its first event."""
     for v in values:
         metric.labels(v)
+
+
+def histogram(registry: CollectorRegistry, name: str, doc: str, buckets=LATENCY_BUCKETS_S, labels=()) -> Histogram:
+    return Histogram(name, doc, list(labels), buckets=buckets, registry=registry)

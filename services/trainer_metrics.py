@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from services.metrics import SLOW_BUCKETS_S, VERSION_BUCKETS, init_labels
+from services.metrics import SLOW_BUCKETS_S, VERSION_BUCKETS, histogram, init_labels
 
 PHASES = ("wait_data", "train", "weight_sync", "checkpoint")
 # Why publishing new weights failed: exporting them, suspending generation (BeginUpdate),
@@ -45,10 +45,9 @@ class TrainerMetrics:
             "rollmesh_trainer_last_step_timestamp_seconds", "Unix time the last step finished", registry=r
         )
         self.last_step.set(time.time())  # a trainer that never steps goes stale from its start
-        self.step_seconds = Histogram(
-            "rollmesh_trainer_step_duration_seconds", "Wall time of one step, waiting included",
-            buckets=SLOW_BUCKETS_S, registry=r,
-        )  # fmt: skip
+        self.step_seconds = histogram(
+            r, "rollmesh_trainer_step_duration_seconds", "Wall time of one step, waiting included", SLOW_BUCKETS_S
+        )
         self.phase = Counter(
             "rollmesh_trainer_phase_seconds", "Seconds spent in each phase of a step", ["phase"], registry=r
         )
@@ -61,17 +60,21 @@ class TrainerMetrics:
         self.loss = Gauge("rollmesh_trainer_loss", "Loss terms of the last step", ["term"], registry=r)
         init_labels(self.loss, "total", "pg")
         self.gauges = {k: Gauge(name, doc, registry=r) for k, (name, doc) in _GAUGES.items()}
-        self.staleness = Histogram(
-            "rollmesh_trainer_staleness_versions", "Trainer version minus the sample's start version, per trajectory",
-            buckets=VERSION_BUCKETS, registry=r,
-        )  # fmt: skip
+        self.staleness = histogram(
+            r,
+            "rollmesh_trainer_staleness_versions",
+            "Trainer version minus a trajectory's start version at training",
+            VERSION_BUCKETS,
+        )
         self.staleness_max = Gauge(
             "rollmesh_trainer_staleness_max_versions", "Largest staleness in the last step's batch", registry=r
         )
-        self.update_seconds = Histogram(
-            "rollmesh_trainer_weight_update_duration_seconds", "Publishing one version: export to resume",
-            buckets=SLOW_BUCKETS_S, registry=r,
-        )  # fmt: skip
+        self.update_seconds = histogram(
+            r,
+            "rollmesh_trainer_weight_update_duration_seconds",
+            "Publishing one version: export to resume",
+            SLOW_BUCKETS_S,
+        )
         self.update_bytes = Counter(
             "rollmesh_trainer_weight_update_bytes", "Bytes of weights published to the engines", registry=r
         )

@@ -16,12 +16,12 @@ import time
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.engines.embedded import EmbeddedEngine, EngineError, GenerateOutput, SamplingParams
 from services.http_errors import bad_request, install_error_handlers
-from services.metrics import LATENCY_BUCKETS_S, init_labels
+from services.metrics import histogram, init_labels
 
 
 class GenerateReq(BaseModel):
@@ -70,18 +70,9 @@ class _Metrics:
         init_labels(self.requests, "stop", "length", "abort")
         self.tokens = Counter("rollmesh_engine_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("rollmesh_engine_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.latency = Histogram(
-            "rollmesh_engine_generation_latency_seconds", "End-to-end latency of one generate request",
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self.ttft = Histogram(
-            "rollmesh_engine_time_to_first_token_seconds", "Submit to first generated token",
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self.queue = Histogram(
-            "rollmesh_engine_queue_time_seconds", "Submit to admission into the running batch",
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
+        self.latency = histogram(r, "rollmesh_engine_generation_latency_seconds", "One generate request, end to end")
+        self.ttft = histogram(r, "rollmesh_engine_time_to_first_token_seconds", "Submit to first generated token")
+        self.queue = histogram(r, "rollmesh_engine_queue_time_seconds", "Submit to admission into the running batch")
         for name, doc, key in [
             ("rollmesh_engine_running_requests", "Requests in the running batch", "num_running"),
             ("rollmesh_engine_waiting_requests", "Requests waiting for admission", "num_waiting"),

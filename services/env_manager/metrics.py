@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
+from prometheus_client import CollectorRegistry, Counter, Summary
 from prometheus_client.core import GaugeMetricFamily
 
 from sample_buffer.trajectory import Group
-from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, init_labels
+from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, histogram, init_labels
 
 FINISH_REASONS = ("stop", "length", "abort", "timeout")
 GROUP_RESULTS = ("put", "filtered", "stale", "failed")
@@ -30,8 +30,8 @@ class EnvMetrics:
         )
         self.reward = Summary("rollmesh_env_trajectory_reward", "Reward of each ended episode", ["env"], registry=r)
 
-        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS_S) -> Histogram:
-            h = Histogram(name, doc, ["env"], buckets=buckets, registry=r)
+        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS_S):
+            h = histogram(r, name, doc, buckets, labels=["env"])
             h.labels(env)
             return h
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rollout.proxy import LLMProxy, ProxyConfig, ProxyRequest, RequestInvalid
 from rollout.proxy.proxy import UPDATE_FAILURE_CAUSES, NoEngineAvailable
 from services.grpc_util import serve_until_signal, start_server, unary_service
-from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, init_labels, serve_metrics
+from services.metrics import SLOW_BUCKETS_S, histogram, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 
@@ -111,18 +111,15 @@ class ProxyMetrics:
             init_labels(self.prompt_tokens, e.name)
             for finish in _FINISH:
                 self.requests.labels(e.name, finish)
-        self.latency = Histogram(
-            "rollmesh_proxy_generate_latency_seconds", "Generate latency seen by callers (suspensions included)",
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self.ttft = Histogram(
-            "rollmesh_proxy_time_to_first_token_seconds", "Arrival to first token (engines that report their TTFT)",
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self.queue = Histogram(
-            "rollmesh_proxy_queue_time_seconds", "Waiting at the suspend gate plus in the engine's queue",
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
+        self.latency = histogram(
+            r, "rollmesh_proxy_generate_latency_seconds", "Generate latency seen by callers (suspensions included)"
+        )
+        self.ttft = histogram(
+            r, "rollmesh_proxy_time_to_first_token_seconds", "Arrival to first token (engines that report their TTFT)"
+        )
+        self.queue = histogram(
+            r, "rollmesh_proxy_queue_time_seconds", "Waiting at the suspend gate plus in the engine's queue"
+        )
         self.updates = Counter("rollmesh_proxy_weight_updates", "Weight updates, by result", ["result"], registry=r)
         init_labels(self.updates, "ok", "failed")
         self.update_failures = Counter(
@@ -130,10 +127,9 @@ class ProxyMetrics:
             registry=r,
         )  # fmt: skip
         init_labels(self.update_failures, *UPDATE_FAILURE_CAUSES)
-        self.update_seconds = Histogram(
-            "rollmesh_proxy_weight_update_duration_seconds", "Fan-out weight update duration",
-            buckets=SLOW_BUCKETS_S, registry=r,
-        )  # fmt: skip
+        self.update_seconds = histogram(
+            r, "rollmesh_proxy_weight_update_duration_seconds", "Fan-out weight update duration", SLOW_BUCKETS_S
+        )
         r.register(_EngineCollector(proxy))
 
     def observe(self, res) -> None:

@@ -7,14 +7,14 @@ import logging
 import time
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sample_buffer.buffer import BufferBackendError, BufferFull, SampleBuffer, make_buffer
 from sample_buffer.codec import CodecError, read_header
 from sample_buffer.config import BufferConfig
 from services.grpc_util import serve_until_signal, start_server, unary_service
-from services.metrics import AGE_BUCKETS_S, LATENCY_BUCKETS_S, VERSION_BUCKETS, init_labels, serve_metrics
+from services.metrics import AGE_BUCKETS_S, VERSION_BUCKETS, histogram, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -35,23 +35,13 @@ class BufferMetrics:
         )
         init_labels(self.puts, "accepted", "filtered", "full", "invalid")
         self.got = Counter("rollmesh_buffer_handed_out_groups", "Groups handed out by Get", registry=r)
-        self.get_seconds = Histogram(
-            "rollmesh_buffer_get_latency_seconds",
-            "Get latency, waiting included",
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.staleness = Histogram(
-            "rollmesh_buffer_staleness_versions",
-            "current_version - start_version of each group handed out",
-            buckets=VERSION_BUCKETS,
-            registry=r,
-        )
-        self.age = Histogram(
-            "rollmesh_buffer_age_seconds",
-            "Time from encoding to hand-out of each group",
-            buckets=AGE_BUCKETS_S,
-            registry=r,
+        self.get_seconds = histogram(r, "rollmesh_buffer_get_latency_seconds", "Get latency, waiting included")
+        self.staleness = histogram(
+            r, "rollmesh_buffer_staleness_versions", "current_version - start_version of each group handed out",
+            VERSION_BUCKETS,
+        )  # fmt: skip
+        self.age = histogram(
+            r, "rollmesh_buffer_age_seconds", "Time from encoding to hand-out of each group", AGE_BUCKETS_S
         )
         r.register(self)
 
