@@ -100,12 +100,14 @@ def test_zero_variance_groups_are_filtered_and_counted(buffer_factory):
 
 def test_unacked_batch_is_redelivered_after_the_visibility_timeout(buffer_factory):
     async def go():
-        buf = buffer_factory(visibility_timeout_s=0.3)
+        # 1 s of invisibility: long enough that a loaded machine cannot make the "still invisible"
+        # check below race the redelivery (0.3 s did, once, in a full-suite run).
+        buf = buffer_factory(visibility_timeout_s=1.0)
         for i in range(3):
             await buf.put(make_group(f"r{i}"))
         first = await buf.get(3, 0, 0, timeout_s=1)
         nothing = await buf.get(3, 0, 0, timeout_s=0.05)  # still invisible
-        again = await buf.get(3, 0, 0, timeout_s=2)  # the first consumer "died"
+        again = await buf.get(3, 0, 0, timeout_s=5)  # the first consumer "died"
         late_ack = await buf.ack(first.batch_id)
         ack = await buf.ack(again.batch_id)
         twice = await buf.ack(again.batch_id)

@@ -18,4 +18,6 @@ def test_async_beats_sync_batch_within_the_staleness_bound(tiny_model):
     assert out["rlvr_speedup_async2_vs_sync"] > 1.5, out
     assert out["staleness_within_bound"] and async2["max_staleness"] <= 2 and sync["max_staleness"] == 0
     assert 0 < out["efficiency_vs_ideal_async2"] <= 1.05
+    # The zero-overhead play of the same rules is reported beside it, and is itself below the ideal.
+    assert 0 < out["rules_steady_efficiency_async2"] < 1 and out["efficiency_vs_rules_async2"] > 0
     assert sync["generated_tokens_per_step"] > 64 * 500  # long-tailed lengths really were generated
