@@ -86,6 +86,7 @@ class EnvManager:
         random.Random(config.seed).shuffle(self._order)
         self._next = 0
         self._workers: list[asyncio.Task] = []
+        self._watcher: asyncio.Task | None = None
         self.running = False
         # Staleness: the controller's version (WatchVersion) and bound (Admit), and per group being
         # rolled out the start versions of its finished members and the ids of its running ones.
@@ -107,13 +108,18 @@ class EnvManager:
             self._workers = [asyncio.create_task(self._batch_loop(n))]
         else:
             self._workers = [asyncio.create_task(self._worker(i)) for i in range(n)]
-        self._workers.append(asyncio.create_task(self._watch_versions()))
+        self._watcher = asyncio.create_task(self._watch_versions())
 
     async def stop(self) -> int:
         self.running = False
+        if self._watcher is not None:
+            self._watcher.cancel()
         for w in self._workers:
             w.cancel()
         results = await asyncio.gather(*self._workers, return_exceptions=True)
+        if self._watcher is not None:
+            await asyncio.gather(self._watcher, return_exceptions=True)
+            self._watcher = None
         self._workers = []
         return sum(isinstance(r, asyncio.CancelledError) for r in results)
 

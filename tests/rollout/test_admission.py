@@ -1,6 +1,6 @@
 import pytest
 
-from rollout.admission import admission_capacity
+from rollout.admission import admission_capacity, group_is_stale
 
 
 def test_capacity_is_the_staleness_bound():
@@ -18,3 +18,10 @@ def test_bad_parameters():
         admission_capacity(-1, 0, 4, 0, 0)
     with pytest.raises(ValueError, match="groups_per_step"):
         admission_capacity(1, 0, 0, 0, 0)
+
+
+def test_a_group_is_stale_once_a_finished_member_is_older_than_the_bound():
+    assert not group_is_stale([], current_version=9, async_ratio=0)  # nothing finished: unknown, keep it
+    assert not group_is_stale([3, 4], current_version=5, async_ratio=2)  # trained at v5 if put now
+    assert group_is_stale([3, 4], current_version=6, async_ratio=2)  # v6 takes versions >= 4 only
+    assert group_is_stale([5], current_version=6, async_ratio=0)
