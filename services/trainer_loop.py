@@ -122,7 +122,9 @@ class TrainerLoop:
         if fetched is None:
             return None
         encoded, batch_ids = fetched
-        groups = [decode_group(g) for g in encoded[self.rank :: self.world]]  # whole groups per rank
+        # Rank 0 decodes every group (its metrics cover the whole batch), the others only their share.
+        decoded = [decode_group(g) for g in (encoded if self.rank == 0 else encoded[self.rank :: self.world])]
+        groups = decoded[:: self.world] if self.rank == 0 else decoded  # whole groups per rank
         t_get = time.perf_counter()
         metrics = await asyncio.to_thread(self.engine.train_step, batch_from_groups(groups))
         if self.rank == 0:
@@ -139,8 +141,7 @@ class TrainerLoop:
             save_checkpoint(self.engine, self.run_dir / "checkpoints", keep_last=2)
         if self.rank != 0:
             return metrics
-        everyone = groups if self.world == 1 else [decode_group(g) for g in encoded]
-        staleness = [version - t.start_version for g in everyone for t in g.trajectories]
+        staleness = [version - t.start_version for g in decoded for t in g.trajectories]
         metrics |= {
             "step": self.engine.step,
             "version": self.engine.version,

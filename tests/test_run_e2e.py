@@ -6,17 +6,22 @@ import subprocess
 import sys
 
 
+def quickstart_cmd(model, run_dir, *overrides: str) -> list[str]:
+    """``rollmesh run examples/quickstart.yaml`` on ``model``, writing to ``run_dir``, plus overrides."""
+    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
+    for o in (f"engine.model_path={model}", f"controller.initial_model_path={model}",
+              f"env_manager.tokenizer_path={model}", f"trainer.model_path={model}", f"train_loop.run_dir={run_dir}",
+              *overrides):  # fmt: skip
+        cmd += ["--set", o]
+    return cmd
+
+
 def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    overrides = [
-        f"engine.model_path={tiny_model}", f"controller.initial_model_path={tiny_model}",
-        f"env_manager.tokenizer_path={tiny_model}", f"trainer.model_path={tiny_model}",
-        "train_loop.steps=4", f"train_loop.run_dir={run_dir}", "controller.groups_per_step=2",
+    cmd = quickstart_cmd(
+        tiny_model, run_dir, "train_loop.steps=4", "controller.groups_per_step=2",
         "buffer.filter_zero_variance=false",  # a random model's groups are mostly all-zero: keep them
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
-    for o in overrides:
-        cmd += ["--set", o]
+    )  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     final = re.search(r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accuracy=([\d.]+) wall_s=([\d.]+)$",
@@ -32,12 +37,8 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
 def test_rollmesh_run_with_the_trainer_under_torchrun(tiny_model, tmp_path):
     """run.trainer_procs=2: two gloo ranks (FSDP2) train on whole groups; rank 0 publishes and logs."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
-    for o in (f"engine.model_path={tiny_model}", f"controller.initial_model_path={tiny_model}",
-              f"env_manager.tokenizer_path={tiny_model}", f"trainer.model_path={tiny_model}", "run.heldout_path=null",
-              "run.trainer_procs=2", "train_loop.steps=3", "train_loop.checkpoint_every=3",
-              f"train_loop.run_dir={run_dir}", "controller.groups_per_step=4"):  # fmt: skip
-        cmd += ["--set", o]
+    cmd = quickstart_cmd(tiny_model, run_dir, "run.heldout_path=null", "run.trainer_procs=2", "train_loop.steps=3",
+                         "train_loop.checkpoint_every=3", "controller.groups_per_step=4")  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
@@ -55,11 +56,7 @@ def test_sigterm_stops_every_service(tiny_model, tmp_path):
     import time
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
-    for o in (f"engine.model_path={tiny_model}", f"trainer.model_path={tiny_model}", "train_loop.steps=1000",
-              f"env_manager.tokenizer_path={tiny_model}", f"train_loop.run_dir={run_dir}",
-              "buffer.filter_zero_variance=false"):  # fmt: skip
-        cmd += ["--set", o]
+    cmd = quickstart_cmd(tiny_model, run_dir, "train_loop.steps=1000", "buffer.filter_zero_variance=false")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
@@ -80,14 +77,7 @@ def test_quickstart_learns_well_above_chance(tmp_path):
 
     model = str(build_tiny_model(tmp_path / "tiny-digits", TinyModelConfig(digit_prior_steps=100)))
     run_dir = tmp_path / "run"
-    overrides = [
-        f"engine.model_path={model}", f"controller.initial_model_path={model}", f"env_manager.tokenizer_path={model}",
-        f"trainer.model_path={model}", "train_loop.steps=150", f"train_loop.run_dir={run_dir}",
-        "train_loop.checkpoint_every=0",
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
-    for o in overrides:
-        cmd += ["--set", o]
+    cmd = quickstart_cmd(model, run_dir, "train_loop.steps=150", "train_loop.checkpoint_every=0")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     before = re.search(r"held-out accuracy before training: ([\d.]+)", proc.stdout)

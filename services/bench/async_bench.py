@@ -173,6 +173,7 @@ def _rules_reference(cfg, warmup: int, steps: int) -> dict:
 def _running_sequences(engine_urls: list[str]) -> float:
     """Sequences in the engines' running batches now (paused engines count as idle)."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     total = 0.0
     for url in engine_urls:
@@ -180,9 +181,9 @@ def _running_sequences(engine_urls: list[str]) -> float:
             text = httpx.get(f"{url}/metrics", timeout=2).text
         except httpx.HTTPError:
             continue
-        values = dict(line.split() for line in text.splitlines() if line.startswith("rollmesh_engine_") and " " in line)
-        if float(values.get("rollmesh_engine_paused", 0)) == 0:
-            total += float(values.get("rollmesh_engine_running_requests", 0))
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        if values.get("rollmesh_engine_paused", 0.0) == 0:
+            total += values.get("rollmesh_engine_running_requests", 0.0)
     return total
 
 
