@@ -73,3 +73,6 @@ class MetricsLog:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+            # finish() can return before wandb's service process has written the run file (an
+            # offline run was sometimes still empty when the trainer exited); teardown waits for it.
+            _require("wandb").teardown()
