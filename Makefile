@@ -61,6 +61,7 @@ bench: $(STAMP) model servers
 	.venv/bin/rollmesh bench buffer --json
 	.venv/bin/rollmesh bench trainer --model $(MODEL) --json
 	.venv/bin/rollmesh bench async --model $(MODEL) --json
+	.venv/bin/rollmesh bench ceiling --json
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

@@ -169,20 +169,53 @@ def bench_async(
     agentic: bool = typer.Option(True, help="Also run the agentic variant (sync_batch and async_2)."),
     keep: Path = typer.Option(None, help="Keep every scenario's config, logs and metrics.jsonl in this directory."),
     suspend_mode: str = typer.Option("in_place", help="controller.suspend_mode of every scenario: in_place|continue."),
+    groups_per_step: int = typer.Option(16, help="Groups (of 8) per training step; 16 = what the engines hold."),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
     """Synchronous vs queue scheduling vs async_ratio 1/2/4 on the latency simulator (real services)."""
-    import sys
-
     from services.bench.async_bench import run
 
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr if json_ else sys.stdout, flush=True)
-
     _emit(
-        run(str(model), steps, warmup, engines, time_scale, scenario or None, agentic, progress, keep, suspend_mode),
+        run(
+            str(model),
+            steps,
+            warmup,
+            engines,
+            time_scale,
+            scenario or None,
+            agentic,
+            _progress(json_),
+            keep,
+            suspend_mode,
+            groups_per_step,
+        ),  # fmt: skip
         json_,
     )
+
+
+@bench_app.command("ceiling")
+def bench_ceiling(
+    config: Path = typer.Option(None, help="Take the workload from this run config (engine.sim, trainer.sim, sizes)."),
+    groups_per_step: list[int] = typer.Option([], "--groups-per-step", help="Step sizes, repeatable (16 32 64)."),
+    async_ratio: list[int] = typer.Option([], "--async-ratio", help="Ratios to play (repeatable); default 1 2 4."),
+    engines: int = typer.Option(None, help="Engines (default: the config's run.num_engines, else 2)."),
+    target: float = typer.Option(0.85, help="Efficiency to find the smallest async_ratio for."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Which async_ratio does a workload need? The admission rules played with zero overhead."""
+    from services.bench.async_ceiling import plan
+
+    _emit(plan(config, groups_per_step or [16, 32, 64], async_ratio or [1, 2, 4], engines, target, _progress(json_)),
+          json_)  # fmt: skip
+
+
+def _progress(as_json: bool):
+    import sys
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr if as_json else sys.stdout, flush=True)
+
+    return progress
 
 
 def _emit(result: dict, as_json: bool) -> None:

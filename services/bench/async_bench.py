@@ -37,14 +37,14 @@ AGENTIC = ("sync_batch", "async_2")
 
 def _config(
     tmp: Path, name: str, scenario: dict, agentic: bool, *, engines: int, time_scale: float, steps: int,
-    tokenizer: str, suspend_mode: str = "in_place",
+    tokenizer: str, suspend_mode: str = "in_place", groups_per_step: int = 16,
 ) -> Path:  # fmt: skip
     dataset = tmp / "prompts.jsonl"
     if not dataset.exists():
         dataset.write_text("".join(json.dumps({"prompt": f"task {i}", "answer": ""}) + "\n" for i in range(1000)))
-    # One step's trajectories (16 x 8) fill every engine's running batch (2 x 64): the regime RL
-    # post-training runs in, where a step is a few times what the engines decode at once.
-    groups_per_step, group_size, max_running = 16, 8, 64
+    # By default one step's trajectories (16 x 8) are exactly what the engines decode at once (2 x 64).
+    # Larger steps next to the engines need a smaller async_ratio (`rollmesh bench ceiling`).
+    group_size, max_running = 8, 64
     if agentic:  # tool calls and sandboxes: median 5 s, p99 ~ 80 s per step, four turns
         env_args = {"turns": 4, "latency_median_s": 5.0, "latency_sigma": 1.2, "time_scale": time_scale}
         max_new_tokens = 4096
@@ -91,7 +91,7 @@ def _config(
 
 def run_scenario(config_path: Path, warmup: int) -> dict:
     """Start the mesh, train until the trainer exits, return per-step timings (simulated seconds)."""
-    from rollout.engines.sim.config import SimEngineConfig
+    from services.bench.async_ceiling import ideal_step_s
     from services.config import load_config
     from services.launch import stop_process
     from services.launcher import start_mesh, start_trainer
@@ -119,11 +119,10 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
     scale = cfg.engine.sim.time_scale
     measured = rows[warmup:]
     step_s = (measured[-1]["wall"] - rows[warmup - 1]["wall"]) * scale / len(measured)
-    sim: SimEngineConfig = cfg.engine.sim
-    full = cfg.engine.max_running_requests / sim.step_s(cfg.engine.max_running_requests)  # tokens/s per engine
     gen_tokens = sum(r["tokens"] for r in measured) / len(measured)
     train_s = sum(r["sim_train_s"] for r in measured) / len(measured)
-    ideal = max(gen_tokens / (cfg.run.num_engines * full), train_s)
+    ideal = ideal_step_s(gen_tokens, train_s, cfg.engine.sim, engines=cfg.run.num_engines,
+                         max_running=cfg.engine.max_running_requests)  # fmt: skip
     window = [n for t, n in occupancy if t >= rows[warmup - 1]["wall"]]
     single_turn = cfg.env_manager.episode.max_turns == 1
     rules = _rules_reference(cfg, warmup, len(measured)) if single_turn else None
@@ -145,12 +144,8 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
         # the same ideal: what the admission rule itself allows.
         "rules_step_s": rules["window_step_s"] if rules else None,
         "rules_steady_step_s": rules["steady"]["step_s"] if rules else None,
-        "rules_efficiency": _efficiency(rules["steady"], cfg.run.num_engines * full) if rules else None,
+        "rules_efficiency": rules["steady"]["efficiency"] if rules else None,
     }
-
-
-def _efficiency(played: dict, full_tokens_per_s: float) -> float:
-    return played["tokens_per_step"] / full_tokens_per_s / played["step_s"]
 
 
 def _rules_reference(cfg, warmup: int, steps: int) -> dict:
@@ -206,7 +201,7 @@ def _buffer_stats(address: str) -> dict:
 def run(
     tokenizer: str, steps: int = 6, warmup: int = 2, engines: int = 2, time_scale: float = 25.0,
     scenarios: list[str] | None = None, agentic: bool = True, progress=print, keep: Path | None = None,
-    suspend_mode: str = "in_place",
+    suspend_mode: str = "in_place", groups_per_step: int = 16,
 ) -> dict:  # fmt: skip
     """Run the scenarios; returns the table rows and the summary the JSON line reports."""
     if steps < 1 or warmup < 1:
@@ -223,7 +218,8 @@ def run(
         for name, is_agentic in plan:
             key = f"agentic_{name}" if is_agentic else name
             path = _config(tmp, key, SCENARIOS[name], is_agentic, engines=engines, time_scale=time_scale,
-                           steps=warmup + steps, tokenizer=tokenizer, suspend_mode=suspend_mode)  # fmt: skip
+                           steps=warmup + steps, tokenizer=tokenizer, suspend_mode=suspend_mode,
+                           groups_per_step=groups_per_step)  # fmt: skip
             t0 = time.monotonic()
             results[key] = r = run_scenario(path, warmup)
             progress(
@@ -233,7 +229,8 @@ def run(
                 + (f"rules allow {r['rules_step_s']:.1f}  " if r["rules_step_s"] else "")
                 + f"[{time.monotonic() - t0:.0f} s wall]"
             )
-    return {"scenarios": results, "suspend_mode": suspend_mode, **summarize(results)}
+    return {"scenarios": results, "suspend_mode": suspend_mode, "groups_per_step": groups_per_step,
+            **summarize(results)}  # fmt: skip
 
 
 def summarize(results: dict[str, dict]) -> dict:

@@ -158,8 +158,87 @@ def ceiling(
         admit()
         schedule()
     measured = step_times[warmup:]
+    step_s = (measured[-1] - step_times[warmup - 1]) / len(measured)
+    tokens = sum(trained[warmup:]) / max(1, len(trained[warmup:]))
+    ideal = ideal_step_s(tokens, tokens / trainer.train_tokens_per_s + trainer.step_overhead_s, sim,
+                         engines=engines, max_running=max_running)  # fmt: skip
     return {
-        "step_s": (measured[-1] - step_times[warmup - 1]) / len(measured),
+        "step_s": step_s,
         "engine_occupancy": busy_slot_s / max(1e-9, measured_s) / (engines * max_running),
-        "tokens_per_step": sum(trained[warmup:]) / max(1, len(trained[warmup:])),
+        "tokens_per_step": tokens,
+        "ideal_step_s": ideal,
+        "efficiency": ideal / step_s,
     }
+
+
+def ideal_step_s(tokens: float, train_s: float, sim: SimEngineConfig, *, engines: int, max_running: int) -> float:
+    """The bench's ideal: a step's trained tokens decoded on always-full engines, training hidden."""
+    return max(tokens / (engines * max_running / sim.step_s(max_running)), train_s)
+
+
+def sweep(
+    sim: SimEngineConfig, trainer: SimTrainerConfig, *, engines: int, max_running: int, group_size: int,
+    max_new_tokens: int, groups_per_step: list[int], async_ratios: list[int], steps: int = 60, warmup: int = 10,
+    progress=None,
+) -> list[dict]:  # fmt: skip
+    """Every (groups_per_step, async_ratio) played in steady state: its step time, efficiency against
+    the ideal and speedup over synchronous (async_ratio 0) at the same step size. Which async_ratio a
+    workload needs depends on how big a step is next to what the engines decode at once (ROLL
+    Flash's Table 1: small rollouts need a larger ratio); this says it for a given workload."""
+    rows = []
+    for gps in groups_per_step:
+        sync = None
+        for ratio in sorted(set(async_ratios) | {0}):
+            r = ceiling(sim, trainer, engines=engines, max_running=max_running, groups_per_step=gps,
+                        group_size=group_size, async_ratio=ratio, max_new_tokens=max_new_tokens, steps=steps,
+                        warmup=warmup)  # fmt: skip
+            sync = sync or r
+            # Groups that outlive the bound are never trained, and they are the ones with the longest
+            # members: trained tokens per step below synchronous's measure that bias against length.
+            row = {"groups_per_step": gps, "step_vs_slots": gps * group_size / (engines * max_running),
+                   "async_ratio": ratio, **r, "speedup_vs_sync": sync["step_s"] / r["step_s"],
+                   "trained_tokens_vs_sync": r["tokens_per_step"] / sync["tokens_per_step"]}  # fmt: skip
+            if ratio in async_ratios:
+                rows.append(row)
+            if progress:
+                progress(row)
+    return rows
+
+
+def plan(config_path, groups_per_step: list[int], async_ratios: list[int], engines: int | None = None,
+         target: float = 0.85, progress=print) -> dict:  # fmt: skip
+    """``rollmesh bench ceiling``: the sweep for a run config's workload (or the simulator's defaults,
+    the shape ``bench async`` uses), and per step size the smallest async_ratio reaching ``target``."""
+    if not groups_per_step or min(groups_per_step) < 1 or not async_ratios or min(async_ratios) < 0:
+        raise ValueError("groups_per_step: each >= 1; async_ratio: each >= 0")
+    sim, trainer, shape = SimEngineConfig(), SimTrainerConfig(), {"engines": 2, "max_running": 64, "group_size": 8,
+                                                                  "max_new_tokens": 16384}  # fmt: skip
+    if config_path is not None:
+        from services.config import load_config
+
+        cfg = load_config(config_path, [])
+        sim, trainer = cfg.engine.sim or sim, cfg.trainer.sim or trainer
+        shape = {
+            "engines": cfg.run.num_engines,
+            "max_running": cfg.engine.max_running_requests,
+            "group_size": cfg.env_manager.group_size,
+            "max_new_tokens": cfg.env_manager.episode.max_new_tokens,
+        }
+    if engines is not None:
+        shape["engines"] = engines
+
+    def show(r: dict) -> None:
+        progress(f"groups/step {r['groups_per_step']:4d} ({r['step_vs_slots']:.2g}x the engines' slots)  "
+                 f"async_ratio {r['async_ratio']}: {r['step_s']:7.1f} s/step  efficiency {r['efficiency']:.3f}  "
+                 f"engines {r['engine_occupancy']:.0%} full  speedup vs sync {r['speedup_vs_sync']:.2f}  "
+                 f"trained tokens vs sync {r['trained_tokens_vs_sync']:.2f}")  # fmt: skip
+
+    rows = sweep(sim, trainer, groups_per_step=groups_per_step, async_ratios=async_ratios, progress=show, **shape)
+    out: dict = {"played": {f"gps{r['groups_per_step']}_async{r['async_ratio']}": r for r in rows}, **shape}
+    for gps in groups_per_step:
+        mine = [r for r in rows if r["groups_per_step"] == gps]
+        enough = [r["async_ratio"] for r in mine if r["efficiency"] >= target]
+        out[f"needed_async_ratio_gps{gps}"] = min(enough) if enough else None
+        for r in mine:
+            out[f"efficiency_gps{gps}_async{r['async_ratio']}"] = round(r["efficiency"], 3)
+    return out

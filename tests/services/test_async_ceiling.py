@@ -1,7 +1,9 @@
 """The zero-overhead model of the admission rules that `bench async` compares the mesh with."""
 
+import pytest
+
 from rollout.engines.sim.config import LengthModel, SimEngineConfig
-from services.bench.async_ceiling import ceiling
+from services.bench.async_ceiling import ceiling, plan, sweep
 from trainer.sim import SimTrainerConfig
 
 SHAPE = dict(engines=2, max_running=64, groups_per_step=16, group_size=8, max_new_tokens=16384)
@@ -26,3 +28,33 @@ def test_asynchrony_shortens_steps_and_fills_engines_under_the_long_tail():
     occupancy = [runs[a]["engine_occupancy"] for a in (0, 1, 2, 4)]
     assert steps == sorted(steps, reverse=True) and steps[0] > 2.5 * steps[2]
     assert occupancy == sorted(occupancy) and occupancy[0] < 0.3 and occupancy[3] > 0.8
+
+
+def test_the_sweep_shows_larger_steps_need_a_smaller_async_ratio():
+    """ROLL Flash's Table 1 in the model: next to the engines' slots, a bigger step fills them at a
+    lower ratio. And a bound that stops long groups trains fewer tokens per step than synchronous."""
+    shape = dict(engines=2, max_running=64, group_size=8, max_new_tokens=16384, steps=30, warmup=6)
+    rows = sweep(SimEngineConfig(), SimTrainerConfig(), groups_per_step=[8, 32], async_ratios=[1, 2], **shape)
+    at = {(r["groups_per_step"], r["async_ratio"]): r for r in rows}
+    assert set(at) == {(8, 1), (8, 2), (32, 1), (32, 2)}  # ratio 0 is played as the reference, not listed
+    assert at[(32, 2)]["efficiency"] > at[(8, 2)]["efficiency"] + 0.15
+    assert at[(8, 2)]["efficiency"] > at[(8, 1)]["efficiency"]
+    assert all(r["speedup_vs_sync"] > 1 for r in rows)
+    assert at[(8, 1)]["trained_tokens_vs_sync"] < 0.95  # long-tailed groups outlived the bound
+    for r in rows:
+        assert abs(r["efficiency"] - r["ideal_step_s"] / r["step_s"]) < 1e-9
+
+
+def test_plan_reads_the_workload_from_a_run_config(tmp_path, tiny_model):
+    from services.bench.async_bench import SCENARIOS, _config
+
+    path = _config(tmp_path, "w", SCENARIOS["async_2"], False, engines=3, time_scale=25, steps=3,
+                   tokenizer=tiny_model, groups_per_step=4)  # fmt: skip
+    lines: list[str] = []
+    out = plan(path, [24], [2, 4], target=0.5, progress=lines.append)
+    assert (out["engines"], out["max_running"], out["group_size"]) == (3, 64, 8)
+    assert len(lines) == 3 and "async_ratio 0" in lines[0]  # the synchronous reference is shown
+    assert out["needed_async_ratio_gps24"] in (2, 4)
+    assert out["efficiency_gps24_async4"] >= 0.5
+    with pytest.raises(ValueError, match="groups_per_step"):
+        plan(None, [0], [2])
