@@ -213,6 +213,20 @@ staleness = dashboard(
             ],
         ),
         dict(
+            title="Generated tokens lost to the bound (share)",
+            unit="percentunit",
+            w=12,
+            desc="Tokens of groups the EnvManager stopped as staler than async_ratio: generated, never trained. "
+            "They are the groups with the longest responses, so a high share also biases training toward short ones.",
+            targets=[
+                (
+                    f"sum(rate(rollmesh_env_stale_tokens_total[{R}])) / (sum(rate(rollmesh_env_stale_tokens_total"
+                    f"[{R}])) + sum(rate(rollmesh_env_generated_tokens_total[{R}])))",
+                    "stale share",
+                )
+            ],
+        ),
+        dict(
             title="Groups dropped (per second, by reason)",
             w=12,
             targets=[(f"sum by (reason) (rate(rollmesh_buffer_dropped_groups_total[{R}]))", "{{reason}}")],

@@ -219,6 +219,8 @@ class EnvManager:
         if state.stale:  # never put: the buffer would only drop it; counted, and its slot goes back
             self.counters["groups_stale"] += 1
             self.metrics.groups.labels("stale").inc()
+            # What the bound costs: these tokens were generated and will never be trained on.
+            self.metrics.stale_tokens.labels(self.metrics.env).inc(sum(len(t.behavior_logprobs) for t in trajs))
             return False
         group = Group(gid, f"p{row}", list(trajs))
         res = await self.buffer.put(group, timeout_s=60)

@@ -28,6 +28,10 @@ class EnvMetrics:
         self.trajectory_tokens = Counter(
             "rollmesh_env_generated_tokens", "Generated tokens of ended episodes", ["env"], registry=r
         )
+        self.stale_tokens = Counter(
+            "rollmesh_env_stale_tokens",
+            "Generated tokens of groups stopped as staler than the bound (never trained)", ["env"], registry=r,
+        )  # fmt: skip
         self.reward = Summary("rollmesh_env_trajectory_reward", "Reward of each ended episode", ["env"], registry=r)
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS_S):
@@ -40,7 +44,7 @@ class EnvMetrics:
         self.generation = hist("rollmesh_env_generation_latency_seconds", "One turn's generation, as the env waits")
         self.episode = hist("rollmesh_env_episode_duration_seconds", "Reset to the end of an episode", SLOW_BUCKETS_S)
         self.group = hist("rollmesh_env_group_duration_seconds", "Admission to the buffer, one group", SLOW_BUCKETS_S)
-        for m in (self.trajectory_tokens, self.reward):
+        for m in (self.trajectory_tokens, self.stale_tokens, self.reward):
             m.labels(env)
         self._stats = manager_stats
         r.register(self)

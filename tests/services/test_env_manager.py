@@ -50,6 +50,78 @@ def test_env_manager_fills_the_buffer_within_the_admission_bound(engine_url, tin
             with torch.no_grad():
                 lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, len(prompt) - 1 : -1], -1)
             ref = lp.gather(-1, torch.tensor(gen)[:, None])[:, 0]
-            assert (ref - torch.from_numpy(t.behavior_logprobs)).abs().max() <= 1e-4  # token-out
+            assert (ref - torch.tensor(t.behavior_logprobs)).abs().max() <= 1e-4  # token-out
             want = float(tok.decode(gen, skip_special_tokens=True).strip() == rows[g.prompt_id]["answer"])
             assert t.reward == want and t.start_version == 0 and t.finish_reason in ("stop", "length")
+
+
+class HeldEnv:
+    """Single-turn; the second episode of each group waits in its step until ``HeldEnv.held`` is set,
+    so its group is still rolling out, one member finished, when the version moves on."""
+
+    name = "held"
+    held: asyncio.Event
+    made = 0
+
+    def __init__(self, rows, reward_fn=None) -> None:
+        self.rows, self.index = rows, HeldEnv.made
+        HeldEnv.made += 1
+
+    def reset(self, seed: int) -> str:
+        return self.rows[seed % len(self.rows)]["prompt"]
+
+    async def step(self, action: str):
+        from rollout.envs.base import StepResult
+
+        if self.index % 2:
+            await asyncio.wait_for(HeldEnv.held.wait(), 30)
+        return StepResult(None, float(self.index % 2), True)
+
+
+def test_a_group_that_outlives_the_bound_is_stopped_counted_and_its_slot_returned(make_engine_process, tiny_model):
+    """async_ratio 0: once v1 is committed, a group with a member finished at v0 can never be trained.
+    The EnvManager stops it (never put), counts it and its tokens, and gives its slot back."""
+    from prometheus_client import generate_latest
+
+    from services.pb.rollmesh.v1 import controller_pb2 as cpb
+
+    engine_url = make_engine_process()[1]  # its own: the weight update below must not leak into other tests
+
+    async def main():
+        HeldEnv.held, HeldEnv.made = asyncio.Event(), 0
+        async with local_mesh(engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0,
+                              groups_per_step=1) as mesh:  # fmt: skip
+            cfg = EnvManagerConfig(tokenizer_path=tiny_model, group_size=2, num_workers=1,
+                                   env="tests.services.test_env_manager:HeldEnv",
+                                   episode={"max_new_tokens": 3, "temperature": 1.0})  # fmt: skip
+            manager = EnvManager(cfg, mesh.proxy_client, mesh.buffer_client, mesh.controller_stub)
+            await manager.start()
+            for _ in range(400):  # the first group: member 0 done at v0, member 1 held in its step
+                if any(s.finished_starts for s in manager._rolling.values()):
+                    break
+                await asyncio.sleep(0.025)
+            [stale_gid] = list(manager._rolling)
+            update = await mesh.controller_stub.BeginUpdate(cpb.BeginUpdateRequest(new_version=1))
+            await mesh.proxy_client.update_weights(tiny_model, 1)  # the trainer's push: the engine serves v1
+            await mesh.controller_stub.CommitUpdate(
+                cpb.CommitUpdateRequest(update_id=update.update_id, version=1, model_path=tiny_model)
+            )
+            for _ in range(200):  # the watcher marks it before the held member returns
+                if manager._rolling[stale_gid].stale:
+                    break
+                await asyncio.sleep(0.025)
+            HeldEnv.held.set()
+            for _ in range(400):  # its slot comes back: the next group is put at v1
+                if manager.counters["groups_put"] >= 1:
+                    break
+                await asyncio.sleep(0.025)
+            await manager.stop()
+            batch = await mesh.buffer_client.get(10, current_version=1, max_staleness=0, timeout_s=1)
+            return manager, stale_gid, batch.decode(), generate_latest(manager.metrics.registry).decode()
+
+    manager, stale_gid, groups, text = asyncio.run(main())
+    assert manager.counters["groups_stale"] == 1 and manager.counters["groups_put"] >= 1, manager.stats()
+    assert stale_gid not in {g.group_id for g in groups} and groups  # never put; a fresh group was
+    assert 'rollmesh_env_groups_total{result="stale"} 1.0' in text
+    stale_tokens = float(text.split('rollmesh_env_stale_tokens_total{env="held"} ')[1].split()[0])
+    assert 2 <= stale_tokens <= 2 * 3  # both members' generated tokens (1 to 3 each)
