@@ -111,6 +111,7 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
         if trainer.returncode != 0:
             raise RuntimeError(f"trainer failed ({trainer.returncode}): see {run_dir / 'logs' / 'trainer.log'}")
         stats = _buffer_stats(mesh.buffer)
+        stale_share = _stale_token_share(mesh.metrics.get("env-manager", []))
     finally:
         if trainer is not None:
             stop_process(trainer)
@@ -138,6 +139,8 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
         "max_staleness": max(r["staleness_max"] for r in rows),
         "bound": cfg.controller.async_ratio,
         "dropped_stale": stats.get("stale", 0),
+        # Generated tokens of groups the EnvManager stopped as staler than the bound (whole run).
+        "stale_token_share": stale_share,
         "consumed": stats.get("consumed", 0),
         # The same rules played with zero overhead (services/bench/async_ceiling.py): over the same
         # steps as measured here (mean of 20 draws), and in steady state with its efficiency against
@@ -165,21 +168,40 @@ def _rules_reference(cfg, warmup: int, steps: int) -> dict:
     return {"window_step_s": sum(window) / len(window), "steady": play(steps=200, warmup=20)}
 
 
-def _running_sequences(engine_urls: list[str]) -> float:
-    """Sequences in the engines' running batches now (paused engines count as idle)."""
+def _scrape(url: str) -> dict[str, float]:
+    """A /metrics page's samples by name (labels summed); empty when it cannot be read."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return {}
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def _running_sequences(engine_urls: list[str]) -> float:
+    """Sequences in the engines' running batches now (paused engines count as idle)."""
     total = 0.0
     for url in engine_urls:
-        try:
-            text = httpx.get(f"{url}/metrics", timeout=2).text
-        except httpx.HTTPError:
-            continue
-        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        values = _scrape(url)
         if values.get("rollmesh_engine_paused", 0.0) == 0:
             total += values.get("rollmesh_engine_running_requests", 0.0)
     return total
+
+
+def _stale_token_share(env_manager_targets: list[str]) -> float | None:
+    """Share of the EnvManagers' generated tokens that went to groups stopped as too stale."""
+    stale = done = 0.0
+    for target in env_manager_targets:
+        values = _scrape(f"http://{target}")
+        stale += values.get("rollmesh_env_stale_tokens_total", 0.0)
+        done += values.get("rollmesh_env_generated_tokens_total", 0.0)
+    return round(stale / (stale + done), 3) if stale + done else None
 
 
 def _buffer_stats(address: str) -> dict:
@@ -225,6 +247,7 @@ def run(
             progress(
                 f"{key:20s} {r['step_s']:8.1f} s/step (ideal {r['ideal_step_s']:.1f})  staleness max "
                 f"{r['max_staleness']} (bound {r['bound']})  dropped stale {r['dropped_stale']}  "
+                f"stale tokens {r['stale_token_share'] or 0:.0%}  "
                 f"engines {r['engine_occupancy']:.0%} full  "
                 + (f"rules allow {r['rules_step_s']:.1f}  " if r["rules_step_s"] else "")
                 + f"[{time.monotonic() - t0:.0f} s wall]"
@@ -244,6 +267,7 @@ def summarize(results: dict[str, dict]) -> dict:
         "agentic_speedup_async2_vs_sync": ratio("agentic_sync_batch", "agentic_async_2"),
         "efficiency_vs_ideal_async2": round(a2["ideal_step_s"] / a2["step_s"], 3) if a2 else None,
         "engine_occupancy_async2": a2["engine_occupancy"] if a2 else None,
+        "stale_token_share_async2": a2["stale_token_share"] if a2 else None,
         # What the admission rule allows at async_ratio 2 with zero overhead, and how close the mesh gets.
         "rules_steady_efficiency_async2": round(a2["rules_efficiency"], 3) if a2 and a2["rules_efficiency"] else None,
         "efficiency_vs_rules_async2": round(a2["rules_step_s"] / a2["step_s"], 3)
