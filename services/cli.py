@@ -175,22 +175,9 @@ def bench_async(
     """Synchronous vs queue scheduling vs async_ratio 1/2/4 on the latency simulator (real services)."""
     from services.bench.async_bench import run
 
-    _emit(
-        run(
-            str(model),
-            steps,
-            warmup,
-            engines,
-            time_scale,
-            scenario or None,
-            agentic,
-            _progress(json_),
-            keep,
-            suspend_mode,
-            groups_per_step,
-        ),  # fmt: skip
-        json_,
-    )
+    result = run(str(model), steps, warmup, engines, time_scale, scenario or None, agentic, _progress(json_), keep,
+                 suspend_mode, groups_per_step)  # fmt: skip
+    _emit(result, json_)
 
 
 @bench_app.command("ceiling")

@@ -226,8 +226,8 @@ def run(
     suspend_mode: str = "in_place", groups_per_step: int = 16,
 ) -> dict:  # fmt: skip
     """Run the scenarios; returns the table rows and the summary the JSON line reports."""
-    if steps < 1 or warmup < 1:
-        raise ValueError("steps and warmup: must be >= 1")
+    if steps < 1 or warmup < 1 or groups_per_step < 1:
+        raise ValueError("steps, warmup and groups_per_step: must be >= 1")
     names = scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
