@@ -175,8 +175,8 @@ def bench_async(
     """Synchronous vs queue scheduling vs async_ratio 1/2/4 on the latency simulator (real services)."""
     from services.bench.async_bench import run
 
-    result = run(str(model), steps, warmup, engines, time_scale, scenario or None, agentic, _progress(json_), keep,
-                 suspend_mode, groups_per_step)  # fmt: skip
+    result = _checked(run, str(model), steps, warmup, engines, time_scale, scenario or None, agentic,
+                      _progress(json_), keep, suspend_mode, groups_per_step)  # fmt: skip
     _emit(result, json_)
 
 
@@ -192,8 +192,20 @@ def bench_ceiling(
     """Which async_ratio does a workload need? The admission rules played with zero overhead."""
     from services.bench.async_ceiling import plan
 
-    _emit(plan(config, groups_per_step or [16, 32, 64], async_ratio or [1, 2, 4], engines, target, _progress(json_)),
-          json_)  # fmt: skip
+    cfg = _config(config, []) if config else None
+    _emit(_checked(plan, cfg, groups_per_step or [16, 32, 64], async_ratio or [1, 2, 4], engines, target,
+                   _progress(json_)), json_)  # fmt: skip
+
+
+def _checked(fn, *args):
+    """``fn(*args)``; a bad option value (``BadOption`` naming it) exits 2 with the message, no traceback."""
+    from services.bench import BadOption
+
+    try:
+        return fn(*args)
+    except BadOption as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _progress(as_json: bool):

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import yaml
 
+from services.bench import BadOption
+
 SCENARIOS = {
     "sync_batch": {"async_ratio": 0, "scheduling": "batch", "replicate": False},
     "sync_queue": {"async_ratio": 0, "scheduling": "queue", "replicate": True},
@@ -227,11 +229,11 @@ def run(
 ) -> dict:  # fmt: skip
     """Run the scenarios; returns the table rows and the summary the JSON line reports."""
     if steps < 1 or warmup < 1 or groups_per_step < 1:
-        raise ValueError("steps, warmup and groups_per_step: must be >= 1")
+        raise BadOption("steps, warmup and groups_per_step: must be >= 1")
     names = scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
-        raise ValueError(f"scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
+        raise BadOption(f"scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-async-") as d:
         tmp = Path(keep or d)  # kept: configs, logs and metrics.jsonl of every scenario

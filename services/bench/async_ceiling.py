@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from rollout.admission import admission_capacity, group_is_stale
 from rollout.engines.sim.config import SimEngineConfig
 from rollout.engines.sim.lengths import lognormal_sigma
+from services.bench import BadOption
 from trainer.sim import SimTrainerConfig
 
 
@@ -205,18 +206,15 @@ def sweep(
     return rows
 
 
-def plan(config_path, groups_per_step: list[int], async_ratios: list[int], engines: int | None = None,
+def plan(cfg, groups_per_step: list[int], async_ratios: list[int], engines: int | None = None,
          target: float = 0.85, progress=print) -> dict:  # fmt: skip
     """``rollmesh bench ceiling``: the sweep for a run config's workload (or the simulator's defaults,
     the shape ``bench async`` uses), and per step size the smallest async_ratio reaching ``target``."""
     if not groups_per_step or min(groups_per_step) < 1 or not async_ratios or min(async_ratios) < 0:
-        raise ValueError("groups_per_step: each >= 1; async_ratio: each >= 0")
+        raise BadOption("groups_per_step: each >= 1; async_ratio: each >= 0")
     sim, trainer, shape = SimEngineConfig(), SimTrainerConfig(), {"engines": 2, "max_running": 64, "group_size": 8,
                                                                   "max_new_tokens": 16384}  # fmt: skip
-    if config_path is not None:
-        from services.config import load_config
-
-        cfg = load_config(config_path, [])
+    if cfg is not None:  # a loaded run config (services.config.RunConfig)
         sim, trainer = cfg.engine.sim or sim, cfg.trainer.sim or trainer
         shape = {
             "engines": cfg.run.num_engines,

@@ -47,14 +47,24 @@ def test_the_sweep_shows_larger_steps_need_a_smaller_async_ratio():
 
 def test_plan_reads_the_workload_from_a_run_config(tmp_path, tiny_model):
     from services.bench.async_bench import SCENARIOS, _config
+    from services.config import load_config
 
     path = _config(tmp_path, "w", SCENARIOS["async_2"], False, engines=3, time_scale=25, steps=3,
                    tokenizer=tiny_model, groups_per_step=4)  # fmt: skip
     lines: list[str] = []
-    out = plan(path, [24], [2, 4], target=0.5, progress=lines.append)
+    out = plan(load_config(path, []), [24], [2, 4], target=0.5, progress=lines.append)
     assert (out["engines"], out["max_running"], out["group_size"]) == (3, 64, 8)
     assert len(lines) == 3 and "async_ratio 0" in lines[0]  # the synchronous reference is shown
     assert out["needed_async_ratio_gps24"] in (2, 4)
     assert out["efficiency_gps24_async4"] >= 0.5
     with pytest.raises(ValueError, match="groups_per_step"):
         plan(None, [0], [2])
+
+
+def test_the_cli_names_a_bad_option_without_a_traceback():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "bench", "ceiling", "--groups-per-step", "0"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "groups_per_step" in proc.stderr and "Traceback" not in proc.stderr
