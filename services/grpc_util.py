@@ -77,11 +77,22 @@ def unary_service(
     return grpc.method_handlers_generic_handler(service_name, handlers)
 
 
+# gRPC core cancels (CANCELLED) every call beyond 1,000 that arrived but is not yet picked up by the
+# server's handlers. An EnvManager opening a step's generations at once (3 steps x 80 groups x 8 at
+# async_ratio 2 in `bench async`) sends ~2,000, and a tenth of them failed. The calls are small and
+# each already has a deadline, so a burst may wait instead.
+MAX_PENDING_CALLS = 100_000
+SERVER_OPTIONS = [
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+]
+
+
 async def start_server(
     handler: grpc.GenericRpcHandler, service_name: str, host: str, port: int, options: list | None = None
 ) -> grpc.aio.Server:
     """Start a grpc.aio server with health checking; returns it started (``port`` 0 picks one)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *(options or [])])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS, *(options or [])])
     server.add_generic_rpc_handlers((handler,))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
