@@ -25,6 +25,10 @@ class ProxyConfig(BaseModel):
     max_retries: int = Field(2, ge=0, description="Other engines tried when an engine fails a request.")
     health_check_interval_s: float = Field(1.0, gt=0, description="Period of the /health probe of every engine.")
     health_check_timeout_s: float = Field(2.0, gt=0, description="Timeout of one /health probe.")
+    health_failures_to_remove: int = Field(
+        3, ge=1, description="/health probes missed in a row before an engine leaves rotation (a busy engine can miss "
+        "one); a failed request takes it out at once.",
+    )  # fmt: skip
     control_timeout_s: float = Field(10.0, gt=0, description="Timeout of pause/continue/abort calls to an engine.")
     update_weights_timeout_s: float = Field(
         120.0, gt=0, description="Timeout of one engine's weight update when the caller gives none."

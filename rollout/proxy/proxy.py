@@ -346,9 +346,11 @@ class LLMProxy:
     async def _probe(self, slot: EngineSlot) -> None:
         client = self.clients[slot.name]
         if not await client.health(self.config.health_check_timeout_s):
-            if slot.healthy:
-                self._take_out(slot, "health check failed")
+            slot.failed_probes += 1
+            if slot.healthy and slot.failed_probes >= self.config.health_failures_to_remove:
+                self._take_out(slot, f"{slot.failed_probes} health checks failed in a row")
             return
+        slot.failed_probes = 0
         if slot.healthy:
             return
         try:  # rejoin only at the mesh's weight version, and in the mesh's suspend state

@@ -23,6 +23,7 @@ class EngineSlot:
     weight_version: int = 0
     requests_total: int = 0
     failures_total: int = 0
+    failed_probes: int = 0  # /health probes missed in a row
 
 
 class Router:

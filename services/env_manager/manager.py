@@ -17,6 +17,7 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -41,16 +42,34 @@ _FINISH = {
 }
 
 
-def proxy_generate(client, replicate: bool = True):
+# The proxy had no engine in rotation, or the call never reached it (connection lost, server busy):
+# worth another try within the generation's deadline rather than failing the whole group.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+def proxy_generate(client, replicate: bool = True, on_retry: Callable[[grpc.StatusCode], None] | None = None):
     """A ``GenerateFn`` over the LLMProxy gRPC client. The request id is the trajectory id (one
     request at a time per trajectory); without prompt replication the routing key is the group,
-    so all n samples of a prompt land on one engine."""
+    so all n samples of a prompt land on one engine. Transient failures are retried with backoff
+    until the generation's deadline (``on_retry`` counts them); the last one is raised."""
 
     async def generate(ids: list[int], sampling: dict, trajectory_id: str, timeout_s: float) -> Generation:
         route = trajectory_id if replicate else trajectory_id.rsplit("/", 1)[0]
-        res = await client.generate(
-            ids, request_id=trajectory_id, trajectory_id=route, timeout_s=timeout_s, **sampling
-        )  # fmt: skip
+        deadline, delay = time.monotonic() + timeout_s, 0.1
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                res = await client.generate(
+                    ids, request_id=trajectory_id, trajectory_id=route, timeout_s=remaining, **sampling
+                )  # fmt: skip
+                break
+            except grpc.aio.AioRpcError as e:  # our own cancellation arrives as CancelledError instead
+                if e.code() not in RETRYABLE or remaining - delay <= 0:
+                    raise
+                if on_retry is not None:
+                    on_retry(e.code())
+                await asyncio.sleep(delay)
+                delay = min(5.0, 2 * delay)
         return Generation(
             list(res.output_ids), list(res.output_logprobs), list(res.token_versions), _FINISH[res.finish_reason]
         )
@@ -79,7 +98,8 @@ class EnvManager:
         self.running_episodes = 0
         self.metrics = EnvMetrics(getattr(probe, "name", config.env), self.metric_stats)
         self.reward_fn = self.metrics.timed_reward(self.reward_fn)
-        self.generate = proxy_generate(proxy, config.replicate_prompts)
+        retried = self.metrics.generate_retries
+        self.generate = proxy_generate(proxy, config.replicate_prompts, lambda code: retried.labels(code.name).inc())
         self.buffer, self.controller = buffer, controller_stub
         self.counters: Counter[str] = Counter()
         self._order = list(range(len(self.rows)))
@@ -148,8 +168,14 @@ class EnvManager:
                 )
 
     async def _worker(self, k: int) -> None:
+        failures = 0  # in a row: back off so a broken dependency is not hammered with new groups
         while self.running:
-            res = await self.controller.Admit(cpb.AdmitRequest(client_id=f"env-{k}", num_groups=1), timeout=30)
+            try:
+                res = await self.controller.Admit(cpb.AdmitRequest(client_id=f"env-{k}", num_groups=1), timeout=30)
+            except grpc.aio.AioRpcError as e:  # the controller restarts or is gone: wait, never let the worker die
+                log.warning("Admit: %s; retrying", e.code())
+                await asyncio.sleep(1.0)
+                continue
             self.async_ratio = res.async_ratio
             if res.num_admitted == 0:
                 await asyncio.sleep(self.config.admit_poll_s)
@@ -164,7 +190,10 @@ class EnvManager:
                 self.counters["env_error"] += 1
                 self.metrics.groups.labels("failed").inc()
                 await self._release(unused=1)
+                failures += 1
+                await asyncio.sleep(min(5.0, 0.1 * 2**failures))
                 continue
+            failures = 0
             # A group the buffer filtered will never be trained on: its slot goes back to the pool,
             # or dynamic filtering would use up the staleness budget and starve the trainer.
             await self._release(finished=1) if accepted else await self._release(unused=1)

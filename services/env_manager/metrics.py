@@ -32,6 +32,10 @@ class EnvMetrics:
             "rollmesh_env_stale_tokens",
             "Generated tokens of groups stopped as staler than the bound (never trained)", ["env"], registry=r,
         )  # fmt: skip
+        self.generate_retries = Counter(
+            "rollmesh_env_generate_retries", "Generation calls retried after a transient LLMProxy failure, by status",
+            ["code"], registry=r,
+        )  # fmt: skip
         self.reward = Summary("rollmesh_env_trajectory_reward", "Reward of each ended episode", ["env"], registry=r)
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS_S):

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
+import grpc
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout.envs import load_jsonl
 from rollout.episode import render_user_turn
+from rollout.proxy import ProxyConfig
 from services.env_manager.config import EnvManagerConfig
-from services.env_manager.manager import EnvManager
+from services.env_manager.manager import EnvManager, proxy_generate
+from services.launch import free_port
+from services.llm_proxy.client import ProxyClient
+from services.llm_proxy.server import start_proxy
 from tests.services.mesh import local_mesh
 
 
@@ -125,3 +132,38 @@ def test_a_group_that_outlives_the_bound_is_stopped_counted_and_its_slot_returne
     assert 'rollmesh_env_groups_total{result="stale"} 1.0' in text
     stale_tokens = float(text.split('rollmesh_env_stale_tokens_total{env="held"} ')[1].split()[0])
     assert 2 <= stale_tokens <= 2 * 3  # both members' generated tokens (1 to 3 each)
+
+
+def test_a_generation_waits_out_an_unreachable_proxy_and_gives_up_at_its_deadline(engine_url):
+    """Transient LLMProxy failures (here: nothing listening yet) are retried with backoff within
+    the generation's deadline, and counted; bad input and a proxy that never comes back are not."""
+
+    async def main():
+        port = free_port()
+        client = ProxyClient(f"127.0.0.1:{port}")
+        retries: list[grpc.StatusCode] = []
+        generate = proxy_generate(client, on_retry=retries.append)
+        call = asyncio.ensure_future(generate([1, 2, 3], {"max_new_tokens": 4}, "g/0", 30.0))
+        await asyncio.sleep(1.0)  # the proxy comes up a second late
+        server, proxy = await start_proxy(ProxyConfig(engine_urls=[engine_url], port=port, metrics_port=0))
+        try:
+            gen = await asyncio.wait_for(call, 30)
+            waited_out = list(retries)
+            with pytest.raises(grpc.aio.AioRpcError) as bad:  # not transient: raised at once
+                await generate([], {"max_new_tokens": 4}, "g/1", 30.0)
+            assert len(retries) == len(waited_out)
+        finally:
+            await server.stop(0)
+            await proxy.close()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as gone:  # never comes back: raised at the deadline
+            await generate([1, 2, 3], {"max_new_tokens": 4}, "g/2", 2.0)
+        gave_up_after = time.monotonic() - t0
+        await client.close()
+        return gen, waited_out, bad.value.code(), gone.value.code(), gave_up_after
+
+    gen, waited_out, bad, gone, gave_up_after = asyncio.run(main())
+    assert len(gen.output_ids) == 4 and gen.finish == "length"
+    assert waited_out and set(waited_out) == {grpc.StatusCode.UNAVAILABLE}
+    assert bad == grpc.StatusCode.INVALID_ARGUMENT
+    assert gone == grpc.StatusCode.UNAVAILABLE and 1.0 < gave_up_after < 4.0

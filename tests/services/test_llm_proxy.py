@@ -201,6 +201,36 @@ def test_dead_engine_leaves_rotation_and_comes_back(make_engine_process, tiny_mo
     assert all(e.healthy for e in up.engines)
 
 
+def test_a_missed_health_probe_is_not_an_outage_but_missing_several_is(make_engine_process):
+    """A busy engine may miss one /health probe; only ``health_failures_to_remove`` in a row take it out."""
+    proc_a, url_a = make_engine_process()
+    _, url_b = make_engine_process()
+
+    async def stopped(seconds: float) -> None:  # the engine is frozen: its probes time out
+        os.kill(proc_a.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            os.kill(proc_a.pid, signal.SIGCONT)
+
+    async def scenario(client, proxy):
+        await stopped(0.5)  # at most two probes (0.2 s apart, 0.5 s timeout) miss
+        await asyncio.sleep(1.0)
+        blip = await client.stats()
+        await stopped(4.0)
+        out = await client.stats()
+        for _ in range(100):
+            if (await client.stats()).engines[0].healthy:
+                break
+            await asyncio.sleep(0.1)
+        return blip, out, await client.stats()
+
+    blip, out, back = run(scenario, [url_a, url_b], health_check_timeout_s=0.5, health_failures_to_remove=3)
+    assert blip.engines[0].healthy and blip.engines[0].failures_total == 0
+    assert not out.engines[0].healthy and out.engines[0].failures_total == 1
+    assert back.engines[0].healthy and back.engines[1].healthy
+
+
 def test_grpc_health_service(two_engines):
     async def scenario(client, proxy):
         stub = health_pb2_grpc.HealthStub(client._channel)
