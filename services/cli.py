@@ -169,21 +169,26 @@ def bench_async(
     agentic: bool = typer.Option(True, help="Also run the agentic variant (sync_batch and async_2)."),
     keep: Path = typer.Option(None, help="Keep every scenario's config, logs and metrics.jsonl in this directory."),
     suspend_mode: str = typer.Option("in_place", help="controller.suspend_mode of every scenario: in_place|continue."),
-    groups_per_step: int = typer.Option(16, help="Groups (of 8) per training step; 16 = what the engines hold."),
+    groups_per_step: int = typer.Option(
+        None, help="Groups (of 8) per training step; default 80, five times what the engines decode at once."
+    ),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
     """Synchronous vs queue scheduling vs async_ratio 1/2/4 on the latency simulator (real services)."""
-    from services.bench.async_bench import run
+    from services.bench.async_bench import DEFAULT_GROUPS_PER_STEP, run
 
+    gps = DEFAULT_GROUPS_PER_STEP if groups_per_step is None else groups_per_step
     result = _checked(run, str(model), steps, warmup, engines, time_scale, scenario or None, agentic,
-                      _progress(json_), keep, suspend_mode, groups_per_step)  # fmt: skip
+                      _progress(json_), keep, suspend_mode, gps)  # fmt: skip
     _emit(result, json_)
 
 
 @bench_app.command("ceiling")
 def bench_ceiling(
     config: Path = typer.Option(None, help="Take the workload from this run config (engine.sim, trainer.sim, sizes)."),
-    groups_per_step: list[int] = typer.Option([], "--groups-per-step", help="Step sizes, repeatable (16 32 64)."),
+    groups_per_step: list[int] = typer.Option(
+        [], "--groups-per-step", help="Step sizes (repeatable); default 16 32 48 64 80."
+    ),
     async_ratio: list[int] = typer.Option([], "--async-ratio", help="Ratios to play (repeatable); default 1 2 4."),
     engines: int = typer.Option(None, help="Engines (default: the config's run.num_engines, else 2)."),
     target: float = typer.Option(0.85, help="Efficiency to find the smallest async_ratio for."),
@@ -193,7 +198,7 @@ def bench_ceiling(
     from services.bench.async_ceiling import plan
 
     cfg = _config(config, []) if config else None
-    _emit(_checked(plan, cfg, groups_per_step or [16, 32, 64], async_ratio or [1, 2, 4], engines, target,
+    _emit(_checked(plan, cfg, groups_per_step or [16, 32, 48, 64, 80], async_ratio or [1, 2, 4], engines, target,
                    _progress(json_)), json_)  # fmt: skip
 
 

@@ -35,21 +35,31 @@ SCENARIOS = {
     "async_4": {"async_ratio": 4, "scheduling": "queue", "replicate": True},
 }
 AGENTIC = ("sync_batch", "async_2")
+DEFAULT_GROUPS_PER_STEP = 80  # five times the default engines' slots: see _config
+
+
+def agentic_groups(groups_per_step: int) -> int:
+    """The agentic variant's step: see ``_config``."""
+    return max(1, round(groups_per_step / 3))
 
 
 def _config(
     tmp: Path, name: str, scenario: dict, agentic: bool, *, engines: int, time_scale: float, steps: int,
-    tokenizer: str, suspend_mode: str = "in_place", groups_per_step: int = 16,
+    tokenizer: str, suspend_mode: str = "in_place", groups_per_step: int = DEFAULT_GROUPS_PER_STEP,
 ) -> Path:  # fmt: skip
     dataset = tmp / "prompts.jsonl"
     if not dataset.exists():
         dataset.write_text("".join(json.dumps({"prompt": f"task {i}", "answer": ""}) + "\n" for i in range(1000)))
-    # By default one step's trajectories (16 x 8) are exactly what the engines decode at once (2 x 64).
-    # Larger steps next to the engines need a smaller async_ratio (`rollmesh bench ceiling`).
+    # By default a step's trajectories (80 x 8) are five times what the engines decode at once (2 x 64),
+    # as in production recipes (DAPO: 512 prompts x 16 on 16 GPUs). Smaller steps next to the engines
+    # need a larger async_ratio: at 1x, ratio 2 reaches only ~0.5 of the ideal (`rollmesh bench ceiling`).
     group_size, max_running = 8, 64
     if agentic:  # tool calls and sandboxes: median 5 s, p99 ~ 80 s per step, four turns
         env_args = {"turns": 4, "latency_median_s": 5.0, "latency_sigma": 1.2, "time_scale": time_scale}
         max_new_tokens = 4096
+        # Four turns of up to 4,096 tokens generate ~3x an RLVR response: a third of the groups
+        # makes a step of about the same tokens (and the variant's runtime like the others').
+        groups_per_step = agentic_groups(groups_per_step)
     else:  # a verifier: about a second per reward
         env_args = {"turns": 1, "latency_median_s": 1.0, "latency_sigma": 0.3, "time_scale": time_scale}
         max_new_tokens = 16384
@@ -225,7 +235,7 @@ def _buffer_stats(address: str) -> dict:
 def run(
     tokenizer: str, steps: int = 6, warmup: int = 2, engines: int = 2, time_scale: float = 25.0,
     scenarios: list[str] | None = None, agentic: bool = True, progress=print, keep: Path | None = None,
-    suspend_mode: str = "in_place", groups_per_step: int = 16,
+    suspend_mode: str = "in_place", groups_per_step: int = DEFAULT_GROUPS_PER_STEP,
 ) -> dict:  # fmt: skip
     """Run the scenarios; returns the table rows and the summary the JSON line reports."""
     if steps < 1 or warmup < 1 or groups_per_step < 1:
@@ -255,6 +265,7 @@ def run(
                 + f"[{time.monotonic() - t0:.0f} s wall]"
             )
     return {"scenarios": results, "suspend_mode": suspend_mode, "groups_per_step": groups_per_step,
+            "agentic_groups_per_step": agentic_groups(groups_per_step),
             **summarize(results)}  # fmt: skip
 
 
