@@ -71,6 +71,13 @@ def parse_generate_response(body: dict) -> EngineResult:
     )
 
 
+# SGLang's server and the embedded engine's both run on uvicorn, which closes a keep-alive connection
+# idle for 5 s; aiohttp would keep it pooled for 15 s and could reuse a socket the server has just
+# closed ("Server disconnected", "Can not write request body"), which takes a healthy engine out of
+# rotation. Dropping idle connections first closes that race.
+KEEPALIVE_S = 4.0
+
+
 class SGLangClient:
     """One engine server. Every call has a timeout; none retries (the proxy decides that)."""
 
@@ -83,7 +90,8 @@ class SGLangClient:
     def _http(self) -> aiohttp.ClientSession:
         # Created on first use, inside the event loop that will run the requests.
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._max_connections))
+            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
     async def close(self) -> None:

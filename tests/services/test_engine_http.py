@@ -7,6 +7,7 @@ import asyncio
 import httpx
 import pytest
 import torch
+import uvicorn
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
@@ -171,3 +172,19 @@ def test_weight_updates_over_http(make_engine_process, tiny_model_b):
     assert bad.status_code == 400 and bad.json()["field"] == "body"
     bad = httpx.post(url + "/update_weights_from_safetensors", content=save({"nope": torch.zeros(1)}), timeout=30)
     assert bad.status_code == 400 and "nope" in bad.json()["message"]
+
+
+def test_the_client_drops_idle_connections_before_the_server_does(engine_url):
+    """uvicorn (SGLang's server and ours) closes a connection idle for ``timeout_keep_alive``; a
+    client that pooled it longer could reuse a socket just closed under it and take a healthy
+    engine out of rotation (seen in `bench async`). The client's keep-alive must be shorter."""
+
+    async def go():
+        client = SGLangClient(engine_url)
+        try:
+            await client.model_info()
+            return client._http().connector._keepalive_timeout  # aiohttp keeps it private
+        finally:
+            await client.close()
+
+    assert asyncio.run(go()) < uvicorn.Config(app=None).timeout_keep_alive
