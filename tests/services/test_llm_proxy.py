@@ -206,19 +206,19 @@ def test_a_missed_health_probe_is_not_an_outage_but_missing_several_is(make_engi
     proc_a, url_a = make_engine_process()
     _, url_b = make_engine_process()
 
-    async def stopped(seconds: float) -> None:  # the engine is frozen: its probes time out
+    async def stopped(client, seconds: float):  # the engine is frozen: its probes time out
         os.kill(proc_a.pid, signal.SIGSTOP)
         try:
             await asyncio.sleep(seconds)
+            return await client.stats()  # still frozen: the health loop cannot have put it back yet
         finally:
             os.kill(proc_a.pid, signal.SIGCONT)
 
     async def scenario(client, proxy):
-        await stopped(0.5)  # at most two probes (0.2 s apart, 0.5 s timeout) miss
+        await stopped(client, 0.5)  # at most two probes (0.2 s apart, 0.5 s timeout) miss
         await asyncio.sleep(1.0)
         blip = await client.stats()
-        await stopped(4.0)
-        out = await client.stats()
+        out = await stopped(client, 4.0)
         for _ in range(100):
             if (await client.stats()).engines[0].healthy:
                 break
