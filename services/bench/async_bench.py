@@ -36,6 +36,8 @@ SCENARIOS = {
 }
 AGENTIC = ("sync_batch", "async_2")
 DEFAULT_GROUPS_PER_STEP = 80  # five times the default engines' slots: see _config
+# The RLVR workload's shape (what `rollmesh bench ceiling` plays when given no run config).
+SHAPE = {"engines": 2, "max_running": 64, "group_size": 8, "max_new_tokens": 16384}
 
 
 def agentic_groups(groups_per_step: int) -> int:
@@ -53,7 +55,7 @@ def _config(
     # By default a step's trajectories (80 x 8) are five times what the engines decode at once (2 x 64),
     # as in production recipes (DAPO: 512 prompts x 16 on 16 GPUs). Smaller steps next to the engines
     # need a larger async_ratio: at 1x, ratio 2 reaches only ~0.5 of the ideal (`rollmesh bench ceiling`).
-    group_size, max_running = 8, 64
+    group_size, max_running = SHAPE["group_size"], SHAPE["max_running"]
     if agentic:  # tool calls and sandboxes: median 5 s, p99 ~ 80 s per step, four turns
         env_args = {"turns": 4, "latency_median_s": 5.0, "latency_sigma": 1.2, "time_scale": time_scale}
         max_new_tokens = 4096
@@ -62,7 +64,7 @@ def _config(
         groups_per_step = agentic_groups(groups_per_step)
     else:  # a verifier: about a second per reward
         env_args = {"turns": 1, "latency_median_s": 1.0, "latency_sigma": 0.3, "time_scale": time_scale}
-        max_new_tokens = 16384
+        max_new_tokens = SHAPE["max_new_tokens"]
     cfg = {
         "run_name": name,
         "engine": {"model_path": tokenizer, "max_running_requests": max_running, "sim": {"time_scale": time_scale}},
@@ -233,7 +235,7 @@ def _buffer_stats(address: str) -> dict:
 
 
 def run(
-    tokenizer: str, steps: int = 6, warmup: int = 2, engines: int = 2, time_scale: float = 25.0,
+    tokenizer: str, steps: int = 6, warmup: int = 2, engines: int = SHAPE["engines"], time_scale: float = 25.0,
     scenarios: list[str] | None = None, agentic: bool = True, progress=print, keep: Path | None = None,
     suspend_mode: str = "in_place", groups_per_step: int = DEFAULT_GROUPS_PER_STEP,
 ) -> dict:  # fmt: skip

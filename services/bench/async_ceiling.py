@@ -26,6 +26,7 @@ from rollout.admission import admission_capacity, group_is_stale
 from rollout.engines.sim.config import SimEngineConfig
 from rollout.engines.sim.lengths import lognormal_sigma
 from services.bench import BadOption
+from services.bench.async_bench import SHAPE
 from trainer.sim import SimTrainerConfig
 
 
@@ -212,8 +213,7 @@ def plan(cfg, groups_per_step: list[int], async_ratios: list[int], engines: int 
     the shape ``bench async`` uses), and per step size the smallest async_ratio reaching ``target``."""
     if not groups_per_step or min(groups_per_step) < 1 or not async_ratios or min(async_ratios) < 0:
         raise BadOption("groups_per_step: each >= 1; async_ratio: each >= 0")
-    sim, trainer, shape = SimEngineConfig(), SimTrainerConfig(), {"engines": 2, "max_running": 64, "group_size": 8,
-                                                                  "max_new_tokens": 16384}  # fmt: skip
+    sim, trainer, shape = SimEngineConfig(), SimTrainerConfig(), dict(SHAPE)
     if cfg is not None:  # a loaded run config (services.config.RunConfig)
         sim, trainer = cfg.engine.sim or sim, cfg.trainer.sim or trainer
         shape = {
