@@ -3,29 +3,72 @@
 Shapes: ``B`` trajectories padded to ``T`` tokens. ``mask`` [B, T] is 1 on the tokens the loss
 sees (the policy's own tokens). Sequence-level rewards ``rewards`` [B] belong to the whole
 trajectory; ``group_ids`` [B] (ints) say which trajectories share a prompt. Every function returns
-token-level advantages [B, T] that are 0 where ``mask`` is 0.
+token-level advantages [B, T] that are 0 where ``mask`` is 0, and the returns a critic regresses on
+[B, T] (``None`` for the critic-free estimators): ``fn(rewards, mask, group_ids, *, values=None,
+**knobs) -> (advantages, returns)``, the knobs being the fields of the estimator's own config.
+
+Each estimator's config is its own model tagged by ``type`` (``advantages: {type: gae, lam: 0.95}``)
+with only the knobs it reads, so a misspelled estimator or a knob of another one fails at load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class AdvantageConfig(BaseModel):
-    """How advantages are estimated."""
+class BaseAdvantageConfig(BaseModel):
+    """What every estimator shares: reward clipping before it, whitening after it."""
 
     model_config = ConfigDict(extra="forbid")
 
-    estimator: str = Field("grpo", description="One of ADVANTAGE_ESTIMATORS: gae, grpo, dr_grpo, rloo, reinforce_pp.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount (gae, reinforce_pp).")
-    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
-    norm_by_std: bool = Field(True, description="grpo: divide by the group's reward std.")
     reward_clip: float | None = Field(None, gt=0, description="Clip rewards to [-c, c] before estimating.")
     whiten: bool = Field(False, description="Whiten the advantages over all masked tokens of the batch.")
     eps: float = Field(1e-6, gt=0, description="Added to standard deviations.")
+
+
+class GRPOAdvantageConfig(BaseAdvantageConfig):
+    """GRPO: reward minus its group's mean, divided by the group's std."""
+
+    type: Literal["grpo"] = Field("grpo", description="Selects GRPO.")
+    norm_by_std: bool = Field(True, description="Divide by the group's reward std.")
+
+
+class DrGRPOAdvantageConfig(BaseAdvantageConfig):
+    """Dr. GRPO: reward minus its group's mean, no std division."""
+
+    type: Literal["dr_grpo"] = Field("dr_grpo", description="Selects Dr. GRPO.")
+
+
+class RLOOAdvantageConfig(BaseAdvantageConfig):
+    """RLOO: reward minus the mean of the other members of its group."""
+
+    type: Literal["rloo"] = Field("rloo", description="Selects RLOO.")
+
+
+class ReinforcePPAdvantageConfig(BaseAdvantageConfig):
+    """REINFORCE++: discounted returns whitened over the batch."""
+
+    type: Literal["reinforce_pp"] = Field("reinforce_pp", description="Selects REINFORCE++.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of the returns.")
+
+
+class GAEAdvantageConfig(BaseAdvantageConfig):
+    """GAE over a critic's values (set ``trainer.critic: true``)."""
+
+    type: Literal["gae"] = Field("gae", description="Selects GAE.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+
+
+AdvantageConfig = Annotated[
+    GRPOAdvantageConfig | DrGRPOAdvantageConfig | RLOOAdvantageConfig | ReinforcePPAdvantageConfig | GAEAdvantageConfig,
+    Field(discriminator="type"),
+]
+"""One estimator's config, chosen by its ``type``; the key of ``ADVANTAGE_ESTIMATORS`` that runs it."""
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -60,26 +103,26 @@ def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.
     return count[inverse], total[inverse], std[inverse]
 
 
-def grpo(rewards, mask, group_ids, *, norm_by_std: bool = True, eps: float = 1e-6, **_) -> torch.Tensor:
-    """GRPO: (r - group mean) / (group std + eps), broadcast to every masked token."""
+def grpo(rewards, mask, group_ids, *, norm_by_std: bool = True, eps: float = 1e-6, **_) -> tuple:
+    """GRPO: (r - group mean) / (group std + eps), broadcast to every masked token. No returns."""
     count, total, std = _group_stats(rewards, group_ids)
     adv = rewards - total / count
     if norm_by_std:
         adv = adv / (std + eps)
-    return adv[:, None] * mask
+    return adv[:, None] * mask, None
 
 
-def dr_grpo(rewards, mask, group_ids, **_) -> torch.Tensor:
+def dr_grpo(rewards, mask, group_ids, **_) -> tuple:
     """Dr. GRPO: r - group mean; no std division (length normalisation is the loss's business)."""
     return grpo(rewards, mask, group_ids, norm_by_std=False)
 
 
-def rloo(rewards, mask, group_ids, **_) -> torch.Tensor:
-    """RLOO: r_i - mean of the other members of its group (0 for a group of one)."""
+def rloo(rewards, mask, group_ids, **_) -> tuple:
+    """RLOO: r_i - mean of the other members of its group (0 for a group of one). No returns."""
     count, total, _ = _group_stats(rewards, group_ids)
     baseline = (total - rewards) / (count - 1).clamp(min=1)
     adv = torch.where(count > 1, rewards - baseline, torch.zeros_like(rewards))
-    return adv[:, None] * mask
+    return adv[:, None] * mask, None
 
 
 def _token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -103,18 +146,21 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return returns
 
 
-def reinforce_pp(rewards, mask, group_ids=None, *, gamma: float = 1.0, eps: float = 1e-6, **_) -> torch.Tensor:
-    """REINFORCE++: discounted returns whitened over the whole batch (a global baseline)."""
+def reinforce_pp(rewards, mask, group_ids=None, *, gamma: float = 1.0, eps: float = 1e-6, **_) -> tuple:
+    """REINFORCE++: discounted returns whitened over the whole batch (a global baseline). No returns
+    for a critic: the baseline is the batch mean."""
     returns = discounted_returns(_token_rewards(rewards, mask), mask, gamma)
-    return masked_whiten(returns, mask, eps)
+    return masked_whiten(returns, mask, eps), None
 
 
-def gae(rewards, mask, group_ids=None, *, values, gamma: float = 1.0, lam: float = 1.0, **_) -> tuple:
+def gae(rewards, mask, group_ids=None, *, values=None, gamma: float = 1.0, lam: float = 1.0, **_) -> tuple:
     """Generalised advantage estimation with a critic's ``values`` [B, T].
 
     delta_t = r_t + gamma V_{t+1} - V_t; A_t = delta_t + gamma lam A_{t+1}, over masked tokens
     (V after the last one is 0). Returns (advantages, returns = A + V), both masked.
     """
+    if values is None:
+        raise ValueError("advantages.type 'gae' needs a critic's values: set trainer.critic: true")
     token_rewards = _token_rewards(rewards, mask)
     adv = torch.zeros_like(token_rewards)
     next_value = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype, device=token_rewards.device)
@@ -141,21 +187,13 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
 def compute_advantages(
     config: AdvantageConfig, rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, values=None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Apply reward clipping, the configured estimator and optional whitening; returns
+    """Apply reward clipping, the estimator ``config.type`` and optional whitening; returns
     (advantages [B, T], returns [B, T] for a critic or None)."""
-    if config.estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"estimator: unknown {config.estimator!r}; choose from {sorted(ADVANTAGE_ESTIMATORS)}")
     if config.reward_clip is not None:
         rewards = rewards.clamp(-config.reward_clip, config.reward_clip)
     mask = mask.to(rewards.dtype)
-    kw = dict(gamma=config.gamma, lam=config.lam, norm_by_std=config.norm_by_std, eps=config.eps)
-    returns = None
-    if config.estimator == "gae":
-        if values is None:
-            raise ValueError("estimator 'gae' needs a critic's values")
-        adv, returns = gae(rewards, mask, group_ids, values=values, **kw)
-    else:
-        adv = ADVANTAGE_ESTIMATORS[config.estimator](rewards, mask, group_ids, **kw)
+    knobs = config.model_dump(exclude={"type", "reward_clip", "whiten"})
+    adv, returns = ADVANTAGE_ESTIMATORS[config.type](rewards, mask, group_ids, values=values, **knobs)
     if config.whiten:
         adv = masked_whiten(adv, mask, config.eps)
     return adv, returns

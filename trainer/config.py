@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer.advantages import AdvantageConfig
-from trainer.losses import PolicyLossConfig
+from trainer.advantages import AdvantageConfig, GRPOAdvantageConfig
+from trainer.losses import DecoupledPPOLossConfig, PolicyLossConfig
 from trainer.sim import SimTrainerConfig
 
 
@@ -44,8 +44,16 @@ class TrainerConfig(BaseModel):
         description="Longest packed row. The dense block-diagonal mask costs row² per row, so short "
         "rows are cheaper on CPU; raise it where a variable-length attention kernel serves the mask.",
     )
-    advantages: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantage estimation.")
-    loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig, description="The policy loss.")
+    advantages: AdvantageConfig = Field(
+        default_factory=GRPOAdvantageConfig,
+        description="Advantage estimation, chosen by 'type' (grpo | dr_grpo | rloo | reinforce_pp | gae) with its "
+        "own knobs.",
+    )
+    loss: PolicyLossConfig = Field(
+        default_factory=DecoupledPPOLossConfig,
+        description="The policy loss, chosen by 'type' (ppo | gspo | decoupled_ppo | tis | cispo | topr | reinforce "
+        "| custom) with its own knobs.",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = off).")
     ref_model_path: str | None = Field(None, description="Frozen reference model for a KL term (None = no KL).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")

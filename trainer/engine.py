@@ -198,7 +198,7 @@ class TrainEngine:
                 continue
             m = mask[rows]
             pg, metrics = policy_loss(
-                cfg.loss.variant, lp, old[rows], adv[rows], m,
+                lp, old[rows], adv[rows], m,
                 behavior_logprobs=behav[rows], proximal_logprobs=old[rows], entropy=ent, config=loss_cfg,
             )  # fmt: skip
             tok_w, seq_w = float(m.sum()) / max(n_tok, 1), float((m.sum(-1) > 0).sum()) / max(n_seq, 1)

@@ -8,44 +8,131 @@ aggregation and the metrics. Log-prob arguments:
 - ``old_logprobs``: the policy the ratio is taken against (π_old);
 - ``behavior_logprobs``: what the inference engine reported when it sampled the token (μ);
 - ``proximal_logprobs``: decoupled PPO's proximal policy π_prox.
+
+Each variant's config is its own model tagged by ``type`` (``loss: {type: ppo, dual_clip: 3}``) and
+holds only the knobs that variant reads, so a knob of another variant, or a misspelled one, fails
+when the config is loaded instead of being silently ignored. The knobs keep their variant prefix
+(``gspo_clip_low``, ``tis_cap``) because the same word with another scale is a trap: GSPO's sequence
+ratio clips at 3e-4 where PPO's token ratio clips at 0.2, and switching ``type`` while keeping
+``clip_low`` should be an error, not a clip hundreds of times wider.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from sample_buffer.registry import resolve
 from trainer.advantages import masked_mean
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
-class PolicyLossConfig(BaseModel):
-    """Hyper-parameters of the policy losses; each variant reads the ones it needs."""
+class BaseLossConfig(BaseModel):
+    """What every policy loss shares: how the per-token loss matrix becomes one number."""
 
     model_config = ConfigDict(extra="forbid")
 
-    variant: str = Field("decoupled_ppo", description="One of POLICY_LOSSES, or 'module:function' of your own.")
-    clip_low: float = Field(0.2, ge=0, description="ε_low: ratio clipped below at 1 - ε_low (ppo, gspo, decoupled).")
-    clip_high: float = Field(0.28, ge=0, description="ε_high: ratio clipped above at 1 + ε_high (DAPO clip-higher).")
-    dual_clip: float | None = Field(None, gt=1, description="ppo: dual-clip constant c (> 1) for negative advantages.")
-    gspo_clip_low: float = Field(3e-4, ge=0, description="gspo: sequence-ratio clip below.")
-    gspo_clip_high: float = Field(4e-4, ge=0, description="gspo: sequence-ratio clip above.")
-    behavior_weight_cap: float | None = Field(
-        5.0, gt=0, description="decoupled_ppo: cap of the π_prox/μ weight (None = uncapped)."
-    )
-    tis_cap: float = Field(2.0, gt=0, description="tis: truncation c of the importance weight min(π/μ, c).")
-    cispo_clip_low: float = Field(1.0, ge=0, description="cispo: ε_low of the clipped weight (1.0 = no lower clip).")
-    cispo_clip_high: float = Field(0.28, ge=0, description="cispo: ε_high of the clipped weight.")
-    topr_pos_coef: float = Field(1.0, ge=0, description="topr: coefficient of positive-advantage samples.")
-    topr_neg_coef: float = Field(1.0, ge=0, description="topr: coefficient of negative-advantage samples.")
     agg_mode: AggMode = Field("token-mean", description="How the per-token loss matrix becomes one number.")
     norm_len: int | None = Field(
         None, ge=1, description="seq-mean-token-sum-norm: the constant length divided by (default: T)."
     )
+
+
+class _RatioClipConfig(BaseLossConfig):
+    """The token-ratio clip range of PPO and decoupled PPO."""
+
+    clip_low: float = Field(0.2, ge=0, description="ε_low: ratio clipped below at 1 - ε_low.")
+    clip_high: float = Field(0.28, ge=0, description="ε_high: ratio clipped above at 1 + ε_high (DAPO clip-higher).")
+
+
+class PPOLossConfig(_RatioClipConfig):
+    """PPO's clipped surrogate on π/π_old, with optional dual clip."""
+
+    type: Literal["ppo"] = Field("ppo", description="Selects PPO.")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c (> 1) for negative advantages.")
+
+
+class GSPOLossConfig(BaseLossConfig):
+    """GSPO: the clipped surrogate on the per-sequence geometric-mean ratio."""
+
+    type: Literal["gspo"] = Field("gspo", description="Selects GSPO.")
+    gspo_clip_low: float = Field(3e-4, ge=0, description="Sequence-ratio clip below at 1 - this.")
+    gspo_clip_high: float = Field(4e-4, ge=0, description="Sequence-ratio clip above at 1 + this.")
+
+
+class DecoupledPPOLossConfig(_RatioClipConfig):
+    """Decoupled PPO (AReaL): clip π/π_prox, weight by sg(π_prox/μ). The default loss."""
+
+    type: Literal["decoupled_ppo"] = Field("decoupled_ppo", description="Selects decoupled PPO.")
+    behavior_weight_cap: float | None = Field(5.0, gt=0, description="Cap of the π_prox/μ weight (None = uncapped).")
+
+
+class TISLossConfig(BaseLossConfig):
+    """Truncated importance sampling against the behaviour policy."""
+
+    type: Literal["tis"] = Field("tis", description="Selects truncated IS.")
+    tis_cap: float = Field(2.0, gt=0, description="Truncation c of the importance weight min(π/μ, c).")
+
+
+class CISPOLossConfig(BaseLossConfig):
+    """CISPO: REINFORCE weighted by the clipped (stop-gradient) ratio."""
+
+    type: Literal["cispo"] = Field("cispo", description="Selects CISPO.")
+    cispo_clip_low: float = Field(1.0, ge=0, description="ε_low of the clipped weight (1.0 = no lower clip).")
+    cispo_clip_high: float = Field(0.28, ge=0, description="ε_high of the clipped weight.")
+
+
+class TOPRLossConfig(BaseLossConfig):
+    """TOPR: REINFORCE on positive advantages, truncated IS on negative ones."""
+
+    type: Literal["topr"] = Field("topr", description="Selects TOPR.")
+    topr_pos_coef: float = Field(1.0, ge=0, description="Coefficient of positive-advantage samples.")
+    topr_neg_coef: float = Field(1.0, ge=0, description="Coefficient of negative-advantage samples.")
+
+
+class ReinforceLossConfig(BaseLossConfig):
+    """Plain REINFORCE: -A·log π, no ratio, no knobs."""
+
+    type: Literal["reinforce"] = Field("reinforce", description="Selects REINFORCE.")
+
+
+class CustomLossConfig(BaseLossConfig):
+    """A user's own loss with the signature of the variants below; it reads its knobs from ``params``."""
+
+    type: Literal["custom"] = Field("custom", description="Selects a user's own loss function.")
+    function: str = Field(
+        ..., description="'module:function' of the loss; called like the built-in variants, with config=this."
+    )
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Knobs of your own loss, read by it as config.params[...]."
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _importable(cls, name: str) -> str:
+        if ":" not in name:
+            raise ValueError(f"expected 'module:function', got {name!r}")
+        if not callable(resolve("function", name, {})):
+            raise ValueError(f"{name!r} is not callable")
+        return name
+
+
+PolicyLossConfig = Annotated[
+    PPOLossConfig
+    | GSPOLossConfig
+    | DecoupledPPOLossConfig
+    | TISLossConfig
+    | CISPOLossConfig
+    | TOPRLossConfig
+    | ReinforceLossConfig
+    | CustomLossConfig,
+    Field(discriminator="type"),
+]
+"""One of the variants' configs, chosen by its ``type``; the key of ``POLICY_LOSSES`` that runs it."""
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: AggMode, norm_len: int | None = None) -> torch.Tensor:
@@ -70,7 +157,7 @@ def _clip_frac(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float) 
     return ((ratio > 1 + high) & (adv > 0)) | ((ratio < 1 - low) & (adv < 0))
 
 
-def ppo(logprobs, old_logprobs, advantages, mask, *, config, **_):
+def ppo(logprobs, old_logprobs, advantages, mask, *, config: PPOLossConfig, **_):
     ratio = torch.exp(logprobs - old_logprobs)
     clipped = torch.clamp(ratio, 1 - config.clip_low, 1 + config.clip_high)
     loss = torch.maximum(-advantages * ratio, -advantages * clipped)
@@ -79,7 +166,7 @@ def ppo(logprobs, old_logprobs, advantages, mask, *, config, **_):
     return loss, ratio, _clip_frac(ratio, advantages, config.clip_low, config.clip_high)
 
 
-def gspo(logprobs, old_logprobs, advantages, mask, *, config, **_):
+def gspo(logprobs, old_logprobs, advantages, mask, *, config: GSPOLossConfig, **_):
     """GSPO: s_i = exp(mean_t log(π/π_old)) per sequence, clipped at the sequence level. Written
     in its token form s_i,t = sg(s_i)·π_t/sg(π_t), whose value and gradient equal the sequence
     form's when the advantage is constant over a sequence."""
@@ -91,7 +178,15 @@ def gspo(logprobs, old_logprobs, advantages, mask, *, config, **_):
 
 
 def decoupled_ppo(
-    logprobs, old_logprobs, advantages, mask, *, config, behavior_logprobs=None, proximal_logprobs=None, **_
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    *,
+    config: DecoupledPPOLossConfig,
+    behavior_logprobs=None,
+    proximal_logprobs=None,
+    **_,
 ):
     """Decoupled PPO (AReaL): clip π/π_prox, weight the whole term by sg(π_prox/μ)."""
     if behavior_logprobs is None:
@@ -106,7 +201,7 @@ def decoupled_ppo(
     return loss, ratio, _clip_frac(ratio, advantages, config.clip_low, config.clip_high)
 
 
-def tis(logprobs, old_logprobs, advantages, mask, *, config, behavior_logprobs=None, **_):
+def tis(logprobs, old_logprobs, advantages, mask, *, config: TISLossConfig, behavior_logprobs=None, **_):
     """Truncated IS: -sg(min(π/μ, c))·A·log π."""
     mu = old_logprobs if behavior_logprobs is None else behavior_logprobs
     ratio = torch.exp(logprobs - mu)
@@ -114,7 +209,7 @@ def tis(logprobs, old_logprobs, advantages, mask, *, config, behavior_logprobs=N
     return -weight * advantages * logprobs, ratio, ratio > config.tis_cap
 
 
-def cispo(logprobs, old_logprobs, advantages, mask, *, config, **_):
+def cispo(logprobs, old_logprobs, advantages, mask, *, config: CISPOLossConfig, **_):
     """CISPO: -sg(clip(π/π_old, 1-ε_low, 1+ε_high))·A·log π (the weight is clipped, never the gradient)."""
     ratio = torch.exp(logprobs - old_logprobs)
     weight = torch.clamp(ratio, 1 - config.cispo_clip_low, 1 + config.cispo_clip_high).detach()
@@ -122,7 +217,7 @@ def cispo(logprobs, old_logprobs, advantages, mask, *, config, **_):
     return -weight * advantages * logprobs, ratio, clipped
 
 
-def topr(logprobs, old_logprobs, advantages, mask, *, config, behavior_logprobs=None, **_):
+def topr(logprobs, old_logprobs, advantages, mask, *, config: TOPRLossConfig, behavior_logprobs=None, **_):
     """TOPR: plain REINFORCE on A >= 0; truncated IS sg(min(π/μ, 1)) on A < 0."""
     mu = old_logprobs if behavior_logprobs is None else behavior_logprobs
     ratio = torch.exp(logprobs - mu)
@@ -132,9 +227,15 @@ def topr(logprobs, old_logprobs, advantages, mask, *, config, behavior_logprobs=
     return torch.where(advantages >= 0, pos, neg), ratio, (advantages < 0) & (ratio > 1)
 
 
-def reinforce(logprobs, old_logprobs, advantages, mask, *, config, **_):
+def reinforce(logprobs, old_logprobs, advantages, mask, *, config: ReinforceLossConfig, **_):
     ratio = torch.exp(logprobs - old_logprobs)
     return -advantages * logprobs, ratio, torch.zeros_like(ratio, dtype=torch.bool)
+
+
+def custom(logprobs, old_logprobs, advantages, mask, *, config: CustomLossConfig, **kw):
+    """A user's own loss, ``config.function``, called with the same arguments (import checked at load)."""
+    fn = resolve("function", config.function, {})
+    return fn(logprobs, old_logprobs, advantages, mask, config=config, **kw)
 
 
 POLICY_LOSSES: dict[str, Callable] = {
@@ -145,36 +246,25 @@ POLICY_LOSSES: dict[str, Callable] = {
     "cispo": cispo,
     "topr": topr,
     "reinforce": reinforce,
+    "custom": custom,
 }
-
-
-def resolve_variant(name: str) -> Callable:
-    """A registered variant, or a user's own ``package.module:function`` with the same signature."""
-    if name in POLICY_LOSSES:
-        return POLICY_LOSSES[name]
-    if ":" in name:
-        import importlib
-
-        module, fn = name.split(":", 1)
-        return getattr(importlib.import_module(module), fn)
-    raise ValueError(f"variant: unknown policy loss {name!r}; choose from {sorted(POLICY_LOSSES)} or 'module:fn'")
+"""Every variant by its config's ``type``; the configs above are the other half of this table."""
 
 
 def policy_loss(
-    variant: str,
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
+    config: PolicyLossConfig,
     behavior_logprobs: torch.Tensor | None = None,
     proximal_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    config: PolicyLossConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Aggregated loss of ``variant`` and its metrics (clip fraction, ratio mean/max, approx KL)."""
-    fn = resolve_variant(variant)
-    per_token, ratio, clipped = fn(
+    """Aggregated loss of the variant ``config.type`` and its metrics (clip fraction, ratio mean/max,
+    approx KL)."""
+    per_token, ratio, clipped = POLICY_LOSSES[config.type](
         logprobs,
         old_logprobs,
         advantages,

@@ -1,11 +1,23 @@
 """Each estimator against a literal, loop-by-loop implementation of its definition."""
 
 import math
+import typing
 
 import pytest
 import torch
+from pydantic import TypeAdapter, ValidationError
 
-from trainer.advantages import AdvantageConfig, compute_advantages, dr_grpo, gae, grpo, reinforce_pp, rloo
+from trainer.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
+    compute_advantages,
+    dr_grpo,
+    gae,
+    grpo,
+    reinforce_pp,
+    rloo,
+)
+from trainer.config import TrainerConfig
 
 
 def batch():
@@ -18,6 +30,11 @@ def batch():
     return rewards, mask, group_ids
 
 
+def advantage_config(type_: str, **knobs):
+    """An estimator's config as a YAML ``advantages:`` block gives it: through the tagged union."""
+    return TypeAdapter(AdvantageConfig).validate_python({"type": type_, **knobs})
+
+
 def literal_group(rewards, group_ids):
     groups = {}
     for i, gid in enumerate(group_ids.tolist()):
@@ -28,7 +45,8 @@ def literal_group(rewards, group_ids):
 def test_grpo_and_dr_grpo():
     rewards, mask, gids = batch()
     groups = literal_group(rewards, gids)
-    out, out_dr = grpo(rewards, mask, gids, eps=1e-6), dr_grpo(rewards, mask, gids)
+    (out, no_returns), (out_dr, _) = grpo(rewards, mask, gids, eps=1e-6), dr_grpo(rewards, mask, gids)
+    assert no_returns is None  # critic-free
     for i, gid in enumerate(gids.tolist()):
         rs = groups[gid]
         mean = sum(rs) / len(rs)
@@ -42,7 +60,7 @@ def test_grpo_and_dr_grpo():
 def test_rloo_leave_one_out():
     rewards, mask, gids = batch()
     groups = literal_group(rewards, gids)
-    out = rloo(rewards, mask, gids)
+    out, _ = rloo(rewards, mask, gids)
     for i, gid in enumerate(gids.tolist()):
         rs = groups[gid]
         r = float(rewards[i])
@@ -72,7 +90,7 @@ def test_gae_matches_the_recursion():
 
 def test_reinforce_pp_whitens_discounted_returns():
     rewards, mask, gids = batch()
-    out = reinforce_pp(rewards, mask, gids, gamma=0.95)
+    out, _ = reinforce_pp(rewards, mask, gids, gamma=0.95)
     raw = []
     for i in range(8):
         idx = [t for t in range(6) if mask[i, t]]
@@ -88,11 +106,47 @@ def test_reinforce_pp_whitens_discounted_returns():
 
 def test_clipping_whitening_and_errors():
     rewards, mask, gids = batch()
-    clipped, _ = compute_advantages(AdvantageConfig(estimator="dr_grpo", reward_clip=0.1), rewards, mask, gids)
+    clipped, _ = compute_advantages(advantage_config("dr_grpo", reward_clip=0.1), rewards, mask, gids)
     assert clipped.abs().max() <= 0.2 + 1e-12
-    white, _ = compute_advantages(AdvantageConfig(estimator="rloo", whiten=True), rewards, mask, gids)
+    white, _ = compute_advantages(advantage_config("rloo", whiten=True), rewards, mask, gids)
     assert abs(white[mask > 0].mean().item()) < 1e-9
-    with pytest.raises(ValueError, match="estimator"):
-        compute_advantages(AdvantageConfig(estimator="nope"), rewards, mask, gids)
+    with pytest.raises(ValidationError, match="does not match any of the expected tags"):
+        advantage_config("nope")
     with pytest.raises(ValueError, match="critic"):
-        compute_advantages(AdvantageConfig(estimator="gae"), rewards, mask, gids)
+        compute_advantages(advantage_config("gae"), rewards, mask, gids)
+
+
+def test_compute_advantages_passes_each_estimator_its_own_knobs():
+    rewards, mask, gids = batch()
+    values = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    cases = [
+        (advantage_config("grpo", norm_by_std=False), dr_grpo(rewards, mask, gids)),
+        (advantage_config("reinforce_pp", gamma=0.9), reinforce_pp(rewards, mask, gids, gamma=0.9)),
+        (advantage_config("gae", gamma=0.9, lam=0.8), gae(rewards, mask, gids, values=values, gamma=0.9, lam=0.8)),
+    ]
+    for cfg, (want_adv, want_ret) in cases:
+        adv, ret = compute_advantages(cfg, rewards, mask, gids, values)
+        torch.testing.assert_close(adv, want_adv)
+        assert (ret is None) == (want_ret is None) and (ret is None or torch.equal(ret, want_ret))
+
+
+def test_every_config_type_has_its_estimator():
+    variants = typing.get_args(typing.get_args(AdvantageConfig)[0])
+    assert {cls.model_fields["type"].default for cls in variants} == set(ADVANTAGE_ESTIMATORS)
+    for cls in variants:
+        for name, field in cls.model_fields.items():
+            assert field.description, f"{cls.__name__}.{name} has no description"
+    assert TrainerConfig().advantages.type == "grpo" and TrainerConfig().advantages.norm_by_std
+
+
+@pytest.mark.parametrize(
+    "advantages, expected",
+    [
+        ({"type": "nope"}, r"advantages\n.*Input tag 'nope' found using 'type' does not match .*'grpo'"),
+        ({"type": "grpo", "lam": 0.9}, r"advantages\.grpo\.lam\n\s+Extra inputs are not permitted"),
+        ({"estimator": "gae"}, r"advantages\n.*Unable to extract tag using discriminator 'type'"),
+    ],
+)
+def test_bad_advantage_configs_fail_at_load_naming_the_key(advantages, expected):
+    with pytest.raises(ValidationError, match=expected):
+        TrainerConfig.model_validate({"advantages": advantages})

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
+from pydantic import TypeAdapter, ValidationError
 
+from trainer.config import TrainerConfig
 from trainer.losses import (
     POLICY_LOSSES,
+    CustomLossConfig,
     PolicyLossConfig,
     aggregate,
     kl_penalty,
     policy_loss,
+    reinforce,
     value_loss,
 )
 
@@ -47,10 +52,24 @@ def f(x):
     return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
 
 
-CFG = PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis_cap=2.0, cispo_clip_high=0.28)
+def loss_config(type_: str, **knobs):
+    """A variant's config as a YAML ``loss:`` block gives it: through the tagged union."""
+    return TypeAdapter(PolicyLossConfig).validate_python({"type": type_, **knobs})
 
 
-def literal(variant, lp, old, behav, prox, adv, b, t, cfg=CFG):
+# The knobs the literal formulas below use, each given to the variant that reads it.
+CFG = {
+    "ppo": loss_config("ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0),
+    "decoupled_ppo": loss_config("decoupled_ppo", clip_low=0.2, clip_high=0.28),
+    "tis": loss_config("tis", tis_cap=2.0),
+    "cispo": loss_config("cispo", cispo_clip_high=0.28),
+    "topr": loss_config("topr"),
+    "reinforce": loss_config("reinforce"),
+}
+
+
+def literal(variant, lp, old, behav, prox, adv, b, t):
+    cfg = CFG[variant]
     lp_, old_, mu, px, a = f(lp[b, t]), f(old[b, t]), f(behav[b, t]), f(prox[b, t]), f(adv[b, t])
     r = math.exp(lp_ - old_)
     if variant == "ppo":
@@ -71,8 +90,9 @@ def literal(variant, lp, old, behav, prox, adv, b, t, cfg=CFG):
     raise KeyError(variant)
 
 
-def literal_weight_grad(variant, lp, old, behav, prox, adv, b, t, cfg=CFG):
+def literal_weight_grad(variant, lp, old, behav, prox, adv, b, t):
     """d(per-token loss)/d(log π) of the literal formula, stop-gradients respected."""
+    cfg = CFG[variant]
     lp_, old_, mu, px, a = f(lp[b, t]), f(old[b, t]), f(behav[b, t]), f(prox[b, t]), f(adv[b, t])
     r = math.exp(lp_ - old_)
     if variant == "ppo":
@@ -103,10 +123,8 @@ def literal_weight_grad(variant, lp, old, behav, prox, adv, b, t, cfg=CFG):
 @pytest.mark.parametrize("variant", ["ppo", "decoupled_ppo", "tis", "cispo", "topr", "reinforce"])
 def test_token_level_variants_match_literal_formula(variant):
     lp, old, behav, prox, adv, mask = inputs()
-    cfg = CFG.model_copy(update={"agg_mode": "token-mean"})
-    loss, metrics = policy_loss(
-        variant, lp, old, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg
-    )
+    cfg = CFG[variant].model_copy(update={"agg_mode": "token-mean"})
+    loss, metrics = policy_loss(lp, old, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg)
     lit = lit_tokens(lambda b, t: literal(variant, lp, old, behav, prox, adv, b, t), lp, mask)
     n = float(mask.sum())
     assert loss.item() == pytest.approx(sum(map(sum, lit)) / n, rel=1e-10, abs=1e-12)
@@ -121,8 +139,8 @@ def test_token_level_variants_match_literal_formula(variant):
 def test_gspo_is_the_sequence_level_clipped_objective():
     lp, old, _, _, adv, mask = inputs(3)
     seq_adv = adv[:, :1].expand(B, T).contiguous()  # GSPO's advantage is per sequence
-    cfg = PolicyLossConfig(agg_mode="seq-mean-token-mean", gspo_clip_low=0.1, gspo_clip_high=0.15)
-    loss, _ = policy_loss("gspo", lp, old, seq_adv, mask, config=cfg)
+    cfg = loss_config("gspo", agg_mode="seq-mean-token-mean", gspo_clip_low=0.1, gspo_clip_high=0.15)
+    loss, _ = policy_loss(lp, old, seq_adv, mask, config=cfg)
     loss.backward()
     want, grads = [], torch.zeros(B, T, dtype=torch.float64)
     rows = [b for b in range(B) if mask[b].sum() > 0]
@@ -159,8 +177,8 @@ def test_aggregation_modes(mode):
 def test_smooth_pieces_pass_gradcheck():
     lp, old, behav, prox, adv, mask = inputs(7)
     x = lp.detach().clone().requires_grad_(True)
-    cfg = PolicyLossConfig(agg_mode="seq-mean-token-mean")
-    assert torch.autograd.gradcheck(lambda z: policy_loss("reinforce", z, old, adv, mask, config=cfg)[0], (x,))
+    cfg = loss_config("reinforce", agg_mode="seq-mean-token-mean")
+    assert torch.autograd.gradcheck(lambda z: policy_loss(z, old, adv, mask, config=cfg)[0], (x,))
     for kind in ("k1", "k2", "k3"):
         assert torch.autograd.gradcheck(lambda z, k=kind: kl_penalty(z, old, k).sum(), (x,))
     v = torch.randn(B, T, dtype=torch.float64, requires_grad=True)
@@ -180,10 +198,65 @@ def test_kl_estimators_and_value_loss_literal():
 
 def test_registry_errors_and_custom_variant():
     lp, old, behav, prox, adv, mask = inputs()
-    with pytest.raises(ValueError, match="unknown policy loss"):
-        policy_loss("nope", lp, old, adv, mask, config=CFG)
+    with pytest.raises(ValidationError, match="does not match any of the expected tags"):
+        loss_config("nope")
     with pytest.raises(ValueError, match="behavior_logprobs"):
-        policy_loss("decoupled_ppo", lp, old, adv, mask, config=CFG)
-    custom, _ = policy_loss("trainer.losses:reinforce", lp, old, adv, mask, config=CFG)
-    builtin, _ = policy_loss("reinforce", lp, old, adv, mask, config=CFG)
+        policy_loss(lp, old, adv, mask, config=CFG["decoupled_ppo"])
+    custom_cfg = loss_config("custom", function="trainer.losses:reinforce")
+    assert isinstance(custom_cfg, CustomLossConfig)
+    custom, _ = policy_loss(lp, old, adv, mask, config=custom_cfg)
+    builtin, _ = policy_loss(lp, old, adv, mask, config=CFG["reinforce"])
     assert custom.item() == builtin.item() and set(POLICY_LOSSES) >= {"ppo", "gspo", "topr"}
+
+
+def test_every_config_type_has_its_loss():
+    """The tagged union and the registry are two halves of one table: neither has a name the other lacks."""
+    variants = typing.get_args(typing.get_args(PolicyLossConfig)[0])
+    assert {cls.model_fields["type"].default for cls in variants} == set(POLICY_LOSSES)
+    for cls in variants:
+        for name, field in cls.model_fields.items():
+            assert field.description, f"{cls.__name__}.{name} has no description"
+
+
+def test_default_loss_is_decoupled_ppo_with_its_knobs():
+    loss = TrainerConfig().loss
+    assert loss.type == "decoupled_ppo"
+    assert (loss.clip_low, loss.clip_high, loss.behavior_weight_cap) == (0.2, 0.28, 5.0)
+    assert (loss.agg_mode, loss.norm_len) == ("token-mean", None)
+
+
+def scaled_reinforce(logprobs, old_logprobs, advantages, mask, *, config, **_):
+    """A user's own loss: REINFORCE times a knob of its own, read from ``config.params``."""
+    loss, ratio, clipped = reinforce(logprobs, old_logprobs, advantages, mask, config=config)
+    return loss * config.params["scale"], ratio, clipped
+
+
+def test_custom_loss_by_import_path_runs_with_its_own_params():
+    lp, old, _, _, adv, mask = inputs(4)
+    custom = {"type": "custom", "function": f"{__name__}:scaled_reinforce", "params": {"scale": 3.0}}
+    cfg = TrainerConfig.model_validate({"loss": custom}).loss
+    got, _ = policy_loss(lp, old, adv, mask, config=cfg)
+    want, _ = policy_loss(lp, old, adv, mask, config=CFG["reinforce"])
+    assert got.item() == pytest.approx(3.0 * want.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "loss, expected",
+    [
+        # An unknown type names the key and the choices.
+        ({"type": "nope"}, r"loss\n.*Input tag 'nope' found using 'type' does not match .*'decoupled_ppo'"),
+        # A knob of another variant is rejected under the variant that got it.
+        ({"type": "ppo", "tis_cap": 2.0}, r"loss\.ppo\.tis_cap\n\s+Extra inputs are not permitted"),
+        # The key before the rename fails loudly instead of leaving the default in force.
+        ({"variant": "ppo"}, r"loss\n.*Unable to extract tag using discriminator 'type'"),
+        # A custom loss that cannot be imported fails at load, not at the first training step.
+        ({"type": "custom", "function": "no_such_module:loss"}, r"loss\.custom\.function\n.*cannot import"),
+        ({"type": "custom", "function": "trainer.losses:no_such_loss"}, r"loss\.custom\.function\n.*cannot import"),
+        ({"type": "custom", "function": "reinforce"}, r"loss\.custom\.function\n.*expected 'module:function'"),
+        ({"type": "custom", "function": "trainer.losses:POLICY_LOSSES"}, r"loss\.custom\.function\n.*not callable"),
+        ({"type": "custom"}, r"loss\.custom\.function\n\s+Field required"),
+    ],
+)
+def test_bad_loss_configs_fail_at_load_naming_the_key(loss, expected):
+    with pytest.raises(ValidationError, match=expected):
+        TrainerConfig.model_validate({"loss": loss})
