@@ -12,36 +12,29 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.envs.base import Env
+from rollout.ports import Generation, RolloutObserver
+from rollout.sampling import SamplingParams
 from rollout.turn_barrier import TurnBarrier
-from sample_buffer.trajectory import Trajectory
+from sample_buffer.trajectory import FinishReason, Trajectory
 
-
-@dataclass
-class Generation:
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish: str  # stop | length | abort | timeout
-
-
-# generate(input_ids, sampling_params, trajectory_id, timeout_s) -> Generation
-GenerateFn = Callable[[list[int], dict, str, float], Awaitable[Generation]]
+# generate(input_ids, sampling, trajectory_id, timeout_s) -> Generation
+GenerateFn = Callable[[list[int], SamplingParams, str, float], Awaitable[Generation]]
+_ENDS_EPISODE = (FinishReason.TIMEOUT, FinishReason.ABORT)
 
 
 class EpisodeConfig(BaseModel):
-    """Per-episode limits."""
+    """Per-episode limits and sampling."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_turns: int = Field(1, ge=1, description="Generations per episode at most.")
-    max_new_tokens: int = Field(8, ge=1, description="Tokens per generation at most.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    sampling: SamplingParams = Field(
+        default_factory=lambda: SamplingParams(max_new_tokens=8), description="How every turn's generation samples."
+    )
     generation_timeout_s: float = Field(60.0, gt=0, description="Deadline of one generation (suspension included).")
     step_timeout_s: float = Field(30.0, gt=0, description="Deadline of one environment step (reward included).")
 
@@ -62,11 +55,17 @@ async def run_episode(
     group_id: str,
     prompt_id: str,
     barrier: TurnBarrier | None = None,
+    observer: RolloutObserver | None = None,
 ) -> Trajectory:
     """Run one episode. With a ``barrier`` (batch rollout) every turn's generation waits for all
     episodes' generations, and every environment step for all episodes' steps."""
     try:
-        return await _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier)
+        t0 = time.monotonic()
+        observer = observer or RolloutObserver()
+        traj = await _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id,
+                                  barrier, observer)  # fmt: skip
+        observer.episode_ended(traj, time.monotonic() - t0)
+        return traj
     finally:
         if barrier is not None:
             barrier.leave()
@@ -78,28 +77,25 @@ async def _env_step(env: Env, action: str):
     return await asyncio.to_thread(env.step, action)
 
 
-async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier):
-    t0 = time.monotonic()
+async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier, observer):
     obs = env.reset(seed)
     tokens = render_user_turn(tokenizer, obs)
     mask = [0] * len(tokens)
     logprobs: list[float] = []
     versions: list[int] = []
-    reward, finish, turns = 0.0, "stop", []
-    generate_s: list[float] = []  # seconds of each turn's generation and environment step (for metrics)
-    step_s: list[float] = []
-    sampling = {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature, "top_p": config.top_p}
+    reward, finish, turns = 0.0, FinishReason.STOP, []
     for _ in range(config.max_turns):
         t_gen = time.monotonic()
-        gen = await generate(tokens, sampling, trajectory_id, config.generation_timeout_s)
-        generate_s.append(round(time.monotonic() - t_gen, 6))
+        gen = await generate(tokens, config.sampling, trajectory_id, config.generation_timeout_s)
+        generate_s = time.monotonic() - t_gen
         turns.append(len(tokens))
         tokens += gen.output_ids
         mask += [1] * len(gen.output_ids)
-        logprobs += gen.logprobs
-        versions += gen.versions
-        if gen.finish in ("timeout", "abort"):
-            finish = gen.finish
+        logprobs += gen.behavior_logprobs
+        versions += gen.token_versions
+        if gen.finish_reason in _ENDS_EPISODE:
+            observer.turn(env.name, generate_s, None)
+            finish = gen.finish_reason
             break
         if barrier is not None:
             await barrier.wait()  # generate all, then step all
@@ -108,14 +104,14 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         try:
             result = await asyncio.wait_for(_env_step(env, action), config.step_timeout_s)
         except TimeoutError:
-            finish = "timeout"
+            finish = FinishReason.TIMEOUT
             break
         finally:
-            step_s.append(round(time.monotonic() - t_step, 6))
+            observer.turn(env.name, generate_s, time.monotonic() - t_step)
         if barrier is not None and not (result.done or result.observation is None):
             await barrier.wait()  # step all, then generate the next turn together
         reward += result.reward
-        finish = gen.finish
+        finish = gen.finish_reason
         if result.done or result.observation is None:
             break
         next_turn = render_user_turn(tokenizer, result.observation)
@@ -132,11 +128,5 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         reward=reward,
         start_version=versions[0] if versions else 0,
         finish_reason=finish,
-        metadata={
-            "env": env.name,
-            "turn_starts": turns,
-            "seconds": round(time.monotonic() - t0, 4),
-            "generate_s": generate_s,
-            "step_s": step_s,
-        },
+        metadata={"env": env.name, "turn_starts": turns},
     )

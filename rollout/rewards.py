@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rollout.registry import resolve
+from sample_buffer.registry import resolve
 
 
 def exact_match(response: str, answer: str) -> float:

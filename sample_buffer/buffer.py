@@ -75,11 +75,15 @@ class SampleBuffer(ABC):
         return (await self.put_many([group], timeout_s))[0]
 
     async def put_many(self, groups: list[Group | bytes], timeout_s: float | None = None) -> list[PutResult]:
-        """Store several groups in one backend round trip, in order. Every payload is checked
-        before any is stored (``CodecError`` stores nothing); filtered groups are counted and
+        """Store several groups in one backend round trip, in order. Every payload is decoded and
+        validated before any is stored (``CodecError`` stores nothing): a group is checked here, where
+        it enters the buffer, and never again (the trainer decodes without checks); filtered groups are counted and
         skipped; groups still without room at the timeout raise ``BufferFull`` (the earlier ones
         of the call are stored)."""
         datas = [encode_group(g) if isinstance(g, Group) else bytes(g) for g in groups]
+        for g, d in zip(groups, datas, strict=True):
+            if not isinstance(g, Group):  # a Group object was checked when it was built
+                decode_group(d)
         headers = [read_header(d) for d in datas]
         results = [PutResult(True) for _ in datas]
         todo = []

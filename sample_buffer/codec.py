@@ -102,7 +102,9 @@ def read_header(data: bytes) -> GroupHeader:
         raise CodecError(f"corrupt group header: {type(e).__name__}: {e}") from None
 
 
-def decode_group(data: bytes) -> Group:
+def decode_group(data: bytes, validate: bool = True) -> Group:
+    """The group back; ``validate=False`` skips the trajectories' checks (the buffer checked these
+    bytes when they were put, so the trainer does not again)."""
     flags, _, body = _split(data)
     head = read_header(data)
     try:
@@ -122,6 +124,7 @@ def decode_group(data: bytes) -> Group:
                 finish_reason=r[8],
                 token_rewards=None if r[9] is None else np.frombuffer(r[9], dtype="<f4"),
                 metadata=r[10],
+                check=validate,
             )
             for r in rows
         ]

@@ -9,11 +9,25 @@ sequence; ``behavior_logprobs``/``token_versions`` cover only the generated toke
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
-FINISH_REASONS = frozenset({"stop", "length", "abort", "timeout", "error", "env_error"})
+
+class FinishReason(StrEnum):
+    """Why a generation or an episode ended: one spelling from the engine's response to the
+    trainer's batch (``services/convert.py`` maps it to and from the proto enum)."""
+
+    STOP = "stop"  # EOS or a stop token; for an episode: the environment said done
+    LENGTH = "length"  # max_new_tokens or the model's context
+    ABORT = "abort"  # aborted by a caller (a stale group, a weight update in abort mode)
+    TIMEOUT = "timeout"  # missed a generation or environment-step deadline
+    ERROR = "error"  # the engine failed
+    ENV_ERROR = "env_error"  # the environment failed
+
+
+FINISH_REASONS = frozenset(FinishReason)
 
 
 class TrajectoryError(ValueError):
@@ -38,11 +52,13 @@ class Trajectory:
     token_versions: np.ndarray  # [G] int32, policy version that generated each token
     reward: float
     start_version: int  # version at the first generated token
-    finish_reason: str = "stop"
+    finish_reason: FinishReason = FinishReason.STOP
     token_rewards: np.ndarray | None = None  # [T] float32, optional
-    metadata: dict = field(default_factory=dict)  # env name, timings, turn boundaries
+    metadata: dict = field(default_factory=dict)  # env name, turn boundaries
+    # False skips the checks of ``validate`` for bytes already checked where they entered the buffer.
+    check: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check: bool = True) -> None:
         self.token_ids = _array("token_ids", self.token_ids, np.int32)
         self.loss_mask = _array("loss_mask", self.loss_mask, np.int8)
         self.behavior_logprobs = _array("behavior_logprobs", self.behavior_logprobs, np.float32)
@@ -50,7 +66,11 @@ class Trajectory:
         if self.token_rewards is not None:
             self.token_rewards = _array("token_rewards", self.token_rewards, np.float32)
         self.reward, self.start_version = float(self.reward), int(self.start_version)
-        self.validate()
+        if self.finish_reason not in FINISH_REASONS:
+            raise TrajectoryError(f"finish_reason: {self.finish_reason!r} is not one of {sorted(FINISH_REASONS)}")
+        self.finish_reason = FinishReason(self.finish_reason)
+        if check:
+            self.validate()
 
     @property
     def num_generated(self) -> int:
@@ -80,8 +100,6 @@ class Trajectory:
             raise TrajectoryError(f"token_rewards: length {len(self.token_rewards)} != token_ids length {t}")
         if not np.isfinite(self.reward):
             raise TrajectoryError(f"reward: must be finite, got {self.reward}")
-        if self.finish_reason not in FINISH_REASONS:
-            raise TrajectoryError(f"finish_reason: {self.finish_reason!r} is not one of {sorted(FINISH_REASONS)}")
 
 
 @dataclass

@@ -55,14 +55,15 @@ def init_model(
     typer.echo(f"wrote {path} ({n / 1e6:.2f} M parameters)")
 
 
-# rollmesh serve NAME: (module with serve(section_config), config section or None for the whole config, help)
+# rollmesh serve NAME: (module with serve(config), its config section, or None for the whole run config (a service
+# that calls others reads their addresses from ``mesh``), help)
 SERVICES = {
     "engine": ("services.engine.server", "engine", "The embedded inference engine's HTTP server (SGLang API subset)."),
     "llm-proxy": ("services.llm_proxy.server", "proxy", "The LLMProxy gRPC service in front of the engines."),
     "sample-buffer": ("services.sample_buffer.server", "buffer", "The SampleBuffer gRPC service."),
-    "controller": ("services.controller.server", "controller", "The AsyncController: admission, weight updates."),
-    "env-manager": ("services.env_manager.server", "env_manager", "An EnvManager pool running episodes."),
-    "trainer": ("services.trainer_main", None, "The trainer process: train, publish, checkpoint; exits when done."),
+    "controller": ("services.controller.server", None, "The AsyncController: admission, weight updates."),
+    "env-manager": ("services.env_manager.server", None, "An EnvManager pool running episodes."),
+    "trainer": ("services.trainer.main", None, "The trainer process: train, publish, checkpoint; exits when done."),
 }
 
 

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollout.engines.embedded.config import EngineConfig
 from rollout.proxy.config import ProxyConfig
 from sample_buffer.config import BufferConfig
 from services.controller.config import ControllerConfig
 from services.env_manager.config import EnvManagerConfig
-from services.trainer_loop import TrainLoopConfig
+from services.trainer.config import TrainerProcessConfig
 from trainer.config import TrainerConfig
 
 
@@ -39,12 +39,32 @@ class RunConfig(BaseModel):
     )
 
 
-class RollmeshConfig(BaseModel):
-    """Everything one rollmesh run needs; each section configures one component."""
+class MeshConfig(BaseModel):
+    """Where each service of the mesh is reached: written once, read by every client.
+    (``rollmesh run`` fills these in with the ports it picks; a cluster names its Services.)"""
 
     model_config = ConfigDict(extra="forbid")
 
-    run_name: str = Field("rollmesh", description="Name of the run (directory names, Redis key prefix).")
+    proxy: str = Field("127.0.0.1:50051", description="LLMProxy gRPC address (host:port).")
+    buffer: str = Field("127.0.0.1:50052", description="SampleBuffer gRPC address (host:port).")
+    controller: str = Field("127.0.0.1:50053", description="AsyncController gRPC address (host:port).")
+
+
+class RollmeshConfig(BaseModel):
+    """Everything one rollmesh run needs; each section configures one component.
+
+    A value several components share is written once at the top (``model_path``) or in ``mesh``
+    (addresses) and propagated; a section may still override the model path where it differs
+    (e.g. a tokenizer in another directory)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(
+        "models/tiny",
+        description="The policy's Hugging Face directory: what the engines serve at version 0 (and roll back to), "
+        "what the trainer starts from, whose tokenizer renders prompts.",
+    )
+    mesh: MeshConfig = Field(default_factory=MeshConfig, description="Addresses of the services.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The embedded engine server.")
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="The LLMProxy in front of the engines.")
     buffer: BufferConfig = Field(
@@ -55,8 +75,18 @@ class RollmeshConfig(BaseModel):
     )
     env_manager: EnvManagerConfig = Field(default_factory=EnvManagerConfig, description="The EnvManager pool.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The training engine.")
-    train_loop: TrainLoopConfig = Field(default_factory=TrainLoopConfig, description="The trainer process loop.")
+    train_loop: TrainerProcessConfig = Field(
+        default_factory=TrainerProcessConfig, description="The training loop and the trainer process around it."
+    )
     run: RunConfig = Field(default_factory=RunConfig, description="`rollmesh run`: how the local mesh is laid out.")
+
+    @model_validator(mode="after")
+    def _propagate_model_path(self) -> RollmeshConfig:
+        for section, key in (("engine", "model_path"), ("trainer", "model_path"),
+                             ("controller", "initial_model_path"), ("env_manager", "tokenizer_path")):  # fmt: skip
+            if getattr(getattr(self, section), key) is None:
+                setattr(getattr(self, section), key, self.model_path)
+        return self
 
 
 def apply_override(data: dict, override: str) -> None:

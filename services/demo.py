@@ -36,7 +36,7 @@ async def run_demo(model_path: str) -> None:
             calls.append(client.generate(list(ids), 24, trajectory_id=f"demo-{i}", temperature=1.0, sampling_seed=i))
         outs = await asyncio.gather(*calls)
         for text, out in zip(PROMPTS, outs):
-            mean_lp = sum(out.output_logprobs) / max(1, len(out.output_logprobs))
+            mean_lp = sum(out.behavior_logprobs) / max(1, len(out.behavior_logprobs))
             console.print(
                 f"[cyan]{text}[/] → {tok.decode(out.output_ids)!r}  "
                 f"({len(out.output_ids)} tokens, mean logprob {mean_lp:.2f}, version {out.weight_version})"

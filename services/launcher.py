@@ -128,8 +128,7 @@ class Mesh:
     @property
     def wiring(self) -> list[str]:
         """``--set`` overrides that point a client (EnvManager, trainer) at this mesh."""
-        return [f"env_manager.proxy_address={self.proxy}", f"env_manager.buffer_address={self.buffer}",
-                f"env_manager.controller_address={self.controller}"]  # fmt: skip
+        return [f"mesh.proxy={self.proxy}", f"mesh.buffer={self.buffer}", f"mesh.controller={self.controller}"]
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -168,8 +167,7 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh
             log_path=logs / "buffer.log", **up,
         )  # fmt: skip
         mesh.procs.append(proc)
-        ctl = [*overrides, f"controller.proxy_address={mesh.proxy}",
-               f"controller.metrics_port={mesh.metrics_port('controller')}"]  # fmt: skip
+        ctl = [*overrides, f"mesh.proxy={mesh.proxy}", f"controller.metrics_port={mesh.metrics_port('controller')}"]
         proc, mesh.controller = start_service_process(
             "controller", "controller", ctl, log_path=logs / "controller.log", **up
         )

@@ -6,10 +6,19 @@ from services.config import ConfigError, RollmeshConfig, load_config
 
 
 def test_defaults_and_overrides():
-    cfg = load_config(None, ["engine.port=30123", "proxy.engine_urls=[http://a:1, http://b:2]", "run_name=x"])
+    cfg = load_config(None, ["engine.port=30123", "proxy.engine_urls=[http://a:1, http://b:2]", "model_path=m/x"])
     assert cfg.engine.port == 30123
     assert cfg.proxy.engine_urls == ["http://a:1", "http://b:2"]
-    assert cfg.run_name == "x"
+
+
+def test_a_shared_value_is_written_once_and_propagated():
+    cfg = load_config(None, ["model_path=m/policy", "env_manager.tokenizer_path=m/tok"])
+    assert cfg.engine.model_path == cfg.trainer.model_path == cfg.controller.initial_model_path == "m/policy"
+    assert cfg.env_manager.tokenizer_path == "m/tok"  # a section may still override it
+    for gone in ("run_name=x", "trainer.total_steps=10", "controller.proxy_address=a:1",
+                 "env_manager.proxy_address=a:1"):  # fmt: skip  # one owner: train_loop.steps, mesh.*
+        with pytest.raises(ConfigError, match="unknown key"):
+            load_config(None, [gone])
 
 
 def test_unknown_key_is_an_error_naming_it(tmp_path):
@@ -36,13 +45,49 @@ def test_every_shipped_config_parses(path):
 
 
 def test_every_config_field_is_documented():
+    """Every field of every section, and of every variant of a typed union, has a description."""
+    import typing
+
     from pydantic import BaseModel
 
+    def models(ann):
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield ann
+        for arg in typing.get_args(ann):
+            yield from models(arg)
+
+    seen = set()
+
     def walk(cls):
+        seen.add(cls)
         for name, f in cls.model_fields.items():
             assert f.description, f"{cls.__name__}.{name} has no description"
-            ann = f.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann)
+            for sub in models(f.annotation):
+                if sub not in seen:
+                    walk(sub)
 
     walk(RollmeshConfig)
+    assert len(seen) > 20  # the walk reached into the unions (losses, estimators, environments)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.loss.type=dapo", "trainer.loss"),  # a misspelled loss variant
+        ("trainer.advantages.type=grpo_plus", "trainer.advantages"),  # an unknown estimator
+        ("env_manager.env={type: sim, turn: 3}", "env_manager.env.sim.turn"),  # a wrong env argument
+        ("env_manager.env={type: custom, cls: 'nope:Env'}", "env_manager.env.custom.cls"),
+        ("env_manager.reward=exact_mtch", "env_manager.reward"),
+    ],
+)
+def test_rollmesh_run_refuses_a_bad_variant_before_anything_starts(override, key, tmp_path):
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    run_dir = tmp_path / "run"
+    res = CliRunner().invoke(app, ["run", "examples/quickstart.yaml", "--set", override,
+                                   "--set", f"train_loop.run_dir={run_dir}"])  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert key in res.output
+    assert not run_dir.exists()  # nothing started: no run directory, no logs

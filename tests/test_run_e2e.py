@@ -9,9 +9,7 @@ import sys
 def quickstart_cmd(model, run_dir, *overrides: str) -> list[str]:
     """``rollmesh run examples/quickstart.yaml`` on ``model``, writing to ``run_dir``, plus overrides."""
     cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
-    for o in (f"engine.model_path={model}", f"controller.initial_model_path={model}",
-              f"env_manager.tokenizer_path={model}", f"trainer.model_path={model}", f"train_loop.run_dir={run_dir}",
-              *overrides):  # fmt: skip
+    for o in (f"model_path={model}", f"train_loop.run_dir={run_dir}", *overrides):
         cmd += ["--set", o]
     return cmd
 

@@ -16,7 +16,9 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_path: str = Field("models/tiny", description="Local Hugging Face model directory to train.")
+    model_path: str | None = Field(
+        None, description="Local Hugging Face model directory to start from; default: the run's model_path."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when available.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
     seed: int = Field(0, description="Seed of torch's generators.")
@@ -27,8 +29,9 @@ class TrainerConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 to lr over this many optimizer steps.")
-    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Shape after warm-up.")
-    total_steps: int = Field(1000, ge=1, description="Optimizer steps of the run (the cosine schedule's length).")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="Shape after warm-up; cosine reaches 0 at the run's last step (train_loop.steps)."
+    )
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (None = off).")
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Tokens per micro-batch (one forward/backward); gradients accumulate over them."

@@ -35,12 +35,16 @@ def _all_reduce(x: float, op=None) -> float:
     return float(t.item())
 
 
-def lr_lambda(config: TrainerConfig):
+def lr_lambda(config: TrainerConfig, total_steps: int | None):
+    """Warm-up, then constant or cosine to 0 at ``total_steps`` (the run's length: train_loop.steps)."""
+    if config.lr_schedule == "cosine" and total_steps is None:
+        raise ValueError("lr_schedule: 'cosine' needs the run's length (TrainEngine(..., total_steps=...))")
+
     def f(step: int) -> float:
         if step < config.warmup_steps:
             return (step + 1) / config.warmup_steps
         if config.lr_schedule == "cosine":
-            span = max(1, config.total_steps - config.warmup_steps)
+            span = max(1, total_steps - config.warmup_steps)
             return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - config.warmup_steps) / span)))
         return 1.0
 
@@ -48,7 +52,8 @@ def lr_lambda(config: TrainerConfig):
 
 
 class TrainEngine:
-    def __init__(self, config: TrainerConfig) -> None:
+    def __init__(self, config: TrainerConfig, total_steps: int | None = None) -> None:
+        """``total_steps``: the run's length (``train_loop.steps``), the cosine schedule's span."""
         from transformers import AutoModelForCausalLM
 
         self.config = config
@@ -78,7 +83,7 @@ class TrainEngine:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config, total_steps))
         self.step = 0  # optimizer steps taken
         self.version = 0  # policy version: bumped by every step, published to the engines
 

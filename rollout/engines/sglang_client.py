@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from rollout.sampling import SamplingParams
+from sample_buffer.trajectory import FINISH_REASONS, FinishReason
+
 
 class EngineRejected(ValueError):
     """The engine answered 4xx: the request itself is wrong. ``field`` names the input when known."""
@@ -34,9 +37,9 @@ class EngineUnavailable(ConnectionError):
 @dataclass
 class EngineResult:
     output_ids: list[int]
-    output_logprobs: list[float]
+    behavior_logprobs: list[float]
     token_versions: list[int]
-    finish_type: str  # stop | length | abort
+    finish_reason: FinishReason
     weight_version: int
     prompt_tokens: int
     e2e_latency_s: float
@@ -51,6 +54,10 @@ def _int_version(v) -> int:
         return -1  # SGLang's default version string is "default"
 
 
+def _finish_reason(value: str) -> FinishReason:
+    return FinishReason(value) if value in FINISH_REASONS else FinishReason.ERROR
+
+
 def parse_generate_response(body: dict) -> EngineResult:
     meta = body.get("meta_info", {})
     ids = list(body.get("output_ids", []))
@@ -60,9 +67,9 @@ def parse_generate_response(body: dict) -> EngineResult:
     finish = meta.get("finish_reason") or {"type": "abort"}
     return EngineResult(
         output_ids=ids,
-        output_logprobs=[float(t[0]) for t in triples],
+        behavior_logprobs=[float(t[0]) for t in triples],
         token_versions=[int(v) for v in versions],
-        finish_type=finish.get("type", "abort") if isinstance(finish, dict) else str(finish),
+        finish_reason=_finish_reason(finish.get("type", "abort") if isinstance(finish, dict) else str(finish)),
         weight_version=version,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         e2e_latency_s=float(meta.get("e2e_latency", 0.0)),
@@ -126,11 +133,15 @@ class SGLangClient:
     async def generate(
         self,
         input_ids: list[int],
-        sampling_params: dict,
+        sampling_params: SamplingParams | dict,
         rid: str | None = None,
         return_logprob: bool = True,
         timeout_s: float | None = None,
     ) -> EngineResult:
+        if isinstance(sampling_params, SamplingParams):  # SGLang's names; what is left out takes its defaults
+            sampling_params = sampling_params.model_dump(exclude_defaults=True) | {
+                "max_new_tokens": sampling_params.max_new_tokens
+            }
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if rid is not None:
             payload["rid"] = rid

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import math
 import random
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,21 +21,27 @@ from rollout.envs.base import StepResult
 
 
 class SimEnvConfig(BaseModel):
+    """Simulated turns and step latency (``rollout/envs/sim.py``)."""
+
     model_config = ConfigDict(extra="forbid")
 
+    type: Literal["sim"] = Field("sim", description="Selects the simulated environment.")
     turns: int = Field(1, ge=1, description="Environment steps per episode.")
     latency_median_s: float = Field(0.5, ge=0, description="Median simulated seconds of one step (reward included).")
     latency_sigma: float = Field(0.5, ge=0, description="Lognormal sigma of the step latency (0 = constant).")
     latency_cap_s: float = Field(600.0, gt=0, description="Longest simulated step.")
     time_scale: float = Field(100.0, gt=0, description="Simulated seconds per wall second (match the engines').")
 
+    def build(self, rows: list[dict], reward_fn=None) -> SimEnv:
+        return SimEnv(rows, self)
+
 
 class SimEnv:
     name = "sim"
     _instances = itertools.count()  # the n envs of a group share a seed; this tells them apart
 
-    def __init__(self, rows: list[dict], reward_fn=None, **kwargs) -> None:
-        self.rows, self.config = rows, SimEnvConfig(**kwargs)
+    def __init__(self, rows: list[dict], config: SimEnvConfig | None = None) -> None:
+        self.rows, self.config = rows, config or SimEnvConfig()
         self._id = next(self._instances)
         self._rng = random.Random(self._id)
         self._turn = 0

@@ -27,6 +27,8 @@ from typing import Literal
 from rollout.engines.sglang_client import EngineRejected, EngineUnavailable, SGLangClient
 from rollout.proxy.config import ProxyConfig
 from rollout.proxy.router import EngineSlot, Router
+from rollout.sampling import SamplingParams
+from sample_buffer.trajectory import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class NoEngineAvailable(RuntimeError):
 @dataclass
 class ProxyRequest:
     input_ids: list[int]
-    sampling_params: dict
+    sampling_params: SamplingParams
     request_id: str = ""
     trajectory_id: str = ""
     timeout_s: float = 0.0
@@ -59,9 +61,9 @@ class ProxyRequest:
 class ProxyResult:
     request_id: str
     output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
+    behavior_logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
-    finish_type: str = "abort"  # stop | length | abort | timeout
+    finish_reason: FinishReason = FinishReason.ABORT
     weight_version: int = 0
     engine: str = ""
     prompt_tokens: int = 0
@@ -86,13 +88,6 @@ def _validate(req: ProxyRequest) -> None:
         raise RequestInvalid("input_ids", "must not be empty")
     if any(t < 0 for t in req.input_ids):
         raise RequestInvalid("input_ids", "token ids must be >= 0")
-    sp = req.sampling_params
-    if int(sp.get("max_new_tokens", 0)) <= 0:
-        raise RequestInvalid("sampling_params.max_new_tokens", f"must be >= 1, got {sp.get('max_new_tokens', 0)}")
-    if sp.get("temperature", 1.0) < 0:
-        raise RequestInvalid("sampling_params.temperature", "must be >= 0")
-    if not 0 < sp.get("top_p", 1.0) <= 1:
-        raise RequestInvalid("sampling_params.top_p", "must be in (0, 1]")
     if req.timeout_s < 0:
         raise RequestInvalid("timeout_s", "must be >= 0")
 
@@ -157,24 +152,24 @@ class LLMProxy:
         finally:
             del self._in_flight[req.request_id]
         fl.result.e2e_latency_s = time.perf_counter() - fl.t0
-        self.counters[f"finished_{fl.result.finish_type}"] += 1
+        self.counters[f"finished_{fl.result.finish_reason}"] += 1
         return fl.result
 
     async def _run(self, fl: _InFlight, deadline: float) -> None:
         req, res = fl.request, fl.result
-        max_new = int(req.sampling_params["max_new_tokens"])
+        max_new = req.sampling_params.max_new_tokens
         failed: set[str] = set()
         while True:
             if not await self._wait_open(fl, deadline):
-                res.finish_type = "abort" if fl.aborted.is_set() else "timeout"
+                res.finish_reason = FinishReason.ABORT if fl.aborted.is_set() else FinishReason.TIMEOUT
                 return
             slot = self.router.pick(req.trajectory_id, frozenset(failed))
             if slot is None:
                 if res.output_ids:  # keep what was generated; the caller decides
-                    res.finish_type = "abort"
+                    res.finish_reason = FinishReason.ABORT
                     return
                 raise NoEngineAvailable(f"no engine in rotation ({len(failed)} failed this request)")
-            params = dict(req.sampling_params, max_new_tokens=max_new - len(res.output_ids))
+            params = req.sampling_params.model_copy(update={"max_new_tokens": max_new - len(res.output_ids)})
             epoch = self._suspend_epoch
             t_call = time.perf_counter()
             try:
@@ -190,7 +185,7 @@ class LLMProxy:
                 field = e.field or "input_ids"
                 raise RequestInvalid(field, str(e).removeprefix(f"{field}: ")) from e
             if out is None:  # deadline passed and the engine did not give the partial back in time
-                res.finish_type = "timeout"
+                res.finish_reason = FinishReason.TIMEOUT
                 return
             if res.num_segments == 0:
                 res.queue_time_s += out.queue_time_s or 0.0
@@ -198,21 +193,21 @@ class LLMProxy:
                     res.ttft_s = t_call - fl.t0 + out.ttft_s
             res.num_segments += 1
             res.output_ids += out.output_ids
-            res.output_logprobs += out.output_logprobs
+            res.behavior_logprobs += out.behavior_logprobs
             res.token_versions += out.token_versions
             res.weight_version, res.engine = out.weight_version, slot.name
             res.prompt_tokens = len(req.input_ids)
-            if out.finish_type != "abort":
-                res.finish_type = out.finish_type
+            if out.finish_reason != FinishReason.ABORT:
+                res.finish_reason = out.finish_reason
                 return
             if fl.aborted.is_set() or time.perf_counter() >= deadline:
-                res.finish_type = "abort" if fl.aborted.is_set() else "timeout"
+                res.finish_reason = FinishReason.ABORT if fl.aborted.is_set() else FinishReason.TIMEOUT
                 return
             if self._suspend_epoch == epoch or self._mode != "continue":
-                res.finish_type = "abort"  # aborted at the engine by someone else, or abort mode
+                res.finish_reason = FinishReason.ABORT  # aborted at the engine by someone else, or abort mode
                 return
             if len(res.output_ids) >= max_new:
-                res.finish_type = "length"
+                res.finish_reason = FinishReason.LENGTH
                 return
             # Suspended in "continue" mode: wait for resume, then go on from the partial tokens.
 
@@ -232,7 +227,7 @@ class LLMProxy:
     async def _call_engine(self, fl: _InFlight, slot: EngineSlot, ids: list[int], params: dict, deadline: float):
         """One engine call. On the deadline, abort it there and take the partial output back."""
         fl.slot, fl.engine_rid = slot, f"{fl.request.request_id}#{next(self._seq)}"
-        cost = len(ids) + int(params["max_new_tokens"])
+        cost = len(ids) + params.max_new_tokens
         slot.in_flight += 1
         slot.outstanding_tokens += cost
         slot.requests_total += 1

@@ -66,22 +66,19 @@ def _config(
         env_args = {"turns": 1, "latency_median_s": 1.0, "latency_sigma": 0.3, "time_scale": time_scale}
         max_new_tokens = SHAPE["max_new_tokens"]
     cfg = {
-        "run_name": name,
-        "engine": {"model_path": tokenizer, "max_running_requests": max_running, "sim": {"time_scale": time_scale}},
+        "model_path": tokenizer,
+        "engine": {"max_running_requests": max_running, "sim": {"time_scale": time_scale}},
         "proxy": {"request_timeout_s": 600},
         "buffer": {"backend": "memory", "filter_zero_variance": False},
         "controller": {
             "async_ratio": scenario["async_ratio"],
             "groups_per_step": groups_per_step,
-            "initial_model_path": tokenizer,
             "update_timeout_s": 120,
             "suspend_mode": suspend_mode,
         },
         "env_manager": {
             "dataset_path": str(dataset),
-            "env": "sim",
-            "env_args": env_args,
-            "tokenizer_path": tokenizer,
+            "env": {"type": "sim", **env_args},
             "group_size": group_size,
             # Enough workers for the largest bound: (4 + 1) x groups_per_step groups in flight.
             "num_workers": 5 * groups_per_step,
@@ -89,12 +86,12 @@ def _config(
             "replicate_prompts": scenario["replicate"],
             "episode": {
                 "max_turns": env_args["turns"],
-                "max_new_tokens": max_new_tokens,
+                "sampling": {"max_new_tokens": max_new_tokens},
                 "generation_timeout_s": 600,
                 "step_timeout_s": 600,
             },
         },
-        "trainer": {"model_path": tokenizer, "sim": {"time_scale": time_scale}},
+        "trainer": {"sim": {"time_scale": time_scale}},
         "train_loop": {"steps": steps, "run_dir": str(tmp / name), "checkpoint_every": 0, "get_timeout_s": 600},
         "run": {"num_engines": engines},
     }
@@ -173,7 +170,7 @@ def _rules_reference(cfg, warmup: int, steps: int) -> dict:
             cfg.engine.sim, cfg.trainer.sim, engines=cfg.run.num_engines,
             max_running=cfg.engine.max_running_requests, groups_per_step=cfg.controller.groups_per_step,
             group_size=cfg.env_manager.group_size, async_ratio=cfg.controller.async_ratio,
-            max_new_tokens=cfg.env_manager.episode.max_new_tokens, **kw,
+            max_new_tokens=cfg.env_manager.episode.sampling.max_new_tokens, **kw,
         )  # fmt: skip
 
     # A few measured steps early in a run are not steady state (the first long tails are still

@@ -220,7 +220,7 @@ def plan(cfg, groups_per_step: list[int], async_ratios: list[int], engines: int 
             "engines": cfg.run.num_engines,
             "max_running": cfg.engine.max_running_requests,
             "group_size": cfg.env_manager.group_size,
-            "max_new_tokens": cfg.env_manager.episode.max_new_tokens,
+            "max_new_tokens": cfg.env_manager.episode.sampling.max_new_tokens,
         }
     if engines is not None:
         shape["engines"] = engines

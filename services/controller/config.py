@@ -14,9 +14,10 @@ class ControllerConfig(BaseModel):
 
     async_ratio: int = Field(1, ge=0, description="Versions a sample may lag its training step; 0 = on-policy.")
     groups_per_step: int = Field(8, ge=1, description="Groups (prompts) the trainer consumes per optimizer step.")
-    proxy_address: str = Field("127.0.0.1:50051", description="LLMProxy gRPC address (suspend/resume/restore).")
-    initial_model_path: str = Field(
-        "models/tiny", description="Weights the engines serve at version 0: restored if the first update aborts."
+    initial_model_path: str | None = Field(
+        None,
+        description="Weights the engines serve at version 0, restored if the first update aborts; default: the "
+        "run's model_path.",
     )
     update_timeout_s: float = Field(
         300.0, gt=0, description="An update not committed within this is aborted and rolled back."

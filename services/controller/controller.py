@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from rollout.admission import admission_capacity
+from rollout.ports import Admitted
 from services.controller.config import ControllerConfig
 
 log = logging.getLogger(__name__)
@@ -57,16 +58,20 @@ class AsyncController:
         c = self.config
         return admission_capacity(c.async_ratio, self.version, c.groups_per_step, self.finished, self.in_flight)
 
-    async def admit(self, client_id: str, n: int) -> tuple[int, int]:
-        if n < 0:
-            raise ValueError(f"num_groups: must be >= 0, got {n}")
-        granted = min(n, self.capacity())
+    async def admit(self, num_groups: int) -> Admitted:
+        if num_groups < 0:
+            raise ValueError(f"num_groups: must be >= 0, got {num_groups}")
+        granted = min(num_groups, self.capacity())
         self.in_flight += granted
         self.counters["admitted"] += granted
-        self.counters["admit_refused"] += n - granted
-        return granted, self.version
+        self.counters["admit_refused"] += num_groups - granted
+        return Admitted(granted, self.version, self.config.async_ratio)
 
-    async def release(self, client_id: str, unused: int, finished: int, dropped: int = 0) -> None:
+    async def limits(self) -> tuple[int, int]:
+        """(async_ratio, groups_per_step): the bound admission runs under."""
+        return self.config.async_ratio, self.config.groups_per_step
+
+    async def release(self, *, unused: int = 0, finished: int = 0, dropped: int = 0) -> None:
         if unused < 0 or finished < 0 or dropped < 0:
             raise ValueError("num_groups, num_finished and num_dropped: must be >= 0")
         if unused + finished > self.in_flight:
@@ -155,6 +160,11 @@ class AsyncController:
     def _notify(self, suspended: bool) -> None:
         for q in self._watchers:
             q.put_nowait((self.version, suspended))
+
+    async def watch_versions(self):
+        """Yields the version now and at every change (the rollout loop's ``Admission`` port)."""
+        async for version, _ in self.watch():
+            yield version
 
     async def watch(self):
         """Yields (version, suspended) now and at every change."""

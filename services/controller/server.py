@@ -98,13 +98,12 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, f"LLMProxy did not answer: {e}")
 
     async def admit(req: pb.AdmitRequest, ctx) -> pb.AdmitResponse:
-        granted, version = await guarded(ctx, ctl.admit(req.client_id, req.num_groups))
-        return pb.AdmitResponse(
-            num_admitted=granted, version=version, capacity=ctl.capacity(), async_ratio=ctl.config.async_ratio
-        )
+        a = await guarded(ctx, ctl.admit(req.num_groups))
+        return pb.AdmitResponse(num_admitted=a.num_groups, version=a.version, capacity=ctl.capacity(),
+                                async_ratio=a.async_ratio, groups_per_step=ctl.config.groups_per_step)  # fmt: skip
 
     async def release(req: pb.ReleaseRequest, ctx) -> pb.ReleaseResponse:
-        await guarded(ctx, ctl.release(req.client_id, req.num_groups, req.num_finished, req.num_dropped))
+        await guarded(ctx, ctl.release(unused=req.num_groups, finished=req.num_finished, dropped=req.num_dropped))
         return pb.ReleaseResponse()
 
     async def begin(req: pb.BeginUpdateRequest, ctx) -> pb.BeginUpdateResponse:
@@ -134,18 +133,21 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
     )
 
 
-async def start_controller(config: ControllerConfig):
+async def start_controller(config: ControllerConfig, proxy_address: str):
     """Start the controller and its gRPC server; returns (server, controller, proxy client)."""
-    proxy_client = ProxyClient(config.proxy_address, timeout_s=config.control_timeout_s)
+    proxy_client = ProxyClient(proxy_address, timeout_s=config.control_timeout_s)
     ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s, config.suspend_mode))
     server = await start_server(build_handler(ctl), SERVICE, config.host, config.port)
     serve_metrics(build_metrics(ctl), config.host, config.metrics_port, "AsyncController")
     return server, ctl, proxy_client
 
 
-def serve(config: ControllerConfig) -> None:
+def serve(cfg) -> None:
+    """``cfg``: the whole run config (the controller's section and the LLMProxy's address)."""
+    config = cfg.controller
+
     async def start():
-        server, ctl, proxy_client = await start_controller(config)
+        server, ctl, proxy_client = await start_controller(config, cfg.mesh.proxy)
         log.info("AsyncController serving on %s:%d", config.host, server.bound_port)
 
         async def cleanup() -> None:

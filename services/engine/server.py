@@ -104,7 +104,7 @@ def _response(out: GenerateOutput, return_logprob: bool) -> dict:
         "ttft": out.ttft_s,
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids)]
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.behavior_logprobs, out.output_ids)]
     return {"output_ids": out.output_ids, "meta_info": meta}
 
 

@@ -8,15 +8,16 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Summary
 from prometheus_client.core import GaugeMetricFamily
 
-from sample_buffer.trajectory import Group
+from rollout.loop import GroupOutcome
+from rollout.ports import RolloutObserver
+from sample_buffer.trajectory import FINISH_REASONS, Trajectory
 from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, histogram, init_labels
 
-FINISH_REASONS = ("stop", "length", "abort", "timeout")
-GROUP_RESULTS = ("put", "filtered", "stale", "failed")
 
+class EnvMetrics(RolloutObserver):
+    """The rollout loop's observer: what it reports becomes Prometheus metrics."""
 
-class EnvMetrics:
-    def __init__(self, env: str, manager_stats: Callable[[], dict]) -> None:
+    def __init__(self, env: str, stats: Callable[[], dict] | None = None) -> None:
         self.env = env
         self.registry = r = CollectorRegistry()
         self.episodes = Counter("rollmesh_env_episodes", "Episodes ended, by env and finish reason",
@@ -24,7 +25,7 @@ class EnvMetrics:
         for finish in FINISH_REASONS:
             self.episodes.labels(env, finish)
         self.groups = Counter("rollmesh_env_groups", "Groups ended, by result", ["result"], registry=r)
-        init_labels(self.groups, *GROUP_RESULTS)
+        init_labels(self.groups, *GroupOutcome)
         self.trajectory_tokens = Counter(
             "rollmesh_env_generated_tokens", "Generated tokens of ended episodes", ["env"], registry=r
         )
@@ -50,11 +51,13 @@ class EnvMetrics:
         self.group = hist("rollmesh_env_group_duration_seconds", "Admission to the buffer, one group", SLOW_BUCKETS_S)
         for m in (self.trajectory_tokens, self.stale_tokens, self.reward):
             m.labels(env)
-        self._stats = manager_stats
+        self.stats = stats  # () -> {"running_episodes": n, "workers": n}, read at scrape time
         r.register(self)
 
     def collect(self):
-        s = self._stats()
+        if self.stats is None:
+            return
+        s = self.stats()
         yield GaugeMetricFamily("rollmesh_env_running_episodes", "Episodes in progress", value=s["running_episodes"])
         yield GaugeMetricFamily("rollmesh_env_workers", "Workers of this pool", value=s["workers"])
 
@@ -71,15 +74,24 @@ class EnvMetrics:
 
         return timed
 
-    def observe_group(self, group: Group, seconds: float) -> None:
-        self.group.labels(self.env).observe(seconds)
-        for t in group.trajectories:
-            env = t.metadata.get("env", self.env)
-            self.episodes.labels(env, t.finish_reason).inc()
-            self.reward.labels(env).observe(t.reward)
-            self.trajectory_tokens.labels(env).inc(len(t.behavior_logprobs))  # generated tokens
-            self.episode.labels(env).observe(t.metadata.get("seconds", 0.0))
-            for s in t.metadata.get("generate_s", ()):
-                self.generation.labels(env).observe(s)
-            for s in t.metadata.get("step_s", ()):
-                self.step.labels(env).observe(s)
+    def turn(self, env: str, generate_s: float, step_s: float | None) -> None:
+        self.generation.labels(env).observe(generate_s)
+        if step_s is not None:
+            self.step.labels(env).observe(step_s)
+
+    def episode_ended(self, trajectory: Trajectory, seconds: float) -> None:
+        env = trajectory.metadata.get("env", self.env)
+        self.episodes.labels(env, trajectory.finish_reason).inc()
+        self.reward.labels(env).observe(trajectory.reward)
+        self.trajectory_tokens.labels(env).inc(len(trajectory.behavior_logprobs))  # generated tokens
+        self.episode.labels(env).observe(seconds)
+
+    def group_ended(self, outcome: str, trajectories: list[Trajectory], seconds: float) -> None:
+        self.groups.labels(outcome).inc()
+        if outcome == GroupOutcome.STALE:  # what the bound costs: generated, never trained on
+            self.stale_tokens.labels(self.env).inc(sum(len(t.behavior_logprobs) for t in trajectories))
+        elif outcome != GroupOutcome.FAILED:
+            self.group.labels(self.env).observe(seconds)
+
+    def generate_retried(self, code: str) -> None:
+        self.generate_retries.labels(code).inc()

@@ -1,4 +1,4 @@
-"""gRPC EnvManager service: Start / Stop / Stats over an ``EnvManager`` pool."""
+"""gRPC EnvManager service: Start / Stop / Stats over a ``RolloutLoop`` wired to the mesh."""
 
 from __future__ import annotations
 
@@ -7,41 +7,45 @@ import logging
 
 import grpc
 
+from rollout.envs import load_jsonl
+from rollout.loop import RolloutLoop
+from rollout.rewards import resolve_reward
+from services.controller.client import ControllerClient
 from services.env_manager.config import EnvManagerConfig
-from services.env_manager.manager import EnvManager
+from services.env_manager.metrics import EnvMetrics
 from services.grpc_util import serve_until_signal, start_server, unary_service
-from services.llm_proxy.client import ProxyClient
+from services.llm_proxy.client import ProxyClient, ProxyGenerate
 from services.metrics import serve_metrics
-from services.pb.rollmesh.v1 import controller_pb2_grpc
 from services.pb.rollmesh.v1 import env_manager_pb2 as pb
-from services.sample_buffer.client import BufferClient
+from services.sample_buffer.client import BufferClient, PutBatcher
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.EnvManager"
-_FAILURES = ("env_error", "finish_timeout", "groups_filtered", "groups_stale")
+_FAILURES = ("groups_failed", "groups_filtered", "groups_stale", "finish_timeout", "finish_abort", "release_failures")
 
 
-def build_handler(manager: EnvManager) -> grpc.GenericRpcHandler:
+def build_handler(loop: RolloutLoop) -> grpc.GenericRpcHandler:
     async def start(req: pb.StartRequest, ctx) -> pb.StartResponse:
         if req.num_workers < 0:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_workers: must be >= 0")
-        await manager.start(req.num_workers)
+        await loop.start(req.num_workers)
         return pb.StartResponse(started=True)
 
     async def stop(req: pb.StopRequest, ctx) -> pb.StopResponse:
-        return pb.StopResponse(episodes_abandoned=await manager.stop())
+        if req.timeout_s < 0:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s: must be >= 0")
+        return pb.StopResponse(episodes_abandoned=await loop.stop(req.drain, req.timeout_s))
 
     async def stats(req: pb.EnvStatsRequest, ctx) -> pb.EnvStats:
-        c = manager.counters
+        c = loop.counters
         return pb.EnvStats(
-            running=manager.running,
-            workers=len(manager._workers),
+            running=loop.running,
+            workers=loop.workers,
+            episodes_running=loop.running_episodes,
             episodes_finished=c["trajectories"],
-            trajectories_put=c["groups_put"] * manager.config.group_size,
+            trajectories_put=c["trajectories_put"],
             groups_put=c["groups_put"],
-            failures_by_reason={
-                k: v for k, v in c.items() if k in ("env_error", "finish_timeout", "groups_filtered", "groups_stale")
-            },
+            failures_by_reason={k: c[k] for k in _FAILURES if c[k]},
         )
 
     return unary_service(
@@ -50,20 +54,42 @@ def build_handler(manager: EnvManager) -> grpc.GenericRpcHandler:
     )
 
 
-def serve(config: EnvManagerConfig) -> None:
+def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClient,
+               controller: ControllerClient) -> RolloutLoop:  # fmt: skip
+    """The rollout loop over the mesh's clients, reporting to Prometheus."""
+    from transformers import AutoTokenizer
+
+    rows = load_jsonl(config.dataset_path)
+    reward_fn = resolve_reward(config.reward)
+    probe = config.env.build(rows, reward_fn)  # a custom environment's constructor fails here, not mid-run
+    metrics = EnvMetrics(getattr(probe, "name", config.env.type))
+    loop = RolloutLoop(
+        config, rows=rows, tokenizer=AutoTokenizer.from_pretrained(config.tokenizer_path),
+        reward_fn=metrics.timed_reward(reward_fn), admission=controller,
+        engine=ProxyGenerate(proxy), sink=PutBatcher(buffer, config.put_batch_max_groups, config.put_batch_delay_s),
+        observer=metrics,
+    )  # fmt: skip
+    metrics.stats = lambda: {"running_episodes": loop.running_episodes, "workers": loop.workers}
+    return loop
+
+
+def serve(cfg) -> None:
+    """``cfg``: the whole run config (the EnvManager's section and the mesh's addresses)."""
+
     async def start():
-        proxy, buffer = ProxyClient(config.proxy_address), BufferClient(config.buffer_address)
-        channel = grpc.aio.insecure_channel(config.controller_address)
-        manager = EnvManager(config, proxy, buffer, controller_pb2_grpc.AsyncControllerStub(channel))
-        server = await start_server(build_handler(manager), SERVICE, config.host, config.port)
-        serve_metrics(manager.metrics.registry, config.host, config.metrics_port, "EnvManager")
+        proxy, buffer = ProxyClient(cfg.mesh.proxy), BufferClient(cfg.mesh.buffer)
+        controller = ControllerClient(cfg.mesh.controller)
+        loop = build_loop(cfg.env_manager, proxy, buffer, controller)
+        config = cfg.env_manager
+        server = await start_server(build_handler(loop), SERVICE, config.host, config.port)
+        serve_metrics(loop.observer.registry, config.host, config.metrics_port, "EnvManager")
         if config.autostart:
-            await manager.start()
+            await loop.start()
         log.info("EnvManager serving on %s:%d", config.host, server.bound_port)
 
         async def cleanup() -> None:
-            await manager.stop()
-            await asyncio.gather(proxy.close(), buffer.close(), channel.close())
+            await loop.stop()
+            await asyncio.gather(proxy.close(), buffer.close(), controller.close())
 
         return server, cleanup
 

@@ -1,9 +1,13 @@
-"""Async gRPC client of the LLMProxy (what EnvManagers and the trainer use)."""
+"""Async gRPC client of the LLMProxy, and the rollout loop's ``Generate`` port over it."""
 
 from __future__ import annotations
 
 import grpc
 
+from rollout.ports import Generation
+from rollout.sampling import SamplingParams
+from services.controller.client import project_error
+from services.convert import finish_from_pb, sampling_to_pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2_grpc
 
@@ -32,7 +36,7 @@ class ProxyClient:
             request_id=request_id,
             trajectory_id=trajectory_id,
             input_ids=input_ids,
-            sampling_params=pb.SamplingParams(max_new_tokens=max_new_tokens, **sampling),
+            sampling_params=sampling_to_pb(SamplingParams(max_new_tokens=max_new_tokens, **sampling)),
             timeout_s=timeout_s,
         )
         return await self.stub.Generate(req, timeout=(timeout_s or self.timeout_s) + 5.0)
@@ -54,3 +58,26 @@ class ProxyClient:
 
     async def stats(self) -> pb.ProxyStats:
         return await self.stub.Stats(pb.StatsRequest(), timeout=10)
+
+
+class ProxyGenerate:
+    """The rollout loop's ``Generate`` port: one LLMProxy call per generation, the response in
+    the trajectory's names; a transient gRPC failure becomes ``TransientError``."""
+
+    def __init__(self, client: ProxyClient) -> None:
+        self.client = client
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str, route: str, timeout_s: float
+    ) -> Generation:
+        req = pb.GenerateRequest(request_id=request_id, trajectory_id=route, input_ids=input_ids,
+                                 sampling_params=sampling_to_pb(sampling), timeout_s=timeout_s)  # fmt: skip
+        try:
+            res = await self.client.stub.Generate(req, timeout=timeout_s + 5.0)
+        except grpc.aio.AioRpcError as e:  # our own cancellation arrives as CancelledError instead
+            raise project_error(e) from None
+        return Generation(list(res.output_ids), list(res.behavior_logprobs), list(res.token_versions),
+                          finish_from_pb(res.finish_reason))  # fmt: skip
+
+    async def abort(self, request_id: str) -> None:
+        await self.client.abort(request_id=request_id)

@@ -10,39 +10,21 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rollout.proxy import LLMProxy, ProxyConfig, ProxyRequest, RequestInvalid
 from rollout.proxy.proxy import UPDATE_FAILURE_CAUSES, NoEngineAvailable
+from sample_buffer.trajectory import FinishReason
+from services.convert import finish_to_pb, sampling_from_pb
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import SLOW_BUCKETS_S, histogram, init_labels, serve_metrics
-from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.LLMProxy"
 
-_FINISH = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "timeout": common_pb2.FINISH_REASON_TIMEOUT,
-}
 _MODES = {
     pb.SUSPEND_MODE_UNSPECIFIED: "continue",
     pb.SUSPEND_MODE_CONTINUE: "continue",
     pb.SUSPEND_MODE_ABORT: "abort",
     pb.SUSPEND_MODE_IN_PLACE: "in_place",
 }
-
-
-def sampling_dict(sp: pb.SamplingParams) -> dict:
-    """Proto sampling params → SGLang's ``sampling_params`` (unset optionals left to the engine)."""
-    out: dict = {"max_new_tokens": sp.max_new_tokens}
-    for name in ("temperature", "top_p", "top_k", "sampling_seed"):
-        if sp.HasField(name):
-            out[name] = getattr(sp, name)
-    if sp.stop_token_ids:
-        out["stop_token_ids"] = list(sp.stop_token_ids)
-    if sp.ignore_eos:
-        out["ignore_eos"] = True
-    return out
 
 
 class _EngineCollector:
@@ -109,7 +91,7 @@ class ProxyMetrics:
         for e in proxy.router.engines:
             init_labels(self.tokens, e.name)
             init_labels(self.prompt_tokens, e.name)
-            for finish in _FINISH:
+            for finish in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT, FinishReason.TIMEOUT):
                 self.requests.labels(e.name, finish)
         self.latency = histogram(
             r, "rollmesh_proxy_generate_latency_seconds", "Generate latency seen by callers (suspensions included)"
@@ -134,7 +116,7 @@ class ProxyMetrics:
 
     def observe(self, res) -> None:
         engine = res.engine or "none"
-        self.requests.labels(engine, res.finish_type).inc()
+        self.requests.labels(engine, res.finish_reason).inc()
         self.tokens.labels(engine).inc(len(res.output_ids))
         self.prompt_tokens.labels(engine).inc(res.prompt_tokens)
         self.latency.observe(res.e2e_latency_s)
@@ -151,14 +133,14 @@ class ProxyMetrics:
 
 def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHandler:
     async def generate(req: pb.GenerateRequest, ctx) -> pb.GenerateResponse:
-        preq = ProxyRequest(
-            input_ids=list(req.input_ids),
-            sampling_params=sampling_dict(req.sampling_params),
-            request_id=req.request_id,
-            trajectory_id=req.trajectory_id,
-            timeout_s=req.timeout_s,
-        )
         try:
+            preq = ProxyRequest(
+                input_ids=list(req.input_ids),
+                sampling_params=sampling_from_pb(req.sampling_params),
+                request_id=req.request_id,
+                trajectory_id=req.trajectory_id,
+                timeout_s=req.timeout_s,
+            )
             res = await proxy.generate(preq)
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -168,9 +150,9 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
         return pb.GenerateResponse(
             request_id=res.request_id,
             output_ids=res.output_ids,
-            output_logprobs=res.output_logprobs,
+            behavior_logprobs=res.behavior_logprobs,
             token_versions=res.token_versions,
-            finish_reason=_FINISH.get(res.finish_type, common_pb2.FINISH_REASON_ERROR),
+            finish_reason=finish_to_pb(res.finish_reason),
             weight_version=res.weight_version,
             engine=res.engine,
             prompt_tokens=res.prompt_tokens,

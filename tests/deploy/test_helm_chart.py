@@ -72,11 +72,12 @@ def test_defaults_render_a_disaggregated_gpu_mesh(tmp_path):
     (tmp_path / "config.yaml").write_text(objs[("ConfigMap", "t-rollmesh-config")]["data"]["config.yaml"])
     cfg = load_config(tmp_path / "config.yaml")
     assert cfg.proxy.engine_urls == [f"http://t-rollmesh-engine-{i}.t-rollmesh-engine:30000" for i in range(2)]
-    assert cfg.env_manager.proxy_address == "t-rollmesh-llm-proxy:50051"
+    assert cfg.mesh.proxy == "t-rollmesh-llm-proxy:50051"
     assert cfg.buffer.redis_url == "redis://t-rollmesh-redis:6379/0" and cfg.buffer.backend == "redis"
     assert cfg.controller.async_ratio == 2 and cfg.train_loop.metrics_host == "0.0.0.0"
     services = {n for k, n in objs if k == "Service"}
-    for address in (cfg.env_manager.proxy_address, cfg.env_manager.buffer_address, cfg.controller.proxy_address):
+    assert cfg.engine.model_path == cfg.trainer.model_path == cfg.env_manager.tokenizer_path == cfg.model_path
+    for address in (cfg.mesh.proxy, cfg.mesh.buffer, cfg.mesh.controller):
         assert address.split(":")[0] in services
 
 

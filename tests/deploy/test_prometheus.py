@@ -39,10 +39,9 @@ def live_mesh(tiny_model, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("prom-run")
     overrides = [
-        f"engine.model_path={tiny_model}", f"controller.initial_model_path={tiny_model}",
-        f"env_manager.tokenizer_path={tiny_model}", f"trainer.model_path={tiny_model}",
-        "train_loop.steps=10000", f"train_loop.run_dir={run_dir}", "controller.groups_per_step=2",
-        "env_manager.num_workers=4", "env_manager.episode.max_new_tokens=4", "buffer.filter_zero_variance=false",
+        f"model_path={tiny_model}", "train_loop.steps=10000", f"train_loop.run_dir={run_dir}",
+        "controller.groups_per_step=2", "env_manager.num_workers=4", "env_manager.episode.sampling.max_new_tokens=4",
+        "buffer.filter_zero_variance=false",
     ]  # fmt: skip
     config = Path("examples/quickstart.yaml")
     cfg = load_config(config, overrides)

@@ -1,8 +1,9 @@
 import asyncio
 
 import pytest
+from pydantic import TypeAdapter, ValidationError
 
-from rollout.envs import SimEnv, make_env
+from rollout.envs import EnvConfig, SimEnv
 from rollout.turn_barrier import TurnBarrier
 
 
@@ -31,8 +32,9 @@ def test_nobody_passes_until_every_live_party_arrives():
 
 
 def test_sim_env_latency_turns_and_registry():
-    args = {"turns": 2, "latency_median_s": 1.0, "latency_sigma": 0.0, "time_scale": 50}
-    env = make_env("sim", [{"prompt": "p0"}, {"prompt": "p1"}], None, args)
+    load = TypeAdapter(EnvConfig).validate_python
+    args = {"type": "sim", "turns": 2, "latency_median_s": 1.0, "latency_sigma": 0.0, "time_scale": 50}
+    env = load(args).build([{"prompt": "p0"}, {"prompt": "p1"}], None)
     assert isinstance(env, SimEnv) and env.reset(1) == "p1"
 
     async def episode():
@@ -44,7 +46,11 @@ def test_sim_env_latency_turns_and_registry():
     first, second, wall = asyncio.run(episode())
     assert not first.done and first.observation and second.done and second.reward in (0.0, 1.0)
     assert 0.035 < wall < 0.2  # 2 steps x 1 simulated second / 50
-    with pytest.raises(ValueError, match="unknown"):
-        make_env("nope", [], None)
-    with pytest.raises(Exception, match="turns"):
-        make_env("sim", [{"prompt": "p"}], None, {"turns": 0})
+    with pytest.raises(ValidationError, match="nope"):  # an unknown environment
+        load({"type": "nope"})
+    with pytest.raises(ValidationError, match="turns"):  # its own arguments are checked at load
+        load({"type": "sim", "turns": 0})
+    with pytest.raises(ValidationError, match="turn_count"):  # and a misspelled one is named
+        load({"type": "sim", "turn_count": 2})
+    with pytest.raises(ValidationError, match="cls"):  # a custom class that cannot be imported
+        load({"type": "custom", "cls": "no_such_module:Env"})

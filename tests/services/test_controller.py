@@ -19,11 +19,8 @@ from services.pb.rollmesh.v1 import controller_pb2_grpc
 def run(scenario, engine_url: str, model_path: str, **cfg):
     async def main():
         proxy_server, proxy = await start_proxy(ProxyConfig(engine_urls=[engine_url], port=0, metrics_port=0))
-        config = ControllerConfig(
-            proxy_address=f"127.0.0.1:{proxy_server.bound_port}", initial_model_path=model_path, port=0,
-            metrics_port=0, **cfg,
-        )  # fmt: skip
-        server, ctl, proxy_client = await start_controller(config)
+        config = ControllerConfig(initial_model_path=model_path, port=0, metrics_port=0, **cfg)
+        server, ctl, proxy_client = await start_controller(config, f"127.0.0.1:{proxy_server.bound_port}")
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}")
         stub = controller_pb2_grpc.AsyncControllerStub(channel)
         gen = ProxyClient(f"127.0.0.1:{proxy_server.bound_port}")
@@ -48,19 +45,19 @@ def engine(make_engine_process):
 
 def test_admission_follows_the_async_ratio(engine, tiny_model, tiny_model_b):
     async def scenario(stub, gen, proxy):
-        first = await stub.Admit(pb.AdmitRequest(client_id="env", num_groups=10))
-        await stub.Release(pb.ReleaseRequest(client_id="env", num_groups=1, num_finished=3))
-        again = await stub.Admit(pb.AdmitRequest(client_id="env", num_groups=10))
+        first = await stub.Admit(pb.AdmitRequest(num_groups=10))
+        await stub.Release(pb.ReleaseRequest(num_groups=1, num_finished=3))
+        again = await stub.Admit(pb.AdmitRequest(num_groups=10))
         update = await stub.BeginUpdate(pb.BeginUpdateRequest(new_version=1))
         await stub.CommitUpdate(pb.CommitUpdateRequest(update_id=update.update_id, version=1, model_path=tiny_model))
-        after = await stub.Admit(pb.AdmitRequest(client_id="env", num_groups=10))
+        after = await stub.Admit(pb.AdmitRequest(num_groups=10))
         # The trainer reports 2 finished groups the buffer dropped as too stale: 2 slots return.
-        await stub.Release(pb.ReleaseRequest(client_id="trainer", num_dropped=2))
-        refilled = await stub.Admit(pb.AdmitRequest(client_id="env", num_groups=10))
+        await stub.Release(pb.ReleaseRequest(num_dropped=2))
+        refilled = await stub.Admit(pb.AdmitRequest(num_groups=10))
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.Release(pb.ReleaseRequest(client_id="env", num_finished=99))
+            await stub.Release(pb.ReleaseRequest(num_finished=99))
         with pytest.raises(grpc.aio.AioRpcError) as e2:
-            await stub.Release(pb.ReleaseRequest(client_id="trainer", num_dropped=99))
+            await stub.Release(pb.ReleaseRequest(num_dropped=99))
         return first, again, after, refilled, e.value, e2.value
 
     first, again, after, refilled, err, err2 = run(scenario, engine, tiny_model, async_ratio=1, groups_per_step=2)
@@ -133,7 +130,7 @@ def test_an_update_that_is_never_committed_rolls_back(engine, tiny_model, tiny_m
         with pytest.raises(grpc.aio.AioRpcError) as late:
             await stub.CommitUpdate(pb.CommitUpdateRequest(update_id=update.update_id, version=1))
         after = await gen.generate([1, 50, 51], 12, temperature=0.0, ignore_eos=True)
-        admit = await stub.Admit(pb.AdmitRequest(client_id="x", num_groups=1))
+        admit = await stub.Admit(pb.AdmitRequest(num_groups=1))
         return before, after, late.value, admit, proxy.suspended
 
     before, after, late, admit, suspended = run(scenario, engine, tiny_model)

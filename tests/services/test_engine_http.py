@@ -64,7 +64,7 @@ def test_batch_generate_and_logprobs_match_teacher_forcing(engine_url, tiny_mode
         with torch.no_grad():
             lp = torch.log_softmax(model(torch.tensor([p + o.output_ids])).logits[0], -1)[len(p) - 1 : -1]
         ref = lp.gather(-1, torch.tensor(o.output_ids)[:, None]).squeeze(-1)
-        assert (ref - torch.tensor(o.output_logprobs)).abs().max() <= 1e-4
+        assert (ref - torch.tensor(o.behavior_logprobs)).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize(
@@ -109,8 +109,8 @@ def test_abort_request_returns_partial(engine_url):
 
     res, out = asyncio.run(go())
     assert res["num_aborted"] == 1
-    assert out.finish_type == "abort" and 0 < len(out.output_ids) < 900
-    assert len(out.output_logprobs) == len(out.output_ids)
+    assert out.finish_reason == "abort" and 0 < len(out.output_ids) < 900
+    assert len(out.behavior_logprobs) == len(out.output_ids)
 
 
 def test_pause_continue_and_model_info(engine_url):

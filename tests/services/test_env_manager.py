@@ -5,18 +5,19 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout.envs import load_jsonl
 from rollout.episode import render_user_turn
+from rollout.ports import TransientError
 from rollout.proxy import ProxyConfig
+from rollout.sampling import SamplingParams
 from services.env_manager.config import EnvManagerConfig
-from services.env_manager.manager import EnvManager, proxy_generate
+from services.env_manager.server import build_loop
 from services.launch import free_port
-from services.llm_proxy.client import ProxyClient
+from services.llm_proxy.client import ProxyClient, ProxyGenerate
 from services.llm_proxy.server import start_proxy
 from tests.services.mesh import local_mesh
 
@@ -26,15 +27,15 @@ def test_env_manager_fills_the_buffer_within_the_admission_bound(engine_url, tin
         async with local_mesh(engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0,
                               groups_per_step=3) as mesh:  # fmt: skip
             cfg = EnvManagerConfig(tokenizer_path=tiny_model, group_size=4, num_workers=5,
-                                   episode={"max_new_tokens": 3, "temperature": 1.0})  # fmt: skip
-            manager = EnvManager(cfg, mesh.proxy_client, mesh.buffer_client, mesh.controller_stub)
+                                   episode={"sampling": {"max_new_tokens": 3, "temperature": 1.0}})  # fmt: skip
+            manager = build_loop(cfg, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
             await manager.start()
             for _ in range(200):
                 if manager.counters["groups_put"] >= 3:
                     break
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)  # room for a (wrong) fourth group to show up
-            stats = manager.stats()
+            stats = dict(manager.counters)
             batch = await mesh.buffer_client.get(10, current_version=0, max_staleness=0, timeout_s=1)
             in_flight = mesh.controller.in_flight
             await manager.stop()
@@ -90,8 +91,6 @@ def test_a_group_that_outlives_the_bound_is_stopped_counted_and_its_slot_returne
     The EnvManager stops it (never put), counts it and its tokens, and gives its slot back."""
     from prometheus_client import generate_latest
 
-    from services.pb.rollmesh.v1 import controller_pb2 as cpb
-
     engine_url = make_engine_process()[1]  # its own: the weight update below must not leak into other tests
 
     async def main():
@@ -99,20 +98,18 @@ def test_a_group_that_outlives_the_bound_is_stopped_counted_and_its_slot_returne
         async with local_mesh(engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0,
                               groups_per_step=1) as mesh:  # fmt: skip
             cfg = EnvManagerConfig(tokenizer_path=tiny_model, group_size=2, num_workers=1,
-                                   env="tests.services.test_env_manager:HeldEnv",
-                                   episode={"max_new_tokens": 3, "temperature": 1.0})  # fmt: skip
-            manager = EnvManager(cfg, mesh.proxy_client, mesh.buffer_client, mesh.controller_stub)
+                                   env={"type": "custom", "cls": "tests.services.test_env_manager:HeldEnv"},
+                                   episode={"sampling": {"max_new_tokens": 3, "temperature": 1.0}})  # fmt: skip
+            manager = build_loop(cfg, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
             await manager.start()
             for _ in range(400):  # the first group: member 0 done at v0, member 1 held in its step
                 if any(s.finished_starts for s in manager._rolling.values()):
                     break
                 await asyncio.sleep(0.025)
             [stale_gid] = list(manager._rolling)
-            update = await mesh.controller_stub.BeginUpdate(cpb.BeginUpdateRequest(new_version=1))
+            update_id = await mesh.controller_client.begin_update(1, timeout_s=60)
             await mesh.proxy_client.update_weights(tiny_model, 1)  # the trainer's push: the engine serves v1
-            await mesh.controller_stub.CommitUpdate(
-                cpb.CommitUpdateRequest(update_id=update.update_id, version=1, model_path=tiny_model)
-            )
+            await mesh.controller_client.commit_update(update_id, 1, tiny_model)
             for _ in range(200):  # the watcher marks it before the held member returns
                 if manager._rolling[stale_gid].stale:
                     break
@@ -124,46 +121,59 @@ def test_a_group_that_outlives_the_bound_is_stopped_counted_and_its_slot_returne
                 await asyncio.sleep(0.025)
             await manager.stop()
             batch = await mesh.buffer_client.get(10, current_version=1, max_staleness=0, timeout_s=1)
-            return manager, stale_gid, batch.decode(), generate_latest(manager.metrics.registry).decode()
+            return manager, stale_gid, batch.decode(), generate_latest(manager.observer.registry).decode()
 
     manager, stale_gid, groups, text = asyncio.run(main())
-    assert manager.counters["groups_stale"] == 1 and manager.counters["groups_put"] >= 1, manager.stats()
+    assert manager.counters["groups_stale"] == 1 and manager.counters["groups_put"] >= 1, manager.counters
     assert stale_gid not in {g.group_id for g in groups} and groups  # never put; a fresh group was
     assert 'rollmesh_env_groups_total{result="stale"} 1.0' in text
     stale_tokens = float(text.split('rollmesh_env_stale_tokens_total{env="held"} ')[1].split()[0])
     assert 2 <= stale_tokens <= 2 * 3  # both members' generated tokens (1 to 3 each)
 
 
-def test_a_generation_waits_out_an_unreachable_proxy_and_gives_up_at_its_deadline(engine_url):
+def test_a_generation_waits_out_an_unreachable_proxy_and_gives_up_at_its_deadline(engine_url, tiny_model):
     """Transient LLMProxy failures (here: nothing listening yet) are retried with backoff within
     the generation's deadline, and counted; bad input and a proxy that never comes back are not."""
 
     async def main():
         port = free_port()
         client = ProxyClient(f"127.0.0.1:{port}")
-        retries: list[grpc.StatusCode] = []
-        generate = proxy_generate(client, on_retry=retries.append)
-        call = asyncio.ensure_future(generate([1, 2, 3], {"max_new_tokens": 4}, "g/0", 30.0))
+        loop = build_loop(EnvManagerConfig(tokenizer_path=tiny_model), client, None, None)
+        retried = loop.observer.generate_retries.labels("UNAVAILABLE")
+        call = asyncio.ensure_future(loop.generate([1, 2, 3], SamplingParams(max_new_tokens=4), "g/0", 30.0))
         await asyncio.sleep(1.0)  # the proxy comes up a second late
         server, proxy = await start_proxy(ProxyConfig(engine_urls=[engine_url], port=port, metrics_port=0))
         try:
             gen = await asyncio.wait_for(call, 30)
-            waited_out = list(retries)
-            with pytest.raises(grpc.aio.AioRpcError) as bad:  # not transient: raised at once
-                await generate([], {"max_new_tokens": 4}, "g/1", 30.0)
-            assert len(retries) == len(waited_out)
+            waited_out = retried._value.get()
+            with pytest.raises(ValueError, match="input_ids"):  # not transient: raised at once
+                await loop.generate([], SamplingParams(max_new_tokens=4), "g/1", 30.0)
+            assert retried._value.get() == waited_out
         finally:
             await server.stop(0)
             await proxy.close()
         t0 = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as gone:  # never comes back: raised at the deadline
-            await generate([1, 2, 3], {"max_new_tokens": 4}, "g/2", 2.0)
+        with pytest.raises(TransientError) as gone:  # never comes back: raised at the deadline
+            await loop.generate([1, 2, 3], SamplingParams(max_new_tokens=4), "g/2", 2.0)
         gave_up_after = time.monotonic() - t0
         await client.close()
-        return gen, waited_out, bad.value.code(), gone.value.code(), gave_up_after
+        return gen, waited_out, gone.value.code, gave_up_after
 
-    gen, waited_out, bad, gone, gave_up_after = asyncio.run(main())
-    assert len(gen.output_ids) == 4 and gen.finish == "length"
-    assert waited_out and set(waited_out) == {grpc.StatusCode.UNAVAILABLE}
-    assert bad == grpc.StatusCode.INVALID_ARGUMENT
-    assert gone == grpc.StatusCode.UNAVAILABLE and 1.0 < gave_up_after < 4.0
+    gen, waited_out, gone, gave_up_after = asyncio.run(main())
+    assert len(gen.output_ids) == 4 and gen.finish_reason == "length"
+    assert waited_out >= 1
+    assert gone == "UNAVAILABLE" and 1.0 < gave_up_after < 4.0
+
+
+def test_proxy_generate_maps_grpc_errors_to_the_projects_own():
+    async def main():
+        client = ProxyClient(f"127.0.0.1:{free_port()}")
+        try:
+            await ProxyGenerate(client).generate([1], SamplingParams(max_new_tokens=1), request_id="r", route="r",
+                                                 timeout_s=0.5)  # fmt: skip
+        finally:
+            await client.close()
+
+    with pytest.raises(TransientError) as e:
+        asyncio.run(main())
+    assert e.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")

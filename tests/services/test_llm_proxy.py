@@ -68,7 +68,7 @@ def test_generate_and_routing(two_engines, tiny_model):
     one, same, spread, stats = run(scenario, two_engines)
     assert list(one.output_ids) == greedy(tiny_model, [1, 40, 41], 16)
     assert one.finish_reason == common_pb2.FINISH_REASON_LENGTH and one.prompt_tokens == 3
-    assert len(one.output_logprobs) == 16 and set(one.token_versions) == {0} and one.num_segments == 1
+    assert len(one.behavior_logprobs) == 16 and set(one.token_versions) == {0} and one.num_segments == 1
     assert same == {one.engine}  # affinity: one episode, one engine
     assert spread == {"engine-0", "engine-1"}  # least outstanding tokens spreads load
     assert stats.requests_total == 14 and all(e.healthy for e in stats.engines)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from services.metrics_log import MetricsLog, TrackingConfig, _require
-from services.trainer_metrics import TrainerMetrics, loss_terms
+from services.trainer.metrics import TrainerMetrics, loss_terms
 
 STEPS = [{"step": 1, "loss": 0.5, "reward_mean": 0.25, "clip_frac": 0.1, "published": True},
          {"step": 2, "loss": 0.25, "reward_mean": 0.5, "clip_frac": 0.0, "published": True}]  # fmt: skip

@@ -6,11 +6,20 @@ import asyncio
 import json
 
 from services.env_manager.config import EnvManagerConfig
-from services.env_manager.manager import EnvManager
-from services.trainer_loop import TrainerLoop, TrainLoopConfig
+from services.env_manager.server import build_loop
+from services.metrics_log import MetricsLog
+from services.trainer.metrics import TrainerMetrics, TrainerObserver
+from services.trainer.publishers import DiskPublisher
 from tests.services.mesh import local_mesh
 from trainer.config import TrainerConfig
 from trainer.engine import TrainEngine
+from trainer.loop import TrainLoop, TrainLoopConfig
+
+
+def trainer(mesh, cfg: TrainLoopConfig, engine, groups_per_step: int, observer=None) -> TrainLoop:
+    return TrainLoop(cfg, engine, source=mesh.buffer_client, control=mesh.controller_client,
+                     publisher=DiskPublisher(mesh.proxy_client, cfg.run_dir, cfg.keep_weight_versions),
+                     groups_per_step=groups_per_step, max_staleness=1, observer=observer)  # fmt: skip
 
 
 def test_steps_publish_versions_and_resume(make_engine_process, tiny_model, tmp_path):
@@ -20,25 +29,28 @@ def test_steps_publish_versions_and_resume(make_engine_process, tiny_model, tmp_
     async def main():
         async with local_mesh(url, tiny_model, {"filter_zero_variance": False}, async_ratio=1,
                               groups_per_step=2) as mesh:  # fmt: skip
-            env = EnvManager(
+            env = build_loop(
                 EnvManagerConfig(tokenizer_path=tiny_model, group_size=4, num_workers=3, reward="digit_answer",
-                                 episode={"max_new_tokens": 2}),
-                mesh.proxy_client, mesh.buffer_client, mesh.controller_stub,
+                                 episode={"sampling": {"max_new_tokens": 2}}),
+                mesh.proxy_client, mesh.buffer_client, mesh.controller_client,
             )  # fmt: skip
 
             def loop():
                 engine = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3))
                 cfg = TrainLoopConfig(steps=3, run_dir=str(run_dir), checkpoint_every=2, get_timeout_s=60)
-                return TrainerLoop(cfg, engine, mesh.buffer_client, mesh.controller_stub, mesh.proxy_client,
-                                   groups_per_step=2, max_staleness=1)  # fmt: skip
+                log = MetricsLog(run_dir / "metrics.jsonl")
+                return trainer(mesh, cfg, engine, 2, TrainerObserver(log, TrainerMetrics()))
 
             await env.start()
             first = loop()
             assert not first.resume()
+            await first.check_limits()  # the same bound as the controller's
             steps = [await first.step() for _ in range(2)]
+            first.observer.log.close()
             second = loop()  # the trainer process restarts
             assert second.resume() and second.engine.step == 2
             steps.append(await second.step())
+            second.observer.log.close()
             stats = await mesh.proxy_client.stats()
             await env.stop()
             return steps, stats, mesh.controller.version
@@ -60,8 +72,7 @@ def test_a_failed_publish_rolls_back_and_generation_goes_on(make_engine_process,
         async with local_mesh(url, tiny_model, async_ratio=1, groups_per_step=1) as mesh:
             engine = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3))
             cfg = TrainLoopConfig(steps=1, run_dir=str(tmp_path / "run"), publish_timeout_s=10)
-            loop = TrainerLoop(cfg, engine, mesh.buffer_client, mesh.controller_stub, mesh.proxy_client,
-                               groups_per_step=1, max_staleness=1)  # fmt: skip
+            loop = trainer(mesh, cfg, engine, 1)
             # Exported without config.json (the source directory is missing): every engine refuses it.
             engine.config = engine.config.model_copy(update={"model_path": str(tmp_path / "missing")})
             engine.version = 1

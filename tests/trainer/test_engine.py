@@ -13,8 +13,8 @@ from trainer.engine import TrainEngine
 from trainer.export import export_hf, full_state_dict, weight_buckets
 
 
-def engine(model, **kw) -> TrainEngine:
-    return TrainEngine(TrainerConfig(model_path=model, lr=1e-3, **kw))
+def engine(model, total_steps=None, **kw) -> TrainEngine:
+    return TrainEngine(TrainerConfig(model_path=model, lr=1e-3, **kw), total_steps=total_steps)
 
 
 @pytest.mark.parametrize("row_tokens", [512, 24])  # one packed row per micro-batch, or several
@@ -36,7 +36,7 @@ def test_packed_logprobs_equal_unpacked(tiny_model, row_tokens):
 
 
 def test_a_step_moves_probability_towards_rewarded_samples(tiny_model):
-    eng = engine(tiny_model, loss={"variant": "reinforce"}, grad_clip=None)
+    eng = engine(tiny_model, loss={"type": "reinforce"}, grad_clip=None)
     batch = toy_batch()
     before = eng.logprobs(batch)
     metrics = eng.train_step(batch)
@@ -55,7 +55,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_model, agg, pack):
     batch = toy_batch()
     results = []
     for budget in (10_000, 40):
-        loss = {"variant": "decoupled_ppo", "agg_mode": agg}
+        loss = {"type": "decoupled_ppo", "agg_mode": agg}
         eng = engine(tiny_model, micro_batch_tokens=budget, pack_sequences=pack, pack_row_tokens=24, loss=loss)
         assert (len(eng.micro_batches(batch)) > 1) == (budget == 40)
         m = eng.train_step(batch)
@@ -124,14 +124,14 @@ def test_exported_weights_serve_identically(tiny_model, tmp_path):
         lp = torch.log_softmax(direct(ids).logits[0, len(prompt) - 1 : -1], -1)
     ref = lp.gather(-1, torch.tensor(outputs[0].output_ids)[:, None])[:, 0]
     assert outputs[0].output_ids == outputs[1].output_ids
-    assert outputs[0].output_logprobs == outputs[1].output_logprobs
-    assert (ref - torch.tensor(outputs[0].output_logprobs)).abs().max() <= 1e-5
+    assert outputs[0].behavior_logprobs == outputs[1].behavior_logprobs
+    assert (ref - torch.tensor(outputs[0].behavior_logprobs)).abs().max() <= 1e-5
 
 
 def test_reference_kl_and_critic_with_gae(tiny_model):
     batch = toy_batch()
     eng = engine(tiny_model, ref_model_path=tiny_model, kl_coef=0.1, entropy_coef=0.01,
-                 critic=True, critic_lr=1e-3, advantages={"estimator": "gae", "gamma": 1.0, "lam": 1.0})  # fmt: skip
+                 critic=True, critic_lr=1e-3, advantages={"type": "gae", "gamma": 1.0, "lam": 1.0})  # fmt: skip
     first = eng.train_step(batch)
     assert abs(first["kl"]) < 1e-6  # the policy starts as the reference
     # With gamma = lam = 1 the critic's targets are the rewards themselves: a fixed regression.

@@ -2,6 +2,6 @@
 
 from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.engine import EmbeddedEngine, EngineError, GenerateOutput
-from rollout.engines.embedded.sampling import SamplingParams
+from rollout.sampling import SamplingParams
 
 __all__ = ["EmbeddedEngine", "EngineConfig", "EngineError", "GenerateOutput", "SamplingParams"]

@@ -14,7 +14,9 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_path: str = Field("models/tiny", description="Local Hugging Face model directory to serve.")
+    model_path: str | None = Field(
+        None, description="Local Hugging Face model directory to serve; default: the run's model_path."
+    )
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(30000, ge=0, le=65535, description="HTTP port (SGLang's default is 30000).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when available.")

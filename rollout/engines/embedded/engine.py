@@ -26,9 +26,10 @@ import torch
 
 from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.kv_batch import KVBatch, cache_to_kv, prefill_inputs
-from rollout.engines.embedded.sampling import SamplingParams, sample_next_tokens
+from rollout.engines.embedded.sampling import sample_next_tokens
 from rollout.engines.embedded.weights import check_named_tensors, copy_named_tensors, weights_checksum
 from rollout.engines.scheduler import PauseMode, SchedulerCommands
+from rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class EngineError(ValueError):
 class GenerateOutput:
     rid: str
     output_ids: list[int]
-    output_logprobs: list[float]
+    behavior_logprobs: list[float]
     token_versions: list[int]
     finish_reason: dict
     prompt_tokens: int
@@ -316,7 +317,7 @@ class EmbeddedEngine(SchedulerCommands):
             GenerateOutput(
                 rid=req.rid,
                 output_ids=list(req.output_ids),
-                output_logprobs=list(req.logprobs),
+                behavior_logprobs=list(req.logprobs),
                 token_versions=list(req.versions),
                 finish_reason=reason,
                 prompt_tokens=len(req.prompt),

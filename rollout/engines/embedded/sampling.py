@@ -1,4 +1,4 @@
-"""Sampling parameters and the pure math of turning logits into tokens and log-probs.
+"""The pure math of sampling: turning logits into tokens and log-probs.
 
 Log-probs follow SGLang: ``log_softmax(logits / temperature)`` over the full vocabulary, taken
 *before* top-p / top-k truncation, so they are the behaviour policy's probabilities of the
@@ -9,21 +9,8 @@ sampled tokens at that temperature. Greedy decoding (temperature 0) reports
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-
-class SamplingParams(BaseModel):
-    """SGLang's ``sampling_params``, the subset an RL system needs, with SGLang's names."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int = Field(128, description="Tokens to generate at most; >= 1.")
-    temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept.")
-    top_k: int = Field(-1, description="Most likely tokens kept; -1 or 0 = all.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Extra tokens that end generation.")
-    ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
-    sampling_seed: int | None = Field(None, description="Seed of this request's sampler: same seed, same tokens.")
+from rollout.sampling import SamplingParams
 
 
 def token_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from rollout.engines.embedded.engine import EngineError, GenerateOutput
-from rollout.engines.embedded.sampling import SamplingParams
 from rollout.engines.scheduler import PauseMode, SchedulerCommands
 from rollout.engines.sim.config import SimEngineConfig
 from rollout.engines.sim.lengths import draw_length, trailing_run
+from rollout.sampling import SamplingParams
 
 
 @dataclass
@@ -179,7 +179,7 @@ class SimEngine(SchedulerCommands):
             GenerateOutput(
                 rid=req.rid,
                 output_ids=[self.sim.token_id] * n,
-                output_logprobs=[-1.0] * n,
+                behavior_logprobs=[-1.0] * n,
                 token_versions=req.versions,
                 finish_reason=reason,
                 prompt_tokens=req.prompt_tokens,

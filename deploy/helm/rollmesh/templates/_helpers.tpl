@@ -60,16 +60,14 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
 {{- $buffer := include "rollmesh.address" (dict "root" . "component" "sample-buffer" "port" .Values.buffer.port) -}}
 {{- $controller := include "rollmesh.address" (dict "root" . "component" "controller" "port" .Values.controller.port) -}}
 {{- $mesh := dict
-  "engine" (dict "model_path" .Values.model.path "host" "0.0.0.0" "port" .Values.engine.port)
+  "model_path" .Values.model.path
+  "mesh" (dict "proxy" $proxy "buffer" $buffer "controller" $controller)
+  "engine" (dict "host" "0.0.0.0" "port" .Values.engine.port)
   "proxy" (dict "engine_urls" $urls "host" "0.0.0.0" "port" .Values.proxy.port "metrics_port" .Values.proxy.metricsPort)
   "buffer" (dict "backend" "redis" "redis_url" (include "rollmesh.redisUrl" .) "key_prefix" (printf "rollmesh:%s" .Release.Name)
                  "host" "0.0.0.0" "port" .Values.buffer.port "metrics_port" .Values.buffer.metricsPort)
-  "controller" (dict "proxy_address" $proxy "initial_model_path" .Values.model.path "host" "0.0.0.0"
-                     "port" .Values.controller.port "metrics_port" .Values.controller.metricsPort)
-  "env_manager" (dict "proxy_address" $proxy "buffer_address" $buffer "controller_address" $controller
-                      "tokenizer_path" .Values.model.path "host" "0.0.0.0" "port" .Values.envManager.port
-                      "metrics_port" .Values.envManager.metricsPort)
-  "trainer" (dict "model_path" .Values.model.path)
+  "controller" (dict "host" "0.0.0.0" "port" .Values.controller.port "metrics_port" .Values.controller.metricsPort)
+  "env_manager" (dict "host" "0.0.0.0" "port" .Values.envManager.port "metrics_port" .Values.envManager.metricsPort)
   "train_loop" (dict "run_dir" (printf "%s/%s" .Values.runs.mountPath .Release.Name) "metrics_host" "0.0.0.0"
                      "metrics_port" .Values.trainer.metricsPort)
 -}}

@@ -5,36 +5,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("client_id", "num_groups")
-    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("num_groups",)
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
-    client_id: str
     num_groups: int
-    def __init__(self, client_id: _Optional[str] = ..., num_groups: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_groups: _Optional[int] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
-    __slots__ = ("num_admitted", "version", "capacity", "async_ratio")
+    __slots__ = ("num_admitted", "version", "capacity", "async_ratio", "groups_per_step")
     NUM_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     ASYNC_RATIO_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     num_admitted: int
     version: int
     capacity: int
     async_ratio: int
-    def __init__(self, num_admitted: _Optional[int] = ..., version: _Optional[int] = ..., capacity: _Optional[int] = ..., async_ratio: _Optional[int] = ...) -> None: ...
+    groups_per_step: int
+    def __init__(self, num_admitted: _Optional[int] = ..., version: _Optional[int] = ..., capacity: _Optional[int] = ..., async_ratio: _Optional[int] = ..., groups_per_step: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("client_id", "num_groups", "num_finished", "num_dropped")
-    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("num_groups", "num_finished", "num_dropped")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
     NUM_DROPPED_FIELD_NUMBER: _ClassVar[int]
-    client_id: str
     num_groups: int
     num_finished: int
     num_dropped: int
-    def __init__(self, client_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_dropped: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_groups: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_dropped: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

@@ -25,45 +25,45 @@ _sym_db = _symbol_database.Default()
 from services.pb.rollmesh.v1 import common_pb2 as rollmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollmesh/v1/llm_proxy.proto\x12\x0brollmesh.v1\x1a\x18rollmesh/v1/common.proto\"\xe8\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x1a\n\rsampling_seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x10\n\x0e_sampling_seed\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.rollmesh.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\x89\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\noutput_ids\x18\x02 \x03(\x05\x12\x17\n\x0foutput_logprobs\x18\x03 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x04 \x03(\x03\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.rollmesh.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x12\x15\n\re2e_latency_s\x18\t \x01(\x01\x12\x14\n\x0cnum_segments\x18\n \x01(\x05\"5\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tabort_all\x18\x02 \x01(\x08\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"K\n\x0eSuspendRequest\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.rollmesh.v1.SuspendMode\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"(\n\x0fSuspendResponse\x12\x15\n\rnum_in_flight\x18\x01 \x01(\x05\"\"\n\rResumeRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"\x10\n\x0eResumeResponse\"U\n\x14UpdateWeightsRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"m\n\x12\x45ngineUpdateResult\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0f\n\x07success\x18\x02 \x01(\x08\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05\x63\x61use\x18\x05 \x01(\t\"Z\n\x15UpdateWeightsResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x30\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1f.rollmesh.v1.EngineUpdateResult\"\x0e\n\x0cStatsRequest\"\xb0\x01\n\x0b\x45ngineStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\x05 \x01(\x03\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x16\n\x0erequests_total\x18\x07 \x01(\x03\x12\x16\n\x0e\x66\x61ilures_total\x18\x08 \x01(\x03\"\xa4\x01\n\nProxyStats\x12\x11\n\tsuspended\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x16\n\x0erequests_total\x18\x03 \x01(\x03\x12\x15\n\rretries_total\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12)\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x18.rollmesh.v1.EngineStats*y\n\x0bSuspendMode\x12\x1c\n\x18SUSPEND_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SUSPEND_MODE_CONTINUE\x10\x01\x12\x16\n\x12SUSPEND_MODE_ABORT\x10\x02\x12\x19\n\x15SUSPEND_MODE_IN_PLACE\x10\x03\x32\xb1\x03\n\x08LLMProxy\x12G\n\x08Generate\x12\x1c.rollmesh.v1.GenerateRequest\x1a\x1d.rollmesh.v1.GenerateResponse\x12>\n\x05\x41\x62ort\x12\x19.rollmesh.v1.AbortRequest\x1a\x1a.rollmesh.v1.AbortResponse\x12\x44\n\x07Suspend\x12\x1b.rollmesh.v1.SuspendRequest\x1a\x1c.rollmesh.v1.SuspendResponse\x12\x41\n\x06Resume\x12\x1a.rollmesh.v1.ResumeRequest\x1a\x1b.rollmesh.v1.ResumeResponse\x12V\n\rUpdateWeights\x12!.rollmesh.v1.UpdateWeightsRequest\x1a\".rollmesh.v1.UpdateWeightsResponse\x12;\n\x05Stats\x12\x19.rollmesh.v1.StatsRequest\x1a\x17.rollmesh.v1.ProxyStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollmesh/v1/llm_proxy.proto\x12\x0brollmesh.v1\x1a\x18rollmesh/v1/common.proto\"\xe8\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x1a\n\rsampling_seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x10\n\x0e_sampling_seed\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.rollmesh.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\x8b\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\noutput_ids\x18\x02 \x03(\x05\x12\x19\n\x11\x62\x65havior_logprobs\x18\x03 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x04 \x03(\x03\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.rollmesh.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x12\x15\n\re2e_latency_s\x18\t \x01(\x01\x12\x14\n\x0cnum_segments\x18\n \x01(\x05\"5\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tabort_all\x18\x02 \x01(\x08\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"K\n\x0eSuspendRequest\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.rollmesh.v1.SuspendMode\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"(\n\x0fSuspendResponse\x12\x15\n\rnum_in_flight\x18\x01 \x01(\x05\"\"\n\rResumeRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"\x10\n\x0eResumeResponse\"U\n\x14UpdateWeightsRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"m\n\x12\x45ngineUpdateResult\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0f\n\x07success\x18\x02 \x01(\x08\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05\x63\x61use\x18\x05 \x01(\t\"Z\n\x15UpdateWeightsResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x30\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1f.rollmesh.v1.EngineUpdateResult\"\x0e\n\x0cStatsRequest\"\xb0\x01\n\x0b\x45ngineStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\x05 \x01(\x03\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x16\n\x0erequests_total\x18\x07 \x01(\x03\x12\x16\n\x0e\x66\x61ilures_total\x18\x08 \x01(\x03\"\xa4\x01\n\nProxyStats\x12\x11\n\tsuspended\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x16\n\x0erequests_total\x18\x03 \x01(\x03\x12\x15\n\rretries_total\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12)\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x18.rollmesh.v1.EngineStats*y\n\x0bSuspendMode\x12\x1c\n\x18SUSPEND_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SUSPEND_MODE_CONTINUE\x10\x01\x12\x16\n\x12SUSPEND_MODE_ABORT\x10\x02\x12\x19\n\x15SUSPEND_MODE_IN_PLACE\x10\x03\x32\xb1\x03\n\x08LLMProxy\x12G\n\x08Generate\x12\x1c.rollmesh.v1.GenerateRequest\x1a\x1d.rollmesh.v1.GenerateResponse\x12>\n\x05\x41\x62ort\x12\x19.rollmesh.v1.AbortRequest\x1a\x1a.rollmesh.v1.AbortResponse\x12\x44\n\x07Suspend\x12\x1b.rollmesh.v1.SuspendRequest\x1a\x1c.rollmesh.v1.SuspendResponse\x12\x41\n\x06Resume\x12\x1a.rollmesh.v1.ResumeRequest\x1a\x1b.rollmesh.v1.ResumeResponse\x12V\n\rUpdateWeights\x12!.rollmesh.v1.UpdateWeightsRequest\x1a\".rollmesh.v1.UpdateWeightsResponse\x12;\n\x05Stats\x12\x19.rollmesh.v1.StatsRequest\x1a\x17.rollmesh.v1.ProxyStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.v1.llm_proxy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUSPENDMODE']._serialized_start=1646
-  _globals['_SUSPENDMODE']._serialized_end=1767
+  _globals['_SUSPENDMODE']._serialized_start=1648
+  _globals['_SUSPENDMODE']._serialized_end=1769
   _globals['_SAMPLINGPARAMS']._serialized_start=71
   _globals['_SAMPLINGPARAMS']._serialized_end=303
   _globals['_GENERATEREQUEST']._serialized_start=306
   _globals['_GENERATEREQUEST']._serialized_end=458
   _globals['_GENERATERESPONSE']._serialized_start=461
-  _globals['_GENERATERESPONSE']._serialized_end=726
-  _globals['_ABORTREQUEST']._serialized_start=728
-  _globals['_ABORTREQUEST']._serialized_end=781
-  _globals['_ABORTRESPONSE']._serialized_start=783
-  _globals['_ABORTRESPONSE']._serialized_end=819
-  _globals['_SUSPENDREQUEST']._serialized_start=821
-  _globals['_SUSPENDREQUEST']._serialized_end=896
-  _globals['_SUSPENDRESPONSE']._serialized_start=898
-  _globals['_SUSPENDRESPONSE']._serialized_end=938
-  _globals['_RESUMEREQUEST']._serialized_start=940
-  _globals['_RESUMEREQUEST']._serialized_end=974
-  _globals['_RESUMERESPONSE']._serialized_start=976
-  _globals['_RESUMERESPONSE']._serialized_end=992
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=994
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1079
-  _globals['_ENGINEUPDATERESULT']._serialized_start=1081
-  _globals['_ENGINEUPDATERESULT']._serialized_end=1190
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1192
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1282
-  _globals['_STATSREQUEST']._serialized_start=1284
-  _globals['_STATSREQUEST']._serialized_end=1298
-  _globals['_ENGINESTATS']._serialized_start=1301
-  _globals['_ENGINESTATS']._serialized_end=1477
-  _globals['_PROXYSTATS']._serialized_start=1480
-  _globals['_PROXYSTATS']._serialized_end=1644
-  _globals['_LLMPROXY']._serialized_start=1770
-  _globals['_LLMPROXY']._serialized_end=2203
+  _globals['_GENERATERESPONSE']._serialized_end=728
+  _globals['_ABORTREQUEST']._serialized_start=730
+  _globals['_ABORTREQUEST']._serialized_end=783
+  _globals['_ABORTRESPONSE']._serialized_start=785
+  _globals['_ABORTRESPONSE']._serialized_end=821
+  _globals['_SUSPENDREQUEST']._serialized_start=823
+  _globals['_SUSPENDREQUEST']._serialized_end=898
+  _globals['_SUSPENDRESPONSE']._serialized_start=900
+  _globals['_SUSPENDRESPONSE']._serialized_end=940
+  _globals['_RESUMEREQUEST']._serialized_start=942
+  _globals['_RESUMEREQUEST']._serialized_end=976
+  _globals['_RESUMERESPONSE']._serialized_start=978
+  _globals['_RESUMERESPONSE']._serialized_end=994
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=996
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1081
+  _globals['_ENGINEUPDATERESULT']._serialized_start=1083
+  _globals['_ENGINEUPDATERESULT']._serialized_end=1192
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1194
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1284
+  _globals['_STATSREQUEST']._serialized_start=1286
+  _globals['_STATSREQUEST']._serialized_end=1300
+  _globals['_ENGINESTATS']._serialized_start=1303
+  _globals['_ENGINESTATS']._serialized_end=1479
+  _globals['_PROXYSTATS']._serialized_start=1482
+  _globals['_PROXYSTATS']._serialized_end=1646
+  _globals['_LLMPROXY']._serialized_start=1772
+  _globals['_LLMPROXY']._serialized_end=2205
 # @@protoc_insertion_point(module_scope)

@@ -52,10 +52,10 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "output_ids", "output_logprobs", "token_versions", "finish_reason", "weight_version", "engine", "prompt_tokens", "e2e_latency_s", "num_segments")
+    __slots__ = ("request_id", "output_ids", "behavior_logprobs", "token_versions", "finish_reason", "weight_version", "engine", "prompt_tokens", "e2e_latency_s", "num_segments")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BEHAVIOR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -65,7 +65,7 @@ class GenerateResponse(_message.Message):
     NUM_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_ids: _containers.RepeatedScalarFieldContainer[int]
-    output_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    behavior_logprobs: _containers.RepeatedScalarFieldContainer[float]
     token_versions: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     weight_version: int
@@ -73,7 +73,7 @@ class GenerateResponse(_message.Message):
     prompt_tokens: int
     e2e_latency_s: float
     num_segments: int
-    def __init__(self, request_id: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., e2e_latency_s: _Optional[float] = ..., num_segments: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., e2e_latency_s: _Optional[float] = ..., num_segments: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "abort_all")

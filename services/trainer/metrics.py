@@ -9,10 +9,13 @@ same window is the step-time breakdown the overview dashboard shows.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.metrics import SLOW_BUCKETS_S, VERSION_BUCKETS, histogram, init_labels
+from services.metrics_log import MetricsLog
+from trainer.ports import TrainObserver
 
 PHASES = ("wait_data", "train", "weight_sync", "checkpoint")
 # Why publishing new weights failed: exporting them, suspending generation (BeginUpdate),
@@ -102,3 +105,31 @@ class TrainerMetrics:
         for s in staleness:
             self.staleness.observe(s)
         self.staleness_max.set(max(staleness, default=0))
+
+
+class TrainerObserver(TrainObserver):
+    """The training loop's observer on rank 0: each step to ``metrics.jsonl`` (and trackers) and
+    to Prometheus; weight updates' seconds, bytes and failures to Prometheus."""
+
+    def __init__(self, log: MetricsLog | None, prom: TrainerMetrics) -> None:
+        self.log, self.prom = log, prom
+
+    def step_done(self, metrics: dict, staleness: list[int]) -> None:
+        if self.log is not None:
+            self.log.write(metrics)
+        self.prom.observe_step(metrics, staleness)
+
+    def update_done(self, seconds: float, location: str) -> None:
+        self.prom.update_seconds.observe(seconds)
+        self.prom.update_bytes.inc(_dir_bytes(location))
+
+    def update_failed(self, cause: str) -> None:
+        self.prom.update_failures.labels(cause).inc()
+
+
+def _dir_bytes(path: str) -> int:
+    """Size of an exported weight directory (0 for an engine that exports nothing)."""
+    p = Path(path) if path else None
+    if p is None or not p.exists():
+        return 0
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())

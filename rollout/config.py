@@ -1,0 +1,51 @@
+"""Configuration of the rollout loop: what one pool of workers rolls out, and how."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rollout.envs.config import EnvConfig, SingleTurnEnvConfig
+from rollout.episode import EpisodeConfig
+from rollout.rewards import resolve_reward
+
+
+class RolloutConfig(BaseModel):
+    """A pool of workers running episodes of one task through the LLMProxy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset_path: str = Field("examples/find_digit_train.jsonl", description="JSONL rows with 'prompt' and 'answer'.")
+    env: EnvConfig = Field(
+        default_factory=SingleTurnEnvConfig,
+        description="The environment, a typed variant chosen by 'type' (single_turn | sim | custom) with its own "
+        "arguments.",
+    )
+    reward: str = Field("exact_match", description="Reward function: a name in rollout.rewards or 'module:function'.")
+    tokenizer_path: str | None = Field(
+        None, description="Tokenizer (HF directory) that renders prompts; default: the run's model_path."
+    )
+    group_size: int = Field(8, ge=1, description="Trajectories per prompt (GRPO group); n independent requests.")
+    num_workers: int = Field(8, ge=1, description="Groups (prompts) in flight at once in this pool.")
+    scheduling: Literal["queue", "batch"] = Field(
+        "queue",
+        description="queue: each group is scored and put the moment it ends, and its worker takes the next "
+        "prompt. batch (the synchronous baseline): admit a step's groups, generate all, then score all, "
+        "then put all.",
+    )
+    replicate_prompts: bool = Field(
+        True,
+        description="Send a prompt's n samples as n independently routed requests; false keeps them on one "
+        "engine, like a single request with n samples.",
+    )
+    seed: int = Field(0, description="Prompts are visited in a shuffled order drawn from this seed.")
+    episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="Per-episode limits and sampling.")
+    admit_poll_s: float = Field(0.05, gt=0, description="Wait before asking again when admission is refused.")
+    put_timeout_s: float = Field(60.0, gt=0, description="How long putting a group may wait on a full buffer.")
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_exists(cls, name: str) -> str:
+        resolve_reward(name)  # a misspelled reward fails when the config is loaded
+        return name

@@ -1,0 +1,239 @@
+"""The rollout loop: admit → generate → reward → put, a plain object over three ports.
+
+``run_group`` is the loop for one admitted prompt: its ``group_size`` episodes run as
+independent requests (prompt replication), each is scored by its environment the moment it
+ends (the reward is computed in the env step), and the group goes to the buffer when its last
+member is scored. *How many* groups are admitted at once, and when, is a scheduling strategy
+(``rollout/scheduling.py``): queue scheduling admits one group per worker as soon as the last
+one ended; batch scheduling admits a whole step and waits for it.
+
+The loop also follows the policy version: a group that can no longer be trained on (a finished
+member is older than the bound allows) is stopped at once, its generations aborted and its slot
+returned, instead of finishing only to be dropped by the buffer.
+
+Ports (``rollout/ports.py``): ``Admission`` (the AsyncController), ``Generate`` (the LLMProxy),
+``SampleSink`` (the SampleBuffer). Nothing here knows about sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from rollout.admission import group_is_stale
+from rollout.config import RolloutConfig
+from rollout.episode import run_episode
+from rollout.ports import Admission, Generate, Generation, RolloutObserver, SampleSink, TransientError
+from rollout.sampling import SamplingParams
+from rollout.scheduling import SCHEDULINGS, Scheduling
+from rollout.turn_barrier import TurnBarrier
+from sample_buffer.trajectory import Group, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class GroupOutcome(StrEnum):
+    PUT = "put"  # in the buffer: its slot counts as finished
+    FILTERED = "filtered"  # the buffer kept it out (no learning signal): its slot goes back
+    STALE = "stale"  # stopped as staler than the bound: never put, its slot goes back
+    FAILED = "failed"  # an episode or the put raised: logged, counted, its slot goes back
+
+
+@dataclass
+class _GroupState:
+    """A group being rolled out, as far as staleness is concerned."""
+
+    running: set[str]  # trajectory (= request) ids still generating
+    finished_starts: list[int] = field(default_factory=list)  # start versions of finished members
+    stale: bool = False
+
+
+class RolloutLoop:
+    def __init__(
+        self,
+        config: RolloutConfig,
+        *,
+        rows: list[dict],
+        tokenizer,
+        reward_fn,
+        admission: Admission,
+        engine: Generate,
+        sink: SampleSink,
+        observer: RolloutObserver | None = None,
+        scheduling: Scheduling | None = None,
+    ) -> None:
+        self.config, self.rows, self.tokenizer, self.reward_fn = config, rows, tokenizer, reward_fn
+        self.admission, self.engine, self.sink = admission, engine, sink
+        self.observer = observer or RolloutObserver()
+        self.scheduling = scheduling or SCHEDULINGS[config.scheduling]()
+        self.counters: Counter[str] = Counter()
+        self.running = False  # admitting new groups
+        self.running_episodes = 0
+        self.version, self.async_ratio = 0, None  # the controller's, from WatchVersion and Admit
+        self._order = list(range(len(rows)))
+        random.Random(config.seed).shuffle(self._order)
+        self._rolling: dict[str, _GroupState] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ the loop
+    async def run_group(self, barrier: TurnBarrier | None = None) -> GroupOutcome:
+        """One admitted group, start to end; returns what became of it."""
+        row, t0 = self._next_prompt(), time.monotonic()
+        gid = f"p{row}-{self.counters['groups_started']}"
+        self.counters["groups_started"] += 1
+        state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(self.config.group_size)})
+        try:  # generate → reward, every episode on its own, scored by its env the moment it ends
+            trajectories = await asyncio.gather(
+                *(self._episode(row, gid, i, state, barrier) for i in range(self.config.group_size))
+            )
+        finally:
+            del self._rolling[gid]
+        if state.stale:  # never put: the buffer would only drop it
+            return self._ended(GroupOutcome.STALE, trajectories, t0)
+        result = await self.sink.put(Group(gid, f"p{row}", trajectories), self.config.put_timeout_s)  # put
+        return self._ended(GroupOutcome.PUT if result.accepted else GroupOutcome.FILTERED, trajectories, t0)
+
+    async def run_admitted(self, num_groups: int, barrier: TurnBarrier | None = None) -> list[GroupOutcome]:
+        """Run ``num_groups`` admitted groups at once and hand their slots back: a group in the buffer
+        keeps its slot as finished; any other returns it unused (a filtered group's slot must come
+        back, or dynamic filtering would use up the staleness budget and starve the trainer)."""
+        try:
+            outcomes = await asyncio.gather(*(self._run_group_safely(barrier) for _ in range(num_groups)))
+        except asyncio.CancelledError:
+            await self._release(unused=num_groups)
+            raise
+        put = outcomes.count(GroupOutcome.PUT)
+        await self._release(unused=num_groups - put, finished=put)
+        return outcomes
+
+    async def admit(self, num_groups: int) -> int:
+        """Slots granted now (0 after a short wait when refused, or while the controller is away)."""
+        try:
+            admitted = await self.admission.admit(num_groups)
+        except Exception as e:  # the controller restarts or is gone: wait, never let a worker die
+            log.warning("admit: %s; retrying in 1 s", e)
+            await asyncio.sleep(1.0)
+            return 0
+        self.async_ratio = admitted.async_ratio
+        if admitted.num_groups == 0:
+            await asyncio.sleep(self.config.admit_poll_s)
+        return admitted.num_groups
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, num_workers: int = 0) -> None:
+        if self.running:
+            return
+        self.running = True
+        work = self.scheduling.run(self, num_workers or self.config.num_workers)
+        self._tasks = [asyncio.create_task(work), asyncio.create_task(self._follow_versions())]
+
+    async def stop(self, drain: bool = False, timeout_s: float = 0.0) -> int:
+        """Stop admitting; with ``drain``, let the groups in flight end for up to ``timeout_s``.
+        Returns the episodes abandoned (still running when the workers were cancelled)."""
+        self.running = False
+        if drain and self._tasks:
+            await asyncio.wait(self._tasks[:1], timeout=timeout_s or None)
+        abandoned = self.running_episodes
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        return abandoned
+
+    @property
+    def workers(self) -> int:
+        return self.scheduling.workers if self._tasks else 0
+
+    # ------------------------------------------------------------------ the stages' details
+    def _next_prompt(self) -> int:
+        idx = self._order[self.counters["prompts"] % len(self._order)]
+        self.counters["prompts"] += 1
+        return idx
+
+    async def _episode(self, row: int, gid: str, i: int, state: _GroupState, barrier) -> Trajectory:
+        tid = f"{gid}/{i}"
+        env = self.config.env.build(self.rows, self.reward_fn)
+        self.running_episodes += 1
+        try:
+            t = await run_episode(env, row, self.generate, self.tokenizer, self.config.episode,
+                                  trajectory_id=tid, group_id=gid, prompt_id=f"p{row}", barrier=barrier,
+                                  observer=self.observer)  # fmt: skip
+        finally:
+            self.running_episodes -= 1
+            state.running.discard(tid)
+        if len(t.token_versions):
+            state.finished_starts.append(t.start_version)
+            await self._abort_stale_groups()  # a finished member may reveal the group is already too old
+        return t
+
+    async def generate(self, ids: list[int], sampling: SamplingParams, tid: str, timeout_s: float) -> Generation:
+        """Through the ``Generate`` port, retrying transient failures with backoff until the
+        generation's deadline. The request id is the trajectory id (one request at a time per
+        trajectory); without prompt replication the route is the group, so a prompt's samples
+        share an engine."""
+        route = tid if self.config.replicate_prompts else tid.rsplit("/", 1)[0]
+        deadline, delay = time.monotonic() + timeout_s, 0.1
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return await self.engine.generate(ids, sampling, request_id=tid, route=route, timeout_s=remaining)
+            except TransientError as e:
+                if remaining - delay <= 0:
+                    raise
+                self.observer.generate_retried(e.code)
+                await asyncio.sleep(delay)
+                delay = min(5.0, 2 * delay)
+
+    async def _run_group_safely(self, barrier) -> GroupOutcome:
+        try:
+            return await self.run_group(barrier)
+        except Exception:  # one failed group must not stop the pool: logged, counted, its slot returned
+            log.exception("group failed")
+            return self._ended(GroupOutcome.FAILED, [], None)
+
+    def _ended(self, outcome: GroupOutcome, trajectories: list[Trajectory], t0: float | None) -> GroupOutcome:
+        self.counters[f"groups_{outcome}"] += 1
+        for t in trajectories:
+            self.counters[f"finish_{t.finish_reason}"] += 1
+        self.counters["trajectories"] += len(trajectories)
+        if outcome is GroupOutcome.PUT:
+            self.counters["trajectories_put"] += len(trajectories)
+        try:  # a metrics fault must not turn a group that is in the buffer into a failed one
+            self.observer.group_ended(outcome, trajectories, 0.0 if t0 is None else time.monotonic() - t0)
+        except Exception:
+            log.exception("recording the end of a group failed")
+        return outcome
+
+    async def _release(self, unused: int = 0, finished: int = 0) -> None:
+        try:
+            await asyncio.shield(self.admission.release(unused=unused, finished=finished))
+        except Exception as e:  # counted; the slots stay taken until the controller restarts
+            log.error("release(unused=%d, finished=%d) failed: %s", unused, finished, e)
+            self.counters["release_failures"] += 1
+
+    async def _follow_versions(self) -> None:
+        """Follow the controller's version; at each new one, stop rolling out groups that can no
+        longer be trained on (their slots go back to admission, their engines to fresh work)."""
+        while True:
+            try:
+                async for version in self.admission.watch_versions():
+                    self.version = max(self.version, version)
+                    await self._abort_stale_groups()
+            except Exception as e:  # the controller restarted or is gone: follow again, never stop
+                log.warning("watching versions: %s; retrying in 1 s", e)
+            await asyncio.sleep(1.0)
+
+    async def _abort_stale_groups(self) -> None:
+        if self.async_ratio is None:
+            return
+        for gid, state in list(self._rolling.items()):
+            if not state.stale and group_is_stale(state.finished_starts, self.version, self.async_ratio):
+                state.stale = True
+                log.info("group %s is staler than the bound at v%d: aborting %d generations",
+                         gid, self.version, len(state.running))  # fmt: skip
+                await asyncio.gather(*(self.engine.abort(tid) for tid in state.running), return_exceptions=True)

@@ -1,0 +1,96 @@
+"""What the rollout loop needs from the rest of the mesh: three small ports and an observer.
+
+``services/`` implements them over gRPC (the AsyncController, the LLMProxy, the SampleBuffer);
+tests implement them in-process (the plain controller object, a scripted generate function, the
+in-memory buffer) and run the loop without a socket. Errors cross a port as the project's own
+exceptions, never as gRPC status codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from rollout.sampling import SamplingParams
+from sample_buffer.buffer import PutResult
+from sample_buffer.trajectory import FinishReason, Group, Trajectory
+
+
+class TransientError(Exception):
+    """A call that never reached its target, or found it busy or restarting (no engine in
+    rotation, connection lost, server overloaded): worth another try within the caller's
+    deadline. ``code`` names the cause for metrics (e.g. ``UNAVAILABLE``)."""
+
+    def __init__(self, code: str, message: str = "") -> None:
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """An answer of admission control: slots granted, at which policy version, under which bound."""
+
+    num_groups: int
+    version: int
+    async_ratio: int
+
+
+@dataclass
+class Generation:
+    """One generation's output, in the names it keeps all the way to the trainer's batch."""
+
+    output_ids: list[int]
+    behavior_logprobs: list[float]  # the engine's log-prob of each output token
+    token_versions: list[int]  # the policy version that produced each output token
+    finish_reason: FinishReason
+
+
+class Admission(Protocol):
+    """The AsyncController as the rollout loop sees it."""
+
+    async def admit(self, num_groups: int) -> Admitted:
+        """Ask for up to ``num_groups`` slots under the staleness bound."""
+
+    async def release(self, *, unused: int = 0, finished: int = 0) -> None:
+        """Give slots back: ``unused`` (failed, filtered, stale, cancelled) or ``finished`` (in the buffer)."""
+
+    def watch_versions(self) -> AsyncIterator[int]:
+        """The policy version now and at every change."""
+
+
+class Generate(Protocol):
+    """The LLMProxy as the rollout loop sees it."""
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str, route: str, timeout_s: float
+    ) -> Generation:
+        """Generate for ``input_ids``; ``route`` keeps requests that share it on one engine.
+        Raises ``TransientError`` when the call may succeed if tried again."""
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running generation; it returns its partial output as ``abort``."""
+
+
+class SampleSink(Protocol):
+    """The SampleBuffer as the rollout loop sees it."""
+
+    async def put(self, group: Group, timeout_s: float) -> PutResult:
+        """Store a finished group; the result says whether the buffer kept it (or filtered it)."""
+
+
+class RolloutObserver:
+    """Where the loop reports what happened (the EnvManager's Prometheus metrics). Every hook
+    is a no-op here, so a test passes the base class and a service overrides what it records."""
+
+    def turn(self, env: str, generate_s: float, step_s: float | None) -> None:
+        """One turn of an episode: its generation's and environment step's seconds (None: no step)."""
+
+    def episode_ended(self, trajectory: Trajectory, seconds: float) -> None:
+        """An episode ended (reset to its last step)."""
+
+    def group_ended(self, outcome: str, trajectories: list[Trajectory], seconds: float) -> None:
+        """A group ended: ``put``, ``filtered``, ``stale`` or ``failed`` (then ``trajectories`` is empty)."""
+
+    def generate_retried(self, code: str) -> None:
+        """A generation was retried after a ``TransientError`` with this code."""

@@ -1,0 +1,78 @@
+"""Async gRPC client of the AsyncController: the rollout loop's ``Admission`` port and the
+training loop's ``VersionControl`` port. gRPC errors become the project's own: a controller
+that is restarting or unreachable raises ``TransientError``, bad input ``ValueError``, an
+update that is not (or no longer) in progress ``UpdateConflict``."""
+
+from __future__ import annotations
+
+import grpc
+
+from rollout.ports import Admitted, TransientError
+from services.controller.controller import UpdateConflict
+from services.pb.rollmesh.v1 import controller_pb2 as pb
+from services.pb.rollmesh.v1 import controller_pb2_grpc
+
+# The call never reached a handler, or the server is going away: worth another try.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       grpc.StatusCode.DEADLINE_EXCEEDED})  # fmt: skip
+
+
+def project_error(e: grpc.aio.AioRpcError) -> Exception:
+    """The project's exception for a gRPC error of any rollmesh service."""
+    code, details = e.code(), e.details() or ""
+    if code in RETRYABLE:
+        return TransientError(code.name, details)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return UpdateConflict(details)
+    return RuntimeError(f"{code.name}: {details}")
+
+
+class ControllerClient:
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self._channel = grpc.aio.insecure_channel(address)
+        self.stub = controller_pb2_grpc.AsyncControllerStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method, request, timeout_s: float | None = None):
+        try:
+            return await method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise project_error(e) from None
+
+    # ------------------------------------------------------------------ admission (rollout)
+    async def admit(self, num_groups: int) -> Admitted:
+        res = await self._call(self.stub.Admit, pb.AdmitRequest(num_groups=num_groups))
+        return Admitted(res.num_admitted, res.version, res.async_ratio)
+
+    async def release(self, *, unused: int = 0, finished: int = 0, dropped: int = 0) -> None:
+        req = pb.ReleaseRequest(num_groups=unused, num_finished=finished, num_dropped=dropped)
+        await self._call(self.stub.Release, req)
+
+    async def watch_versions(self):
+        try:
+            async for event in self.stub.WatchVersion(pb.WatchVersionRequest()):
+                yield event.version
+        except grpc.aio.AioRpcError as e:
+            raise project_error(e) from None
+
+    # ------------------------------------------------------------------ versions (trainer)
+    async def limits(self) -> tuple[int, int]:
+        res = await self._call(self.stub.Admit, pb.AdmitRequest(num_groups=0))
+        return res.async_ratio, res.groups_per_step
+
+    async def begin_update(self, new_version: int, timeout_s: float) -> str:
+        req = pb.BeginUpdateRequest(new_version=new_version, timeout_s=timeout_s)
+        return (await self._call(self.stub.BeginUpdate, req, 60)).update_id
+
+    async def commit_update(self, update_id: str, version: int, model_path: str) -> int:
+        req = pb.CommitUpdateRequest(update_id=update_id, version=version, model_path=model_path)
+        return (await self._call(self.stub.CommitUpdate, req, 60)).version
+
+    async def abort_update(self, update_id: str, reason: str) -> int:
+        req = pb.AbortUpdateRequest(update_id=update_id, reason=reason)
+        return (await self._call(self.stub.AbortUpdate, req, 60)).version

@@ -1,0 +1,1 @@
+"""The trainer process: the training loop (``trainer/loop.py``) wired to the mesh."""

@@ -1,0 +1,18 @@
+"""Configuration of the trainer process: the training loop's config plus what the process adds."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from services.metrics_log import TrackingConfig
+from trainer.loop import TrainLoopConfig
+
+
+class TrainerProcessConfig(TrainLoopConfig):
+    """The trainer process around the training loop (``train_loop`` in a run config)."""
+
+    metrics_host: str = Field("127.0.0.1", description="Address the Prometheus /metrics endpoint binds.")
+    metrics_port: int = Field(9105, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="Also log metrics to TensorBoard / Weights & Biases."
+    )

@@ -1,0 +1,100 @@
+"""``rollmesh serve trainer``: the training loop wired to the mesh, single or one rank under torchrun.
+
+Under torchrun (``WORLD_SIZE`` > 1) every rank joins one process group (NCCL on GPUs, gloo on
+CPU) and trains with FSDP2; only rank 0 opens connections to the mesh and serves /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from datetime import timedelta
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _init_distributed(cfg) -> tuple[int, int]:
+    """Join torchrun's process group when there is one; returns (rank, world size)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch
+    import torch.distributed as dist
+
+    cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # Ranks > 0 wait in a broadcast while rank 0 waits for a batch and publishes weights: the
+    # collective timeout must outlast both, or a slow rollout would kill the trainer.
+    loop = cfg.train_loop
+    timeout = timedelta(seconds=max(1800.0, 2 * (loop.get_timeout_s + loop.publish_timeout_s) + 600))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _engine(cfg):
+    """The training engine: simulated, or FSDP2 with the LR schedule as long as the run."""
+    if cfg.trainer.sim is not None:
+        from trainer.sim import SimTrainEngine
+
+        return SimTrainEngine(cfg.trainer.sim)
+    from trainer.engine import TrainEngine
+
+    return TrainEngine(cfg.trainer, total_steps=cfg.train_loop.steps)
+
+
+def serve(cfg) -> None:
+    """Resume if a checkpoint exists, refuse a staleness bound other than the controller's, train
+    until ``train_loop.steps``, exit 0."""
+    from services.controller.client import ControllerClient
+    from services.llm_proxy.client import ProxyClient
+    from services.metrics import serve_metrics
+    from services.metrics_log import MetricsLog
+    from services.sample_buffer.client import BufferClient
+    from services.trainer.metrics import TrainerMetrics, TrainerObserver
+    from services.trainer.publishers import DiskPublisher
+    from trainer.loop import TrainLoop
+
+    rank, world = _init_distributed(cfg)
+    lc = cfg.train_loop
+
+    async def main() -> None:
+        proxy = buffer = controller = observer = None
+        if rank == 0:
+            proxy, buffer = ProxyClient(cfg.mesh.proxy), BufferClient(cfg.mesh.buffer)
+            controller = ControllerClient(cfg.mesh.controller)
+            run_dir = Path(lc.run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            observer = TrainerObserver(MetricsLog(run_dir / "metrics.jsonl", lc.tracking, run_dir.name, run_dir),
+                                       TrainerMetrics())  # fmt: skip
+        loop = TrainLoop(
+            lc, _engine(cfg), source=buffer, control=controller,
+            publisher=DiskPublisher(proxy, lc.run_dir, lc.keep_weight_versions), observer=observer,
+            groups_per_step=cfg.controller.groups_per_step, max_staleness=cfg.controller.async_ratio, rank=rank,
+            world=world,
+        )  # fmt: skip
+        loop.resume()
+        try:
+            await loop.check_limits()
+            if rank == 0:
+                observer.prom.version.set(loop.engine.version)
+                serve_metrics(observer.prom.registry, lc.metrics_host, lc.metrics_port, "trainer")
+                log.info("trainer: %d rank(s), from step %d", world, loop.engine.step)
+            while loop.engine.step < lc.steps:
+                metrics = await loop.step()
+                if metrics and rank == 0:
+                    log.info("step %d reward %.3f loss %.4f", metrics["step"], metrics["reward_mean"], metrics["loss"])
+        finally:
+            if rank == 0:
+                observer.log.close()
+                await asyncio.gather(proxy.close(), buffer.close(), controller.close())
+
+    try:
+        asyncio.run(main())
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()

@@ -1,0 +1,201 @@
+"""The training loop: get → train → ack → publish → checkpoint, a plain object over three ports.
+
+    batch = source.get(groups_per_step, version, max_staleness=async_ratio)
+    metrics = engine.train_step(batch_from_groups(groups))
+    source.ack(batch_id)
+    publish: publisher.export → control.begin_update (suspend) → publisher.load → commit (resume)
+    checkpoint every k steps
+
+Under torchrun rank 0 alone talks to the mesh; it broadcasts each step's encoded groups, every
+rank trains on its share of whole groups (FSDP2 averages the gradients), and every rank takes
+part in exporting and checkpointing. Ports (``trainer/ports.py``): ``SampleSource`` (the
+SampleBuffer), ``VersionControl`` (the AsyncController), ``WeightPublisher`` (a weight
+transport). Nothing here knows about sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sample_buffer.codec import decode_group
+from trainer.batch import batch_from_groups
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.ports import SampleSource, TrainObserver, VersionControl, WeightPublisher
+
+log = logging.getLogger(__name__)
+
+
+class TrainLoopConfig(BaseModel):
+    """The loop around the training engine: run length, batches, deadlines, checkpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(100, ge=1, description="Optimizer steps of the run (also the LR schedule's length).")
+    run_dir: str = Field("runs/default", description="Checkpoints, exported weights and metrics.jsonl go here.")
+    checkpoint_every: int = Field(20, ge=0, description="Checkpoint every k steps and at the end; 0 = never.")
+    get_timeout_s: float = Field(120.0, gt=0, description="How long one step waits for a full batch of groups.")
+    publish_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight update on the engines.")
+    keep_weight_versions: int = Field(2, ge=1, description="Exported weight versions kept (rollback needs >= 1).")
+
+
+class StalenessMismatch(ValueError):
+    """The trainer and the controller disagree on the staleness bound or the step size."""
+
+
+class TrainLoop:
+    def __init__(self, config: TrainLoopConfig, engine, *, source: SampleSource | None,
+                 control: VersionControl | None, publisher: WeightPublisher, groups_per_step: int,
+                 max_staleness: int, observer: TrainObserver | None = None, rank: int = 0,
+                 world: int = 1) -> None:  # fmt: skip
+        if groups_per_step < world:
+            raise ValueError(f"controller.groups_per_step ({groups_per_step}) must be >= the {world} trainer ranks")
+        self.config, self.engine, self.publisher = config, engine, publisher
+        self.source, self.control = source, control  # rank 0 only
+        self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
+        self.observer = observer or TrainObserver()
+        self.rank, self.world = rank, world
+        self.run_dir = Path(config.run_dir)
+        self.publish_times: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ the loop
+    async def step(self) -> dict | None:
+        """One training step; None when no full batch arrived in time."""
+        t0, version = time.perf_counter(), self.engine.version
+        fetched = self._from_rank0(await self._get(version) if self.rank == 0 else None)  # get
+        if fetched is None:
+            return None
+        encoded, batch_ids = fetched
+        # Rank 0 decodes every group once (its metrics cover the whole batch), the others only their
+        # share; the buffer validated each group when it was put, so decoding does not again.
+        share = encoded if self.rank == 0 else encoded[self.rank :: self.world]
+        decoded = [decode_group(g, validate=False) for g in share]
+        mine = decoded[:: self.world] if self.rank == 0 else decoded  # whole groups per rank
+        t_get = time.perf_counter()
+        metrics = await asyncio.to_thread(self.engine.train_step, batch_from_groups(mine))  # train
+        for batch_id in batch_ids if self.rank == 0 else ():
+            await self.source.ack(batch_id)  # ack
+        t_train = time.perf_counter()
+        published = await self.publish()  # publish
+        t_pub = time.perf_counter()
+        self._checkpoint_if_due()  # checkpoint
+        if self.rank != 0:
+            return metrics
+        staleness = [version - t.start_version for g in decoded for t in g.trajectories]
+        metrics |= {
+            "step": self.engine.step, "version": self.engine.version, "published": published,
+            "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
+            "time_get_s": t_get - t0, "time_train_s": t_train - t_get, "time_publish_s": t_pub - t_train,
+            "time_checkpoint_s": time.perf_counter() - t_pub, **self.publish_times, "wall": time.time(),
+        }  # fmt: skip
+        self.observer.step_done(metrics, staleness)
+        return metrics
+
+    async def publish(self) -> bool:
+        """Move every engine to the new weights; on any failure roll back and return False.
+
+        Every failure is logged and counted by cause (export, begin, load, commit); generation
+        goes on at the previous version and the next step publishes again.
+        """
+        version, t0 = self.engine.version, time.perf_counter()
+        self.publish_times = {}
+        try:
+            location = self.publisher.export(self.engine, version)  # every rank gathers
+        except Exception as e:
+            return self._failed("export", version, e)
+        if self.rank != 0:
+            return True  # rank 0 alone moves the engines
+        t1 = time.perf_counter()
+        try:
+            update_id = await self.control.begin_update(version, timeout_s=self.config.publish_timeout_s * 2)
+        except Exception as e:  # generation was not suspended (or the controller's watchdog resumes it)
+            return self._failed("begin", version, e)
+        t2 = time.perf_counter()
+        try:
+            await self.publisher.load(version, self.config.publish_timeout_s)
+        except Exception as e:  # any failure rolls back: generation never stays suspended
+            await self._abort_update(update_id, f"{type(e).__name__}: {e}")
+            return self._failed("load", version, e)
+        t3 = time.perf_counter()
+        # Where an update spends its time: export, suspend (generation stops), load, commit + resume.
+        self.publish_times = {"time_export_s": t1 - t0, "time_suspend_s": t2 - t1, "time_load_s": t3 - t2}
+        try:
+            await self.control.commit_update(update_id, version, location)
+        except Exception as e:
+            await self._abort_update(update_id, f"commit failed: {e}")
+            return self._failed("commit", version, e)
+        self.publish_times["time_resume_s"] = time.perf_counter() - t3
+        self.observer.update_done(time.perf_counter() - t0, location)
+        self.publisher.committed(version)
+        return True
+
+    # ------------------------------------------------------------------ start
+    def resume(self) -> bool:
+        """Load the newest complete checkpoint of the run directory, if there is one."""
+        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        if ckpt is None:
+            return False
+        load_checkpoint(self.engine, ckpt)
+        log.info("resumed from %s (step %d, version %d)", ckpt, self.engine.step, self.engine.version)
+        return True
+
+    async def check_limits(self) -> None:
+        """Refuse to train under another bound than the controller admits under: samples would
+        be dropped as stale (trainer stricter) or trained staler than promised (controller stricter)."""
+        if self.rank != 0:
+            return
+        async_ratio, groups_per_step = await self.control.limits()
+        if (async_ratio, groups_per_step) != (self.max_staleness, self.groups_per_step):
+            raise StalenessMismatch(
+                f"controller.async_ratio / groups_per_step: the controller admits under {async_ratio} / "
+                f"{groups_per_step}, this trainer was configured with {self.max_staleness} / {self.groups_per_step}"
+            )
+
+    # ------------------------------------------------------------------ the stages' details
+    async def _get(self, version: int) -> tuple[list[bytes], list[str]] | None:
+        """Rank 0: encoded groups for one step and their batch ids; None when too few arrived."""
+        deadline = time.perf_counter() + self.config.get_timeout_s
+        batch_ids, groups = [], []
+        while len(groups) < self.groups_per_step and time.perf_counter() < deadline:
+            wait = deadline - time.perf_counter()
+            batch = await self.source.get(self.groups_per_step - len(groups), version, self.max_staleness, wait)
+            if batch.dropped_stale:  # never trained: their admission slots go back
+                await self.control.release(dropped=batch.dropped_stale)
+            if batch.batch_id:
+                batch_ids.append(batch.batch_id)
+                groups += batch.groups
+        if len(groups) < self.groups_per_step:
+            log.warning("only %d of %d groups arrived in %.0fs", len(groups), self.groups_per_step,
+                        self.config.get_timeout_s)  # fmt: skip
+            return None  # the unacked ones are handed out again after the visibility timeout
+        return groups, batch_ids
+
+    def _from_rank0(self, obj):
+        """``obj`` as rank 0 has it, on every rank (no-op in a single process)."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _checkpoint_if_due(self) -> None:
+        every = self.config.checkpoint_every
+        if every and (self.engine.step % every == 0 or self.engine.step >= self.config.steps):
+            save_checkpoint(self.engine, self.run_dir / "checkpoints", keep_last=2)
+
+    def _failed(self, cause: str, version: int, error) -> bool:
+        log.error("publishing v%d failed at %s: %s", version, cause, error)
+        self.observer.update_failed(cause)
+        return False
+
+    async def _abort_update(self, update_id: str, reason: str) -> None:
+        try:
+            await self.control.abort_update(update_id, reason)
+        except Exception as e:  # the controller's watchdog aborts an update nobody commits
+            log.error("abort_update failed (the controller's watchdog will roll back): %s", e)

@@ -1,0 +1,76 @@
+"""What the training loop needs from the rest of the mesh: three small ports and an observer.
+
+``services/trainer`` implements them over gRPC (the SampleBuffer, the AsyncController, the
+LLMProxy); tests implement them in-process (the in-memory buffer, the plain controller object)
+and run the loop without a socket.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from sample_buffer.buffer import Batch
+
+
+class SampleSource(Protocol):
+    """The SampleBuffer as the trainer sees it."""
+
+    async def get(self, num_groups: int, current_version: int, max_staleness: int, timeout_s: float) -> Batch:
+        """Up to ``num_groups`` groups no older than ``current_version - max_staleness``."""
+
+    async def ack(self, batch_id: str) -> int:
+        """The batch was trained on: it is never handed out again."""
+
+
+class VersionControl(Protocol):
+    """The AsyncController as the trainer sees it: slots, bounds and the weight-update protocol."""
+
+    async def limits(self) -> tuple[int, int]:
+        """(async_ratio, groups_per_step) the controller admits under."""
+
+    async def release(self, *, dropped: int) -> None:
+        """Finished groups the buffer dropped as too stale: their slots go back to admission."""
+
+    async def begin_update(self, new_version: int, timeout_s: float) -> str:
+        """Suspend generation for an update to ``new_version``; returns the update's id."""
+
+    async def commit_update(self, update_id: str, version: int, model_path: str) -> int:
+        """Make ``version`` current (``model_path``: where it can be restored from) and resume."""
+
+    async def abort_update(self, update_id: str, reason: str) -> int:
+        """Roll every engine back to the current version and resume."""
+
+
+class WeightPublisher(Protocol):
+    """A weight transport: how a new version gets from the trainer onto every engine.
+
+    ``export`` runs on every rank (gathering sharded weights is collective) before generation is
+    suspended; ``load`` runs on rank 0 between suspend and resume and raises on any engine's
+    failure (the loop then rolls back); ``committed`` runs once the version is current.
+    """
+
+    def export(self, engine, version: int) -> str:
+        """Make ``version``'s weights ready to send; returns where it can be restored from."""
+
+    async def load(self, version: int, timeout_s: float) -> None:
+        """Move every engine to ``version``; raises ``PublishError`` naming what failed."""
+
+    def committed(self, version: int) -> None:
+        """``version`` is current: older copies may go."""
+
+
+class PublishError(RuntimeError):
+    """A weight transport could not move every engine to the new version."""
+
+
+class TrainObserver:
+    """Where the loop reports (metrics.jsonl, Prometheus, trackers). No-ops here."""
+
+    def step_done(self, metrics: dict, staleness: list[int]) -> None:
+        """A step's metrics (rank 0) and the staleness of every trajectory it trained on."""
+
+    def update_done(self, seconds: float, location: str) -> None:
+        """A weight update was committed; ``location`` is what ``export`` returned."""
+
+    def update_failed(self, cause: str) -> None:
+        """A weight update failed at ``cause``: export, begin, load or commit."""
