@@ -57,12 +57,16 @@ def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | N
 
 
 def serve_command(service: str, section: str, overrides: list[str], config_path: str | None = None) -> list[str]:
-    """``rollmesh serve SERVICE [--config PATH] --set SECTION.key=value ...`` as an argv list."""
+    """``rollmesh serve SERVICE [--config PATH] --set SECTION.key=value ...`` as an argv list; a bare
+    ``key=value`` is the section's unless ``key`` is a top-level key of the run config (``model_path``)."""
+    from services.config import RollmeshConfig
+
     cmd = [sys.executable, "-m", "services.cli", "serve", service]
     if config_path:
         cmd += ["--config", str(config_path)]
     for o in overrides:
-        cmd += ["--set", o if "." in o.split("=", 1)[0] else f"{section}.{o}"]
+        key = o.split("=", 1)[0]
+        cmd += ["--set", o if "." in key or key in RollmeshConfig.model_fields else f"{section}.{o}"]
     return cmd
 
 

@@ -19,6 +19,16 @@ def test_import_direction():
                 assert not (m and m.group(1) in banned), f"{f}: {line.strip()} breaks the import rule"
 
 
+def test_the_loops_know_no_wire():
+    """rollout/ and trainer/ (and the data model) import no gRPC or protobuf: only services/ knows sockets."""
+    for pkg in ("rollout", "trainer", "sample_buffer"):
+        for f in Path(pkg).rglob("*.py"):
+            for line in f.read_text().splitlines():
+                m = re.match(r"\s*(?:from|import)\s+([\w.]+)", line)
+                assert not (m and m.group(1).split(".")[0] in {"grpc", "google"}), f"{f}: {line.strip()}"
+                assert not (m and "_pb2" in m.group(1)), f"{f}: {line.strip()}"
+
+
 def test_no_sglang_import_on_cpu_path():
     for pkg in ("rollout", "services", "trainer", "sample_buffer"):
         for f in Path(pkg).rglob("*.py"):

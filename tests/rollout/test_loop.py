@@ -1,0 +1,197 @@
+"""The rollout loop in-process: the plain controller, the in-memory buffer, a scripted engine.
+
+No sockets and no model: each test runs in well under a second. The same loop runs against
+real services in tests/services/test_env_manager.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rollout.config import RolloutConfig
+from rollout.loop import RolloutLoop
+from rollout.ports import Generation, RolloutObserver, TransientError
+from sample_buffer.config import BufferConfig
+from sample_buffer.memory import MemoryBuffer
+from sample_buffer.trajectory import FinishReason
+from services.controller.config import ControllerConfig
+from services.controller.controller import AsyncController
+
+ROWS = [{"prompt": f"q{i}", "answer": "7"} for i in range(10)]
+
+
+class CharTokenizer:
+    """One token per character: enough to render a prompt and decode a scripted answer."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return [ord(c) for c in messages[-1]["content"]]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+class ScriptedEngine:
+    """Answers ``reply(request_id)`` at the controller's current version. ``transient`` calls fail
+    with a ``TransientError`` first; a request id in ``held`` waits until it is aborted."""
+
+    def __init__(self, controller: AsyncController, reply=lambda rid: "7", transient: int = 0, error=None):
+        self.controller, self.reply, self.transient, self.error = controller, reply, transient, error
+        self.held: dict[str, asyncio.Event] = {}
+        self.aborted: list[str] = []
+        self.calls = 0
+
+    async def generate(self, input_ids, sampling, *, request_id, route, timeout_s) -> Generation:
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        if self.transient:
+            self.transient -= 1
+            raise TransientError("UNAVAILABLE", "no engine in rotation")
+        version = self.controller.version
+        if request_id in self.held:
+            await self.held[request_id].wait()
+            return Generation([ord("7")], [-0.1], [version], FinishReason.ABORT)
+        text = self.reply(request_id)
+        return Generation([ord(c) for c in text], [-0.5] * len(text), [version] * len(text), FinishReason.STOP)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        if request_id in self.held:
+            self.held[request_id].set()
+
+
+class Recorder(RolloutObserver):
+    def __init__(self) -> None:
+        self.outcomes: list[str] = []
+        self.retries: list[str] = []
+
+    def group_ended(self, outcome, trajectories, seconds):
+        self.outcomes.append(str(outcome))
+
+    def generate_retried(self, code):
+        self.retries.append(code)
+
+
+def make_loop(engine_kw=None, *, async_ratio=0, groups_per_step=2, filter_zero_variance=False, **cfg):
+    controller = AsyncController(ControllerConfig(async_ratio=async_ratio, groups_per_step=groups_per_step))
+    buffer = MemoryBuffer(BufferConfig(filter_zero_variance=filter_zero_variance))
+    engine = ScriptedEngine(controller, **(engine_kw or {}))
+    config = RolloutConfig(group_size=2, num_workers=4, reward="exact_match", admit_poll_s=0.005, **cfg)
+    loop = RolloutLoop(config, rows=ROWS, tokenizer=CharTokenizer(), reward_fn=lambda r, a: float(r == a),
+                       admission=controller, engine=engine, sink=buffer, observer=Recorder())  # fmt: skip
+    return loop, controller, buffer, engine
+
+
+async def until(pred, timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.002)
+
+
+@pytest.mark.parametrize("scheduling", ["queue", "batch"])
+def test_admission_stops_at_the_bound_and_every_slot_is_accounted(scheduling):
+    async def main():
+        loop, ctl, buffer, _ = make_loop(scheduling=scheduling)
+        await loop.start()
+        await until(lambda: loop.counters["groups_put"] >= 2)
+        await asyncio.sleep(0.05)  # room for a (wrong) third group
+        await loop.stop()
+        batch = await buffer.get(10, current_version=0, max_staleness=0, timeout_s=0)
+        return loop, ctl, batch.decode()
+
+    loop, ctl, groups = asyncio.run(main())
+    assert loop.counters["groups_put"] == 2 and len(groups) == 2  # async_ratio 0: one step, no more
+    assert ctl.in_flight == 0 and ctl.finished == 2
+    for g in groups:
+        assert [t.reward for t in g.trajectories] == [1.0, 1.0]
+        assert all(t.finish_reason == FinishReason.STOP and t.start_version == 0 for t in g.trajectories)
+    assert loop.counters["trajectories_put"] == 4
+
+
+def test_filtered_groups_give_their_slots_back():
+    """Every answer right: zero reward variance, the buffer filters every group. Their slots come
+    back, so the loop goes on well past one step's worth of groups."""
+
+    async def main():
+        loop, ctl, buffer, _ = make_loop(filter_zero_variance=True)
+        await loop.start()
+        await until(lambda: loop.counters["groups_filtered"] >= 10)
+        await loop.stop()
+        return loop, ctl, await buffer.stats()
+
+    loop, ctl, stats = asyncio.run(main())
+    assert loop.counters["groups_put"] == 0 and stats["dropped_filtered"] >= 10
+    assert ctl.finished == 0 and ctl.in_flight == 0  # released unused, not finished
+
+
+def test_transient_generate_failures_are_retried_and_others_fail_the_group():
+    async def main():
+        loop, ctl, buffer, engine = make_loop({"transient": 2})
+        assert await loop.admit(1) == 1
+        outcomes = await loop.run_admitted(1)
+        retries = list(loop.observer.retries)
+        engine.error = ValueError("input_ids: must not be empty")
+        assert await loop.admit(1) == 1
+        failed = await loop.run_admitted(1)
+        return outcomes, retries, failed, engine.calls, loop, ctl
+
+    outcomes, retries, failed, calls, loop, ctl = asyncio.run(main())
+    assert outcomes == ["put"] and retries == ["UNAVAILABLE", "UNAVAILABLE"]
+    assert failed == ["failed"] and loop.counters["groups_failed"] == 1
+    assert ctl.in_flight == 0 and ctl.finished == 1  # the failed group's slot came back
+    assert calls == 2 + 2 + 2  # two retried, two answered, two failing members (not retried)
+
+
+def test_a_transient_failure_past_the_deadline_fails_the_group():
+    async def main():
+        loop, _, _, _ = make_loop({"transient": 10**6}, episode={"generation_timeout_s": 0.5})
+        assert await loop.admit(1) == 1
+        t0 = time.monotonic()
+        outcomes = await loop.run_admitted(1)
+        return outcomes, time.monotonic() - t0
+
+    outcomes, seconds = asyncio.run(main())
+    # Backoff 0.1, 0.2 s, then the next 0.4 s wait would pass the deadline: it gives up, never past it.
+    assert outcomes == ["failed"] and 0.25 < seconds < 0.6
+
+
+def test_a_group_that_outlives_the_bound_is_aborted_never_put_and_its_slot_returned():
+    """async_ratio 0: member 0 finishes at v0, member 1 is still generating when v1 is committed.
+    The group can never be trained on: member 1's generation is aborted, nothing is put."""
+
+    async def main():
+        loop, ctl, buffer, engine = make_loop(groups_per_step=1)
+        loop._order = [3] * len(ROWS)  # every group is prompt p3: its second member is the held one
+        engine.held["p3-0/1"] = asyncio.Event()
+        await loop.start()
+        await until(lambda: any(s.finished_starts for s in loop._rolling.values()))
+        update = await ctl.begin_update(1)
+        await ctl.commit_update(update, 1)
+        await until(lambda: loop.counters["groups_put"] >= 1)  # the slot came back: a fresh group at v1
+        await loop.stop()
+        batch = await buffer.get(10, current_version=1, max_staleness=0, timeout_s=0)
+        return loop, engine, batch.decode()
+
+    loop, engine, groups = asyncio.run(main())
+    assert engine.aborted == ["p3-0/1"]
+    assert loop.counters["groups_stale"] == 1 and loop.observer.outcomes[0] == "stale"
+    assert groups and groups[0].group_id == "p3-1" and all(g.start_version == 1 for g in groups)
+
+
+def test_stop_with_drain_lets_groups_in_flight_end():
+    async def main():
+        loop, ctl, _, engine = make_loop()
+        engine.held["p0-0/0"] = asyncio.Event()
+        loop._order = [0] * len(ROWS)
+        await loop.start()
+        await until(lambda: loop.running_episodes >= 1)
+        asyncio.get_running_loop().call_later(0.05, engine.held["p0-0/0"].set)
+        abandoned = await loop.stop(drain=True, timeout_s=2.0)
+        return abandoned, ctl
+
+    abandoned, ctl = asyncio.run(main())
+    assert abandoned == 0 and ctl.in_flight == 0

@@ -1,0 +1,143 @@
+"""The training loop in-process: the in-memory buffer, the plain controller, the simulated
+engine and a scripted weight publisher. No sockets, no model: each test runs in milliseconds.
+The same loop runs against real services in tests/services/test_trainer_loop.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sample_buffer.codec import CodecError, encode_group
+from sample_buffer.config import BufferConfig
+from sample_buffer.memory import MemoryBuffer
+from services.controller.config import ControllerConfig
+from services.controller.controller import AsyncController
+from tests.sample_buffer.helpers import make_group
+from trainer.loop import StalenessMismatch, TrainLoop, TrainLoopConfig
+from trainer.ports import PublishError, TrainObserver
+from trainer.sim import SimTrainEngine, SimTrainerConfig
+
+
+class Publisher:
+    """Records what it was asked to move; ``fail`` makes ``load`` raise like a refusing engine."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.exported, self.loaded, self.committed_versions = fail, [], [], []
+
+    def export(self, engine, version: int) -> str:
+        self.exported.append(version)
+        return f"mem://v{version}"
+
+    async def load(self, version: int, timeout_s: float) -> None:
+        if self.fail:
+            raise PublishError("engine-0: cannot load weights")
+        self.loaded.append(version)
+
+    def committed(self, version: int) -> None:
+        self.committed_versions.append(version)
+
+
+class Recorder(TrainObserver):
+    def __init__(self) -> None:
+        self.steps, self.failures = [], []
+
+    def step_done(self, metrics, staleness):
+        self.steps.append((metrics, staleness))
+
+    def update_failed(self, cause):
+        self.failures.append(cause)
+
+
+class BrokenEngine(SimTrainEngine):
+    def train_step(self, batch):
+        raise ValueError("groups: no trajectories to train on")
+
+
+def make(tmp_path, *, fail=False, groups_per_step=2, async_ratio=1, engine_cls=SimTrainEngine, **buffer):
+    ctl = AsyncController(ControllerConfig(async_ratio=async_ratio, groups_per_step=groups_per_step))
+    buf = MemoryBuffer(BufferConfig(filter_zero_variance=False, **buffer))
+    cfg = TrainLoopConfig(steps=5, run_dir=str(tmp_path), checkpoint_every=0, get_timeout_s=0.2)
+    loop = TrainLoop(cfg, engine_cls(SimTrainerConfig(time_scale=1e6)), source=buf, control=ctl,
+                     publisher=Publisher(fail), groups_per_step=groups_per_step, max_staleness=async_ratio,
+                     observer=Recorder())  # fmt: skip
+    return loop, ctl, buf
+
+
+def test_a_step_gets_trains_acks_and_publishes(tmp_path):
+    async def main():
+        loop, ctl, buf = make(tmp_path)
+        await loop.check_limits()
+        await ctl.admit(2)
+        for g in ("a", "b"):
+            await buf.put(make_group(g))
+        await ctl.release(finished=2)
+        metrics = await loop.step()
+        return loop, ctl, metrics, await buf.stats()
+
+    loop, ctl, m, stats = asyncio.run(main())
+    assert (m["step"], m["version"], m["published"], m["staleness_max"]) == (1, 1, True, 0)
+    assert ctl.version == 1 and ctl.model_path == "mem://v1"  # committed: the restore point moves on
+    assert loop.publisher.loaded == [1] and loop.publisher.committed_versions == [1]
+    assert stats["consumed"] == 2  # acked
+    assert len(loop.observer.steps) == 1 and loop.observer.steps[0][1] == [0, 0, 0, 0]
+
+
+def test_a_failed_publish_rolls_back_and_is_counted(tmp_path):
+    async def main():
+        loop, ctl, _ = make(tmp_path, fail=True)
+        loop.engine.version = 1
+        return await loop.publish(), loop, ctl
+
+    ok, loop, ctl = asyncio.run(main())
+    assert not ok and ctl.version == 0 and ctl._update is None  # rolled back, generation resumed
+    assert ctl.counters["updates_aborted"] == 1 and loop.observer.failures == ["load"]
+    assert loop.publisher.committed_versions == []
+
+
+def test_stale_groups_are_dropped_and_their_slots_released(tmp_path):
+    async def main():
+        loop, ctl, buf = make(tmp_path, groups_per_step=1)
+        await ctl.admit(1)
+        await buf.put(make_group("old", version=0))
+        await ctl.release(finished=1)
+        loop.engine.version = 3  # two versions past the bound of 1
+        before = ctl.finished
+        metrics = await loop.step()  # nothing fresh arrives within get_timeout_s
+        return metrics, before, ctl.finished, await buf.stats()
+
+    metrics, before, after, stats = asyncio.run(main())
+    assert metrics is None and before == 1 and after == 0 and stats["dropped_stale"] == 1
+
+
+def test_a_batch_that_cannot_be_trained_is_not_acked(tmp_path):
+    async def main():
+        loop, _, buf = make(tmp_path, engine_cls=BrokenEngine, visibility_timeout_s=0.05)
+        for g in ("a", "b"):
+            await buf.put(make_group(g))
+        with pytest.raises(ValueError, match="groups"):
+            await loop.step()
+        await asyncio.sleep(0.1)  # past the visibility timeout: handed out again
+        again = await buf.get(2, current_version=0, max_staleness=1, timeout_s=0.5)
+        return again, await buf.stats()
+
+    again, stats = asyncio.run(main())
+    assert len(again.groups) == 2 and stats["consumed"] == 0 and stats["redelivered"] == 2
+
+
+def test_corrupt_bytes_never_reach_the_trainer(tmp_path):
+    async def main():
+        _, _, buf = make(tmp_path)
+        good = encode_group(make_group("a"))
+        with pytest.raises(CodecError):
+            await buf.put_many([good, good[:-7]])  # truncated body: refused where it enters
+        return await buf.stats()
+
+    assert asyncio.run(main())["put"] == 0  # nothing of the call stored
+
+
+def test_the_trainer_refuses_a_bound_other_than_the_controllers(tmp_path):
+    loop, _, _ = make(tmp_path)
+    loop.max_staleness = 2
+    with pytest.raises(StalenessMismatch, match="async_ratio"):
+        asyncio.run(loop.check_limits())
