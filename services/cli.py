@@ -186,7 +186,7 @@ def bench_async(
 
 @bench_app.command("ceiling")
 def bench_ceiling(
-    config: Path = typer.Option(None, help="Take the workload from this run config (engine.sim, trainer.sim, sizes)."),
+    config: Path = typer.Option(None, help="Take the workload from this run config (a sim engine and trainer, sizes)."),
     groups_per_step: list[int] = typer.Option(
         [], "--groups-per-step", help="Step sizes (repeatable); default 16 32 48 64 80."
     ),

@@ -13,13 +13,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollout.engines.embedded.config import EngineConfig
+from rollout.engines.embedded.config import EngineConfig, EngineVariant
 from rollout.proxy.config import ProxyConfig
 from sample_buffer.config import BufferConfig
 from services.controller.config import ControllerConfig
 from services.env_manager.config import EnvManagerConfig
 from services.trainer.config import TrainerProcessConfig
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, TrainerVariant
 
 
 class ConfigError(ValueError):
@@ -65,7 +65,9 @@ class RollmeshConfig(BaseModel):
         "what the trainer starts from, whose tokenizer renders prompts.",
     )
     mesh: MeshConfig = Field(default_factory=MeshConfig, description="Addresses of the services.")
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="The embedded engine server.")
+    engine: EngineVariant = Field(
+        default_factory=EngineConfig, description="The engine server: embedded (default) or sim (`type: sim`)."
+    )
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="The LLMProxy in front of the engines.")
     buffer: BufferConfig = Field(
         default_factory=BufferConfig, description="The SampleBuffer between rollout and training."
@@ -74,7 +76,9 @@ class RollmeshConfig(BaseModel):
         default_factory=ControllerConfig, description="The AsyncController: version, admission, weight updates."
     )
     env_manager: EnvManagerConfig = Field(default_factory=EnvManagerConfig, description="The EnvManager pool.")
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The training engine.")
+    trainer: TrainerVariant = Field(
+        default_factory=TrainerConfig, description="The training engine: fsdp (default) or sim (`type: sim`)."
+    )
     train_loop: TrainerProcessConfig = Field(
         default_factory=TrainerProcessConfig, description="The training loop and the trainer process around it."
     )
@@ -84,9 +88,35 @@ class RollmeshConfig(BaseModel):
     def _propagate_model_path(self) -> RollmeshConfig:
         for section, key in (("engine", "model_path"), ("trainer", "model_path"),
                              ("controller", "initial_model_path"), ("env_manager", "tokenizer_path")):  # fmt: skip
-            if getattr(getattr(self, section), key) is None:
-                setattr(getattr(self, section), key, self.model_path)
+            part = getattr(self, section)
+            if key in type(part).model_fields and getattr(part, key) is None:
+                setattr(part, key, self.model_path)
         return self
+
+
+def _variant_tags(model: type[BaseModel]) -> set[str]:
+    """Every ``type`` tag of every typed union under ``model``."""
+    import typing
+
+    tags, todo, seen = set(), [model], set()
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if "type" in m.model_fields and isinstance(m.model_fields["type"].default, str):
+            tags.add(m.model_fields["type"].default)
+        for f in m.model_fields.values():
+            stack = [f.annotation]
+            while stack:
+                a = stack.pop()
+                if isinstance(a, type) and issubclass(a, BaseModel):
+                    todo.append(a)
+                stack.extend(typing.get_args(a))
+    return tags
+
+
+_TAGS = _variant_tags(RollmeshConfig)
 
 
 def apply_override(data: dict, override: str) -> None:
@@ -105,14 +135,30 @@ def apply_override(data: dict, override: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
-def format_validation_error(err: ValidationError) -> str:
+def _key(loc: tuple, data) -> tuple[str, str]:
+    """The dotted key of an error's location in ``data``, and the variant it was read as: pydantic
+    puts a tagged union's tag in the location (``engine.embedded.port``); the user wrote ``engine.port``."""
+    parts, variant, node = [], "", data
+    for p in loc:
+        if isinstance(node, dict) and isinstance(p, str) and p not in node:
+            if p in _TAGS:  # the variant the section was read as, not a key the user wrote
+                variant = f" (type {p})"
+                continue
+        parts.append(str(p))
+        node = node.get(p) if isinstance(node, dict) else None
+    return ".".join(parts), variant
+
+
+def format_validation_error(err: ValidationError, data=None) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
+        key, variant = _key(e["loc"], data)
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key {key!r}")
+            lines.append(f"unknown key {key!r}{variant}")
+        elif e["type"] == "union_tag_invalid":  # a misspelled variant: name the choices
+            lines.append(f"{key}.type: unknown {e['ctx']['tag']!r}; choose from {e['ctx']['expected_tags']}")
         else:
-            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{key}{variant}: {e['msg']} (got {e.get('input')!r})")
     return "; ".join(lines)
 
 
@@ -132,4 +178,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"{path or 'config'}: {format_validation_error(e)}") from None
+        raise ConfigError(f"{path or 'config'}: {format_validation_error(e, data)}") from None

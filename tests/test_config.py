@@ -75,8 +75,8 @@ def test_every_config_field_is_documented():
     [
         ("trainer.loss.type=dapo", "trainer.loss"),  # a misspelled loss variant
         ("trainer.advantages.type=grpo_plus", "trainer.advantages"),  # an unknown estimator
-        ("env_manager.env={type: sim, turn: 3}", "env_manager.env.sim.turn"),  # a wrong env argument
-        ("env_manager.env={type: custom, cls: 'nope:Env'}", "env_manager.env.custom.cls"),
+        ("env_manager.env={type: sim, turn: 3}", "env_manager.env.turn' (type sim)"),  # a wrong env argument
+        ("env_manager.env={type: custom, cls: 'nope:Env'}", "env_manager.env.cls (type custom)"),
         ("env_manager.reward=exact_mtch", "env_manager.reward"),
     ],
 )

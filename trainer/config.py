@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sample_buffer.registry import tagged_union
 from trainer.advantages import AdvantageConfig, GRPOAdvantageConfig
 from trainer.losses import DecoupledPPOLossConfig, PolicyLossConfig
 from trainer.sim import SimTrainerConfig
@@ -15,6 +16,8 @@ class TrainerConfig(BaseModel):
     """The training engine: model, optimiser, batching, loss terms, checkpoints."""
 
     model_config = ConfigDict(extra="forbid")
+
+    type: Literal["fsdp"] = Field("fsdp", description="Train the model with FSDP2 (the default).")
 
     model_path: str | None = Field(
         None, description="Local Hugging Face model directory to start from; default: the run's model_path."
@@ -64,7 +67,14 @@ class TrainerConfig(BaseModel):
     kl_in_reward: bool = Field(False, description="Subtract the KL from the rewards instead of adding a loss term.")
     critic: bool = Field(False, description="Train a value model (needed by the 'gae' estimator).")
     critic_lr: float = Field(1e-5, gt=0, description="Learning rate of the critic.")
-    sim: SimTrainerConfig | None = Field(
-        None, description="Run the simulated trainer (time proportional to tokens; trainer/sim.py); None = real."
-    )
     value_clip: float | None = Field(0.2, gt=0, description="Clip range of the critic's value loss.")
+
+    def build(self, total_steps: int | None = None):
+        """The training engine; ``total_steps`` is the run's length (the cosine schedule's span)."""
+        from trainer.engine import TrainEngine
+
+        return TrainEngine(self, total_steps=total_steps)
+
+
+# What `trainer:` in a run config may be: FSDP2 on a real model, or the simulator (`type: sim`).
+TrainerVariant = tagged_union(TrainerConfig, SimTrainerConfig, default="fsdp")

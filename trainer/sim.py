@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,11 +27,15 @@ class SimTrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    type: Literal["sim"] = Field("sim", description="Simulate training time instead of training a model.")
     time_scale: float = Field(100.0, gt=0, description="Simulated seconds per wall second (match the engines').")
     train_tokens_per_s: float = Field(
         9000.0, gt=0, description="Simulated training throughput over all tokens (prompt + response)."
     )
     step_overhead_s: float = Field(1.0, ge=0, description="Fixed simulated time per step (optimizer, sync).")
+
+    def build(self, total_steps: int | None = None) -> SimTrainEngine:
+        return SimTrainEngine(self)
 
 
 class SimTrainEngine:

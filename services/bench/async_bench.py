@@ -67,7 +67,7 @@ def _config(
         max_new_tokens = SHAPE["max_new_tokens"]
     cfg = {
         "model_path": tokenizer,
-        "engine": {"max_running_requests": max_running, "sim": {"time_scale": time_scale}},
+        "engine": {"type": "sim", "max_running_requests": max_running, "time_scale": time_scale},
         "proxy": {"request_timeout_s": 600},
         "buffer": {"backend": "memory", "filter_zero_variance": False},
         "controller": {
@@ -91,7 +91,7 @@ def _config(
                 "step_timeout_s": 600,
             },
         },
-        "trainer": {"sim": {"time_scale": time_scale}},
+        "trainer": {"type": "sim", "time_scale": time_scale},
         "train_loop": {"steps": steps, "run_dir": str(tmp / name), "checkpoint_every": 0, "get_timeout_s": 600},
         "run": {"num_engines": engines},
     }
@@ -128,12 +128,12 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
             stop_process(trainer)
         mesh.stop()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    scale = cfg.engine.sim.time_scale
+    scale = cfg.engine.time_scale
     measured = rows[warmup:]
     step_s = (measured[-1]["wall"] - rows[warmup - 1]["wall"]) * scale / len(measured)
     gen_tokens = sum(r["tokens"] for r in measured) / len(measured)
     train_s = sum(r["sim_train_s"] for r in measured) / len(measured)
-    ideal = ideal_step_s(gen_tokens, train_s, cfg.engine.sim, engines=cfg.run.num_engines,
+    ideal = ideal_step_s(gen_tokens, train_s, cfg.engine, engines=cfg.run.num_engines,
                          max_running=cfg.engine.max_running_requests)  # fmt: skip
     window = [n for t, n in occupancy if t >= rows[warmup - 1]["wall"]]
     single_turn = cfg.env_manager.episode.max_turns == 1
@@ -167,7 +167,7 @@ def _rules_reference(cfg, warmup: int, steps: int) -> dict:
 
     def play(**kw) -> dict:
         return ceiling(
-            cfg.engine.sim, cfg.trainer.sim, engines=cfg.run.num_engines,
+            cfg.engine, cfg.trainer, engines=cfg.run.num_engines,
             max_running=cfg.engine.max_running_requests, groups_per_step=cfg.controller.groups_per_step,
             group_size=cfg.env_manager.group_size, async_ratio=cfg.controller.async_ratio,
             max_new_tokens=cfg.env_manager.episode.sampling.max_new_tokens, **kw,

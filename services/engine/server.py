@@ -243,12 +243,7 @@ def serve(engine_config) -> None:
     # The scheduler thread and the HTTP event loop share the GIL; a short switch interval keeps
     # the loop answering while the scheduler runs Python between kernels (p99 latency).
     sys.setswitchinterval(0.0005)
-    if engine_config.sim is not None:
-        from rollout.engines.sim.engine import SimEngine
-
-        engine = SimEngine(engine_config.sim, engine_config.max_running_requests, engine_config.model_path).start()
-    else:
-        engine = EmbeddedEngine(engine_config).start()
+    engine = engine_config.build().start()  # the embedded engine or the simulator
     # Everything loaded so far (torch, transformers, the model) lives for the whole process;
     # freezing it keeps full GC passes from walking millions of objects (200+ ms pauses).
     gc.freeze()

@@ -34,17 +34,6 @@ def _init_distributed(cfg) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _engine(cfg):
-    """The training engine: simulated, or FSDP2 with the LR schedule as long as the run."""
-    if cfg.trainer.sim is not None:
-        from trainer.sim import SimTrainEngine
-
-        return SimTrainEngine(cfg.trainer.sim)
-    from trainer.engine import TrainEngine
-
-    return TrainEngine(cfg.trainer, total_steps=cfg.train_loop.steps)
-
-
 def serve(cfg) -> None:
     """Resume if a checkpoint exists, refuse a staleness bound other than the controller's, train
     until ``train_loop.steps``, exit 0."""
@@ -70,7 +59,7 @@ def serve(cfg) -> None:
             observer = TrainerObserver(MetricsLog(run_dir / "metrics.jsonl", lc.tracking, run_dir.name, run_dir),
                                        TrainerMetrics())  # fmt: skip
         loop = TrainLoop(
-            lc, _engine(cfg), source=buffer, control=controller,
+            lc, cfg.trainer.build(total_steps=lc.steps), source=buffer, control=controller,
             publisher=DiskPublisher(proxy, lc.run_dir, lc.keep_weight_versions), observer=observer,
             groups_per_step=cfg.controller.groups_per_step, max_staleness=cfg.controller.async_ratio, rank=rank,
             world=world,

@@ -27,7 +27,7 @@ def test_trailing_run():
 def _engine(**kw) -> SimEngine:
     length = kw.pop("length", 1000)
     cfg = SimEngineConfig(lengths=LengthModel(median=length, p99=length), **kw)
-    return SimEngine(cfg, max_running_requests=64).start()
+    return SimEngine(cfg).start()
 
 
 def test_time_comes_from_the_decode_model():

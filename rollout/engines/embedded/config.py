@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.engines.sim.config import SimEngineConfig
+from sample_buffer.registry import tagged_union
 
 
 class EngineConfig(BaseModel):
@@ -14,6 +15,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    type: Literal["embedded"] = Field("embedded", description="The embedded torch engine (the default).")
     model_path: str | None = Field(
         None, description="Local Hugging Face model directory to serve; default: the run's model_path."
     )
@@ -32,6 +34,12 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="Seed of the engine's sampler for requests without sampling_seed.")
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
     served_model_name: str | None = Field(None, description="Name reported by /model_info; default the path.")
-    sim: SimEngineConfig | None = Field(
-        None, description="Serve the latency simulator instead of a model (rollout/engines/sim); None = real engine."
-    )
+
+    def build(self):
+        from rollout.engines.embedded.engine import EmbeddedEngine
+
+        return EmbeddedEngine(self)
+
+
+# What `engine:` in a run config may be: the embedded engine, or the latency simulator (`type: sim`).
+EngineVariant = tagged_union(EngineConfig, SimEngineConfig, default="embedded")

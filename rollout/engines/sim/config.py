@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -16,13 +18,20 @@ class LengthModel(BaseModel):
 
 
 class SimEngineConfig(BaseModel):
-    """Decode time as a function of batch size, response lengths, weight-load time, time scale.
+    """An engine server whose decode time is a function of batch size, response lengths,
+    weight-load time and time scale (``engine: {type: sim}``).
 
     Defaults sketch a 7B model on one H100: a decode step of 12 ms plus 0.12 ms per running
     sequence, so throughput grows with the batch until ``max_running_requests``.
     """
 
     model_config = ConfigDict(extra="forbid")
+
+    type: Literal["sim"] = Field("sim", description="Serve the latency simulator instead of a model.")
+    model_path: str | None = Field(None, description="Tokenizer directory reported as the model; default: the run's.")
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(30000, ge=0, le=65535, description="HTTP port.")
+    max_running_requests: int = Field(64, ge=1, description="Requests decoded together; the rest wait in the queue.")
 
     time_scale: float = Field(100.0, gt=0, description="Simulated seconds per wall-clock second.")
     decode_base_ms: float = Field(12.0, ge=0, description="Simulated time of one decode step, fixed part.")
@@ -31,6 +40,11 @@ class SimEngineConfig(BaseModel):
     lengths: LengthModel = Field(default_factory=LengthModel, description="Response length distribution.")
     token_id: int = Field(120, ge=0, description="The token every simulated response is made of.")
     seed: int = Field(0, description="Seed of the length draws (a request's length depends on it and its id).")
+
+    def build(self):
+        from rollout.engines.sim.engine import SimEngine
+
+        return SimEngine(self)
 
     def step_s(self, batch: int) -> float:
         """Simulated seconds of one decode step with ``batch`` running sequences."""

@@ -46,10 +46,10 @@ class _SimRequest:
 class SimEngine(SchedulerCommands):
     """Simulated continuous batching; see the module docstring."""
 
-    def __init__(self, sim: SimEngineConfig, max_running_requests: int = 64, model_path: str = "sim") -> None:
+    def __init__(self, sim: SimEngineConfig) -> None:
         self.sim = sim
-        self.max_running = max_running_requests
-        self.model_path = model_path
+        self.max_running = sim.max_running_requests
+        self.model_path = sim.model_path or "sim"
         self.weight_version = 0
         self.checksum = "sim"
         self.vocab_size = 1 << 31
