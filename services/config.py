@@ -140,10 +140,9 @@ def _key(loc: tuple, data) -> tuple[str, str]:
     puts a tagged union's tag in the location (``engine.embedded.port``); the user wrote ``engine.port``."""
     parts, variant, node = [], "", data
     for p in loc:
-        if isinstance(node, dict) and isinstance(p, str) and p not in node:
-            if p in _TAGS:  # the variant the section was read as, not a key the user wrote
-                variant = f" (type {p})"
-                continue
+        if isinstance(node, dict) and isinstance(p, str) and p not in node and p in _TAGS:
+            variant = f" (type {p})"  # the variant the section was read as, not a key the user wrote
+            continue
         parts.append(str(p))
         node = node.get(p) if isinstance(node, dict) else None
     return ".".join(parts), variant
