@@ -196,7 +196,7 @@ def bench_ceiling(
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
     """Which async_ratio does a workload need? The admission rules played with zero overhead."""
-    from services.bench.async_ceiling import plan
+    from services.bench.ceiling_bench import plan
 
     cfg = _config(config, []) if config else None
     _emit(_checked(plan, cfg, groups_per_step or [16, 32, 48, 64, 80], async_ratio or [1, 2, 4], engines, target,

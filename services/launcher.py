@@ -20,6 +20,7 @@ from pathlib import Path
 from rich.console import Console
 
 from services.config import load_config
+from services.evaluation import heldout_accuracy
 from services.launch import (
     free_port,
     serve_command,
@@ -34,37 +35,6 @@ def _tail_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
         return [], seen
     lines = path.read_text().splitlines()
     return [json.loads(x) for x in lines[seen:]], len(lines)
-
-
-async def heldout_accuracy(proxy_address: str, cfg) -> float:
-    """Greedy answers of the held-out prompts, scored by the task's reward: share fully correct."""
-    from transformers import AutoTokenizer
-
-    from rollout.envs import load_jsonl
-    from rollout.episode import render_user_turn
-    from rollout.rewards import resolve_reward
-    from services.llm_proxy.client import ProxyClient
-
-    rows = load_jsonl(cfg.run.heldout_path)
-    tok = AutoTokenizer.from_pretrained(cfg.env_manager.tokenizer_path)
-    reward = resolve_reward(cfg.env_manager.reward)
-    client = ProxyClient(proxy_address)
-    try:
-        outs = await asyncio.gather(
-            *(
-                client.generate(
-                    render_user_turn(tok, r["prompt"]),
-                    cfg.env_manager.episode.max_new_tokens,
-                    temperature=0.0,
-                    timeout_s=60,
-                )  # fmt: skip
-                for r in rows
-            )
-        )
-    finally:
-        await client.close()
-    scores = [reward(tok.decode(o.output_ids, skip_special_tokens=True), r["answer"]) for o, r in zip(outs, rows)]
-    return sum(s >= 1.0 for s in scores) / len(scores)
 
 
 def plot_rewards(metrics: list[dict], out: Path) -> None:

@@ -12,7 +12,7 @@ measures the simulated seconds per step after the warm-up:
 and the agentic variant (several turns, environment latency with high variance) for sync_batch
 and async_2. The ideal step time is max(generation at full engines, training): every engine
 always decoding ``max_running_requests`` sequences, and training fully hidden behind rollout.
-Between the two sits what the admission rule itself allows: ``async_ceiling.py`` plays the same
+Between the two sits what the admission rule itself allows: ``rollout/engines/sim/ceiling.py`` plays the same
 rules with zero overhead, so each scenario also reports how close the services come to it.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from rollout.engines.sim.ceiling import SHAPE
 from services.bench import BadOption
 
 SCENARIOS = {
@@ -37,7 +38,6 @@ SCENARIOS = {
 AGENTIC = ("sync_batch", "async_2")
 DEFAULT_GROUPS_PER_STEP = 80  # five times the default engines' slots: see _config
 # The RLVR workload's shape (what `rollmesh bench ceiling` plays when given no run config).
-SHAPE = {"engines": 2, "max_running": 64, "group_size": 8, "max_new_tokens": 16384}
 
 
 def agentic_groups(groups_per_step: int) -> int:
@@ -102,7 +102,7 @@ def _config(
 
 def run_scenario(config_path: Path, warmup: int) -> dict:
     """Start the mesh, train until the trainer exits, return per-step timings (simulated seconds)."""
-    from services.bench.async_ceiling import ideal_step_s
+    from rollout.engines.sim.ceiling import ideal_step_s
     from services.config import load_config
     from services.launch import stop_process
     from services.launcher import start_mesh, start_trainer
@@ -153,7 +153,7 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
         # Generated tokens of groups the EnvManager stopped as staler than the bound (whole run).
         "stale_token_share": stale_share,
         "consumed": stats.get("consumed", 0),
-        # The same rules played with zero overhead (services/bench/async_ceiling.py): over the same
+        # The same rules played with zero overhead (rollout/engines/sim/ceiling.py): over the same
         # steps as measured here (mean of 20 draws), and in steady state with its efficiency against
         # the same ideal: what the admission rule itself allows.
         "rules_step_s": rules["window_step_s"] if rules else None,
@@ -163,7 +163,7 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
 
 
 def _rules_reference(cfg, warmup: int, steps: int) -> dict:
-    from services.bench.async_ceiling import ceiling
+    from rollout.engines.sim.ceiling import ceiling
 
     def play(**kw) -> dict:
         return ceiling(

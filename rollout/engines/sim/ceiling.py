@@ -21,13 +21,22 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from rollout.admission import admission_capacity, group_is_stale
 from rollout.engines.sim.config import SimEngineConfig
 from rollout.engines.sim.lengths import lognormal_sigma
-from services.bench import BadOption
-from services.bench.async_bench import SHAPE
-from trainer.sim import SimTrainerConfig
+
+# The workload ``rollmesh bench async`` runs and ``bench ceiling`` plays by default: two engines of
+# 64 running requests (a 7B on an H100 each), groups of 8, responses up to 16k tokens.
+SHAPE = {"engines": 2, "max_running": 64, "group_size": 8, "max_new_tokens": 16384}
+
+
+class SimTrainer(Protocol):
+    """The simulated trainer's throughput (``trainer/sim.py``'s config has these fields)."""
+
+    train_tokens_per_s: float
+    step_overhead_s: float
 
 
 @dataclass
@@ -51,7 +60,7 @@ def _length(rng: random.Random, sim: SimEngineConfig, max_new_tokens: int) -> fl
 
 
 def ceiling(
-    sim: SimEngineConfig, trainer: SimTrainerConfig, *, engines: int, max_running: int, groups_per_step: int,
+    sim: SimEngineConfig, trainer: SimTrainer, *, engines: int, max_running: int, groups_per_step: int,
     group_size: int, async_ratio: int, max_new_tokens: int, steps: int = 40, warmup: int = 8, seed: int = 0,
 ) -> dict:  # fmt: skip
     """Simulated seconds per step (after ``warmup``) and the engines' mean occupancy."""
@@ -179,7 +188,7 @@ def ideal_step_s(tokens: float, train_s: float, sim: SimEngineConfig, *, engines
 
 
 def sweep(
-    sim: SimEngineConfig, trainer: SimTrainerConfig, *, engines: int, max_running: int, group_size: int,
+    sim: SimEngineConfig, trainer: SimTrainer, *, engines: int, max_running: int, group_size: int,
     max_new_tokens: int, groups_per_step: list[int], async_ratios: list[int], steps: int = 60, warmup: int = 10,
     progress=None,
 ) -> list[dict]:  # fmt: skip
@@ -205,39 +214,3 @@ def sweep(
             if progress:
                 progress(row)
     return rows
-
-
-def plan(cfg, groups_per_step: list[int], async_ratios: list[int], engines: int | None = None,
-         target: float = 0.85, progress=print) -> dict:  # fmt: skip
-    """``rollmesh bench ceiling``: the sweep for a run config's workload (or the simulator's defaults,
-    the shape ``bench async`` uses), and per step size the smallest async_ratio reaching ``target``."""
-    if not groups_per_step or min(groups_per_step) < 1 or not async_ratios or min(async_ratios) < 0:
-        raise BadOption("groups_per_step: each >= 1; async_ratio: each >= 0")
-    sim, trainer, shape = SimEngineConfig(), SimTrainerConfig(), dict(SHAPE)
-    if cfg is not None:  # a loaded run config (services.config.RunConfig)
-        sim = cfg.engine if cfg.engine.type == "sim" else sim
-        trainer = cfg.trainer if cfg.trainer.type == "sim" else trainer
-        shape = {
-            "engines": cfg.run.num_engines,
-            "max_running": cfg.engine.max_running_requests,
-            "group_size": cfg.env_manager.group_size,
-            "max_new_tokens": cfg.env_manager.episode.sampling.max_new_tokens,
-        }
-    if engines is not None:
-        shape["engines"] = engines
-
-    def show(r: dict) -> None:
-        progress(f"groups/step {r['groups_per_step']:4d} ({r['step_vs_slots']:.2g}x the engines' slots)  "
-                 f"async_ratio {r['async_ratio']}: {r['step_s']:7.1f} s/step  efficiency {r['efficiency']:.3f}  "
-                 f"engines {r['engine_occupancy']:.0%} full  speedup vs sync {r['speedup_vs_sync']:.2f}  "
-                 f"trained tokens vs sync {r['trained_tokens_vs_sync']:.2f}")  # fmt: skip
-
-    rows = sweep(sim, trainer, groups_per_step=groups_per_step, async_ratios=async_ratios, progress=show, **shape)
-    out: dict = {"played": {f"gps{r['groups_per_step']}_async{r['async_ratio']}": r for r in rows}, **shape}
-    for gps in groups_per_step:
-        mine = [r for r in rows if r["groups_per_step"] == gps]
-        enough = [r["async_ratio"] for r in mine if r["efficiency"] >= target]
-        out[f"needed_async_ratio_gps{gps}"] = min(enough) if enough else None
-        for r in mine:
-            out[f"efficiency_gps{gps}_async{r['async_ratio']}"] = round(r["efficiency"], 3)
-    return out

@@ -2,8 +2,9 @@
 
 import pytest
 
+from rollout.engines.sim.ceiling import ceiling, sweep
 from rollout.engines.sim.config import LengthModel, SimEngineConfig
-from services.bench.async_ceiling import ceiling, plan, sweep
+from services.bench.ceiling_bench import plan
 from trainer.sim import SimTrainerConfig
 
 SHAPE = dict(engines=2, max_running=64, groups_per_step=16, group_size=8, max_new_tokens=16384)
