@@ -1,8 +1,9 @@
 """Weights out of the trainer, for the inference engines.
 
 Two forms: a Hugging Face directory (what ``/update_weights_from_disk`` loads) and a stream of
-buckets of (name, tensor) pairs, each at most ``max_bytes`` (what an in-memory transport sends:
-the embedded engine's ``/update_weights_from_safetensors``, or NCCL broadcast on GPU). Names are
+buckets of (name, tensor) pairs, each at most ``max_bytes`` (what an in-memory transport would send,
+such as the embedded engine's ``/update_weights_from_safetensors``; only the directory is used by
+a ``WeightPublisher`` today, ``services/trainer/publishers.py``). Names are
 Hugging Face parameter names, so any engine that loads the checkpoint accepts them.
 """
 

@@ -26,8 +26,9 @@ class ControllerConfig(BaseModel):
         "continue",
         description="How generation stops for a weight update. continue: in-flight requests are aborted and "
         "re-submitted with their partial tokens after resume (re-prefilled under the new weights). in_place: "
-        "engines pause with their requests and KV cache inside and go on decoding after the load (no "
-        "re-submission; the KV of tokens before the switch stays from the old weights).",
+        "engines pause with their requests inside and go on after the load without a round trip through the "
+        "proxy (no abort, no re-submission). What happens to their KV cache is the engine's: the embedded engine "
+        "drops it and re-prefills each running request under the new weights; SGLang's in-place pause keeps it.",
     )
     control_timeout_s: float = Field(30.0, gt=0, description="Timeout of each suspend/resume/restore call.")
     host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
