@@ -1,4 +1,8 @@
-"""From groups of trajectories to the padded tensors the trainer's math works on."""
+"""From groups of trajectories to the tensors the trainer's math works on.
+
+The decoded numpy arrays go straight into tensors: token ids are one flat tensor with row
+offsets (no Python list per trajectory), the per-token tensors are [B, T], right-padded.
+"""
 
 from __future__ import annotations
 
@@ -12,46 +16,67 @@ from sample_buffer.trajectory import Group
 
 @dataclass
 class TrainBatch:
-    """``B`` trajectories. Per-token tensors are [B, T], right-padded, aligned to ``token_ids``:
+    """``B`` trajectories. Per-token tensors are [B, T], right-padded, aligned to the token ids:
     position t holds what belongs to token t (its behaviour log-prob if the policy generated it)."""
 
-    sequences: list[list[int]]  # token ids per trajectory, unpadded
+    token_ids: torch.Tensor  # [N] long: every trajectory's tokens, one after the other
+    offsets: list[int]  # [B + 1]: trajectory i is token_ids[offsets[i] : offsets[i + 1]]
     loss_mask: torch.Tensor  # [B, T] float
     behavior_logprobs: torch.Tensor  # [B, T] float, 0 where loss_mask is 0
     rewards: torch.Tensor  # [B] float
     group_ids: torch.Tensor  # [B] long: trajectories of one prompt share an id
 
     @property
+    def sequences(self) -> list[torch.Tensor]:
+        """Each trajectory's token ids (views into ``token_ids``)."""
+        o = self.offsets
+        return [self.token_ids[o[i] : o[i + 1]] for i in range(len(o) - 1)]
+
+    @property
     def num_tokens(self) -> int:
-        return sum(len(s) for s in self.sequences)
+        return self.offsets[-1] - self.offsets[0]
 
     def select(self, rows: list[int]) -> TrainBatch:
-        width = max(len(self.sequences[r]) for r in rows)
-        return TrainBatch(
-            [self.sequences[r] for r in rows],
-            self.loss_mask[rows, :width],
-            self.behavior_logprobs[rows, :width],
-            self.rewards[rows],
-            self.group_ids[rows],
-        )
+        seqs = self.sequences
+        width = max(len(seqs[r]) for r in rows)
+        ids, offsets = _flat([seqs[r] for r in rows])
+        return TrainBatch(ids, offsets, self.loss_mask[rows, :width], self.behavior_logprobs[rows, :width],
+                          self.rewards[rows], self.group_ids[rows])  # fmt: skip
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64).tolist()
+
+
+def _flat(seqs: list) -> tuple[torch.Tensor, list[int]]:
+    offsets = _offsets([len(s) for s in seqs])
+    ids = torch.cat([torch.as_tensor(s, dtype=torch.long) for s in seqs]) if seqs else torch.zeros(0, dtype=torch.long)
+    return ids, offsets
 
 
 def batch_from_groups(groups: list[Group]) -> TrainBatch:
     trajs = [(gi, t) for gi, g in enumerate(groups) for t in g.trajectories]
     if not trajs:
         raise ValueError("groups: no trajectories to train on")
-    width = max(len(t.token_ids) for _, t in trajs)
+    lengths = [len(t.token_ids) for _, t in trajs]
+    width = max(lengths)
     mask = torch.zeros(len(trajs), width)
     behav = torch.zeros(len(trajs), width)
     for i, (_, t) in enumerate(trajs):
-        n = len(t.token_ids)
         m = torch.from_numpy(t.loss_mask.astype(np.float32))
-        mask[i, :n] = m
-        behav[i, :n][m > 0] = torch.from_numpy(t.behavior_logprobs.astype(np.float32))
+        mask[i, : len(m)] = m
+        behav[i, : len(m)][m > 0] = torch.from_numpy(t.behavior_logprobs.astype(np.float32))
     return TrainBatch(
-        sequences=[t.token_ids.tolist() for _, t in trajs],
+        token_ids=torch.from_numpy(np.concatenate([t.token_ids for _, t in trajs]).astype(np.int64)),
+        offsets=_offsets(lengths),
         loss_mask=mask,
         behavior_logprobs=behav,
         rewards=torch.tensor([t.reward for _, t in trajs], dtype=torch.float32),
         group_ids=torch.tensor([gi for gi, _ in trajs], dtype=torch.long),
     )
+
+
+def batch_from_sequences(seqs: list, loss_mask, behavior_logprobs, rewards, group_ids) -> TrainBatch:
+    """A batch from token-id sequences (lists or tensors) and ready [B, T] / [B] tensors."""
+    ids, offsets = _flat(seqs)
+    return TrainBatch(ids, offsets, loss_mask, behavior_logprobs, rewards, group_ids)

@@ -27,12 +27,12 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def pack_rows(seqs: list[list[int]], row_tokens: int) -> list[list[int]]:
+def pack_rows(seqs: list, row_tokens: int) -> list[list[int]]:
     """Indices of ``seqs`` per packed row of at most ``row_tokens`` tokens (first-fit decreasing)."""
     return plan_micro_batches([len(s) for s in seqs], row_tokens)
 
 
-def packed_inputs(rows: list[list[list[int]]], device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def packed_inputs(rows: list[list], device) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``rows`` of sequences → input_ids [R, W], position_ids [R, W] and block-diagonal causal masks.
 
     Rows are right-padded to the longest; padding positions attend only to themselves, which keeps
@@ -46,7 +46,7 @@ def packed_inputs(rows: list[list[list[int]]], device) -> tuple[torch.Tensor, to
     for r, row in enumerate(rows):
         start = 0
         for d, s in enumerate(row):
-            ids[r, start : start + len(s)] = torch.tensor(s, dtype=torch.long)
+            ids[r, start : start + len(s)] = torch.as_tensor(s, dtype=torch.long)
             positions[r, start : start + len(s)] = torch.arange(len(s))
             doc[r, start : start + len(s)] = d
             start += len(s)
@@ -57,13 +57,13 @@ def packed_inputs(rows: list[list[list[int]]], device) -> tuple[torch.Tensor, to
     return ids.to(device), positions.to(device), {"full_attention": mask, "sliding_attention": mask}
 
 
-def padded_inputs(seqs: list[list[int]], device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_inputs(seqs: list, device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded input_ids [B, T] and attention_mask [B, T] (the unpacked baseline)."""
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
     attn = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
     for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=device)
+        ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long, device=device)
         attn[i, : len(s)] = 1
     return ids, attn
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from trainer.batch import TrainBatch
+from trainer.batch import TrainBatch, batch_from_sequences
 from trainer.config import TrainerConfig
 from trainer.engine import TrainEngine
 
@@ -32,7 +32,7 @@ def make_batch(num_groups: int, group_size: int, vocab: int, seed: int) -> Train
             gids.append(gi)
     width = max(map(len, seqs))
     pad = lambda rows: torch.tensor([r + [0.0] * (width - len(r)) for r in rows])  # noqa: E731
-    return TrainBatch(seqs, pad(masks), pad(behav), torch.tensor(rewards), torch.tensor(gids))
+    return batch_from_sequences(seqs, pad(masks), pad(behav), torch.tensor(rewards), torch.tensor(gids))
 
 
 def _run(model_path: str, pack: bool, steps: int, trajectories: int) -> tuple[float, int]:

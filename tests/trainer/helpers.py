@@ -1,6 +1,6 @@
 import torch
 
-from trainer.batch import TrainBatch
+from trainer.batch import TrainBatch, batch_from_sequences
 
 
 def toy_batch(num_groups: int = 4, group_size: int = 4, seed: int = 0, vocab: int = 250) -> TrainBatch:
@@ -18,4 +18,4 @@ def toy_batch(num_groups: int = 4, group_size: int = 4, seed: int = 0, vocab: in
             gids.append(gi)
     width = max(map(len, seqs))
     pad = lambda rows: torch.tensor([r + [0.0] * (width - len(r)) for r in rows])  # noqa: E731
-    return TrainBatch(seqs, pad(masks), pad(behav), torch.tensor(rewards), torch.tensor(gids))
+    return batch_from_sequences(seqs, pad(masks), pad(behav), torch.tensor(rewards), torch.tensor(gids))

@@ -29,7 +29,7 @@ def test_packed_logprobs_equal_unpacked(tiny_model, row_tokens):
     assert (packed[0] - plain[0]).abs().max().item() <= 1e-5
     assert (packed[1] - plain[1]).abs().max().item() <= 1e-5
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
-    s = batch.sequences[3]
+    s = batch.sequences[3].tolist()
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([s])).logits[0, :-1], -1).gather(-1, torch.tensor(s[1:])[:, None])
     assert (packed[0][3, 1 : len(s)] - ref[:, 0]).abs().max().item() <= 1e-5
