@@ -83,9 +83,10 @@ class RolloutLoop:
     # ------------------------------------------------------------------ the loop
     async def run_group(self, barrier: TurnBarrier | None = None) -> GroupOutcome:
         """One admitted group, start to end; returns what became of it."""
-        row, t0 = self._next_prompt(), time.monotonic()
-        gid = f"p{row}-{self.counters['groups_started']}"
+        n, t0 = self.counters["groups_started"], time.monotonic()
         self.counters["groups_started"] += 1
+        row = self._order[n % len(self._order)]  # prompts in a shuffled order, round after round
+        gid = f"p{row}-{n}"
         state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(self.config.group_size)})
         try:  # generate → reward, every episode on its own, scored by its env the moment it ends
             trajectories = await asyncio.gather(
@@ -150,11 +151,6 @@ class RolloutLoop:
         return self.scheduling.workers if self._tasks else 0
 
     # ------------------------------------------------------------------ the stages' details
-    def _next_prompt(self) -> int:
-        idx = self._order[self.counters["prompts"] % len(self._order)]
-        self.counters["prompts"] += 1
-        return idx
-
     async def _episode(self, row: int, gid: str, i: int, state: _GroupState, barrier) -> Trajectory:
         tid = f"{gid}/{i}"
         env = self.config.env.build(self.rows, self.reward_fn)
