@@ -61,7 +61,8 @@ class PutBatcher:
     def __init__(self, client: BufferClient, max_groups: int = 32, max_delay_s: float = 0.005) -> None:
         self.client, self.max_groups, self.max_delay_s = client, max_groups, max_delay_s
         self._pending: list[tuple[bytes, asyncio.Future]] = []
-        self._flusher: asyncio.Task | None = None
+        self._flusher: asyncio.TimerHandle | None = None
+        self._sending: set[asyncio.Task] = set()  # held: the event loop keeps only weak references
 
     async def put(self, group: Group | bytes, timeout_s: float = 0.0) -> PutResult:
         fut = asyncio.get_running_loop().create_future()
@@ -78,7 +79,9 @@ class PutBatcher:
             self._flusher = None
         batch, self._pending = self._pending, []
         if batch:
-            asyncio.ensure_future(self._send(batch, timeout_s))
+            task = asyncio.ensure_future(self._send(batch, timeout_s))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     async def _send(self, batch: list[tuple[bytes, asyncio.Future]], timeout_s: float) -> None:
         try:
