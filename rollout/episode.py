@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -24,6 +25,7 @@ from sample_buffer.trajectory import FinishReason, Trajectory
 # generate(input_ids, sampling, trajectory_id, timeout_s) -> Generation
 GenerateFn = Callable[[list[int], SamplingParams, str, float], Awaitable[Generation]]
 _ENDS_EPISODE = (FinishReason.TIMEOUT, FinishReason.ABORT)
+log = logging.getLogger(__name__)
 
 
 class EpisodeConfig(BaseModel):
@@ -64,11 +66,19 @@ async def run_episode(
         observer = observer or RolloutObserver()
         traj = await _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id,
                                   barrier, observer)  # fmt: skip
-        observer.episode_ended(traj, time.monotonic() - t0)
+        _report(observer.episode_ended, traj, time.monotonic() - t0)
         return traj
     finally:
         if barrier is not None:
             barrier.leave()
+
+
+def _report(hook, *args) -> None:
+    """A metrics fault is logged, never the end of an episode."""
+    try:
+        hook(*args)
+    except Exception:
+        log.exception("reporting to the rollout observer failed")
 
 
 async def _env_step(env: Env, action: str):
@@ -94,7 +104,7 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         logprobs += gen.behavior_logprobs
         versions += gen.token_versions
         if gen.finish_reason in _ENDS_EPISODE:
-            observer.turn(env.name, generate_s, None)
+            _report(observer.turn, env.name, generate_s, None)
             finish = gen.finish_reason
             break
         if barrier is not None:
@@ -107,7 +117,7 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
             finish = FinishReason.TIMEOUT
             break
         finally:
-            observer.turn(env.name, generate_s, time.monotonic() - t_step)
+            _report(observer.turn, env.name, generate_s, time.monotonic() - t_step)
         if barrier is not None and not (result.done or result.observation is None):
             await barrier.wait()  # step all, then generate the next turn together
         reward += result.reward

@@ -97,6 +97,9 @@ class RolloutLoop:
         if state.stale:  # never put: the buffer would only drop it
             return self._ended(GroupOutcome.STALE, trajectories, t0)
         result = await self.sink.put(Group(gid, f"p{row}", trajectories), self.config.put_timeout_s)  # put
+        if not result.accepted and result.reason != "filtered":  # the buffer stayed full: not stored
+            log.error("group %s not stored: %s", gid, result.reason)
+            return self._ended(GroupOutcome.FAILED, trajectories, t0)
         return self._ended(GroupOutcome.PUT if result.accepted else GroupOutcome.FILTERED, trajectories, t0)
 
     async def run_admitted(self, num_groups: int, barrier: TurnBarrier | None = None) -> list[GroupOutcome]:
@@ -121,6 +124,9 @@ class RolloutLoop:
             await asyncio.sleep(1.0)
             return 0
         self.async_ratio = admitted.async_ratio
+        if admitted.num_groups and not self.running:  # stopped while asking: the slots go back unused
+            await self._release(unused=admitted.num_groups)
+            return 0
         if admitted.num_groups == 0:
             await asyncio.sleep(self.config.admit_poll_s)
         return admitted.num_groups
@@ -134,8 +140,9 @@ class RolloutLoop:
         self._tasks = [asyncio.create_task(work), asyncio.create_task(self._follow_versions())]
 
     async def stop(self, drain: bool = False, timeout_s: float = 0.0) -> int:
-        """Stop admitting; with ``drain``, let the groups in flight end for up to ``timeout_s``.
-        Returns the episodes abandoned (still running when the workers were cancelled)."""
+        """Stop admitting; with ``drain``, let the groups in flight end for up to ``timeout_s`` (0: until
+        they end, each bounded by its episodes' deadlines). Returns the episodes abandoned (still
+        running when the workers were cancelled)."""
         self.running = False
         if drain and self._tasks:
             await asyncio.wait(self._tasks[:1], timeout=timeout_s or None)
@@ -175,11 +182,11 @@ class RolloutLoop:
         route = tid if self.config.replicate_prompts else tid.rsplit("/", 1)[0]
         deadline, delay = time.monotonic() + timeout_s, 0.1
         while True:
-            remaining = deadline - time.monotonic()
             try:
-                return await self.engine.generate(ids, sampling, request_id=tid, route=route, timeout_s=remaining)
+                return await self.engine.generate(ids, sampling, request_id=tid, route=route,
+                                                  timeout_s=deadline - time.monotonic())  # fmt: skip
             except TransientError as e:
-                if remaining - delay <= 0:
+                if deadline - time.monotonic() - delay <= 0:  # the next try would start past the deadline
                     raise
                 self.observer.generate_retried(e.code)
                 await asyncio.sleep(delay)

@@ -14,17 +14,10 @@ from typing import Protocol
 
 from rollout.sampling import SamplingParams
 from sample_buffer.buffer import PutResult
+from sample_buffer.errors import TransientError
 from sample_buffer.trajectory import FinishReason, Group, Trajectory
 
-
-class TransientError(Exception):
-    """A call that never reached its target, or found it busy or restarting (no engine in
-    rotation, connection lost, server overloaded): worth another try within the caller's
-    deadline. ``code`` names the cause for metrics (e.g. ``UNAVAILABLE``)."""
-
-    def __init__(self, code: str, message: str = "") -> None:
-        super().__init__(f"{code}: {message}" if message else code)
-        self.code = code
+__all__ = ["Admission", "Admitted", "Generate", "Generation", "RolloutObserver", "SampleSink", "TransientError"]
 
 
 @dataclass(frozen=True)

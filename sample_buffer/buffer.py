@@ -51,10 +51,13 @@ class Batch:
         return [decode_group(g) for g in self.groups]
 
 
+FULL = "full"  # a put's reason when the buffer stayed at capacity for the whole put timeout
+
+
 @dataclass
 class PutResult:
     accepted: bool
-    reason: str = ""  # why not: filtered
+    reason: str = ""  # why not: filtered, or full
 
 
 def min_version(current_version: int, max_staleness: int) -> int:
@@ -72,14 +75,18 @@ class SampleBuffer(ABC):
     # ------------------------------------------------------------------ API
     async def put(self, group: Group | bytes, timeout_s: float | None = None) -> PutResult:
         """Store a complete group; waits while the buffer is full, ``BufferFull`` after the timeout."""
-        return (await self.put_many([group], timeout_s))[0]
+        [result] = await self.put_many([group], timeout_s)
+        if result.reason == FULL:
+            raise BufferFull(f"buffer full ({self.config.capacity_groups} groups) for the whole put timeout")
+        return result
 
     async def put_many(self, groups: list[Group | bytes], timeout_s: float | None = None) -> list[PutResult]:
         """Store several groups in one backend round trip, in order. Every payload is decoded and
         validated before any is stored (``CodecError`` stores nothing): a group is checked here, where
         it enters the buffer, and never again (the trainer decodes without checks); filtered groups are counted and
-        skipped; groups still without room at the timeout raise ``BufferFull`` (the earlier ones
-        of the call are stored)."""
+        skipped; groups still without room at the timeout come back as not accepted with reason
+        ``full`` (counted as ``dropped_capacity``), the earlier ones of the call stored: each caller
+        learns what became of its own group."""
         datas = [encode_group(g) if isinstance(g, Group) else bytes(g) for g in groups]
         for g, d in zip(groups, datas, strict=True):
             if not isinstance(g, Group):  # a Group object was checked when it was built
@@ -105,10 +112,9 @@ class SampleBuffer(ABC):
                 break
             if time.monotonic() >= deadline:
                 await self._count("dropped_capacity", len(todo))
-                raise BufferFull(
-                    f"buffer full ({self.config.capacity_groups} groups) for {timeout:.1f}s: "
-                    f"{len(todo)} of {len(datas)} groups not stored"
-                )
+                for i in todo:
+                    results[i] = PutResult(False, FULL)
+                break
             await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.1)
         return results

@@ -1,12 +1,15 @@
-"""Proto ↔ project types, in one place: finish reasons and sampling parameters."""
+"""Proto ↔ project types, in one place: finish reasons, sampling parameters, errors."""
 
 from __future__ import annotations
 
+import grpc
 from pydantic import ValidationError
 
+from rollout.ports import TransientError
 from rollout.proxy.proxy import RequestInvalid
 from rollout.sampling import SamplingParams
 from sample_buffer.trajectory import FinishReason
+from services.controller.controller import UpdateConflict
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as proxy_pb
 
@@ -44,3 +47,21 @@ def sampling_from_pb(sp: proxy_pb.SamplingParams) -> SamplingParams:
     except ValidationError as e:
         err = e.errors()[0]
         raise RequestInvalid(f"sampling_params.{err['loc'][0]}", f"{err['msg']}, got {err.get('input')!r}") from None
+
+
+# The call never reached a handler, or the server is busy or going away: worth another try.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+def project_error(e: grpc.aio.AioRpcError) -> Exception:
+    """The project's exception for a gRPC error of any rollmesh service: what a port raises."""
+    code, details = e.code(), e.details() or ""
+    if code in RETRYABLE:
+        return TransientError(code.name, details)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # the caller's own deadline: another try cannot help
+        return TimeoutError(details or "deadline exceeded")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return UpdateConflict(details)
+    return RuntimeError(f"{code.name}: {details}")

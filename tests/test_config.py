@@ -91,3 +91,17 @@ def test_rollmesh_run_refuses_a_bad_variant_before_anything_starts(override, key
     assert res.exit_code == 2, res.output
     assert key in res.output
     assert not run_dir.exists()  # nothing started: no run directory, no logs
+
+
+def test_a_variant_left_untyped_is_the_default_one():
+    cfg = load_config(None, ["trainer.loss.clip_high=0.3", "env_manager.env.type=single_turn"])
+    assert cfg.trainer.loss.type == "decoupled_ppo" and cfg.trainer.loss.clip_high == 0.3
+    assert cfg.engine.type == "embedded" and cfg.trainer.advantages.type == "grpo"
+
+
+def test_gae_and_the_critic_go_together():
+    with pytest.raises(ConfigError, match="critic"):
+        load_config(None, ["trainer.advantages.type=gae"])
+    with pytest.raises(ConfigError, match="critic"):
+        load_config(None, ["trainer.critic=true"])
+    assert load_config(None, ["trainer.advantages.type=gae", "trainer.critic=true"]).trainer.critic

@@ -14,10 +14,12 @@ with only the knobs it reads, so a misspelled estimator or a knob of another one
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+from sample_buffer.registry import tagged_union
 
 
 class BaseAdvantageConfig(BaseModel):
@@ -64,10 +66,14 @@ class GAEAdvantageConfig(BaseAdvantageConfig):
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
 
 
-AdvantageConfig = Annotated[
-    GRPOAdvantageConfig | DrGRPOAdvantageConfig | RLOOAdvantageConfig | ReinforcePPAdvantageConfig | GAEAdvantageConfig,
-    Field(discriminator="type"),
-]
+AdvantageConfig = tagged_union(
+    GRPOAdvantageConfig,
+    DrGRPOAdvantageConfig,
+    RLOOAdvantageConfig,
+    ReinforcePPAdvantageConfig,
+    GAEAdvantageConfig,
+    default="grpo",
+)
 """One estimator's config, chosen by its ``type``; the key of ``ADVANTAGE_ESTIMATORS`` that runs it."""
 
 

@@ -7,6 +7,7 @@ offsets (no Python list per trajectory), the per-token tensors are [B, T], right
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ class TrainBatch:
     rewards: torch.Tensor  # [B] float
     group_ids: torch.Tensor  # [B] long: trajectories of one prompt share an id
 
-    @property
+    @cached_property
     def sequences(self) -> list[torch.Tensor]:
         """Each trajectory's token ids (views into ``token_ids``)."""
         o = self.offsets

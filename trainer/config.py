@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sample_buffer.registry import tagged_union
 from trainer.advantages import AdvantageConfig, GRPOAdvantageConfig
@@ -68,6 +68,13 @@ class TrainerConfig(BaseModel):
     critic: bool = Field(False, description="Train a value model (needed by the 'gae' estimator).")
     critic_lr: float = Field(1e-5, gt=0, description="Learning rate of the critic.")
     value_clip: float | None = Field(0.2, gt=0, description="Clip range of the critic's value loss.")
+
+    @model_validator(mode="after")
+    def _critic_goes_with_gae(self) -> TrainerConfig:
+        # GAE needs a value model's estimates; every other estimator ignores one (its loss would have no returns).
+        if (self.advantages.type == "gae") != self.critic:
+            raise ValueError("critic: must be true exactly when advantages.type is 'gae' (GAE needs a value model)")
+        return self
 
     def build(self, total_steps: int | None = None):
         """The training engine; ``total_steps`` is the run's length (the cosine schedule's span)."""

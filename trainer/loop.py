@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sample_buffer.codec import decode_group
 from trainer.batch import batch_from_groups
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.ports import SampleSource, TrainObserver, VersionControl, WeightPublisher
+from trainer.ports import SampleSource, TrainObserver, TransientError, VersionControl, WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -143,12 +143,22 @@ class TrainLoop:
         log.info("resumed from %s (step %d, version %d)", ckpt, self.engine.step, self.engine.version)
         return True
 
-    async def check_limits(self) -> None:
+    async def check_limits(self, wait_s: float = 120.0) -> None:
         """Refuse to train under another bound than the controller admits under: samples would
-        be dropped as stale (trainer stricter) or trained staler than promised (controller stricter)."""
+        be dropped as stale (trainer stricter) or trained staler than promised (controller stricter).
+        A controller that is not up yet is waited for up to ``wait_s``."""
         if self.rank != 0:
             return
-        async_ratio, groups_per_step = await self.control.limits()
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                async_ratio, groups_per_step = await self.control.limits()
+                break
+            except TransientError:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("waiting for the controller")
+                await asyncio.sleep(1.0)
         if (async_ratio, groups_per_step) != (self.max_staleness, self.groups_per_step):
             raise StalenessMismatch(
                 f"controller.async_ratio / groups_per_step: the controller admits under {async_ratio} / "

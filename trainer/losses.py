@@ -20,12 +20,12 @@ ratio clips at 3e-4 where PPO's token ratio clips at 0.2, and switching ``type``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sample_buffer.registry import resolve
+from sample_buffer.registry import resolve, tagged_union
 from trainer.advantages import masked_mean
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -121,17 +121,10 @@ class CustomLossConfig(BaseLossConfig):
         return name
 
 
-PolicyLossConfig = Annotated[
-    PPOLossConfig
-    | GSPOLossConfig
-    | DecoupledPPOLossConfig
-    | TISLossConfig
-    | CISPOLossConfig
-    | TOPRLossConfig
-    | ReinforceLossConfig
-    | CustomLossConfig,
-    Field(discriminator="type"),
-]
+PolicyLossConfig = tagged_union(
+    PPOLossConfig, GSPOLossConfig, DecoupledPPOLossConfig, TISLossConfig, CISPOLossConfig, TOPRLossConfig,
+    ReinforceLossConfig, CustomLossConfig, default="decoupled_ppo",
+)  # fmt: skip
 """One of the variants' configs, chosen by its ``type``; the key of ``POLICY_LOSSES`` that runs it."""
 
 

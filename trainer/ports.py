@@ -10,6 +10,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from sample_buffer.buffer import Batch
+from sample_buffer.errors import TransientError
+
+__all__ = ["PublishError", "SampleSource", "TrainObserver", "TransientError", "VersionControl", "WeightPublisher"]
 
 
 class SampleSource(Protocol):

@@ -220,8 +220,8 @@ staleness = dashboard(
             "They are the groups with the longest responses, so a high share also biases training toward short ones.",
             targets=[
                 (
-                    f"sum(rate(rollmesh_env_stale_tokens_total[{R}])) / (sum(rate(rollmesh_env_stale_tokens_total"
-                    f"[{R}])) + sum(rate(rollmesh_env_generated_tokens_total[{R}])))",
+                    f"sum(rate(rollmesh_env_stale_tokens_total[{R}])) / "
+                    f"sum(rate(rollmesh_env_generated_tokens_total[{R}]))",
                     "stale share",
                 )
             ],

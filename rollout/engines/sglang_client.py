@@ -138,10 +138,8 @@ class SGLangClient:
         return_logprob: bool = True,
         timeout_s: float | None = None,
     ) -> EngineResult:
-        if isinstance(sampling_params, SamplingParams):  # SGLang's names; what is left out takes its defaults
-            sampling_params = sampling_params.model_dump(exclude_defaults=True) | {
-                "max_new_tokens": sampling_params.max_new_tokens
-            }
+        if isinstance(sampling_params, SamplingParams):  # SGLang's names, every value sent: a server never
+            sampling_params = sampling_params.model_dump(exclude_none=True)  # substitutes its own defaults
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if rid is not None:
             payload["rid"] = rid

@@ -4,14 +4,14 @@ carries its own arguments, checked when the config is loaded (a wrong argument n
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout.envs.base import Env
 from rollout.envs.sim import SimEnvConfig
 from rollout.envs.single_turn import SingleTurnEnv
-from sample_buffer.registry import resolve
+from sample_buffer.registry import resolve, tagged_union
 
 
 class SingleTurnEnvConfig(BaseModel):
@@ -46,4 +46,4 @@ class CustomEnvConfig(BaseModel):
         return resolve("cls", self.cls, {}, attr_kind="Class")(rows, reward_fn, **self.args)
 
 
-EnvConfig = Annotated[SingleTurnEnvConfig | SimEnvConfig | CustomEnvConfig, Field(discriminator="type")]
+EnvConfig = tagged_union(SingleTurnEnvConfig, SimEnvConfig, CustomEnvConfig, default="single_turn")

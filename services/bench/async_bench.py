@@ -206,13 +206,14 @@ def _running_sequences(engine_urls: list[str]) -> float:
 
 
 def _stale_token_share(env_manager_targets: list[str]) -> float | None:
-    """Share of the EnvManagers' generated tokens that went to groups stopped as too stale."""
-    stale = done = 0.0
+    """Share of the EnvManagers' generated tokens (every ended episode's, stale groups' included)
+    that went to groups stopped as too stale."""
+    stale = generated = 0.0
     for target in env_manager_targets:
         values = _scrape(f"http://{target}")
         stale += values.get("rollmesh_env_stale_tokens_total", 0.0)
-        done += values.get("rollmesh_env_generated_tokens_total", 0.0)
-    return round(stale / (stale + done), 3) if stale + done else None
+        generated += values.get("rollmesh_env_generated_tokens_total", 0.0)
+    return round(stale / generated, 3) if generated else None
 
 
 def _buffer_stats(address: str) -> dict:

@@ -16,7 +16,7 @@ def plan(cfg, groups_per_step: list[int], async_ratios: list[int], engines: int 
     if not groups_per_step or min(groups_per_step) < 1 or not async_ratios or min(async_ratios) < 0:
         raise BadOption("groups_per_step: each >= 1; async_ratio: each >= 0")
     sim, trainer, shape = SimEngineConfig(), SimTrainerConfig(), dict(SHAPE)
-    if cfg is not None:  # a loaded run config (services.config.RunConfig)
+    if cfg is not None:  # a loaded run config (services.config.RollmeshConfig)
         sim = cfg.engine if cfg.engine.type == "sim" else sim
         trainer = cfg.trainer if cfg.trainer.type == "sim" else trainer
         shape = {

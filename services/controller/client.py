@@ -1,32 +1,16 @@
 """Async gRPC client of the AsyncController: the rollout loop's ``Admission`` port and the
-training loop's ``VersionControl`` port. gRPC errors become the project's own: a controller
-that is restarting or unreachable raises ``TransientError``, bad input ``ValueError``, an
-update that is not (or no longer) in progress ``UpdateConflict``."""
+training loop's ``VersionControl`` port. gRPC errors become the project's own
+(``services/convert.project_error``): a controller that is restarting or unreachable raises
+``TransientError``, bad input ``ValueError``, an update no longer in progress ``UpdateConflict``."""
 
 from __future__ import annotations
 
 import grpc
 
-from rollout.ports import Admitted, TransientError
-from services.controller.controller import UpdateConflict
+from rollout.ports import Admitted
+from services.convert import project_error
 from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import controller_pb2_grpc
-
-# The call never reached a handler, or the server is going away: worth another try.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       grpc.StatusCode.DEADLINE_EXCEEDED})  # fmt: skip
-
-
-def project_error(e: grpc.aio.AioRpcError) -> Exception:
-    """The project's exception for a gRPC error of any rollmesh service."""
-    code, details = e.code(), e.details() or ""
-    if code in RETRYABLE:
-        return TransientError(code.name, details)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(details)
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return UpdateConflict(details)
-    return RuntimeError(f"{code.name}: {details}")
 
 
 class ControllerClient:

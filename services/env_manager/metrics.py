@@ -27,7 +27,10 @@ class EnvMetrics(RolloutObserver):
         self.groups = Counter("rollmesh_env_groups", "Groups ended, by result", ["result"], registry=r)
         init_labels(self.groups, *GroupOutcome)
         self.trajectory_tokens = Counter(
-            "rollmesh_env_generated_tokens", "Generated tokens of ended episodes", ["env"], registry=r
+            "rollmesh_env_generated_tokens",
+            "Generated tokens of every ended episode (stale groups' included)",
+            ["env"],
+            registry=r,
         )
         self.stale_tokens = Counter(
             "rollmesh_env_stale_tokens",

@@ -6,10 +6,15 @@ import grpc
 
 from rollout.ports import Generation
 from rollout.sampling import SamplingParams
-from services.controller.client import project_error
-from services.convert import finish_from_pb, sampling_to_pb
+from services.convert import finish_from_pb, project_error, sampling_to_pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2_grpc
+
+
+def generate_request(input_ids: list[int], sampling: SamplingParams, request_id: str, route: str,
+                     timeout_s: float) -> pb.GenerateRequest:  # fmt: skip
+    return pb.GenerateRequest(request_id=request_id, trajectory_id=route, input_ids=input_ids,
+                              sampling_params=sampling_to_pb(sampling), timeout_s=timeout_s)  # fmt: skip
 
 
 class ProxyClient:
@@ -32,13 +37,8 @@ class ProxyClient:
         timeout_s: float = 0.0,
         **sampling,
     ) -> pb.GenerateResponse:
-        req = pb.GenerateRequest(
-            request_id=request_id,
-            trajectory_id=trajectory_id,
-            input_ids=input_ids,
-            sampling_params=sampling_to_pb(SamplingParams(max_new_tokens=max_new_tokens, **sampling)),
-            timeout_s=timeout_s,
-        )
+        sp = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
+        req = generate_request(input_ids, sp, request_id, trajectory_id, timeout_s)
         return await self.stub.Generate(req, timeout=(timeout_s or self.timeout_s) + 5.0)
 
     async def suspend(self, mode: int = pb.SUSPEND_MODE_CONTINUE, timeout_s: float = 30.0) -> pb.SuspendResponse:
@@ -70,8 +70,7 @@ class ProxyGenerate:
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, *, request_id: str, route: str, timeout_s: float
     ) -> Generation:
-        req = pb.GenerateRequest(request_id=request_id, trajectory_id=route, input_ids=input_ids,
-                                 sampling_params=sampling_to_pb(sampling), timeout_s=timeout_s)  # fmt: skip
+        req = generate_request(input_ids, sampling, request_id, route, timeout_s)
         try:
             res = await self.client.stub.Generate(req, timeout=timeout_s + 5.0)
         except grpc.aio.AioRpcError as e:  # our own cancellation arrives as CancelledError instead
@@ -80,4 +79,7 @@ class ProxyGenerate:
                           finish_from_pb(res.finish_reason))  # fmt: skip
 
     async def abort(self, request_id: str) -> None:
-        await self.client.abort(request_id=request_id)
+        try:
+            await self.client.abort(request_id=request_id)
+        except grpc.aio.AioRpcError as e:
+            raise project_error(e) from None

@@ -1,4 +1,5 @@
-"""Async gRPC client of the SampleBuffer (EnvManagers put, the trainer gets and acks)."""
+"""Async gRPC client of the SampleBuffer: the training loop's ``SampleSource`` (get, ack) and,
+through ``PutBatcher``, the rollout loop's ``SampleSink``. gRPC errors become the project's own."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 from sample_buffer.buffer import Batch, PutResult
 from sample_buffer.codec import encode_group
 from sample_buffer.trajectory import Group
+from services.convert import project_error
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
 from services.pb.rollmesh.v1 import sample_buffer_pb2_grpc
 from services.sample_buffer.server import MAX_MESSAGE_BYTES
@@ -32,20 +34,28 @@ class BufferClient:
     async def put(self, group: Group | bytes, timeout_s: float = 0.0) -> PutResult:
         return (await self.put_many([group], timeout_s))[0]
 
+    async def _call(self, method, request, timeout_s: float):
+        try:
+            return await method(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise project_error(e) from None
+
     async def put_many(self, groups: list[Group | bytes], timeout_s: float = 0.0) -> list[PutResult]:
         datas = [encode_group(g) if isinstance(g, Group) else g for g in groups]
-        res = await self.stub.Put(pb.PutRequest(groups=datas, timeout_s=timeout_s), timeout=timeout_s + self.timeout_s)
+        res = await self._call(
+            self.stub.Put, pb.PutRequest(groups=datas, timeout_s=timeout_s), timeout_s + self.timeout_s
+        )
         return [PutResult(r.accepted, r.reason) for r in res.results]
 
     async def get(self, num_groups: int, current_version: int, max_staleness: int, timeout_s: float) -> Batch:
         req = pb.GetRequest(
             num_groups=num_groups, current_version=current_version, max_staleness=max_staleness, timeout_s=timeout_s
         )
-        res = await self.stub.Get(req, timeout=timeout_s + self.timeout_s)
+        res = await self._call(self.stub.Get, req, timeout_s + self.timeout_s)
         return Batch(res.batch_id, list(res.groups), res.num_dropped_stale)
 
     async def ack(self, batch_id: str) -> int:
-        return (await self.stub.Ack(pb.AckRequest(batch_id=batch_id), timeout=self.timeout_s)).num_acked
+        return (await self._call(self.stub.Ack, pb.AckRequest(batch_id=batch_id), self.timeout_s)).num_acked
 
     async def stats(self) -> pb.BufferStats:
         return await self.stub.Stats(pb.BufferStatsRequest(), timeout=self.timeout_s)
@@ -77,7 +87,9 @@ class PutBatcher:
         if self._flusher is not None:
             self._flusher.cancel()
             self._flusher = None
-        batch, self._pending = self._pending, []
+        # A caller cancelled while waiting (its worker stopped) has given its slot back: its group must
+        # not be stored behind its back.
+        batch, self._pending = [(d, f) for d, f in self._pending if not f.cancelled()], []
         if batch:
             task = asyncio.ensure_future(self._send(batch, timeout_s))
             self._sending.add(task)

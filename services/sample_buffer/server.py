@@ -10,7 +10,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from sample_buffer.buffer import BufferBackendError, BufferFull, SampleBuffer, make_buffer
+from sample_buffer.buffer import FULL, BufferBackendError, SampleBuffer, make_buffer
 from sample_buffer.codec import CodecError, read_header
 from sample_buffer.config import BufferConfig
 from services.grpc_util import serve_until_signal, start_server, unary_service
@@ -76,11 +76,12 @@ def build_handler(buffer: SampleBuffer, metrics: BufferMetrics) -> grpc.GenericR
         except CodecError as e:
             metrics.puts.labels("invalid").inc()
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"groups: {e}")
-        except BufferFull as e:
-            metrics.puts.labels("full").inc()
-            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except BufferBackendError as e:
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if all(r.reason == FULL for r in results):  # nothing stored: the whole call failed, retry it
+            metrics.puts.labels(FULL).inc(len(results))
+            waited = req.timeout_s or buffer.config.put_timeout_s
+            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"buffer full for {waited:.1f}s: nothing stored")
         for r in results:
             metrics.puts.labels("accepted" if r.accepted else r.reason).inc()
         return pb.PutResponse(results=[pb.PutResult(accepted=r.accepted, reason=r.reason) for r in results])

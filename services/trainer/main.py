@@ -23,7 +23,7 @@ def _init_distributed(cfg) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
+    cuda = getattr(cfg.trainer, "device", "cpu") != "cpu" and torch.cuda.is_available()  # the sim has none
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # Ranks > 0 wait in a broadcast while rank 0 waits for a batch and publishes weights: the

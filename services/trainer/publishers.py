@@ -11,6 +11,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import grpc
+
+from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
 from trainer.ports import PublishError
 
@@ -26,7 +29,10 @@ class DiskPublisher:
         return self._path
 
     async def load(self, version: int, timeout_s: float) -> None:
-        res = await self.proxy.update_weights(self._path, version, timeout_s=timeout_s)
+        try:
+            res = await self.proxy.update_weights(self._path, version, timeout_s=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise PublishError(f"LLMProxy: {project_error(e)}") from None
         if not res.success:
             raise PublishError("; ".join(f"{e.engine}: {e.message}" for e in res.engines if not e.success))
 
@@ -34,6 +40,3 @@ class DiskPublisher:
         dirs = sorted(self.weights_dir.glob("v*"), key=lambda p: int(p.name[1:].split(".")[0]))
         for old in dirs[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-
-
-PUBLISHERS = {"disk": DiskPublisher}

@@ -75,9 +75,9 @@ class Recorder(RolloutObserver):
         self.retries.append(code)
 
 
-def make_loop(engine_kw=None, *, async_ratio=0, groups_per_step=2, filter_zero_variance=False, **cfg):
+def make_loop(engine_kw=None, *, async_ratio=0, groups_per_step=2, filter_zero_variance=False, capacity=4096, **cfg):
     controller = AsyncController(ControllerConfig(async_ratio=async_ratio, groups_per_step=groups_per_step))
-    buffer = MemoryBuffer(BufferConfig(filter_zero_variance=filter_zero_variance))
+    buffer = MemoryBuffer(BufferConfig(filter_zero_variance=filter_zero_variance, capacity_groups=capacity))
     engine = ScriptedEngine(controller, **(engine_kw or {}))
     config = RolloutConfig(group_size=2, num_workers=4, reward="exact_match", admit_poll_s=0.005, **cfg)
     loop = RolloutLoop(config, rows=ROWS, tokenizer=CharTokenizer(), reward_fn=lambda r, a: float(r == a),
@@ -195,3 +195,15 @@ def test_stop_with_drain_lets_groups_in_flight_end():
 
     abandoned, ctl = asyncio.run(main())
     assert abandoned == 0 and ctl.in_flight == 0
+
+
+def test_a_group_the_full_buffer_cannot_take_fails_and_gives_its_slot_back():
+    async def main():
+        loop, ctl, _, _ = make_loop(async_ratio=1, capacity=1, put_timeout_s=0.05)
+        assert await loop.admit(2) == 2
+        outcomes = await loop.run_admitted(2)
+        return sorted(outcomes), ctl
+
+    outcomes, ctl = asyncio.run(main())
+    assert outcomes == ["failed", "put"]
+    assert ctl.finished == 1 and ctl.in_flight == 0  # only the stored group keeps its slot

@@ -214,14 +214,17 @@ def test_put_many_keeps_order_filters_and_stops_at_capacity(buffer_factory):
         res = await buf.put_many(
             [make_group("m0"), make_group("flat", rewards=(2.0, 2.0)), make_group("m1"), make_group("m2")]
         )
-        with pytest.raises(BufferFull, match="2 of 2 groups not stored"):
-            await buf.put_many([make_group("m3"), make_group("m4")], timeout_s=0.1)
+        full = await buf.put_many([make_group("m3"), make_group("m4")], timeout_s=0.1)
+        assert [(r.accepted, r.reason) for r in full] == [(False, "full"), (False, "full")]
+        await buf.ack((await buf.get(1, 0, 0, timeout_s=0.2)).batch_id)  # room for one
+        partial = await buf.put_many([make_group("m5"), make_group("m6")], timeout_s=0.1)
+        assert [(r.accepted, r.reason) for r in partial] == [(True, ""), (False, "full")]  # each learns its own
         with pytest.raises(CodecError):
-            await buf.put_many([make_group("m5"), b"junk"])  # checked before anything is stored
+            await buf.put_many([make_group("m7"), b"junk"])  # checked before anything is stored
         batch = await buf.get(10, 0, 0, timeout_s=0.2)
         return res, batch, await buf.stats()
 
     res, batch, stats = run(go())
     assert [r.accepted for r in res] == [True, False, True, True] and res[1].reason == "filtered"
-    assert ids(batch) == ["m0", "m1", "m2"]
-    assert stats["put"] == 3 and stats["dropped_capacity"] == 2 and stats["dropped_filtered"] == 1
+    assert ids(batch) == ["m1", "m2", "m5"]  # m0 was taken and acked to make room for m5
+    assert stats["put"] == 4 and stats["dropped_capacity"] == 3 and stats["dropped_filtered"] == 1
