@@ -79,6 +79,7 @@ class RolloutLoop:
         random.Random(config.seed).shuffle(self._order)
         self._rolling: dict[str, _GroupState] = {}
         self._tasks: list[asyncio.Task] = []
+        self._stopped = False
 
     # ------------------------------------------------------------------ the loop
     async def run_group(self, barrier: TurnBarrier | None = None) -> GroupOutcome:
@@ -124,7 +125,7 @@ class RolloutLoop:
             await asyncio.sleep(1.0)
             return 0
         self.async_ratio = admitted.async_ratio
-        if admitted.num_groups and not self.running:  # stopped while asking: the slots go back unused
+        if admitted.num_groups and self._stopped:  # stopped while asking: the slots go back unused
             await self._release(unused=admitted.num_groups)
             return 0
         if admitted.num_groups == 0:
@@ -135,7 +136,7 @@ class RolloutLoop:
     async def start(self, num_workers: int = 0) -> None:
         if self.running:
             return
-        self.running = True
+        self.running, self._stopped = True, False
         work = self.scheduling.run(self, num_workers or self.config.num_workers)
         self._tasks = [asyncio.create_task(work), asyncio.create_task(self._follow_versions())]
 
@@ -143,7 +144,7 @@ class RolloutLoop:
         """Stop admitting; with ``drain``, let the groups in flight end for up to ``timeout_s`` (0: until
         they end, each bounded by its episodes' deadlines). Returns the episodes abandoned (still
         running when the workers were cancelled)."""
-        self.running = False
+        self.running, self._stopped = False, True
         if drain and self._tasks:
             await asyncio.wait(self._tasks[:1], timeout=timeout_s or None)
         abandoned = self.running_episodes

@@ -244,11 +244,11 @@ def test_custom_loss_by_import_path_runs_with_its_own_params():
     "loss, expected",
     [
         # An unknown type names the key and the choices.
-        ({"type": "nope"}, r"loss\n.*Input tag 'nope' found using 'type' does not match .*'decoupled_ppo'"),
+        ({"type": "nope"}, r"loss\n.*Input tag 'nope' found using .* does not match .*'decoupled_ppo'"),
         # A knob of another variant is rejected under the variant that got it.
         ({"type": "ppo", "tis_cap": 2.0}, r"loss\.ppo\.tis_cap\n\s+Extra inputs are not permitted"),
         # The key before the rename fails loudly instead of leaving the default in force.
-        ({"variant": "ppo"}, r"loss\n.*Unable to extract tag using discriminator 'type'"),
+        ({"variant": "ppo"}, r"loss\.decoupled_ppo\.variant\n\s+Extra inputs are not permitted"),
         # A custom loss that cannot be imported fails at load, not at the first training step.
         ({"type": "custom", "function": "no_such_module:loss"}, r"loss\.custom\.function\n.*cannot import"),
         ({"type": "custom", "function": "trainer.losses:no_such_loss"}, r"loss\.custom\.function\n.*cannot import"),
