@@ -93,6 +93,13 @@ class RollmeshConfig(BaseModel):
                 setattr(part, key, self.model_path)
         return self
 
+    @model_validator(mode="after")
+    def _buckets_need_weights(self) -> RollmeshConfig:
+        if self.train_loop.publisher.type == "http_buckets" and self.trainer.type == "sim":
+            raise ValueError("train_loop.publisher: http_buckets sends real weights; the simulated trainer has "
+                             "none (use type: disk)")  # fmt: skip
+        return self
+
 
 def _variant_tags(model: type[BaseModel]) -> set[str]:
     """Every ``type`` tag of every typed union under ``model``."""

@@ -33,19 +33,21 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
 
 
 def test_rollmesh_run_with_the_trainer_under_torchrun(tiny_model, tmp_path):
-    """run.trainer_procs=2: two gloo ranks (FSDP2) train on whole groups; rank 0 publishes and logs."""
+    """run.trainer_procs=2: two gloo ranks (FSDP2) train on whole groups; rank 0 publishes (over the
+    http_buckets transport: both ranks gather, rank 0 sends) and logs."""
     run_dir = tmp_path / "run"
     cmd = quickstart_cmd(tiny_model, run_dir, "run.heldout_path=null", "run.trainer_procs=2", "train_loop.steps=3",
-                         "train_loop.checkpoint_every=3", "controller.groups_per_step=4")  # fmt: skip
+                         "train_loop.checkpoint_every=3", "controller.groups_per_step=4",
+                         "train_loop.publisher.type=http_buckets", "train_loop.publisher.bucket_mb=1")  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
-    assert "trainer: 2 rank(s)" in log
+    assert "trainer: 2 rank(s)" in log and "weights over http_buckets" in log
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3] and all(m["published"] for m in steps)  # rank 0 only writes
     ckpt = run_dir / "checkpoints" / "step_3"
     assert (ckpt / "COMPLETE").exists() and (ckpt / "extra_rank1.pt").exists()
-    assert (run_dir / "weights" / "v3" / "model.safetensors").exists()
+    assert (run_dir / "weights" / "v3" / "model.safetensors").exists()  # the restore point
 
 
 def test_sigterm_stops_every_service(tiny_model, tmp_path):

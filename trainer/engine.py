@@ -233,11 +233,18 @@ class TrainEngine:
             out["value_loss"] = self._critic_step(batch, values, returns, mask)
         return out
 
-    def export(self, out_dir):
-        """Write the current policy as a HF directory (rank 0 writes; others return None)."""
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's unsharded weights on CPU by HF name: on rank 0; {} on the others (collective)."""
+        from trainer.export import full_state_dict
+
+        return full_state_dict(self.model)
+
+    def export(self, out_dir, state: dict[str, torch.Tensor] | None = None):
+        """Write the current policy (``state``: from ``full_weights``, else gathered here) as a HF
+        directory; rank 0 writes, the others return None."""
         from trainer.export import export_hf
 
-        return export_hf(self.model, self.config.model_path, out_dir)
+        return export_hf(self.model, self.config.model_path, out_dir, state)
 
     def _clip(self, model) -> float:
         params = [p for p in model.parameters() if p.grad is not None]

@@ -1,9 +1,9 @@
 """Weights out of the trainer, for the inference engines.
 
-Two forms: a Hugging Face directory (what ``/update_weights_from_disk`` loads) and a stream of
-buckets of (name, tensor) pairs, each at most ``max_bytes`` (what an in-memory transport would send,
-such as the embedded engine's ``/update_weights_from_safetensors``; only the directory is used by
-a ``WeightPublisher`` today, ``services/trainer/publishers.py``). Names are
+Two forms: a Hugging Face directory (what ``/update_weights_from_disk`` loads, and the restore
+point of every transport) and buckets of (name, tensor) pairs, each at most ``max_bytes`` (what
+an in-memory transport sends, such as the embedded engine's ``/update_weights_from_safetensors``).
+The transports are the ``WeightPublisher``s in ``services/trainer/publishers.py``. Names are
 Hugging Face parameter names, so any engine that loads the checkpoint accepts them.
 """
 
@@ -45,11 +45,13 @@ def weight_buckets(state: dict[str, torch.Tensor], max_bytes: int) -> Iterator[d
         yield bucket
 
 
-def export_hf(model: torch.nn.Module, source_dir: str | Path, out_dir: str | Path) -> Path | None:
-    """Write a HF directory (safetensors + the source's config and tokenizer files); rank 0 writes."""
+def export_hf(model: torch.nn.Module, source_dir: str | Path, out_dir: str | Path,
+              state: dict[str, torch.Tensor] | None = None) -> Path | None:  # fmt: skip
+    """Write a HF directory (safetensors + the source's config and tokenizer files); rank 0 writes.
+    ``state``: the ``full_state_dict`` already gathered (else every rank gathers it here)."""
     from safetensors.torch import save_file
 
-    state = full_state_dict(model)
+    state = full_state_dict(model) if state is None else state
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if rank != 0:
         return None

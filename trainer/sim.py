@@ -63,7 +63,7 @@ class SimTrainEngine:
             "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
         }
 
-    def export(self, out_dir: str | Path) -> Path:
+    def export(self, out_dir: str | Path, state: dict | None = None) -> Path:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps({"simulated": True, "version": self.version}))

@@ -158,20 +158,26 @@ class SGLangClient:
         body = {"model_path": model_path, "weight_version": str(weight_version)}
         return await self._post("/update_weights_from_disk", timeout_s, json=body)
 
+    async def update_weights_from_safetensors(
+        self, data: bytes, weight_version: int, final: bool, timeout_s: float = 120.0
+    ) -> dict:
+        """One bucket of named tensors as safetensors bytes (rollmesh extension); ``final`` applies
+        every bucket of ``weight_version`` sent so far."""
+        params = {"final": str(final).lower(), "weight_version": weight_version}
+        return await self._post("/update_weights_from_safetensors", timeout_s, params=params, data=data)
+
     async def update_weights_from_tensors(
         self, buckets: list[dict], weight_version: int, timeout_s: float = 120.0
     ) -> dict:
-        """Send buckets of named CPU tensors as safetensors bodies (rollmesh extension); the last commits."""
+        """Send buckets of named CPU tensors in order; the last applies them."""
         from safetensors.torch import save
 
         if not buckets:
             raise ValueError("buckets: at least one bucket of tensors is needed")
         res: dict = {}
         for i, bucket in enumerate(buckets):
-            final = i == len(buckets) - 1
-            params = {"final": str(final).lower()} | ({"weight_version": weight_version} if final else {})
             data = save({k: v.contiguous() for k, v in bucket.items()})
-            res = await self._post("/update_weights_from_safetensors", timeout_s, params=params, data=data)
+            res = await self.update_weights_from_safetensors(data, weight_version, i == len(buckets) - 1, timeout_s)
         return res
 
     async def model_info(self, timeout_s: float = 5.0) -> dict:

@@ -83,6 +83,13 @@ class _InFlight:
     t0: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class _BucketUpdate:
+    version: int
+    slots: list[EngineSlot]  # the engines in rotation when bucket 0 arrived
+    next_index: int = 0
+
+
 def _validate(req: ProxyRequest) -> None:
     if not req.input_ids:
         raise RequestInvalid("input_ids", "must not be empty")
@@ -99,6 +106,8 @@ _UPDATE_FAILURE_CAUSES = {
     TimeoutError: "timeout",
     ValueError: "bad_response",
 }
+_NO_ENGINE = {"engine": "", "success": False, "weight_version": -1, "message": "no engine in rotation",
+              "cause": "no_engine"}  # fmt: skip
 UPDATE_FAILURE_CAUSES = ("unavailable", "rejected", "timeout", "bad_response", "version_mismatch", "no_engine")
 
 
@@ -114,6 +123,7 @@ class LLMProxy:
         self._suspend_epoch = 0  # bumped by every suspend: tells a segment it was cut by one
         self._in_flight: dict[str, _InFlight] = {}
         self._last_update: tuple[str, int] | None = None  # (model_path, version) every engine should serve
+        self._bucket_update: _BucketUpdate | None = None  # an in-memory update under way
         self.weight_version = 0
         self.counters: Counter[str] = Counter()
         self._seq = itertools.count()
@@ -289,30 +299,70 @@ class LLMProxy:
         if not model_path:
             raise RequestInvalid("model_path", "must not be empty")
         timeout = timeout_s or self.config.update_weights_timeout_s
+        self._bucket_update = None  # a whole directory supersedes an in-memory update under way
         slots = [s for s in self.router.engines if s.healthy]
-        results = await asyncio.gather(
-            *(self._update_one(s, model_path, version, timeout) for s in slots), return_exceptions=False
-        )
+        results = await asyncio.gather(*(self._load_from_disk(s, model_path, version, timeout) for s in slots))
+        return self._updated(slots, list(results), model_path, version)
+
+    async def update_weights_bucket(self, version: int, index: int, data: bytes, final: bool, restore_path: str,
+                                    timeout_s: float = 0.0) -> tuple[bool, list[dict]]:  # fmt: skip
+        """Forward one bucket of an in-memory update (``http_buckets``) to every engine taking part.
+
+        Bucket 0 starts the update: the engines in rotation then take part. The final bucket makes
+        them apply it and, like ``update_weights``, succeeds only if every engine in rotation
+        confirms ``version``; an engine that came into rotation midway loads ``restore_path``
+        instead. Any failure ends the update: the caller rolls back and starts again from bucket 0.
+        """
+        if index == 0:
+            self._bucket_update = _BucketUpdate(version, [s for s in self.router.engines if s.healthy])
+        update = self._bucket_update
+        if update is None or update.version != version or update.next_index != index:
+            expected = "0" if update is None else f"{update.next_index} of version {update.version}"
+            raise RequestInvalid("index", f"bucket {index} of version {version} does not continue the update under "
+                                 f"way (expected bucket {expected})")  # fmt: skip
+        if final and not restore_path:
+            raise RequestInvalid("restore_path", "the final bucket must name a directory holding the version")
+        timeout = timeout_s or self.config.update_weights_timeout_s
+        calls = [self._engine_update(s, version, final, timeout, lambda c: c.update_weights_from_safetensors(
+            data, version, final, timeout_s=timeout)) for s in update.slots]  # fmt: skip
+        results = list(await asyncio.gather(*calls))
+        update.next_index += 1
+        if not final:
+            ok = bool(update.slots) and all(r["success"] for r in results)
+            if not ok:
+                self._bucket_update = None
+                self.counters["weight_update_failures"] += 1
+            return ok, results or [_NO_ENGINE]
+        self._bucket_update = None
+        late = [s for s in self.router.engines if s.healthy and s not in update.slots]
+        results += await asyncio.gather(*(self._load_from_disk(s, restore_path, version, timeout) for s in late))
+        return self._updated(update.slots + late, results, restore_path, version)
+
+    def _updated(self, slots: list[EngineSlot], results: list[dict], path: str,
+                 version: int) -> tuple[bool, list[dict]]:  # fmt: skip
+        """The end of an update: ``version`` is the mesh's only if every engine confirmed it."""
         ok = bool(slots) and all(r["success"] for r in results)
         if not slots:
-            results = [{"engine": "", "success": False, "weight_version": -1, "message": "no engine in rotation",
-                        "cause": "no_engine"}]  # fmt: skip
+            results = [_NO_ENGINE]
         if ok:
-            self._last_update = (model_path, version)
+            self._last_update = (path, version)
             self.weight_version = version
             self.counters["weight_updates"] += 1
         else:
             self.counters["weight_update_failures"] += 1
         return ok, results
 
-    async def _update_one(self, slot: EngineSlot, path: str, version: int, timeout: float) -> dict:
+    def _load_from_disk(self, slot: EngineSlot, path: str, version: int, timeout: float):
+        return self._engine_update(slot, version, True, timeout,
+                                   lambda c: c.update_weights_from_disk(path, version, timeout_s=timeout))  # fmt: skip
+
+    async def _engine_update(self, slot: EngineSlot, version: int, applies: bool, timeout: float, call) -> dict:
+        """One engine's part of an update; ``applies``: the call must leave it serving ``version``."""
         try:
-            res = await asyncio.wait_for(
-                self.clients[slot.name].update_weights_from_disk(path, version, timeout_s=timeout), timeout
-            )
-            got = int(res.get("weight_version", -1))
+            res = await asyncio.wait_for(call(self.clients[slot.name]), timeout)
+            got = int(res.get("weight_version", -1)) if applies else slot.weight_version
             slot.weight_version = got
-            ok = got == version
+            ok = got == version or not applies
             msg = res.get("message", "") if ok else f"engine reports version {got}, expected {version}"
             cause = "" if ok else "version_mismatch"
         except (EngineUnavailable, EngineRejected, TimeoutError, ValueError) as e:
@@ -352,7 +402,7 @@ class LLMProxy:
             info = await client.model_info(self.config.health_check_timeout_s)
             slot.weight_version = int(info.get("weight_version", -1))
             if self._last_update and slot.weight_version != self._last_update[1]:
-                res = await self._update_one(slot, *self._last_update, self.config.update_weights_timeout_s)
+                res = await self._load_from_disk(slot, *self._last_update, self.config.update_weights_timeout_s)
                 if not res["success"]:
                     return
             if self.suspended:

@@ -181,8 +181,10 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
     @app.post("/update_weights_from_safetensors")  # rollmesh extension
     async def update_weights_from_safetensors(
         request: Request,
-        weight_version: int | None = Query(None, description="Version to report once the final bucket lands."),
-        final: bool = Query(True, description="Apply everything staged so far after this bucket."),
+        weight_version: int | None = Query(
+            None, description="The version the bucket belongs to (the same on every bucket of one update)."
+        ),
+        final: bool = Query(True, description="Apply everything staged for this version after this bucket."),
     ):
         from safetensors.torch import load as load_safetensors
 
@@ -191,7 +193,7 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
             tensors = load_safetensors(body) if body else {}
         except Exception as e:  # safetensors raises several types for bad bytes
             raise EngineError("body", f"not a safetensors payload ({e})") from None
-        staged = await asyncio.to_thread(engine.stage_tensors, tensors) if tensors else 0
+        staged = await asyncio.to_thread(engine.stage_tensors, tensors, weight_version) if tensors else 0
         if not final:
             return {"success": True, "staged_tensors": staged}
         res = await asyncio.wrap_future(engine.commit_staged(weight_version))

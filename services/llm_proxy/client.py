@@ -56,6 +56,14 @@ class ProxyClient:
         req = pb.UpdateWeightsRequest(model_path=model_path, weight_version=weight_version, timeout_s=timeout_s)
         return await self.stub.UpdateWeights(req, timeout=timeout_s + 10)
 
+    async def update_weights_bucket(
+        self, weight_version: int, index: int, data: bytes, final: bool, restore_path: str = "",
+        timeout_s: float = 120.0,
+    ) -> pb.UpdateWeightsResponse:  # fmt: skip
+        req = pb.WeightBucket(weight_version=weight_version, index=index, safetensors=data, final=final,
+                              restore_path=restore_path, timeout_s=timeout_s)  # fmt: skip
+        return await self.stub.UpdateWeightsBucket(req, timeout=timeout_s + 10)
+
     async def stats(self) -> pb.ProxyStats:
         return await self.stub.Stats(pb.StatsRequest(), timeout=10)
 

@@ -18,6 +18,9 @@ from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.LLMProxy"
+# The largest bucket of an in-memory weight update (``UpdateWeightsBucket``); gRPC's default
+# limit on a received message is 4 MiB.
+MAX_WEIGHT_BUCKET_MB = 1024
 
 _MODES = {
     pb.SUSPEND_MODE_UNSPECIFIED: "continue",
@@ -183,6 +186,16 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
         metrics.observe_update(ok, results)
         return pb.UpdateWeightsResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
 
+    async def update_weights_bucket(req: pb.WeightBucket, ctx) -> pb.UpdateWeightsResponse:
+        try:
+            ok, results = await proxy.update_weights_bucket(req.weight_version, req.index, req.safetensors, req.final,
+                                                            req.restore_path, req.timeout_s)  # fmt: skip
+        except RequestInvalid as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if req.final or not ok:  # the update ended
+            metrics.observe_update(ok, results)
+        return pb.UpdateWeightsResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
+
     async def stats(req: pb.StatsRequest, ctx) -> pb.ProxyStats:
         s = proxy.stats()
         engines = [
@@ -208,6 +221,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
             "Suspend": (pb.SuspendRequest, suspend),
             "Resume": (pb.ResumeRequest, resume),
             "UpdateWeights": (pb.UpdateWeightsRequest, update_weights),
+            "UpdateWeightsBucket": (pb.WeightBucket, update_weights_bucket),
             "Stats": (pb.StatsRequest, stats),
         },
     )
@@ -217,7 +231,8 @@ async def start_proxy(config: ProxyConfig) -> tuple[grpc.aio.Server, LLMProxy]:
     """Start the proxy (engine health first), its gRPC server and its metrics endpoint."""
     proxy = await LLMProxy(config).start()
     metrics = ProxyMetrics(proxy)
-    server = await start_server(build_handler(proxy, metrics), SERVICE, config.host, config.port)
+    server = await start_server(build_handler(proxy, metrics), SERVICE, config.host, config.port,
+                                [("grpc.max_receive_message_length", (MAX_WEIGHT_BUCKET_MB + 1) << 20)])  # fmt: skip
     serve_metrics(metrics.registry, config.host, config.metrics_port, "LLMProxy")
     return server, proxy
 

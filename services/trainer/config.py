@@ -5,12 +5,17 @@ from __future__ import annotations
 from pydantic import Field
 
 from services.metrics_log import TrackingConfig
+from services.trainer.publishers import DiskPublisherConfig, PublisherConfig
 from trainer.loop import TrainLoopConfig
 
 
 class TrainerProcessConfig(TrainLoopConfig):
     """The trainer process around the training loop (``train_loop`` in a run config)."""
 
+    publisher: PublisherConfig = Field(
+        default_factory=DiskPublisherConfig,
+        description="Weight transport to the engines: disk (default) or http_buckets (`type: http_buckets`).",
+    )
     metrics_host: str = Field("127.0.0.1", description="Address the Prometheus /metrics endpoint binds.")
     metrics_port: int = Field(9105, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")
     tracking: TrackingConfig = Field(

@@ -43,7 +43,6 @@ def serve(cfg) -> None:
     from services.metrics_log import MetricsLog
     from services.sample_buffer.client import BufferClient
     from services.trainer.metrics import TrainerMetrics, TrainerObserver
-    from services.trainer.publishers import DiskPublisher
     from trainer.loop import TrainLoop
 
     rank, world = _init_distributed(cfg)
@@ -60,7 +59,7 @@ def serve(cfg) -> None:
                                        TrainerMetrics())  # fmt: skip
         loop = TrainLoop(
             lc, cfg.trainer.build(total_steps=lc.steps), source=buffer, control=controller,
-            publisher=DiskPublisher(proxy, lc.run_dir, lc.keep_weight_versions), observer=observer,
+            publisher=lc.publisher.build(proxy, lc.run_dir, lc.keep_weight_versions), observer=observer,
             groups_per_step=cfg.controller.groups_per_step, max_staleness=cfg.controller.async_ratio, rank=rank,
             world=world,
         )  # fmt: skip
@@ -70,7 +69,8 @@ def serve(cfg) -> None:
             if rank == 0:
                 observer.prom.version.set(loop.engine.version)
                 serve_metrics(observer.prom.registry, lc.metrics_host, lc.metrics_port, "trainer")
-                log.info("trainer: %d rank(s), from step %d", world, loop.engine.step)
+                log.info("trainer: %d rank(s), from step %d, weights over %s", world, loop.engine.step,
+                         lc.publisher.type)  # fmt: skip
             while loop.engine.step < lc.steps:
                 metrics = await loop.step()
                 if metrics and rank == 0:

@@ -4,39 +4,122 @@
 under ``RUN_DIR/weights/v<version>``, and the LLMProxy has every engine load it
 (``/update_weights_from_disk``). The directory is also the restore point the controller rolls
 back to and what an engine that rejoins is brought up to.
+
+``http_buckets``: the directory is still written (before generation is suspended) as the restore
+point, but the engines get the weights from memory: safetensors buckets of at most ``bucket_mb``,
+sent one at a time through the LLMProxy, which forwards each to every engine as it arrives
+(``/update_weights_from_safetensors``). While generation is suspended no engine reads a file,
+which matters where the run directory is a slow shared filesystem.
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
+from typing import Literal
 
 import grpc
+from pydantic import BaseModel, ConfigDict, Field
 
+from sample_buffer.registry import tagged_union
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
+from services.llm_proxy.server import MAX_WEIGHT_BUCKET_MB
 from trainer.ports import PublishError
+
+
+def _engine_failures(res) -> str:
+    return "; ".join(f"{e.engine or 'proxy'}: {e.message}" for e in res.engines if not e.success)
 
 
 class DiskPublisher:
     def __init__(self, proxy: ProxyClient | None, run_dir: str | Path, keep_versions: int = 2) -> None:
         self.proxy, self.weights_dir, self.keep = proxy, Path(run_dir) / "weights", keep_versions
-        self._path = ""
+        self.path = ""  # the exported version's directory (rank 0)
 
-    def export(self, engine, version: int) -> str:
-        out = engine.export(self.weights_dir / f"v{version}")  # every rank gathers, rank 0 writes
-        self._path = "" if out is None else str(out)
-        return self._path
+    def export(self, engine, version: int, state: dict | None = None) -> str:
+        out = engine.export(self.weights_dir / f"v{version}", state)  # every rank gathers, rank 0 writes
+        self.path = "" if out is None else str(out)
+        return self.path
 
     async def load(self, version: int, timeout_s: float) -> None:
         try:
-            res = await self.proxy.update_weights(self._path, version, timeout_s=timeout_s)
+            res = await self.proxy.update_weights(self.path, version, timeout_s=timeout_s)
         except grpc.aio.AioRpcError as e:
             raise PublishError(f"LLMProxy: {project_error(e)}") from None
         if not res.success:
-            raise PublishError("; ".join(f"{e.engine}: {e.message}" for e in res.engines if not e.success))
+            raise PublishError(_engine_failures(res))
 
     def committed(self, version: int) -> None:
         dirs = sorted(self.weights_dir.glob("v*"), key=lambda p: int(p.name[1:].split(".")[0]))
         for old in dirs[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+class BucketPublisher:
+    def __init__(self, proxy: ProxyClient | None, run_dir: str | Path, keep_versions: int = 2,
+                 bucket_mb: int = 256) -> None:  # fmt: skip
+        self.proxy, self.max_bytes = proxy, bucket_mb << 20
+        self.restore = DiskPublisher(proxy, run_dir, keep_versions)
+        self._buckets: list[bytes] = []
+
+    def export(self, engine, version: int) -> str:
+        from safetensors.torch import save
+
+        from trainer.export import weight_buckets
+
+        state = engine.full_weights()  # every rank gathers; rank 0 gets the weights
+        path = self.restore.export(engine, version, state)
+        # Serialized now, before generation is suspended: the suspension only waits for the transfer.
+        self._buckets = [save(b) for b in weight_buckets(state, self.max_bytes)] if path else []
+        return path
+
+    async def load(self, version: int, timeout_s: float) -> None:
+        buckets, self._buckets = self._buckets, []
+        if not buckets:
+            raise PublishError(f"no weights exported for version {version}")
+        deadline = time.monotonic() + timeout_s
+        for i, data in enumerate(buckets):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PublishError(f"bucket {i} of {len(buckets)}: the {timeout_s:g} s deadline passed")
+            final = i == len(buckets) - 1
+            try:
+                res = await self.proxy.update_weights_bucket(version, i, data, final, self.restore.path, left)
+            except grpc.aio.AioRpcError as e:
+                raise PublishError(f"LLMProxy, bucket {i} of {len(buckets)}: {project_error(e)}") from None
+            if not res.success:
+                raise PublishError(f"bucket {i} of {len(buckets)}: {_engine_failures(res)}")
+
+    def committed(self, version: int) -> None:
+        self.restore.committed(version)
+
+
+class DiskPublisherConfig(BaseModel):
+    """``disk``: every engine loads the exported directory."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["disk"] = Field("disk", description="Every engine loads the exported directory.")
+
+    def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> DiskPublisher:
+        return DiskPublisher(proxy, run_dir, keep_versions)
+
+
+class BucketPublisherConfig(BaseModel):
+    """``http_buckets``: the weights travel in memory through the LLMProxy."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["http_buckets"] = Field(
+        "http_buckets", description="Weights travel in memory; the directory is only the restore point."
+    )
+    bucket_mb: int = Field(
+        256, ge=1, le=MAX_WEIGHT_BUCKET_MB,
+        description="Largest bucket in MiB (a bigger tensor travels alone); the proxy holds one at a time.",
+    )  # fmt: skip
+
+    def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> BucketPublisher:
+        return BucketPublisher(proxy, run_dir, keep_versions, self.bucket_mb)
+
+
+PublisherConfig = tagged_union(DiskPublisherConfig, BucketPublisherConfig, default="disk")

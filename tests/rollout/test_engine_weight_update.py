@@ -44,7 +44,7 @@ def test_update_from_tensor_buckets_equals_loading_directly(engine, tiny_model_b
     state = {k: v for k, v in b.state_dict().items() if k != "lm_head.weight"}  # tied to the embedding
     names = sorted(state)
     for i in range(0, len(names), 7):  # buckets of 7 tensors
-        engine.stage_tensors({n: state[n] for n in names[i : i + 7]})
+        engine.stage_tensors({n: state[n] for n in names[i : i + 7]}, 3)
     res = engine.commit_staged(3).result(T)
     assert res["checksum"] == weights_checksum(b.state_dict())
     assert engine.submit("t", PROMPT, GREEDY).result(T).output_ids == greedy(b, PROMPT)
@@ -53,10 +53,10 @@ def test_update_from_tensor_buckets_equals_loading_directly(engine, tiny_model_b
 def test_bad_tensors_are_refused_and_nothing_changes(engine):
     version, checksum = engine.weight_version, engine.checksum
     with pytest.raises(EngineError, match="unknown tensor name 'nope'"):
-        engine.stage_tensors({"nope": torch.zeros(2)})
+        engine.stage_tensors({"nope": torch.zeros(2)}, 9)
     with pytest.raises(EngineError, match="shape"):
-        engine.stage_tensors({"model.norm.weight": torch.zeros(3)})
-    with pytest.raises(EngineError, match="nothing staged"):
+        engine.stage_tensors({"model.norm.weight": torch.zeros(3)}, 9)
+    with pytest.raises(EngineError, match="parameters not sent"):
         engine.commit_staged(9).result(T)
     assert (engine.weight_version, engine.checksum) == (version, checksum)
 

@@ -17,8 +17,9 @@ from services.sample_buffer.server import start_buffer_service
 
 
 @contextlib.asynccontextmanager
-async def local_mesh(engine_url: str, model_path: str, buffer: dict | None = None, **controller):
-    proxy_server, proxy = await start_proxy(ProxyConfig(engine_urls=[engine_url], port=0, metrics_port=0))
+async def local_mesh(engine_url: str | list[str], model_path: str, buffer: dict | None = None, **controller):
+    urls = [engine_url] if isinstance(engine_url, str) else engine_url
+    proxy_server, proxy = await start_proxy(ProxyConfig(engine_urls=urls, port=0, metrics_port=0))
     buf_server, buf, refresh = await start_buffer_service(BufferConfig(port=0, metrics_port=0, **(buffer or {})))
     ctl_cfg = ControllerConfig(port=0, metrics_port=0, initial_model_path=model_path, **controller)
     ctl_server, ctl, ctl_proxy = await start_controller(ctl_cfg, f"127.0.0.1:{proxy_server.bound_port}")

@@ -113,7 +113,7 @@ def test_exported_weights_serve_identically(tiny_model, tmp_path):
                 srv.load_weights_from_disk(str(out), 1).result(60)
             else:
                 for b in buckets:
-                    srv.stage_tensors(b)
+                    srv.stage_tensors(b, 1)
                 srv.commit_staged(1).result(60)
             outputs.append(srv.submit("x", prompt, greedy).result(60))
         finally:

@@ -105,7 +105,8 @@ class EmbeddedEngine(SchedulerCommands):
         self._batch = KVBatch()
         self._rids: set[str] = set()
         self._paused = False
-        self._staged: dict[str, torch.Tensor] = {}
+        self._staged: dict[str, torch.Tensor] = {}  # buckets of an update in progress ...
+        self._staged_version: int | None = None  # ... and the version they belong to
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._sampler = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -183,16 +184,18 @@ class EmbeddedEngine(SchedulerCommands):
         checksum = weights_checksum(state)
         return self._call(lambda: self._swap_model(model, path, weight_version, checksum))
 
-    def stage_tensors(self, tensors: dict[str, torch.Tensor]) -> int:
-        """Validate a bucket of named tensors and hold it until ``commit_staged``; returns staged count."""
+    def stage_tensors(self, tensors: dict[str, torch.Tensor], weight_version: int | None) -> int:
+        """Validate a bucket of named tensors of ``weight_version`` and hold it until ``commit_staged``;
+        returns the staged count. Tensors staged for another version (an update that failed
+        midway) are dropped first, so two updates never mix."""
         try:
             check_named_tensors(self.model, tensors)
         except ValueError as e:
             raise EngineError("tensors", str(e)) from None
-        return self._call(lambda: self._stage(tensors)).result()
+        return self._call(lambda: self._stage(tensors, weight_version)).result()
 
     def commit_staged(self, weight_version: int | None) -> Future:
-        """Apply every staged tensor at once between two steps."""
+        """Apply every staged tensor at once between two steps (they must cover every parameter)."""
         return self._call(lambda: self._commit_staged(weight_version))
 
     def info(self) -> dict:
@@ -364,17 +367,25 @@ class EmbeddedEngine(SchedulerCommands):
 
     def _swap_model(self, model, path: str, version: int | None, checksum: str) -> dict:
         self.model, self.model_path, self.checksum = model, path, checksum
+        self._staged = {}  # a whole model replaces any update that was under way
         return self._bump_version(version)
 
-    def _stage(self, tensors: dict[str, torch.Tensor]) -> int:
+    def _stage(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
+        if version != self._staged_version:
+            self._staged, self._staged_version = {}, version
         self._staged.update(tensors)
         return len(self._staged)
 
     def _commit_staged(self, version: int | None) -> dict:
-        if not self._staged:
-            raise EngineError("tensors", "nothing staged: send at least one bucket before the final one")
-        copy_named_tensors(self.model, self._staged)  # no_grad inside
-        self._staged = {}
+        staged, self._staged = self._staged, {}
+        if self._staged_version != version:
+            staged = {}  # staged for another version: never applied under this one
+        # A lost bucket must fail the update, not leave a model half old, half new.
+        missing = [n for n, _ in self.model.named_parameters() if n not in staged]
+        if missing:
+            raise EngineError("tensors", f"{len(missing)} parameters not sent for version {version} "
+                              f"(first: {missing[0]!r}); nothing was applied")  # fmt: skip
+        copy_named_tensors(self.model, staged)  # no_grad inside
         self.checksum = weights_checksum(self.model.state_dict())
         return self._bump_version(version)
 

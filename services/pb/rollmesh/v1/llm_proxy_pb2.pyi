@@ -145,6 +145,22 @@ class UpdateWeightsResponse(_message.Message):
     engines: _containers.RepeatedCompositeFieldContainer[EngineUpdateResult]
     def __init__(self, success: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineUpdateResult, _Mapping]]] = ...) -> None: ...
 
+class WeightBucket(_message.Message):
+    __slots__ = ("weight_version", "index", "safetensors", "final", "restore_path", "timeout_s")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_PATH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    index: int
+    safetensors: bytes
+    final: bool
+    restore_path: str
+    timeout_s: float
+    def __init__(self, weight_version: _Optional[int] = ..., index: _Optional[int] = ..., safetensors: _Optional[bytes] = ..., final: _Optional[bool] = ..., restore_path: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

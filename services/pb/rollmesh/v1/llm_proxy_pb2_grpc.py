@@ -60,6 +60,11 @@ class LLMProxyStub:
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsBucket = channel.unary_unary(
+                '/rollmesh.v1.LLMProxy/UpdateWeightsBucket',
+                request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.WeightBucket.SerializeToString,
+                response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/rollmesh.v1.LLMProxy/Stats',
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.StatsRequest.SerializeToString,
@@ -101,6 +106,13 @@ class LLMProxyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeightsBucket(self, request, context):
+        """One bucket of a weight update that travels in memory (the `http_buckets` transport).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -133,6 +145,11 @@ def add_LLMProxyServicer_to_server(servicer, server):
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'UpdateWeightsBucket': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsBucket,
+                    request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.WeightBucket.FromString,
                     response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
@@ -276,6 +293,33 @@ class LLMProxy:
             target,
             '/rollmesh.v1.LLMProxy/UpdateWeights',
             rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsRequest.SerializeToString,
+            rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsBucket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.v1.LLMProxy/UpdateWeightsBucket',
+            rollmesh_dot_v1_dot_llm__proxy__pb2.WeightBucket.SerializeToString,
             rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,150 @@
+"""The ``http_buckets`` weight transport over real engine processes, the LLMProxy and the controller:
+every engine ends at the trainer's weights, an engine that dies midway rolls the update back,
+and buckets out of order are refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import pytest
+import torch
+from safetensors.torch import save
+
+from rollout.engines.sglang_client import EngineRejected, SGLangClient
+from services.trainer.publishers import BucketPublisher
+from tests.services.mesh import local_mesh
+from trainer.config import TrainerConfig
+from trainer.engine import TrainEngine
+from trainer.loop import TrainLoop, TrainLoopConfig
+
+
+def _perturbed_trainer(model_path: str) -> TrainEngine:
+    """A trainer at version 1 whose weights differ from the engines' (as after a step)."""
+    engine = TrainEngine(TrainerConfig(model_path=model_path, lr=1e-3))
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(0.01)
+    engine.version = 1
+    return engine
+
+
+def _loop(mesh, tmp_path, engine, publisher) -> TrainLoop:
+    cfg = TrainLoopConfig(steps=1, run_dir=str(tmp_path / "run"), publish_timeout_s=20)
+    return TrainLoop(cfg, engine, source=mesh.buffer_client, control=mesh.controller_client, publisher=publisher,
+                     groups_per_step=1, max_staleness=1)  # fmt: skip
+
+
+async def _engine_state(url: str) -> tuple[str, str]:
+    async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+        body = (await c.get("/get_weight_version")).json()
+    return body["weight_version"], body["checksum"]
+
+
+def test_http_buckets_move_every_engine_to_the_trainer_weights(make_engine_process, tiny_model, tmp_path):
+    urls = [make_engine_process()[1], make_engine_process()[1]]
+
+    async def main():
+        async with local_mesh(urls, tiny_model, async_ratio=1, groups_per_step=1) as mesh:
+            before = [await _engine_state(u) for u in urls]
+            publisher = BucketPublisher(mesh.proxy_client, tmp_path / "run", bucket_mb=1)
+            loop = _loop(mesh, tmp_path, _perturbed_trainer(tiny_model), publisher)
+            ok = await loop.publish()
+            after = [await _engine_state(u) for u in urls]
+            # The restore point is the same weights: a disk load of it gives the same checksum.
+            restore = await SGLangClient(urls[0]).update_weights_from_disk(str(tmp_path / "run/weights/v1"), 1)
+            out = await mesh.proxy_client.generate([1, 2, 3], 4)
+            return ok, before, after, restore, out, mesh.controller.version, publisher
+
+    ok, before, after, restore, out, version, publisher = asyncio.run(main())
+    assert ok and version == 1
+    assert [v for v, _ in after] == ["1", "1"] and after[0][1] == after[1][1] != before[0][1]
+    assert restore["checksum"] == after[0][1]
+    assert set(out.token_versions) == {1}
+    assert publisher._buckets == []  # the bytes are not kept once sent
+
+
+class _KillingProxyClient:
+    """The trainer's proxy client, killing one engine process just before the final bucket: the
+    other engine applies the new version, this one never answers."""
+
+    def __init__(self, client, victim) -> None:
+        self.client, self.victim, self.buckets = client, victim, 0
+
+    async def update_weights_bucket(self, version, index, data, final, *args, **kwargs):
+        self.buckets += 1
+        if final:
+            self.victim.kill()
+            self.victim.wait(10)
+        return await self.client.update_weights_bucket(version, index, data, final, *args, **kwargs)
+
+
+def test_an_engine_dying_mid_transfer_rolls_the_update_back(make_engine_process, tiny_model, tmp_path):
+    survivor, (victim, victim_url) = make_engine_process()[1], make_engine_process()
+    urls = [survivor, victim_url]
+
+    async def main():
+        async with local_mesh(urls, tiny_model, async_ratio=1, groups_per_step=1) as mesh:
+            before = await _engine_state(survivor)
+            killer = _KillingProxyClient(mesh.proxy_client, victim)
+            engine = _perturbed_trainer(tiny_model)
+            ok = await _loop(mesh, tmp_path, engine, BucketPublisher(killer, tmp_path / "run", bucket_mb=1)).publish()
+            rolled_back = await _engine_state(survivor)  # it had applied version 1
+            out = await mesh.proxy_client.generate([1, 2, 3], 4)  # generation goes on, at version 0
+            # The next update goes through once the dead engine is out of rotation.
+            mesh.proxy.router.engines[1].healthy = False
+            again = await _loop(mesh, tmp_path, engine, BucketPublisher(mesh.proxy_client, tmp_path / "run",
+                                                                        bucket_mb=1)).publish()  # fmt: skip
+            return ok, before, rolled_back, out, again, mesh, await _engine_state(survivor), killer.buckets
+
+    ok, before, rolled_back, out, again, mesh, final, buckets = asyncio.run(main())
+    assert buckets >= 3 and not ok and mesh.controller.counters["updates_aborted"] == 1
+    assert rolled_back == before and out.weight_version == 0 and len(out.output_ids) == 4
+    assert again and mesh.controller.version == 1 and final[0] == "1" and final[1] != before[1]
+
+
+def test_buckets_out_of_order_are_refused_and_the_proxy_keeps_serving(engine_url, tiny_model):
+    state = TrainEngine(TrainerConfig(model_path=tiny_model)).full_weights()
+    data = save({k: v.contiguous() for k, v in state.items()})
+
+    async def main():
+        async with local_mesh(engine_url, tiny_model) as mesh:
+            errors = []
+            for args in ((7, 1, data, False), (7, 0, data, True)):  # no bucket 0; no restore path
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await mesh.proxy_client.update_weights_bucket(*args)
+                errors.append((e.value.code(), e.value.details()))
+            out = await mesh.proxy_client.generate([1, 2, 3], 2)
+            return errors, out
+
+    errors, out = asyncio.run(main())
+    assert errors[0][0] == grpc.StatusCode.INVALID_ARGUMENT and errors[0][1].startswith("index:")
+    assert errors[1][0] == grpc.StatusCode.INVALID_ARGUMENT and errors[1][1].startswith("restore_path:")
+    assert len(out.output_ids) == 2
+
+
+def test_an_engine_applies_only_a_whole_version(make_engine_process, tiny_model):
+    _, url = make_engine_process()
+    state = TrainEngine(TrainerConfig(model_path=tiny_model)).full_weights()
+    names = sorted(state)
+    half = {n: state[n] for n in names[: len(names) // 2]}
+    rest = {n: state[n] for n in names[len(names) // 2 :]}
+
+    async def main():
+        client = SGLangClient(url)
+        try:
+            with pytest.raises(EngineRejected, match="parameters not sent") as missing:
+                await client.update_weights_from_tensors([half], 3)  # a bucket was lost
+            # Half of version 4 staged, then an update to 5 starts: version 4's half is dropped.
+            await client.update_weights_from_safetensors(save(half), 4, final=False)
+            with pytest.raises(EngineRejected, match="parameters not sent"):
+                await client.update_weights_from_tensors([rest], 5)
+            whole = await client.update_weights_from_tensors([half, rest], 6)
+            return missing.value, whole, await client.model_info()
+        finally:
+            await client.close()
+
+    missing, whole, info = asyncio.run(main())
+    assert missing.field == "tensors"
+    assert whole["weight_version"] == 6 and info["weight_version"] == "6"
