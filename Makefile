@@ -62,6 +62,7 @@ bench: $(STAMP) model servers
 	.venv/bin/rollmesh bench trainer --model $(MODEL) --json
 	.venv/bin/rollmesh bench async --model $(MODEL) --json
 	.venv/bin/rollmesh bench ceiling --json
+	.venv/bin/rollmesh bench weights --json
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

@@ -203,6 +203,21 @@ def bench_ceiling(
                    _progress(json_)), json_)  # fmt: skip
 
 
+@bench_app.command("weights")
+def bench_weights(
+    hidden_size: int = typer.Option(1024, help="Width of the random model (0.4 GB at the default shape)."),
+    layers: int = typer.Option(8, help="Decoder layers of the random model."),
+    engines: int = typer.Option(2, help="Engine processes behind the proxy."),
+    repeats: int = typer.Option(3, help="Updates per transport (the median is reported)."),
+    bucket_mb: int = typer.Option(256, help="http_buckets: largest bucket in MiB."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """One weight update through each transport (disk, http_buckets): seconds and GB/s."""
+    from services.bench.weights_bench import run
+
+    _emit(_checked(run, hidden_size, layers, engines, repeats, bucket_mb, _progress(json_)), json_)
+
+
 def _checked(fn, *args):
     """``fn(*args)``; a bad option value (``BadOption`` naming it) exits 2 with the message, no traceback."""
     from services.bench import BadOption

@@ -50,6 +50,9 @@ class MeshConfig(BaseModel):
     controller: str = Field("127.0.0.1:50053", description="AsyncController gRPC address (host:port).")
 
 
+CONTROLLER_STATE = "controller.json"  # in the run directory: the controller's version across restarts
+
+
 class RollmeshConfig(BaseModel):
     """Everything one rollmesh run needs; each section configures one component.
 
@@ -91,6 +94,8 @@ class RollmeshConfig(BaseModel):
             part = getattr(self, section)
             if key in type(part).model_fields and getattr(part, key) is None:
                 setattr(part, key, self.model_path)
+        if self.controller.state_path is None:  # the run directory has one owner: train_loop
+            self.controller.state_path = str(Path(self.train_loop.run_dir) / CONTROLLER_STATE)
         return self
 
     @model_validator(mode="after")

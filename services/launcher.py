@@ -53,12 +53,14 @@ def plot_rewards(metrics: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
-def _prepare_run_dir(run_dir: Path, fresh: bool, console: Console) -> int:
-    """Start over (``fresh``) or resume; returns how many metrics lines belong to earlier runs.
+def _prepare_run_dir(run_dir: Path, fresh: bool, console: Console) -> Path | None:
+    """Start over (``fresh``) or resume; returns the checkpoint resumed from (None: a new run).
 
-    A run directory without a complete checkpoint holds nothing to resume, so its old metrics
-    are dropped rather than mixed into the new curve.
+    A run directory without a complete checkpoint holds nothing to resume: its old metrics and
+    controller state go, so every service starts at version 0. A resumed run's curve goes on from
+    the checkpoint: lines of steps trained after it (and lost with the process) are dropped.
     """
+    from services.config import CONTROLLER_STATE
     from trainer.checkpoint import latest_checkpoint
 
     if fresh:
@@ -68,9 +70,14 @@ def _prepare_run_dir(run_dir: Path, fresh: bool, console: Console) -> int:
     metrics = run_dir / "metrics.jsonl"
     if ckpt is None:
         metrics.unlink(missing_ok=True)
-        return 0
+        (run_dir / CONTROLLER_STATE).unlink(missing_ok=True)
+        return None
     console.print(f"[yellow]resuming from {ckpt}[/] (pass --fresh to start over)")
-    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    if metrics.exists():
+        step = int(ckpt.name.removeprefix("step_"))
+        kept = [line for line in metrics.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+        metrics.write_text("".join(line + "\n" for line in kept))
+    return ckpt
 
 
 @dataclass
@@ -177,7 +184,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
     signal.signal(signal.SIGTERM, _on_sigterm)
     run_dir = Path(cfg.train_loop.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    earlier = _prepare_run_dir(run_dir, fresh, console)
+    resumed = _prepare_run_dir(run_dir, fresh, console) is not None
     logs = run_dir / "logs"
     mesh: Mesh | None = None
     trainer: subprocess.Popen | None = None
@@ -187,9 +194,9 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         console.print(f"[green]engines[/] {', '.join(mesh.engine_urls)}")
         console.print(f"[green]mesh up[/] proxy {mesh.proxy}, buffer {mesh.buffer}, controller {mesh.controller}")
         proxy_addr = mesh.proxy
-        if cfg.run.heldout_path and not earlier:
+        if cfg.run.heldout_path:  # when resuming: the restored weights, as the engines now serve them
             acc0 = asyncio.run(heldout_accuracy(proxy_addr, cfg))
-            console.print(f"held-out accuracy before training: {acc0:.3f}")
+            console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {acc0:.3f}")
         history, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
         trainer = start_trainer(config_path, overrides, mesh, logs / "trainer.log", cfg.run.trainer_procs)
         mesh.write_scrape_targets(run_dir / "prometheus_targets.json")

@@ -25,7 +25,10 @@ def test_all_five_services_have_contracts():
     )
 
     services = {
-        "LLMProxy": (llm_proxy_pb2, {"Generate", "Abort", "Suspend", "Resume", "UpdateWeights", "Stats"}),
+        "LLMProxy": (
+            llm_proxy_pb2,
+            {"Generate", "Abort", "Suspend", "Resume", "UpdateWeights", "UpdateWeightsBucket", "Stats"},
+        ),
         "EnvManager": (env_manager_pb2, {"Start", "Stop", "Stats"}),
         "EnvProvider": (env_provider_pb2, {"Reset", "Step", "Close"}),
         "SampleBuffer": (sample_buffer_pb2, {"Put", "Get", "Ack", "Stats"}),

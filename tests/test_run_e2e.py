@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def quickstart_cmd(model, run_dir, *overrides: str) -> list[str]:
     """``rollmesh run examples/quickstart.yaml`` on ``model``, writing to ``run_dir``, plus overrides."""
@@ -69,15 +71,19 @@ def test_sigterm_stops_every_service(tiny_model, tmp_path):
     assert leftovers.stdout.strip() == "", "services still running after SIGTERM"
 
 
-def test_quickstart_learns_well_above_chance(tmp_path):
+@pytest.mark.timeout(600)  # two runs of the mesh: 150 steps, then 5 more
+def test_quickstart_learns_well_above_chance_and_resumes_where_it_stopped(tmp_path):
     """The quickstart cut to 150 steps (~2 min): held-out accuracy must rise far above chance (0.1).
     (The full 300-step quickstart reaches ~0.9; at 100 steps runs measured 0.8-0.9, but RL on a tiny
-    model has unlucky runs, so the bar is set at several times chance, not at the full target.)"""
+    model has unlucky runs, so the bar is set at several times chance, not at the full target.)
+    Then the whole mesh starts again for 5 more steps in the same run directory: the engines serve
+    the checkpoint's weights from the start (held-out accuracy as at step 150), the trainer goes on
+    at step 151 and the metrics continue the curve."""
     from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
     model = str(build_tiny_model(tmp_path / "tiny-digits", TinyModelConfig(digit_prior_steps=100)))
     run_dir = tmp_path / "run"
-    cmd = quickstart_cmd(model, run_dir, "train_loop.steps=150", "train_loop.checkpoint_every=0")
+    cmd = quickstart_cmd(model, run_dir, "train_loop.steps=150", "train_loop.checkpoint_every=150")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     before = re.search(r"held-out accuracy before training: ([\d.]+)", proc.stdout)
@@ -85,3 +91,15 @@ def test_quickstart_learns_well_above_chance(tmp_path):
     assert before and final, proc.stdout[-2000:]
     assert float(before.group(1)) < 0.25  # the format prior answers digits, at chance on which one
     assert float(final.group(1)) >= 0.35, proc.stdout[-2000:]
+
+    cmd = quickstart_cmd(model, run_dir, "train_loop.steps=155", "train_loop.checkpoint_every=150")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    at_resume = re.search(r"held-out accuracy at resume: ([\d.]+)", proc.stdout)
+    assert "resuming from" in proc.stdout and at_resume, proc.stdout[-2000:]
+    # Greedy answers from the same weights; only batching can flip a near-tie.
+    assert abs(float(at_resume.group(1)) - float(final.group(1))) <= 0.05, proc.stdout[-2000:]
+    assert re.search(r"^final: steps=155 ", proc.stdout, re.M), proc.stdout[-2000:]
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 156))
+    assert '"version": 155' in (run_dir / "controller.json").read_text()

@@ -143,27 +143,47 @@ class TrainLoop:
         log.info("resumed from %s (step %d, version %d)", ckpt, self.engine.step, self.engine.version)
         return True
 
-    async def check_limits(self, wait_s: float = 120.0) -> None:
-        """Refuse to train under another bound than the controller admits under: samples would
-        be dropped as stale (trainer stricter) or trained staler than promised (controller stricter).
-        A controller that is not up yet is waited for up to ``wait_s``."""
-        if self.rank != 0:
-            return
+    async def join(self, wait_s: float = 120.0) -> None:
+        """Before the first step (every rank): check the staleness bound against the controller's
+        and agree with it on the version. A controller that is not up yet is waited for up to
+        ``wait_s``.
+
+        Another bound would drop samples as stale (trainer stricter) or train staler than promised
+        (controller stricter): refused. Another version follows a restart. A controller ahead of
+        this trainer's checkpoint (the trainer died after publishing newer versions) is followed:
+        training goes on from the checkpoint's weights, numbered from the controller's version, and
+        the next publish sends them. A controller behind (it started afresh, or the checkpoint's own
+        publish failed) gets the checkpoint's weights now, before any step trains.
+        """
+        theirs = self._from_rank0(await self._controller_version(wait_s) if self.rank == 0 else None)
+        mine = self.engine.version
+        if theirs > mine:
+            log.warning("the controller is at version %d, this checkpoint at %d: going on from the checkpoint's "
+                        "weights as version %d", theirs, mine, theirs)  # fmt: skip
+            self.engine.version = theirs
+        elif theirs < mine:
+            log.info("the controller is at version %d: publishing this checkpoint's version %d", theirs, mine)
+            if not await self.publish():
+                log.warning("publishing version %d failed; the first step publishes again", mine)
+
+    async def _controller_version(self, wait_s: float) -> int:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                async_ratio, groups_per_step = await self.control.limits()
+                limits = await self.control.limits()
                 break
             except TransientError:
                 if time.monotonic() > deadline:
                     raise
                 log.info("waiting for the controller")
                 await asyncio.sleep(1.0)
-        if (async_ratio, groups_per_step) != (self.max_staleness, self.groups_per_step):
+        if (limits.async_ratio, limits.groups_per_step) != (self.max_staleness, self.groups_per_step):
             raise StalenessMismatch(
-                f"controller.async_ratio / groups_per_step: the controller admits under {async_ratio} / "
-                f"{groups_per_step}, this trainer was configured with {self.max_staleness} / {self.groups_per_step}"
+                f"controller.async_ratio / groups_per_step: the controller admits under {limits.async_ratio} / "
+                f"{limits.groups_per_step}, this trainer was configured with {self.max_staleness} / "
+                f"{self.groups_per_step}"
             )
+        return limits.version
 
     # ------------------------------------------------------------------ the stages' details
     async def _get(self, version: int) -> tuple[list[bytes], list[str]] | None:

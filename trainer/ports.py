@@ -7,12 +7,20 @@ and run the loop without a socket.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from sample_buffer.buffer import Batch
 from sample_buffer.errors import TransientError
 
-__all__ = ["PublishError", "SampleSource", "TrainObserver", "TransientError", "VersionControl", "WeightPublisher"]
+__all__ = [
+    "Limits",
+    "PublishError",
+    "SampleSource",
+    "TrainObserver",
+    "TransientError",
+    "VersionControl",
+    "WeightPublisher",
+]
 
 
 class SampleSource(Protocol):
@@ -25,11 +33,19 @@ class SampleSource(Protocol):
         """The batch was trained on: it is never handed out again."""
 
 
+class Limits(NamedTuple):
+    """What the controller admits under, and the version it is at."""
+
+    async_ratio: int
+    groups_per_step: int
+    version: int
+
+
 class VersionControl(Protocol):
     """The AsyncController as the trainer sees it: slots, bounds and the weight-update protocol."""
 
-    async def limits(self) -> tuple[int, int]:
-        """(async_ratio, groups_per_step) the controller admits under."""
+    async def limits(self) -> Limits:
+        """The bound the controller admits under and its current version."""
 
     async def release(self, *, dropped: int) -> None:
         """Finished groups the buffer dropped as too stale: their slots go back to admission."""

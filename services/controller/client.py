@@ -11,6 +11,7 @@ from rollout.ports import Admitted
 from services.convert import project_error
 from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import controller_pb2_grpc
+from trainer.ports import Limits
 
 
 class ControllerClient:
@@ -45,9 +46,9 @@ class ControllerClient:
             raise project_error(e) from None
 
     # ------------------------------------------------------------------ versions (trainer)
-    async def limits(self) -> tuple[int, int]:
+    async def limits(self) -> Limits:
         res = await self._call(self.stub.Admit, pb.AdmitRequest(num_groups=0))
-        return res.async_ratio, res.groups_per_step
+        return Limits(res.async_ratio, res.groups_per_step, res.version)
 
     async def begin_update(self, new_version: int, timeout_s: float) -> str:
         req = pb.BeginUpdateRequest(new_version=new_version, timeout_s=timeout_s)

@@ -19,6 +19,12 @@ class ControllerConfig(BaseModel):
         description="Weights the engines serve at version 0, restored if the first update aborts; default: the "
         "run's model_path.",
     )
+    state_path: str | None = Field(
+        None,
+        description="JSON file keeping the version and its weights' directory across restarts (written at every "
+        "commit; read at start, when the engines are brought to that version before anything is admitted). Empty "
+        "string: not kept. Default: RUN_DIR/controller.json.",
+    )
     update_timeout_s: float = Field(
         300.0, gt=0, description="An update not committed within this is aborted and rolled back."
     )

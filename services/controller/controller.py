@@ -12,17 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 from rollout.admission import admission_capacity
 from rollout.ports import Admitted
 from services.controller.config import ControllerConfig
+from trainer.ports import Limits
 
 log = logging.getLogger(__name__)
+
+
+class RestoreError(RuntimeError):
+    """The saved state cannot be restored (unreadable, or the engines cannot load its weights)."""
 
 
 class UpdateConflict(RuntimeError):
@@ -67,9 +75,9 @@ class AsyncController:
         self.counters["admit_refused"] += num_groups - granted
         return Admitted(granted, self.version, self.config.async_ratio)
 
-    async def limits(self) -> tuple[int, int]:
-        """(async_ratio, groups_per_step): the bound admission runs under."""
-        return self.config.async_ratio, self.config.groups_per_step
+    async def limits(self) -> Limits:
+        """The bound admission runs under, and the current version."""
+        return Limits(self.config.async_ratio, self.config.groups_per_step, self.version)
 
     async def release(self, *, unused: int = 0, finished: int = 0, dropped: int = 0) -> None:
         if unused < 0 or finished < 0 or dropped < 0:
@@ -85,6 +93,46 @@ class AsyncController:
         self.finished += finished - dropped
         self.counters["released"] += unused
         self.counters["dropped"] += dropped
+
+    # ------------------------------------------------------------------ restarts
+    async def restore(self) -> bool:
+        """Start where the last committed update left the mesh (``config.state_path``): at its
+        version, every engine serving its weights before anything is admitted. False when there
+        is nothing to restore (a new run)."""
+        path = Path(self.config.state_path or "")
+        if not self.config.state_path or not path.exists():
+            return False
+        try:
+            state = json.loads(path.read_text())
+            version, model_path = int(state["version"]), str(state["model_path"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise RestoreError(f"{path}: not a controller state ({e}); delete it to start at version 0") from None
+        if self.proxy is not None:
+            try:
+                await asyncio.wait_for(self.proxy.update_weights(model_path, version), self.config.control_timeout_s)
+            except Exception as e:
+                raise RestoreError(f"{path}: cannot bring the engines to version {version} ({model_path}): {e}; "
+                                   "start over with `rollmesh run --fresh`") from None  # fmt: skip
+        self.version, self.model_path = version, model_path
+        # The groups the trainer has consumed. Groups still in the buffer are not counted, so up to
+        # async_ratio x groups_per_step extra may be admitted once: the buffer drops (and counts)
+        # any that end up too stale. Counting them would risk the opposite, a buffer that lost its
+        # groups (the in-memory backend) and no slot left to refill it.
+        self.finished = version * self.config.groups_per_step
+        self.counters["restores"] += 1
+        log.info("restored version %d from %s (engines serve %s)", version, path, model_path)
+        return True
+
+    def _save(self) -> None:
+        """Keep the committed version where ``restore`` finds it (atomically: a crash mid-write
+        leaves the previous state)."""
+        if not self.config.state_path:
+            return
+        path = Path(self.config.state_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"version": self.version, "model_path": self.model_path}))
+        os.replace(tmp, path)
 
     # ------------------------------------------------------------------ weight updates
     async def begin_update(self, new_version: int, timeout_s: float = 0.0) -> str:
@@ -110,6 +158,7 @@ class AsyncController:
             self.version = version
             if model_path:
                 self.model_path = model_path
+            self._save()
             await self._finish(update, "committed")
             return self.version
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.controller.config import ControllerConfig
-from services.controller.controller import AsyncController, UpdateConflict
+from services.controller.controller import AsyncController, RestoreError, UpdateConflict
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.llm_proxy.client import ProxyClient
 from services.metrics import serve_metrics
@@ -137,6 +137,7 @@ async def start_controller(config: ControllerConfig, proxy_address: str):
     """Start the controller and its gRPC server; returns (server, controller, proxy client)."""
     proxy_client = ProxyClient(proxy_address, timeout_s=config.control_timeout_s)
     ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s, config.suspend_mode))
+    await ctl.restore()  # before serving: nothing is admitted until the engines serve the saved version
     server = await start_server(build_handler(ctl), SERVICE, config.host, config.port)
     serve_metrics(build_metrics(ctl), config.host, config.metrics_port, "AsyncController")
     return server, ctl, proxy_client
@@ -147,7 +148,11 @@ def serve(cfg) -> None:
     config = cfg.controller
 
     async def start():
-        server, ctl, proxy_client = await start_controller(config, cfg.mesh.proxy)
+        try:
+            server, ctl, proxy_client = await start_controller(config, cfg.mesh.proxy)
+        except RestoreError as e:
+            log.error("%s", e)
+            raise SystemExit(1) from None
         log.info("AsyncController serving on %s:%d", config.host, server.bound_port)
 
         async def cleanup() -> None:

@@ -65,7 +65,7 @@ def serve(cfg) -> None:
         )  # fmt: skip
         loop.resume()
         try:
-            await loop.check_limits()
+            await loop.join()
             if rank == 0:
                 observer.prom.version.set(loop.engine.version)
                 serve_metrics(observer.prom.registry, lc.metrics_host, lc.metrics_port, "trainer")

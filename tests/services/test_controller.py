@@ -7,8 +7,10 @@ import asyncio
 import grpc
 import pytest
 
+from rollout.engines.sglang_client import SGLangClient
 from rollout.proxy import ProxyConfig
 from services.controller.config import ControllerConfig
+from services.controller.controller import RestoreError
 from services.controller.server import start_controller
 from services.llm_proxy.client import ProxyClient
 from services.llm_proxy.server import start_proxy
@@ -156,3 +158,32 @@ def test_bad_requests(engine, tiny_model):
 
     codes = run(scenario, engine, tiny_model)
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 2 + [grpc.StatusCode.FAILED_PRECONDITION] * 2
+
+
+def test_a_restarted_controller_restores_its_version_and_the_engines_weights(engine, tiny_model, tiny_model_b,
+                                                                             tmp_path):  # fmt: skip
+    """The committed version survives the controller: a new one reads it, brings the engine
+    (here restarted at the initial weights, as after a full stop) to its weights before serving,
+    and admits under that version's bound."""
+    state = tmp_path / "controller.json"
+
+    async def first(stub, gen, proxy):
+        update = await stub.BeginUpdate(pb.BeginUpdateRequest(new_version=3))
+        await stub.CommitUpdate(pb.CommitUpdateRequest(update_id=update.update_id, version=3, model_path=tiny_model_b))
+
+    async def second(stub, gen, proxy):
+        out = await gen.generate([1, 30, 31], 4, temperature=0.0)
+        return out, await stub.Admit(pb.AdmitRequest(num_groups=100))
+
+    run(first, engine, tiny_model, state_path=str(state), groups_per_step=2)
+    saved = state.read_text()
+    asyncio.run(SGLangClient(engine).update_weights_from_disk(tiny_model, 0))  # the engine starts afresh
+    out, admitted = run(second, engine, tiny_model, state_path=str(state), groups_per_step=2)
+    assert '"version": 3' in saved and tiny_model_b in saved
+    assert out.weight_version == 3 and set(out.token_versions) == {3}
+    # Version 3 under async_ratio 1: (1 + 3 + 1) x 2 slots minus the 3 x 2 groups consumed.
+    assert admitted.version == 3 and admitted.num_admitted == 4
+
+    state.write_text("{not json")
+    with pytest.raises(RestoreError, match="controller.json: not a controller state"):
+        run(second, engine, tiny_model, state_path=str(state))

@@ -44,7 +44,7 @@ def test_steps_publish_versions_and_resume(make_engine_process, tiny_model, tmp_
             await env.start()
             first = loop()
             assert not first.resume()
-            await first.check_limits()  # the same bound as the controller's
+            await first.join()  # the same bound and version as the controller's
             steps = [await first.step() for _ in range(2)]
             first.observer.log.close()
             second = loop()  # the trainer process restarts

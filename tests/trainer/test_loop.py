@@ -67,7 +67,7 @@ def make(tmp_path, *, fail=False, groups_per_step=2, async_ratio=1, engine_cls=S
 def test_a_step_gets_trains_acks_and_publishes(tmp_path):
     async def main():
         loop, ctl, buf = make(tmp_path)
-        await loop.check_limits()
+        await loop.join()
         await ctl.admit(2)
         for g in ("a", "b"):
             await buf.put(make_group(g))
@@ -140,4 +140,37 @@ def test_the_trainer_refuses_a_bound_other_than_the_controllers(tmp_path):
     loop, _, _ = make(tmp_path)
     loop.max_staleness = 2
     with pytest.raises(StalenessMismatch, match="async_ratio"):
-        asyncio.run(loop.check_limits())
+        asyncio.run(loop.join())
+
+
+def test_a_trainer_behind_the_controller_goes_on_from_its_version(tmp_path):
+    """The trainer died after publishing versions its checkpoint does not hold: it follows the
+    controller, and its next publish is the controller's version + 1 (never refused as old)."""
+
+    async def main():
+        loop, ctl, buf = make(tmp_path)
+        ctl.version = 7
+        await loop.join()
+        await ctl.admit(2)
+        for g in ("a", "b"):
+            await buf.put(make_group(g, version=7))
+        await ctl.release(finished=2)
+        return loop, await loop.step(), ctl
+
+    loop, m, ctl = asyncio.run(main())
+    assert loop.publisher.loaded == [8] and m["published"] and ctl.version == 8
+
+
+def test_a_trainer_ahead_of_the_controller_publishes_its_checkpoint_before_training(tmp_path):
+    """A fresh controller (version 0) under a trainer resumed at version 5: the engines get the
+    checkpoint's weights before any step, so no step trains on the initial model's samples."""
+
+    async def main():
+        loop, ctl, _ = make(tmp_path)
+        loop.engine.version = 5
+        await loop.join()
+        return loop, ctl
+
+    loop, ctl = asyncio.run(main())
+    assert loop.publisher.loaded == [5] and ctl.version == 5 and ctl.model_path == "mem://v5"
+    assert loop.engine.version == 5 and loop.engine.step == 0

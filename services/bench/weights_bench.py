@@ -1,0 +1,115 @@
+"""`rollmesh bench weights`: one weight update through each transport, in seconds and GB/s.
+
+Engine processes serve a randomly initialised model of the chosen shape behind an LLMProxy
+process, as deployed; the trainer side (a ``TrainEngine`` on the same weights and the
+``WeightPublisher``s of ``services/trainer/publishers.py``) runs in this process. Each
+transport's update is timed in its two phases, as the training loop runs them:
+
+- ``export``: before generation is suspended (gather the weights, write the restore directory,
+  and for ``http_buckets`` serialize the buckets);
+- ``load``: what generation waits for while suspended (every engine confirms the version).
+
+Each number is the median of ``repeats`` updates, each to a new version whose weights differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from services.bench import BadOption
+from services.launch import start_engine_process, start_service_process, stop_process
+
+
+def _model(out: Path, hidden_size: int, layers: int) -> Path:
+    from trainer.tiny_model import TinyModelConfig, build_tiny_model
+
+    heads = max(1, hidden_size // 64)
+    kv_heads = heads // 2 if heads % 2 == 0 else heads
+    cfg = TinyModelConfig(hidden_size=hidden_size, intermediate_size=3 * hidden_size, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads)  # fmt: skip
+    return build_tiny_model(out, cfg)
+
+
+async def _updates(publisher, trainer, proxy_client, first_version: int, repeats: int, timeout_s: float) -> dict:
+    import torch
+
+    export_s, load_s = [], []
+    for i in range(repeats):
+        version = first_version + i
+        with torch.no_grad():  # new weights each time, as after an optimizer step
+            for p in trainer.model.parameters():
+                p.add_(1e-3)
+        t0 = time.perf_counter()
+        publisher.export(trainer, version)
+        t1 = time.perf_counter()
+        await publisher.load(version, timeout_s)
+        load_s.append(time.perf_counter() - t1)
+        export_s.append(t1 - t0)
+        publisher.committed(version)
+        stats = await proxy_client.stats()
+        if any(e.weight_version != version for e in stats.engines):
+            raise RuntimeError(f"an engine did not confirm version {version}: {stats}")
+    return {"export_s": statistics.median(export_s), "load_s": statistics.median(load_s)}
+
+
+def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int = 3, bucket_mb: int = 256,
+        progress=print) -> dict:  # fmt: skip
+    """Time ``repeats`` updates through ``disk`` and ``http_buckets``; returns the medians."""
+    from services.llm_proxy.client import ProxyClient
+    from services.trainer.publishers import BucketPublisher, DiskPublisher
+    from trainer.config import TrainerConfig
+    from trainer.engine import TrainEngine
+
+    for name, value, low in (("hidden-size", hidden_size, 64), ("layers", layers, 1), ("engines", engines, 1),
+                             ("repeats", repeats, 1), ("bucket-mb", bucket_mb, 1)):  # fmt: skip
+        if value < low:
+            raise BadOption(f"--{name}: must be >= {low}, got {value}")
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="rollmesh-bench-weights-") as tmp:
+        model = _model(Path(tmp) / "model", hidden_size, layers)
+        trainer = TrainEngine(TrainerConfig(model_path=str(model)))
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        gb = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / 1e9
+        progress(f"model: {n_params / 1e6:.0f} M parameters, {gb:.2f} GB; starting {engines} engine(s) and a proxy")
+        try:
+            urls = []
+            for _ in range(engines):
+                proc, url = start_engine_process(str(model))
+                procs.append(proc)
+                urls.append(url)
+            proxy, address = start_service_process("llm-proxy", "proxy", [f"engine_urls=[{','.join(urls)}]",
+                                                                          "metrics_port=0"])  # fmt: skip
+            procs.append(proxy)
+
+            async def both() -> dict:
+                client = ProxyClient(address)
+                try:
+                    out = {}
+                    transports = {
+                        "disk": DiskPublisher(client, Path(tmp) / "run"),
+                        "http_buckets": BucketPublisher(client, Path(tmp) / "run", bucket_mb=bucket_mb),
+                    }
+                    for i, (name, publisher) in enumerate(transports.items()):  # fmt: skip
+                        progress(f"{name}: {repeats} update(s)")
+                        out[name] = await _updates(publisher, trainer, client, 1 + i * repeats, repeats, 600.0)
+                        out[name]["gb_per_s"] = gb / out[name]["load_s"]
+                    return out
+                finally:
+                    await client.close()
+
+            result = asyncio.run(both())
+        finally:
+            for p in procs:
+                stop_process(p)
+    return {
+        "params_m": round(n_params / 1e6, 1),
+        "model_gb": round(gb, 3),
+        "engines": engines,
+        "bucket_mb": bucket_mb,
+        **{f"{name}_{m}": round(v, 3) for name, r in result.items() for m, v in r.items()},
+        "load_speedup_buckets_vs_disk": round(result["disk"]["load_s"] / result["http_buckets"]["load_s"], 2),
+    }

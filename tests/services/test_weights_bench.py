@@ -1,0 +1,26 @@
+"""`rollmesh bench weights` runs both transports end to end and prints its JSON line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_weights_times_both_transports():
+    cmd = [sys.executable, "-m", "services.cli", "bench", "weights", "--hidden-size", "128", "--layers", "2",
+           "--engines", "2", "--repeats", "2", "--bucket-mb", "1", "--json"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["engines"] == 2 and out["params_m"] > 0
+    for transport in ("disk", "http_buckets"):  # every engine confirmed every version (checked inside)
+        assert out[f"{transport}_load_s"] > 0 and out[f"{transport}_export_s"] > 0
+        assert out[f"{transport}_gb_per_s"] > 0
+    assert out["load_speedup_buckets_vs_disk"] > 0
+
+
+def test_bench_weights_refuses_a_bad_option():
+    cmd = [sys.executable, "-m", "services.cli", "bench", "weights", "--engines", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--engines: must be >= 1" in proc.stderr
