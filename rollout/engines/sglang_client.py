@@ -105,11 +105,12 @@ class SGLangClient:
         if self._session is not None:
             await self._session.close()
 
-    async def _request(self, method: str, path: str, timeout_s: float | None, **kwargs) -> dict:
+    async def _request(self, method: str, path: str, timeout_s: float | None,
+                       session: aiohttp.ClientSession | None = None, **kwargs) -> dict:  # fmt: skip
         url = self.base_url + path
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            async with self._http().request(method, url, timeout=timeout, **kwargs) as r:
+            async with (session or self._http()).request(method, url, timeout=timeout, **kwargs) as r:
                 text = await r.text()
                 status = r.status
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
@@ -164,7 +165,12 @@ class SGLangClient:
         """One bucket of named tensors as safetensors bytes (rollmesh extension); ``final`` applies
         every bucket of ``weight_version`` sent so far."""
         params = {"final": str(final).lower(), "weight_version": weight_version}
-        return await self._post("/update_weights_from_safetensors", timeout_s, params=params, data=data)
+        # A fresh connection for each bucket: writing hundreds of MB into a pooled socket that the
+        # server closed while the caller's loop was busy fails midway with a broken pipe (seen with
+        # 256 MiB buckets through the proxy); one connect costs nothing next to the transfer.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+            return await self._request("POST", "/update_weights_from_safetensors", timeout_s, session=session,
+                                       params=params, data=data)  # fmt: skip
 
     async def update_weights_from_tensors(
         self, buckets: list[dict], weight_version: int, timeout_s: float = 120.0
