@@ -53,6 +53,14 @@ def plot_rewards(metrics: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line; a line cut short by a killed process counts as past any."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")
+
+
 def _prepare_run_dir(run_dir: Path, fresh: bool, console: Console) -> Path | None:
     """Start over (``fresh``) or resume; returns the checkpoint resumed from (None: a new run).
 
@@ -75,7 +83,7 @@ def _prepare_run_dir(run_dir: Path, fresh: bool, console: Console) -> Path | Non
     console.print(f"[yellow]resuming from {ckpt}[/] (pass --fresh to start over)")
     if metrics.exists():
         step = int(ckpt.name.removeprefix("step_"))
-        kept = [line for line in metrics.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+        kept = [line for line in metrics.read_text().splitlines() if _step_of(line) <= step]
         metrics.write_text("".join(line + "\n" for line in kept))
     return ckpt
 

@@ -93,7 +93,7 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
                         "disk": DiskPublisher(client, Path(tmp) / "run"),
                         "http_buckets": BucketPublisher(client, Path(tmp) / "run", bucket_mb=bucket_mb),
                     }
-                    for i, (name, publisher) in enumerate(transports.items()):  # fmt: skip
+                    for i, (name, publisher) in enumerate(transports.items()):
                         progress(f"{name}: {repeats} update(s)")
                         out[name] = await _updates(publisher, trainer, client, 1 + i * repeats, repeats, 600.0)
                         out[name]["gb_per_s"] = gb / out[name]["load_s"]

@@ -137,7 +137,11 @@ async def start_controller(config: ControllerConfig, proxy_address: str):
     """Start the controller and its gRPC server; returns (server, controller, proxy client)."""
     proxy_client = ProxyClient(proxy_address, timeout_s=config.control_timeout_s)
     ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s, config.suspend_mode))
-    await ctl.restore()  # before serving: nothing is admitted until the engines serve the saved version
+    try:
+        await ctl.restore()  # before serving: nothing is admitted until the engines serve the saved version
+    except BaseException:
+        await proxy_client.close()
+        raise
     server = await start_server(build_handler(ctl), SERVICE, config.host, config.port)
     serve_metrics(build_metrics(ctl), config.host, config.metrics_port, "AsyncController")
     return server, ctl, proxy_client

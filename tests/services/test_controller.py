@@ -22,18 +22,20 @@ def run(scenario, engine_url: str, model_path: str, **cfg):
     async def main():
         proxy_server, proxy = await start_proxy(ProxyConfig(engine_urls=[engine_url], port=0, metrics_port=0))
         config = ControllerConfig(initial_model_path=model_path, port=0, metrics_port=0, **cfg)
-        server, ctl, proxy_client = await start_controller(config, f"127.0.0.1:{proxy_server.bound_port}")
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}")
-        stub = controller_pb2_grpc.AsyncControllerStub(channel)
-        gen = ProxyClient(f"127.0.0.1:{proxy_server.bound_port}")
         try:
-            return await scenario(stub, gen, proxy)
-        finally:
-            await gen.close()
-            await channel.close()
-            await server.stop(0)
-            await ctl.close()
-            await proxy_client.close()
+            server, ctl, proxy_client = await start_controller(config, f"127.0.0.1:{proxy_server.bound_port}")
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}")
+            stub = controller_pb2_grpc.AsyncControllerStub(channel)
+            gen = ProxyClient(f"127.0.0.1:{proxy_server.bound_port}")
+            try:
+                return await scenario(stub, gen, proxy)
+            finally:
+                await gen.close()
+                await channel.close()
+                await server.stop(0)
+                await ctl.close()
+                await proxy_client.close()
+        finally:  # also when the controller does not start
             await proxy_server.stop(0)
             await proxy.close()
 
