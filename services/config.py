@@ -37,6 +37,9 @@ class RunConfig(BaseModel):
     trainer_procs: int = Field(
         1, ge=1, description="Trainer ranks: more than 1 runs the trainer under torchrun (FSDP2; gloo on CPU)."
     )
+    max_restarts: int = Field(
+        5, ge=0, description="Times a service (or the trainer) that exits is started again before the run gives up."
+    )
 
 
 class MeshConfig(BaseModel):

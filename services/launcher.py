@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
 from rich.console import Console
 
 from services.config import load_config
@@ -28,6 +29,8 @@ from services.launch import (
     start_service_process,
     stop_process,
 )
+from services.metrics import serve_metrics
+from services.supervisor import GaveUp, RestartsCollector, Supervised
 
 
 def _tail_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
@@ -92,7 +95,7 @@ def _prepare_run_dir(run_dir: Path, fresh: bool, console: Console) -> Path | Non
 class Mesh:
     """The services of a running mesh (the trainer is started separately)."""
 
-    procs: list[subprocess.Popen]
+    services: list[Supervised]
     engine_urls: list[str]
     proxy: str
     buffer: str
@@ -116,8 +119,8 @@ class Mesh:
         return [f"mesh.proxy={self.proxy}", f"mesh.buffer={self.buffer}", f"mesh.controller={self.controller}"]
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            stop_process(p)
+        for s in reversed(self.services):
+            stop_process(s.proc)
 
 
 def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh:
@@ -135,7 +138,7 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh
         with ThreadPoolExecutor(cfg.run.num_engines) as pool:  # engines load in parallel
             futures = [pool.submit(engine, i) for i in range(cfg.run.num_engines)]
         started = [f.result() for f in futures if f.exception() is None]
-        mesh.procs += [p for p, _ in started]
+        mesh.services += [Supervised(f"engine-{i}", p, logs / f"engine-{i}.log") for i, (p, _) in enumerate(started)]
         mesh.engine_urls += [u for _, u in started]
         mesh.metrics["engine"] = [u.removeprefix("http://") for u in mesh.engine_urls]  # /metrics beside the API
         for f in futures:
@@ -146,23 +149,23 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh
                                    f"proxy.metrics_port={mesh.metrics_port('llm-proxy')}"],
             log_path=logs / "proxy.log", **up,
         )  # fmt: skip
-        mesh.procs.append(proc)
+        mesh.services.append(Supervised("llm-proxy", proc, logs / "proxy.log"))
         proc, mesh.buffer = start_service_process(
             "sample-buffer", "buffer", [*overrides, f"buffer.metrics_port={mesh.metrics_port('sample-buffer')}"],
             log_path=logs / "buffer.log", **up,
         )  # fmt: skip
-        mesh.procs.append(proc)
+        mesh.services.append(Supervised("sample-buffer", proc, logs / "buffer.log"))
         ctl = [*overrides, f"mesh.proxy={mesh.proxy}", f"controller.metrics_port={mesh.metrics_port('controller')}"]
         proc, mesh.controller = start_service_process(
             "controller", "controller", ctl, log_path=logs / "controller.log", **up
         )
-        mesh.procs.append(proc)
+        mesh.services.append(Supervised("controller", proc, logs / "controller.log"))
         proc, _ = start_service_process(
             "env-manager", "env_manager",
             [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager')}"],
             log_path=logs / "env_manager.log", **up,
         )  # fmt: skip
-        mesh.procs.append(proc)
+        mesh.services.append(Supervised("env-manager", proc, logs / "env_manager.log"))
     except BaseException:
         mesh.stop()
         raise
@@ -195,7 +198,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
     resumed = _prepare_run_dir(run_dir, fresh, console) is not None
     logs = run_dir / "logs"
     mesh: Mesh | None = None
-    trainer: subprocess.Popen | None = None
+    trainer: Supervised | None = None
     t0 = time.time()
     try:
         mesh = start_mesh(cfg, config_path, overrides, logs)
@@ -206,11 +209,18 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
             acc0 = asyncio.run(heldout_accuracy(proxy_addr, cfg))
             console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {acc0:.3f}")
         history, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
-        trainer = start_trainer(config_path, overrides, mesh, logs / "trainer.log", cfg.run.trainer_procs)
+        trainer_proc = start_trainer(config_path, overrides, mesh, logs / "trainer.log", cfg.run.trainer_procs)
+        trainer = Supervised("trainer", trainer_proc, logs / "trainer.log", finishes=True)
+        supervised = [*mesh.services, trainer]
+        launcher_registry = CollectorRegistry()
+        launcher_registry.register(RestartsCollector(supervised))
+        serve_metrics(launcher_registry, "127.0.0.1", int(mesh.metrics_port("launcher")), "rollmesh run")
         mesh.write_scrape_targets(run_dir / "prometheus_targets.json")
         console.print(f"metrics: Prometheus file_sd targets in {run_dir / 'prometheus_targets.json'}")
-        while trainer.poll() is None:
+        while trainer.proc.poll() != 0:  # the trainer exits 0 once it has trained every step
             time.sleep(1.0)
+            for s in supervised:  # a service that died comes back (a trainer resumes from its checkpoint)
+                s.check(cfg.run.max_restarts, lambda line: console.print(f"[red]{line}[/]"))
             new, seen = _tail_metrics(run_dir / "metrics.jsonl", seen)
             history += new
             for m in new:
@@ -218,9 +228,6 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
                     f"step {m['step']:4d}  reward {m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
                     f"staleness max {m['staleness_max']}  {m['tokens'] / max(m['time_train_s'], 1e-9):,.0f} tok/s train"
                 )
-        if trainer.returncode != 0:
-            console.print(f"[red]trainer exited with {trainer.returncode}[/]: see {logs / 'trainer.log'}")
-            return trainer.returncode
         new, seen = _tail_metrics(run_dir / "metrics.jsonl", seen)
         history += new
         if history:
@@ -235,11 +242,14 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
             flush=True,
         )
         return 0
+    except GaveUp as e:
+        console.print(f"[red]{e}[/]")
+        return 1
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the mesh[/]")
         return 130
     finally:
         if trainer is not None:
-            stop_process(trainer)
+            stop_process(trainer.proc)
         if mesh is not None:
             mesh.stop()

@@ -1,9 +1,12 @@
 """`rollmesh run` end to end on the quickstart config, cut down to a few steps."""
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -103,3 +106,35 @@ def test_quickstart_learns_well_above_chance_and_resumes_where_it_stopped(tmp_pa
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 156))
     assert '"version": 155' in (run_dir / "controller.json").read_text()
+
+
+def _wait_for_step(metrics_path, step: int, proc, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics_path.exists() and len(metrics_path.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"step {step} not reached (run exited with {proc.poll()})")
+
+
+@pytest.mark.parametrize("service", ["engine", "llm-proxy", "sample-buffer", "trainer"])
+def test_a_killed_service_comes_back_and_the_run_finishes(tiny_model, tmp_path, service):
+    """SIGKILL one process in the middle of a run: `rollmesh run` starts it again on the same port,
+    the others find it, and the run trains every step."""
+    run_dir = tmp_path / "run"
+    cmd = quickstart_cmd(tiny_model, run_dir, "run.heldout_path=null", "train_loop.steps=8",
+                         "train_loop.checkpoint_every=2", "controller.groups_per_step=2",
+                         "train_loop.get_timeout_s=20")  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_step(run_dir / "metrics.jsonl", 3, proc, 240)
+        pids = subprocess.run(["pgrep", "-f", f"services.cli serve {service} .*train_loop.run_dir={run_dir}"],
+                              capture_output=True, text=True).stdout.split()  # fmt: skip
+        assert pids, f"no {service} process found"
+        os.kill(int(pids[0]), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert re.search(rf"{service}(-0)? exited with code -9: restart 1 in", out), out[-3000:]
+    assert re.search(r"^final: steps=8 ", out, re.M), out[-3000:]

@@ -61,10 +61,13 @@ class TrainLoop:
         self.rank, self.world = rank, world
         self.run_dir = Path(config.run_dir)
         self.publish_times: dict[str, float] = {}
+        self._unpublished = False  # the engines do not serve this trainer's version yet
 
     # ------------------------------------------------------------------ the loop
     async def step(self) -> dict | None:
         """One training step; None when no full batch arrived in time."""
+        if self._unpublished:  # else the engines may serve a version whose samples are all too stale
+            await self._publish()
         t0, version = time.perf_counter(), self.engine.version
         fetched = self._from_rank0(await self._get(version) if self.rank == 0 else None)  # get
         if fetched is None:
@@ -80,7 +83,7 @@ class TrainLoop:
         for batch_id in batch_ids if self.rank == 0 else ():
             await self.source.ack(batch_id)  # ack
         t_train = time.perf_counter()
-        published = await self.publish()  # publish
+        published = await self._publish()  # publish
         t_pub = time.perf_counter()
         self._checkpoint_if_due()  # checkpoint
         if self.rank != 0:
@@ -99,7 +102,8 @@ class TrainLoop:
         """Move every engine to the new weights; on any failure roll back and return False.
 
         Every failure is logged and counted by cause (export, begin, load, commit); generation
-        goes on at the previous version and the next step publishes again.
+        goes on at the previous version and the next step publishes again before it gets samples
+        (with ``async_ratio`` versions of lag, samples of the old version would all be too stale).
         """
         version, t0 = self.engine.version, time.perf_counter()
         self.publish_times = {}
@@ -163,7 +167,7 @@ class TrainLoop:
             self.engine.version = theirs
         elif theirs < mine:
             log.info("the controller is at version %d: publishing this checkpoint's version %d", theirs, mine)
-            if not await self.publish():
+            if not await self._publish():
                 log.warning("publishing version %d failed; the first step publishes again", mine)
 
     async def _controller_version(self, wait_s: float) -> int:
@@ -218,6 +222,13 @@ class TrainLoop:
         every = self.config.checkpoint_every
         if every and (self.engine.step % every == 0 or self.engine.step >= self.config.steps):
             save_checkpoint(self.engine, self.run_dir / "checkpoints", keep_last=2)
+
+    async def _publish(self) -> bool:
+        """``publish``, remembering on every rank whether it failed: a failed publish is tried again
+        before the next step gets samples."""
+        ok = self._from_rank0(await self.publish())
+        self._unpublished = not ok
+        return ok
 
     def _failed(self, cause: str, version: int, error) -> bool:
         log.error("publishing v%d failed at %s: %s", version, cause, error)

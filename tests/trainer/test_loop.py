@@ -174,3 +174,25 @@ def test_a_trainer_ahead_of_the_controller_publishes_its_checkpoint_before_train
     loop, ctl = asyncio.run(main())
     assert loop.publisher.loaded == [5] and ctl.version == 5 and ctl.model_path == "mem://v5"
     assert loop.engine.version == 5 and loop.engine.step == 0
+
+
+def test_a_failed_publish_is_retried_before_the_next_get(tmp_path):
+    """Two publishes fail in a row (the only engine is down): the trainer is two versions ahead
+    of what the engines serve, so under async_ratio 1 no sample could ever be fresh enough. The
+    next step publishes first, and trains once the engines are back."""
+
+    async def main():
+        loop, ctl, buf = make(tmp_path)
+        loop.publisher.fail = True
+        for version in (1, 2):  # two steps whose publish fails
+            for g in ("a", "b"):
+                await buf.put(make_group(f"{g}{version}", version=ctl.version))
+            assert (await loop.step())["published"] is False
+        loop.publisher.fail = False  # the engine is back
+        await loop.step()  # publishes version 2 first; no batch of version >= 1 exists yet
+        for g in ("c", "d"):
+            await buf.put(make_group(g, version=ctl.version))
+        return await loop.step(), ctl, loop.publisher
+
+    m, ctl, publisher = asyncio.run(main())
+    assert publisher.loaded[:1] == [2] and m["step"] == 3 and m["published"] and ctl.version == 3
