@@ -36,6 +36,20 @@ def _reject_unknown(msg: Message, path: str) -> None:
             _reject_unknown(sub, f"{path}.{fd.name}" + (f"[{i}]" if fd.is_repeated else ""))
 
 
+# gRPC backs off up to 120 s between reconnects to a peer that refused; a service `rollmesh run`
+# (or Kubernetes) restarts is back within seconds, and every call in between would fail fast.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+def channel(address: str, options: list | None = None) -> grpc.aio.Channel:
+    """A client channel that finds a restarted service again within about two seconds."""
+    return grpc.aio.insecure_channel(address, options=[*RECONNECT_OPTIONS, *(options or [])])
+
+
 Handler = Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]
 
 

@@ -117,24 +117,29 @@ def _wait_for_step(metrics_path, step: int, proc, timeout_s: float) -> None:
     raise AssertionError(f"step {step} not reached (run exited with {proc.poll()})")
 
 
-@pytest.mark.parametrize("service", ["engine", "llm-proxy", "sample-buffer", "trainer"])
-def test_a_killed_service_comes_back_and_the_run_finishes(tiny_model, tmp_path, service):
-    """SIGKILL one process in the middle of a run: `rollmesh run` starts it again on the same port,
-    the others find it, and the run trains every step."""
+@pytest.mark.timeout(600)
+def test_each_killed_service_comes_back_and_the_run_finishes(tiny_model, tmp_path, redis_server):
+    """SIGKILL the engine, the LLMProxy, the SampleBuffer (on Redis, which keeps the groups) and the
+    trainer in turn, one every two steps of a run: `rollmesh run` starts each again on the same
+    port, the others find it (the trainer resumes from its checkpoint), and the run trains every step."""
+    services = ["engine", "llm-proxy", "sample-buffer", "trainer"]
     run_dir = tmp_path / "run"
-    cmd = quickstart_cmd(tiny_model, run_dir, "run.heldout_path=null", "train_loop.steps=8",
+    cmd = quickstart_cmd(tiny_model, run_dir, "run.heldout_path=null", f"train_loop.steps={2 + 2 * len(services)}",
                          "train_loop.checkpoint_every=2", "controller.groups_per_step=2",
-                         "train_loop.get_timeout_s=20")  # fmt: skip
+                         "train_loop.get_timeout_s=20", "controller.update_timeout_s=30", "buffer.backend=redis",
+                         f"buffer.redis_url={redis_server.url}", f"buffer.key_prefix={tmp_path.name}")  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for_step(run_dir / "metrics.jsonl", 3, proc, 240)
-        pids = subprocess.run(["pgrep", "-f", f"services.cli serve {service} .*train_loop.run_dir={run_dir}"],
-                              capture_output=True, text=True).stdout.split()  # fmt: skip
-        assert pids, f"no {service} process found"
-        os.kill(int(pids[0]), signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
+        for i, service in enumerate(services):
+            _wait_for_step(run_dir / "metrics.jsonl", 2 + 2 * i, proc, 240)
+            pids = subprocess.run(["pgrep", "-f", f"services.cli serve {service} .*train_loop.run_dir={run_dir}"],
+                                  capture_output=True, text=True).stdout.split()  # fmt: skip
+            assert pids, f"no {service} process found"
+            os.kill(int(pids[0]), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=400)
     finally:
         proc.kill()
     assert proc.returncode == 0, out[-3000:]
-    assert re.search(rf"{service}(-0)? exited with code -9: restart 1 in", out), out[-3000:]
-    assert re.search(r"^final: steps=8 ", out, re.M), out[-3000:]
+    for service in services:
+        assert re.search(rf"{service}(-0)? exited with code -9: restart 1 in", out), (service, out[-3000:])
+    assert re.search(rf"^final: steps={2 + 2 * len(services)} ", out, re.M), out[-3000:]

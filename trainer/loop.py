@@ -81,7 +81,7 @@ class TrainLoop:
         t_get = time.perf_counter()
         metrics = await asyncio.to_thread(self.engine.train_step, batch_from_groups(mine))  # train
         for batch_id in batch_ids if self.rank == 0 else ():
-            await self.source.ack(batch_id)  # ack
+            await self._ack(batch_id)  # ack
         t_train = time.perf_counter()
         published = await self._publish()  # publish
         t_pub = time.perf_counter()
@@ -196,7 +196,12 @@ class TrainLoop:
         batch_ids, groups = [], []
         while len(groups) < self.groups_per_step and time.perf_counter() < deadline:
             wait = deadline - time.perf_counter()
-            batch = await self.source.get(self.groups_per_step - len(groups), version, self.max_staleness, wait)
+            try:
+                batch = await self.source.get(self.groups_per_step - len(groups), version, self.max_staleness, wait)
+            except TransientError as e:  # the buffer restarts: wait for it within this step's deadline
+                log.warning("get: %s; retrying in 1 s", e)
+                await asyncio.sleep(min(1.0, max(0.0, deadline - time.perf_counter())))
+                continue
             if batch.dropped_stale:  # never trained: their admission slots go back
                 await self.control.release(dropped=batch.dropped_stale)
             if batch.batch_id:
@@ -207,6 +212,19 @@ class TrainLoop:
                         self.config.get_timeout_s)  # fmt: skip
             return None  # the unacked ones are handed out again after the visibility timeout
         return groups, batch_ids
+
+    async def _ack(self, batch_id: str) -> None:
+        """Ack through a buffer restart: an unacked batch would be handed out again and trained twice."""
+        deadline = time.monotonic() + self.config.get_timeout_s
+        while True:
+            try:
+                await self.source.ack(batch_id)
+                return
+            except TransientError as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("ack: %s; retrying in 1 s", e)
+                await asyncio.sleep(1.0)
 
     def _from_rank0(self, obj):
         """``obj`` as rank 0 has it, on every rank (no-op in a single process)."""

@@ -9,6 +9,7 @@ import grpc
 
 from rollout.ports import Admitted
 from services.convert import project_error
+from services.grpc_util import channel
 from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import controller_pb2_grpc
 from trainer.ports import Limits
@@ -17,7 +18,7 @@ from trainer.ports import Limits
 class ControllerClient:
     def __init__(self, address: str, timeout_s: float = 30.0) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = channel(address)
         self.stub = controller_pb2_grpc.AsyncControllerStub(self._channel)
 
     async def close(self) -> None:

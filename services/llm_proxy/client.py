@@ -7,6 +7,7 @@ import grpc
 from rollout.ports import Generation
 from rollout.sampling import SamplingParams
 from services.convert import finish_from_pb, project_error, sampling_to_pb
+from services.grpc_util import channel
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2_grpc
 
@@ -21,7 +22,7 @@ class ProxyClient:
     def __init__(self, address: str, timeout_s: float = 300.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = channel(address)
         self.stub = llm_proxy_pb2_grpc.LLMProxyStub(self._channel)
 
     async def close(self) -> None:

@@ -11,6 +11,7 @@ from sample_buffer.buffer import Batch, PutResult
 from sample_buffer.codec import encode_group
 from sample_buffer.trajectory import Group
 from services.convert import project_error
+from services.grpc_util import channel
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
 from services.pb.rollmesh.v1 import sample_buffer_pb2_grpc
 from services.sample_buffer.server import MAX_MESSAGE_BYTES
@@ -19,7 +20,7 @@ from services.sample_buffer.server import MAX_MESSAGE_BYTES
 class BufferClient:
     def __init__(self, address: str, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = channel(
             address,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
