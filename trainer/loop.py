@@ -47,6 +47,19 @@ class StalenessMismatch(ValueError):
     """The trainer and the controller disagree on the staleness bound or the step size."""
 
 
+async def _retried(what: str, call, deadline: float):
+    """``await call()``, again every second while it raises ``TransientError`` (a service that
+    restarts is back within seconds) until ``deadline`` (``time.monotonic()``), then the error."""
+    while True:
+        try:
+            return await call()
+        except TransientError as e:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("%s: %s; retrying in 1 s", what, e)
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
 class TrainLoop:
     def __init__(self, config: TrainLoopConfig, engine, *, source: SampleSource | None,
                  control: VersionControl | None, publisher: WeightPublisher, groups_per_step: int,
@@ -171,16 +184,7 @@ class TrainLoop:
                 log.warning("publishing version %d failed; the first step publishes again", mine)
 
     async def _controller_version(self, wait_s: float) -> int:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                limits = await self.control.limits()
-                break
-            except TransientError:
-                if time.monotonic() > deadline:
-                    raise
-                log.info("waiting for the controller")
-                await asyncio.sleep(1.0)
+        limits = await _retried("waiting for the controller", self.control.limits, time.monotonic() + wait_s)
         if (limits.async_ratio, limits.groups_per_step) != (self.max_staleness, self.groups_per_step):
             raise StalenessMismatch(
                 f"controller.async_ratio / groups_per_step: the controller admits under {limits.async_ratio} / "
@@ -192,16 +196,17 @@ class TrainLoop:
     # ------------------------------------------------------------------ the stages' details
     async def _get(self, version: int) -> tuple[list[bytes], list[str]] | None:
         """Rank 0: encoded groups for one step and their batch ids; None when too few arrived."""
-        deadline = time.perf_counter() + self.config.get_timeout_s
+        deadline = time.monotonic() + self.config.get_timeout_s
         batch_ids, groups = [], []
-        while len(groups) < self.groups_per_step and time.perf_counter() < deadline:
-            wait = deadline - time.perf_counter()
-            try:
-                batch = await self.source.get(self.groups_per_step - len(groups), version, self.max_staleness, wait)
-            except TransientError as e:  # the buffer restarts: wait for it within this step's deadline
-                log.warning("get: %s; retrying in 1 s", e)
-                await asyncio.sleep(min(1.0, max(0.0, deadline - time.perf_counter())))
-                continue
+        while len(groups) < self.groups_per_step and time.monotonic() < deadline:
+
+            def get(want=self.groups_per_step - len(groups)):
+                return self.source.get(want, version, self.max_staleness, deadline - time.monotonic())
+
+            try:  # a restarting buffer is waited for within this step's deadline
+                batch = await _retried("get", get, deadline)
+            except TransientError:
+                break
             if batch.dropped_stale:  # never trained: their admission slots go back
                 await self.control.release(dropped=batch.dropped_stale)
             if batch.batch_id:
@@ -215,16 +220,7 @@ class TrainLoop:
 
     async def _ack(self, batch_id: str) -> None:
         """Ack through a buffer restart: an unacked batch would be handed out again and trained twice."""
-        deadline = time.monotonic() + self.config.get_timeout_s
-        while True:
-            try:
-                await self.source.ack(batch_id)
-                return
-            except TransientError as e:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("ack: %s; retrying in 1 s", e)
-                await asyncio.sleep(1.0)
+        await _retried("ack", lambda: self.source.ack(batch_id), time.monotonic() + self.config.get_timeout_s)
 
     def _from_rank0(self, obj):
         """``obj`` as rank 0 has it, on every rank (no-op in a single process)."""

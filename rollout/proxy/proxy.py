@@ -328,11 +328,10 @@ class LLMProxy:
         results = list(await asyncio.gather(*calls))
         update.next_index += 1
         if not final:
-            ok = bool(update.slots) and all(r["success"] for r in results)
+            ok, results = self._outcome(update.slots, results)
             if not ok:
                 self._bucket_update = None
-                self.counters["weight_update_failures"] += 1
-            return ok, results or [_NO_ENGINE]
+            return ok, results
         self._bucket_update = None
         late = [s for s in self.router.engines if s.healthy and s not in update.slots]
         results += await asyncio.gather(*(self._load_from_disk(s, restore_path, version, timeout) for s in late))
@@ -341,16 +340,19 @@ class LLMProxy:
     def _updated(self, slots: list[EngineSlot], results: list[dict], path: str,
                  version: int) -> tuple[bool, list[dict]]:  # fmt: skip
         """The end of an update: ``version`` is the mesh's only if every engine confirmed it."""
-        ok = bool(slots) and all(r["success"] for r in results)
-        if not slots:
-            results = [_NO_ENGINE]
+        ok, results = self._outcome(slots, results)
         if ok:
             self._last_update = (path, version)
             self.weight_version = version
             self.counters["weight_updates"] += 1
-        else:
-            self.counters["weight_update_failures"] += 1
         return ok, results
+
+    def _outcome(self, slots: list[EngineSlot], results: list[dict]) -> tuple[bool, list[dict]]:
+        """Whether every engine taking part succeeded (none taking part is a failure), counted."""
+        ok = bool(slots) and all(r["success"] for r in results)
+        if not ok:
+            self.counters["weight_update_failures"] += 1
+        return ok, (results if slots else [_NO_ENGINE])
 
     def _load_from_disk(self, slot: EngineSlot, path: str, version: int, timeout: float):
         return self._engine_update(slot, version, True, timeout,
