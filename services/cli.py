@@ -14,6 +14,15 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; each prints a JS
 app.add_typer(serve_app, name="serve")
 app.add_typer(bench_app, name="bench")
 
+
+@bench_app.callback()
+def _bench_token() -> None:
+    """Benchmarks start their own services: one token for all of them, like `rollmesh run`."""
+    from services.auth import AuthConfig, ensure_token
+
+    ensure_token(AuthConfig())
+
+
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML run config (defaults when omitted).")
 SetOpt = typer.Option([], "--set", help="Override a config key, e.g. --set engine.port=30001 (repeatable).")
 
@@ -73,7 +82,15 @@ def _register_serve(name: str, module: str, section: str | None, doc: str) -> No
         _logging()
         import importlib
 
-        importlib.import_module(module).serve(getattr(cfg, section) if section else cfg)
+        from services.auth import AuthError
+
+        try:
+            cfg.auth.bearer()  # no token: refuse before anything starts listening
+        except AuthError as e:
+            typer.echo(f"config error: {e}", err=True)
+            raise typer.Exit(2) from None
+        service = importlib.import_module(module)
+        service.serve(getattr(cfg, section), cfg.auth) if section else service.serve(cfg)
 
     command.__doc__ = doc
     serve_app.command(name)(command)
@@ -101,7 +118,10 @@ def demo(model: Path = typer.Option(Path("models/tiny"), help="Model directory."
     """Inference demo: an embedded engine behind the LLMProxy answering a few chat prompts."""
     import asyncio
 
+    from services.auth import AuthConfig, ensure_token
     from services.demo import run_demo
+
+    ensure_token(AuthConfig())
 
     asyncio.run(run_demo(str(model)))
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rollout.engines.embedded.config import EngineConfig, EngineVariant
 from rollout.proxy.config import ProxyConfig
 from sample_buffer.config import BufferConfig
+from services.auth import AuthConfig
 from services.controller.config import ControllerConfig
 from services.env_manager.config import EnvManagerConfig
 from services.trainer.config import TrainerProcessConfig
@@ -71,6 +72,9 @@ class RollmeshConfig(BaseModel):
         "what the trainer starts from, whose tokenizer renders prompts.",
     )
     mesh: MeshConfig = Field(default_factory=MeshConfig, description="Addresses of the services.")
+    auth: AuthConfig = Field(
+        default_factory=AuthConfig, description="The token (and TLS) every service checks and every client sends."
+    )
     engine: EngineVariant = Field(
         default_factory=EngineConfig, description="The engine server: embedded (default) or sim (`type: sim`)."
     )

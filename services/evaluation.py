@@ -19,7 +19,7 @@ async def heldout_accuracy(proxy_address: str, cfg) -> float:
     tok = AutoTokenizer.from_pretrained(cfg.env_manager.tokenizer_path)
     reward = resolve_reward(cfg.env_manager.reward)
     max_new = cfg.env_manager.episode.sampling.max_new_tokens
-    client = ProxyClient(proxy_address)
+    client = ProxyClient(proxy_address, auth=cfg.auth)
     try:
         prompts = [render_user_turn(tok, r["prompt"]) for r in rows]
         outs = await asyncio.gather(*(client.generate(p, max_new, temperature=0.0, timeout_s=60) for p in prompts))

@@ -14,6 +14,8 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.auth import AuthConfig, grpc_channel, grpc_server_credentials, grpc_server_interceptors
+
 
 def decode(cls: type[Message], raw: bytes) -> Message:
     """Parse ``raw`` as ``cls``; ``ValueError`` for corrupt bytes or fields the contract lacks."""
@@ -45,9 +47,10 @@ RECONNECT_OPTIONS = [
 ]
 
 
-def channel(address: str, options: list | None = None) -> grpc.aio.Channel:
-    """A client channel that finds a restarted service again within about two seconds."""
-    return grpc.aio.insecure_channel(address, options=[*RECONNECT_OPTIONS, *(options or [])])
+def channel(address: str, options: list | None = None, auth: AuthConfig | None = None) -> grpc.aio.Channel:
+    """A client channel that carries the run's token (``auth``; default: from the environment)
+    and finds a restarted service again within about two seconds."""
+    return grpc_channel(address, auth or AuthConfig(), [*RECONNECT_OPTIONS, *(options or [])])
 
 
 Handler = Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]
@@ -103,14 +106,22 @@ SERVER_OPTIONS = [
 
 
 async def start_server(
-    handler: grpc.GenericRpcHandler, service_name: str, host: str, port: int, options: list | None = None
-) -> grpc.aio.Server:
-    """Start a grpc.aio server with health checking; returns it started (``port`` 0 picks one)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS, *(options or [])])
+    handler: grpc.GenericRpcHandler, service_name: str, host: str, port: int, options: list | None = None,
+    auth: AuthConfig | None = None,
+) -> grpc.aio.Server:  # fmt: skip
+    """Start a grpc.aio server with health checking; returns it started (``port`` 0 picks one).
+    Every call but health checks must carry ``auth``'s token (default: from the environment)."""
+    auth = auth or AuthConfig()
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS, *(options or [])],
+        interceptors=grpc_server_interceptors(auth),
+    )
     server.add_generic_rpc_handlers((handler,))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    creds = grpc_server_credentials(auth)
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     server.bound_port = bound

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from services.auth import AuthConfig, grpc_sync_channel
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -19,14 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                      auth: AuthConfig | None = None) -> None:  # fmt: skip
     """Poll ``url`` until it answers 200; raise with the process's output if it dies first."""
     deadline = time.monotonic() + timeout_s
+    verify = (auth.client_ssl() if auth else None) or True
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with code {proc.returncode} before {url} was healthy")
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
+            if httpx.get(url, timeout=1.0, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -34,13 +38,15 @@ def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None 
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
 
 
-def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll the gRPC health service at ``address`` until it reports SERVING."""
+def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                      auth: AuthConfig | None = None) -> None:  # fmt: skip
+    """Poll the gRPC health service at ``address`` until it reports SERVING (health checks need no
+    token; ``auth`` matters for its TLS)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with grpc_sync_channel(address, auth or AuthConfig(disabled=True)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -72,7 +78,7 @@ def serve_command(service: str, section: str, overrides: list[str], config_path:
 
 def start_service_process(
     service: str, section: str, overrides: list[str], timeout_s: float = 60.0, config_path: str | None = None,
-    log_path: Path | None = None,
+    log_path: Path | None = None, auth: AuthConfig | None = None,
 ):  # fmt: skip
     """Run ``rollmesh serve SERVICE`` on a free port with ``SECTION.key=value`` overrides; returns
     (process, gRPC address) once its health check says SERVING."""
@@ -82,7 +88,7 @@ def start_service_process(
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     try:
-        wait_grpc_healthy(address, timeout_s, proc)
+        wait_grpc_healthy(address, timeout_s, proc, auth)
     except BaseException:
         stop_process(proc)
         raise
@@ -95,8 +101,10 @@ def start_engine_process(
     extra: list[str] | None = None,
     timeout_s: float = 120.0,
     config_path: str | None = None,
+    auth: AuthConfig | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """Run ``rollmesh serve engine`` as its own process; returns (process, base URL) once healthy.
+    """Run ``rollmesh serve engine`` as its own process; returns (process, base URL) once healthy
+    (``https://`` when ``auth`` has TLS).
     Its output goes to an unnamed temporary file (a pipe nobody reads would block it) and is shown
     if it fails to start."""
     import tempfile
@@ -105,9 +113,9 @@ def start_engine_process(
     cmd = serve_command("engine", "engine", [f"model_path={model_path}", f"port={port}", *(extra or [])], config_path)
     out = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the process)
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
+    url = f"{auth.scheme if auth else 'http'}://127.0.0.1:{port}"
     try:
-        wait_http_healthy(url + "/health", timeout_s, proc)
+        wait_http_healthy(url + "/health", timeout_s, proc, auth)
     except BaseException as e:
         stop_process(proc)
         out.seek(0)

@@ -20,6 +20,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
+from services.auth import ensure_token
 from services.config import load_config
 from services.evaluation import heldout_accuracy
 from services.launch import (
@@ -127,12 +128,12 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh
     """Engines → LLMProxy → SampleBuffer → AsyncController → EnvManager, each healthy before the
     next. On any failure everything started so far is stopped."""
     mesh = Mesh([], [], "", "", "")
-    up = dict(config_path=str(config_path), timeout_s=cfg.run.startup_timeout_s)
+    up = dict(config_path=str(config_path), timeout_s=cfg.run.startup_timeout_s, auth=cfg.auth)
     try:
 
         def engine(_):
             return start_engine_process(
-                cfg.engine.model_path, free_port(), overrides, cfg.run.startup_timeout_s, str(config_path)
+                cfg.engine.model_path, free_port(), overrides, cfg.run.startup_timeout_s, str(config_path), cfg.auth
             )
 
         with ThreadPoolExecutor(cfg.run.num_engines) as pool:  # engines load in parallel
@@ -140,7 +141,7 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh
         started = [f.result() for f in futures if f.exception() is None]
         mesh.services += [Supervised(f"engine-{i}", p, logs / f"engine-{i}.log") for i, (p, _) in enumerate(started)]
         mesh.engine_urls += [u for _, u in started]
-        mesh.metrics["engine"] = [u.removeprefix("http://") for u in mesh.engine_urls]  # /metrics beside the API
+        mesh.metrics["engine"] = [u.split("://", 1)[1] for u in mesh.engine_urls]  # /metrics beside the API
         for f in futures:
             if f.exception() is not None:
                 raise f.exception()
@@ -187,6 +188,7 @@ def start_trainer(config_path: Path, overrides: list[str], mesh: Mesh, log_path:
 
 def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> int:
     cfg = load_config(config_path, overrides)
+    ensure_token(cfg.auth)  # one per run, inherited by every process started below
     console = Console()
 
     def _on_sigterm(signum, frame):  # stop the mesh on SIGTERM as on Ctrl-C, never leave orphans

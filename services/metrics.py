@@ -29,6 +29,9 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int, service: st
     """Expose ``registry`` on ``http://host:port/metrics`` (a daemon thread); port 0 = disabled."""
     if not port:
         return
+    from services.auth import RefusedCollector
+
+    registry.register(RefusedCollector())
     start_http_server(port, addr=host, registry=registry)
     log.info("%s metrics on http://%s:%d/metrics", service, host, port)
 

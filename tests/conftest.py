@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+
 import pytest
 
+from services.auth import TOKEN_ENV
 from services.launch import start_engine_process, stop_process
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
+
+# Every service a test starts, in this process or as a child, checks this token; every client sends it.
+os.environ.setdefault(TOKEN_ENV, "test-" + secrets.token_urlsafe(16))
 
 
 @pytest.fixture(scope="session")

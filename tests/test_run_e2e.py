@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from services.auth import TOKEN_ENV
+
 
 def quickstart_cmd(model, run_dir, *overrides: str) -> list[str]:
     """``rollmesh run examples/quickstart.yaml`` on ``model``, writing to ``run_dir``, plus overrides."""
@@ -25,7 +27,9 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
         tiny_model, run_dir, "train_loop.steps=4", "controller.groups_per_step=2",
         "buffer.filter_zero_variance=false",  # a random model's groups are mostly all-zero: keep them
     )  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    # No token in the environment: rollmesh run makes one for the run and every service gets it.
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     final = re.search(r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accuracy=([\d.]+) wall_s=([\d.]+)$",
                       proc.stdout, re.M)  # fmt: skip

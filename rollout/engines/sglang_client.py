@@ -14,6 +14,7 @@ do not retry) and ``EngineUnavailable`` (connection refused, timeout, 5xx: try a
 from __future__ import annotations
 
 import json
+import ssl
 from dataclasses import dataclass
 
 import aiohttp
@@ -88,17 +89,23 @@ KEEPALIVE_S = 4.0
 class SGLangClient:
     """One engine server. Every call has a timeout; none retries (the proxy decides that)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 60.0, max_connections: int = 0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 60.0, max_connections: int = 0,
+                 headers: dict[str, str] | None = None, ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
+        """``headers`` go with every request (``Authorization: Bearer ...``: SGLang's ``--api-key``
+        and rollmesh engines check it); ``ssl_context``: the one that trusts an https engine."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._max_connections = max_connections  # 0 = unbounded
+        self._headers = headers or {}
+        self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         # Created on first use, inside the event loop that will run the requests.
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S)
-            self._session = aiohttp.ClientSession(connector=connector)
+            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S,
+                                             ssl=self._ssl or True)  # fmt: skip
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
         return self._session
 
     async def close(self) -> None:
@@ -168,7 +175,8 @@ class SGLangClient:
         # A fresh connection for each bucket: writing hundreds of MB into a pooled socket that the
         # server closed while the caller's loop was busy fails midway with a broken pipe (seen with
         # 256 MiB buckets through the proxy); one connect costs nothing next to the transfer.
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        connector = aiohttp.TCPConnector(force_close=True, ssl=self._ssl or True)
+        async with aiohttp.ClientSession(connector=connector, headers=self._headers) as session:
             return await self._request("POST", "/update_weights_from_safetensors", timeout_s, session=session,
                                        params=params, data=data)  # fmt: skip
 

@@ -26,9 +26,9 @@ def workload(num_prompts: int, max_new_tokens: int, vocab: int, seed: int = 0) -
 
 
 async def _engine_run(url: str, prompts, lengths) -> float:
-    from rollout.engines.sglang_client import SGLangClient
+    from services.llm_proxy.server import engine_client
 
-    client = SGLangClient(url, timeout_s=600)
+    client = engine_client(url, timeout_s=600)
     t0 = time.perf_counter()
     outs = await asyncio.gather(
         *(

@@ -49,9 +49,9 @@ async def _load(call, clients: int, n: int) -> tuple[list[float], float]:
 
 
 async def _direct(url: str, clients: int, n: int) -> tuple[list[float], float]:
-    from rollout.engines.sglang_client import SGLangClient
+    from services.llm_proxy.server import engine_client
 
-    client = SGLangClient(url, timeout_s=60)
+    client = engine_client(url, timeout_s=60)
     try:
         return await _load(lambda: client.generate(PROMPT, {"max_new_tokens": 1}), clients, n)
     finally:

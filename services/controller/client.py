@@ -8,6 +8,7 @@ from __future__ import annotations
 import grpc
 
 from rollout.ports import Admitted
+from services.auth import AuthConfig
 from services.convert import project_error
 from services.grpc_util import channel
 from services.pb.rollmesh.v1 import controller_pb2 as pb
@@ -16,9 +17,9 @@ from trainer.ports import Limits
 
 
 class ControllerClient:
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0, auth: AuthConfig | None = None) -> None:
         self.address, self.timeout_s = address, timeout_s
-        self._channel = channel(address)
+        self._channel = channel(address, auth=auth)
         self.stub = controller_pb2_grpc.AsyncControllerStub(self._channel)
 
     async def close(self) -> None:

@@ -8,6 +8,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from services.auth import AuthConfig
 from services.controller.config import ControllerConfig
 from services.controller.controller import AsyncController, RestoreError, UpdateConflict
 from services.grpc_util import serve_until_signal, start_server, unary_service
@@ -133,16 +134,16 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
     )
 
 
-async def start_controller(config: ControllerConfig, proxy_address: str):
+async def start_controller(config: ControllerConfig, proxy_address: str, auth: AuthConfig | None = None):
     """Start the controller and its gRPC server; returns (server, controller, proxy client)."""
-    proxy_client = ProxyClient(proxy_address, timeout_s=config.control_timeout_s)
+    proxy_client = ProxyClient(proxy_address, timeout_s=config.control_timeout_s, auth=auth)
     ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s, config.suspend_mode))
     try:
         await ctl.restore()  # before serving: nothing is admitted until the engines serve the saved version
     except BaseException:
         await proxy_client.close()
         raise
-    server = await start_server(build_handler(ctl), SERVICE, config.host, config.port)
+    server = await start_server(build_handler(ctl), SERVICE, config.host, config.port, auth=auth)
     serve_metrics(build_metrics(ctl), config.host, config.metrics_port, "AsyncController")
     return server, ctl, proxy_client
 
@@ -153,7 +154,7 @@ def serve(cfg) -> None:
 
     async def start():
         try:
-            server, ctl, proxy_client = await start_controller(config, cfg.mesh.proxy)
+            server, ctl, proxy_client = await start_controller(config, cfg.mesh.proxy, cfg.auth)
         except RestoreError as e:
             log.error("%s", e)
             raise SystemExit(1) from None

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.engines.embedded import EmbeddedEngine, EngineError, GenerateOutput, SamplingParams
+from services.auth import AuthConfig, BearerMiddleware, RefusedCollector
 from services.http_errors import bad_request, install_error_handlers
 from services.metrics import histogram, init_labels
 
@@ -108,10 +109,16 @@ def _response(out: GenerateOutput, return_logprob: bool) -> dict:
     return {"output_ids": out.output_ids, "meta_info": meta}
 
 
-def create_app(engine: EmbeddedEngine) -> FastAPI:
+def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAPI:
+    """The engine's API; every route but /health and /metrics needs ``auth``'s token (default:
+    from the environment), as SGLang's ``--api-key`` does."""
     app = FastAPI(title="rollmesh embedded engine")
     install_error_handlers(app)
+    bearer = (auth or AuthConfig()).bearer()
+    if bearer:
+        app.add_middleware(BearerMiddleware, bearer=bearer)
     metrics = _Metrics(engine)
+    metrics.registry.register(RefusedCollector())
     counter = iter(range(1 << 62))
 
     @app.exception_handler(EngineError)
@@ -223,8 +230,8 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
     return app
 
 
-def serve(engine_config) -> None:
-    """Run the engine server until SIGTERM/SIGINT, then drain and exit 0."""
+def serve(engine_config, auth: AuthConfig) -> None:
+    """Run the engine server until SIGTERM/SIGINT, then drain and exit 0; https with ``auth.tls``."""
     import contextlib
     import signal
 
@@ -251,11 +258,13 @@ def serve(engine_config) -> None:
     gc.freeze()
     try:
         config = uvicorn.Config(
-            create_app(engine),
+            create_app(engine, auth),
             host=engine_config.host,
             port=engine_config.port,
             log_level="warning",
             access_log=False,
+            ssl_certfile=auth.tls.cert_path if auth.tls else None,
+            ssl_keyfile=auth.tls.key_path if auth.tls else None,
         )
         _Server(config).run()
     finally:

@@ -77,11 +77,11 @@ def serve(cfg) -> None:
     """``cfg``: the whole run config (the EnvManager's section and the mesh's addresses)."""
 
     async def start():
-        proxy, buffer = ProxyClient(cfg.mesh.proxy), BufferClient(cfg.mesh.buffer)
-        controller = ControllerClient(cfg.mesh.controller)
+        proxy, buffer = ProxyClient(cfg.mesh.proxy, auth=cfg.auth), BufferClient(cfg.mesh.buffer, auth=cfg.auth)
+        controller = ControllerClient(cfg.mesh.controller, auth=cfg.auth)
         loop = build_loop(cfg.env_manager, proxy, buffer, controller)
         config = cfg.env_manager
-        server = await start_server(build_handler(loop), SERVICE, config.host, config.port)
+        server = await start_server(build_handler(loop), SERVICE, config.host, config.port, auth=cfg.auth)
         serve_metrics(loop.observer.registry, config.host, config.metrics_port, "EnvManager")
         if config.autostart:
             await loop.start()

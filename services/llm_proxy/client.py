@@ -6,6 +6,7 @@ import grpc
 
 from rollout.ports import Generation
 from rollout.sampling import SamplingParams
+from services.auth import AuthConfig
 from services.convert import finish_from_pb, project_error, sampling_to_pb
 from services.grpc_util import channel
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
@@ -19,10 +20,10 @@ def generate_request(input_ids: list[int], sampling: SamplingParams, request_id:
 
 
 class ProxyClient:
-    def __init__(self, address: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 300.0, auth: AuthConfig | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = channel(address)
+        self._channel = channel(address, auth=auth)
         self.stub = llm_proxy_pb2_grpc.LLMProxyStub(self._channel)
 
     async def close(self) -> None:

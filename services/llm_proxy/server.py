@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from rollout.engines.sglang_client import SGLangClient
 from rollout.proxy import LLMProxy, ProxyConfig, ProxyRequest, RequestInvalid
 from rollout.proxy.proxy import UPDATE_FAILURE_CAUSES, NoEngineAvailable
 from sample_buffer.trajectory import FinishReason
+from services.auth import AuthConfig, http_headers
 from services.convert import finish_to_pb, sampling_from_pb
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import SLOW_BUCKETS_S, histogram, init_labels, serve_metrics
@@ -227,19 +230,29 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
     )
 
 
-async def start_proxy(config: ProxyConfig) -> tuple[grpc.aio.Server, LLMProxy]:
-    """Start the proxy (engine health first), its gRPC server and its metrics endpoint."""
-    proxy = await LLMProxy(config).start()
+async def start_proxy(config: ProxyConfig, auth: AuthConfig | None = None) -> tuple[grpc.aio.Server, LLMProxy]:
+    """Start the proxy (engine health first), its gRPC server and its metrics endpoint. ``auth``
+    (default: from the environment) guards its RPCs and goes with every call to an engine."""
+    auth = auth or AuthConfig()
+    proxy = await LLMProxy(config, client_factory=functools.partial(engine_client, auth=auth)).start()
     metrics = ProxyMetrics(proxy)
     server = await start_server(build_handler(proxy, metrics), SERVICE, config.host, config.port,
-                                [("grpc.max_receive_message_length", (MAX_WEIGHT_BUCKET_MB + 1) << 20)])  # fmt: skip
+                                [("grpc.max_receive_message_length", (MAX_WEIGHT_BUCKET_MB + 1) << 20)],
+                                auth=auth)  # fmt: skip
     serve_metrics(metrics.registry, config.host, config.metrics_port, "LLMProxy")
     return server, proxy
 
 
-def serve(config: ProxyConfig) -> None:
+def engine_client(url: str, auth: AuthConfig | None = None, **kwargs) -> SGLangClient:
+    """A client of the engine at ``url`` that carries the run's token and trusts its CA (``auth``;
+    default: from the environment): how the proxy, benchmarks and tools call an engine."""
+    auth = auth or AuthConfig()
+    return SGLangClient(url, headers=http_headers(auth), ssl_context=auth.client_ssl(), **kwargs)
+
+
+def serve(config: ProxyConfig, auth: AuthConfig) -> None:
     async def start():
-        server, proxy = await start_proxy(config)
+        server, proxy = await start_proxy(config, auth)
         log.info("LLMProxy serving on %s:%d for %d engines", config.host, server.bound_port, len(config.engine_urls))
         return server, proxy.close
 

@@ -10,6 +10,7 @@ import grpc
 from sample_buffer.buffer import Batch, PutResult
 from sample_buffer.codec import encode_group
 from sample_buffer.trajectory import Group
+from services.auth import AuthConfig
 from services.convert import project_error
 from services.grpc_util import channel
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
@@ -18,14 +19,15 @@ from services.sample_buffer.server import MAX_MESSAGE_BYTES
 
 
 class BufferClient:
-    def __init__(self, address: str, timeout_s: float = 60.0) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, address: str, timeout_s: float = 60.0, auth: AuthConfig | None = None) -> None:
+        self.address, self.timeout_s = address, timeout_s
         self._channel = channel(
             address,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
+            auth=auth,
         )
         self.stub = sample_buffer_pb2_grpc.SampleBufferStub(self._channel)
 

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sample_buffer.buffer import FULL, BufferBackendError, SampleBuffer, make_buffer
 from sample_buffer.codec import CodecError, read_header
 from sample_buffer.config import BufferConfig
+from services.auth import AuthConfig
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import AGE_BUCKETS_S, VERSION_BUCKETS, histogram, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
@@ -146,7 +147,7 @@ async def _refresh(buffer: SampleBuffer, metrics: BufferMetrics, period_s: float
         await asyncio.sleep(period_s)
 
 
-async def start_buffer_service(config: BufferConfig):
+async def start_buffer_service(config: BufferConfig, auth: AuthConfig | None = None):
     """Start the buffer, its gRPC server and its metrics; returns (server, buffer, refresh task)."""
     buffer = make_buffer(config)
     metrics = BufferMetrics(config.capacity_groups)
@@ -159,15 +160,16 @@ async def start_buffer_service(config: BufferConfig):
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
+        auth=auth,
     )
     refresh = asyncio.create_task(_refresh(buffer, metrics))
     serve_metrics(metrics.registry, config.host, config.metrics_port, "SampleBuffer")
     return server, buffer, refresh
 
 
-def serve(config: BufferConfig) -> None:
+def serve(config: BufferConfig, auth: AuthConfig) -> None:
     async def start():
-        server, buffer, refresh = await start_buffer_service(config)
+        server, buffer, refresh = await start_buffer_service(config, auth)
         log.info("SampleBuffer (%s) serving on %s:%d", config.backend, config.host, server.bound_port)
 
         async def cleanup() -> None:

@@ -51,8 +51,8 @@ def serve(cfg) -> None:
     async def main() -> None:
         proxy = buffer = controller = observer = None
         if rank == 0:
-            proxy, buffer = ProxyClient(cfg.mesh.proxy), BufferClient(cfg.mesh.buffer)
-            controller = ControllerClient(cfg.mesh.controller)
+            proxy, buffer = ProxyClient(cfg.mesh.proxy, auth=cfg.auth), BufferClient(cfg.mesh.buffer, auth=cfg.auth)
+            controller = ControllerClient(cfg.mesh.controller, auth=cfg.auth)
             run_dir = Path(lc.run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
             observer = TrainerObserver(MetricsLog(run_dir / "metrics.jsonl", lc.tracking, run_dir.name, run_dir),

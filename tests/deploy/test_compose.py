@@ -24,13 +24,32 @@ SECTIONS = {"llm-proxy": "proxy", "sample-buffer": "buffer", "controller": "cont
             "env-manager": "env_manager", "engine-cpu": "engine"}  # fmt: skip
 
 
-def compose_config() -> dict:
+TOKEN = "compose-test-token"
+
+
+def _compose(env: dict) -> subprocess.CompletedProcess:
     binary = shutil.which("docker-compose")
     assert binary, "docker-compose is not installed: `make test` installs it (Debian package docker-compose)"
-    res = subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=120,
-                         env={"PATH": "/usr/bin:/bin"})  # fmt: skip
+    return subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", **env})  # fmt: skip
+
+
+def compose_config() -> dict:
+    res = _compose({"ROLLMESH_TOKEN": TOKEN})
     assert res.returncode == 0, res.stderr
     return yaml.safe_load(res.stdout)
+
+
+def test_every_service_gets_the_token_and_compose_refuses_to_start_without_one():
+    res = _compose({})
+    assert res.returncode != 0 and "ROLLMESH_TOKEN" in res.stderr, res.stderr
+    services = compose_config()["services"]
+    ours = [n for n, s in services.items() if "build" in s]
+    assert len(ours) == 8
+    for name in ours:
+        assert services[name]["environment"]["ROLLMESH_TOKEN"] == TOKEN, name
+    sglang = services["engine-gpu"]["command"]
+    assert sglang[sglang.index("--api-key") + 1] == TOKEN  # SGLang checks the same token
 
 
 def _source(volume) -> str:

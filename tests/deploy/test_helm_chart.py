@@ -104,6 +104,32 @@ def test_external_redis_and_bad_values_fail_clearly():
         assert res.returncode != 0 and message in res.stderr, (sets, res.stderr)
 
 
+def _token_env(container: dict) -> dict:
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert "ROLLMESH_TOKEN" in env, container["name"]
+    return env["ROLLMESH_TOKEN"]["valueFrom"]["secretKeyRef"]
+
+
+def test_every_pod_reads_the_run_token_from_one_secret():
+    import base64
+
+    docs = render()
+    objs = by_kind_name(docs)
+    token = base64.b64decode(objs[("Secret", "t-rollmesh-token")]["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and "redis" not in d["metadata"]["name"]]
+    assert len(workloads) == 6
+    ours = {"name": "t-rollmesh-token", "key": "token"}
+    for d in workloads:
+        assert _token_env(d["spec"]["template"]["spec"]["containers"][0]) == ours, d["metadata"]["name"]
+    sglang = pod(docs, "StatefulSet", "engine")["containers"][0]["command"]
+    assert sglang[sglang.index("--api-key") + 1] == "$(ROLLMESH_TOKEN)"  # Kubernetes expands it from env
+    # a Secret managed elsewhere: nothing made, every pod points at it
+    docs = render("auth.existingSecret=team-token", "auth.secretKey=t")
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert _token_env(pod(docs, "Deployment", "controller")["containers"][0]) == {"name": "team-token", "key": "t"}
+
+
 def _values_paths_used() -> set[str]:
     paths = set()
     for tpl in (CHART / "templates").iterdir():

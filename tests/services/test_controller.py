@@ -7,13 +7,13 @@ import asyncio
 import grpc
 import pytest
 
-from rollout.engines.sglang_client import SGLangClient
 from rollout.proxy import ProxyConfig
 from services.controller.config import ControllerConfig
 from services.controller.controller import RestoreError
 from services.controller.server import start_controller
+from services.grpc_util import channel as grpc_channel
 from services.llm_proxy.client import ProxyClient
-from services.llm_proxy.server import start_proxy
+from services.llm_proxy.server import engine_client, start_proxy
 from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import controller_pb2_grpc
 
@@ -24,7 +24,7 @@ def run(scenario, engine_url: str, model_path: str, **cfg):
         config = ControllerConfig(initial_model_path=model_path, port=0, metrics_port=0, **cfg)
         try:
             server, ctl, proxy_client = await start_controller(config, f"127.0.0.1:{proxy_server.bound_port}")
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}")
+            channel = grpc_channel(f"127.0.0.1:{server.bound_port}")
             stub = controller_pb2_grpc.AsyncControllerStub(channel)
             gen = ProxyClient(f"127.0.0.1:{proxy_server.bound_port}")
             try:
@@ -179,7 +179,7 @@ def test_a_restarted_controller_restores_its_version_and_the_engines_weights(eng
 
     run(first, engine, tiny_model, state_path=str(state), groups_per_step=2)
     saved = state.read_text()
-    asyncio.run(SGLangClient(engine).update_weights_from_disk(tiny_model, 0))  # the engine starts afresh
+    asyncio.run(engine_client(engine).update_weights_from_disk(tiny_model, 0))  # the engine starts afresh
     out, admitted = run(second, engine, tiny_model, state_path=str(state), groups_per_step=2)
     assert '"version": 3' in saved and tiny_model_b in saved
     assert out.weight_version == 3 and set(out.token_versions) == {3}

@@ -11,11 +11,13 @@ import uvicorn
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
-from rollout.engines.sglang_client import EngineRejected, SGLangClient, parse_generate_response
+from rollout.engines.sglang_client import EngineRejected, parse_generate_response
+from services.auth import AuthConfig, http_headers
+from services.llm_proxy.server import engine_client
 
 
-def post(url, path, **kw):
-    return httpx.post(url + path, timeout=60, **kw)
+def post(url, path, headers=None, **kw):
+    return httpx.post(url + path, timeout=60, headers={**http_headers(AuthConfig()), **(headers or {})}, **kw)
 
 
 def test_generate_speaks_sglang_fields(engine_url):
@@ -99,7 +101,7 @@ def test_malformed_json_is_a_400_and_the_server_keeps_serving(engine_url):
 
 def test_abort_request_returns_partial(engine_url):
     async def go():
-        client = SGLangClient(engine_url)
+        client = engine_client(engine_url)
         task = asyncio.create_task(client.generate([1, 4], {"max_new_tokens": 900, "ignore_eos": True}, rid="abt"))
         await asyncio.sleep(0.3)
         res = await client.abort("abt")
@@ -115,7 +117,7 @@ def test_abort_request_returns_partial(engine_url):
 
 def test_pause_continue_and_model_info(engine_url):
     async def go():
-        client = SGLangClient(engine_url)
+        client = engine_client(engine_url)
         await client.pause("in_place")
         task = asyncio.create_task(client.generate([1, 4], {"max_new_tokens": 3}))
         await asyncio.sleep(0.3)
@@ -149,7 +151,7 @@ def test_weight_updates_over_http(make_engine_process, tiny_model_b):
     greedy = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
 
     async def go():
-        client = SGLangClient(url)
+        client = engine_client(url)
         res = await client.update_weights_from_disk(tiny_model_b, 4)
         after_disk = (await client.generate(prompt, greedy)).output_ids
         version = (await client.model_info())["weight_version"]
@@ -168,9 +170,9 @@ def test_weight_updates_over_http(make_engine_process, tiny_model_b):
     assert after_disk == ref
     assert res2["weight_version"] == 5 and res2["checksum"] == res["checksum"]
     assert after_tensors.output_ids == ref and set(after_tensors.token_versions) == {5}
-    bad = httpx.post(url + "/update_weights_from_safetensors", content=b"not safetensors", timeout=30)
+    bad = post(url, "/update_weights_from_safetensors", content=b"not safetensors")
     assert bad.status_code == 400 and bad.json()["field"] == "body"
-    bad = httpx.post(url + "/update_weights_from_safetensors", content=save({"nope": torch.zeros(1)}), timeout=30)
+    bad = post(url, "/update_weights_from_safetensors", content=save({"nope": torch.zeros(1)}))
     assert bad.status_code == 400 and "nope" in bad.json()["message"]
 
 
@@ -180,7 +182,7 @@ def test_the_client_drops_idle_connections_before_the_server_does(engine_url):
     engine out of rotation (seen in `bench async`). The client's keep-alive must be shorter."""
 
     async def go():
-        client = SGLangClient(engine_url)
+        client = engine_client(engine_url)
         try:
             await client.model_info()
             return client._http().connector._keepalive_timeout  # aiohttp keeps it private

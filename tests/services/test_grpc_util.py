@@ -6,6 +6,7 @@ from collections import Counter
 
 import grpc
 
+from services.grpc_util import channel as grpc_channel
 from services.grpc_util import start_server, unary_service
 from services.pb.rollmesh.v1.controller_pb2 import ReleaseResponse as Empty
 
@@ -18,7 +19,7 @@ def test_a_burst_of_2500_calls_on_one_channel_all_succeed():
     async def main() -> Counter:
         server = await start_server(unary_service("t.Echo", {"Echo": (Empty, echo)}), "t.Echo",
                                     "127.0.0.1", 0)  # fmt: skip
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.bound_port}")
+        channel = grpc_channel(f"127.0.0.1:{server.bound_port}")
         call = channel.unary_unary("/t.Echo/Echo", request_serializer=lambda m: m.SerializeToString(),
                                    response_deserializer=Empty.FromString)  # fmt: skip
         codes: Counter = Counter()

@@ -8,7 +8,10 @@ import sys
 import grpc
 import httpx
 
+from services.auth import AuthConfig
 from services.launch import free_port, wait_grpc_healthy
+
+TOKEN = [("authorization", AuthConfig().bearer())]
 
 
 def test_proxy_process_serves_metrics_and_stops_on_sigterm(engine_url):
@@ -24,7 +27,9 @@ def test_proxy_process_serves_metrics_and_stops_on_sigterm(engine_url):
 
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             res = llm_proxy_pb2_grpc.LLMProxyStub(ch).Generate(
-                pb.GenerateRequest(input_ids=[1, 2], sampling_params=pb.SamplingParams(max_new_tokens=3)), timeout=30
+                pb.GenerateRequest(input_ids=[1, 2], sampling_params=pb.SamplingParams(max_new_tokens=3)),
+                timeout=30,
+                metadata=TOKEN,
             )
         assert len(res.output_ids) >= 1
         text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
@@ -62,7 +67,8 @@ def test_buffer_process_serves_and_stops_on_sigterm(redis_server):
         from services.pb.rollmesh.v1 import sample_buffer_pb2_grpc
 
         with grpc.insecure_channel(address) as ch:
-            stats = sample_buffer_pb2_grpc.SampleBufferStub(ch).Stats(pb.BufferStatsRequest(), timeout=10)
+            stats = sample_buffer_pb2_grpc.SampleBufferStub(ch).Stats(pb.BufferStatsRequest(), timeout=10,
+                                                                      metadata=TOKEN)  # fmt: skip
         assert stats.depth == 0 and "stale" in stats.dropped_by_reason
         proc.terminate()
         assert proc.wait(15) == 0

@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from rollout.engines.sglang_client import EngineRejected, SGLangClient
+from rollout.engines.sglang_client import EngineRejected
+from services.auth import AuthConfig, http_headers
+from services.llm_proxy.server import engine_client
 from services.trainer.publishers import BucketPublisher
 from tests.services.mesh import local_mesh
 from trainer.config import TrainerConfig
@@ -37,7 +39,7 @@ def _loop(mesh, tmp_path, engine, publisher) -> TrainLoop:
 
 
 async def _engine_state(url: str) -> tuple[str, str]:
-    async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+    async with httpx.AsyncClient(base_url=url, timeout=10, headers=http_headers(AuthConfig())) as c:
         body = (await c.get("/get_weight_version")).json()
     return body["weight_version"], body["checksum"]
 
@@ -53,7 +55,7 @@ def test_http_buckets_move_every_engine_to_the_trainer_weights(make_engine_proce
             ok = await loop.publish()
             after = [await _engine_state(u) for u in urls]
             # The restore point is the same weights: a disk load of it gives the same checksum.
-            restore = await SGLangClient(urls[0]).update_weights_from_disk(str(tmp_path / "run/weights/v1"), 1)
+            restore = await engine_client(urls[0]).update_weights_from_disk(str(tmp_path / "run/weights/v1"), 1)
             out = await mesh.proxy_client.generate([1, 2, 3], 4)
             return ok, before, after, restore, out, mesh.controller.version, publisher
 
@@ -132,7 +134,7 @@ def test_an_engine_applies_only_a_whole_version(make_engine_process, tiny_model)
     rest = {n: state[n] for n in names[len(names) // 2 :]}
 
     async def main():
-        client = SGLangClient(url)
+        client = engine_client(url)
         try:
             with pytest.raises(EngineRejected, match="parameters not sent") as missing:
                 await client.update_weights_from_tensors([half], 3)  # a bucket was lost

@@ -74,6 +74,15 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
 {{- toYaml (mergeOverwrite (deepCopy .Values.config) $mesh) -}}
 {{- end -}}
 
+{{/* The run's token in every rollmesh container's environment (services/auth.py reads ROLLMESH_TOKEN). */}}
+{{- define "rollmesh.tokenEnv" -}}
+- name: ROLLMESH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.auth.existingSecret | default (printf "%s-token" (include "rollmesh.fullname" .)) }}
+      key: {{ .Values.auth.secretKey }}
+{{- end -}}
+
 {{/* Volumes and mounts every rollmesh pod has: the config, the model, the data, the runs volume. */}}
 {{- define "rollmesh.volumes" -}}
 - name: config
@@ -138,6 +147,8 @@ spec:
           image: {{ include "rollmesh.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           command: ["rollmesh", "serve", {{ .serve | quote }}, "--config", "/etc/rollmesh/config.yaml"]
+          env:
+            {{- include "rollmesh.tokenEnv" $root | nindent 12 }}
           ports:
             - {name: grpc, containerPort: {{ $v.port }}}
             - {name: metrics, containerPort: {{ $v.metricsPort }}}
