@@ -17,8 +17,12 @@ from trainer.ports import Limits
 
 
 class ControllerClient:
-    def __init__(self, address: str, timeout_s: float = 30.0, auth: AuthConfig | None = None) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0, auth: AuthConfig | None = None,
+                 holder: str = "") -> None:  # fmt: skip
+        """``holder``: this admitter's name, the same after a restart (an EnvManager's host:port): it
+        reports its groups in flight on every call, so restarts on either side lose no slot."""
         self.address, self.timeout_s = address, timeout_s
+        self.holder, self.held = holder, 0
         self._channel = channel(address, auth=auth)
         self.stub = controller_pb2_grpc.AsyncControllerStub(self._channel)
 
@@ -33,11 +37,16 @@ class ControllerClient:
 
     # ------------------------------------------------------------------ admission (rollout)
     async def admit(self, num_groups: int) -> Admitted:
-        res = await self._call(self.stub.Admit, pb.AdmitRequest(num_groups=num_groups))
+        req = pb.AdmitRequest(num_groups=num_groups, holder=self.holder, held=self.held)
+        res = await self._call(self.stub.Admit, req)
+        self.held += res.num_admitted
         return Admitted(res.num_admitted, res.version, res.async_ratio)
 
     async def release(self, *, unused: int = 0, finished: int = 0, dropped: int = 0) -> None:
-        req = pb.ReleaseRequest(num_groups=unused, num_finished=finished, num_dropped=dropped)
+        # Counted here before the call: a release the controller never hears of is corrected by the next report.
+        self.held = max(0, self.held - unused - finished)
+        req = pb.ReleaseRequest(num_groups=unused, num_finished=finished, num_dropped=dropped, holder=self.holder,
+                                held=self.held)  # fmt: skip
         await self._call(self.stub.Release, req)
 
     async def watch_versions(self):

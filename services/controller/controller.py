@@ -54,7 +54,9 @@ class AsyncController:
         self.proxy = proxy
         self.version = 0
         self.model_path = config.initial_model_path
-        self.in_flight = 0
+        # Admitted groups not finished: per named holder as it last reported, plus anonymous callers'.
+        self.holders: dict[str, int] = {}
+        self.anonymous = 0
         self.finished = 0
         self.counters: Counter[str] = Counter()
         self._update: _Update | None = None
@@ -62,15 +64,34 @@ class AsyncController:
         self._watchers: set[asyncio.Queue] = set()
 
     # ------------------------------------------------------------------ admission
+    @property
+    def in_flight(self) -> int:
+        return sum(self.holders.values()) + self.anonymous
+
+    def _report(self, holder: str, held: int, returned: int = 0) -> None:
+        """A named holder's own count of its groups in flight replaces the controller's; one that
+        differs from the controller's (less the ``returned`` groups of this call) is counted."""
+        if held < 0:
+            raise ValueError(f"held: must be >= 0, got {held}")
+        known = self.holders.get(holder)
+        if known is not None and known - returned != held:
+            self.counters["holder_resyncs"] += 1
+        self.holders[holder] = held
+
     def capacity(self) -> int:
         c = self.config
         return admission_capacity(c.async_ratio, self.version, c.groups_per_step, self.finished, self.in_flight)
 
-    async def admit(self, num_groups: int) -> Admitted:
+    async def admit(self, num_groups: int, holder: str = "", held: int = 0) -> Admitted:
         if num_groups < 0:
             raise ValueError(f"num_groups: must be >= 0, got {num_groups}")
+        if holder:
+            self._report(holder, held)
         granted = min(num_groups, self.capacity())
-        self.in_flight += granted
+        if holder:
+            self.holders[holder] += granted
+        else:
+            self.anonymous += granted
         self.counters["admitted"] += granted
         self.counters["admit_refused"] += num_groups - granted
         return Admitted(granted, self.version, self.config.async_ratio)
@@ -79,16 +100,20 @@ class AsyncController:
         """The bound admission runs under, and the current version."""
         return Limits(self.config.async_ratio, self.config.groups_per_step, self.version)
 
-    async def release(self, *, unused: int = 0, finished: int = 0, dropped: int = 0) -> None:
+    async def release(self, *, unused: int = 0, finished: int = 0, dropped: int = 0, holder: str = "",
+                      held: int = 0) -> None:  # fmt: skip
         if unused < 0 or finished < 0 or dropped < 0:
             raise ValueError("num_groups, num_finished and num_dropped: must be >= 0")
-        if unused + finished > self.in_flight:
+        if not holder and unused + finished > self.anonymous:
             raise ValueError(
-                f"num_groups + num_finished = {unused + finished} exceeds the {self.in_flight} groups in flight"
+                f"num_groups + num_finished = {unused + finished} exceeds the {self.anonymous} groups in flight"
             )
         if dropped > self.finished + finished:
             raise ValueError(f"num_dropped = {dropped} exceeds the {self.finished + finished} finished groups")
-        self.in_flight -= unused + finished
+        if holder:  # a holder's finished groups count even if a restart lost their admission
+            self._report(holder, held, unused + finished)
+        else:
+            self.anonymous -= unused + finished
         # A finished group dropped untrained (too stale) frees its slot like an unused one.
         self.finished += finished - dropped
         self.counters["released"] += unused

@@ -71,6 +71,8 @@ class _ControllerCollector:
             ("rollmesh_controller_restore_failures", "Rollbacks that could not restore the previous weights",
              c["restore_failures"]),
             ("rollmesh_controller_resume_failures", "Resumes of the LLMProxy that failed", c["resume_failures"]),
+            ("rollmesh_controller_holder_resyncs", "Holder reports that corrected the controller's count "
+             "(a restart on either side)", c["holder_resyncs"]),
         ]:  # fmt: skip
             yield CounterMetricFamily(name, doc, value=value)
         updates = CounterMetricFamily(
@@ -99,12 +101,13 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, f"LLMProxy did not answer: {e}")
 
     async def admit(req: pb.AdmitRequest, ctx) -> pb.AdmitResponse:
-        a = await guarded(ctx, ctl.admit(req.num_groups))
+        a = await guarded(ctx, ctl.admit(req.num_groups, req.holder, req.held))
         return pb.AdmitResponse(num_admitted=a.num_groups, version=a.version, capacity=ctl.capacity(),
                                 async_ratio=a.async_ratio, groups_per_step=ctl.config.groups_per_step)  # fmt: skip
 
     async def release(req: pb.ReleaseRequest, ctx) -> pb.ReleaseResponse:
-        await guarded(ctx, ctl.release(unused=req.num_groups, finished=req.num_finished, dropped=req.num_dropped))
+        await guarded(ctx, ctl.release(unused=req.num_groups, finished=req.num_finished, dropped=req.num_dropped,
+                                       holder=req.holder, held=req.held))  # fmt: skip
         return pb.ReleaseResponse()
 
     async def begin(req: pb.BeginUpdateRequest, ctx) -> pb.BeginUpdateResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import grpc
 
@@ -78,9 +79,12 @@ def serve(cfg) -> None:
 
     async def start():
         proxy, buffer = ProxyClient(cfg.mesh.proxy, auth=cfg.auth), BufferClient(cfg.mesh.buffer, auth=cfg.auth)
-        controller = ControllerClient(cfg.mesh.controller, auth=cfg.auth)
-        loop = build_loop(cfg.env_manager, proxy, buffer, controller)
         config = cfg.env_manager
+        # Named by where it serves, which a restart keeps: its successor's first report frees the slots
+        # of the groups this process had in flight when it died.
+        holder = f"{socket.gethostname()}:{config.port}"
+        controller = ControllerClient(cfg.mesh.controller, auth=cfg.auth, holder=holder)
+        loop = build_loop(config, proxy, buffer, controller)
         server = await start_server(build_handler(loop), SERVICE, config.host, config.port, auth=cfg.auth)
         serve_metrics(loop.observer.registry, config.host, config.metrics_port, "EnvManager")
         if config.autostart:

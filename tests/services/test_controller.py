@@ -8,14 +8,16 @@ import grpc
 import pytest
 
 from rollout.proxy import ProxyConfig
+from services.controller.client import ControllerClient
 from services.controller.config import ControllerConfig
-from services.controller.controller import RestoreError
+from services.controller.controller import AsyncController, RestoreError
 from services.controller.server import start_controller
 from services.grpc_util import channel as grpc_channel
 from services.llm_proxy.client import ProxyClient
 from services.llm_proxy.server import engine_client, start_proxy
 from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import controller_pb2_grpc
+from tests.services.mesh import local_mesh
 
 
 def run(scenario, engine_url: str, model_path: str, **cfg):
@@ -189,3 +191,39 @@ def test_a_restarted_controller_restores_its_version_and_the_engines_weights(eng
     state.write_text("{not json")
     with pytest.raises(RestoreError, match="controller.json: not a controller state"):
         run(second, engine, tiny_model, state_path=str(state))
+
+
+def test_holders_report_their_groups_in_flight_so_no_restart_leaks_or_refuses_a_slot(engine, tiny_model):
+    """An EnvManager (a named holder) reports its groups in flight on every call. Its restarted
+    successor reports 0: the slots of the groups that died with it return at once. A restarted
+    controller takes the holders' finished groups and counts from their reports."""
+
+    async def main():
+        async with local_mesh(engine, tiny_model, async_ratio=1, groups_per_step=2) as mesh:
+            address = mesh.controller_client.address
+            first = ControllerClient(address, holder="env:1")
+            assert (await first.admit(3)).num_groups == 3  # (1 + 0 + 1) x 2 = 4 slots
+            await first.release(finished=1)
+            assert first.held == 2 and mesh.controller.in_flight == 2
+            # the EnvManager is killed with 2 groups in flight; its successor has the same name
+            second = ControllerClient(address, holder="env:1")
+            granted = (await second.admit(4)).num_groups
+            resyncs = mesh.controller.counters["holder_resyncs"]
+            for c in (first, second):
+                await c.close()
+            return granted, resyncs
+
+    granted, resyncs = asyncio.run(main())
+    assert granted == 3 and resyncs == 1  # 4 slots - 1 finished; without the report only 1
+
+    async def restarted_controller():
+        ctl = AsyncController(ControllerConfig(async_ratio=1, groups_per_step=2, initial_model_path=tiny_model))
+        # groups admitted by its predecessor finish: accepted and counted, not INVALID_ARGUMENT
+        await ctl.release(finished=1, holder="env:1", held=2)
+        with pytest.raises(ValueError, match="exceeds"):  # an anonymous caller is still checked
+            await ctl.release(finished=1)
+        with pytest.raises(ValueError, match="held"):
+            await ctl.admit(1, holder="env:1", held=-1)
+        return ctl.finished, ctl.in_flight, ctl.capacity()
+
+    assert asyncio.run(restarted_controller()) == (1, 2, 1)

@@ -5,10 +5,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("num_groups",)
+    __slots__ = ("num_groups", "holder", "held")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     num_groups: int
-    def __init__(self, num_groups: _Optional[int] = ...) -> None: ...
+    holder: str
+    held: int
+    def __init__(self, num_groups: _Optional[int] = ..., holder: _Optional[str] = ..., held: _Optional[int] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
     __slots__ = ("num_admitted", "version", "capacity", "async_ratio", "groups_per_step")
@@ -25,14 +29,18 @@ class AdmitResponse(_message.Message):
     def __init__(self, num_admitted: _Optional[int] = ..., version: _Optional[int] = ..., capacity: _Optional[int] = ..., async_ratio: _Optional[int] = ..., groups_per_step: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("num_groups", "num_finished", "num_dropped")
+    __slots__ = ("num_groups", "num_finished", "num_dropped", "holder", "held")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
     NUM_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     num_groups: int
     num_finished: int
     num_dropped: int
-    def __init__(self, num_groups: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_dropped: _Optional[int] = ...) -> None: ...
+    holder: str
+    held: int
+    def __init__(self, num_groups: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_dropped: _Optional[int] = ..., holder: _Optional[str] = ..., held: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
