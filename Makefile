@@ -63,6 +63,7 @@ bench: $(STAMP) model servers
 	.venv/bin/rollmesh bench async --model $(MODEL) --json
 	.venv/bin/rollmesh bench ceiling --json
 	.venv/bin/rollmesh bench weights --json
+	.venv/bin/rollmesh bench chaos --model $(MODEL) --json
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

@@ -66,8 +66,12 @@ class RolloutLoop:
         sink: SampleSink,
         observer: RolloutObserver | None = None,
         scheduling: Scheduling | None = None,
+        id_prefix: str = "",
     ) -> None:
+        """``id_prefix`` starts every group id: a process's own (random) one keeps ids unique when
+        a restarted loop counts from 0 again."""
         self.config, self.rows, self.tokenizer, self.reward_fn = config, rows, tokenizer, reward_fn
+        self.id_prefix = id_prefix
         self.admission, self.engine, self.sink = admission, engine, sink
         self.observer = observer or RolloutObserver()
         self.scheduling = scheduling or SCHEDULINGS[config.scheduling]()
@@ -87,7 +91,7 @@ class RolloutLoop:
         n, t0 = self.counters["groups_started"], time.monotonic()
         self.counters["groups_started"] += 1
         row = self._order[n % len(self._order)]  # prompts in a shuffled order, round after round
-        gid = f"p{row}-{n}"
+        gid = f"{self.id_prefix}p{row}-{n}"
         state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(self.config.group_size)})
         try:  # generate → reward, every episode on its own, scored by its env the moment it ends
             trajectories = await asyncio.gather(

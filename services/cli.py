@@ -238,6 +238,25 @@ def bench_weights(
     _emit(_checked(run, hidden_size, layers, engines, repeats, bucket_mb, _progress(json_)), json_)
 
 
+@bench_app.command("chaos")
+def bench_chaos(
+    model: Path = typer.Option(Path("models/tiny"), help="Model directory (make model builds models/tiny)."),
+    service: list[str] = typer.Option(
+        [], "--service", help="Services to kill, in order (repeatable); default: all seven."
+    ),
+    steps_between: int = typer.Option(2, help="Training steps before each kill."),
+    seed: int = typer.Option(0, help="Seed of the kill moments."),
+    baseline: bool = typer.Option(True, help="Also time the same run undisturbed (the slowdown)."),
+    keep: Path = typer.Option(None, help="Keep both runs' output, logs and metrics in this (new) directory."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Kill each service once mid-run: seconds to the next step, groups lost and trained twice."""
+    from services.bench.chaos_bench import run
+
+    _emit(_checked(run, str(model), service, steps_between, seed, baseline, _progress(json_),
+                   str(keep) if keep else None), json_)  # fmt: skip
+
+
 def _checked(fn, *args):
     """``fn(*args)``; a bad option value (``BadOption`` naming it) exits 2 with the message, no traceback."""
     from services.bench import BadOption

@@ -31,14 +31,19 @@ from services.launch import (
     stop_process,
 )
 from services.metrics import serve_metrics
+from services.metrics_log import LOST_STEPS, continue_from
 from services.supervisor import GaveUp, RestartsCollector, Supervised
 
 
 def _tail_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
+    """Lines after the first ``seen`` and the new count. A restarted trainer moves the steps it lost
+    out of the file (``continue_from``): then it is read again from where it now ends."""
     if not path.exists():
         return [], seen
     lines = path.read_text().splitlines()
-    return [json.loads(x) for x in lines[seen:]], len(lines)
+    if len(lines) < seen:
+        return [], len(lines)
+    return [json.loads(x) for x in lines[seen:] if x.endswith("}")], len(lines)
 
 
 def plot_rewards(metrics: list[dict], out: Path) -> None:
@@ -57,20 +62,12 @@ def plot_rewards(metrics: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
-def _step_of(line: str) -> float:
-    """The step of a metrics.jsonl line; a line cut short by a killed process counts as past any."""
-    try:
-        return json.loads(line).get("step", 0)
-    except ValueError:
-        return float("inf")
-
-
 def _prepare_run_dir(run_dir: Path, fresh: bool, console: Console) -> Path | None:
     """Start over (``fresh``) or resume; returns the checkpoint resumed from (None: a new run).
 
     A run directory without a complete checkpoint holds nothing to resume: its old metrics and
     controller state go, so every service starts at version 0. A resumed run's curve goes on from
-    the checkpoint: lines of steps trained after it (and lost with the process) are dropped.
+    the checkpoint: lines of steps trained after it (and lost with the process) move aside.
     """
     from services.config import CONTROLLER_STATE
     from trainer.checkpoint import latest_checkpoint
@@ -81,14 +78,11 @@ def _prepare_run_dir(run_dir: Path, fresh: bool, console: Console) -> Path | Non
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     metrics = run_dir / "metrics.jsonl"
     if ckpt is None:
-        metrics.unlink(missing_ok=True)
-        (run_dir / CONTROLLER_STATE).unlink(missing_ok=True)
+        for stale in (metrics, run_dir / LOST_STEPS, run_dir / CONTROLLER_STATE):
+            stale.unlink(missing_ok=True)
         return None
     console.print(f"[yellow]resuming from {ckpt}[/] (pass --fresh to start over)")
-    if metrics.exists():
-        step = int(ckpt.name.removeprefix("step_"))
-        kept = [line for line in metrics.read_text().splitlines() if _step_of(line) <= step]
-        metrics.write_text("".join(line + "\n" for line in kept))
+    continue_from(metrics, int(ckpt.name.removeprefix("step_")))
     return ckpt
 
 
@@ -156,7 +150,8 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh
             log_path=logs / "buffer.log", **up,
         )  # fmt: skip
         mesh.services.append(Supervised("sample-buffer", proc, logs / "buffer.log"))
-        ctl = [*overrides, f"mesh.proxy={mesh.proxy}", f"controller.metrics_port={mesh.metrics_port('controller')}"]
+        ctl = [*overrides, f"mesh.proxy={mesh.proxy}", f"mesh.buffer={mesh.buffer}",
+               f"controller.metrics_port={mesh.metrics_port('controller')}"]  # fmt: skip
         proc, mesh.controller = start_service_process(
             "controller", "controller", ctl, log_path=logs / "controller.log", **up
         )
@@ -210,7 +205,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         if cfg.run.heldout_path:  # when resuming: the restored weights, as the engines now serve them
             acc0 = asyncio.run(heldout_accuracy(proxy_addr, cfg))
             console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {acc0:.3f}")
-        history, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
+        _, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
         trainer_proc = start_trainer(config_path, overrides, mesh, logs / "trainer.log", cfg.run.trainer_procs)
         trainer = Supervised("trainer", trainer_proc, logs / "trainer.log", finishes=True)
         supervised = [*mesh.services, trainer]
@@ -224,14 +219,12 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
             for s in supervised:  # a service that died comes back (a trainer resumes from its checkpoint)
                 s.check(cfg.run.max_restarts, lambda line: console.print(f"[red]{line}[/]"))
             new, seen = _tail_metrics(run_dir / "metrics.jsonl", seen)
-            history += new
             for m in new:
                 console.print(
                     f"step {m['step']:4d}  reward {m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
                     f"staleness max {m['staleness_max']}  {m['tokens'] / max(m['time_train_s'], 1e-9):,.0f} tok/s train"
                 )
-        new, seen = _tail_metrics(run_dir / "metrics.jsonl", seen)
-        history += new
+        history, _ = _tail_metrics(run_dir / "metrics.jsonl", 0)  # the curve as it stands, resumes included
         if history:
             plot_rewards(history, run_dir / "reward_curve.png")
         acc = asyncio.run(heldout_accuracy(proxy_addr, cfg)) if cfg.run.heldout_path else float("nan")

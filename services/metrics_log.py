@@ -7,6 +7,7 @@ asking for one that is not installed fails at start-up with the install command,
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -34,6 +35,37 @@ def _require(module: str):
         raise RuntimeError(
             f"{module} is not installed but the config asks for it: pip install 'rollmesh[track]'"
         ) from None
+
+
+LOST_STEPS = "lost_steps.jsonl"  # beside metrics.jsonl: steps a trainer trained but lost before a checkpoint
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line; a line cut short by a killed process counts as past any."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")
+
+
+def continue_from(path: Path, step: int) -> int:
+    """Make ``path`` the curve of a run resumed at ``step``: lines of later steps (trained by a
+    process that died before its next checkpoint, so their updates are gone) move to
+    ``lost_steps.jsonl`` beside it, where they still say which groups those steps consumed.
+    Returns how many lines moved."""
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if _step_of(line) <= step]
+    lost = [line for line in lines if _step_of(line) > step and line.startswith("{") and line.endswith("}")]
+    if len(kept) == len(lines):
+        return 0
+    with open(path.with_name(LOST_STEPS), "a") as f:
+        f.writelines(line + "\n" for line in lost)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)  # a reader sees the old file or the new one, never half of it
+    return len(lines) - len(kept)
 
 
 class MetricsLog:

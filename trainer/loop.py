@@ -107,6 +107,7 @@ class TrainLoop:
             "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
             "time_get_s": t_get - t0, "time_train_s": t_train - t_get, "time_publish_s": t_pub - t_train,
             "time_checkpoint_s": time.perf_counter() - t_pub, **self.publish_times, "wall": time.time(),
+            "group_ids": [g.group_id for g in decoded],  # which groups this step consumed (audits, chaos tests)
         }  # fmt: skip
         self.observer.step_done(metrics, staleness)
         return metrics
@@ -207,8 +208,11 @@ class TrainLoop:
                 batch = await _retried("get", get, deadline)
             except TransientError:
                 break
-            if batch.dropped_stale:  # never trained: their admission slots go back
-                await self.control.release(dropped=batch.dropped_stale)
+            if batch.dropped_stale:  # never trained: reported for the controller's counts
+                try:
+                    await self.control.release(dropped=batch.dropped_stale)
+                except TransientError as e:  # admission follows the buffer itself: a lost report costs nothing
+                    log.warning("reporting %d stale groups: %s", batch.dropped_stale, e)
             if batch.batch_id:
                 batch_ids.append(batch.batch_id)
                 groups += batch.groups

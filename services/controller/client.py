@@ -5,6 +5,8 @@ training loop's ``VersionControl`` port. gRPC errors become the project's own
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from rollout.ports import Admitted
@@ -23,6 +25,9 @@ class ControllerClient:
         reports its groups in flight on every call, so restarts on either side lose no slot."""
         self.address, self.timeout_s = address, timeout_s
         self.holder, self.held = holder, 0
+        # One admission call at a time: a report overtaken by a grant it did not count would make
+        # the controller's count too low (over-admission), so reports must arrive in order.
+        self._in_order = asyncio.Lock()
         self._channel = channel(address, auth=auth)
         self.stub = controller_pb2_grpc.AsyncControllerStub(self._channel)
 
@@ -37,17 +42,19 @@ class ControllerClient:
 
     # ------------------------------------------------------------------ admission (rollout)
     async def admit(self, num_groups: int) -> Admitted:
-        req = pb.AdmitRequest(num_groups=num_groups, holder=self.holder, held=self.held)
-        res = await self._call(self.stub.Admit, req)
-        self.held += res.num_admitted
+        async with self._in_order:
+            req = pb.AdmitRequest(num_groups=num_groups, holder=self.holder, held=self.held)
+            res = await self._call(self.stub.Admit, req)
+            self.held += res.num_admitted
         return Admitted(res.num_admitted, res.version, res.async_ratio)
 
     async def release(self, *, unused: int = 0, finished: int = 0, dropped: int = 0) -> None:
-        # Counted here before the call: a release the controller never hears of is corrected by the next report.
-        self.held = max(0, self.held - unused - finished)
-        req = pb.ReleaseRequest(num_groups=unused, num_finished=finished, num_dropped=dropped, holder=self.holder,
-                                held=self.held)  # fmt: skip
-        await self._call(self.stub.Release, req)
+        async with self._in_order:
+            # Counted before the call: a release the controller never hears of is corrected by the next report.
+            self.held = max(0, self.held - unused - finished)
+            req = pb.ReleaseRequest(num_groups=unused, num_finished=finished, num_dropped=dropped,
+                                    holder=self.holder, held=self.held)  # fmt: skip
+            await self._call(self.stub.Release, req)
 
     async def watch_versions(self):
         try:

@@ -37,6 +37,12 @@ class ControllerConfig(BaseModel):
         "drops it and re-prefills each running request under the new weights; SGLang's in-place pause keeps it.",
     )
     control_timeout_s: float = Field(30.0, gt=0, description="Timeout of each suspend/resume/restore call.")
+    buffer_poll_s: float = Field(
+        0.5,
+        gt=0,
+        description="How often the controller asks the SampleBuffer how many groups it holds (admission "
+        "counts them: a count the buffer keeps cannot drift or be lost in a restart).",
+    )
     host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
     port: int = Field(50053, ge=0, le=65535, description="gRPC port.")
     metrics_port: int = Field(9103, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")

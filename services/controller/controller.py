@@ -46,18 +46,25 @@ class _Update:
 
 
 class AsyncController:
-    def __init__(self, config: ControllerConfig, proxy=None) -> None:
+    def __init__(self, config: ControllerConfig, proxy=None, buffer=None) -> None:
         """``proxy``: an object with async ``suspend()``, ``resume()`` and
-        ``update_weights(model_path, version)`` (the LLMProxy gRPC client); None for tests of
-        admission alone."""
+        ``update_weights(model_path, version)`` (the LLMProxy gRPC client); ``buffer``: one with
+        async ``held()``, the groups the SampleBuffer holds (stored, not consumed). None for tests
+        of admission alone: then the controller counts finished and dropped groups itself."""
         self.config = config
         self.proxy = proxy
+        self.buffer = buffer
         self.version = 0
         self.model_path = config.initial_model_path
         # Admitted groups not finished: per named holder as it last reported, plus anonymous callers'.
         self.holders: dict[str, int] = {}
         self.anonymous = 0
-        self.finished = 0
+        # Finished groups not yet consumed: as many as the buffer held when last asked, plus those
+        # finished since that question was sent (counted twice until the next answer: the safe side).
+        self.buffered = 0
+        self._unpolled = 0
+        self.finished = 0  # total, for metrics
+        self._poller: asyncio.Task | None = None
         self.counters: Counter[str] = Counter()
         self._update: _Update | None = None
         self._lock = asyncio.Lock()
@@ -79,8 +86,35 @@ class AsyncController:
         self.holders[holder] = held
 
     def capacity(self) -> int:
+        """Slots free under the bound. Groups consumed are ``version x groups_per_step`` (one step,
+        one version), so the count comes from the version and the buffer's own: nothing a lost
+        report or a restart of any service could make drift. (Between a step's ack and its
+        ``begin_update`` its groups are neither: up to ``groups_per_step`` slots free up that
+        early; a group admitted then may miss the bound by a version, and the buffer drops it.)"""
         c = self.config
-        return admission_capacity(c.async_ratio, self.version, c.groups_per_step, self.finished, self.in_flight)
+        # During an update the step that asked for it has consumed its groups already.
+        version = self._update.new_version if self._update is not None else self.version
+        consumed = version * c.groups_per_step if self.buffer is not None else 0
+        done = consumed + self.buffered + self._unpolled
+        return admission_capacity(c.async_ratio, self.version, c.groups_per_step, done, self.in_flight)
+
+    async def follow_buffer(self) -> None:
+        """Ask the buffer how many groups it holds every ``buffer_poll_s`` (run as a task)."""
+        while True:
+            sent = self._unpolled
+            try:
+                held = await asyncio.wait_for(self.buffer.held(), self.config.control_timeout_s)
+            except Exception as e:  # the buffer restarts: keep counting finished groups meanwhile
+                self.counters["buffer_poll_failures"] += 1
+                log.debug("buffer poll failed: %s", e)
+            else:
+                self.buffered, self._unpolled = held, self._unpolled - sent
+            await asyncio.sleep(self.config.buffer_poll_s)
+
+    def start(self) -> AsyncController:
+        if self.buffer is not None and self._poller is None:
+            self._poller = asyncio.create_task(self.follow_buffer())
+        return self
 
     async def admit(self, num_groups: int, holder: str = "", held: int = 0) -> Admitted:
         if num_groups < 0:
@@ -108,14 +142,16 @@ class AsyncController:
             raise ValueError(
                 f"num_groups + num_finished = {unused + finished} exceeds the {self.anonymous} groups in flight"
             )
-        if dropped > self.finished + finished:
+        if self.buffer is None and dropped > self.finished + finished:  # else a restart forgot them
             raise ValueError(f"num_dropped = {dropped} exceeds the {self.finished + finished} finished groups")
         if holder:  # a holder's finished groups count even if a restart lost their admission
             self._report(holder, held, unused + finished)
         else:
             self.anonymous -= unused + finished
-        # A finished group dropped untrained (too stale) frees its slot like an unused one.
-        self.finished += finished - dropped
+        self.finished += finished
+        self._unpolled += finished
+        if self.buffer is None:  # a finished group dropped untrained (too stale) frees its slot
+            self._unpolled -= dropped  # (with a buffer to ask, it is simply no longer there)
         self.counters["released"] += unused
         self.counters["dropped"] += dropped
 
@@ -139,11 +175,8 @@ class AsyncController:
                 raise RestoreError(f"{path}: cannot bring the engines to version {version} ({model_path}): {e}; "
                                    "start over with `rollmesh run --fresh`") from None  # fmt: skip
         self.version, self.model_path = version, model_path
-        # The groups the trainer has consumed. Groups still in the buffer are not counted, so up to
-        # async_ratio x groups_per_step extra may be admitted once: the buffer drops (and counts)
-        # any that end up too stale. Counting them would risk the opposite, a buffer that lost its
-        # groups (the in-memory backend) and no slot left to refill it.
-        self.finished = version * self.config.groups_per_step
+        if self.buffer is None:  # counting alone: the groups consumed to reach this version
+            self._unpolled = version * self.config.groups_per_step
         self.counters["restores"] += 1
         log.info("restored version %d from %s (engines serve %s)", version, path, model_path)
         return True
@@ -252,6 +285,10 @@ class AsyncController:
             self._watchers.discard(q)
 
     async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
         if self._update is not None and self._update.watchdog is not None:
             self._update.watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -16,6 +17,7 @@ from services.llm_proxy.client import ProxyClient
 from services.metrics import serve_metrics
 from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2
+from services.sample_buffer.client import BufferClient
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.AsyncController"
@@ -54,6 +56,7 @@ class _ControllerCollector:
             ("rollmesh_controller_groups_per_step_groups", "Groups the trainer consumes per step",
              ctl.config.groups_per_step),
             ("rollmesh_controller_in_flight_groups", "Admitted groups not finished", ctl.in_flight),
+            ("rollmesh_controller_buffered_groups", "Groups the SampleBuffer held when last asked", ctl.buffered),
             ("rollmesh_controller_admission_capacity_groups", "Slots free under the staleness bound", ctl.capacity()),
             ("rollmesh_controller_suspended", "1 during a weight update", float(ctl._update is not None)),
         ]:  # fmt: skip
@@ -62,6 +65,8 @@ class _ControllerCollector:
             ("rollmesh_controller_admitted_groups", "Admission slots granted", c["admitted"]),
             ("rollmesh_controller_admit_refused_groups", "Admission slots asked for and refused", c["admit_refused"]),
             ("rollmesh_controller_finished_groups", "Admitted groups that ended in the buffer", ctl.finished),
+            ("rollmesh_controller_buffer_poll_failures", "Questions to the SampleBuffer that failed",
+             c["buffer_poll_failures"]),
             ("rollmesh_controller_released_unused_groups", "Admitted slots given back unused (failed, filtered)",
              c["released"]),
             ("rollmesh_controller_dropped_stale_groups", "Finished groups the buffer dropped as too stale",
@@ -137,18 +142,45 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
     )
 
 
-async def start_controller(config: ControllerConfig, proxy_address: str, auth: AuthConfig | None = None):
-    """Start the controller and its gRPC server; returns (server, controller, proxy client)."""
+class BufferHeld:
+    """The one SampleBuffer number admission needs: groups stored and not yet consumed."""
+
+    def __init__(self, client: BufferClient) -> None:
+        self.client = client
+
+    async def held(self) -> int:
+        stats = await self.client.stats()
+        return stats.depth + stats.in_flight
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class _Clients:
+    def __init__(self, *clients) -> None:
+        self.clients = [c for c in clients if c is not None]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))
+
+
+async def start_controller(config: ControllerConfig, proxy_address: str, auth: AuthConfig | None = None,
+                           buffer_address: str | None = None):  # fmt: skip
+    """Start the controller and its gRPC server; returns (server, controller, its clients: ``close()``).
+    Without ``buffer_address`` admission counts finished groups itself (tests of the protocol)."""
     proxy_client = ProxyClient(proxy_address, timeout_s=config.control_timeout_s, auth=auth)
-    ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s, config.suspend_mode))
+    buffer = BufferHeld(BufferClient(buffer_address, config.control_timeout_s, auth)) if buffer_address else None
+    clients = _Clients(proxy_client, buffer)
+    ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s, config.suspend_mode), buffer)
     try:
         await ctl.restore()  # before serving: nothing is admitted until the engines serve the saved version
     except BaseException:
-        await proxy_client.close()
+        await clients.close()
         raise
+    ctl.start()
     server = await start_server(build_handler(ctl), SERVICE, config.host, config.port, auth=auth)
     serve_metrics(build_metrics(ctl), config.host, config.metrics_port, "AsyncController")
-    return server, ctl, proxy_client
+    return server, ctl, clients
 
 
 def serve(cfg) -> None:
@@ -157,7 +189,7 @@ def serve(cfg) -> None:
 
     async def start():
         try:
-            server, ctl, proxy_client = await start_controller(config, cfg.mesh.proxy, cfg.auth)
+            server, ctl, clients = await start_controller(config, cfg.mesh.proxy, cfg.auth, cfg.mesh.buffer)
         except RestoreError as e:
             log.error("%s", e)
             raise SystemExit(1) from None
@@ -165,7 +197,7 @@ def serve(cfg) -> None:
 
         async def cleanup() -> None:
             await ctl.close()
-            await proxy_client.close()
+            await clients.close()
 
         return server, cleanup
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import uuid
 
 import grpc
 
@@ -68,7 +69,7 @@ def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClien
         config, rows=rows, tokenizer=AutoTokenizer.from_pretrained(config.tokenizer_path),
         reward_fn=metrics.timed_reward(reward_fn), admission=controller,
         engine=ProxyGenerate(proxy), sink=PutBatcher(buffer, config.put_batch_max_groups, config.put_batch_delay_s),
-        observer=metrics,
+        observer=metrics, id_prefix=f"{uuid.uuid4().hex[:8]}-",  # group ids unique across restarts
     )  # fmt: skip
     metrics.stats = lambda: {"running_episodes": loop.running_episodes, "workers": loop.workers}
     return loop

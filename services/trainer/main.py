@@ -40,7 +40,7 @@ def serve(cfg) -> None:
     from services.controller.client import ControllerClient
     from services.llm_proxy.client import ProxyClient
     from services.metrics import serve_metrics
-    from services.metrics_log import MetricsLog
+    from services.metrics_log import LOST_STEPS, MetricsLog, continue_from
     from services.sample_buffer.client import BufferClient
     from services.trainer.metrics import TrainerMetrics, TrainerObserver
     from trainer.loop import TrainLoop
@@ -63,7 +63,11 @@ def serve(cfg) -> None:
             groups_per_step=cfg.controller.groups_per_step, max_staleness=cfg.controller.async_ratio, rank=rank,
             world=world,
         )  # fmt: skip
-        loop.resume()
+        if loop.resume() and rank == 0:  # the curve goes on from the checkpoint
+            moved = continue_from(observer.log.path, loop.engine.step)
+            if moved:
+                log.warning("%d step(s) after the checkpoint were lost with the previous trainer: moved to %s",
+                            moved, LOST_STEPS)  # fmt: skip
         try:
             await loop.join()
             if rank == 0:

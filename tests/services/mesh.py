@@ -22,7 +22,9 @@ async def local_mesh(engine_url: str | list[str], model_path: str, buffer: dict 
     proxy_server, proxy = await start_proxy(ProxyConfig(engine_urls=urls, port=0, metrics_port=0))
     buf_server, buf, refresh = await start_buffer_service(BufferConfig(port=0, metrics_port=0, **(buffer or {})))
     ctl_cfg = ControllerConfig(port=0, metrics_port=0, initial_model_path=model_path, **controller)
-    ctl_server, ctl, ctl_proxy = await start_controller(ctl_cfg, f"127.0.0.1:{proxy_server.bound_port}")
+    ctl_server, ctl, ctl_clients = await start_controller(
+        ctl_cfg, f"127.0.0.1:{proxy_server.bound_port}", buffer_address=f"127.0.0.1:{buf_server.bound_port}"
+    )
     mesh = SimpleNamespace(
         proxy=proxy,
         controller=ctl,
@@ -33,7 +35,7 @@ async def local_mesh(engine_url: str | list[str], model_path: str, buffer: dict 
     try:
         yield mesh
     finally:
-        for client in (mesh.controller_client, mesh.proxy_client, mesh.buffer_client, ctl_proxy):
+        for client in (mesh.controller_client, mesh.proxy_client, mesh.buffer_client, ctl_clients):
             await client.close()
         refresh.cancel()
         for server in (ctl_server, buf_server, proxy_server):

@@ -11,12 +11,14 @@ from rollout.proxy import ProxyConfig
 from services.controller.client import ControllerClient
 from services.controller.config import ControllerConfig
 from services.controller.controller import AsyncController, RestoreError
-from services.controller.server import start_controller
+from services.controller.server import BufferHeld, start_controller
 from services.grpc_util import channel as grpc_channel
 from services.llm_proxy.client import ProxyClient
 from services.llm_proxy.server import engine_client, start_proxy
 from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import controller_pb2_grpc
+from services.sample_buffer.client import BufferClient
+from tests.sample_buffer.helpers import make_group
 from tests.services.mesh import local_mesh
 
 
@@ -203,8 +205,10 @@ def test_holders_report_their_groups_in_flight_so_no_restart_leaks_or_refuses_a_
             address = mesh.controller_client.address
             first = ControllerClient(address, holder="env:1")
             assert (await first.admit(3)).num_groups == 3  # (1 + 0 + 1) x 2 = 4 slots
+            assert (await mesh.buffer_client.put(make_group("g1"))).accepted
             await first.release(finished=1)
             assert first.held == 2 and mesh.controller.in_flight == 2
+            await asyncio.sleep(1.2)  # the controller has asked the buffer since: it holds the group
             # the EnvManager is killed with 2 groups in flight; its successor has the same name
             second = ControllerClient(address, holder="env:1")
             granted = (await second.admit(4)).num_groups
@@ -227,3 +231,36 @@ def test_holders_report_their_groups_in_flight_so_no_restart_leaks_or_refuses_a_
         return ctl.finished, ctl.in_flight, ctl.capacity()
 
     assert asyncio.run(restarted_controller()) == (1, 2, 1)
+
+
+def test_admission_counts_the_groups_the_buffer_holds_so_a_restart_does_not_over_admit(engine, tiny_model):
+    """Finished groups waiting in the buffer take admission slots. The controller asks the buffer
+    rather than keeping its own tally, so a restarted controller (which kept nothing) admits
+    none while they wait, and a slot returns when the trainer consumes or drops a group even if
+    nobody reports it."""
+
+    async def main():
+        async with local_mesh(engine, tiny_model, async_ratio=1, groups_per_step=2) as mesh:
+            client = ControllerClient(mesh.controller_client.address, holder="env:1")
+            assert (await client.admit(4)).num_groups == 4  # (1 + 0 + 1) x 2
+            for i in range(4):
+                assert (await mesh.buffer_client.put(make_group(f"g{i}"))).accepted
+            await client.release(finished=4)
+            await client.close()
+            buffer = BufferHeld(BufferClient(mesh.buffer_client.address))
+            cfg = ControllerConfig(async_ratio=1, groups_per_step=2, initial_model_path=tiny_model, buffer_poll_s=0.1)
+            restarted = AsyncController(cfg, buffer=buffer).start()
+            try:
+                await asyncio.sleep(0.5)
+                full = restarted.capacity(), restarted.buffered
+                batch = await mesh.buffer_client.get(2, 0, 1, 5.0)  # the trainer takes a step's groups
+                await mesh.buffer_client.ack(batch.batch_id)
+                await asyncio.sleep(0.5)
+                return full, restarted.capacity()
+            finally:
+                await restarted.close()
+                await buffer.close()
+
+    (capacity, buffered), after_a_step = asyncio.run(main())
+    assert (capacity, buffered) == (0, 4)  # a tally restored from the version alone would admit 4 more
+    assert after_a_step == 2  # consumed and gone from the buffer: those slots free up before the next version

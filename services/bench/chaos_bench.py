@@ -1,0 +1,188 @@
+"""`rollmesh bench chaos`: kill every service once, mid-run, and account for every group.
+
+A `rollmesh run` of the quickstart on the tiny model with the Redis buffer; each service in turn
+(engine, LLMProxy, AsyncController, SampleBuffer, redis-server, EnvManager, trainer) gets SIGKILL
+at a random moment after every ``steps_between`` steps. `rollmesh run` restarts its own processes;
+redis-server, which it does not own, is restarted here as a node's init system would.
+
+Reported per service: seconds from the kill to the next trained step. For the run: groups trained
+twice (the same group id in two steps of ``metrics.jsonl``) and groups lost: every group the buffer
+stored must be consumed (acked), dropped with a reason, or still in the buffer; groups of steps a
+killed trainer trained but lost before its checkpoint (``lost_steps.jsonl``) are listed apart.
+Then the slowdown against the same run undisturbed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from services.bench import BadOption
+
+SERVICES = ("engine", "llm-proxy", "controller", "sample-buffer", "redis-server", "env-manager", "trainer")
+REDIS = "redis-server"
+
+
+def _command(model: str, run_dir: Path, redis_url: str, steps: int) -> list[str]:
+    overrides = [
+        f"model_path={model}", f"train_loop.run_dir={run_dir}", f"train_loop.steps={steps}",
+        "run.heldout_path=null", "train_loop.checkpoint_every=2", "controller.groups_per_step=2",
+        "buffer.filter_zero_variance=false",  # a random model's groups mostly score all 0: keep them
+        "train_loop.get_timeout_s=20", "controller.update_timeout_s=30", "buffer.backend=redis",
+        f"buffer.redis_url={redis_url}", f"buffer.key_prefix=chaos-{run_dir.name}",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
+    return cmd + [a for o in overrides for a in ("--set", o)]
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+
+
+def _wait(what: str, done, proc: subprocess.Popen, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (value := done()) is not None:
+            return value
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what}: the run exited with {proc.returncode}")
+        time.sleep(0.2)
+    raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
+
+
+def _kill(service: str, run_dir: Path, redis) -> None:
+    if service == REDIS:
+        redis.kill9()
+        time.sleep(1.0)  # down for a moment, then back on its port with its append-only file
+        redis.start()
+        return
+    pattern = f"services.cli serve {service} .*train_loop.run_dir={run_dir}"
+    pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    if not pids:
+        raise RuntimeError(f"no {service} process of this run to kill")
+    os.kill(int(pids[0]), signal.SIGKILL)
+
+
+def _run(cmd: list[str], run_dir: Path, redis, kills: list[str], steps_between: int, rng: random.Random,
+         progress) -> tuple[dict, float, str]:  # fmt: skip
+    """One run; kills ``kills`` in order. Returns (seconds from kill to next step, per service), wall, output."""
+    log = open(run_dir.parent / f"{run_dir.name}.out", "w+")  # noqa: SIM115 (read back below)
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    recovery: dict[str, float] = {}
+    try:
+        for i, service in enumerate(kills):
+            at = steps_between * (i + 1)
+            _wait(f"step {at}", lambda at=at: len(_steps(run_dir)) >= at or None, proc, 300)
+            time.sleep(rng.uniform(0.0, 1.5))  # anywhere in a step: mid-generation, mid-update, mid-train
+            t_kill = time.time()
+            _kill(service, run_dir, redis)
+            progress(f"killed {service}")
+
+            def next_step(t_kill=t_kill):
+                later = [s["wall"] for s in _steps(run_dir) if s["wall"] > t_kill]
+                return min(later) if later else None
+
+            recovery[service] = round(_wait(f"a step after killing {service}", next_step, proc, 300) - t_kill, 1)
+            progress(f"  next step {recovery[service]} s after the kill")
+        proc.wait(600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    log.seek(0)
+    out = log.read()
+    log.close()
+    if proc.returncode != 0:
+        raise RuntimeError(f"rollmesh run exited with {proc.returncode}:\n{out[-3000:]}")
+    return recovery, time.time() - t0, out
+
+
+def _accounting(run_dir: Path, redis_url: str) -> dict:
+    """Where every group the buffer stored went, from the buffer's counters (kept in Redis) and the
+    group ids each step recorded."""
+    import asyncio
+
+    from sample_buffer.buffer import make_buffer
+    from sample_buffer.config import BufferConfig
+
+    trained = Counter(g for s in _steps(run_dir) for g in s["group_ids"])
+    lost_path = run_dir / "lost_steps.jsonl"
+    lost_with_trainer = [g for x in lost_path.read_text().splitlines() for g in json.loads(x)["group_ids"]] \
+        if lost_path.exists() else []  # fmt: skip
+
+    async def stats() -> dict:
+        buffer = make_buffer(BufferConfig(backend="redis", redis_url=redis_url, key_prefix=f"chaos-{run_dir.name}"))
+        try:
+            return await buffer.stats()
+        finally:
+            await buffer.close()
+
+    s = asyncio.run(stats())
+    accounted = s["consumed"] + s["dropped_stale"] + s["dropped_corrupt"] + s["depth"] + s["in_flight"]
+    return {
+        "groups_stored": s["put"], "groups_consumed": s["consumed"],
+        "groups_dropped": {k: s[k] for k in s if k.startswith("dropped_")},
+        "groups_left_in_buffer": s["depth"] + s["in_flight"],
+        "groups_lost": s["put"] - accounted,
+        "groups_trained": sum(trained.values()),
+        "groups_trained_twice": sum(n - 1 for n in trained.values() if n > 1),
+        "groups_trained_by_a_killed_trainer_before_its_checkpoint": len(lost_with_trainer),
+    }  # fmt: skip
+
+
+def run(model_path: str, services: list[str] | None = None, steps_between: int = 2, seed: int = 0,
+        baseline: bool = True, progress=print, keep: str | None = None) -> dict:  # fmt: skip
+    from services.auth import AuthConfig, ensure_token
+    from services.launch import RedisServer
+
+    services = list(services or SERVICES)
+    unknown = [s for s in services if s not in SERVICES]
+    if unknown or not services:
+        raise BadOption(f"--service: choose from {', '.join(SERVICES)} (got {unknown or 'none'})")
+    if steps_between < 1:
+        raise BadOption(f"--steps-between: must be >= 1, got {steps_between}")
+    if not (Path(model_path) / "config.json").exists():
+        raise BadOption(f"--model: no model at {model_path} (make model builds models/tiny)")
+    ensure_token(AuthConfig())
+    steps = steps_between * (len(services) + 2)  # the last kill still has steps to wait for
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="rollmesh-chaos-") as d:
+        tmp = Path(keep or d)  # kept: each run's output, logs and metrics
+        (tmp / "redis").mkdir(parents=True)
+        redis = RedisServer(tmp / "redis").start()
+        try:
+            undisturbed = None
+            if baseline:
+                progress(f"undisturbed run: {steps} steps")
+                _, undisturbed, _ = _run(_command(model_path, tmp / "calm", redis.url, steps), tmp / "calm", redis,
+                                         [], steps_between, rng, progress)  # fmt: skip
+            progress(f"disturbed run: {steps} steps, killing {', '.join(services)}")
+            run_dir = tmp / "chaos"
+            recovery, disturbed, out = _run(_command(model_path, run_dir, redis.url, steps), run_dir, redis,
+                                            services, steps_between, rng, progress)  # fmt: skip
+            restarts = {s: len(re.findall(rf"^{s}(-\d+)? exited with code", out, re.M)) for s in services}
+            result = {
+                "steps": steps, "services_killed": services,
+                "kill_to_next_step_s": recovery,
+                "restarts_by_the_launcher": {s: n for s, n in restarts.items() if s != REDIS},
+                **_accounting(run_dir, redis.url),
+                "undisturbed_wall_s": round(undisturbed, 1) if undisturbed else None,
+                "disturbed_wall_s": round(disturbed, 1),
+                "slowdown": round(disturbed / undisturbed, 2) if undisturbed else None,
+            }  # fmt: skip
+        finally:
+            redis.stop()
+    return result
