@@ -37,6 +37,12 @@ class ControllerConfig(BaseModel):
         "drops it and re-prefills each running request under the new weights; SGLang's in-place pause keeps it.",
     )
     control_timeout_s: float = Field(30.0, gt=0, description="Timeout of each suspend/resume/restore call.")
+    reconcile_s: float = Field(
+        2.0,
+        gt=0,
+        description="How often the controller checks that the engines serve the committed version (a "
+        "restarted LLMProxy finds restarted engines at their initial weights) and sends them its weights if not.",
+    )
     buffer_poll_s: float = Field(
         0.5,
         gt=0,

@@ -65,6 +65,7 @@ class AsyncController:
         self._unpolled = 0
         self.finished = 0  # total, for metrics
         self._poller: asyncio.Task | None = None
+        self._reconciler: asyncio.Task | None = None
         self.counters: Counter[str] = Counter()
         self._update: _Update | None = None
         self._lock = asyncio.Lock()
@@ -112,9 +113,36 @@ class AsyncController:
             await asyncio.sleep(self.config.buffer_poll_s)
 
     def start(self) -> AsyncController:
+        """Follow the buffer's count and keep the engines at the committed version (tasks)."""
         if self.buffer is not None and self._poller is None:
             self._poller = asyncio.create_task(self.follow_buffer())
+        if self.proxy is not None and self._reconciler is None:
+            self._reconciler = asyncio.create_task(self._follow_engines())
         return self
+
+    async def _follow_engines(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reconcile_s)
+            try:
+                await self.reconcile()
+            except Exception as e:  # the LLMProxy restarts: next time
+                self.counters["reconcile_failures"] += 1
+                log.warning("bringing the engines to version %d failed: %s", self.version, e)
+
+    async def reconcile(self) -> bool:
+        """Engines serving another version than the committed one get its weights; True if sent.
+        (A restarted LLMProxy has no record of the last update: an engine that restarted too
+        would otherwise serve its initial weights, and every sample it makes would be too stale.)"""
+        if self._update is not None or all(v == self.version for v in await self.proxy.served_versions()):
+            return False
+        async with self._lock:
+            if self._update is not None:
+                return False
+            log.warning("the engines do not all serve version %d: sending them %s", self.version, self.model_path)
+            await asyncio.wait_for(self.proxy.update_weights(self.model_path, self.version),
+                                   self.config.control_timeout_s)  # fmt: skip
+            self.counters["reconciles"] += 1
+            return True
 
     async def admit(self, num_groups: int, holder: str = "", held: int = 0) -> Admitted:
         if num_groups < 0:
@@ -285,10 +313,11 @@ class AsyncController:
             self._watchers.discard(q)
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        for task in (self._poller, self._reconciler):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._update is not None and self._update.watchdog is not None:
             self._update.watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -37,6 +37,11 @@ class ProxyControl:
     async def resume(self) -> None:
         await self.client.resume(timeout_s=self.timeout_s)
 
+    async def served_versions(self) -> list[int]:
+        """The proxy's version and that of every engine in rotation."""
+        stats = await self.client.stats()
+        return [stats.weight_version, *(e.weight_version for e in stats.engines if e.healthy)]
+
     async def update_weights(self, model_path: str, version: int) -> None:
         res = await self.client.update_weights(model_path, version, timeout_s=self.timeout_s)
         if not res.success:
@@ -67,6 +72,8 @@ class _ControllerCollector:
             ("rollmesh_controller_finished_groups", "Admitted groups that ended in the buffer", ctl.finished),
             ("rollmesh_controller_buffer_poll_failures", "Questions to the SampleBuffer that failed",
              c["buffer_poll_failures"]),
+            ("rollmesh_controller_reconciles", "Times engines found at another version got the committed weights",
+             c["reconciles"]),
             ("rollmesh_controller_released_unused_groups", "Admitted slots given back unused (failed, filtered)",
              c["released"]),
             ("rollmesh_controller_dropped_stale_groups", "Finished groups the buffer dropped as too stale",

@@ -264,3 +264,36 @@ def test_admission_counts_the_groups_the_buffer_holds_so_a_restart_does_not_over
     (capacity, buffered), after_a_step = asyncio.run(main())
     assert (capacity, buffered) == (0, 4)  # a tally restored from the version alone would admit 4 more
     assert after_a_step == 2  # consumed and gone from the buffer: those slots free up before the next version
+
+
+def test_engines_found_at_another_version_get_the_committed_weights(engine, tiny_model, tiny_model_b):
+    """A restarted LLMProxy has no record of the last update; an engine that restarted too serves
+    its initial weights. The controller notices within reconcile_s and sends the committed ones."""
+
+    async def main():
+        first, proxy = await start_proxy(ProxyConfig(engine_urls=[engine], port=0, metrics_port=0))
+        address = f"127.0.0.1:{first.bound_port}"
+        config = ControllerConfig(initial_model_path=tiny_model, port=0, metrics_port=0, reconcile_s=0.5)
+        server, ctl, clients = await start_controller(config, address)
+        update = await ctl.begin_update(3)
+        await ctl.proxy.update_weights(tiny_model_b, 3)
+        await ctl.commit_update(update, 3, tiny_model_b)
+        await first.stop(0)  # the proxy dies, the engine comes back at its initial weights
+        await proxy.close()
+        await engine_client(engine).update_weights_from_disk(tiny_model, 0)
+        second, proxy = await start_proxy(ProxyConfig(engine_urls=[engine], port=first.bound_port, metrics_port=0))
+        gen = ProxyClient(address)
+        try:
+            await asyncio.sleep(3.0)
+            out = await gen.generate([1, 30, 31], 4, temperature=0.0)
+            return out, ctl.counters["reconciles"]
+        finally:
+            await gen.close()
+            await server.stop(0)
+            await ctl.close()
+            await clients.close()
+            await second.stop(0)
+            await proxy.close()
+
+    out, reconciles = asyncio.run(main())
+    assert reconciles == 1 and out.weight_version == 3 and set(out.token_versions) == {3}
