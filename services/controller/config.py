@@ -44,7 +44,7 @@ class ControllerConfig(BaseModel):
         "restarted LLMProxy finds restarted engines at their initial weights) and sends them its weights if not.",
     )
     buffer_poll_s: float = Field(
-        0.5,
+        0.1,
         gt=0,
         description="How often the controller asks the SampleBuffer how many groups it holds (admission "
         "counts them: a count the buffer keeps cannot drift or be lost in a restart).",
