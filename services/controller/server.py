@@ -18,6 +18,7 @@ from services.pb.rollmesh.v1 import llm_proxy_pb2
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.AsyncController"
+INT32_MAX = (1 << 31) - 1
 
 
 class ProxyControl:
@@ -99,7 +100,9 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
 
     async def admit(req: pb.AdmitRequest, ctx) -> pb.AdmitResponse:
         a = await guarded(ctx, ctl.admit(req.num_groups))
-        return pb.AdmitResponse(num_admitted=a.num_groups, version=a.version, capacity=ctl.capacity(),
+        # (async_ratio + version + 1) x groups_per_step - ...: past 2**31 - 1 (version 2**28 at 8 groups a step) it
+        # did not fit the int32 field, and every Admit failed with UNKNOWN.
+        return pb.AdmitResponse(num_admitted=a.num_groups, version=a.version, capacity=min(ctl.capacity(), INT32_MAX),
                                 async_ratio=a.async_ratio, groups_per_step=ctl.config.groups_per_step)  # fmt: skip
 
     async def release(req: pb.ReleaseRequest, ctx) -> pb.ReleaseResponse:
