@@ -10,6 +10,7 @@ primitives; the freshness rule, the blocking and the accounting live here once.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -124,6 +125,8 @@ class SampleBuffer(ABC):
         and returns what it has then (possibly nothing, with an empty ``batch_id``)."""
         if num_groups < 1:
             raise ValueError(f"num_groups: must be >= 1, got {num_groups}")
+        if not math.isfinite(timeout_s):  # NaN was read as 0, infinity as forever (a negative one waits none)
+            raise ValueError(f"timeout_s: must be a finite number, got {timeout_s}")
         floor = min_version(current_version, max_staleness)
         batch_id = uuid.uuid4().hex
         deadline = time.monotonic() + max(0.0, timeout_s)

@@ -98,7 +98,7 @@ def read_header(data: bytes) -> GroupHeader:
         h = msgpack.unpackb(header)
         rewards = tuple(float(r) for r in h["r"])
         return GroupHeader(str(h["g"]), str(h["p"]), int(h["v"]), rewards, int(h["n"]), float(h["t"]))
-    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+    except (ValueError, KeyError, TypeError, OverflowError, msgpack.UnpackException) as e:  # Overflow: int(inf)
         raise CodecError(f"corrupt group header: {type(e).__name__}: {e}") from None
 
 
@@ -130,8 +130,18 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
         ]
     except TrajectoryError as e:
         raise CodecError(f"decoded group {head.group_id!r} is invalid: {e}") from None
-    except (ValueError, TypeError, IndexError, zlib.error, msgpack.UnpackException) as e:
+    except (ValueError, TypeError, IndexError, OverflowError, zlib.error, msgpack.UnpackException) as e:
         raise CodecError(f"corrupt group body: {type(e).__name__}: {e}") from None
     if len(trajs) != head.size:
         raise CodecError(f"group {head.group_id!r}: header says {head.size} trajectories, body has {len(trajs)}")
-    return Group(head.group_id, head.prompt_id, trajs)
+    try:
+        group = Group(head.group_id, head.prompt_id, trajs)
+    except TrajectoryError as e:  # no trajectories
+        raise CodecError(f"decoded group {head.group_id!r} is invalid: {e}") from None
+    # The buffer sorts and filters on the header alone: one that disagrees with the trajectories would
+    # pass a stale group as fresh, or a group without learning signal through the filter.
+    if validate and (head.start_version, head.rewards) != (group.start_version, tuple(group.rewards)):
+        raise CodecError(f"group {head.group_id!r}: header (start_version {head.start_version}, rewards "
+                         f"{list(head.rewards)}) disagrees with its trajectories ({group.start_version}, "
+                         f"{group.rewards})")  # fmt: skip
+    return group

@@ -123,7 +123,8 @@ class RedisBuffer(SampleBuffer):
                 # Block for new entries, but not so long that a batch passing its visibility
                 # timeout meanwhile waits long for the next XAUTOCLAIM.
                 poll_s = min(wait_s, max(0.05, self.config.visibility_timeout_s / 4), 1.0)
-                block = int(poll_s * 1000) if not entries and poll_s > 0 else None
+                # At least 1 ms: BLOCK 0 is "forever" (under 1 ms left, the read hung until the socket timeout).
+                block = max(1, int(poll_s * 1000)) if not entries and poll_s > 0 else None
                 res = await self.redis.xreadgroup(
                     GROUP, batch_id, {self.stream: ">"}, count=k - len(entries), block=block
                 )

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -90,13 +91,19 @@ class _BucketUpdate:
     next_index: int = 0
 
 
+def _check_timeout(timeout_s: float) -> None:
+    # Infinity made aiohttp raise OverflowError (an UNKNOWN status, or an engine taken out of rotation after a
+    # pause it could not send); NaN made asyncio's wait_for raise and switched aiohttp's timeout off.
+    if not 0 <= timeout_s < math.inf:
+        raise RequestInvalid("timeout_s", f"must be a finite number >= 0 (0 = the default), got {timeout_s}")
+
+
 def _validate(req: ProxyRequest) -> None:
     if not req.input_ids:
         raise RequestInvalid("input_ids", "must not be empty")
     if any(t < 0 for t in req.input_ids):
         raise RequestInvalid("input_ids", "token ids must be >= 0")
-    if req.timeout_s < 0:
-        raise RequestInvalid("timeout_s", "must be >= 0")
+    _check_timeout(req.timeout_s)
 
 
 # Why an engine failed a weight update (the ``cause`` label of the failure counter).
@@ -277,6 +284,7 @@ class LLMProxy:
     async def suspend(self, mode: SuspendMode = "continue", timeout_s: float = 0.0) -> int:
         if mode not in _ENGINE_PAUSE_MODE:
             raise RequestInvalid("mode", f"must be one of {sorted(_ENGINE_PAUSE_MODE)}, got {mode!r}")
+        _check_timeout(timeout_s)
         self._mode = mode
         self._suspend_epoch += 1
         self._open.clear()
@@ -287,6 +295,7 @@ class LLMProxy:
         return n
 
     async def resume(self, timeout_s: float = 0.0) -> None:
+        _check_timeout(timeout_s)
         timeout = timeout_s or self.config.control_timeout_s
         await self._fan_out(lambda c: c.resume(timeout_s=timeout), "resume")
         self._open.set()
@@ -298,6 +307,7 @@ class LLMProxy:
         """
         if not model_path:
             raise RequestInvalid("model_path", "must not be empty")
+        _check_timeout(timeout_s)
         timeout = timeout_s or self.config.update_weights_timeout_s
         self._bucket_update = None  # a whole directory supersedes an in-memory update under way
         slots = [s for s in self.router.engines if s.healthy]
@@ -313,6 +323,7 @@ class LLMProxy:
         confirms ``version``; an engine that came into rotation midway loads ``restore_path``
         instead. Any failure ends the update: the caller rolls back and starts again from bucket 0.
         """
+        _check_timeout(timeout_s)
         if index == 0:
             self._bucket_update = _BucketUpdate(version, [s for s in self.router.engines if s.healthy])
         update = self._bucket_update

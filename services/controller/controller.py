@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -27,6 +28,8 @@ from services.controller.config import ControllerConfig
 from trainer.ports import Limits
 
 log = logging.getLogger(__name__)
+# Trajectories record each token's version as an int32 (sample_buffer.codec): past it, every group failed.
+MAX_VERSION = (1 << 31) - 1
 
 
 class RestoreError(RuntimeError):
@@ -225,8 +228,13 @@ class AsyncController:
         async with self._lock:
             if self._update is not None:
                 raise UpdateConflict(f"update {self._update.update_id} to v{self._update.new_version} is in progress")
-            if new_version <= self.version:
-                raise ValueError(f"new_version: must be > current version {self.version}, got {new_version}")
+            if not self.version < new_version <= MAX_VERSION:
+                raise ValueError(f"new_version: must be > current version {self.version} and <= {MAX_VERSION}, "
+                                 f"got {new_version}")  # fmt: skip
+            # The watchdog sleeps this long: NaN crashed it (uvloop) and infinity disabled it, and either way
+            # generation stayed suspended for good if the trainer died mid-update.
+            if not 0 <= timeout_s < math.inf:
+                raise ValueError(f"timeout_s: must be a finite number >= 0 (0 = the default), got {timeout_s}")
             update = _Update(uuid.uuid4().hex, new_version, time.monotonic())
             if self.proxy is not None:
                 await asyncio.wait_for(self.proxy.suspend(), self.config.control_timeout_s)

@@ -21,6 +21,7 @@ from services.sample_buffer.client import BufferClient
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.AsyncController"
+INT32_MAX = (1 << 31) - 1
 
 
 class ProxyControl:
@@ -114,7 +115,9 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
 
     async def admit(req: pb.AdmitRequest, ctx) -> pb.AdmitResponse:
         a = await guarded(ctx, ctl.admit(req.num_groups, req.holder, req.held))
-        return pb.AdmitResponse(num_admitted=a.num_groups, version=a.version, capacity=ctl.capacity(),
+        # Without a buffer to ask, (async_ratio + version + 1) x groups_per_step - ... grows with the version:
+        # past 2**31 - 1 it did not fit the int32 field, and every Admit failed with UNKNOWN.
+        return pb.AdmitResponse(num_admitted=a.num_groups, version=a.version, capacity=min(ctl.capacity(), INT32_MAX),
                                 async_ratio=a.async_ratio, groups_per_step=ctl.config.groups_per_step)  # fmt: skip
 
     async def release(req: pb.ReleaseRequest, ctx) -> pb.ReleaseResponse:

@@ -54,13 +54,20 @@ class UpdateFromDiskReq(BaseModel):
     abort_all_requests: bool = False
 
 
+# Versions travel as int64 (the LLMProxy's protobuf messages): a larger one made every later response fail.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def _version(value: str | int | None) -> int | None:
     if value is None:
         return None
     try:
-        return int(value)
+        version = int(value)
     except ValueError:
         raise EngineError("weight_version", f"must be an integer (rollmesh versions), got {value!r}") from None
+    if not INT64_MIN <= version <= INT64_MAX:
+        raise EngineError("weight_version", f"must fit in 64 bits, got {version}")
+    return version
 
 
 class _Metrics:
@@ -180,7 +187,9 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
         t0 = time.perf_counter()
         try:
             fut = await asyncio.to_thread(engine.load_weights_from_disk, req.model_path, version)
-        except OSError as e:
+        except EngineError:
+            raise
+        except Exception as e:  # transformers and safetensors raise several types for what they cannot load
             raise EngineError("model_path", f"cannot load {req.model_path}: {e}") from None
         res = await asyncio.wrap_future(fut)
         return {"success": True, "message": f"loaded in {time.perf_counter() - t0:.3f}s", **res}
@@ -189,7 +198,10 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
     async def update_weights_from_safetensors(
         request: Request,
         weight_version: int | None = Query(
-            None, description="The version the bucket belongs to (the same on every bucket of one update)."
+            None,
+            ge=INT64_MIN,
+            le=INT64_MAX,
+            description="The version the bucket belongs to (the same on every bucket of one update).",
         ),
         final: bool = Query(True, description="Apply everything staged for this version after this bucket."),
     ):

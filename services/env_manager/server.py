@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import uuid
 
@@ -23,19 +24,23 @@ from services.sample_buffer.client import BufferClient, PutBatcher
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.EnvManager"
+# One coroutine per worker, all created at once: 2**31 - 1 of them ate the service's memory and never started.
+MAX_WORKERS = 10_000
 _FAILURES = ("groups_failed", "groups_filtered", "groups_stale", "finish_timeout", "finish_abort", "release_failures")
 
 
 def build_handler(loop: RolloutLoop) -> grpc.GenericRpcHandler:
     async def start(req: pb.StartRequest, ctx) -> pb.StartResponse:
-        if req.num_workers < 0:
-            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_workers: must be >= 0")
+        if not 0 <= req.num_workers <= MAX_WORKERS:
+            why = f"num_workers: must be in [0, {MAX_WORKERS}] (0 = as configured), got {req.num_workers}"
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         await loop.start(req.num_workers)
         return pb.StartResponse(started=True)
 
     async def stop(req: pb.StopRequest, ctx) -> pb.StopResponse:
-        if req.timeout_s < 0:
-            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s: must be >= 0")
+        if not 0 <= req.timeout_s < math.inf:  # NaN made the drain raise (uvloop): UNKNOWN, workers not cancelled
+            why = f"timeout_s: must be a finite number >= 0 (0 = until the groups end), got {req.timeout_s}"
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         return pb.StopResponse(episodes_abandoned=await loop.stop(req.drain, req.timeout_s))
 
     async def stats(req: pb.EnvStatsRequest, ctx) -> pb.EnvStats:

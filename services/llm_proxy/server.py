@@ -174,10 +174,16 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
     async def suspend(req: pb.SuspendRequest, ctx) -> pb.SuspendResponse:
         if req.mode not in _MODES:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode: unknown suspend mode {req.mode}")
-        return pb.SuspendResponse(num_in_flight=await proxy.suspend(_MODES[req.mode], req.timeout_s))
+        try:
+            return pb.SuspendResponse(num_in_flight=await proxy.suspend(_MODES[req.mode], req.timeout_s))
+        except RequestInvalid as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def resume(req: pb.ResumeRequest, ctx) -> pb.ResumeResponse:
-        await proxy.resume(req.timeout_s)
+        try:
+            await proxy.resume(req.timeout_s)
+        except RequestInvalid as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.ResumeResponse()
 
     async def update_weights(req: pb.UpdateWeightsRequest, ctx) -> pb.UpdateWeightsResponse:

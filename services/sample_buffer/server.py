@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import grpc
@@ -72,6 +73,9 @@ def build_handler(buffer: SampleBuffer, metrics: BufferMetrics) -> grpc.GenericR
     async def put(req: pb.PutRequest, ctx) -> pb.PutResponse:
         if not req.groups:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "groups: at least one encoded group is needed")
+        if not 0 <= req.timeout_s < math.inf:  # NaN or infinity: a put on a full buffer waited forever
+            why = f"timeout_s: must be a finite number >= 0 (0 = the default), got {req.timeout_s}"
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         try:
             results = await buffer.put_many(list(req.groups), req.timeout_s or None)
         except CodecError as e:

@@ -143,9 +143,26 @@ def test_bad_input_is_refused_with_the_field_named(engine):
         ([1], SamplingParams.model_construct(max_new_tokens=0), "sampling_params.max_new_tokens"),
         ([1], SamplingParams(max_new_tokens=engine.max_context), "sampling_params.max_new_tokens"),
         ([1], SamplingParams(stop_token_ids=[10**6]), "sampling_params.stop_token_ids"),
+        ([1] * engine.max_context, SamplingParams(max_new_tokens=1), "input_ids"),  # the prompt alone is too long
+        # Beyond what a torch tensor / generator takes: they failed the whole running batch.
+        ([1], SamplingParams(top_k=2**63), "sampling_params.top_k"),
+        ([1], SamplingParams(sampling_seed=2**64), "sampling_params.sampling_seed"),
     ]
     for ids, params, field in cases:
         with pytest.raises(EngineError) as e:
             engine.submit("bad", ids, params)
         assert e.value.field == field
     assert len(engine.submit("ok", [1], SamplingParams(max_new_tokens=2)).result(T).output_ids) >= 1
+
+
+def test_a_step_that_fails_while_admitting_answers_the_requests_it_admitted(engine, monkeypatch):
+    import rollout.engines.embedded.engine as engine_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sampler exploded")
+
+    monkeypatch.setattr(engine_module, "sample_next_tokens", broken)
+    out = engine.submit("doomed", [1, 2, 3], SamplingParams(max_new_tokens=4)).result(T)  # hung before
+    assert out.finish_reason["type"] == "abort" and "sampler exploded" in out.finish_reason["message"]
+    monkeypatch.undo()
+    assert len(engine.submit("doomed", [1, 2, 3], SamplingParams(max_new_tokens=2)).result(T).output_ids) == 2

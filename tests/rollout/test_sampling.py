@@ -38,6 +38,15 @@ def test_logprobs_use_temperature_and_greedy_uses_one():
     torch.testing.assert_close(lp[2], torch.log_softmax(logits[2] / 2.0, -1))
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """logits / 1e-45 overflows float32: NaN probabilities failed the whole batch. SGLang: greedy below 1e-6."""
+    logits = torch.randn(2, 30) * 5
+    params = [SamplingParams(temperature=1e-45), SamplingParams(temperature=1e-7)]
+    tokens, lps = sample_next_tokens(logits, params, [None] * 2, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, logits.argmax(-1))
+    torch.testing.assert_close(lps, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
+
+
 def test_logprob_reported_before_truncation_and_top_k_one_is_argmax():
     logits = torch.randn(4, 30)
     params = [SamplingParams(temperature=0.7, top_k=1)] * 4

@@ -97,3 +97,20 @@ def test_runs_with_different_prefixes_do_not_see_each_other(redis_server):
 
     got_a, got_b = asyncio.run(go())
     assert got_b.groups == [] and [g.group_id for g in got_a.decode()] == ["only-a"]
+
+
+def test_a_get_with_under_a_millisecond_left_does_not_block_forever(redis_server):
+    """XREADGROUP BLOCK 0 waits forever: a wait shorter than 1 ms must still be a bounded read."""
+    cfg = config(redis_server.url, redis_timeout_s=3)
+
+    async def go():
+        buf = RedisBuffer(cfg)
+        try:
+            t0 = asyncio.get_running_loop().time()
+            batch = await buf.get(1, 0, 0, timeout_s=0.0005)
+            return batch, asyncio.get_running_loop().time() - t0
+        finally:
+            await buf.close()
+
+    batch, took = asyncio.run(go())
+    assert batch.batch_id == "" and batch.groups == [] and took < 1.0

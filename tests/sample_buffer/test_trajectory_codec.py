@@ -1,3 +1,6 @@
+import struct
+
+import msgpack
 import numpy as np
 import pytest
 
@@ -80,6 +83,38 @@ def test_corrupt_body_is_a_codec_error():
     data = encode_group(make_group("g2"))
     with pytest.raises(CodecError, match="corrupt group body"):
         decode_group(data[:-7])
+
+
+def _reencode(data: bytes, header=None, body=None) -> bytes:
+    """The group's bytes with its header and/or body replaced (msgpack, as the codec writes them)."""
+    _, _, hlen = struct.unpack_from("<BBI", data)
+    h, b = msgpack.unpackb(data[6 : 6 + hlen]), msgpack.unpackb(data[6 + hlen :])
+    h, b = header(h) if header else h, body(b) if body else b
+    packed = msgpack.packb(h)
+    return struct.pack("<BBI", 1, 0, len(packed)) + packed + msgpack.packb(b)
+
+
+def _set(container, key, value):
+    container[key] = value
+    return container
+
+
+@pytest.mark.parametrize(
+    "header, body, message",
+    [
+        # Numbers Python cannot make an int of: OverflowError, not a ValueError (it escaped the codec's errors).
+        (lambda h: _set(h, "v", float("inf")), None, "corrupt group header"),
+        (None, lambda b: [_set(r, 7, float("inf")) for r in b], "corrupt group body"),
+        (lambda h: _set(h, "n", 0), lambda b: [], "has no trajectories"),
+        # A header the buffer would sort and filter by, disagreeing with the trajectories.
+        (lambda h: _set(h, "v", h["v"] + 5), None, "disagrees with its trajectories"),
+        (lambda h: _set(h, "r", [1.0, 1.0]), None, "disagrees with its trajectories"),
+    ],
+)
+def test_corrupt_groups_are_codec_errors(header, body, message):
+    data = _reencode(encode_group(make_group("g3", version=2, rewards=(0.0, 1.0))), header, body)
+    with pytest.raises(CodecError, match=message):
+        decode_group(data)
 
 
 def test_group_assembler_completes_on_size_or_deadline():

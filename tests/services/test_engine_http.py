@@ -84,6 +84,10 @@ def test_batch_generate_and_logprobs_match_teacher_forcing(engine_url, tiny_mode
         ({"input_ids": "abc"}, "input_ids"),
         ({"sampling_params": {}}, "input_ids"),
         ({"input_ids": [1], "stream": True}, "stream"),
+        ({"input_ids": [1], "rid": 5}, "rid"),  # a union member's type name is not a field
+        ({"input_ids": [1] * 5000}, "input_ids"),  # longer than the context: the prompt, not max_new_tokens
+        ({"input_ids": [1], "sampling_params": {"top_k": 2**70}}, "sampling_params.top_k"),
+        ({"input_ids": [1], "sampling_params": {"sampling_seed": 2**64}}, "sampling_params.sampling_seed"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(engine_url, payload, field):
@@ -95,6 +99,8 @@ def test_bad_input_is_a_400_naming_the_field(engine_url, payload, field):
 def test_malformed_json_is_a_400_and_the_server_keeps_serving(engine_url):
     r = post(engine_url, "/generate", content=b'{"input_ids": [1, 2', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "malformed JSON" in r.json()["message"]
+    r = post(engine_url, "/generate", content=b"\x80", headers={"content-type": "application/json"})  # not UTF-8
+    assert r.status_code == 400 and r.json()["field"] == "body" and "malformed JSON" in r.json()["message"]
     r = post(engine_url, "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 200
 

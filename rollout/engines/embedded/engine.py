@@ -146,6 +146,9 @@ class EmbeddedEngine(SchedulerCommands):
             raise EngineError("input_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.max_new_tokens <= 0:
             raise EngineError("sampling_params.max_new_tokens", f"must be >= 1, got {params.max_new_tokens}")
+        if len(input_ids) >= self.max_context:  # no max_new_tokens would fit: the prompt is at fault
+            raise EngineError("input_ids", f"prompt of {len(input_ids)} tokens fills the model's context of "
+                              f"{self.max_context} tokens")  # fmt: skip
         if len(input_ids) + params.max_new_tokens > self.max_context:
             raise EngineError(
                 "sampling_params.max_new_tokens",
@@ -155,6 +158,11 @@ class EmbeddedEngine(SchedulerCommands):
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise EngineError("sampling_params.stop_token_ids", f"token id {bad[0]} is outside the vocabulary")
+        # Each becomes a torch int64 (a seed may also be a uint64): a larger one failed the whole batch.
+        if not -(1 << 63) <= params.top_k < 1 << 63:
+            raise EngineError("sampling_params.top_k", f"must fit in 64 bits, got {params.top_k}")
+        if params.sampling_seed is not None and not -(1 << 63) <= params.sampling_seed < 1 << 64:
+            raise EngineError("sampling_params.sampling_seed", f"must fit in 64 bits, got {params.sampling_seed}")
 
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> Future:
         """Queue a generation; the future resolves to a ``GenerateOutput``."""
@@ -256,13 +264,19 @@ class EmbeddedEngine(SchedulerCommands):
         now = time.perf_counter()
         for r in group:
             r.t_admit = r.t_admit or now  # a retracted request keeps its first admission
-        ids, positions, masks, lengths = prefill_inputs([r.context for r in group], self.device)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True)
-        self.counters["prefill_tokens"] += sum(lengths)
-        self.counters["prefill_batches"] += 1
-        tokens, logprobs = sample_next_tokens(
-            out.logits[:, -1], [r.params for r in group], [r.generator for r in group], self._sampler
-        )
+        try:
+            ids, positions, masks, lengths = prefill_inputs([r.context for r in group], self.device)
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True)
+            self.counters["prefill_tokens"] += sum(lengths)
+            self.counters["prefill_batches"] += 1
+            tokens, logprobs = sample_next_tokens(
+                out.logits[:, -1], [r.params for r in group], [r.generator for r in group], self._sampler
+            )
+        except Exception:
+            # Out of the queue, not yet running: the loop's handler fails only the running batch, so
+            # these would never be answered (their callers hung). They fail with it.
+            self._running += group
+            raise
         keep = [i for i, r in enumerate(group) if not self._append(r, int(tokens[i]), float(logprobs[i]))]
         if keep:
             kv = cache_to_kv(out.past_key_values)

@@ -3,7 +3,8 @@
 Log-probs follow SGLang: ``log_softmax(logits / temperature)`` over the full vocabulary, taken
 *before* top-p / top-k truncation, so they are the behaviour policy's probabilities of the
 sampled tokens at that temperature. Greedy decoding (temperature 0) reports
-``log_softmax(logits)``, as if temperature were 1.
+``log_softmax(logits)``, as if temperature were 1. As in SGLang, a temperature below
+``GREEDY_BELOW`` is greedy: dividing by it overflows the logits (NaN probabilities).
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import torch
 
 from rollout.sampling import SamplingParams
 
+GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS
+
 
 def token_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """Log-probs of the whole vocabulary at each row's temperature.
 
-    logits: [B, V] float; temperatures: [B] (0 = greedy, treated as 1). Returns [B, V].
+    logits: [B, V] float; temperatures: [B] (below ``GREEDY_BELOW`` = greedy, treated as 1). Returns [B, V].
     """
-    temps = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    temps = torch.where(temperatures >= GREEDY_BELOW, temperatures, torch.ones_like(temperatures))
     return torch.log_softmax(logits.float() / temps[:, None], dim=-1)
 
 
@@ -55,7 +58,7 @@ def sample_next_tokens(
     temps = torch.tensor([p.temperature for p in params], device=device)
     logprobs = token_logprobs(logits, temps)
     tokens = logprobs.argmax(dim=-1)
-    sampled = (temps > 0).nonzero().flatten().tolist()
+    sampled = (temps >= GREEDY_BELOW).nonzero().flatten().tolist()
     if sampled:
         top_k = torch.tensor([params[i].top_k for i in sampled], device=device)
         top_p = torch.tensor([params[i].top_p for i in sampled], device=device)
