@@ -86,7 +86,7 @@ def _run(cmd: list[str], run_dir: Path, redis, kills: list[str], steps_between: 
         for i, service in enumerate(kills):
             at = steps_between * (i + 1)
             _wait(f"step {at}", lambda at=at: len(_steps(run_dir)) >= at or None, proc, 300)
-            time.sleep(rng.uniform(0.0, 1.5))  # anywhere in a step: mid-generation, mid-update, mid-train
+            time.sleep(rng.uniform(0.0, 0.5))  # anywhere in a step: mid-generation, mid-update, mid-train
             t_kill = time.time()
             _kill(service, run_dir, redis)
             progress(f"killed {service}")
@@ -157,7 +157,9 @@ def run(model_path: str, services: list[str] | None = None, steps_between: int =
     if not (Path(model_path) / "config.json").exists():
         raise BadOption(f"--model: no model at {model_path} (make model builds models/tiny)")
     ensure_token(AuthConfig())
-    steps = steps_between * (len(services) + 2)  # the last kill still has steps to wait for
+    # The last kill must still find steps to train: a tiny-model step can take 0.2 s, and a trainer
+    # killed after its last step would just exit.
+    steps = steps_between * (len(services) + 1) + 6
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="rollmesh-chaos-") as d:
         tmp = Path(keep or d)  # kept: each run's output, logs and metrics
