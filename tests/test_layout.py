@@ -2,6 +2,7 @@
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 RULES = {
@@ -33,6 +34,19 @@ def test_no_sglang_import_on_cpu_path():
     for pkg in ("rollout", "services", "trainer", "sample_buffer"):
         for f in Path(pkg).rglob("*.py"):
             assert not re.search(r"^\s*(import|from)\s+sglang", f.read_text(), re.M), f
+
+
+def test_services_that_need_no_model_start_without_torch():
+    """A restarted buffer, controller or proxy is back in about a second: reading the run config and
+    importing these servers must not import torch or transformers (that import took 6 s here, most
+    of a restart)."""
+    servers = "services.sample_buffer.server, services.controller.server, services.llm_proxy.server"
+    code = (
+        f"import sys, services.config, {servers}; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", f"importing the config and the light servers imported {out.strip()}"
 
 
 def test_readme_opens_with_the_two_commands_and_they_exist():

@@ -7,74 +7,17 @@ token-level advantages [B, T] that are 0 where ``mask`` is 0, and the returns a 
 [B, T] (``None`` for the critic-free estimators): ``fn(rewards, mask, group_ids, *, values=None,
 **knobs) -> (advantages, returns)``, the knobs being the fields of the estimator's own config.
 
-Each estimator's config is its own model tagged by ``type`` (``advantages: {type: gae, lam: 0.95}``)
-with only the knobs it reads, so a misspelled estimator or a knob of another one fails at load.
+Each estimator's config is its own model tagged by ``type`` (``advantages: {type: gae, lam: 0.95}``),
+in ``trainer/advantage_config.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from sample_buffer.registry import tagged_union
-
-
-class BaseAdvantageConfig(BaseModel):
-    """What every estimator shares: reward clipping before it, whitening after it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    reward_clip: float | None = Field(None, gt=0, description="Clip rewards to [-c, c] before estimating.")
-    whiten: bool = Field(False, description="Whiten the advantages over all masked tokens of the batch.")
-    eps: float = Field(1e-6, gt=0, description="Added to standard deviations.")
-
-
-class GRPOAdvantageConfig(BaseAdvantageConfig):
-    """GRPO: reward minus its group's mean, divided by the group's std."""
-
-    type: Literal["grpo"] = Field("grpo", description="Selects GRPO.")
-    norm_by_std: bool = Field(True, description="Divide by the group's reward std.")
-
-
-class DrGRPOAdvantageConfig(BaseAdvantageConfig):
-    """Dr. GRPO: reward minus its group's mean, no std division."""
-
-    type: Literal["dr_grpo"] = Field("dr_grpo", description="Selects Dr. GRPO.")
-
-
-class RLOOAdvantageConfig(BaseAdvantageConfig):
-    """RLOO: reward minus the mean of the other members of its group."""
-
-    type: Literal["rloo"] = Field("rloo", description="Selects RLOO.")
-
-
-class ReinforcePPAdvantageConfig(BaseAdvantageConfig):
-    """REINFORCE++: discounted returns whitened over the batch."""
-
-    type: Literal["reinforce_pp"] = Field("reinforce_pp", description="Selects REINFORCE++.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount of the returns.")
-
-
-class GAEAdvantageConfig(BaseAdvantageConfig):
-    """GAE over a critic's values (set ``trainer.critic: true``)."""
-
-    type: Literal["gae"] = Field("gae", description="Selects GAE.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount.")
-    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
-
-
-AdvantageConfig = tagged_union(
-    GRPOAdvantageConfig,
-    DrGRPOAdvantageConfig,
-    RLOOAdvantageConfig,
-    ReinforcePPAdvantageConfig,
-    GAEAdvantageConfig,
-    default="grpo",
-)
-"""One estimator's config, chosen by its ``type``; the key of ``ADVANTAGE_ESTIMATORS`` that runs it."""
+from trainer.advantage_config import AdvantageConfig
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:

@@ -7,9 +7,22 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sample_buffer.registry import tagged_union
-from trainer.advantages import AdvantageConfig, GRPOAdvantageConfig
-from trainer.losses import DecoupledPPOLossConfig, PolicyLossConfig
+from trainer.advantage_config import AdvantageConfig, GRPOAdvantageConfig
+from trainer.loss_config import DecoupledPPOLossConfig, PolicyLossConfig
 from trainer.sim import SimTrainerConfig
+
+
+class TrainLoopConfig(BaseModel):
+    """The loop around the training engine: run length, batches, deadlines, checkpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(100, ge=1, description="Optimizer steps of the run (also the LR schedule's length).")
+    run_dir: str = Field("runs/default", description="Checkpoints, exported weights and metrics.jsonl go here.")
+    checkpoint_every: int = Field(20, ge=0, description="Checkpoint every k steps and at the end; 0 = never.")
+    get_timeout_s: float = Field(120.0, gt=0, description="How long one step waits for a full batch of groups.")
+    publish_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight update on the engines.")
+    keep_weight_versions: int = Field(2, ge=1, description="Exported weight versions kept (rollback needs >= 1).")
 
 
 class TrainerConfig(BaseModel):

@@ -20,27 +20,14 @@ import logging
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from sample_buffer.codec import decode_group
 from trainer.batch import batch_from_groups
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.config import TrainLoopConfig
 from trainer.ports import SampleSource, TrainObserver, TransientError, VersionControl, WeightPublisher
 
 log = logging.getLogger(__name__)
-
-
-class TrainLoopConfig(BaseModel):
-    """The loop around the training engine: run length, batches, deadlines, checkpoints."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    steps: int = Field(100, ge=1, description="Optimizer steps of the run (also the LR schedule's length).")
-    run_dir: str = Field("runs/default", description="Checkpoints, exported weights and metrics.jsonl go here.")
-    checkpoint_every: int = Field(20, ge=0, description="Checkpoint every k steps and at the end; 0 = never.")
-    get_timeout_s: float = Field(120.0, gt=0, description="How long one step waits for a full batch of groups.")
-    publish_timeout_s: float = Field(120.0, gt=0, description="Deadline of one weight update on the engines.")
-    keep_weight_versions: int = Field(2, ge=1, description="Exported weight versions kept (rollback needs >= 1).")
+MAX_PUBLISH_RETRY_S = 8.0  # a failed publish is tried again after 0.5 s, doubling up to this
 
 
 class StalenessMismatch(ValueError):
@@ -75,12 +62,17 @@ class TrainLoop:
         self.run_dir = Path(config.run_dir)
         self.publish_times: dict[str, float] = {}
         self._unpublished = False  # the engines do not serve this trainer's version yet
+        self.served_version: int | None = None  # what the engines serve, as of join and the last publish
+        self._publish_failures = 0  # in a row: the wait before trying again doubles
 
     # ------------------------------------------------------------------ the loop
     async def step(self) -> dict | None:
         """One training step; None when no full batch arrived in time."""
-        if self._unpublished:  # else the engines may serve a version whose samples are all too stale
-            await self._publish()
+        if self._unpublished and not await self._publish() and self._too_far_ahead():
+            # Whatever the engines make now is staler than the bound: a get would wait out its whole
+            # timeout for groups the buffer drops, and each step trained meanwhile widens the gap.
+            await asyncio.sleep(min(MAX_PUBLISH_RETRY_S, 0.5 * 2 ** (self._publish_failures - 1)))
+            return None
         t0, version = time.perf_counter(), self.engine.version
         fetched = self._from_rank0(await self._get(version) if self.rank == 0 else None)  # get
         if fetched is None:
@@ -116,8 +108,9 @@ class TrainLoop:
         """Move every engine to the new weights; on any failure roll back and return False.
 
         Every failure is logged and counted by cause (export, begin, load, commit); generation
-        goes on at the previous version and the next step publishes again before it gets samples
-        (with ``async_ratio`` versions of lag, samples of the old version would all be too stale).
+        goes on at the previous version and the next step publishes again before it gets samples.
+        While that keeps failing, steps go on only as long as the engines' samples are fresh enough
+        for the trainer's version; past that the step waits and publishes again (``step``).
         """
         version, t0 = self.engine.version, time.perf_counter()
         self.publish_times = {}
@@ -175,6 +168,7 @@ class TrainLoop:
         """
         theirs = self._from_rank0(await self._controller_version(wait_s) if self.rank == 0 else None)
         mine = self.engine.version
+        self.served_version = theirs
         if theirs > mine:
             log.warning("the controller is at version %d, this checkpoint at %d: going on from the checkpoint's "
                         "weights as version %d", theirs, mine, theirs)  # fmt: skip
@@ -246,7 +240,14 @@ class TrainLoop:
         before the next step gets samples."""
         ok = self._from_rank0(await self.publish())
         self._unpublished = not ok
+        self._publish_failures = 0 if ok else self._publish_failures + 1
+        if ok:
+            self.served_version = self.engine.version
         return ok
+
+    def _too_far_ahead(self) -> bool:
+        """Would the buffer drop as stale every sample of the version the engines serve?"""
+        return self.served_version is not None and self.engine.version - self.served_version > self.max_staleness
 
     def _failed(self, cause: str, version: int, error) -> bool:
         log.error("publishing v%d failed at %s: %s", version, cause, error)

@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.engines.embedded import EmbeddedEngine, EngineError, GenerateOutput, SamplingParams
+from rollout.engines.embedded.engine import EmbeddedEngine, EngineError, GenerateOutput
+from rollout.sampling import SamplingParams
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector
 from services.http_errors import bad_request, install_error_handlers
 from services.metrics import histogram, init_labels

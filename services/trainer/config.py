@@ -6,7 +6,7 @@ from pydantic import Field
 
 from services.metrics_log import TrackingConfig
 from services.trainer.publishers import DiskPublisherConfig, PublisherConfig
-from trainer.loop import TrainLoopConfig
+from trainer.config import TrainLoopConfig
 
 
 class TrainerProcessConfig(TrainLoopConfig):

@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout.engines.embedded import EmbeddedEngine, EngineConfig, EngineError, SamplingParams
+from rollout.engines.embedded.config import EngineConfig
+from rollout.engines.embedded.engine import EmbeddedEngine, EngineError
+from rollout.sampling import SamplingParams
 
 T = 60  # seconds: no test waits on the engine longer than this
 

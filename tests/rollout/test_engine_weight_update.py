@@ -8,8 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout.engines.embedded import EmbeddedEngine, EngineConfig, EngineError, SamplingParams
+from rollout.engines.embedded.config import EngineConfig
+from rollout.engines.embedded.engine import EmbeddedEngine, EngineError
 from rollout.engines.embedded.weights import weights_checksum
+from rollout.sampling import SamplingParams
 
 T = 60
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)

@@ -11,9 +11,9 @@ from services.metrics_log import MetricsLog
 from services.trainer.metrics import TrainerMetrics, TrainerObserver
 from services.trainer.publishers import DiskPublisher
 from tests.services.mesh import local_mesh
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, TrainLoopConfig
 from trainer.engine import TrainEngine
-from trainer.loop import TrainLoop, TrainLoopConfig
+from trainer.loop import TrainLoop
 
 
 def trainer(mesh, cfg: TrainLoopConfig, engine, groups_per_step: int, observer=None) -> TrainLoop:

@@ -17,9 +17,9 @@ from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
 from services.trainer.publishers import BucketPublisher
 from tests.services.mesh import local_mesh
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, TrainLoopConfig
 from trainer.engine import TrainEngine
-from trainer.loop import TrainLoop, TrainLoopConfig
+from trainer.loop import TrainLoop
 
 
 def _perturbed_trainer(model_path: str) -> TrainEngine:

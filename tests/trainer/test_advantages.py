@@ -7,9 +7,9 @@ import pytest
 import torch
 from pydantic import TypeAdapter, ValidationError
 
+from trainer.advantage_config import AdvantageConfig
 from trainer.advantages import (
     ADVANTAGE_ESTIMATORS,
-    AdvantageConfig,
     compute_advantages,
     dr_grpo,
     gae,

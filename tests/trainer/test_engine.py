@@ -90,7 +90,9 @@ def test_checkpoint_resume_is_bit_for_bit(tiny_model, tmp_path):
 
 
 def test_exported_weights_serve_identically(tiny_model, tmp_path):
-    from rollout.engines.embedded import EmbeddedEngine, EngineConfig, SamplingParams
+    from rollout.engines.embedded.config import EngineConfig
+    from rollout.engines.embedded.engine import EmbeddedEngine
+    from rollout.sampling import SamplingParams
 
     eng = engine(tiny_model)
     eng.train_step(toy_batch())

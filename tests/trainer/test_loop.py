@@ -5,6 +5,7 @@ The same loop runs against real services in tests/services/test_trainer_loop.py.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -14,7 +15,8 @@ from sample_buffer.memory import MemoryBuffer
 from services.controller.config import ControllerConfig
 from services.controller.controller import AsyncController
 from tests.sample_buffer.helpers import make_group
-from trainer.loop import StalenessMismatch, TrainLoop, TrainLoopConfig
+from trainer.config import TrainLoopConfig
+from trainer.loop import StalenessMismatch, TrainLoop
 from trainer.ports import PublishError, TrainObserver
 from trainer.sim import SimTrainEngine, SimTrainerConfig
 
@@ -177,23 +179,34 @@ def test_a_trainer_ahead_of_the_controller_publishes_its_checkpoint_before_train
     assert loop.engine.version == 5 and loop.engine.step == 0
 
 
-def test_a_failed_publish_is_retried_before_the_next_get(tmp_path):
-    """Two publishes fail in a row (the only engine is down): the trainer is two versions ahead
-    of what the engines serve, so under async_ratio 1 no sample could ever be fresh enough. The
-    next step publishes first, and trains once the engines are back."""
+def test_a_failed_publish_is_retried_and_no_step_trains_past_the_bound(tmp_path):
+    """Publishes fail while the only engine is down. Under async_ratio 1 the trainer trains on
+    while the engines' samples are still fresh enough for it; once it is two versions ahead, a step
+    does not get samples (the buffer would drop every one as stale, after waiting out the get
+    timeout): it waits and publishes again. Once the engine is back, the next step publishes first
+    and trains."""
 
     async def main():
         loop, ctl, buf = make(tmp_path)
+        await loop.join()
         loop.publisher.fail = True
-        for version in (1, 2):  # two steps whose publish fails
-            for g in ("a", "b"):
-                await buf.put(make_group(f"{g}{version}", version=ctl.version))
-            assert (await loop.step())["published"] is False
+        for g in ("a", "b", "c", "d", "e", "f"):
+            await buf.put(make_group(g, version=0))
+        await ctl.release(finished=6, holder="env-0")  # as an EnvManager reports its finished groups
+        ahead = [await loop.step(), await loop.step()]  # versions 0 → 1 → 2, none published
+        t0 = time.monotonic()
+        blocked = await loop.step()  # two ahead: no get, the publish is tried again after a wait
+        waited, stats = time.monotonic() - t0, await buf.stats()
         loop.publisher.fail = False  # the engine is back
-        await loop.step()  # publishes version 2 first; no batch of version >= 1 exists yet
-        for g in ("c", "d"):
-            await buf.put(make_group(g, version=ctl.version))
-        return await loop.step(), ctl, loop.publisher
+        for g in ("g", "h"):
+            await buf.put(make_group(g, version=2))
+        await ctl.release(finished=2, holder="env-0")
+        return ahead, blocked, waited, stats, await loop.step(), ctl, loop
 
-    m, ctl, publisher = asyncio.run(main())
-    assert publisher.loaded[:1] == [2] and m["step"] == 3 and m["published"] and ctl.version == 3
+    ahead, blocked, waited, stats, m, ctl, loop = asyncio.run(main())
+    assert [x["version"] for x in ahead] == [1, 2] and not any(x["published"] for x in ahead)
+    assert blocked is None and waited >= 0.5
+    assert stats["depth"] == 2 and stats["dropped_stale"] == 0  # e, f were not even asked for
+    assert loop.publisher.loaded[:1] == [2] and ctl.version == 3  # v2 first, then the step's v3
+    assert m["step"] == 3 and m["published"] and m["staleness_max"] == 0
+    assert loop.observer.failures == ["load"] * 4

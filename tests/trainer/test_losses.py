@@ -10,10 +10,9 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 
 from trainer.config import TrainerConfig
+from trainer.loss_config import CustomLossConfig, PolicyLossConfig
 from trainer.losses import (
     POLICY_LOSSES,
-    CustomLossConfig,
-    PolicyLossConfig,
     aggregate,
     kl_penalty,
     policy_loss,

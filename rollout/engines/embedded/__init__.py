@@ -1,7 +1,5 @@
-"""The embedded inference engine: continuous batching on torch + transformers (CPU or one GPU)."""
+"""The embedded inference engine: continuous batching on torch + transformers (CPU or one GPU).
 
-from rollout.engines.embedded.config import EngineConfig
-from rollout.engines.embedded.engine import EmbeddedEngine, EngineError, GenerateOutput
-from rollout.sampling import SamplingParams
-
-__all__ = ["EmbeddedEngine", "EngineConfig", "EngineError", "GenerateOutput", "SamplingParams"]
+The package itself imports nothing: loading a run config reads ``config`` here, and must not pay
+for torch (``engine``).
+"""

@@ -1,0 +1,118 @@
+"""The policy losses' configs: one model per variant, tagged by ``type``, without torch.
+
+Each variant's config holds only the knobs that variant reads, so a knob of another variant, or a
+misspelled one, fails when the config is loaded instead of being silently ignored. The knobs keep
+their variant prefix (``gspo_clip_low``, ``tis_cap``) because the same word with another scale is a
+trap: GSPO's sequence ratio clips at 3e-4 where PPO's token ratio clips at 0.2, and switching
+``type`` while keeping ``clip_low`` should be an error, not a clip hundreds of times wider.
+
+Apart from ``trainer/losses.py`` (the functions) so that loading a run config does not import torch:
+every service reads the whole config, and torch's import was most of a restarted service's start.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sample_buffer.registry import resolve, tagged_union
+
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class BaseLossConfig(BaseModel):
+    """What every policy loss shares: how the per-token loss matrix becomes one number."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agg_mode: AggMode = Field("token-mean", description="How the per-token loss matrix becomes one number.")
+    norm_len: int | None = Field(
+        None, ge=1, description="seq-mean-token-sum-norm: the constant length divided by (default: T)."
+    )
+
+
+class _RatioClipConfig(BaseLossConfig):
+    """The token-ratio clip range of PPO and decoupled PPO."""
+
+    clip_low: float = Field(0.2, ge=0, description="ε_low: ratio clipped below at 1 - ε_low.")
+    clip_high: float = Field(0.28, ge=0, description="ε_high: ratio clipped above at 1 + ε_high (DAPO clip-higher).")
+
+
+class PPOLossConfig(_RatioClipConfig):
+    """PPO's clipped surrogate on π/π_old, with optional dual clip."""
+
+    type: Literal["ppo"] = Field("ppo", description="Selects PPO.")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c (> 1) for negative advantages.")
+
+
+class GSPOLossConfig(BaseLossConfig):
+    """GSPO: the clipped surrogate on the per-sequence geometric-mean ratio."""
+
+    type: Literal["gspo"] = Field("gspo", description="Selects GSPO.")
+    gspo_clip_low: float = Field(3e-4, ge=0, description="Sequence-ratio clip below at 1 - this.")
+    gspo_clip_high: float = Field(4e-4, ge=0, description="Sequence-ratio clip above at 1 + this.")
+
+
+class DecoupledPPOLossConfig(_RatioClipConfig):
+    """Decoupled PPO (AReaL): clip π/π_prox, weight by sg(π_prox/μ). The default loss."""
+
+    type: Literal["decoupled_ppo"] = Field("decoupled_ppo", description="Selects decoupled PPO.")
+    behavior_weight_cap: float | None = Field(5.0, gt=0, description="Cap of the π_prox/μ weight (None = uncapped).")
+
+
+class TISLossConfig(BaseLossConfig):
+    """Truncated importance sampling against the behaviour policy."""
+
+    type: Literal["tis"] = Field("tis", description="Selects truncated IS.")
+    tis_cap: float = Field(2.0, gt=0, description="Truncation c of the importance weight min(π/μ, c).")
+
+
+class CISPOLossConfig(BaseLossConfig):
+    """CISPO: REINFORCE weighted by the clipped (stop-gradient) ratio."""
+
+    type: Literal["cispo"] = Field("cispo", description="Selects CISPO.")
+    cispo_clip_low: float = Field(1.0, ge=0, description="ε_low of the clipped weight (1.0 = no lower clip).")
+    cispo_clip_high: float = Field(0.28, ge=0, description="ε_high of the clipped weight.")
+
+
+class TOPRLossConfig(BaseLossConfig):
+    """TOPR: REINFORCE on positive advantages, truncated IS on negative ones."""
+
+    type: Literal["topr"] = Field("topr", description="Selects TOPR.")
+    topr_pos_coef: float = Field(1.0, ge=0, description="Coefficient of positive-advantage samples.")
+    topr_neg_coef: float = Field(1.0, ge=0, description="Coefficient of negative-advantage samples.")
+
+
+class ReinforceLossConfig(BaseLossConfig):
+    """Plain REINFORCE: -A·log π, no ratio, no knobs."""
+
+    type: Literal["reinforce"] = Field("reinforce", description="Selects REINFORCE.")
+
+
+class CustomLossConfig(BaseLossConfig):
+    """A user's own loss with the signature of the variants below; it reads its knobs from ``params``."""
+
+    type: Literal["custom"] = Field("custom", description="Selects a user's own loss function.")
+    function: str = Field(
+        ..., description="'module:function' of the loss; called like the built-in variants, with config=this."
+    )
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Knobs of your own loss, read by it as config.params[...]."
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _importable(cls, name: str) -> str:
+        if ":" not in name:
+            raise ValueError(f"expected 'module:function', got {name!r}")
+        if not callable(resolve("function", name, {})):
+            raise ValueError(f"{name!r} is not callable")
+        return name
+
+
+PolicyLossConfig = tagged_union(
+    PPOLossConfig, GSPOLossConfig, DecoupledPPOLossConfig, TISLossConfig, CISPOLossConfig, TOPRLossConfig,
+    ReinforceLossConfig, CustomLossConfig, default="decoupled_ppo",
+)  # fmt: skip
+"""One of the variants' configs, chosen by its ``type``; the key of ``trainer.losses.POLICY_LOSSES`` that runs it."""
