@@ -112,6 +112,14 @@ class RollmeshConfig(BaseModel):
                              "none (use type: disk)")  # fmt: skip
         return self
 
+    @model_validator(mode="after")
+    def _lease_outlasts_heartbeats(self) -> RollmeshConfig:
+        # A lease of one heartbeat would expire a live EnvManager whose report was a moment late.
+        if self.controller.holder_lease_s < 3 * self.env_manager.heartbeat_s:
+            raise ValueError(f"controller.holder_lease_s ({self.controller.holder_lease_s:g}) must be at least 3 x "
+                             f"env_manager.heartbeat_s ({self.env_manager.heartbeat_s:g})")  # fmt: skip
+        return self
+
 
 def _variant_tags(model: type[BaseModel]) -> set[str]:
     """Every ``type`` tag of every typed union under ``model``."""

@@ -37,6 +37,8 @@ def test_bad_values_name_the_field():
         load_config(None, ["engine.port"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent.yaml")
+    with pytest.raises(ConfigError, match=r"holder_lease_s \(10\) must be at least 3 x env_manager.heartbeat_s"):
+        load_config(None, ["controller.holder_lease_s=10", "env_manager.heartbeat_s=5"])
 
 
 @pytest.mark.parametrize("path", sorted(Path("examples").glob("*.yaml")), ids=lambda p: p.name)

@@ -6,6 +6,7 @@ training loop's ``VersionControl`` port. gRPC errors become the project's own
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 
@@ -16,6 +17,8 @@ from services.grpc_util import channel
 from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import controller_pb2_grpc
 from trainer.ports import Limits
+
+log = logging.getLogger(__name__)
 
 
 class ControllerClient:
@@ -55,6 +58,17 @@ class ControllerClient:
             req = pb.ReleaseRequest(num_groups=unused, num_finished=finished, num_dropped=dropped,
                                     holder=self.holder, held=self.held)  # fmt: skip
             await self._call(self.stub.Release, req)
+
+    async def keep_lease(self, every_s: float) -> None:
+        """Report this holder's count every ``every_s`` (run as a task): a holder whose workers are
+        all busy with long episodes makes no other call, and the controller frees the slots of one
+        silent for ``holder_lease_s``. A failed report is logged; the next one may get through."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.admit(0)
+            except Exception as e:
+                log.warning("lease report to the controller failed: %s", e)
 
     async def watch_versions(self):
         try:

@@ -49,6 +49,13 @@ class ControllerConfig(BaseModel):
         description="How often the controller asks the SampleBuffer how many groups it holds (admission "
         "counts them: a count the buffer keeps cannot drift or be lost in a restart).",
     )
+    holder_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="A named admitter (an EnvManager) that has not reported for this long loses its admission "
+        "slots: it died and did not come back under its name. EnvManagers report at least every "
+        "env_manager.heartbeat_s, so keep this several of those.",
+    )
     host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
     port: int = Field(50053, ge=0, le=65535, description="gRPC port.")
     metrics_port: int = Field(9103, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")

@@ -40,6 +40,15 @@ class UpdateConflict(RuntimeError):
     """An update is already in progress, or the update id is not the current one."""
 
 
+@dataclass(frozen=True)
+class BufferCount:
+    """What admission needs from the SampleBuffer: groups it holds (stored, not consumed), and
+    groups it ever stored, which never goes down unless the buffer lost its state."""
+
+    held: int
+    stored_total: int
+
+
 @dataclass
 class _Update:
     update_id: str
@@ -52,8 +61,8 @@ class AsyncController:
     def __init__(self, config: ControllerConfig, proxy=None, buffer=None) -> None:
         """``proxy``: an object with async ``suspend()``, ``resume()`` and
         ``update_weights(model_path, version)`` (the LLMProxy gRPC client); ``buffer``: one with
-        async ``held()``, the groups the SampleBuffer holds (stored, not consumed). None for tests
-        of admission alone: then the controller counts finished and dropped groups itself."""
+        async ``count()`` returning a ``BufferCount``. None for tests of admission alone: then the
+        controller counts finished and dropped groups itself."""
         self.config = config
         self.proxy = proxy
         self.buffer = buffer
@@ -61,11 +70,13 @@ class AsyncController:
         self.model_path = config.initial_model_path
         # Admitted groups not finished: per named holder as it last reported, plus anonymous callers'.
         self.holders: dict[str, int] = {}
+        self._reported: dict[str, float] = {}  # holder -> time.monotonic() of its last report (its lease)
         self.anonymous = 0
         # Finished groups not yet consumed: as many as the buffer held when last asked, plus those
         # finished since that question was sent (counted twice until the next answer: the safe side).
         self.buffered = 0
         self._unpolled = 0
+        self._stored_total: int | None = None  # the buffer's, when last asked
         self.finished = 0  # total, for metrics
         self._poller: asyncio.Task | None = None
         self._reconciler: asyncio.Task | None = None
@@ -88,6 +99,19 @@ class AsyncController:
         if known is not None and known - returned != held:
             self.counters["holder_resyncs"] += 1
         self.holders[holder] = held
+        self._reported[holder] = time.monotonic()
+
+    def _expire_leases(self) -> None:
+        """A holder silent for ``holder_lease_s`` died and did not come back under its name (its
+        successor would have reported): its groups will never finish, so their slots return."""
+        now = time.monotonic()
+        for holder, seen in list(self._reported.items()):
+            if now - seen > self.config.holder_lease_s:
+                del self._reported[holder]
+                if lost := self.holders.pop(holder, 0):
+                    self.counters["lease_expired"] += lost
+                    log.warning("%s has not reported for %.0f s: its %d admission slots return", holder,
+                                now - seen, lost)  # fmt: skip
 
     def capacity(self) -> int:
         """Slots free under the bound. Groups consumed are ``version x groups_per_step`` (one step,
@@ -107,13 +131,24 @@ class AsyncController:
         while True:
             sent = self._unpolled
             try:
-                held = await asyncio.wait_for(self.buffer.held(), self.config.control_timeout_s)
+                count = await asyncio.wait_for(self.buffer.count(), self.config.control_timeout_s)
             except Exception as e:  # the buffer restarts: keep counting finished groups meanwhile
                 self.counters["buffer_poll_failures"] += 1
                 log.debug("buffer poll failed: %s", e)
             else:
-                self.buffered, self._unpolled = held, self._unpolled - sent
+                self._notice_lost_groups(count)
+                self.buffered, self._unpolled = count.held, self._unpolled - sent
             await asyncio.sleep(self.config.buffer_poll_s)
+
+    def _notice_lost_groups(self, count: BufferCount) -> None:
+        """A buffer that stored fewer groups in all than when last asked lost its state (the
+        in-memory backend restarted, or Redis without its append-only file): the groups it held
+        then are gone. At most that many: some may have been consumed since the last question."""
+        if self._stored_total is not None and count.stored_total < self._stored_total and self.buffered:
+            self.counters["buffer_lost"] += self.buffered
+            log.warning("the SampleBuffer lost its state (stored %d in all, %d when last asked): the %d groups it "
+                        "held are gone", count.stored_total, self._stored_total, self.buffered)  # fmt: skip
+        self._stored_total = count.stored_total
 
     def start(self) -> AsyncController:
         """Follow the buffer's count and keep the engines at the committed version (tasks)."""
@@ -152,6 +187,7 @@ class AsyncController:
             raise ValueError(f"num_groups: must be >= 0, got {num_groups}")
         if holder:
             self._report(holder, held)
+        self._expire_leases()
         granted = min(num_groups, self.capacity())
         if holder:
             self.holders[holder] += granted

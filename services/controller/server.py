@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.auth import AuthConfig
 from services.controller.config import ControllerConfig
-from services.controller.controller import AsyncController, RestoreError, UpdateConflict
+from services.controller.controller import AsyncController, BufferCount, RestoreError, UpdateConflict
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.llm_proxy.client import ProxyClient
 from services.metrics import serve_metrics
@@ -71,6 +71,10 @@ class _ControllerCollector:
             ("rollmesh_controller_admitted_groups", "Admission slots granted", c["admitted"]),
             ("rollmesh_controller_admit_refused_groups", "Admission slots asked for and refused", c["admit_refused"]),
             ("rollmesh_controller_finished_groups", "Admitted groups that ended in the buffer", ctl.finished),
+            ("rollmesh_controller_lease_expired_groups", "Admission slots of EnvManagers that stopped reporting "
+             "(controller.holder_lease_s), returned", c["lease_expired"]),
+            ("rollmesh_controller_buffer_lost_groups", "Groups the SampleBuffer held when it lost its state "
+             "(in-memory backend restarted)", c["buffer_lost"]),
             ("rollmesh_controller_buffer_poll_failures", "Questions to the SampleBuffer that failed",
              c["buffer_poll_failures"]),
             ("rollmesh_controller_reconciles", "Times engines found at another version got the committed weights",
@@ -152,15 +156,15 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
     )
 
 
-class BufferHeld:
-    """The one SampleBuffer number admission needs: groups stored and not yet consumed."""
+class BufferCounts:
+    """The SampleBuffer's numbers admission needs, from its Stats."""
 
     def __init__(self, client: BufferClient) -> None:
         self.client = client
 
-    async def held(self) -> int:
+    async def count(self) -> BufferCount:
         stats = await self.client.stats()
-        return stats.depth + stats.in_flight
+        return BufferCount(held=stats.depth + stats.in_flight, stored_total=stats.put_total)
 
     async def close(self) -> None:
         await self.client.close()
@@ -179,7 +183,7 @@ async def start_controller(config: ControllerConfig, proxy_address: str, auth: A
     """Start the controller and its gRPC server; returns (server, controller, its clients: ``close()``).
     Without ``buffer_address`` admission counts finished groups itself (tests of the protocol)."""
     proxy_client = ProxyClient(proxy_address, timeout_s=config.control_timeout_s, auth=auth)
-    buffer = BufferHeld(BufferClient(buffer_address, config.control_timeout_s, auth)) if buffer_address else None
+    buffer = BufferCounts(BufferClient(buffer_address, config.control_timeout_s, auth)) if buffer_address else None
     clients = _Clients(proxy_client, buffer)
     ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s, config.suspend_mode), buffer)
     try:

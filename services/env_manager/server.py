@@ -93,11 +93,13 @@ def serve(cfg) -> None:
         loop = build_loop(config, proxy, buffer, controller)
         server = await start_server(build_handler(loop), SERVICE, config.host, config.port, auth=cfg.auth)
         serve_metrics(loop.observer.registry, config.host, config.metrics_port, "EnvManager")
+        lease = asyncio.create_task(controller.keep_lease(config.heartbeat_s))
         if config.autostart:
             await loop.start()
         log.info("EnvManager serving on %s:%d", config.host, server.bound_port)
 
         async def cleanup() -> None:
+            lease.cancel()
             await loop.stop()
             await asyncio.gather(proxy.close(), buffer.close(), controller.close())
 

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import grpc
 import pytest
 
 from rollout.proxy import ProxyConfig
+from sample_buffer.config import BufferConfig
 from services.controller.client import ControllerClient
 from services.controller.config import ControllerConfig
 from services.controller.controller import AsyncController, RestoreError
-from services.controller.server import BufferHeld, start_controller
+from services.controller.server import BufferCounts, start_controller
 from services.grpc_util import channel as grpc_channel
 from services.llm_proxy.client import ProxyClient
 from services.llm_proxy.server import engine_client, start_proxy
 from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import controller_pb2_grpc
 from services.sample_buffer.client import BufferClient
+from services.sample_buffer.server import start_buffer_service
 from tests.sample_buffer.helpers import make_group
 from tests.services.mesh import local_mesh
 
@@ -247,7 +250,7 @@ def test_admission_counts_the_groups_the_buffer_holds_so_a_restart_does_not_over
                 assert (await mesh.buffer_client.put(make_group(f"g{i}"))).accepted
             await client.release(finished=4)
             await client.close()
-            buffer = BufferHeld(BufferClient(mesh.buffer_client.address))
+            buffer = BufferCounts(BufferClient(mesh.buffer_client.address))
             cfg = ControllerConfig(async_ratio=1, groups_per_step=2, initial_model_path=tiny_model, buffer_poll_s=0.1)
             restarted = AsyncController(cfg, buffer=buffer).start()
             try:
@@ -297,3 +300,70 @@ def test_engines_found_at_another_version_get_the_committed_weights(engine, tiny
 
     out, reconciles = asyncio.run(main())
     assert reconciles == 1 and out.weight_version == 3 and set(out.token_versions) == {3}
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_a_buffer_that_restarts_without_its_groups_is_counted_as_losing_them(backend, redis_server):
+    """The in-memory buffer keeps nothing across a restart; the controller notices (the buffer's
+    total of stored groups went down), counts the groups it held as lost and frees their slots.
+    Redis keeps them: the same restart loses nothing."""
+    extra = {"redis_url": redis_server.url, "key_prefix": f"lost:{uuid.uuid4().hex}"} if backend == "redis" else {}
+
+    async def main():
+        cfg = BufferConfig(backend=backend, port=0, metrics_port=0, filter_zero_variance=False, **extra)
+        server, buf, refresh = await start_buffer_service(cfg)
+        address = f"127.0.0.1:{server.bound_port}"
+        counts = BufferCounts(BufferClient(address))
+        ctl = AsyncController(ControllerConfig(groups_per_step=2, buffer_poll_s=0.1), buffer=counts).start()
+        client = BufferClient(address)
+        try:
+            for i in range(3):
+                assert (await client.put(make_group(f"g{i}"))).accepted
+            await asyncio.sleep(0.5)
+            before = ctl.buffered
+            await server.stop(0)  # the buffer dies and comes back on its port
+            refresh.cancel()
+            await buf.close()
+            server, buf, refresh = await start_buffer_service(cfg.model_copy(update={"port": server.bound_port}))
+            await asyncio.sleep(1.0)
+            return before, ctl.buffered, ctl.counters["buffer_lost"]
+        finally:
+            await client.close()
+            await ctl.close()
+            await counts.close()
+            refresh.cancel()
+            await server.stop(0)
+            await buf.close()
+
+    before, after, lost = asyncio.run(main())
+    assert before == 3
+    assert (after, lost) == ((0, 3) if backend == "memory" else (3, 0))
+
+
+def test_an_env_manager_that_never_comes_back_loses_its_slots_after_its_lease(engine, tiny_model):
+    """Slots follow their holder's reports. One that keeps reporting (``keep_lease``, as every
+    EnvManager does) keeps its slots however long its episodes run; one that dies and never comes
+    back under its name loses them after ``holder_lease_s``, and they are counted."""
+
+    async def main():
+        async with local_mesh(engine, tiny_model, async_ratio=1, groups_per_step=2, holder_lease_s=1.0) as mesh:
+            alive = ControllerClient(mesh.controller_client.address, holder="env:alive")
+            dead = ControllerClient(mesh.controller_client.address, holder="env:dead")
+            other = ControllerClient(mesh.controller_client.address, holder="env:other")
+            lease = asyncio.create_task(alive.keep_lease(0.2))
+            try:
+                granted = (await alive.admit(2)).num_groups, (await dead.admit(2)).num_groups
+                await dead.close()  # dies with its 2 groups in flight
+                full = (await other.admit(1)).num_groups
+                await asyncio.sleep(1.5)  # past the lease: alive reported meanwhile, dead did not
+                after = (await other.admit(4)).num_groups
+                return granted, full, after, mesh.controller.holders, mesh.controller.counters["lease_expired"]
+            finally:
+                lease.cancel()
+                await alive.close()
+                await other.close()
+
+    granted, full, after, holders, expired = asyncio.run(main())
+    assert granted == (2, 2) and full == 0  # (1 + 0 + 1) x 2 = 4 slots, all held
+    assert after == 2 and expired == 2  # the dead holder's two came back, the live one's did not
+    assert holders == {"env:alive": 2, "env:other": 2}
