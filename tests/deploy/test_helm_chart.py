@@ -130,6 +130,35 @@ def test_every_pod_reads_the_run_token_from_one_secret():
     assert _token_env(pod(docs, "Deployment", "controller")["containers"][0]) == {"name": "team-token", "key": "t"}
 
 
+def test_tls_from_a_secret_reaches_every_service_and_the_probes_still_work():
+    docs = render("auth.tls.secretName=mesh-tls")
+    config = yaml.safe_load(by_kind_name(docs)[("ConfigMap", "t-rollmesh-config")]["data"]["config.yaml"])
+    assert config["auth"]["tls"] == {"cert_path": "/etc/rollmesh-tls/tls.crt", "key_path": "/etc/rollmesh-tls/tls.key",
+                                     "ca_path": "/etc/rollmesh-tls/ca.crt"}  # fmt: skip
+    assert all(u.startswith("https://") for u in config["proxy"]["engine_urls"])
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and "redis" not in d["metadata"]["name"]]
+    for d in workloads:
+        spec = d["spec"]["template"]["spec"]
+        assert {"name": "tls", "secret": {"secretName": "mesh-tls"}} in spec["volumes"], d["metadata"]["name"]
+        mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert mounts["tls"] == "/etc/rollmesh-tls", d["metadata"]["name"]
+    for name in ("llm-proxy", "sample-buffer", "controller", "env-manager"):
+        c = pod(docs, "Deployment", name)["containers"][0]
+        # the kubelet's gRPC probe speaks plaintext only: with TLS the probes check the port
+        assert c["readinessProbe"] == {"tcpSocket": {"port": "grpc"}, "periodSeconds": 5}, name
+        assert "grpc" not in c["livenessProbe"] and c["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
+    engine = pod(docs, "StatefulSet", "engine")["containers"][0]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert engine[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    cmd = engine["command"]
+    assert cmd[cmd.index("--ssl-certfile") + 1] == "/etc/rollmesh-tls/tls.crt"
+    assert cmd[cmd.index("--ssl-keyfile") + 1] == "/etc/rollmesh-tls/tls.key"
+    # without the value nothing of it shows
+    plain = render()
+    assert "--ssl-certfile" not in pod(plain, "StatefulSet", "engine")["containers"][0]["command"]
+    assert not any(v["name"] == "tls" for v in pod(plain, "Deployment", "controller")["volumes"])
+
+
 def _values_paths_used() -> set[str]:
     paths = set()
     for tpl in (CHART / "templates").iterdir():

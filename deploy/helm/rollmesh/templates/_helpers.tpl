@@ -54,7 +54,8 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
 {{- $name := include "rollmesh.fullname" . -}}
 {{- $urls := list -}}
 {{- range $i := until (int .Values.engine.replicas) -}}
-{{- $urls = append $urls (printf "http://%s-engine-%d.%s-engine:%d" $name $i $name (int $.Values.engine.port)) -}}
+{{- $scheme := ternary "https" "http" (ne $.Values.auth.tls.secretName "") -}}
+{{- $urls = append $urls (printf "%s://%s-engine-%d.%s-engine:%d" $scheme $name $i $name (int $.Values.engine.port)) -}}
 {{- end -}}
 {{- $proxy := include "rollmesh.address" (dict "root" . "component" "llm-proxy" "port" .Values.proxy.port) -}}
 {{- $buffer := include "rollmesh.address" (dict "root" . "component" "sample-buffer" "port" .Values.buffer.port) -}}
@@ -71,6 +72,11 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
   "train_loop" (dict "run_dir" (printf "%s/%s" .Values.runs.mountPath .Release.Name) "metrics_host" "0.0.0.0"
                      "metrics_port" .Values.trainer.metricsPort)
 -}}
+{{- if .Values.auth.tls.secretName -}}
+{{- $dir := include "rollmesh.tlsDir" . -}}
+{{- $_ := set $mesh "auth" (dict "tls" (dict "cert_path" (printf "%s/tls.crt" $dir) "key_path" (printf "%s/tls.key" $dir)
+                                              "ca_path" (printf "%s/ca.crt" $dir))) -}}
+{{- end -}}
 {{- toYaml (mergeOverwrite (deepCopy .Values.config) $mesh) -}}
 {{- end -}}
 
@@ -83,7 +89,11 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
       key: {{ .Values.auth.secretKey }}
 {{- end -}}
 
-{{/* Volumes and mounts every rollmesh pod has: the config, the model, the data, the runs volume. */}}
+{{/* Where the auth.tls Secret is mounted (not under /etc/rollmesh: that is the config's volume). */}}
+{{- define "rollmesh.tlsDir" -}}/etc/rollmesh-tls{{- end -}}
+
+{{/* Volumes and mounts every rollmesh pod has: the config, the model, the data, the runs volume,
+     and the TLS Secret when there is one. */}}
 {{- define "rollmesh.volumes" -}}
 - name: config
   configMap:
@@ -95,6 +105,11 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
 - name: runs
   persistentVolumeClaim:
     claimName: {{ .Values.runs.existingClaim | default (printf "%s-runs" (include "rollmesh.fullname" .)) }}
+{{- if .Values.auth.tls.secretName }}
+- name: tls
+  secret:
+    secretName: {{ .Values.auth.tls.secretName }}
+{{- end }}
 {{- end -}}
 
 {{- define "rollmesh.volumeMounts" -}}
@@ -109,6 +124,11 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
   readOnly: true
 - name: runs
   mountPath: {{ .Values.runs.mountPath }}
+{{- if .Values.auth.tls.secretName }}
+- name: tls
+  mountPath: {{ include "rollmesh.tlsDir" . }}
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -152,11 +172,12 @@ spec:
           ports:
             - {name: grpc, containerPort: {{ $v.port }}}
             - {name: metrics, containerPort: {{ $v.metricsPort }}}
+          {{- $probe := ternary (dict "tcpSocket" (dict "port" "grpc")) (dict "grpc" (dict "port" $v.port)) (ne $root.Values.auth.tls.secretName "") }}
           readinessProbe:
-            grpc: {port: {{ $v.port }}}
+            {{- toYaml $probe | nindent 12 }}
             periodSeconds: 5
           livenessProbe:
-            grpc: {port: {{ $v.port }}}
+            {{- toYaml $probe | nindent 12 }}
             initialDelaySeconds: 60
             periodSeconds: 20
             failureThreshold: 6
