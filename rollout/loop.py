@@ -67,11 +67,14 @@ class RolloutLoop:
         observer: RolloutObserver | None = None,
         scheduling: Scheduling | None = None,
         id_prefix: str = "",
+        first_prompt: int = 0,
     ) -> None:
         """``id_prefix`` starts every group id: a process's own (random) one keeps ids unique when
-        a restarted loop counts from 0 again."""
+        a restarted loop counts from 0 again. ``first_prompt``: where in the shuffled order this
+        loop starts; a restarted (or a second) EnvManager that started at 0 would replay the
+        prompts its predecessor just ran."""
         self.config, self.rows, self.tokenizer, self.reward_fn = config, rows, tokenizer, reward_fn
-        self.id_prefix = id_prefix
+        self.id_prefix, self.first_prompt = id_prefix, first_prompt
         self.admission, self.engine, self.sink = admission, engine, sink
         self.observer = observer or RolloutObserver()
         self.scheduling = scheduling or SCHEDULINGS[config.scheduling]()
@@ -90,7 +93,7 @@ class RolloutLoop:
         """One admitted group, start to end; returns what became of it."""
         n, t0 = self.counters["groups_started"], time.monotonic()
         self.counters["groups_started"] += 1
-        row = self._order[n % len(self._order)]  # prompts in a shuffled order, round after round
+        row = self._order[(self.first_prompt + n) % len(self._order)]  # a shuffled order, round after round
         gid = f"{self.id_prefix}p{row}-{n}"
         state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(self.config.group_size)})
         try:  # generate → reward, every episode on its own, scored by its env the moment it ends

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import socket
 import uuid
 
@@ -75,6 +76,7 @@ def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClien
         reward_fn=metrics.timed_reward(reward_fn), admission=controller,
         engine=ProxyGenerate(proxy), sink=PutBatcher(buffer, config.put_batch_max_groups, config.put_batch_delay_s),
         observer=metrics, id_prefix=f"{uuid.uuid4().hex[:8]}-",  # group ids unique across restarts
+        first_prompt=random.randrange(len(rows)),  # a restart goes on somewhere else, not at the same prompts
     )  # fmt: skip
     metrics.stats = lambda: {"running_episodes": loop.running_episodes, "workers": loop.workers}
     return loop

@@ -207,3 +207,19 @@ def test_a_group_the_full_buffer_cannot_take_fails_and_gives_its_slot_back():
     outcomes, ctl = asyncio.run(main())
     assert outcomes == ["failed", "put"]
     assert ctl.finished == 1 and ctl.in_flight == 0  # only the stored group keeps its slot
+
+
+def test_a_loop_started_elsewhere_in_the_order_does_not_replay_its_predecessors_prompts():
+    """A restarted EnvManager starts at another place in the same shuffled order (``first_prompt``),
+    so the prompts its predecessor just ran are not run again first."""
+
+    async def prompts(first_prompt: int) -> list[str]:
+        loop, ctl, buffer, _ = make_loop(async_ratio=1, groups_per_step=2)
+        loop.first_prompt = first_prompt
+        for _ in range(3):
+            await loop.run_group()
+        batch = await buffer.get(3, current_version=0, max_staleness=1, timeout_s=0)
+        return [g.prompt_id for g in batch.decode()]
+
+    first, restarted = asyncio.run(prompts(0)), asyncio.run(prompts(3))
+    assert len(set(first)) == 3 and not set(first) & set(restarted)
