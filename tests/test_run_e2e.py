@@ -120,6 +120,8 @@ def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained
     assert list(result["kill_to_next_step_s"]) == list(SERVICES), lines
     # 0.0: a step already under way when the service died (rounded to 0.1 s)
     assert all(0 <= s < 120 for s in result["kill_to_next_step_s"].values()), result
+    assert list(result["kill_to_serving_again_s"]) == list(SERVICES)
+    assert all(0 <= s < 120 for s in result["kill_to_serving_again_s"].values()), result
     # each came back (a restarted controller that cannot restore yet exits and is started again)
     assert all(n >= 1 for n in result["restarts_by_the_launcher"].values()), result
     assert result["groups_lost"] == 0 and result["groups_trained_twice"] == 0, result

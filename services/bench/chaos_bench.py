@@ -5,7 +5,9 @@ A `rollmesh run` of the quickstart on the tiny model with the Redis buffer; each
 at a random moment after every ``steps_between`` steps. `rollmesh run` restarts its own processes;
 redis-server, which it does not own, is restarted here as a node's init system would.
 
-Reported per service: seconds from the kill to the next trained step. For the run: groups trained
+Reported per service: seconds from the kill to the next trained step (0 when a step under way
+carries on without it), and to the moment it serves again (its /metrics answers). The next kill
+waits for that, so each recovery is timed alone. For the run: groups trained
 twice (the same group id in two steps of ``metrics.jsonl``) and groups lost: every group the buffer
 stored must be consumed (acked), dropped with a reason, or still in the buffer; groups of steps a
 killed trainer trained but lost before its checkpoint (``lost_steps.jsonl``) are listed apart.
@@ -75,16 +77,35 @@ def _kill(service: str, run_dir: Path, redis) -> None:
     os.kill(int(pids[0]), signal.SIGKILL)
 
 
+def _serving(service: str, run_dir: Path, redis) -> float | None:
+    """The time if ``service`` answers again (its /metrics, as listed for Prometheus; redis: PING)."""
+    import httpx
+
+    if service == REDIS:  # restarted here, and start() returns once it answers PING
+        return time.time()
+    job = "engine" if service == "engine" else service
+    targets = json.loads((run_dir / "prometheus_targets.json").read_text())
+    [address] = [t["targets"][0] for t in targets if t["labels"]["job"] == job][:1]
+    try:
+        return time.time() if httpx.get(f"http://{address}/metrics", timeout=1.0).status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
 def _run(cmd: list[str], run_dir: Path, redis, kills: list[str], steps_between: int, rng: random.Random,
-         progress) -> tuple[dict, float, str]:  # fmt: skip
-    """One run; kills ``kills`` in order. Returns (seconds from kill to next step, per service), wall, output."""
+         progress) -> tuple[dict, dict, float, str]:  # fmt: skip
+    """One run; kills ``kills`` in order, each once the last victim serves again and
+    ``steps_between`` more steps were trained. Returns (seconds from kill to next step, seconds
+    from kill to serving again, per service), wall, output."""
     log = open(run_dir.parent / f"{run_dir.name}.out", "w+")  # noqa: SIM115 (read back below)
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     recovery: dict[str, float] = {}
+    serving: dict[str, float] = {}
     try:
-        for i, service in enumerate(kills):
-            at = steps_between * (i + 1)
+        for service in kills:
+            # Each kill meets a whole mesh: the last victim serves again, and steps went on since.
+            at = len(_steps(run_dir)) + steps_between
             _wait(f"step {at}", lambda at=at: len(_steps(run_dir)) >= at or None, proc, 300)
             time.sleep(rng.uniform(0.0, 0.5))  # anywhere in a step: mid-generation, mid-update, mid-train
             t_kill = time.time()
@@ -96,7 +117,9 @@ def _run(cmd: list[str], run_dir: Path, redis, kills: list[str], steps_between: 
                 return min(later) if later else None
 
             recovery[service] = round(_wait(f"a step after killing {service}", next_step, proc, 300) - t_kill, 1)
-            progress(f"  next step {recovery[service]} s after the kill")
+            back = _wait(f"{service} serving again", lambda s=service: _serving(s, run_dir, redis), proc, 300)
+            serving[service] = round(max(0.0, back - t_kill), 1)
+            progress(f"  next step {recovery[service]} s after the kill; serving again after {serving[service]} s")
         proc.wait(600)
     finally:
         if proc.poll() is None:
@@ -107,7 +130,7 @@ def _run(cmd: list[str], run_dir: Path, redis, kills: list[str], steps_between: 
     log.close()
     if proc.returncode != 0:
         raise RuntimeError(f"rollmesh run exited with {proc.returncode}:\n{out[-3000:]}")
-    return recovery, time.time() - t0, out
+    return recovery, serving, time.time() - t0, out
 
 
 def _accounting(run_dir: Path, redis_url: str) -> dict:
@@ -158,8 +181,9 @@ def run(model_path: str, services: list[str] | None = None, steps_between: int =
         raise BadOption(f"--model: no model at {model_path} (make model builds models/tiny)")
     ensure_token(AuthConfig())
     # The last kill must still find steps to train: a tiny-model step can take 0.2 s, and a trainer
-    # killed after its last step would just exit.
-    steps = steps_between * (len(services) + 1) + 6
+    # killed after its last step would just exit. Kills come steps_between steps after the last
+    # victim serves again, and a recovery may itself train steps: the run has room for both.
+    steps = 2 * steps_between * (len(services) + 1) + 6
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="rollmesh-chaos-") as d:
         tmp = Path(keep or d)  # kept: each run's output, logs and metrics
@@ -169,16 +193,17 @@ def run(model_path: str, services: list[str] | None = None, steps_between: int =
             undisturbed = None
             if baseline:
                 progress(f"undisturbed run: {steps} steps")
-                _, undisturbed, _ = _run(_command(model_path, tmp / "calm", redis.url, steps), tmp / "calm", redis,
+                _, _, undisturbed, _ = _run(_command(model_path, tmp / "calm", redis.url, steps), tmp / "calm", redis,
                                          [], steps_between, rng, progress)  # fmt: skip
             progress(f"disturbed run: {steps} steps, killing {', '.join(services)}")
             run_dir = tmp / "chaos"
-            recovery, disturbed, out = _run(_command(model_path, run_dir, redis.url, steps), run_dir, redis,
+            recovery, serving, disturbed, out = _run(_command(model_path, run_dir, redis.url, steps), run_dir, redis,
                                             services, steps_between, rng, progress)  # fmt: skip
             restarts = {s: len(re.findall(rf"^{s}(-\d+)? exited with code", out, re.M)) for s in services}
             result = {
                 "steps": steps, "services_killed": services,
                 "kill_to_next_step_s": recovery,
+                "kill_to_serving_again_s": serving,
                 "restarts_by_the_launcher": {s: n for s, n in restarts.items() if s != REDIS},
                 **_accounting(run_dir, redis.url),
                 "undisturbed_wall_s": round(undisturbed, 1) if undisturbed else None,
