@@ -26,6 +26,8 @@ class TrainBatch:
     behavior_logprobs: torch.Tensor  # [B, T] float, 0 where loss_mask is 0
     rewards: torch.Tensor  # [B] float
     group_ids: torch.Tensor  # [B] long: trajectories of one prompt share an id
+    # [B, T] long: the policy version that sampled each generated token, -1 elsewhere (None: unknown)
+    token_versions: torch.Tensor | None = None
 
     @cached_property
     def sequences(self) -> list[torch.Tensor]:
@@ -41,8 +43,9 @@ class TrainBatch:
         seqs = self.sequences
         width = max(len(seqs[r]) for r in rows)
         ids, offsets = _flat([seqs[r] for r in rows])
+        versions = None if self.token_versions is None else self.token_versions[rows, :width]
         return TrainBatch(ids, offsets, self.loss_mask[rows, :width], self.behavior_logprobs[rows, :width],
-                          self.rewards[rows], self.group_ids[rows])  # fmt: skip
+                          self.rewards[rows], self.group_ids[rows], versions)  # fmt: skip
 
 
 def _offsets(lengths: list[int]) -> list[int]:
@@ -63,10 +66,12 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
     width = max(lengths)
     mask = torch.zeros(len(trajs), width)
     behav = torch.zeros(len(trajs), width)
+    versions = torch.full((len(trajs), width), -1, dtype=torch.long)
     for i, (_, t) in enumerate(trajs):
         m = torch.from_numpy(t.loss_mask.astype(np.float32))
         mask[i, : len(m)] = m
         behav[i, : len(m)][m > 0] = torch.from_numpy(t.behavior_logprobs.astype(np.float32))
+        versions[i, : len(m)][m > 0] = torch.from_numpy(t.token_versions.astype(np.int64))
     return TrainBatch(
         token_ids=torch.from_numpy(np.concatenate([t.token_ids for _, t in trajs]).astype(np.int64)),
         offsets=_offsets(lengths),
@@ -74,6 +79,7 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
         behavior_logprobs=behav,
         rewards=torch.tensor([t.reward for _, t in trajs], dtype=torch.float32),
         group_ids=torch.tensor([gi for gi, _ in trajs], dtype=torch.long),
+        token_versions=versions,
     )
 
 

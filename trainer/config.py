@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sample_buffer.registry import tagged_union
 from trainer.advantage_config import AdvantageConfig, GRPOAdvantageConfig
-from trainer.loss_config import DecoupledPPOLossConfig, PolicyLossConfig
+from trainer.loss_config import DecoupledPPOLossConfig, MismatchCorrection, NoMismatchCorrection, PolicyLossConfig
 from trainer.sim import SimTrainerConfig
 
 
@@ -72,6 +72,19 @@ class TrainerConfig(BaseModel):
         default_factory=DecoupledPPOLossConfig,
         description="The policy loss, chosen by 'type' (ppo | gspo | decoupled_ppo | tis | cispo | topr | reinforce "
         "| custom) with its own knobs.",
+    )
+    mismatch: MismatchCorrection = Field(
+        default_factory=NoMismatchCorrection,
+        description="Correction for the engine's log-probs μ differing from the trainer's π_prox for the same "
+        "weights, chosen by 'type' (none | truncate | mask). Off by default: the step metrics "
+        "mismatch_fresh_mean/max show how large it is first.",
+    )
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch (PPO epochs).")
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per pass: the batch's groups split into this many slices of whole groups, "
+        "so the ratio moves within a step and a clip can bind. The policy version still advances once per step.",
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = off).")
     ref_model_path: str | None = Field(None, description="Frozen reference model for a KL term (None = no KL).")

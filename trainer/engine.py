@@ -1,4 +1,5 @@
-"""The training engine: log-probs in packed micro-batches, one optimizer step per batch.
+"""The training engine: log-probs in packed micro-batches; a step is one policy version, made of
+``ppo_epochs`` x ``mini_batches`` optimizer steps.
 
 Runs single-process, or under ``torchrun`` with FSDP2 (``fully_shard`` per decoder layer and at
 the root). Under FSDP2 each rank trains on its own whole groups; the loss normalisers (token and
@@ -9,7 +10,9 @@ averaged gradients equal the single-process gradient of the whole batch.
 from __future__ import annotations
 
 import math
+import random
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,7 +20,16 @@ import torch.distributed as dist
 from trainer.advantages import compute_advantages, masked_mean
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
-from trainer.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, value_loss
+from trainer.losses import (
+    RATIO_METRICS,
+    aggregate,
+    entropy_from_logits,
+    kl_penalty,
+    mismatch_stats,
+    mismatch_weights,
+    policy_loss,
+    value_loss,
+)
 from trainer.packing import gather_token_logprobs, pack_rows, packed_inputs, padded_inputs, plan_micro_batches
 
 
@@ -33,6 +45,44 @@ def _all_reduce(x: float, op=None) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return float(t.item())
+
+
+def _all_reduce_all(xs: list[float]) -> list[float]:
+    """Sums over the ranks of several numbers in one collective."""
+    if _world()[1] == 1:
+        return xs
+    t = torch.tensor(xs, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _all_reduce_dict(stats: dict[str, float]) -> dict[str, float]:
+    """Per-rank mismatch statistics made global: token-weighted means, maxima, token counts."""
+    if _world()[1] == 1:
+        return stats
+    out = {}
+    for name in ("fresh", "stale"):  # every rank takes part in every collective, with or without tokens
+        n = stats.get(f"mismatch_{name}_tokens", 0.0)
+        total = _all_reduce(n)
+        mean_sum = _all_reduce(stats.get(f"mismatch_{name}_mean", 0.0) * n)
+        top = _all_reduce(stats.get(f"mismatch_{name}_max", 0.0), dist.ReduceOp.MAX)
+        if total:
+            out |= {f"mismatch_{name}_mean": mean_sum / total, f"mismatch_{name}_max": top,
+                    f"mismatch_{name}_tokens": total}  # fmt: skip
+    return out
+
+
+@dataclass
+class _Step:
+    """What one training step computes once, before its first update, and every update reads."""
+
+    mask: torch.Tensor
+    behav: torch.Tensor
+    prox: torch.Tensor
+    ref: torch.Tensor | None
+    adv: torch.Tensor
+    stale: torch.Tensor
+    weights: torch.Tensor | None
 
 
 def lr_lambda(config: TrainerConfig, total_steps: int | None):
@@ -136,21 +186,23 @@ class TrainEngine:
             ent = torch.nn.functional.pad(ent, (0, pad)) if entropy else None
         return lp, ent
 
-    def micro_batches(self, batch: TrainBatch) -> list[list[int]]:
-        """Row indices per micro-batch. Under FSDP2 every rank runs the same number of forward
-        passes (each one all-gathers parameters), so ranks with fewer get empty micro-batches."""
-        lengths = [len(s) for s in batch.sequences]
+    def micro_batches(self, batch: TrainBatch, rows: list[int] | None = None) -> list[list[int]]:
+        """Row indices (of ``rows``, default all) per micro-batch. Under FSDP2 every rank runs the
+        same number of forward passes (each one all-gathers parameters), so ranks with fewer get
+        empty micro-batches."""
+        rows = list(range(len(batch.sequences))) if rows is None else rows
+        lengths = [len(batch.sequences[r]) for r in rows]
         if self.config.pack_sequences:
-            bins = plan_micro_batches(lengths, self.config.micro_batch_tokens)
+            bins = [[rows[i] for i in b] for b in plan_micro_batches(lengths, self.config.micro_batch_tokens)]
         else:  # unpacked rows are padded to the longest, so the budget counts padded tokens
             order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
             bins, cur = [], []
             for i in order:
                 if cur and lengths[cur[0]] * (len(cur) + 1) > self.config.micro_batch_tokens:
-                    bins.append(sorted(cur))
+                    bins.append(sorted(rows[j] for j in cur))
                     cur = []
                 cur.append(i)
-            bins += [sorted(cur)] if cur else []
+            bins += [sorted(rows[j] for j in cur)] if cur else []
         most = int(_all_reduce(float(len(bins)), dist.ReduceOp.MAX))
         return bins + [[] for _ in range(most - len(bins))]
 
@@ -174,64 +226,112 @@ class TrainEngine:
             v = self.critic(input_ids=ids, attention_mask=attn).logits[..., 0].float() * attn
         return torch.nn.functional.pad(v, (0, batch.loss_mask.shape[1] - v.shape[1]))
 
-    # ------------------------------------------------------------------ one optimizer step
+    # ------------------------------------------------------------------ one training step
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One policy version: ``ppo_epochs`` passes over the batch, each ``mini_batches``
+        optimizer steps over slices of whole groups. π_prox, the reference, the advantages and the
+        mismatch weights are computed once, before the first update."""
         cfg = self.config
         self.model.train()
         mask = batch.loss_mask.to(self.device)
         behav = batch.behavior_logprobs.to(self.device)
-        old = self.logprobs(batch)  # the proximal policy: these weights, before this step
+        prox = self.logprobs(batch)  # the proximal policy: these weights, before this step
         ref = self.logprobs(batch, self.ref) if self.ref is not None else None
         rewards = batch.rewards.to(self.device)
         if ref is not None and cfg.kl_in_reward:
-            rewards = rewards - cfg.kl_coef * (kl_penalty(old, ref, cfg.kl_estimator) * mask).sum(-1)
+            rewards = rewards - cfg.kl_coef * (kl_penalty(prox, ref, cfg.kl_estimator) * mask).sum(-1)
         values = self.values(batch) if self.critic is not None else None
         adv, returns = compute_advantages(cfg.advantages, rewards, mask, batch.group_ids.to(self.device), values)
+        # Sampled by older weights than these (the engines served an earlier version).
+        stale = torch.zeros_like(mask, dtype=torch.bool) if batch.token_versions is None else (
+            (batch.token_versions.to(self.device) < self.version) & mask.bool())  # fmt: skip
+        weights = mismatch_weights(cfg.mismatch, prox, behav)
+        step = _Step(mask=mask, behav=behav, prox=prox, ref=ref, adv=adv, stale=stale, weights=weights)
 
-        n_tok = _all_reduce(float(mask.sum()))
-        n_seq = _all_reduce(float((mask.sum(-1) > 0).sum()))
+        sums: dict[str, float] = defaultdict(float)
+        updates = 0
+        for epoch in range(cfg.ppo_epochs):
+            for rows in self._mini_batches(batch, epoch):
+                if (got := self._update(batch, rows, step)) is not None:
+                    for k, v in got.items():
+                        sums[k] += v
+                    updates += 1
+        self.scheduler.step()  # once per version: the schedule spans the run's steps
+        self.step += 1
+        self.version += 1
+        out = {k: v / max(updates, 1) for k, v in sums.items() if not k.endswith(("_stale", "stale_tokens"))}
+        if sums["stale_tokens"]:  # means over stale tokens, weighted by how many each update had
+            out |= {k: v / sums["stale_tokens"] for k, v in sums.items() if k.endswith("_stale")}
+        out |= _all_reduce_dict(mismatch_stats(prox, behav, mask, stale))
+        out |= {"lr": self.scheduler.get_last_lr()[0], "tokens": _all_reduce(float(mask.sum())), "updates": updates}
+        out["reward_mean"] = _all_reduce(float(batch.rewards.sum())) / _all_reduce(float(len(batch.rewards)))
+        if weights is not None:
+            out["mismatch_weight_mean"] = _all_reduce(float((weights * mask).sum())) / max(out["tokens"], 1)
+        if self.critic is not None:
+            out["value_loss"] = self._critic_step(batch, values, returns, mask)
+        return out
+
+    def _mini_batches(self, batch: TrainBatch, epoch: int) -> list[list[int]]:
+        """This rank's rows in ``mini_batches`` slices of whole groups, in an order shuffled per
+        epoch (every rank runs as many slices; a rank short of groups gets empty ones)."""
+        groups: dict[int, list[int]] = defaultdict(list)
+        for row, g in enumerate(batch.group_ids.tolist()):
+            groups[g].append(row)
+        order = list(groups)
+        if epoch:  # the first pass keeps the batch's order; later ones shuffle it (seeded: reproducible)
+            random.Random(self.config.seed * 1_000_003 + self.step * 101 + epoch).shuffle(order)
+        n = self.config.mini_batches
+        return [[r for g in order[i * len(order) // n : (i + 1) * len(order) // n] for r in groups[g]]
+                for i in range(n)]  # fmt: skip
+
+    def _update(self, batch: TrainBatch, rows: list[int], s: _Step) -> dict[str, float] | None:
+        """One optimizer step on ``rows`` (micro-batched, gradients accumulated); its metrics, or
+        None where no rank had a token to train on."""
+        cfg = self.config
+        mask = s.mask
+        n_tok = _all_reduce(float(mask[rows].sum()))
+        if n_tok == 0:
+            return None
+        n_seq = _all_reduce(float((mask[rows].sum(-1) > 0).sum()))
         norm_len = cfg.loss.norm_len or int(_all_reduce(float(mask.shape[1]), dist.ReduceOp.MAX))
         loss_cfg = cfg.loss.model_copy(update={"norm_len": norm_len})
         token_mode = cfg.loss.agg_mode == "token-mean"
-
         sums: dict[str, float] = defaultdict(float)
-        for rows in self.micro_batches(batch):
-            seqs = [batch.sequences[r] for r in rows]
+        for micro in self.micro_batches(batch, rows):
+            seqs = [batch.sequences[r] for r in micro]
             lp, ent = self._forward(self.model, seqs, mask.shape[1], entropy=cfg.entropy_coef > 0)
-            if not rows:  # filler micro-batch: a zero loss that still runs the backward collectives
+            if not micro:  # filler micro-batch: a zero loss that still runs the backward collectives
                 (lp.sum() * 0.0).backward()
                 continue
-            m = mask[rows]
+            m = mask[micro]
             pg, metrics = policy_loss(
-                lp, old[rows], adv[rows], m,
-                behavior_logprobs=behav[rows], proximal_logprobs=old[rows], entropy=ent, config=loss_cfg,
+                lp, s.adv[micro], m, behavior_logprobs=s.behav[micro], proximal_logprobs=s.prox[micro], entropy=ent,
+                token_weights=None if s.weights is None else s.weights[micro], stale=s.stale[micro], config=loss_cfg,
             )  # fmt: skip
             tok_w, seq_w = float(m.sum()) / max(n_tok, 1), float((m.sum(-1) > 0).sum()) / max(n_seq, 1)
             weight = tok_w if token_mode else seq_w
             total = pg * weight
             if ent is not None:
                 total = total - cfg.entropy_coef * masked_mean(ent, m) * tok_w
-            if ref is not None and not cfg.kl_in_reward and cfg.kl_coef > 0:
-                kl = aggregate(kl_penalty(lp, ref[rows], cfg.kl_estimator), m, cfg.loss.agg_mode, norm_len)
+            if s.ref is not None and not cfg.kl_in_reward and cfg.kl_coef > 0:
+                kl = aggregate(kl_penalty(lp, s.ref[micro], cfg.kl_estimator), m, cfg.loss.agg_mode, norm_len)
                 total = total + cfg.kl_coef * kl * weight
                 sums["kl"] += float(kl.detach()) * weight
             (total * self.world).backward()
             sums["loss"] += float(total.detach())
             sums["pg_loss"] += float(pg.detach()) * weight
-            for k, v in metrics.items():
-                sums[k] += v * tok_w
+            n_stale = metrics.pop("stale_tokens", 0.0)
+            for k, v in metrics.items():  # stale-token means are summed per stale token (divided in train_step)
+                sums[k] += v * n_stale if k.endswith("_stale") else v * tok_w
+            sums["stale_tokens"] += n_stale
         grad_norm = self._clip(self.model)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.step += 1
-        self.version += 1
-        out = {k: _all_reduce(v) for k, v in sums.items()}
-        out |= {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "tokens": n_tok}
-        out["reward_mean"] = _all_reduce(float(batch.rewards.sum())) / _all_reduce(float(len(batch.rewards)))
-        if self.critic is not None:
-            out["value_loss"] = self._critic_step(batch, values, returns, mask)
-        return out
+        # One collective over a fixed list of names: a rank whose slice was empty has none of its own.
+        names = ["loss", "pg_loss", *RATIO_METRICS, *(f"{k}_stale" for k in RATIO_METRICS), "stale_tokens"]
+        names += ["entropy"] if cfg.entropy_coef > 0 else []
+        names += ["kl"] if s.ref is not None and not cfg.kl_in_reward and cfg.kl_coef > 0 else []
+        return dict(zip(names, _all_reduce_all([sums[k] for k in names]), strict=True)) | {"grad_norm": grad_norm}
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The policy's unsharded weights on CPU by HF name: on rank 0; {} on the others (collective)."""

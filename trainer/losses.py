@@ -1,13 +1,17 @@
 """The policy-loss family, KL and entropy terms, and the critic's value loss: pure functions.
 
-Shapes: ``[B, T]`` per-token tensors, ``mask`` 1 on the tokens the loss counts. Every variant has
-the signature of ``policy_loss`` and returns the per-token loss matrix; ``policy_loss`` adds the
-aggregation and the metrics. Log-prob arguments:
+Shapes: ``[B, T]`` per-token tensors, ``mask`` 1 on the tokens the loss counts. Every variant is
+``fn(logprobs, old_logprobs, advantages, mask, *, config, behavior_logprobs, proximal_logprobs)``
+and returns the per-token loss matrix, its ratio and where it clipped; ``policy_loss`` picks
+``old_logprobs``, adds the aggregation and the metrics. Log-probs:
 
 - ``logprobs``: the current policy π_θ (carries the gradient);
-- ``old_logprobs``: the policy the ratio is taken against (π_old);
-- ``behavior_logprobs``: what the inference engine reported when it sampled the token (μ);
-- ``proximal_logprobs``: decoupled PPO's proximal policy π_prox.
+- ``behavior_logprobs``: what the inference engine reported when it sampled the token (μ): the
+  policy that sampled it, possibly versions ago, through the engine's numerics;
+- ``proximal_logprobs``: π_prox, the trainer's weights at the start of the step, recomputed;
+- ``old_logprobs``: the ratio's denominator π_old, μ or π_prox as the variant's ``old_policy``
+  says (``old_logprobs_for``). With μ the ratio corrects for staleness; with π_prox it is 1 at
+  the step's first mini-batch and only measures the step's own updates.
 
 Each variant's config is its own model tagged by ``type`` (``loss: {type: ppo, dual_clip: 3}``), in
 ``trainer/loss_config.py``.
@@ -28,6 +32,7 @@ from trainer.loss_config import (
     CustomLossConfig,
     DecoupledPPOLossConfig,
     GSPOLossConfig,
+    MismatchCorrection,
     PolicyLossConfig,
     PPOLossConfig,
     ReinforceLossConfig,
@@ -102,10 +107,9 @@ def decoupled_ppo(
     return loss, ratio, _clip_frac(ratio, advantages, config.clip_low, config.clip_high)
 
 
-def tis(logprobs, old_logprobs, advantages, mask, *, config: TISLossConfig, behavior_logprobs=None, **_):
-    """Truncated IS: -sg(min(π/μ, c))·A·log π."""
-    mu = old_logprobs if behavior_logprobs is None else behavior_logprobs
-    ratio = torch.exp(logprobs - mu)
+def tis(logprobs, old_logprobs, advantages, mask, *, config: TISLossConfig, **_):
+    """Truncated IS: -sg(min(π/π_old, c))·A·log π, π_old = μ by default."""
+    ratio = torch.exp(logprobs - old_logprobs)
     weight = torch.clamp(ratio, max=config.tis_cap).detach()
     return -weight * advantages * logprobs, ratio, ratio > config.tis_cap
 
@@ -118,10 +122,9 @@ def cispo(logprobs, old_logprobs, advantages, mask, *, config: CISPOLossConfig, 
     return -weight * advantages * logprobs, ratio, clipped
 
 
-def topr(logprobs, old_logprobs, advantages, mask, *, config: TOPRLossConfig, behavior_logprobs=None, **_):
-    """TOPR: plain REINFORCE on A >= 0; truncated IS sg(min(π/μ, 1)) on A < 0."""
-    mu = old_logprobs if behavior_logprobs is None else behavior_logprobs
-    ratio = torch.exp(logprobs - mu)
+def topr(logprobs, old_logprobs, advantages, mask, *, config: TOPRLossConfig, **_):
+    """TOPR: plain REINFORCE on A >= 0; truncated IS sg(min(π/π_old, 1)) on A < 0, π_old = μ by default."""
+    ratio = torch.exp(logprobs - old_logprobs)
     neg_weight = torch.clamp(ratio, max=1.0).detach()
     pos = -config.topr_pos_coef * advantages * logprobs
     neg = -config.topr_neg_coef * neg_weight * advantages * logprobs
@@ -152,19 +155,33 @@ POLICY_LOSSES: dict[str, Callable] = {
 """Every variant by its config's ``type``; the configs in ``trainer/loss_config.py`` are the other half."""
 
 
+def old_logprobs_for(config: PolicyLossConfig, behavior: torch.Tensor, proximal: torch.Tensor) -> torch.Tensor:
+    """The denominator π_old of the variant's ratio: μ or π_prox as its ``old_policy`` says.
+    Decoupled PPO takes both (π_prox here, μ in its weight); REINFORCE has no ratio (π_prox, for
+    the metrics); a custom loss gets π_prox as ``old_logprobs`` and both by name."""
+    return behavior if getattr(config, "old_policy", "proximal") == "behavior" else proximal
+
+
 def policy_loss(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
     config: PolicyLossConfig,
-    behavior_logprobs: torch.Tensor | None = None,
-    proximal_logprobs: torch.Tensor | None = None,
+    behavior_logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
     entropy: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
+    stale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Aggregated loss of the variant ``config.type`` and its metrics (clip fraction, ratio mean/max,
-    approx KL)."""
+    """Aggregated loss of the variant ``config.type`` and its metrics.
+
+    ``token_weights`` (a mismatch correction's, no gradient) scale each token's loss. Metrics:
+    clip fraction, the variant's ratio π/π_old (mean, max) and approx KL to π_old, and the ratio
+    against each policy whatever the variant uses (``ratio_behavior_mean`` π/μ,
+    ``ratio_proximal_mean`` π/π_prox). Where ``stale`` marks tokens sampled by older weights
+    than π_prox, the same over those alone (``*_stale``, with ``stale_tokens``)."""
+    old_logprobs = old_logprobs_for(config, behavior_logprobs, proximal_logprobs)
     per_token, ratio, clipped = POLICY_LOSSES[config.type](
         logprobs,
         old_logprobs,
@@ -174,20 +191,65 @@ def policy_loss(
         behavior_logprobs=behavior_logprobs,
         proximal_logprobs=proximal_logprobs,
     )
+    if token_weights is not None:
+        per_token = per_token * token_weights
     loss = aggregate(per_token, mask, config.agg_mode, config.norm_len)
     with torch.no_grad():
-        m = mask.bool()
-        log_ratio = (logprobs - old_logprobs)[m]
-        metrics = {
-            "clip_frac": clipped[m].float().mean().item() if m.any() else 0.0,
-            "ratio_mean": ratio[m].mean().item() if m.any() else 1.0,
-            "ratio_max": ratio[m].max().item() if m.any() else 1.0,
-            # k3 estimate of KL(π_old || π): (r - 1) - log r with r = π/π_old.
-            "approx_kl": (log_ratio.exp() - 1 - log_ratio).mean().item() if m.any() else 0.0,
-        }
+        metrics = _ratio_metrics(logprobs, old_logprobs, behavior_logprobs, proximal_logprobs, ratio, clipped,
+                                 mask.bool())  # fmt: skip
+        if stale is not None and (m := mask.bool() & stale.bool()).any():
+            sub = _ratio_metrics(logprobs, old_logprobs, behavior_logprobs, proximal_logprobs, ratio, clipped, m)
+            metrics |= {f"{k}_stale": v for k, v in sub.items()} | {"stale_tokens": float(m.sum())}
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy, mask).item()
     return loss, metrics
+
+
+RATIO_METRICS = ("clip_frac", "ratio_mean", "ratio_max", "approx_kl", "ratio_behavior_mean", "ratio_proximal_mean")
+"""The metrics ``policy_loss`` reports over all tokens, and with ``_stale`` over stale ones."""
+
+
+def _ratio_metrics(logprobs, old, behavior, proximal, ratio, clipped, m: torch.Tensor) -> dict[str, float]:
+    if not m.any():
+        return {"clip_frac": 0.0, "ratio_mean": 1.0, "ratio_max": 1.0, "approx_kl": 0.0,
+                "ratio_behavior_mean": 1.0, "ratio_proximal_mean": 1.0}  # fmt: skip
+    log_ratio = (logprobs - old)[m]
+    return {
+        "clip_frac": clipped[m].float().mean().item(),
+        "ratio_mean": ratio[m].mean().item(),
+        "ratio_max": ratio[m].max().item(),
+        # k3 estimate of KL(π_old || π): (r - 1) - log r with r = π/π_old.
+        "approx_kl": (log_ratio.exp() - 1 - log_ratio).mean().item(),
+        "ratio_behavior_mean": (logprobs - behavior)[m].exp().mean().item(),
+        "ratio_proximal_mean": (logprobs - proximal)[m].exp().mean().item(),
+    }
+
+
+def mismatch_weights(config: MismatchCorrection, proximal: torch.Tensor, behavior: torch.Tensor) -> torch.Tensor | None:
+    """Per-token loss weights correcting for the engine's log-prob μ differing from the trainer's
+    π_prox: min(π_prox/μ, C) (``truncate``), 1 inside [α, β] and 0 outside (``mask``), or None."""
+    if config.type == "none":
+        return None
+    ratio = torch.exp(proximal - behavior).detach()
+    if config.type == "truncate":
+        return ratio.clamp(max=config.cap)
+    if config.type == "mask":
+        return ((ratio >= config.low) & (ratio <= config.high)).to(ratio.dtype)
+    raise ValueError(f"mismatch.type: unknown {config.type!r}")
+
+
+def mismatch_stats(proximal: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
+                   stale: torch.Tensor) -> dict[str, float]:  # fmt: skip
+    """|log μ − log π_prox| over the generated tokens: mean and max over those sampled by the
+    trainer's current weights (``fresh``: the two should agree; what is left is the engine's and
+    the trainer's numerics) and over the ``stale`` ones (numerics plus the versions between)."""
+    gap = (behavior - proximal).abs()
+    out = {}
+    for name, m in (("fresh", mask.bool() & ~stale.bool()), ("stale", mask.bool() & stale.bool())):
+        if m.any():
+            out |= {f"mismatch_{name}_mean": gap[m].mean().item(), f"mismatch_{name}_max": gap[m].max().item(),
+                    f"mismatch_{name}_tokens": float(m.sum())}  # fmt: skip
+    return out
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: Literal["k1", "k2", "k3"]) -> torch.Tensor:

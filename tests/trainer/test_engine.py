@@ -14,7 +14,7 @@ from trainer.export import export_hf, full_state_dict, weight_buckets
 
 
 def engine(model, total_steps=None, **kw) -> TrainEngine:
-    return TrainEngine(TrainerConfig(model_path=model, lr=1e-3, **kw), total_steps=total_steps)
+    return TrainEngine(TrainerConfig(model_path=model, **({"lr": 1e-3} | kw)), total_steps=total_steps)
 
 
 @pytest.mark.parametrize("row_tokens", [512, 24])  # one packed row per micro-batch, or several
@@ -140,3 +140,44 @@ def test_reference_kl_and_critic_with_gae(tiny_model):
     later = [eng.train_step(batch) for _ in range(6)]
     assert later[-1]["kl"] > 0
     assert later[-1]["value_loss"] < 0.75 * first["value_loss"]
+
+
+def test_mini_batches_and_epochs_move_the_ratio_inside_a_step_so_the_clip_binds(tiny_model):
+    """One update per step takes the ratio against π_prox at exactly 1: PPO's clip never binds.
+    With mini-batches and epochs the later updates see a policy that has moved."""
+    batch = toy_batch()
+    loss = {"type": "ppo", "old_policy": "proximal"}
+    single = engine(tiny_model, loss=loss, lr=1e-2).train_step(batch)
+    assert single["updates"] == 1 and single["clip_frac"] == 0
+    assert single["ratio_proximal_mean"] == pytest.approx(1.0, abs=1e-5)
+    eng = engine(tiny_model, loss=loss, lr=1e-2, mini_batches=2, ppo_epochs=3)
+    many = eng.train_step(batch)
+    assert many["updates"] == 6 and eng.step == 1 and eng.version == 1  # still one version per step
+    assert many["clip_frac"] > 0 and abs(many["ratio_proximal_mean"] - 1) > 1e-3
+
+
+def test_mini_batches_are_whole_groups_and_cover_the_batch_every_epoch(tiny_model):
+    batch = toy_batch(num_groups=5)
+    eng = engine(tiny_model, mini_batches=2, ppo_epochs=2)
+    gids = batch.group_ids.tolist()
+    for epoch in (0, 1):
+        slices = eng._mini_batches(batch, epoch)
+        assert len(slices) == 2 and sorted(r for s in slices for r in s) == list(range(len(gids)))
+        assert not {gids[r] for r in slices[0]} & {gids[r] for r in slices[1]}  # no group split
+    assert eng._mini_batches(batch, 1) == eng._mini_batches(batch, 1)  # seeded: the same run twice
+
+
+def test_stale_tokens_are_told_apart_by_version_and_measured(tiny_model):
+    """Tokens sampled at an older version than the trainer's weights are stale: their ratio and the
+    log-prob gap |log μ − log π_prox| are reported apart from the fresh ones'."""
+    batch = toy_batch()
+    eng = engine(tiny_model, loss={"type": "cispo"})
+    eng.version = 2
+    stale_rows = batch.group_ids >= 2
+    versions = torch.where(stale_rows[:, None], 0, 2)
+    batch.token_versions = torch.where(batch.loss_mask > 0, versions, -1)
+    fresh_tokens, stale_tokens = float(batch.loss_mask[~stale_rows].sum()), float(batch.loss_mask[stale_rows].sum())
+    m = eng.train_step(batch)
+    assert (m["mismatch_fresh_tokens"], m["mismatch_stale_tokens"]) == (fresh_tokens, stale_tokens)
+    assert m["mismatch_stale_mean"] > 0 and m["mismatch_stale_max"] >= m["mismatch_stale_mean"]
+    assert "ratio_mean_stale" in m and "clip_frac_stale" in m and m["ratio_behavior_mean_stale"] > 0

@@ -10,11 +10,13 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 
 from trainer.config import TrainerConfig
-from trainer.loss_config import CustomLossConfig, PolicyLossConfig
+from trainer.loss_config import CustomLossConfig, MismatchCorrection, PolicyLossConfig
 from trainer.losses import (
     POLICY_LOSSES,
     aggregate,
     kl_penalty,
+    mismatch_stats,
+    mismatch_weights,
     policy_loss,
     reinforce,
     value_loss,
@@ -67,8 +69,8 @@ CFG = {
 }
 
 
-def literal(variant, lp, old, behav, prox, adv, b, t):
-    cfg = CFG[variant]
+def literal(variant, cfg, lp, old, behav, prox, adv, b, t):
+    """``old``: the denominator the variant's ``old_policy`` names (μ or π_prox)."""
     lp_, old_, mu, px, a = f(lp[b, t]), f(old[b, t]), f(behav[b, t]), f(prox[b, t]), f(adv[b, t])
     r = math.exp(lp_ - old_)
     if variant == "ppo":
@@ -79,19 +81,18 @@ def literal(variant, lp, old, behav, prox, adv, b, t):
         w = min(math.exp(px - mu), cfg.behavior_weight_cap)
         return w * max(-a * rp, -a * clip(rp, 1 - cfg.clip_low, 1 + cfg.clip_high))
     if variant == "tis":
-        return -min(math.exp(lp_ - mu), cfg.tis_cap) * a * lp_
+        return -min(r, cfg.tis_cap) * a * lp_
     if variant == "cispo":
         return -clip(r, 1 - cfg.cispo_clip_low, 1 + cfg.cispo_clip_high) * a * lp_
     if variant == "topr":
-        return -a * lp_ if a >= 0 else -min(math.exp(lp_ - mu), 1.0) * a * lp_
+        return -a * lp_ if a >= 0 else -min(r, 1.0) * a * lp_
     if variant == "reinforce":
         return -a * lp_
     raise KeyError(variant)
 
 
-def literal_weight_grad(variant, lp, old, behav, prox, adv, b, t):
+def literal_weight_grad(variant, cfg, lp, old, behav, prox, adv, b, t):
     """d(per-token loss)/d(log π) of the literal formula, stop-gradients respected."""
-    cfg = CFG[variant]
     lp_, old_, mu, px, a = f(lp[b, t]), f(old[b, t]), f(behav[b, t]), f(prox[b, t]), f(adv[b, t])
     r = math.exp(lp_ - old_)
     if variant == "ppo":
@@ -109,37 +110,110 @@ def literal_weight_grad(variant, lp, old, behav, prox, adv, b, t):
         lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
         return w * (-a * rp) if -a * rp >= -a * clip(rp, lo, hi) else 0.0
     if variant == "tis":
-        return -min(math.exp(lp_ - mu), cfg.tis_cap) * a
+        return -min(r, cfg.tis_cap) * a
     if variant == "cispo":
         return -clip(r, 1 - cfg.cispo_clip_low, 1 + cfg.cispo_clip_high) * a
     if variant == "topr":
-        return -a if a >= 0 else -min(math.exp(lp_ - mu), 1.0) * a
+        return -a if a >= 0 else -min(r, 1.0) * a
     if variant == "reinforce":
         return -a
     raise KeyError(variant)
 
 
-@pytest.mark.parametrize("variant", ["ppo", "decoupled_ppo", "tis", "cispo", "topr", "reinforce"])
-def test_token_level_variants_match_literal_formula(variant):
-    lp, old, behav, prox, adv, mask = inputs()
-    cfg = CFG[variant].model_copy(update={"agg_mode": "token-mean"})
-    loss, metrics = policy_loss(lp, old, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg)
-    lit = lit_tokens(lambda b, t: literal(variant, lp, old, behav, prox, adv, b, t), lp, mask)
+VARIANT_POLICIES = [(v, p) for v in ("ppo", "tis", "cispo", "topr") for p in ("behavior", "proximal")]
+VARIANT_POLICIES += [("decoupled_ppo", None), ("reinforce", None)]
+
+
+@pytest.mark.parametrize("variant, old_policy", VARIANT_POLICIES)
+def test_token_level_variants_match_literal_formula(variant, old_policy):
+    """Each variant against its formula with the ratio's denominator its ``old_policy`` names:
+    μ (the engine's log-probs) or π_prox; decoupled PPO uses both, REINFORCE neither."""
+    lp, _, behav, prox, adv, mask = inputs()
+    update = {"agg_mode": "token-mean"} | ({"old_policy": old_policy} if old_policy else {})
+    cfg = CFG[variant].model_copy(update=update)
+    old = behav if old_policy == "behavior" else prox
+    loss, metrics = policy_loss(lp, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg)
+    lit = lit_tokens(lambda b, t: literal(variant, cfg, lp, old, behav, prox, adv, b, t), lp, mask)
     n = float(mask.sum())
     assert loss.item() == pytest.approx(sum(map(sum, lit)) / n, rel=1e-10, abs=1e-12)
     loss.backward()
     for b in range(B):
         for t in range(T):
-            want = literal_weight_grad(variant, lp, old, behav, prox, adv, b, t) / n if mask[b, t] else 0.0
+            want = literal_weight_grad(variant, cfg, lp, old, behav, prox, adv, b, t) / n if mask[b, t] else 0.0
             assert lp.grad[b, t].item() == pytest.approx(want, rel=1e-9, abs=1e-12), (variant, b, t)
     assert 0.0 <= metrics["clip_frac"] <= 1.0 and metrics["ratio_max"] >= metrics["ratio_mean"] > 0
+    m = mask.bool()  # the ratio against each policy, whichever the variant uses
+    assert metrics["ratio_behavior_mean"] == pytest.approx(f((lp - behav)[m].exp().mean()), rel=1e-12)
+    assert metrics["ratio_proximal_mean"] == pytest.approx(f((lp - prox)[m].exp().mean()), rel=1e-12)
+
+
+def test_the_defaults_take_the_ratio_against_the_sampling_policy():
+    """PPO, GSPO, TIS, CISPO and TOPR default to μ, the policy that sampled the tokens (π_old as the
+    papers write it); a config may name π_prox instead."""
+    for variant in ("ppo", "gspo", "tis", "cispo", "topr"):
+        assert loss_config(variant).old_policy == "behavior"
+        assert loss_config(variant, old_policy="proximal").old_policy == "proximal"
+    with pytest.raises(ValidationError, match="old_policy"):
+        loss_config("decoupled_ppo", old_policy="behavior")  # uses both, by construction
+    with pytest.raises(ValidationError, match="old_policy"):
+        loss_config("ppo", old_policy="reference")
+
+
+def test_stale_token_metrics_cover_the_stale_tokens_alone():
+    lp, _, behav, prox, adv, mask = inputs(2)
+    stale = torch.zeros(B, T, dtype=torch.bool)
+    stale[2] = True  # one whole trajectory sampled by older weights
+    cfg = loss_config("ppo")
+    _, metrics = policy_loss(lp, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg, stale=stale)
+    m = mask.bool() & stale
+    assert metrics["stale_tokens"] == float(m.sum()) > 0
+    assert metrics["ratio_mean_stale"] == pytest.approx(f((lp - behav)[m].exp().mean()), rel=1e-12)
+    _, fresh_only = policy_loss(lp, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg,
+                                stale=torch.zeros_like(stale))  # fmt: skip
+    assert "ratio_mean_stale" not in fresh_only and "stale_tokens" not in fresh_only
+
+
+@pytest.mark.parametrize("kind", ["truncate", "mask"])
+def test_mismatch_corrections_match_their_formulas(kind):
+    """Truncated IS min(π_prox/μ, C) and IcePop-style masking outside [α, β], token by token, and
+    the loss they weight."""
+    lp, _, behav, prox, adv, mask = inputs(6)
+    config = TypeAdapter(MismatchCorrection).validate_python(
+        {"type": kind, "cap": 1.5} if kind == "truncate" else {"type": kind, "low": 0.8, "high": 1.25}
+    )
+    weights = mismatch_weights(config, prox, behav)
+    for b in range(B):
+        for t in range(T):
+            r = math.exp(f(prox[b, t]) - f(behav[b, t]))
+            want = min(r, 1.5) if kind == "truncate" else float(0.8 <= r <= 1.25)
+            assert f(weights[b, t]) == pytest.approx(want, rel=1e-12), (b, t)
+    cfg = CFG["reinforce"]
+    weighted, _ = policy_loss(lp, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg,
+                              token_weights=weights)  # fmt: skip
+    lit = lit_tokens(lambda b, t: -f(adv[b, t]) * f(lp[b, t]) * f(weights[b, t]), lp, mask)
+    assert weighted.item() == pytest.approx(sum(map(sum, lit)) / float(mask.sum()), rel=1e-10)
+    assert mismatch_weights(TypeAdapter(MismatchCorrection).validate_python({"type": "none"}), prox, behav) is None
+    with pytest.raises(ValidationError, match="low"):
+        TypeAdapter(MismatchCorrection).validate_python({"type": "mask", "low": 2.0, "high": 1.0})
+
+
+def test_mismatch_stats_split_fresh_and_stale_tokens():
+    _, _, behav, prox, _, mask = inputs(8)
+    stale = torch.zeros(B, T, dtype=torch.bool)
+    stale[3:] = True
+    got = mismatch_stats(prox, behav, mask, stale)
+    for name, m in (("fresh", mask.bool() & ~stale), ("stale", mask.bool() & stale)):
+        gaps = [abs(f(behav[b, t]) - f(prox[b, t])) for b in range(B) for t in range(T) if m[b, t]]
+        assert got[f"mismatch_{name}_mean"] == pytest.approx(sum(gaps) / len(gaps), rel=1e-9)
+        assert got[f"mismatch_{name}_max"] == pytest.approx(max(gaps), rel=1e-9)
+        assert got[f"mismatch_{name}_tokens"] == len(gaps)
 
 
 def test_gspo_is_the_sequence_level_clipped_objective():
     lp, old, _, _, adv, mask = inputs(3)
     seq_adv = adv[:, :1].expand(B, T).contiguous()  # GSPO's advantage is per sequence
     cfg = loss_config("gspo", agg_mode="seq-mean-token-mean", gspo_clip_low=0.1, gspo_clip_high=0.15)
-    loss, _ = policy_loss(lp, old, seq_adv, mask, config=cfg)
+    loss, _ = policy_loss(lp, seq_adv, mask, behavior_logprobs=old, proximal_logprobs=old, config=cfg)
     loss.backward()
     want, grads = [], torch.zeros(B, T, dtype=torch.float64)
     rows = [b for b in range(B) if mask[b].sum() > 0]
@@ -177,7 +251,8 @@ def test_smooth_pieces_pass_gradcheck():
     lp, old, behav, prox, adv, mask = inputs(7)
     x = lp.detach().clone().requires_grad_(True)
     cfg = loss_config("reinforce", agg_mode="seq-mean-token-mean")
-    assert torch.autograd.gradcheck(lambda z: policy_loss(z, old, adv, mask, config=cfg)[0], (x,))
+    kw = {"behavior_logprobs": old, "proximal_logprobs": old, "config": cfg}
+    assert torch.autograd.gradcheck(lambda z: policy_loss(z, adv, mask, **kw)[0], (x,))
     for kind in ("k1", "k2", "k3"):
         assert torch.autograd.gradcheck(lambda z, k=kind: kl_penalty(z, old, k).sum(), (x,))
     v = torch.randn(B, T, dtype=torch.float64, requires_grad=True)
@@ -199,12 +274,11 @@ def test_registry_errors_and_custom_variant():
     lp, old, behav, prox, adv, mask = inputs()
     with pytest.raises(ValidationError, match="does not match any of the expected tags"):
         loss_config("nope")
-    with pytest.raises(ValueError, match="behavior_logprobs"):
-        policy_loss(lp, old, adv, mask, config=CFG["decoupled_ppo"])
     custom_cfg = loss_config("custom", function="trainer.losses:reinforce")
     assert isinstance(custom_cfg, CustomLossConfig)
-    custom, _ = policy_loss(lp, old, adv, mask, config=custom_cfg)
-    builtin, _ = policy_loss(lp, old, adv, mask, config=CFG["reinforce"])
+    kw = {"behavior_logprobs": behav, "proximal_logprobs": prox}
+    custom, _ = policy_loss(lp, adv, mask, config=custom_cfg, **kw)
+    builtin, _ = policy_loss(lp, adv, mask, config=CFG["reinforce"], **kw)
     assert custom.item() == builtin.item() and set(POLICY_LOSSES) >= {"ppo", "gspo", "topr"}
 
 
@@ -234,8 +308,9 @@ def test_custom_loss_by_import_path_runs_with_its_own_params():
     lp, old, _, _, adv, mask = inputs(4)
     custom = {"type": "custom", "function": f"{__name__}:scaled_reinforce", "params": {"scale": 3.0}}
     cfg = TrainerConfig.model_validate({"loss": custom}).loss
-    got, _ = policy_loss(lp, old, adv, mask, config=cfg)
-    want, _ = policy_loss(lp, old, adv, mask, config=CFG["reinforce"])
+    kw = {"behavior_logprobs": old, "proximal_logprobs": old}
+    got, _ = policy_loss(lp, adv, mask, config=cfg, **kw)
+    want, _ = policy_loss(lp, adv, mask, config=CFG["reinforce"], **kw)
     assert got.item() == pytest.approx(3.0 * want.item(), rel=1e-12)
 
 
