@@ -257,6 +257,22 @@ def bench_chaos(
                    str(keep) if keep else None), json_)  # fmt: skip
 
 
+@bench_app.command("offpolicy")
+def bench_offpolicy(
+    model: Path = typer.Option(Path("models/tiny-digits"), help="The quickstart's model (make run builds it)."),
+    loss: list[str] = typer.Option([], "--loss", help="Losses to compare (repeatable); default: all six."),
+    ratio: list[int] = typer.Option([], "--ratio", help="Async ratios (repeatable); default: 0, 2 and 8."),
+    steps: int = typer.Option(100, help="Training steps of each run."),
+    seeds: int = typer.Option(1, help="Runs per combination, seeds 0..n-1 (the spread says what is noise)."),
+    out: Path = typer.Option(Path("runs/bench-offpolicy"), help="Where the plot and the full results go."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Each loss at each async ratio on the quickstart: reward, held-out accuracy, wall time, plot."""
+    from services.bench.offpolicy_bench import run
+
+    _emit(_checked(run, str(model), loss or None, ratio or None, steps, seeds, str(out), _progress(json_)), json_)
+
+
 def _checked(fn, *args):
     """``fn(*args)``; a bad option value (``BadOption`` naming it) exits 2 with the message, no traceback."""
     from services.bench import BadOption
