@@ -89,10 +89,9 @@ def test_dapo_filtering_returns_slots_and_does_not_starve_the_trainer(make_engin
     slots come back (else admission would stall at the bound) and every step gets its batch."""
     _, url = make_engine_process()
     engine = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3))
-    metrics, stats, controller, counters = asyncio.run(
-        _run(url, tiny_model, tmp_path / "run", async_ratio=1, steps=6, engine=engine, filter_zero_variance=True,
-             reward=f"{__name__}:coin_reward")  # fmt: skip
-    )
+    run = _run(url, tiny_model, tmp_path / "run", async_ratio=1, steps=6, engine=engine, filter_zero_variance=True,
+               reward=f"{__name__}:coin_reward")  # fmt: skip
+    metrics, stats, controller, counters = asyncio.run(run)
     assert all(m is not None for m in metrics) and [m["step"] for m in metrics] == list(range(1, 7))
     assert stats.dropped_by_reason["filtered"] > 0 and counters["groups_filtered"] > 0
     # each filtered group handed its slot back unused: admission went on past the bound's first fill

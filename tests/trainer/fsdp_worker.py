@@ -19,7 +19,7 @@ def main() -> None:
     model, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = TrainEngine(TrainerConfig(model_path=model, lr=1e-3, micro_batch_tokens=48))
+    engine = TrainEngine(TrainerConfig(model_path=model, lr=1e-3, micro_batch_tokens=48, mini_batches=2))
     losses = []
     for step in range(steps):
         batch = toy_batch(seed=step)
@@ -28,7 +28,7 @@ def main() -> None:
         losses.append(engine.train_step(batch.select(mine))["loss"])
     state = full_state_dict(engine.model)
     ckpt = save_checkpoint(engine, out + ".ckpt")
-    again = TrainEngine(TrainerConfig(model_path=model, lr=1e-3, micro_batch_tokens=48))
+    again = TrainEngine(TrainerConfig(model_path=model, lr=1e-3, micro_batch_tokens=48, mini_batches=2))
     load_checkpoint(again, latest_checkpoint(out + ".ckpt"))
     reloaded = full_state_dict(again.model)
     if rank == 0:

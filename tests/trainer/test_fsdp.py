@@ -1,4 +1,5 @@
-"""FSDP2 on CPU: two gloo ranks under torchrun train exactly like one process on the whole batch."""
+"""FSDP2 on CPU: two gloo ranks under torchrun train exactly like one process on the whole batch,
+mini-batches included."""
 
 import os
 import subprocess
@@ -24,7 +25,9 @@ def test_two_rank_fsdp2_matches_single_process(tiny_model, tmp_path):
     sharded = torch.load(out, weights_only=False)
     assert sharded["world"] == 2 and sharded["reload_equal"], "checkpoint round trip under FSDP2 changed weights"
 
-    single = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3, micro_batch_tokens=48))
+    # Two mini-batches per step: rank r holds groups r, r + 2, so slice i is groups 2i and 2i + 1 on
+    # both sides, and each of the two optimizer steps sees the same groups.
+    single = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3, micro_batch_tokens=48, mini_batches=2))
     losses = [single.train_step(toy_batch(seed=s))["loss"] for s in range(STEPS)]
     for a, b in zip(sharded["losses"], losses):
         assert abs(a - b) <= 1e-5, (sharded["losses"], losses)
