@@ -116,7 +116,7 @@ def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained
     from services.bench.chaos_bench import SERVICES, run
 
     lines: list[str] = []
-    result = run(tiny_model, baseline=False, progress=lines.append)
+    result = run(tiny_model, steps_between=1, baseline=False, progress=lines.append)
     assert list(result["kill_to_next_step_s"]) == list(SERVICES), lines
     # 0.0: a step already under way when the service died (rounded to 0.1 s)
     assert all(0 <= s < 120 for s in result["kill_to_next_step_s"].values()), result
