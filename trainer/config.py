@@ -96,6 +96,18 @@ class TrainerConfig(BaseModel):
     value_clip: float | None = Field(0.2, gt=0, description="Clip range of the critic's value loss.")
 
     @model_validator(mode="after")
+    def _one_correction_per_ratio(self) -> TrainerConfig:
+        # A ratio against μ already holds π_prox/μ (and decoupled PPO weights by it): a mismatch
+        # weight on top would correct twice, and on stale tokens compound the drift as well.
+        against_mu = self.loss.type == "decoupled_ppo" or getattr(self.loss, "old_policy", None) == "behavior"
+        if self.mismatch.type != "none" and against_mu:
+            raise ValueError(
+                f"mismatch: {self.mismatch.type!r} corrects π_prox/μ, which loss {self.loss.type!r} already takes "
+                "into account; use it with old_policy: proximal (or reinforce / custom)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _critic_goes_with_gae(self) -> TrainerConfig:
         # GAE needs a value model's estimates; every other estimator ignores one (its loss would have no returns).
         if (self.advantages.type == "gae") != self.critic:

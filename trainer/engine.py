@@ -259,7 +259,8 @@ class TrainEngine:
         self.scheduler.step()  # once per version: the schedule spans the run's steps
         self.step += 1
         self.version += 1
-        out = {k: v / max(updates, 1) for k, v in sums.items() if not k.endswith(("_stale", "stale_tokens"))}
+        out = {"loss": 0.0, "pg_loss": 0.0, "grad_norm": 0.0}  # what a step with no token to train on reports
+        out |= {k: v / max(updates, 1) for k, v in sums.items() if not k.endswith(("_stale", "stale_tokens"))}
         if sums["stale_tokens"]:  # means over stale tokens, weighted by how many each update had
             out |= {k: v / sums["stale_tokens"] for k, v in sums.items() if k.endswith("_stale")}
         out |= _all_reduce_dict(mismatch_stats(prox, behav, mask, stale))

@@ -68,11 +68,13 @@ class TrainLoop:
     # ------------------------------------------------------------------ the loop
     async def step(self) -> dict | None:
         """One training step; None when no full batch arrived in time."""
-        if self._unpublished and not await self._publish() and self._too_far_ahead():
-            # Whatever the engines make now is staler than the bound: a get would wait out its whole
-            # timeout for groups the buffer drops, and each step trained meanwhile widens the gap.
-            await asyncio.sleep(min(MAX_PUBLISH_RETRY_S, 0.5 * 2 ** (self._publish_failures - 1)))
-            return None
+        if self._unpublished and not await self._publish():
+            await self._ask_served_version()  # a commit whose reply was lost did move the engines
+            if self._too_far_ahead():
+                # Whatever the engines make now is staler than the bound: a get would wait out its
+                # whole timeout for groups the buffer drops, and each step trained meanwhile widens the gap.
+                await asyncio.sleep(min(MAX_PUBLISH_RETRY_S, 0.5 * 2 ** min(self._publish_failures - 1, 8)))
+                return None
         t0, version = time.perf_counter(), self.engine.version
         fetched = self._from_rank0(await self._get(version) if self.rank == 0 else None)  # get
         if fetched is None:
@@ -244,6 +246,22 @@ class TrainLoop:
         if ok:
             self.served_version = self.engine.version
         return ok
+
+    async def _ask_served_version(self) -> None:
+        """Take the controller's version as what the engines serve (every rank, from rank 0's
+        answer). If it is already this trainer's, the last publish did commit (its reply was lost:
+        a retry would be refused as not newer) and nothing is left to publish."""
+        theirs = None
+        if self.rank == 0:
+            try:
+                theirs = (await self.control.limits()).version
+            except Exception as e:  # the controller is down: the next step asks again
+                log.warning("asking the controller for its version: %s", e)
+        theirs = self._from_rank0(theirs)
+        if theirs is not None:
+            self.served_version = theirs
+            if theirs >= self.engine.version:
+                self._unpublished = False
 
     def _too_far_ahead(self) -> bool:
         """Would the buffer drop as stale every sample of the version the engines serve?"""

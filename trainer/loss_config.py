@@ -135,7 +135,9 @@ PolicyLossConfig = tagged_union(
 
 
 class NoMismatchCorrection(BaseModel):
-    """No correction for the trainer and the engine computing different log-probs of one token."""
+    """No correction for the trainer and the engine computing different log-probs of one token.
+    (A correction applies to losses whose ratio is against π_prox: one against μ holds π_prox/μ
+    already, and the config refuses the pair.)"""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -77,15 +77,12 @@ def _kill(service: str, run_dir: Path, redis) -> None:
     os.kill(int(pids[0]), signal.SIGKILL)
 
 
-def _serving(service: str, run_dir: Path, redis) -> float | None:
-    """The time if ``service`` answers again (its /metrics, as listed for Prometheus; redis: PING)."""
+def _serving(service: str, run_dir: Path) -> float | None:
+    """The time if ``service`` answers again (its /metrics, as listed for Prometheus)."""
     import httpx
 
-    if service == REDIS:  # restarted here, and start() returns once it answers PING
-        return time.time()
-    job = "engine" if service == "engine" else service
     targets = json.loads((run_dir / "prometheus_targets.json").read_text())
-    [address] = [t["targets"][0] for t in targets if t["labels"]["job"] == job][:1]
+    [address] = [t["targets"][0] for t in targets if t["labels"]["job"] == service][:1]
     try:
         return time.time() if httpx.get(f"http://{address}/metrics", timeout=1.0).status_code == 200 else None
     except httpx.HTTPError:
@@ -109,16 +106,21 @@ def _run(cmd: list[str], run_dir: Path, redis, kills: list[str], steps_between: 
             _wait(f"step {at}", lambda at=at: len(_steps(run_dir)) >= at or None, proc, 300)
             time.sleep(rng.uniform(0.0, 0.5))  # anywhere in a step: mid-generation, mid-update, mid-train
             t_kill = time.time()
-            _kill(service, run_dir, redis)
+            _kill(service, run_dir, redis)  # redis-server: restarted here, serving once this returns
+            seen = {"serving": time.time()} if service == REDIS else {}
             progress(f"killed {service}")
 
-            def next_step(t_kill=t_kill):
-                later = [s["wall"] for s in _steps(run_dir) if s["wall"] > t_kill]
-                return min(later) if later else None
+            def both(t_kill=t_kill, service=service, seen=seen):
+                """Watch for the next step and the service serving again at once: each at its moment."""
+                if "step" not in seen and (later := [s["wall"] for s in _steps(run_dir) if s["wall"] > t_kill]):
+                    seen["step"] = min(later)
+                if "serving" not in seen and (t := _serving(service, run_dir)) is not None:
+                    seen["serving"] = t
+                return True if len(seen) == 2 else None
 
-            recovery[service] = round(_wait(f"a step after killing {service}", next_step, proc, 300) - t_kill, 1)
-            back = _wait(f"{service} serving again", lambda s=service: _serving(s, run_dir, redis), proc, 300)
-            serving[service] = round(max(0.0, back - t_kill), 1)
+            _wait(f"a step after killing {service}, and {service} serving again", both, proc, 300)
+            recovery[service] = round(seen["step"] - t_kill, 1)
+            serving[service] = round(max(0.0, seen["serving"] - t_kill), 1)
             progress(f"  next step {recovery[service]} s after the kill; serving again after {serving[service]} s")
         proc.wait(600)
     finally:

@@ -11,7 +11,9 @@ corrections are meant to beat once samples are versions old.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,13 +45,25 @@ def _command(model: str, run_dir: Path, loss: str, ratio: int, steps: int, seed:
     return cmd + [a for s in sets for a in ("--set", s)]
 
 
-def _one(model: str, run_dir: Path, loss: str, ratio: int, steps: int, seed: int) -> dict:
+def _one(model: str, run_dir: Path, loss: str, ratio: int, steps: int, seed: int, timeout_s: float = 3600) -> dict:
     t0 = time.monotonic()
-    proc = subprocess.run(_command(model, run_dir, loss, ratio, steps, seed), capture_output=True, text=True,
-                          timeout=3600)  # fmt: skip
-    m = FINAL.search(proc.stdout)
+    # Its own session: on a timeout the whole mesh goes (SIGTERM, which the launcher passes on), not the
+    # launcher alone with its services left running.
+    proc = subprocess.Popen(_command(model, run_dir, loss, ratio, steps, seed), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        raise RuntimeError(f"{loss} at async_ratio {ratio}: not done within {timeout_s:.0f} s\n{out[-2000:]}") from None
+    m = FINAL.search(out)
     if proc.returncode != 0 or m is None:
-        raise RuntimeError(f"{loss} at async_ratio {ratio}: exit {proc.returncode}\n{proc.stdout[-2000:]}")
+        raise RuntimeError(f"{loss} at async_ratio {ratio}: exit {proc.returncode}\n{out[-2000:]}")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.endswith("}")]
     tail = lines[-max(1, steps // 10) :]  # the last tenth of the run
     return {
@@ -118,9 +132,10 @@ def run(model_path: str, losses: list[str] | None = None, ratios: list[int] | No
                     "staleness_mean": statistics.mean(r["staleness_mean"] for r in runs),
                     "runs": runs,
                 }
+                # written as it goes: a later failure keeps what was measured
+                (out / "offpolicy.json").write_text(json.dumps(results))
     plot = out / "offpolicy.png"
     _plot(results, ratios, plot)
-    (out / "offpolicy.json").write_text(json.dumps(results))
     summary = {
         f"{loss}@{ratio}": round(v["heldout_accuracy"], 3) for loss, per in results.items() for ratio, v in per.items()
     }

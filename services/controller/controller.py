@@ -71,6 +71,7 @@ class AsyncController:
         # Admitted groups not finished: per named holder as it last reported, plus anonymous callers'.
         self.holders: dict[str, int] = {}
         self._reported: dict[str, float] = {}  # holder -> time.monotonic() of its last report (its lease)
+        self._expired: set[str] = set()  # holders whose lease ran out (one that reports again was only cut off)
         self.anonymous = 0
         # Finished groups not yet consumed: as many as the buffer held when last asked, plus those
         # finished since that question was sent (counted twice until the next answer: the safe side).
@@ -98,6 +99,11 @@ class AsyncController:
         known = self.holders.get(holder)
         if known is not None and known - returned != held:
             self.counters["holder_resyncs"] += 1
+        if holder in self._expired:  # it was cut off, not dead: its groups were never lost
+            self._expired.discard(holder)
+            self.counters["lease_returned"] += held
+            if held:
+                log.warning("%s reports again after its lease expired, with %d groups in flight", holder, held)
         self.holders[holder] = held
         self._reported[holder] = time.monotonic()
 
@@ -108,6 +114,7 @@ class AsyncController:
         for holder, seen in list(self._reported.items()):
             if now - seen > self.config.holder_lease_s:
                 del self._reported[holder]
+                self._expired.add(holder)
                 if lost := self.holders.pop(holder, 0):
                     self.counters["lease_expired"] += lost
                     log.warning("%s has not reported for %.0f s: its %d admission slots return", holder,

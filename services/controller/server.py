@@ -73,6 +73,8 @@ class _ControllerCollector:
             ("rollmesh_controller_finished_groups", "Admitted groups that ended in the buffer", ctl.finished),
             ("rollmesh_controller_lease_expired_groups", "Admission slots of EnvManagers that stopped reporting "
              "(controller.holder_lease_s), returned", c["lease_expired"]),
+            ("rollmesh_controller_lease_returned_groups", "Groups in flight reported by an EnvManager after its lease "
+             "expired (it was cut off, not dead: admission briefly ran over the bound)", c["lease_returned"]),
             ("rollmesh_controller_buffer_lost_groups", "Groups the SampleBuffer held when it lost its state "
              "(in-memory backend restarted)", c["buffer_lost"]),
             ("rollmesh_controller_buffer_poll_failures", "Questions to the SampleBuffer that failed",

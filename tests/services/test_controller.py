@@ -357,13 +357,20 @@ def test_an_env_manager_that_never_comes_back_loses_its_slots_after_its_lease(en
                 full = (await other.admit(1)).num_groups
                 await asyncio.sleep(1.5)  # past the lease: alive reported meanwhile, dead did not
                 after = (await other.admit(4)).num_groups
-                return granted, full, after, mesh.controller.holders, mesh.controller.counters["lease_expired"]
+                holders = dict(mesh.controller.holders)
+                back = ControllerClient(mesh.controller_client.address, holder="env:dead")  # only cut off
+                back.held = 2
+                await back.admit(0)
+                await back.close()
+                counters = mesh.controller.counters
+                return granted, full, after, holders, counters["lease_expired"], counters["lease_returned"]
             finally:
                 lease.cancel()
                 await alive.close()
                 await other.close()
 
-    granted, full, after, holders, expired = asyncio.run(main())
+    granted, full, after, holders, expired, returned = asyncio.run(main())
     assert granted == (2, 2) and full == 0  # (1 + 0 + 1) x 2 = 4 slots, all held
     assert after == 2 and expired == 2  # the dead holder's two came back, the live one's did not
     assert holders == {"env:alive": 2, "env:other": 2}
+    assert returned == 2  # a holder that reports after its lease ran out was cut off: counted apart

@@ -17,7 +17,7 @@ from services.controller.controller import AsyncController
 from tests.sample_buffer.helpers import make_group
 from trainer.config import TrainLoopConfig
 from trainer.loop import StalenessMismatch, TrainLoop
-from trainer.ports import PublishError, TrainObserver
+from trainer.ports import PublishError, TrainObserver, TransientError
 from trainer.sim import SimTrainEngine, SimTrainerConfig
 
 
@@ -210,3 +210,43 @@ def test_a_failed_publish_is_retried_and_no_step_trains_past_the_bound(tmp_path)
     assert loop.publisher.loaded[:1] == [2] and ctl.version == 3  # v2 first, then the step's v3
     assert m["step"] == 3 and m["published"] and m["staleness_max"] == 0
     assert loop.observer.failures == ["load"] * 4
+
+
+class LostCommitReply:
+    """The controller, except that the first commit's reply never arrives: the commit happened."""
+
+    def __init__(self, ctl: AsyncController) -> None:
+        self.ctl, self.lost = ctl, False
+
+    def __getattr__(self, name):
+        return getattr(self.ctl, name)
+
+    async def commit_update(self, update_id, version, model_path=""):
+        result = await self.ctl.commit_update(update_id, version, model_path)
+        if not self.lost:
+            self.lost = True
+            raise TransientError("UNAVAILABLE", "the reply was lost")
+        return result
+
+
+def test_a_commit_whose_reply_was_lost_does_not_stall_the_trainer(tmp_path):
+    """The commit went through but the trainer heard an error. Publishing the same version again
+    is refused (not newer); the trainer learns the controller's version instead and trains on,
+    even under async_ratio 0 where one unpublished version is already too far ahead."""
+
+    async def main():
+        loop, ctl, buf = make(tmp_path, async_ratio=0)
+        loop.control = LostCommitReply(ctl)
+        await loop.join()
+        for g in ("a", "b", "c", "d"):
+            await buf.put(make_group(g, version=0))
+        await ctl.release(finished=2, holder="env-0")
+        first = await loop.step()  # trains v0 → v1; the commit of v1 lands, its reply does not
+        for g in ("c2", "d2"):
+            await buf.put(make_group(g, version=1))
+        await ctl.release(finished=2, holder="env-0")
+        return first, await loop.step(), ctl
+
+    first, second, ctl = asyncio.run(main())
+    assert first["published"] is False and ctl.version >= 1
+    assert second is not None and second["step"] == 2 and second["published"] and ctl.version == 2

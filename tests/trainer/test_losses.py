@@ -197,6 +197,17 @@ def test_mismatch_corrections_match_their_formulas(kind):
         TypeAdapter(MismatchCorrection).validate_python({"type": "mask", "low": 2.0, "high": 1.0})
 
 
+def test_a_mismatch_correction_goes_only_with_a_ratio_against_the_proximal_policy():
+    with pytest.raises(ValidationError, match="already takes"):
+        TrainerConfig.model_validate({"mismatch": {"type": "truncate"}})  # decoupled PPO weights by π_prox/μ
+    with pytest.raises(ValidationError, match="old_policy: proximal"):
+        TrainerConfig.model_validate({"mismatch": {"type": "mask"}, "loss": {"type": "cispo"}})
+    cfg = TrainerConfig.model_validate(
+        {"mismatch": {"type": "mask"}, "loss": {"type": "cispo", "old_policy": "proximal"}}
+    )
+    assert cfg.mismatch.type == "mask"
+
+
 def test_mismatch_stats_split_fresh_and_stale_tokens():
     _, _, behav, prox, _, mask = inputs(8)
     stale = torch.zeros(B, T, dtype=torch.bool)
