@@ -153,6 +153,10 @@ def test_tls_from_a_secret_reaches_every_service_and_the_probes_still_work():
     cmd = engine["command"]
     assert cmd[cmd.index("--ssl-certfile") + 1] == "/etc/rollmesh-tls/tls.crt"
     assert cmd[cmd.index("--ssl-keyfile") + 1] == "/etc/rollmesh-tls/tls.key"
+    monitor = by_kind_name(docs)[("ServiceMonitor", "t-rollmesh")]["spec"]["endpoints"]
+    engine_scrape = next(e for e in monitor if e["port"] == "http")
+    assert engine_scrape["scheme"] == "https"
+    assert engine_scrape["tlsConfig"]["ca"]["secret"] == {"name": "mesh-tls", "key": "ca.crt"}
     # without the value nothing of it shows
     plain = render()
     assert "--ssl-certfile" not in pod(plain, "StatefulSet", "engine")["containers"][0]["command"]

@@ -54,7 +54,7 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
 {{- $name := include "rollmesh.fullname" . -}}
 {{- $urls := list -}}
 {{- range $i := until (int .Values.engine.replicas) -}}
-{{- $scheme := ternary "https" "http" (ne $.Values.auth.tls.secretName "") -}}
+{{- $scheme := ternary "https" "http" (not (empty $.Values.auth.tls.secretName)) -}}
 {{- $urls = append $urls (printf "%s://%s-engine-%d.%s-engine:%d" $scheme $name $i $name (int $.Values.engine.port)) -}}
 {{- end -}}
 {{- $proxy := include "rollmesh.address" (dict "root" . "component" "llm-proxy" "port" .Values.proxy.port) -}}
@@ -172,7 +172,7 @@ spec:
           ports:
             - {name: grpc, containerPort: {{ $v.port }}}
             - {name: metrics, containerPort: {{ $v.metricsPort }}}
-          {{- $probe := ternary (dict "tcpSocket" (dict "port" "grpc")) (dict "grpc" (dict "port" $v.port)) (ne $root.Values.auth.tls.secretName "") }}
+          {{- $probe := ternary (dict "tcpSocket" (dict "port" "grpc")) (dict "grpc" (dict "port" $v.port)) (not (empty $root.Values.auth.tls.secretName)) }}
           readinessProbe:
             {{- toYaml $probe | nindent 12 }}
             periodSeconds: 5
