@@ -194,6 +194,18 @@ staleness = dashboard(
             ],
         ),
         dict(
+            title="Off-policy: ratio and log-prob mismatch",
+            desc="π/μ, the current policy over the one that sampled the tokens (1 = on-policy); "
+            "|log μ − log π_prox| on tokens sampled by the trainer's own weights (engine vs trainer numerics) "
+            "and on older ones (numerics plus staleness).",
+            w=12,
+            targets=[
+                ("max(rollmesh_trainer_behavior_ratio_mean)", "mean π/μ"),
+                ("max(rollmesh_trainer_logprob_mismatch_fresh_nats)", "mismatch, fresh tokens"),
+                ("max(rollmesh_trainer_logprob_mismatch_stale_nats)", "mismatch, stale tokens"),
+            ],
+        ),
+        dict(
             title="Admission pressure (groups)",
             w=12,
             targets=[

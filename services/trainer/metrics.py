@@ -25,11 +25,20 @@ UPDATE_FAILURE_CAUSES = ("export", "begin", "load", "commit")
 _GAUGES = {
     "reward_mean": ("rollmesh_trainer_reward_mean", "Mean trajectory reward of the last step's batch"),
     "clip_frac": ("rollmesh_trainer_clip_fraction_ratio", "Share of tokens whose ratio was clipped, last step"),
-    "approx_kl": ("rollmesh_trainer_approx_kl", "Approximate KL(behaviour || current) of the last step"),
+    "approx_kl": ("rollmesh_trainer_approx_kl", "Approximate KL(π_old || π), last step"),
     "entropy": ("rollmesh_trainer_entropy_nats", "Mean token entropy of the last step"),
     "grad_norm": ("rollmesh_trainer_grad_norm", "Gradient norm before clipping, last step"),
     "lr": ("rollmesh_trainer_learning_rate", "Learning rate of the last step"),
     "ratio_max": ("rollmesh_trainer_importance_ratio_max", "Largest importance ratio of the last step"),
+    "ratio_behavior_mean": ("rollmesh_trainer_behavior_ratio_mean", "Mean π/μ (current over sampling), last step"),
+    "mismatch_fresh_mean": (
+        "rollmesh_trainer_logprob_mismatch_fresh_nats",
+        "Mean |log μ − log π_prox| over tokens sampled by the trainer's current weights (engine vs trainer numerics)",
+    ),
+    "mismatch_stale_mean": (
+        "rollmesh_trainer_logprob_mismatch_stale_nats",
+        "Mean |log μ − log π_prox| over tokens sampled by older weights (numerics plus staleness)",
+    ),
 }
 
 
