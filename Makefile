@@ -55,7 +55,7 @@ format: $(STAMP)
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-bench: $(STAMP) model servers
+bench: $(STAMP) model servers models/tiny-digits/config.json
 	.venv/bin/rollmesh bench engine --model $(MODEL) --json
 	.venv/bin/rollmesh bench proxy --model $(MODEL) --json
 	.venv/bin/rollmesh bench buffer --json
@@ -64,6 +64,7 @@ bench: $(STAMP) model servers
 	.venv/bin/rollmesh bench ceiling --json
 	.venv/bin/rollmesh bench weights --json
 	.venv/bin/rollmesh bench chaos --model $(MODEL) --json
+	.venv/bin/rollmesh bench offpolicy --model models/tiny-digits --json
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache
