@@ -20,6 +20,7 @@ import torch.distributed as dist
 from trainer.advantages import compute_advantages, masked_mean
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
+from trainer.loss_config import PolicyLossConfig
 from trainer.losses import (
     RATIO_METRICS,
     aggregate,
@@ -83,6 +84,7 @@ class _Step:
     adv: torch.Tensor
     stale: torch.Tensor
     weights: torch.Tensor | None
+    loss: PolicyLossConfig  # the configured loss, its norm_len filled in
 
 
 def lr_lambda(config: TrainerConfig, total_steps: int | None):
@@ -246,7 +248,9 @@ class TrainEngine:
         stale = torch.zeros_like(mask, dtype=torch.bool) if batch.token_versions is None else (
             (batch.token_versions.to(self.device) < self.version) & mask.bool())  # fmt: skip
         weights = mismatch_weights(cfg.mismatch, prox, behav)
-        step = _Step(mask=mask, behav=behav, prox=prox, ref=ref, adv=adv, stale=stale, weights=weights)
+        norm_len = cfg.loss.norm_len or int(_all_reduce(float(mask.shape[1]), dist.ReduceOp.MAX))
+        loss = cfg.loss.model_copy(update={"norm_len": norm_len})  # the longest row of any rank
+        step = _Step(mask=mask, behav=behav, prox=prox, ref=ref, adv=adv, stale=stale, weights=weights, loss=loss)
 
         sums: dict[str, float] = defaultdict(float)
         updates = 0
@@ -294,8 +298,6 @@ class TrainEngine:
         if n_tok == 0:
             return None
         n_seq = _all_reduce(float((mask[rows].sum(-1) > 0).sum()))
-        norm_len = cfg.loss.norm_len or int(_all_reduce(float(mask.shape[1]), dist.ReduceOp.MAX))
-        loss_cfg = cfg.loss.model_copy(update={"norm_len": norm_len})
         token_mode = cfg.loss.agg_mode == "token-mean"
         sums: dict[str, float] = defaultdict(float)
         for micro in self.micro_batches(batch, rows):
@@ -307,7 +309,7 @@ class TrainEngine:
             m = mask[micro]
             pg, metrics = policy_loss(
                 lp, s.adv[micro], m, behavior_logprobs=s.behav[micro], proximal_logprobs=s.prox[micro], entropy=ent,
-                token_weights=None if s.weights is None else s.weights[micro], stale=s.stale[micro], config=loss_cfg,
+                token_weights=None if s.weights is None else s.weights[micro], stale=s.stale[micro], config=s.loss,
             )  # fmt: skip
             tok_w, seq_w = float(m.sum()) / max(n_tok, 1), float((m.sum(-1) > 0).sum()) / max(n_seq, 1)
             weight = tok_w if token_mode else seq_w
@@ -315,7 +317,7 @@ class TrainEngine:
             if ent is not None:
                 total = total - cfg.entropy_coef * masked_mean(ent, m) * tok_w
             if s.ref is not None and not cfg.kl_in_reward and cfg.kl_coef > 0:
-                kl = aggregate(kl_penalty(lp, s.ref[micro], cfg.kl_estimator), m, cfg.loss.agg_mode, norm_len)
+                kl = aggregate(kl_penalty(lp, s.ref[micro], cfg.kl_estimator), m, s.loss.agg_mode, s.loss.norm_len)
                 total = total + cfg.kl_coef * kl * weight
                 sums["kl"] += float(kl.detach()) * weight
             (total * self.world).backward()

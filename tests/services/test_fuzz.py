@@ -240,6 +240,25 @@ async def assert_oversized_refused(ch, service: str, method: str, limit: int, fi
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details, (code, details)
 
 
+def fuzz_unary_methods(aio, ch, service: str, methods: dict, max_examples: int, undo=None, after=None) -> None:
+    """Malformed bytes for each unary method of ``methods`` (name: a valid request), ``max_examples`` in all.
+    ``undo(method)``: the ``raw_call`` undo for that method (or None); ``after(method, code, response)``: more
+    checks on what came back."""
+
+    @fuzz(max_examples)
+    @given(data=st.data())
+    def run(data):
+        method = data.draw(st.sampled_from(sorted(methods)))
+        valid = methods[method]
+        raw, expect = data.draw(raw_requests(valid))
+        assume(not waits_long(type(valid), raw))
+        code, out = aio.run(raw_call(ch, service, method, raw, expect, undo(method) if undo else None))
+        if after is not None:
+            after(method, code, out)
+
+    run()
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 @pytest.fixture(scope="module")
 def engine(tiny_model):
@@ -331,17 +350,10 @@ PROXY_METHODS = {
 
 
 def test_llm_proxy_answers_malformed_bytes_cleanly(aio, proxy):
-    @fuzz(40)
-    @given(data=st.data())
-    def run(data):
-        method = data.draw(st.sampled_from(sorted(PROXY_METHODS)))
-        valid = PROXY_METHODS[method]
-        raw, expect = data.draw(raw_requests(valid))
-        assume(not waits_long(type(valid), raw))
-        undo = (lambda out: proxy.client.resume(timeout_s=10)) if method == "Suspend" else None
-        aio.run(raw_call(proxy.channel, "LLMProxy", method, raw, expect, undo))
+    def undo(method):
+        return (lambda out: proxy.client.resume(timeout_s=10)) if method == "Suspend" else None
 
-    run()
+    fuzz_unary_methods(aio, proxy.channel, "LLMProxy", PROXY_METHODS, 40, undo)
     # The proxy takes 1 GiB weight buckets; one byte more is refused before it is decoded.
     limit = (MAX_WEIGHT_BUCKET_MB + 1) << 20
     aio.run(assert_oversized_refused(proxy.channel, "LLMProxy", "UpdateWeightsBucket", limit, field_number=3))
@@ -555,18 +567,11 @@ BUFFER_METHODS = {
 
 
 def test_sample_buffer_answers_malformed_bytes_cleanly(aio, buffer):
-    @fuzz(30)
-    @given(data=st.data())
-    def run(data):
-        method = data.draw(st.sampled_from(sorted(BUFFER_METHODS)))
-        valid = BUFFER_METHODS[method]
-        raw, expect = data.draw(raw_requests(valid))
-        assume(not waits_long(type(valid), raw))
-        code, out = aio.run(raw_call(buffer.channel, "SampleBuffer", method, raw, expect))
+    def after(method, code, out):
         if code == OK and method == "Ack":
             assert bpb.AckResponse.FromString(out).num_acked == 0  # no batch of that id was handed out
 
-    run()
+    fuzz_unary_methods(aio, buffer.channel, "SampleBuffer", BUFFER_METHODS, 30, after=after)
     aio.run(assert_oversized_refused(buffer.channel, "SampleBuffer", "Put", MAX_MESSAGE_BYTES, field_number=1))
     aio.run(kept_groups_intact(buffer))
 
@@ -988,17 +993,10 @@ ENV_METHODS = {
 
 
 def test_env_manager_answers_malformed_bytes_cleanly(aio, env_manager):
-    @fuzz(20)
-    @given(data=st.data())
-    def run(data):
-        method = data.draw(st.sampled_from(sorted(ENV_METHODS)))
-        valid = ENV_METHODS[method]
-        raw, expect = data.draw(raw_requests(valid))
-        assume(not waits_long(type(valid), raw))
-        undo = (lambda out: env_stop(env_manager)) if method == "Start" else None
-        aio.run(raw_call(env_manager.channel, "EnvManager", method, raw, expect, undo))
+    def undo(method):
+        return (lambda out: env_stop(env_manager)) if method == "Start" else None
 
-    run()
+    fuzz_unary_methods(aio, env_manager.channel, "EnvManager", ENV_METHODS, 20, undo)
     aio.run(assert_oversized_refused(env_manager.channel, "EnvManager", "Start", GRPC_DEFAULT_LIMIT, 1))
     aio.run(env_serves(env_manager))
 
