@@ -89,14 +89,14 @@ def _serving(service: str, run_dir: Path) -> float | None:
         return None
 
 
-def _run(cmd: list[str], run_dir: Path, redis, kills: list[str], steps_between: int, rng: random.Random,
+def _run(model: str, run_dir: Path, redis, total: int, kills: list[str], steps_between: int, rng: random.Random,
          progress) -> tuple[dict, dict, float, str]:  # fmt: skip
     """One run; kills ``kills`` in order, each once the last victim serves again and
     ``steps_between`` more steps were trained. Returns (seconds from kill to next step, seconds
     from kill to serving again, per service), wall, output."""
     log = open(run_dir.parent / f"{run_dir.name}.out", "w+")  # noqa: SIM115 (read back below)
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(_command(model, run_dir, redis.url, total), stdout=log, stderr=subprocess.STDOUT, text=True)
     recovery: dict[str, float] = {}
     serving: dict[str, float] = {}
     try:
@@ -108,7 +108,7 @@ def _run(cmd: list[str], run_dir: Path, redis, kills: list[str], steps_between: 
             t_kill = time.time()
             _kill(service, run_dir, redis)  # redis-server: restarted here, serving once this returns
             seen = {"serving": time.time()} if service == REDIS else {}
-            progress(f"killed {service}")
+            progress(f"killed {service} after step {len(_steps(run_dir))} of {total}")
 
             def both(t_kill=t_kill, service=service, seen=seen):
                 """Watch for the next step and the service serving again at once: each at its moment."""
@@ -182,10 +182,11 @@ def run(model_path: str, services: list[str] | None = None, steps_between: int =
     if not (Path(model_path) / "config.json").exists():
         raise BadOption(f"--model: no model at {model_path} (make model builds models/tiny)")
     ensure_token(AuthConfig())
-    # The last kill must still find steps to train: a tiny-model step can take 0.2 s, and a trainer
-    # killed after its last step would just exit. Kills come steps_between steps after the last
-    # victim serves again, and a recovery may itself train steps: the run has room for both.
-    steps = 2 * steps_between * (len(services) + 1) + 6
+    # The last kill must still find steps to train: a trainer killed after its last step would just
+    # exit. Kills come steps_between steps after the last victim serves again, and steps go on while
+    # it recovers: at most ~3 per kill at the quickstart's async_ratio 1 (measured 1-4), so each kill
+    # gets steps_between + 4 steps of room, and the undisturbed end as much again.
+    steps = (steps_between + 4) * (len(services) + 1)
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="rollmesh-chaos-") as d:
         tmp = Path(keep or d)  # kept: each run's output, logs and metrics
@@ -195,12 +196,11 @@ def run(model_path: str, services: list[str] | None = None, steps_between: int =
             undisturbed = None
             if baseline:
                 progress(f"undisturbed run: {steps} steps")
-                _, _, undisturbed, _ = _run(_command(model_path, tmp / "calm", redis.url, steps), tmp / "calm", redis,
-                                         [], steps_between, rng, progress)  # fmt: skip
+                _, _, undisturbed, _ = _run(model_path, tmp / "calm", redis, steps, [], steps_between, rng, progress)
             progress(f"disturbed run: {steps} steps, killing {', '.join(services)}")
             run_dir = tmp / "chaos"
-            recovery, serving, disturbed, out = _run(_command(model_path, run_dir, redis.url, steps), run_dir, redis,
-                                            services, steps_between, rng, progress)  # fmt: skip
+            recovery, serving, disturbed, out = _run(model_path, run_dir, redis, steps, services, steps_between,
+                                                      rng, progress)  # fmt: skip
             restarts = {s: len(re.findall(rf"^{s}(-\d+)? exited with code", out, re.M)) for s in services}
             result = {
                 "steps": steps, "services_killed": services,
