@@ -15,6 +15,8 @@ that produced it.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import inspect
 import logging
 import queue
 import threading
@@ -24,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.engines.embedded.attention import AttentionLayout, UnsupportedModel
 from rollout.engines.embedded.config import EngineConfig
-from rollout.engines.embedded.kv_batch import KVBatch, cache_to_kv, prefill_inputs
+from rollout.engines.embedded.kv_slots import KVSlots
 from rollout.engines.embedded.sampling import sample_next_tokens
 from rollout.engines.embedded.weights import check_named_tensors, copy_named_tensors, weights_checksum
 from rollout.engines.scheduler import PauseMode, SchedulerCommands
@@ -90,11 +93,20 @@ class EmbeddedEngine(SchedulerCommands):
         else:
             self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        self.hf_config = AutoConfig.from_pretrained(config.model_path)
+        try:
+            self.hf_config = AutoConfig.from_pretrained(config.model_path)
+        except (OSError, ValueError) as e:
+            raise UnsupportedModel(f"{config.model_path}: no model config transformers can read: {e}") from None
         self.vocab_size = int(self.hf_config.vocab_size)
         self.max_context = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         self.eos_ids = self._eos_ids(config.model_path)
+        layout = AttentionLayout.of(self.hf_config, config.model_path)  # refuses what it cannot serve, unloaded
         self.model = self._load(config.model_path)
+        self.layout = dataclasses.replace(layout, eager=self.model.config._attn_implementation == "eager")
+        # Only the last position's logits are needed; a prefill's whole [rows, length, vocab] is GBs.
+        self._keep_last = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        )
         self.weight_version = 0
         self.checksum = weights_checksum(self.model.state_dict())
         self.model_path = config.model_path
@@ -102,7 +114,7 @@ class EmbeddedEngine(SchedulerCommands):
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
-        self._batch = KVBatch()
+        self._batch = self._new_batch()
         self._rids: set[str] = set()
         self._paused = False
         self._staged: dict[str, torch.Tensor] = {}  # buckets of an update in progress ...
@@ -120,8 +132,17 @@ class EmbeddedEngine(SchedulerCommands):
     def _load(self, path: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa")
+        except ValueError as e:
+            if "attention implementation" not in str(e):  # no SDPA for this architecture: eager is slower, works
+                raise UnsupportedModel(f"{path}: not a causal LM transformers can load ({e})") from None
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="eager")
         return model.to(self.device).eval()
+
+    def _new_batch(self) -> KVSlots:
+        layers = int(self.hf_config.get_text_config().num_hidden_layers)
+        return KVSlots(self.layout, layers, self.config.max_running_requests, self.max_context, self.device)
 
     @staticmethod
     def _eos_ids(path: str) -> frozenset[int]:
@@ -240,7 +261,8 @@ class EmbeddedEngine(SchedulerCommands):
                 log.exception("engine step failed")
                 for req in list(self._running):
                     self._finish(req, {"type": "abort", "message": f"engine error: {e}"})
-                self._running, self._batch = [], KVBatch()
+                self._running = []
+                self._batch.clear()
                 self.counters["step_errors"] += 1
 
     def _enqueue(self, req: _Request) -> None:
@@ -265,9 +287,10 @@ class EmbeddedEngine(SchedulerCommands):
         for r in group:
             r.t_admit = r.t_admit or now  # a retracted request keeps its first admission
         try:
-            ids, positions, masks, lengths = prefill_inputs([r.context for r in group], self.device)
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True)
-            self.counters["prefill_tokens"] += sum(lengths)
+            ids, positions, masks = self._batch.prefill([r.context for r in group], self.dtype)
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=masks,
+                             past_key_values=self._batch.cache, use_cache=True, **self._keep_last)  # fmt: skip
+            self.counters["prefill_tokens"] += sum(len(r.context) for r in group)
             self.counters["prefill_batches"] += 1
             tokens, logprobs = sample_next_tokens(
                 out.logits[:, -1], [r.params for r in group], [r.generator for r in group], self._sampler
@@ -277,17 +300,13 @@ class EmbeddedEngine(SchedulerCommands):
             # these would never be answered (their callers hung). They fail with it.
             self._running += group
             raise
-        keep = [i for i, r in enumerate(group) if not self._append(r, int(tokens[i]), float(logprobs[i]))]
-        if keep:
-            kv = cache_to_kv(out.past_key_values)
-            if len(keep) < len(group):
-                index = torch.tensor(keep, device=self.device)
-                kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kv]
-            self._batch.extend(kv, [lengths[i] for i in keep])
-            self._running += [group[i] for i in keep]
+        self._running += group
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        first = len(self._running) - len(group)
+        self._leave({first + i for i, r in enumerate(group) if self._append(r, tokens[i], logprobs[i])})
 
     def _decode_step(self) -> None:
-        ids, positions, masks = self._batch.decode_inputs([r.output_ids[-1] for r in self._running], self.device)
+        ids, positions, masks = self._batch.decode([r.output_ids[-1] for r in self._running], self.dtype)
         out = self.model(
             input_ids=ids,
             position_ids=positions,
@@ -303,11 +322,13 @@ class EmbeddedEngine(SchedulerCommands):
             self._sampler,
         )
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        keep = [i for i, r in enumerate(self._running) if not self._append(r, tokens[i], logprobs[i])]
-        if len(keep) < len(self._running):
-            self._batch.keep(keep)
-            self._running = [self._running[i] for i in keep]
+        self._leave({i for i, r in enumerate(self._running) if self._append(r, tokens[i], logprobs[i])})
         self.counters["decode_steps"] += 1
+
+    def _leave(self, rows: set[int]) -> None:
+        """Running rows ``rows`` leave the batch (finished or aborted); their slots are refilled."""
+        if rows:
+            self._running = [self._running[i] for i in self._batch.release(rows)]
 
     def _append(self, req: _Request, token: int, logprob: float) -> bool:
         """Record a generated token; finish the request and return True if it is done."""
@@ -350,10 +371,7 @@ class EmbeddedEngine(SchedulerCommands):
         if not victims:
             return 0
         gone = {id(r) for r in victims}
-        keep = [i for i, r in enumerate(self._running) if id(r) not in gone]
-        if len(keep) < len(self._running):
-            self._batch.keep(keep)
-            self._running = [self._running[i] for i in keep]
+        self._leave({i for i, r in enumerate(self._running) if id(r) in gone})
         self._waiting = collections.deque(r for r in self._waiting if id(r) not in gone)
         for r in victims:
             self._finish(r, {"type": "abort", "message": "aborted by request"})
@@ -363,7 +381,8 @@ class EmbeddedEngine(SchedulerCommands):
         """Drop the running batch's cache and queue its requests first, to be re-prefilled."""
         n = len(self._running)
         self._waiting.extendleft(reversed(self._running))
-        self._running, self._batch = [], KVBatch()
+        self._running = []
+        self._batch.clear()
         return n
 
     def _pause(self, mode: PauseMode) -> int:
