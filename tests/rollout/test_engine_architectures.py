@@ -82,8 +82,9 @@ def test_greedy_equals_generate_and_logprobs_equal_a_teacher_forced_forward(arch
 def test_sampled_logprobs_equal_a_teacher_forced_forward_while_rows_leave_and_abort(arch):
     _, engine, hf = arch
     futs = [
-        engine.submit(f"s{i}", p, SamplingParams(max_new_tokens=10 + 9 * i, temperature=0.8, ignore_eos=True,
-                                                   sampling_seed=i))  # fmt: skip
+        engine.submit(
+            f"s{i}", p, SamplingParams(max_new_tokens=10 + 9 * i, temperature=0.8, ignore_eos=True, sampling_seed=i)
+        )  # fmt: skip
         for i, p in enumerate(PROMPTS)
     ]
     long = engine.submit("long", [5, 6, 7], SamplingParams(max_new_tokens=300, ignore_eos=True))
@@ -110,7 +111,6 @@ def test_a_weight_update_from_disk_serves_the_new_weights(arch, tmp_path):
     engine.load_weights_from_disk(engine.config.model_path, 8).result(T)  # back, for the other tests
 
 
-
 @pytest.mark.parametrize(
     "config, says",
     [
@@ -127,3 +127,37 @@ def test_an_architecture_it_cannot_serve_is_refused_at_load_with_the_reason(conf
     with pytest.raises(UnsupportedModel, match=says) as e:
         EmbeddedEngine(EngineConfig(model_path=str(tmp_path)))
     assert str(tmp_path) in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2):
+    from transformers import AutoTokenizer
+
+    engine = EmbeddedEngine(EngineConfig(model_path=smollm2, max_running_requests=4)).start()
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True)[
+            "input_ids"
+        ]
+        for q in ("What is 17 + 25?", "Name a colour.", "Write one word that rhymes with cat, then stop talking.")
+    ]
+    yield engine, AutoModelForCausalLM.from_pretrained(smollm2).eval(), prompts
+    engine.shutdown()
+
+
+def test_smollm2_greedy_equals_generate_and_sampled_logprobs_equal_teacher_forcing(smol):
+    """A real pretrained Llama-architecture model, chat-templated prompts of different lengths."""
+    engine, hf, prompts = smol
+    greedy = [
+        engine.submit(f"sg{i}", p, SamplingParams(max_new_tokens=16, temperature=0)) for i, p in enumerate(prompts)
+    ]
+    sampled = [engine.submit(f"ss{i}", p, SamplingParams(max_new_tokens=16, sampling_seed=i, ignore_eos=True))
+               for i, p in enumerate(prompts)]  # fmt: skip
+    for p, g, s in zip(prompts, greedy, sampled):
+        out = g.result(T)
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :].tolist()
+        assert out.output_ids == ref
+        assert out.finish_reason["type"] == ("stop" if ref[-1] in engine.eos_ids else "length")
+        out = s.result(T)
+        tf = teacher_forced_logprobs(hf, p, out.output_ids)
+        assert (tf - torch.tensor(out.behavior_logprobs)).abs().max().item() <= 1e-4
