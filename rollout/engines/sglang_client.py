@@ -2,7 +2,11 @@
 
 It works unchanged against a real SGLang server: it only sends SGLang's field names and reads
 ``meta_info`` defensively (``output_token_weight_versions`` is a rollmesh extension that SGLang
-does not send; ``weight_version`` is then used for every token). No ``import sglang`` here.
+does not send; ``weight_version`` is then used for every token). Where SGLang answers differently
+from the embedded engine it follows SGLang's ``http_server.py``: ``/health`` and
+``/abort_request`` answer 200 with an empty body; ``/update_weights_from_disk`` does not return
+the version, so the client confirms it from the model info; older releases serve the model info
+at ``/get_model_info`` only. No ``import sglang`` here.
 
 It uses aiohttp rather than httpx: with hundreds of concurrent requests httpx's connection pool
 costs ~9 ms of CPU per request on this project's 2-core machines, aiohttp ~0.5 ms.
@@ -26,9 +30,9 @@ from sample_buffer.trajectory import FINISH_REASONS, FinishReason
 class EngineRejected(ValueError):
     """The engine answered 4xx: the request itself is wrong. ``field`` names the input when known."""
 
-    def __init__(self, message: str, field: str = "") -> None:
+    def __init__(self, message: str, field: str = "", status: int = 400) -> None:
         super().__init__(message)
-        self.field = field
+        self.field, self.status = field, status
 
 
 class EngineUnavailable(ConnectionError):
@@ -48,7 +52,7 @@ class EngineResult:
     ttft_s: float | None = None
 
 
-def _int_version(v) -> int:
+def int_version(v) -> int:
     try:
         return int(v)
     except (TypeError, ValueError):
@@ -63,7 +67,7 @@ def parse_generate_response(body: dict) -> EngineResult:
     meta = body.get("meta_info", {})
     ids = list(body.get("output_ids", []))
     triples = meta.get("output_token_logprobs") or []
-    version = _int_version(meta.get("weight_version"))
+    version = int_version(meta.get("weight_version"))
     versions = meta.get("output_token_weight_versions") or [version] * len(ids)
     finish = meta.get("finish_reason") or {"type": "abort"}
     return EngineResult(
@@ -99,6 +103,7 @@ class SGLangClient:
         self._headers = headers or {}
         self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
+        self._model_info_path = "/model_info"
 
     def _http(self) -> aiohttp.ClientSession:
         # Created on first use, inside the event loop that will run the requests.
@@ -127,10 +132,18 @@ class SGLangClient:
                 body = json.loads(text)
             except ValueError:
                 body = {}
-            raise EngineRejected(body.get("message", text), body.get("field", ""))
+            raise EngineRejected(body.get("message", text), body.get("field", ""), status)
         if status >= 500:
             raise EngineUnavailable(f"{url}: HTTP {status}: {text[:200]}")
-        return json.loads(text)
+        if not text.strip():
+            return {}  # SGLang's /health and /abort_request: 200, no body
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):  # not an engine we can speak with: take it out of rotation
+            raise EngineUnavailable(f"{url}: HTTP {status} with a body that is not a JSON object: {text[:200]!r}")
+        return body
 
     async def _post(self, path: str, timeout_s: float | None = None, **kwargs) -> dict:
         return await self._request("POST", path, timeout_s, **kwargs)
@@ -163,8 +176,14 @@ class SGLangClient:
         return await self._post("/continue_generation", timeout_s, json={})
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int, timeout_s: float = 120.0) -> dict:
+        """Returns the engine's answer with ``weight_version`` the version it now serves (an int;
+        -1 when it names none): SGLang's answer lacks it, so it is read back from the model info."""
         body = {"model_path": model_path, "weight_version": str(weight_version)}
-        return await self._post("/update_weights_from_disk", timeout_s, json=body)
+        res = await self._post("/update_weights_from_disk", timeout_s, json=body)
+        if "weight_version" not in res:
+            res["weight_version"] = (await self.model_info(min(timeout_s, 10.0))).get("weight_version")
+        res["weight_version"] = int_version(res["weight_version"])
+        return res
 
     async def update_weights_from_safetensors(
         self, data: bytes, weight_version: int, final: bool, timeout_s: float = 120.0
@@ -195,7 +214,13 @@ class SGLangClient:
         return res
 
     async def model_info(self, timeout_s: float = 5.0) -> dict:
-        return await self._get("/model_info", timeout_s)
+        try:
+            return await self._get(self._model_info_path, timeout_s)
+        except EngineRejected as e:
+            if e.status != 404 or self._model_info_path == "/get_model_info":
+                raise
+        self._model_info_path = "/get_model_info"  # an older SGLang: remembered for next time
+        return await self._get(self._model_info_path, timeout_s)
 
     async def health(self, timeout_s: float = 2.0) -> bool:
         try:

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rollout.engines.sglang_client import EngineRejected, EngineUnavailable, SGLangClient
+from rollout.engines.sglang_client import EngineRejected, EngineUnavailable, SGLangClient, int_version
 from rollout.proxy.config import ProxyConfig
 from rollout.proxy.router import EngineSlot, Router
 from rollout.sampling import SamplingParams
@@ -413,7 +413,7 @@ class LLMProxy:
             return
         try:  # rejoin only at the mesh's weight version, and in the mesh's suspend state
             info = await client.model_info(self.config.health_check_timeout_s)
-            slot.weight_version = int(info.get("weight_version", -1))
+            slot.weight_version = int_version(info.get("weight_version"))
             if self._last_update and slot.weight_version != self._last_update[1]:
                 res = await self._load_from_disk(slot, *self._last_update, self.config.update_weights_timeout_s)
                 if not res["success"]:
