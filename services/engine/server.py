@@ -1,7 +1,11 @@
-"""HTTP server of the embedded engine: the subset of SGLang's API an RL system needs.
+"""HTTP server of the embedded engine: SGLang's native API, as far as an RL system and SGLang's
+own tools use it.
 
 Field names and semantics follow SGLang so the same client (``rollout.engines.sglang_client``)
-drives a real SGLang server on GPU and this engine on CPU. Two rollmesh extensions are marked:
+drives a real SGLang server on GPU and this engine on CPU: ``/generate`` with ``input_ids`` or
+``text``, batched or streamed (SSE), SGLang's other request fields accepted as far as the engine
+can honour them (``sglang_fields.py``), ``/flush_cache``, ``/health_generate``,
+``/get_server_info`` and ``/get_model_info``. Two rollmesh extensions are marked:
 ``/update_weights_from_safetensors`` (bucketed weights from the trainer as safetensors bytes) and
 ``meta_info.output_token_weight_versions``.
 """
@@ -10,18 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import json
 import sys
 import time
 
-from fastapi import FastAPI, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import Body, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollout.engines.embedded.engine import EmbeddedEngine, EngineError, GenerateOutput
 from rollout.sampling import SamplingParams
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector
+from services.engine.sglang_fields import strip_request
 from services.http_errors import bad_request, install_error_handlers
 from services.metrics import histogram, init_labels
 
@@ -29,11 +36,14 @@ from services.metrics import histogram, init_labels
 class GenerateReq(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_ids: list[int] | list[list[int]] = Field(description="One prompt or a batch of prompts, as token ids.")
+    input_ids: list[int] | list[list[int]] | None = Field(
+        None, description="One prompt or a batch of prompts, as token ids (or give text)."
+    )
+    text: str | list[str] | None = Field(None, description="One prompt or a batch, as text (the model's tokenizer).")
     rid: str | list[str] | None = Field(None, description="Request id(s); generated when absent.")
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     return_logprob: bool = False
-    stream: bool = Field(False, description="Streaming is not supported by the embedded engine.")
+    stream: bool = Field(False, description="Server-sent events, one per token, then the whole answer (one prompt).")
 
 
 class AbortReq(BaseModel):
@@ -100,7 +110,7 @@ class _Metrics:
             self.ttft.observe(out.ttft_s)
 
 
-def _response(out: GenerateOutput, return_logprob: bool) -> dict:
+def _response(out: GenerateOutput, return_logprob: bool, tokenizer=None) -> dict:
     meta = {
         "id": out.rid,
         "finish_reason": out.finish_reason,
@@ -114,7 +124,20 @@ def _response(out: GenerateOutput, return_logprob: bool) -> dict:
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.behavior_logprobs, out.output_ids)]
-    return {"output_ids": out.output_ids, "meta_info": meta}
+    body = {"output_ids": out.output_ids, "meta_info": meta}
+    if tokenizer is not None:
+        body["text"] = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+    return body
+
+
+def _tokenizer(path: str):
+    """The model's tokenizer, for ``text`` prompts and answers; None when the directory has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAPI:
@@ -133,12 +156,26 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
         return bad_request(exc.field, exc.message)
 
-    @app.post("/generate")
-    async def generate(req: GenerateReq):
-        if req.stream:
-            raise EngineError("stream", "streaming is not supported; send stream=false")
+    tokenizer = _tokenizer(engine.model_path) if hasattr(engine, "model_path") else None
+
+    def prompts_of(req: GenerateReq) -> tuple[list[list[int]], bool]:
+        if (req.text is None) == (req.input_ids is None):
+            raise EngineError("input_ids", "give exactly one of input_ids and text")
+        if req.text is not None:
+            if tokenizer is None:
+                raise EngineError("text", "this model directory has no tokenizer; send input_ids")
+            texts = [req.text] if isinstance(req.text, str) else req.text
+            return [tokenizer.encode(t) for t in texts], not isinstance(req.text, str)
         batched = bool(req.input_ids) and isinstance(req.input_ids[0], list)
-        prompts = req.input_ids if batched else [req.input_ids]
+        return (req.input_ids if batched else [req.input_ids]), batched
+
+    @app.post("/generate")
+    async def generate(body: dict = Body(...)):
+        try:
+            req = GenerateReq.model_validate(strip_request(body))
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        prompts, batched = prompts_of(req)
         n = len(prompts)
         rids = req.rid if isinstance(req.rid, list) else [req.rid] * n
         params = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * n
@@ -154,14 +191,57 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
             except EngineError as e:
                 field = e.field if not batched else e.field.replace("input_ids", f"input_ids[{i}]")
                 raise EngineError(field, e.message) from None
+        if req.stream:
+            if batched:
+                raise EngineError("stream", "a stream carries one prompt; send a batch without stream")
+            if "on_token" not in inspect.signature(engine.submit).parameters:
+                raise EngineError("stream", f"{type(engine).__name__} does not stream; send stream=false")
+            return _stream(rids[0], prompts[0], params[0], req.return_logprob)
         futures = [engine.submit(rid, prompt, p) for rid, prompt, p in zip(rids, prompts, params)]
         outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         for out in outs:
             metrics.observe(out)
-        body = [_response(o, req.return_logprob) for o in outs]
+        body = [_response(o, req.return_logprob, tokenizer) for o in outs]
         # json.dumps directly: FastAPI's jsonable_encoder walks every element of the token lists
         # (~1 us each), which made weight updates wait seconds behind aborted long generations.
         return Response(json.dumps(body if batched else body[0]), media_type="application/json")
+
+    def _stream(rid: str, prompt: list[int], params: SamplingParams, return_logprob: bool) -> StreamingResponse:
+        """SGLang's stream: an event per token with everything generated so far, the whole answer
+        last, then ``[DONE]``. A client that goes away aborts the request."""
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue = asyncio.Queue()
+        future = asyncio.wrap_future(
+            engine.submit(rid, prompt, params, on_token=lambda *t: loop.call_soon_threadsafe(tokens.put_nowait, t))
+        )
+
+        def event(body: dict) -> str:
+            return f"data: {json.dumps(body)}\n\n"
+
+        async def events():
+            ids: list[int] = []
+            try:
+                while not (future.done() and tokens.empty()):
+                    get = asyncio.ensure_future(tokens.get())
+                    await asyncio.wait({get, future}, return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():
+                        get.cancel()
+                        continue
+                    ids.append(get.result()[0])
+                    chunk = {"output_ids": list(ids), "meta_info": {"id": rid, "finish_reason": None,
+                             "prompt_tokens": len(prompt), "completion_tokens": len(ids)}}  # fmt: skip
+                    if tokenizer is not None:
+                        chunk["text"] = tokenizer.decode(ids, skip_special_tokens=True)
+                    yield event(chunk)
+                out = await future
+                metrics.observe(out)
+                yield event(_response(out, return_logprob, tokenizer))
+                yield "data: [DONE]\n\n"
+            finally:
+                if not future.done():  # the client went away mid-stream
+                    engine.abort(rid, False)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/abort_request")
     async def abort_request(req: AbortReq):
@@ -229,12 +309,30 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
         return {"weight_version": str(engine.weight_version), "checksum": engine.checksum}
 
     @app.get("/server_info")
+    @app.get("/get_server_info")
     async def server_info():
         return {**engine.info(), **engine.load(), "counters": dict(engine.counters)}
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """As SGLang's: healthy when one token can be generated, within 20 s."""
+        rid = f"HEALTH_CHECK_{next(counter)}"
+        try:
+            fut = engine.submit(rid, [0], SamplingParams(max_new_tokens=1, temperature=0.0))
+            await asyncio.wait_for(asyncio.wrap_future(fut), 20.0)
+        except (TimeoutError, EngineError):
+            engine.abort(rid, False)
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        # No prefix cache to flush: the engine keeps no KV past a request. SGLang answers in text.
+        return Response("Cache flushed.\n", status_code=200)
 
     @app.get("/metrics")
     async def prom_metrics():

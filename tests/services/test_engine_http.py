@@ -83,7 +83,7 @@ def test_batch_generate_and_logprobs_match_teacher_forcing(engine_url, tiny_mode
         ({"input_ids": [1], "text_input": "hi"}, "text_input"),
         ({"input_ids": "abc"}, "input_ids"),
         ({"sampling_params": {}}, "input_ids"),
-        ({"input_ids": [1], "stream": True}, "stream"),
+        ({"input_ids": [[1], [2]], "stream": True}, "stream"),  # a stream carries one prompt
         ({"input_ids": [1], "rid": 5}, "rid"),  # a union member's type name is not a field
         ({"input_ids": [1] * 5000}, "input_ids"),  # longer than the context: the prompt, not max_new_tokens
         ({"input_ids": [1], "sampling_params": {"top_k": 2**70}}, "sampling_params.top_k"),
@@ -196,3 +196,66 @@ def test_the_client_drops_idle_connections_before_the_server_does(engine_url):
             await client.close()
 
     assert asyncio.run(go()) < uvicorn.Config(app=None).timeout_keep_alive
+
+
+def test_text_prompts_and_sglang_fields_it_accepts_or_names(engine_url, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    inert = {"log_metrics": False, "routing_key": "k", "priority": 3, "lora_path": None, "logprob_start_len": -1}
+    params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0, "skip_special_tokens": True, "n": 1,
+              "frequency_penalty": 0.0, "stop": None}  # fmt: skip
+    r = post(engine_url, "/generate", json={"text": "kq7x", "sampling_params": params, **inert})
+    assert r.status_code == 200, r.text
+    by_ids = post(engine_url, "/generate", json={"input_ids": tok.encode("kq7x"), "sampling_params": params}).json()
+    assert r.json()["output_ids"] == by_ids["output_ids"] and r.json()["text"] == tok.decode(by_ids["output_ids"])
+    for body, field, says in [
+        ({"text": "a", "sampling_params": {**params, "frequency_penalty": 0.5}}, "sampling_params.frequency_penalty",
+         "not supported by the embedded engine"),
+        ({"text": "a", "lora_path": "/adapters/x"}, "lora_path", "not supported"),
+        ({"text": "a", "no_such_field": 1}, "no_such_field", "unknown field"),
+        ({"text": "a", "input_ids": [1]}, "input_ids", "exactly one of input_ids and text"),
+        ({"text": ["a", "b"], "stream": True}, "stream", "one prompt"),
+    ]:  # fmt: skip
+        bad = post(engine_url, "/generate", json=body)
+        assert bad.status_code == 400 and bad.json()["field"] == field and says in bad.json()["message"], bad.text
+
+
+def test_stream_sends_each_token_then_the_answer_and_a_dropped_stream_aborts(engine_url):
+    body = {"input_ids": [1, 4, 5], "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}  # fmt: skip
+    with httpx.stream("POST", engine_url + "/generate", json=body, headers=http_headers(AuthConfig()), timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [__import__("json").loads(e) for e in events[:-1]]
+    assert [len(c["output_ids"]) for c in chunks[:-1]] == [1, 2, 3, 4, 5]  # cumulative, one event per token
+    final = chunks[-1]
+    assert final["output_ids"] == chunks[-2]["output_ids"] and final["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(final["meta_info"]["output_token_logprobs"]) == 5
+
+    long = {"input_ids": [1, 4, 6], "stream": True, "rid": "gone", "sampling_params": {"max_new_tokens": 900,
+            "ignore_eos": True}}  # fmt: skip
+    with httpx.stream("POST", engine_url + "/generate", json=long, headers=http_headers(AuthConfig()), timeout=60) as r:
+        for n, line in enumerate(r.iter_lines()):  # noqa: B007
+            if n >= 4:
+                break  # the client goes away mid-stream
+    running = 1
+    for _ in range(50):
+        running = httpx.get(engine_url + "/get_server_info", headers=http_headers(AuthConfig()), timeout=5).json()
+        running = running["num_running"] + running["num_waiting"]
+        if running == 0:
+            break
+        __import__("time").sleep(0.1)
+    assert running == 0, "the dropped stream's request kept generating"
+
+
+def test_sglang_housekeeping_endpoints(engine_url):
+    h = http_headers(AuthConfig())
+    assert httpx.get(engine_url + "/health_generate", headers=h, timeout=30).status_code == 200
+    flushed = httpx.post(engine_url + "/flush_cache", headers=h, timeout=5)
+    assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed")
+    info = httpx.get(engine_url + "/get_model_info", headers=h, timeout=5).json()
+    assert info["is_generation"] is True and "weight_version" in info
+    server = httpx.get(engine_url + "/get_server_info", headers=h, timeout=5).json()
+    assert {"num_running", "num_waiting", "counters"} <= set(server)

@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -67,6 +68,7 @@ class _Request:
     future: Future
     generator: torch.Generator | None
     stop_ids: frozenset[int]
+    on_token: Callable[[int, float, int], None] | None = None  # streaming: called from the scheduler thread
     t0: float = field(default_factory=time.perf_counter)
     t_admit: float = 0.0
     t_first: float = 0.0
@@ -185,15 +187,18 @@ class EmbeddedEngine(SchedulerCommands):
         if params.sampling_seed is not None and not -(1 << 63) <= params.sampling_seed < 1 << 64:
             raise EngineError("sampling_params.sampling_seed", f"must fit in 64 bits, got {params.sampling_seed}")
 
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> Future:
-        """Queue a generation; the future resolves to a ``GenerateOutput``."""
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams,
+               on_token: Callable[[int, float, int], None] | None = None) -> Future:  # fmt: skip
+        """Queue a generation; the future resolves to a ``GenerateOutput``. ``on_token(token,
+        logprob, version)`` is called for each token as it is generated (in the scheduler thread:
+        it must only hand the token over)."""
         self.validate(input_ids, params)
         fut: Future = Future()
         gen = None
         if params.sampling_seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        req = _Request(rid, list(input_ids), params, fut, gen, stop)
+        req = _Request(rid, list(input_ids), params, fut, gen, stop, on_token)
         self._commands.put(lambda: self._enqueue(req))
         return fut
 
@@ -337,6 +342,8 @@ class EmbeddedEngine(SchedulerCommands):
         req.output_ids.append(token)
         req.logprobs.append(logprob)
         req.versions.append(self.weight_version)
+        if req.on_token is not None:
+            req.on_token(token, logprob, self.weight_version)
         self.counters["generated_tokens"] += 1
         if token in req.stop_ids:
             self._finish(req, {"type": "stop", "matched": token})
