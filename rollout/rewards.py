@@ -26,10 +26,30 @@ def digit_answer(response: str, answer: str) -> float:
     return 0.1 if head.isdigit() else 0.0
 
 
+def math_verify(response: str, answer: str) -> float:
+    """1.0 when the free-form ``response`` states a value equal to ``answer`` (HF math-verify:
+    LaTeX, plain expressions and numbers, compared symbolically: "The answer is 42." and
+    "\\boxed{42}" both match 42). Its time limits use SIGALRM, which only the main thread may set;
+    elsewhere they are off rather than failing every answer."""
+    import threading
+
+    from math_verify import parse, verify
+
+    limits = threading.current_thread() is threading.main_thread()
+    timeout = {} if limits else {"parsing_timeout": None}
+    try:
+        gold = parse(str(answer), **timeout)
+        said = parse(response, **timeout)
+        return 1.0 if said and verify(gold, said, **({} if limits else {"timeout_seconds": None})) else 0.0
+    except Exception:  # math-verify raises on what it cannot read: an unreadable answer is a wrong one
+        return 0.0
+
+
 REWARDS: dict[str, Callable[[str, str], float]] = {
     "exact_match": exact_match,
     "first_token_match": first_token_match,
     "digit_answer": digit_answer,
+    "math_verify": math_verify,
 }
 
 

@@ -41,6 +41,31 @@ def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+@app.command("make-dataset")
+def make_dataset(
+    task: str = typer.Argument(..., help="A reasoning-gym task, e.g. chain_sum, basic_arithmetic, gsm_symbolic."),
+    out: Path = typer.Option(..., "--out", help="JSONL file to write (prompt, answer, task per row)."),
+    size: int = typer.Option(1000, min=1, help="Rows to generate."),
+    seed: int = typer.Option(0, help="Seed of the generator: another seed, another set (train vs held-out)."),
+    param: list[str] = typer.Option([], "--param", help="A task option as key=value (repeatable), e.g. max_terms=2."),
+) -> None:
+    """Write a dataset of a reasoning-gym task, for a single-turn environment (no download)."""
+    from rollout.envs.reasoning_gym_data import DatasetError, parse_value, reasoning_gym_rows, write_jsonl
+
+    bad = [p for p in param if "=" not in p]
+    if bad:
+        typer.echo(f"make-dataset: --param: expected key=value, got {bad[0]!r}", err=True)
+        raise typer.Exit(2)
+    options = {k: parse_value(v) for k, v in (p.split("=", 1) for p in param)}
+    try:
+        rows = reasoning_gym_rows(task, size, seed, **options)
+    except DatasetError as e:
+        typer.echo(f"make-dataset: {e}", err=True)
+        raise typer.Exit(2) from None
+    write_jsonl(rows, out)
+    typer.echo(f"wrote {len(rows)} rows of {task} to {out}; first: {rows[0]['prompt']!r} -> {rows[0]['answer']!r}")
+
+
 @app.command("init-model")
 def init_model(
     out: Path = typer.Option(..., "--out", help="Directory to write the Hugging Face model into."),
