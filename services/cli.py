@@ -48,6 +48,9 @@ def make_dataset(
     size: int = typer.Option(1000, min=1, help="Rows to generate."),
     seed: int = typer.Option(0, help="Seed of the generator: another seed, another set (train vs held-out)."),
     param: list[str] = typer.Option([], "--param", help="A task option as key=value (repeatable), e.g. max_terms=2."),
+    exclude: Path | None = typer.Option(
+        None, "--exclude", help="A JSONL whose prompts must not appear (a held-out set apart from the train set)."
+    ),
 ) -> None:
     """Write a dataset of a reasoning-gym task, for a single-turn environment (no download)."""
     from rollout.envs.reasoning_gym_data import DatasetError, parse_value, reasoning_gym_rows, write_jsonl
@@ -62,6 +65,16 @@ def make_dataset(
     except DatasetError as e:
         typer.echo(f"make-dataset: {e}", err=True)
         raise typer.Exit(2) from None
+    if exclude is not None:
+        from rollout.envs import load_jsonl
+
+        seen = {r["prompt"] for r in load_jsonl(exclude)}
+        kept = [r for r in rows if r["prompt"] not in seen]
+        typer.echo(f"{len(rows) - len(kept)} of {len(rows)} rows dropped: their prompts are in {exclude}")
+        if not kept:
+            typer.echo("make-dataset: every row is in --exclude; raise --size or change --param", err=True)
+            raise typer.Exit(2)
+        rows = kept
     write_jsonl(rows, out)
     typer.echo(f"wrote {len(rows)} rows of {task} to {out}; first: {rows[0]['prompt']!r} -> {rows[0]['answer']!r}")
 

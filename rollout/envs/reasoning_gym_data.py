@@ -2,8 +2,10 @@
 single-turn environment reads: ``{"prompt", "answer", "task"}``.
 
 reasoning-gym ships procedural generators (arithmetic, chain sums, word problems, puzzles) with a
-seed and a difficulty per task, so a train set and a held-out set are two seeds of one generator:
-nothing is hand-written and nothing is downloaded.
+seed and a difficulty per task: nothing is hand-written and nothing is downloaded. A task draws
+item i from seed + i, so the sets of two nearby seeds are the same items shifted: a held-out set
+takes a far seed and ``rollmesh make-dataset --exclude TRAIN`` drops any prompt the train set has
+(small task spaces repeat prompts even then).
 """
 
 from __future__ import annotations

@@ -54,3 +54,16 @@ def test_make_dataset_cli_writes_jsonl_and_refuses_bad_options(tmp_path):
     assert len(rows) == 5 and all(r["task"] == "basic_arithmetic" for r in rows)
     bad = subprocess.run(cmd[:-2] + ["--param", "max_digits"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "expected key=value" in bad.stderr
+
+
+def test_make_dataset_exclude_keeps_a_held_out_set_apart(tmp_path):
+    """Item i comes from seed + i: seed 1's first five items are seed 0's last four and one more."""
+    base = [sys.executable, "-m", "services.cli", "make-dataset", "chain_sum", "--size", "5", "--param", "max_digits=3"]
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    assert subprocess.run(base + ["--out", str(train), "--seed", "0"], capture_output=True, timeout=120).returncode == 0
+    proc = subprocess.run(base + ["--out", str(held), "--seed", "1", "--exclude", str(train)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "4 of 5 rows dropped" in proc.stdout, proc.stdout + proc.stderr
+    train_prompts = {json.loads(x)["prompt"] for x in train.read_text().splitlines()}
+    held_prompts = [json.loads(x)["prompt"] for x in held.read_text().splitlines()]
+    assert len(held_prompts) == 1 and held_prompts[0] not in train_prompts
