@@ -34,6 +34,9 @@ class RunConfig(BaseModel):
 
     num_engines: int = Field(1, ge=1, description="Embedded engine processes behind the LLMProxy.")
     heldout_path: str | None = Field(None, description="JSONL evaluated greedily at the end (accuracy).")
+    heldout_timeout_s: float = Field(
+        600.0, gt=0, description="How long one held-out answer may take; one that does not come counts as wrong."
+    )
     startup_timeout_s: float = Field(180.0, gt=0, description="How long each service may take to become healthy.")
     trainer_procs: int = Field(
         1, ge=1, description="Trainer ranks: more than 1 runs the trainer under torchrun (FSDP2; gloo on CPU)."

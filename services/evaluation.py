@@ -3,17 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 
-async def heldout_accuracy(proxy_address: str, cfg) -> float:
+@dataclass
+class HeldOut:
+    accuracy: float
+    unanswered: int  # prompts whose answer failed or timed out: scored as wrong
+    first_error: str = ""
+
+    def __str__(self) -> str:
+        if not self.unanswered:
+            return f"{self.accuracy:.3f}"
+        return f"{self.accuracy:.3f} ({self.unanswered} unanswered, scored wrong: {self.first_error})"
+
+
+async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
     """Share of ``cfg.run.heldout_path``'s prompts answered fully correctly (reward >= 1), greedily,
-    through the LLMProxy at ``proxy_address``, rendered as the episodes render them."""
+    through the LLMProxy at ``proxy_address``, rendered as the episodes render them. An answer
+    that fails or takes longer than ``cfg.run.heldout_timeout_s`` counts as wrong, and is counted."""
     from transformers import AutoTokenizer
 
     from rollout.envs import load_jsonl
     from rollout.episode import render_user_turn
     from rollout.rewards import resolve_reward
     from services.llm_proxy.client import ProxyClient
+    from services.pb.rollmesh.v1 import common_pb2
 
     rows = load_jsonl(cfg.run.heldout_path)
     tok = AutoTokenizer.from_pretrained(cfg.env_manager.tokenizer_path)
@@ -22,8 +37,20 @@ async def heldout_accuracy(proxy_address: str, cfg) -> float:
     client = ProxyClient(proxy_address, auth=cfg.auth)
     try:
         prompts = [render_user_turn(tok, r["prompt"]) for r in rows]
-        outs = await asyncio.gather(*(client.generate(p, max_new, temperature=0.0, timeout_s=60) for p in prompts))
+        outs = await asyncio.gather(
+            *(client.generate(p, max_new, temperature=0.0, timeout_s=cfg.run.heldout_timeout_s) for p in prompts),
+            return_exceptions=True,
+        )
     finally:
         await client.close()
-    scores = [reward(tok.decode(o.output_ids, skip_special_tokens=True), r["answer"]) for o, r in zip(outs, rows)]
-    return sum(s >= 1.0 for s in scores) / len(scores)
+    errors, scores = [], []
+    for out, row in zip(outs, rows):
+        if not isinstance(out, BaseException) and out.finish_reason == common_pb2.FINISH_REASON_TIMEOUT:
+            out = TimeoutError(f"cut at {cfg.run.heldout_timeout_s:g} s")  # a cut answer is not the model's answer
+        if isinstance(out, BaseException):
+            errors.append(out)
+            scores.append(0.0)
+        else:
+            scores.append(reward(tok.decode(out.output_ids, skip_special_tokens=True), row["answer"]))
+    first = f"{type(errors[0]).__name__}: {errors[0]}" if errors else ""
+    return HeldOut(sum(s >= 1.0 for s in scores) / len(scores), len(errors), first)

@@ -204,7 +204,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         proxy_addr = mesh.proxy
         if cfg.run.heldout_path:  # when resuming: the restored weights, as the engines now serve them
             acc0 = asyncio.run(heldout_accuracy(proxy_addr, cfg))
-            console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {acc0:.3f}")
+            console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {acc0}")
         _, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
         trainer_proc = start_trainer(config_path, overrides, mesh, logs / "trainer.log", cfg.run.trainer_procs)
         trainer = Supervised("trainer", trainer_proc, logs / "trainer.log", finishes=True)
@@ -227,7 +227,10 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         history, _ = _tail_metrics(run_dir / "metrics.jsonl", 0)  # the curve as it stands, resumes included
         if history:
             plot_rewards(history, run_dir / "reward_curve.png")
-        acc = asyncio.run(heldout_accuracy(proxy_addr, cfg)) if cfg.run.heldout_path else float("nan")
+        held = asyncio.run(heldout_accuracy(proxy_addr, cfg)) if cfg.run.heldout_path else None
+        if held is not None and held.unanswered:
+            console.print(f"[red]held-out: {held}[/]")
+        acc = held.accuracy if held is not None else float("nan")
         last5 = [m["reward_mean"] for m in history[-5:]]
         reward_last5 = sum(last5) / max(1, len(last5))
         steps = history[-1]["step"] if history else 0
