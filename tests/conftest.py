@@ -9,6 +9,7 @@ import pytest
 
 from services.auth import TOKEN_ENV
 from services.launch import start_engine_process, stop_process
+from tests.engines import start_vllm_engines
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 # Every service a test starts, in this process or as a child, checks this token; every client sends it.
@@ -44,6 +45,16 @@ def engine_url(tiny_model):
     proc, url = start_engine_process(tiny_model)
     yield url
     stop_process(proc)
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(tiny_model):
+    """Two vLLM servers (from `make vllm`'s environment) serving the tiny model, for the session.
+    A test that updates their weights puts the tiny model back (at a later version)."""
+    engines = start_vllm_engines(tiny_model, 2)
+    yield engines
+    for p in engines.procs:
+        stop_process(p, 30)
 
 
 @pytest.fixture

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
 class ProxyConfig(BaseModel):
-    """One LLMProxy in front of a pool of engine servers (embedded or SGLang)."""
+    """One LLMProxy in front of a pool of engine servers (embedded, SGLang or vLLM)."""
 
     model_config = ConfigDict(extra="forbid")
 
     engine_urls: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1:30000"], description="Base URLs of the engine servers."
     )
+    engine_api: Literal["sglang", "vllm"] = Field(
+        "sglang", description="The HTTP API the engines speak: sglang (SGLang and the embedded engine) or vllm. "
+        "`rollmesh run` sets it from engine.type.",
+    )  # fmt: skip
     host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port.")
     metrics_port: int = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")

@@ -25,7 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rollout.engines.sglang_client import EngineRejected, EngineUnavailable, SGLangClient, int_version
+from rollout.engines.http_engine import EngineRejected, EngineUnavailable, int_version
+from rollout.engines.sglang_client import SGLangClient
 from rollout.proxy.config import ProxyConfig
 from rollout.proxy.router import EngineSlot, Router
 from rollout.sampling import SamplingParams
@@ -139,6 +140,8 @@ class LLMProxy:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> LLMProxy:
         await self.check_health()
+        # A proxy (re)started in front of engines that were updated before serves their version.
+        await asyncio.gather(*(self._read_version(s) for s in self.router.engines if s.healthy))
         versions = {s.weight_version for s in self.router.engines if s.healthy}
         if len(versions) == 1:
             self.weight_version = versions.pop()
@@ -397,6 +400,13 @@ class LLMProxy:
         slot.healthy = False
         slot.failures_total += 1
         self.counters["engine_failures"] += 1
+
+    async def _read_version(self, slot: EngineSlot) -> None:
+        try:
+            info = await self.clients[slot.name].model_info(self.config.health_check_timeout_s)
+            slot.weight_version = int_version(info.get("weight_version"))
+        except (EngineUnavailable, EngineRejected, ValueError) as e:
+            self._take_out(slot, f"model info failed: {e}")
 
     async def check_health(self) -> None:
         await asyncio.gather(*(self._probe(s) for s in self.router.engines))

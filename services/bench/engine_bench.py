@@ -1,9 +1,15 @@
-"""`rollmesh bench engine`: continuous batching vs static-batch HF generate on long-tailed lengths.
+"""`rollmesh bench engine`: the embedded engine, vLLM and static-batch HF generate, side by side on
+the same long-tailed lengths.
 
 Both sides generate the same response lengths for the same prompts: each response stops at its
 own length (as if EOS came there). Static batches run until their longest member ends, so the
 tokens generated past a shorter member's end are wasted; that waste is what continuous batching
-removes. Throughput counts only the requested tokens on both sides.
+removes. Throughput counts only the requested tokens on every side. vLLM runs from its own
+environment (``make vllm``) with its defaults (torch.compile on), at the same running batch.
+
+It also reports the train/inference mismatch of each engine: the engine's returned log-probs of
+the first 16 responses against a teacher-forced forward of the same tokens (what the trainer
+computes), mean and max |Δ|.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ def workload(num_prompts: int, max_new_tokens: int, vocab: int, seed: int = 0) -
     return prompts, lengths
 
 
-async def _engine_run(url: str, prompts, lengths) -> float:
+async def _engine_run(url: str, prompts, lengths, api: str = "sglang"):
     from services.llm_proxy.server import engine_client
 
-    client = engine_client(url, timeout_s=600)
+    client = engine_client(url, timeout_s=600, api=api)
     t0 = time.perf_counter()
     outs = await asyncio.gather(
         *(
@@ -39,7 +45,28 @@ async def _engine_run(url: str, prompts, lengths) -> float:
     wall = time.perf_counter() - t0
     await client.close()
     assert [len(o.output_ids) for o in outs] == lengths
-    return wall
+    return wall, outs
+
+
+def mismatch(model, prompts, outs) -> dict:
+    """Mean and max |engine log-prob − teacher-forced log-prob| over the tokens of ``outs``."""
+    deltas = []
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            logp = torch.log_softmax(model(torch.tensor([prompt + out.output_ids])).logits[0].float(), -1)
+        ref = logp[len(prompt) - 1 : -1].gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+        deltas += (ref - torch.tensor(out.behavior_logprobs)).abs().tolist()
+    return {"mean": float(f"{sum(deltas) / len(deltas):.3g}"), "max": float(f"{max(deltas):.3g}")}
+
+
+def _served(model_path: str, extra: list[str], prompts, lengths, api: str = "sglang"):
+    """Start an engine, warm it up, time the workload; (wall seconds, outputs)."""
+    proc, url = start_engine_process(model_path, extra=extra, timeout_s=600)
+    try:
+        asyncio.run(_engine_run(url, prompts[:16], lengths[:16], api))  # warm-up
+        return asyncio.run(_engine_run(url, prompts, lengths, api))
+    finally:
+        stop_process(proc, 30)
 
 
 def _hf_run(model, prompts, lengths, batch_size: int) -> float:
@@ -63,31 +90,45 @@ def _hf_run(model, prompts, lengths, batch_size: int) -> float:
     return time.perf_counter() - t0
 
 
-def run(model_path: str, num_prompts: int = 256, max_new_tokens: int = 128, batch_size: int = 64) -> dict:
+def run(model_path: str, num_prompts: int = 256, max_new_tokens: int = 128, batch_size: int = 64,
+        vllm: bool = True, progress=print) -> dict:  # fmt: skip
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if vllm:
+        from rollout.engines.vllm_config import VLLMEngineConfig
+        from services.bench import BadOption
+        from services.engine.vllm_server import VLLMNotInstalled, interpreter
+
+        try:
+            interpreter(VLLMEngineConfig())
+        except VLLMNotInstalled as e:
+            raise BadOption(f"--vllm: {e} (or leave vLLM out: --no-vllm)") from None
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
     prompts, lengths = workload(num_prompts, max_new_tokens, vocab)
     useful = sum(lengths)
-
-    proc, url = start_engine_process(model_path, extra=[f"engine.max_running_requests={batch_size}"])
-    try:
-        asyncio.run(_engine_run(url, prompts[:16], lengths[:16]))  # warm-up
-        engine_wall = asyncio.run(_engine_run(url, prompts, lengths))
-    finally:
-        stop_process(proc)
-
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    walls, outs = {}, {}
+    progress(f"embedded engine: {num_prompts} prompts, {useful} tokens")
+    walls["embedded"], outs["embedded"] = _served(model_path, [f"max_running_requests={batch_size}"], prompts, lengths)
+    if vllm:
+        progress("vLLM (starting takes a minute or two)")
+        extra = ["type=vllm", f"max_num_seqs={batch_size}", f"max_model_len={48 + max_new_tokens + 16}"]
+        walls["vllm"], outs["vllm"] = _served(model_path, extra, prompts, lengths, "vllm")
+    progress("HF generate")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     _hf_run(model, prompts[:16], lengths[:16], batch_size)  # warm-up
-    hf_wall = _hf_run(model, prompts, lengths, batch_size)
-    return {
+    walls["hf_generate"] = _hf_run(model, prompts, lengths, batch_size)
+    result = {
+        "model": model_path,
         "num_prompts": num_prompts,
         "useful_tokens": useful,
         "p50_len": sorted(lengths)[len(lengths) // 2],
         "max_len": max(lengths),
-        "embedded_wall_s": round(engine_wall, 3),
-        "hf_generate_wall_s": round(hf_wall, 3),
-        "embedded_tokens_per_s": round(useful / engine_wall, 1),
-        "hf_generate_tokens_per_s": round(useful / hf_wall, 1),
-        "speedup": round(hf_wall / engine_wall, 3),
+        **{f"{k}_wall_s": round(w, 3) for k, w in walls.items()},
+        **{f"{k}_tokens_per_s": round(useful / w, 1) for k, w in walls.items()},
+        "speedup": round(walls["hf_generate"] / walls["embedded"], 3),  # embedded vs HF generate
     }
+    if vllm:
+        result["embedded_vs_vllm"] = round(walls["vllm"] / walls["embedded"], 3)
+    for name, o in outs.items():
+        result[f"{name}_logprob_mismatch"] = mismatch(model, prompts[:16], o[:16])
+    return result

@@ -342,7 +342,12 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
 
 
 def serve(engine_config, auth: AuthConfig) -> None:
-    """Run the engine server until SIGTERM/SIGINT, then drain and exit 0; https with ``auth.tls``."""
+    """Run the engine server until SIGTERM/SIGINT, then drain and exit 0; https with ``auth.tls``.
+    ``type: vllm`` execs a vLLM server instead (``services/engine/vllm_server.py``)."""
+    if engine_config.type == "vllm":
+        from services.engine.vllm_server import serve as serve_vllm
+
+        return serve_vllm(engine_config, auth)
     import contextlib
     import signal
 

@@ -9,7 +9,9 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from rollout.engines.http_engine import HTTPEngineClient
 from rollout.engines.sglang_client import SGLangClient
+from rollout.engines.vllm_client import VLLMClient
 from rollout.proxy import LLMProxy, ProxyConfig, ProxyRequest, RequestInvalid
 from rollout.proxy.proxy import UPDATE_FAILURE_CAUSES, NoEngineAvailable
 from sample_buffer.trajectory import FinishReason
@@ -240,7 +242,8 @@ async def start_proxy(config: ProxyConfig, auth: AuthConfig | None = None) -> tu
     """Start the proxy (engine health first), its gRPC server and its metrics endpoint. ``auth``
     (default: from the environment) guards its RPCs and goes with every call to an engine."""
     auth = auth or AuthConfig()
-    proxy = await LLMProxy(config, client_factory=functools.partial(engine_client, auth=auth)).start()
+    clients = functools.partial(engine_client, auth=auth, api=config.engine_api)
+    proxy = await LLMProxy(config, client_factory=clients).start()
     metrics = ProxyMetrics(proxy)
     server = await start_server(build_handler(proxy, metrics), SERVICE, config.host, config.port,
                                 [("grpc.max_receive_message_length", (MAX_WEIGHT_BUCKET_MB + 1) << 20)],
@@ -249,11 +252,15 @@ async def start_proxy(config: ProxyConfig, auth: AuthConfig | None = None) -> tu
     return server, proxy
 
 
-def engine_client(url: str, auth: AuthConfig | None = None, **kwargs) -> SGLangClient:
-    """A client of the engine at ``url`` that carries the run's token and trusts its CA (``auth``;
-    default: from the environment): how the proxy, benchmarks and tools call an engine."""
+ENGINE_CLIENTS = {"sglang": SGLangClient, "vllm": VLLMClient}
+
+
+def engine_client(url: str, auth: AuthConfig | None = None, api: str = "sglang", **kwargs) -> HTTPEngineClient:
+    """A client of the engine at ``url`` speaking ``api`` (``ProxyConfig.engine_api``) that carries
+    the run's token and trusts its CA (``auth``; default: from the environment): how the proxy,
+    benchmarks and tools call an engine."""
     auth = auth or AuthConfig()
-    return SGLangClient(url, headers=http_headers(auth), ssl_context=auth.client_ssl(), **kwargs)
+    return ENGINE_CLIENTS[api](url, headers=http_headers(auth), ssl_context=auth.client_ssl(), **kwargs)
 
 
 def serve(config: ProxyConfig, auth: AuthConfig) -> None:

@@ -15,26 +15,34 @@ from transformers import AutoModelForCausalLM
 from rollout.proxy import ProxyConfig
 from services.launch import free_port, stop_process
 from services.llm_proxy.client import ProxyClient
-from services.llm_proxy.server import start_proxy
+from services.llm_proxy.server import engine_client, start_proxy
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
+from tests.engines import Engines
 
 
 @pytest.fixture(scope="module")
-def two_engines(tiny_model):
+def embedded_engines(tiny_model):
     from services.launch import start_engine_process
 
     procs = [start_engine_process(tiny_model) for _ in range(2)]
-    yield [url for _, url in procs]
+    yield Engines([url for _, url in procs])
     for p, _ in procs:
         stop_process(p)
+
+
+@pytest.fixture(params=["embedded", "vllm"])
+def two_engines(request):
+    """Every test on two engines runs against the embedded engine and against vLLM."""
+    return request.getfixturevalue(f"{request.param}_engines")
 
 
 def run(scenario, urls, **cfg):
     """Start a proxy on a free port in this event loop, run ``scenario(client, proxy)``, stop everything."""
 
     async def main():
-        config = ProxyConfig(engine_urls=urls, port=0, metrics_port=0, health_check_interval_s=0.2, **cfg)
+        config = ProxyConfig(engine_urls=urls, engine_api=getattr(urls, "api", "sglang"), port=0, metrics_port=0,
+                             health_check_interval_s=0.2, **cfg)  # fmt: skip
         server, proxy = await start_proxy(config)
         client = ProxyClient(f"127.0.0.1:{server.bound_port}")
         try:
@@ -137,6 +145,18 @@ def test_suspend_update_resume_continues_from_partial_tokens(make_engine_process
     assert ids[switch:] == greedy(tiny_model_b, prompt + ids[:switch], 400 - switch)
 
 
+def test_a_proxy_started_in_front_of_updated_engines_serves_their_version(make_engine_process, tiny_model_b):
+    """A restarted proxy must not report version 0 while its engines serve version 3."""
+    _, url = make_engine_process()
+    asyncio.run(engine_client(url).update_weights_from_disk(tiny_model_b, 3))
+
+    async def scenario(client, proxy):
+        return await client.stats(), await client.generate([1, 2], 3)
+
+    stats, out = run(scenario, [url])
+    assert stats.weight_version == 3 and stats.engines[0].weight_version == 3 and set(out.token_versions) == {3}
+
+
 def test_suspend_abort_mode_and_gate(two_engines):
     async def scenario(client, proxy):
         task = asyncio.create_task(client.generate([1, 5], 900, ignore_eos=True))
@@ -174,7 +194,7 @@ def test_failed_update_reports_per_engine_and_keeps_version(two_engines):
 
     res, stats = run(scenario, two_engines)
     assert not res.success and len(res.engines) == 2
-    assert all(not e.success and "model_path" in e.message for e in res.engines)
+    assert all(not e.success and "model_path" in e.message for e in res.engines), res.engines
     assert stats.weight_version == 0
 
 

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.engines.sim.config import SimEngineConfig
+from rollout.engines.vllm_config import VLLMEngineConfig
 from sample_buffer.registry import tagged_union
 
 
@@ -41,5 +42,6 @@ class EngineConfig(BaseModel):
         return EmbeddedEngine(self)
 
 
-# What `engine:` in a run config may be: the embedded engine, or the latency simulator (`type: sim`).
-EngineVariant = tagged_union(EngineConfig, SimEngineConfig, default="embedded")
+# What `engine:` in a run config may be: the embedded engine, vLLM (`type: vllm`), or the latency
+# simulator (`type: sim`).
+EngineVariant = tagged_union(EngineConfig, VLLMEngineConfig, SimEngineConfig, default="embedded")

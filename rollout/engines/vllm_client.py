@@ -1,0 +1,167 @@
+"""Async client for a vLLM server, with the same contract as ``SGLangClient``.
+
+It speaks vLLM's own token-in/token-out API, not the OpenAI one: ``POST /inference/v1/generate``
+(served with ``--enable-scale-out``) takes token ids and returns token ids, per-token log-probs and
+``weight_versions``, spans of output tokens per weight version, so a generation that spans a weight
+update is labelled token by token as on the embedded engine. The RL control endpoints need
+``VLLM_SERVER_DEV_MODE=1``: ``/pause?mode=abort|keep``, ``/resume``, ``/abort_requests``,
+``/update_weight_version``, ``/weight_info``, ``/collective_rpc``. Weights load from disk through
+``rollmesh_load_weights``, the worker extension in ``services/engine/vllm_plugin`` (vLLM's own
+``reload_weights`` leaves stale prepacked weights on CPU). ``rollmesh serve engine`` with
+``engine.type: vllm`` starts vLLM with all of that switched on. No ``import vllm`` here.
+
+The engine's version before its first update is ``"default"``: the checkpoint it started from,
+which is version 0 of a run.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rollout.engines.http_engine import EngineRejected, EngineResult, EngineUnavailable, HTTPEngineClient
+from rollout.sampling import SamplingParams
+from sample_buffer.trajectory import FINISH_REASONS, FinishReason
+
+# The proxy names pause modes as SGLang does; vLLM's "keep" freezes requests where they are.
+_PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
+# vLLM prefixes the request id it was given; /abort_requests wants the prefixed one.
+_RID_PREFIX = "generate-tokens-"
+
+
+def version_of(label) -> int:
+    """A vLLM weight-version label as a run's version: "default" (never updated) is 0."""
+    if label in (None, "default"):
+        return 0
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        return -1
+
+
+def vllm_sampling(params: SamplingParams | dict, return_logprob: bool) -> dict:
+    """SGLang's sampling names (rollmesh's) as vLLM's ``SamplingParams``; every value is sent."""
+    p = params if isinstance(params, SamplingParams) else SamplingParams.model_validate(params)
+    out = {
+        "max_tokens": p.max_new_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k if p.top_k > 0 else -1,
+        "stop_token_ids": p.stop_token_ids,
+        "ignore_eos": p.ignore_eos,
+        "detokenize": False,  # ids in, ids out: no text is needed
+    }
+    if p.sampling_seed is not None:
+        out["seed"] = p.sampling_seed
+    if return_logprob:
+        out["logprobs"] = 0  # the sampled token's log-prob only
+    return out
+
+
+def parse_vllm_response(body: dict, e2e_latency_s: float) -> EngineResult:
+    """One choice of ``/inference/v1/generate`` as an ``EngineResult``. An answer in another
+    shape is ``EngineUnavailable`` naming what is missing: not an engine the proxy can use, so it
+    leaves rotation and the request is tried elsewhere."""
+    try:
+        choice = body["choices"][0]
+        ids = [int(t) for t in choice["token_ids"] or []]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [float(c["logprob"]) for c in content]
+        versions = [0] * len(ids)
+        for span in choice.get("weight_versions") or []:
+            start, end = int(span["start"]), int(span["end"])
+            versions[start:end] = [version_of(span["version"])] * (end - start)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise EngineUnavailable(f"vLLM answered in an unexpected shape ({type(e).__name__}: {e}): "
+                                f"{str(body)[:200]}") from e  # fmt: skip
+    if len(versions) != len(ids) or (content and len(logprobs) != len(ids)):
+        raise EngineUnavailable(f"vLLM answered {len(ids)} tokens with {len(logprobs)} log-probs and "
+                                f"{len(versions)} versions")  # fmt: skip
+    finish = choice.get("finish_reason") or "abort"
+    usage = body.get("usage") or {}
+    return EngineResult(
+        output_ids=ids,
+        behavior_logprobs=logprobs,
+        token_versions=versions,
+        finish_reason=FinishReason(finish) if finish in FINISH_REASONS else FinishReason.ERROR,
+        weight_version=versions[-1] if versions else -1,  # no token: the client asks the server
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        e2e_latency_s=e2e_latency_s,
+    )
+
+
+class VLLMClient(HTTPEngineClient):
+    """One vLLM server (``rollmesh serve engine`` with ``engine.type: vllm``)."""
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams | dict,
+        rid: str | None = None,
+        return_logprob: bool = True,
+        timeout_s: float | None = None,
+    ) -> EngineResult:
+        payload = {"token_ids": input_ids, "sampling_params": vllm_sampling(sampling_params, return_logprob)}
+        if rid is not None:
+            payload["request_id"] = rid
+        start = time.perf_counter()
+        body = await self._post("/inference/v1/generate", timeout_s, json=payload)
+        result = parse_vllm_response(body, time.perf_counter() - start)
+        if not result.output_ids and result.weight_version < 0:
+            result.weight_version = (await self.model_info()).get("weight_version", -1)
+        return result
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False, timeout_s: float = 5.0) -> dict:
+        # An empty list aborts everything the server runs.
+        ids = [] if abort_all or not rid else [_RID_PREFIX + rid]
+        return await self._post("/abort_requests", timeout_s, json={"request_ids": ids})
+
+    async def pause(self, mode: str = "abort", timeout_s: float = 10.0) -> dict:
+        if mode not in _PAUSE_MODES:
+            raise EngineRejected(f"mode: must be one of {sorted(_PAUSE_MODES)}, got {mode!r}", "mode")
+        return await self._post("/pause", timeout_s, params={"mode": _PAUSE_MODES[mode]})
+
+    async def resume(self, timeout_s: float = 10.0) -> dict:
+        return await self._post("/resume", timeout_s)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int, timeout_s: float = 120.0) -> dict:
+        """Load ``model_path`` in place and label it ``weight_version``; the answer's
+        ``weight_version`` is read back from the server. A server that is generating is paused
+        (requests kept) for the load, so no token comes from half-loaded weights."""
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(0.1, deadline - time.monotonic())
+
+        paused = bool((await self._get("/is_paused", left())).get("is_paused"))
+        if not paused:
+            await self.pause("in_place", left())
+        try:
+            rpc = {"method": "rollmesh_load_weights", "args": [model_path], "timeout": left()}
+            try:
+                res = await self._post_alone("/collective_rpc", left(), json=rpc)
+            except EngineUnavailable as e:  # the worker raised: vLLM answers 500 with its message
+                if "model_path" in str(e) or "No such file" in str(e):
+                    raise EngineRejected(f"model_path: cannot load {model_path!r}: {e}", "model_path") from e
+                raise
+            await self._post("/update_weight_version", left(), json={"new_version": str(weight_version)})
+            await self._post("/reset_prefix_cache", left())  # cached KV was computed by the old weights
+        finally:
+            if not paused:
+                await self.resume(left())
+        info = await self.model_info(left())
+        loaded = (res.get("results") or ["?"])[0]
+        return {"success": True, "message": f"loaded {loaded} tensors", "weight_version": info["weight_version"]}
+
+    async def update_weights_from_safetensors(self, data: bytes, weight_version: int, final: bool,
+                                              timeout_s: float = 120.0) -> dict:  # fmt: skip
+        raise EngineRejected(
+            "vLLM engines load weights from disk: set trainer.publisher.type: disk", "trainer.publisher", 501
+        )
+
+    async def update_weights_from_tensors(self, buckets: list[dict], weight_version: int,
+                                          timeout_s: float = 120.0) -> dict:  # fmt: skip
+        return await self.update_weights_from_safetensors(b"", weight_version, True, timeout_s)
+
+    async def model_info(self, timeout_s: float = 5.0) -> dict:
+        body = await self._get("/weight_info", timeout_s)
+        return {"weight_version": version_of(body.get("weight_version"))}

@@ -1,0 +1,47 @@
+"""Configuration of a vLLM engine server (``engine: {type: vllm}``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class VLLMEngineConfig(BaseModel):
+    """A vLLM OpenAI server started from its own virtual environment (``make .venv-vllm``), with
+    rollmesh's worker extension and token check (``services/engine/vllm_plugin``). The LLMProxy
+    talks to it with ``rollout.engines.vllm_client`` (set by ``rollmesh run``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["vllm"] = Field("vllm", description="Serve the model with vLLM.")
+    model_path: str | None = Field(
+        None, description="Local Hugging Face model directory to serve; default: the run's model_path."
+    )
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(30000, ge=0, le=65535, description="HTTP port.")
+    python: str = Field(
+        ".venv-vllm/bin/python",
+        description="The vLLM environment's interpreter; a relative path is taken from the rollmesh checkout.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when torch sees one.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="Weights and activations dtype; float32 keeps log-probs comparable with the trainer's."
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Longest prompt + response in tokens (sizes the KV cache); default: the model's."
+    )
+    max_num_seqs: int = Field(64, ge=1, description="Requests decoded together in one batch.")
+    memory_utilization: float | None = Field(
+        None, gt=0, le=1,
+        description="vLLM's --gpu-memory-utilization: the share of device memory for weights and KV cache. "
+        "Default 0.9 on CUDA and 0.08 on CPU, where vLLM counts it against the host's memory.",
+    )  # fmt: skip
+    enforce_eager: bool = Field(
+        False, description="No torch.compile / CUDA graphs: starts faster, decodes slower (tests use it)."
+    )
+    seed: int = Field(0, description="Seed of the engine's sampler for requests without sampling_seed.")
+    served_model_name: str | None = Field(None, description="Name in vLLM's OpenAI API; default the path.")
+    extra_args: list[str] = Field(
+        default_factory=list, description="Further `vllm serve` flags, as given: [--tensor-parallel-size, '2']."
+    )

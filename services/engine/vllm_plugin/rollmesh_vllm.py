@@ -1,0 +1,92 @@
+"""rollmesh's hooks inside a vLLM server (imported there, from vLLM's own environment).
+
+``rollmesh serve engine`` with ``engine.type: vllm`` puts this directory on the vLLM server's
+``PYTHONPATH`` and passes ``--worker-extension-cls rollmesh_vllm.RollmeshWorker`` and
+``--middleware rollmesh_vllm.BearerCheck``. Only vLLM, torch and safetensors are imported: the
+vLLM environment has no rollmesh installed.
+
+- **Weights stay live.** On CPU, vLLM prepacks every linear layer's weight for oneDNN or its own
+  GEMM kernels and drops the original tensor; ``reload_weights`` then leaves the prepacked copies
+  stale (measured on vLLM 0.32: after a reload the returned log-probs matched neither checkpoint).
+  Importing this module makes CPU linear layers call ``torch.nn.functional.linear`` on their
+  parameter, so an in-place load is what the next forward uses (log-probs then match the new
+  checkpoint to 1e-6). vLLM imports the extension class before it loads the model, so the patch
+  is in place when layers are built. GPU paths are untouched.
+- **Weights from disk.** ``RollmeshWorker.rollmesh_load_weights(path)`` (called through
+  ``/collective_rpc``) streams a checkpoint directory's safetensors into the running model with
+  the model's own ``load_weights`` (it knows vLLM's fused q/k/v and gate/up layouts).
+- **A token on every endpoint.** vLLM's ``--api-key`` guards only ``/v1``, ``/inference`` and
+  similar; its RL control endpoints (``/pause``, ``/collective_rpc``, ``/update_weight_version``)
+  stay open. ``BearerCheck`` asks for ``Authorization: Bearer $ROLLMESH_TOKEN`` everywhere but
+  ``/health`` and ``/metrics``, as every rollmesh service does.
+"""
+
+from __future__ import annotations
+
+import glob
+import hmac
+import json
+import os
+
+import torch
+
+try:  # absent on builds without the CPU GEMM dispatch: nothing to patch there
+    from vllm.model_executor.layers import utils as _layer_utils
+except ImportError:  # pragma: no cover
+    _layer_utils = None
+
+EXEMPT_PATHS = frozenset({"/health", "/metrics"})
+
+
+def _live_cpu_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
+    if layer.weight.ndim != 2 or layer.weight.is_meta:
+        return _prepacked(layer, remove_weight)  # conv and MoE weights: vLLM's own handling
+    layer.cpu_linear = torch.nn.functional.linear  # reads layer.weight at every call
+
+
+if _layer_utils is not None and hasattr(_layer_utils, "dispatch_cpu_unquantized_gemm"):
+    _prepacked = _layer_utils.dispatch_cpu_unquantized_gemm
+    _layer_utils.dispatch_cpu_unquantized_gemm = _live_cpu_linear
+
+
+class RollmeshWorker:
+    """Methods vLLM adds to its worker class; the LLMProxy calls them through ``/collective_rpc``."""
+
+    def rollmesh_load_weights(self, path: str) -> int:
+        """Load every ``*.safetensors`` of the directory ``path`` in place; returns the number of
+        parameters loaded. A missing directory or one without safetensors is an error."""
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"model_path: no *.safetensors in {path!r}")
+
+        def tensors():
+            for f in files:
+                with safe_open(f, "pt") as s:
+                    for name in s.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                        yield name, s.get_tensor(name)
+
+        return len(self.model_runner.model.load_weights(tensors()))
+
+
+class BearerCheck:
+    """ASGI middleware: 401 without ``Authorization: Bearer $ROLLMESH_TOKEN`` (no token set: open)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        token = os.environ.get("ROLLMESH_TOKEN", "")
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope, receive, send):
+        if self.expected is not None and scope["type"] == "http" and scope["path"] not in EXEMPT_PATHS:
+            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(got, self.expected):
+                why = "wrong" if got else "missing"
+                body = json.dumps({"object": "error", "code": 401, "field": "authorization",
+                                   "message": f"authorization: {why} bearer token"}).encode()  # fmt: skip
+                headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)

