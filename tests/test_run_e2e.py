@@ -41,6 +41,29 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     assert leftovers.stdout.strip() == "", "services still running after rollmesh run returned"
 
 
+def test_rollmesh_run_on_vllm_engines(tiny_model, tmp_path):
+    """The quickstart with `engine: {type: vllm}`: the launcher starts vLLM, the proxy speaks its
+    API, the trainer's versions reach it from disk, held-out evaluation runs through it, and
+    nothing of vLLM is left running after."""
+    import yaml
+
+    config = yaml.safe_load(open("examples/quickstart.yaml"))
+    config["engine"] = {"type": "vllm", "enforce_eager": True, "max_num_seqs": 128}
+    path = tmp_path / "vllm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "run"
+    before = set(subprocess.run(["pgrep", "-f", "vllm"], capture_output=True, text=True).stdout.split())
+    cmd = quickstart_cmd(tiny_model, run_dir, "train_loop.steps=3", "controller.groups_per_step=2")
+    cmd[cmd.index("examples/quickstart.yaml")] = str(path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^final: steps=3 .* heldout_accuracy=[\d.]+", proc.stdout, re.M), proc.stdout[-2000:]
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["published"] for m in steps)
+    after = set(subprocess.run(["pgrep", "-f", "vllm"], capture_output=True, text=True).stdout.split())
+    assert after <= before, "vLLM processes left running after rollmesh run returned"
+
+
 def test_rollmesh_run_with_the_trainer_under_torchrun(tiny_model, tmp_path):
     """run.trainer_procs=2: two gloo ranks (FSDP2) train on whole groups; rank 0 publishes (over the
     http_buckets transport: both ranks gather, rank 0 sends) and logs."""
