@@ -63,8 +63,13 @@ def convert(name: str, out: Path, progress=print) -> str:
         loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     except Exception as e:  # gguf raises many kinds; each is "this file does not convert"
         raise ConversionError(f"{path}: does not convert to a transformers model: {e}") from e
-    # A fresh model of the same config: the GGUF-loaded one carries loader state into its config.
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    # A fresh model of the same config: the GGUF-loaded one carries loader state into its config,
+    # and its quantization_config says "gguf" although the saved weights are plain float32 (vLLM
+    # refuses to load such a directory: "Unknown quantization method: gguf").
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     out.mkdir(parents=True, exist_ok=True)

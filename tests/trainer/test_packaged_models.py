@@ -17,6 +17,7 @@ def test_the_converted_smollm2_is_a_llama_with_its_chat_template_that_answers(sm
 
     config = json.loads((Path(smollm2) / "config.json").read_text())
     assert config["model_type"] == "llama" and config["vocab_size"] == 49152
+    assert "quantization_config" not in config  # plain float32 weights (vLLM refuses "gguf")
     assert "<|im_start|>" in (Path(smollm2) / "chat_template.jinja").read_text()
     assert "Apache-2.0" in (Path(smollm2) / "LICENCE.txt").read_text()
     answer = check_generates(Path(smollm2))
