@@ -87,6 +87,11 @@ class TrainerConfig(BaseModel):
         "so the ratio moves within a step and a clip can bind. The policy version still advances once per step.",
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = off).")
+    entropy_cap: float | None = Field(
+        None, gt=0, description="Nats of a token's entropy the bonus counts at most (None = all): above it a "
+        "token is not pushed flatter. ln(k) is k equally likely tokens; without a cap the quickstart's policy "
+        "once went uniform over its 259 tokens in two steps and stopped answering with a digit.",
+    )  # fmt: skip
     ref_model_path: str | None = Field(None, description="Frozen reference model for a KL term (None = no KL).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
