@@ -76,7 +76,7 @@ format: $(STAMP)
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-bench: $(STAMP) model servers models/tiny-digits/config.json
+bench: $(STAMP) model servers models/tiny-digits/config.json $(VLLM_STAMP)
 	.venv/bin/rollmesh bench engine --model $(MODEL) --json
 	.venv/bin/rollmesh bench proxy --model $(MODEL) --json
 	.venv/bin/rollmesh bench buffer --json

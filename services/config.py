@@ -122,6 +122,8 @@ class RollmeshConfig(BaseModel):
     def _proxy_speaks_the_engines_api(self) -> RollmeshConfig:
         # engine.type owns the choice; proxy.engine_api is there for a proxy in front of engines
         # that no run config describes (and must not contradict one that does).
+        if "engine" not in self.model_fields_set:
+            return self
         api = "vllm" if self.engine.type == "vllm" else "sglang"
         if "engine_api" in self.proxy.model_fields_set and self.proxy.engine_api != api:
             raise ValueError(f"proxy.engine_api: {self.proxy.engine_api!r} but engine.type {self.engine.type!r} "

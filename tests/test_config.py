@@ -107,3 +107,16 @@ def test_gae_and_the_critic_go_together():
     with pytest.raises(ConfigError, match="critic"):
         load_config(None, ["trainer.critic=true"])
     assert load_config(None, ["trainer.advantages.type=gae", "trainer.critic=true"]).trainer.critic
+
+
+def test_the_proxy_speaks_the_api_of_the_engine_type():
+    assert load_config(None, ["engine.type=vllm"]).proxy.engine_api == "vllm"
+    assert load_config(None, ["engine.port=1"]).proxy.engine_api == "sglang"
+    # A proxy in front of engines no run config describes (no engine section) picks its own.
+    assert load_config(None, ["proxy.engine_api=vllm"]).proxy.engine_api == "vllm"
+    with pytest.raises(ConfigError, match="proxy.engine_api: 'sglang' but engine.type 'vllm' speaks 'vllm'"):
+        load_config(None, ["engine.type=vllm", "proxy.engine_api=sglang"])
+    with pytest.raises(ConfigError, match="train_loop.publisher: vLLM engines load weights from disk"):
+        load_config(None, ["engine.type=vllm", "train_loop.publisher.type=http_buckets"])
+    with pytest.raises(ConfigError, match="max_running_requests"):  # a key of the embedded engine, not vLLM's
+        load_config(None, ["engine.type=vllm", "engine.max_running_requests=8"])

@@ -45,10 +45,15 @@ class EngineResult:
 
 
 def int_version(v) -> int:
+    """An engine's weight-version label as a run's version. SGLang's and vLLM's label before any
+    update is "default": the checkpoint the engine started from, version 0 of a run. A missing or
+    unreadable label is -1, which no run's version equals."""
+    if v == "default":
+        return 0
     try:
         return int(v)
     except (TypeError, ValueError):
-        return -1  # SGLang's default version string is "default"
+        return -1
 
 
 def _error(body, text: str) -> tuple[str, str]:

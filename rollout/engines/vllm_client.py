@@ -10,15 +10,22 @@ update is labelled token by token as on the embedded engine. The RL control endp
 ``reload_weights`` leaves stale prepacked weights on CPU). ``rollmesh serve engine`` with
 ``engine.type: vllm`` starts vLLM with all of that switched on. No ``import vllm`` here.
 
-The engine's version before its first update is ``"default"``: the checkpoint it started from,
-which is version 0 of a run.
+Log-probs: the server runs with ``--logprobs-mode processed_logprobs`` (``rollmesh serve engine``
+sets it), so they are ``log_softmax(logits / temperature)`` as on SGLang and the embedded engine
+(vLLM's default ignores the temperature). With top-p or top-k below their defaults vLLM
+renormalises over the kept tokens where SGLang does not.
+
+In place on vLLM: a weight update must drop the running requests' cached KV (vLLM resets its
+prefix cache only so), so they are recomputed with the new weights; the tokens after the update
+are the new weights' continuation, as in continue mode, without leaving the engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
-from rollout.engines.http_engine import EngineRejected, EngineResult, EngineUnavailable, HTTPEngineClient
+from rollout.engines.http_engine import EngineRejected, EngineResult, EngineUnavailable, HTTPEngineClient, int_version
 from rollout.sampling import SamplingParams
 from sample_buffer.trajectory import FINISH_REASONS, FinishReason
 
@@ -26,16 +33,9 @@ from sample_buffer.trajectory import FINISH_REASONS, FinishReason
 _PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
 # vLLM prefixes the request id it was given; /abort_requests wants the prefixed one.
 _RID_PREFIX = "generate-tokens-"
-
-
-def version_of(label) -> int:
-    """A vLLM weight-version label as a run's version: "default" (never updated) is 0."""
-    if label in (None, "default"):
-        return 0
-    try:
-        return int(label)
-    except (TypeError, ValueError):
-        return -1
+# Of an update's deadline, what is kept back for resuming a server the update paused: a timeout
+# while loading must not leave the engine frozen.
+_RESUME_RESERVE_S = 5.0
 
 
 def vllm_sampling(params: SamplingParams | dict, return_logprob: bool) -> dict:
@@ -57,25 +57,26 @@ def vllm_sampling(params: SamplingParams | dict, return_logprob: bool) -> dict:
     return out
 
 
-def parse_vllm_response(body: dict, e2e_latency_s: float) -> EngineResult:
+def parse_vllm_response(body: dict, e2e_latency_s: float, return_logprob: bool = True) -> EngineResult:
     """One choice of ``/inference/v1/generate`` as an ``EngineResult``. An answer in another
-    shape is ``EngineUnavailable`` naming what is missing: not an engine the proxy can use, so it
-    leaves rotation and the request is tried elsewhere."""
+    shape (a token without a log-prob or a weight version among them) is ``EngineUnavailable``
+    naming what is missing: not an engine the proxy can use, so it leaves rotation and the request
+    is tried elsewhere."""
     try:
         choice = body["choices"][0]
         ids = [int(t) for t in choice["token_ids"] or []]
         content = (choice.get("logprobs") or {}).get("content") or []
         logprobs = [float(c["logprob"]) for c in content]
-        versions = [0] * len(ids)
+        versions = [-1] * len(ids)
         for span in choice.get("weight_versions") or []:
             start, end = int(span["start"]), int(span["end"])
-            versions[start:end] = [version_of(span["version"])] * (end - start)
+            versions[start:end] = [int_version(span["version"])] * (end - start)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         raise EngineUnavailable(f"vLLM answered in an unexpected shape ({type(e).__name__}: {e}): "
                                 f"{str(body)[:200]}") from e  # fmt: skip
-    if len(versions) != len(ids) or (content and len(logprobs) != len(ids)):
-        raise EngineUnavailable(f"vLLM answered {len(ids)} tokens with {len(logprobs)} log-probs and "
-                                f"{len(versions)} versions")  # fmt: skip
+    if len(versions) != len(ids) or -1 in versions or (return_logprob and len(logprobs) != len(ids)):
+        raise EngineUnavailable(f"vLLM answered {len(ids)} tokens with {len(logprobs)} log-probs and weight "
+                                f"versions {sorted(set(versions))} ([0, n) must be covered)")  # fmt: skip
     finish = choice.get("finish_reason") or "abort"
     usage = body.get("usage") or {}
     return EngineResult(
@@ -105,14 +106,15 @@ class VLLMClient(HTTPEngineClient):
             payload["request_id"] = rid
         start = time.perf_counter()
         body = await self._post("/inference/v1/generate", timeout_s, json=payload)
-        result = parse_vllm_response(body, time.perf_counter() - start)
+        result = parse_vllm_response(body, time.perf_counter() - start, return_logprob)
         if not result.output_ids and result.weight_version < 0:
             result.weight_version = (await self.model_info()).get("weight_version", -1)
         return result
 
     async def abort(self, rid: str | None = None, abort_all: bool = False, timeout_s: float = 5.0) -> dict:
-        # An empty list aborts everything the server runs.
-        ids = [] if abort_all or not rid else [_RID_PREFIX + rid]
+        if not rid and not abort_all:
+            return {}  # as SGLang: no id, nothing aborted (vLLM would abort everything)
+        ids = [] if abort_all else [_RID_PREFIX + rid]  # an empty list aborts everything the server runs
         return await self._post("/abort_requests", timeout_s, json={"request_ids": ids})
 
     async def pause(self, mode: str = "abort", timeout_s: float = 10.0) -> dict:
@@ -126,8 +128,9 @@ class VLLMClient(HTTPEngineClient):
     async def update_weights_from_disk(self, model_path: str, weight_version: int, timeout_s: float = 120.0) -> dict:
         """Load ``model_path`` in place and label it ``weight_version``; the answer's
         ``weight_version`` is read back from the server. A server that is generating is paused
-        (requests kept) for the load, so no token comes from half-loaded weights."""
-        deadline = time.monotonic() + timeout_s
+        (requests kept) for the load, so no token comes from half-loaded weights, and resumed
+        even when the load fails or runs out of time."""
+        deadline = time.monotonic() + max(0.5, timeout_s - _RESUME_RESERVE_S)
 
         def left() -> float:
             return max(0.1, deadline - time.monotonic())
@@ -140,14 +143,18 @@ class VLLMClient(HTTPEngineClient):
             try:
                 res = await self._post_alone("/collective_rpc", left(), json=rpc)
             except EngineUnavailable as e:  # the worker raised: vLLM answers 500 with its message
-                if "model_path" in str(e) or "No such file" in str(e):
+                if "model_path" in str(e):
                     raise EngineRejected(f"model_path: cannot load {model_path!r}: {e}", "model_path") from e
                 raise
             await self._post("/update_weight_version", left(), json={"new_version": str(weight_version)})
-            await self._post("/reset_prefix_cache", left())  # cached KV was computed by the old weights
+            # KV cached by the old weights must go, the running requests' included (they are
+            # recomputed when generation resumes); without them vLLM refuses while any are held.
+            reset = await self._post("/reset_prefix_cache", left(), params={"reset_running_requests": "true"})
+            if not reset.get("success"):
+                raise EngineUnavailable(f"{self.base_url}: the prefix cache was not reset after loading {model_path}")
         finally:
-            if not paused:
-                await self.resume(left())
+            if not paused:  # shielded: a caller's timeout must not leave the engine frozen
+                await asyncio.shield(self.resume(_RESUME_RESERVE_S))
         info = await self.model_info(left())
         loaded = (res.get("results") or ["?"])[0]
         return {"success": True, "message": f"loaded {loaded} tensors", "weight_version": info["weight_version"]}
@@ -155,7 +162,8 @@ class VLLMClient(HTTPEngineClient):
     async def update_weights_from_safetensors(self, data: bytes, weight_version: int, final: bool,
                                               timeout_s: float = 120.0) -> dict:  # fmt: skip
         raise EngineRejected(
-            "vLLM engines load weights from disk: set trainer.publisher.type: disk", "trainer.publisher", 501
+            "train_loop.publisher.type: vLLM engines load weights from disk (use type: disk)",
+            "train_loop.publisher.type",
         )
 
     async def update_weights_from_tensors(self, buckets: list[dict], weight_version: int,
@@ -164,4 +172,4 @@ class VLLMClient(HTTPEngineClient):
 
     async def model_info(self, timeout_s: float = 5.0) -> dict:
         body = await self._get("/weight_info", timeout_s)
-        return {"weight_version": version_of(body.get("weight_version"))}
+        return {"weight_version": int_version(body.get("weight_version"))}

