@@ -45,7 +45,8 @@ def test_the_client_reads_sglang_answers(sglang, tiny_model_b):
     healthy, info, out, aborted, updated, after = asyncio.run(go())
     assert healthy and info["weight_version"] == "default" and aborted == {}
     assert sglang.calls.count("/model_info") == 1 and sglang.calls.count("/get_model_info") >= 2
-    assert len(out.output_ids) == 4 and len(out.behavior_logprobs) == 4 and out.token_versions == [-1] * 4
+    assert len(out.output_ids) == 4 and len(out.behavior_logprobs) == 4 and out.token_versions == [0] * 4
+    # SGLang names its initial weights "default": version 0, like every engine at start
     # SGLang's answer has no version: the client read it back from the model info
     assert updated["success"] and updated["weight_version"] == 3 and "num_paused_requests" in updated
     assert after.weight_version == 3 and after.token_versions == [3, 3]
