@@ -168,6 +168,29 @@ def run(
 
 
 @app.command()
+def compare(
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories (`train_loop.run_dir` of `rollmesh run`)."),
+    out: Path | None = typer.Option(None, "--out", help="PNG: reward against steps and against wall time."),
+    window: int = typer.Option(5, min=1, help="Steps in the trailing mean the plot draws."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Runs side by side: reward by quarter of the run, held-out before/after, wall time."""
+    from services.compare import RunMissing
+    from services.compare import compare as compare_runs
+
+    try:
+        result = compare_runs(run_dirs, out, window)
+    except RunMissing as e:
+        typer.echo(f"compare: {e}", err=True)
+        raise typer.Exit(2) from None
+    if json_:
+        print(json.dumps(result))
+        return
+    for name, row in result.items():
+        typer.echo(f"{name}: " + "  ".join(f"{k} {v}" for k, v in row.items()))
+
+
+@app.command()
 def demo(model: Path = typer.Option(Path("models/tiny"), help="Model directory.")) -> None:
     """Inference demo: an embedded engine behind the LLMProxy answering a few chat prompts."""
     import asyncio

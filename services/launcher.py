@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 
 from services.auth import ensure_token
+from services.compare import SUMMARY
 from services.config import load_config
 from services.evaluation import heldout_accuracy
 from services.launch import (
@@ -202,6 +203,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         console.print(f"[green]engines[/] {', '.join(mesh.engine_urls)}")
         console.print(f"[green]mesh up[/] proxy {mesh.proxy}, buffer {mesh.buffer}, controller {mesh.controller}")
         proxy_addr = mesh.proxy
+        acc0 = None
         if cfg.run.heldout_path:  # when resuming: the restored weights, as the engines now serve them
             acc0 = asyncio.run(heldout_accuracy(proxy_addr, cfg))
             console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {acc0}")
@@ -234,9 +236,18 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         last5 = [m["reward_mean"] for m in history[-5:]]
         reward_last5 = sum(last5) / max(1, len(last5))
         steps = history[-1]["step"] if history else 0
+        summary = {
+            "steps": steps,
+            "reward_mean_last5": round(reward_last5, 4),
+            "heldout_before": None if acc0 is None or resumed else acc0.accuracy,
+            "heldout_after": None if held is None else held.accuracy,
+            "wall_s": round(time.time() - t0, 1),
+            "async_ratio": cfg.controller.async_ratio,
+        }
+        (run_dir / SUMMARY).write_text(json.dumps(summary) + "\n")  # what `rollmesh compare` reads
         print(
             f"final: steps={steps} reward_mean_last5={reward_last5:.3f} heldout_accuracy={acc:.3f} "
-            f"wall_s={time.time() - t0:.1f}",
+            f"wall_s={summary['wall_s']:.1f}",
             flush=True,
         )
         return 0

@@ -82,6 +82,14 @@ def test_the_smollm2_math_example_runs_a_few_steps(smollm2, tmp_path):
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2] and all(m["published"] and m["tokens"] > 0 for m in steps)
     assert all(0.0 <= m["reward_mean"] <= 1.0 for m in steps)
+    # `rollmesh compare` reads the run back: the held-out scores it printed, the curve's two steps
+    plot = tmp_path / "compare.png"
+    cmp = subprocess.run([sys.executable, "-m", "services.cli", "compare", str(run_dir), "--out", str(plot), "--json"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert cmp.returncode == 0, cmp.stderr[-2000:]
+    row = json.loads(cmp.stdout.splitlines()[-1])[str(run_dir)]
+    assert row["heldout_before"] == float(before.group(1)) and row["heldout_after"] == float(final.group(2))
+    assert row["steps"] == 2 and len(row["reward_by_window"]) == 2 and plot.stat().st_size > 1000
 
 
 def test_rollmesh_run_with_the_trainer_under_torchrun(tiny_model, tmp_path):
