@@ -86,11 +86,11 @@ class TrainerConfig(BaseModel):
         description="Optimizer steps per pass: the batch's groups split into this many slices of whole groups, "
         "so the ratio moves within a step and a clip can bind. The policy version still advances once per step.",
     )
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 = off).")
-    entropy_cap: float | None = Field(
-        None, gt=0, description="Nats of a token's entropy the bonus counts at most (None = all): above it a "
-        "token is not pushed flatter. ln(k) is k equally likely tokens; without a cap the quickstart's policy "
-        "once went uniform over its 259 tokens in two steps and stopped answering with a digit.",
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus coefficient (0 = off). Mind Adam: the bonus pushes up the logits of "
+        "tokens the policy never samples with gradients too small to matter, which Adam scales to full "
+        "learning-rate steps; at 0.05 the quickstart's tiny model (tied embeddings) went uniform over its "
+        "vocabulary within two steps in 3 runs of 6.",
     )  # fmt: skip
     ref_model_path: str | None = Field(None, description="Frozen reference model for a KL term (None = no KL).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")

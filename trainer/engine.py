@@ -17,14 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.advantages import compute_advantages
+from trainer.advantages import compute_advantages, masked_mean
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
 from trainer.loss_config import PolicyLossConfig
 from trainer.losses import (
     RATIO_METRICS,
     aggregate,
-    entropy_bonus,
     entropy_from_logits,
     kl_penalty,
     mismatch_stats,
@@ -316,7 +315,7 @@ class TrainEngine:
             weight = tok_w if token_mode else seq_w
             total = pg * weight
             if ent is not None:
-                total = total - cfg.entropy_coef * entropy_bonus(ent, m, cfg.entropy_cap) * tok_w
+                total = total - cfg.entropy_coef * masked_mean(ent, m) * tok_w
             if s.ref is not None and not cfg.kl_in_reward and cfg.kl_coef > 0:
                 kl = aggregate(kl_penalty(lp, s.ref[micro], cfg.kl_estimator), m, s.loss.agg_mode, s.loss.norm_len)
                 total = total + cfg.kl_coef * kl * weight

@@ -270,15 +270,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, cap: float | None = None) -> torch.Tensor:
-    """The entropy term to subtract from the loss: the token-mean entropy, each token's counted at
-    most ``cap`` nats. Above the cap a token gets no push toward a flatter distribution, so the
-    bonus keeps a policy from collapsing onto one answer but cannot drive it toward uniform over
-    the whole vocabulary, which nothing else stops when the policy gradient is weak (a batch of
-    groups whose answers all score alike carries none, and Adam scales what is left to a full step)."""
-    return masked_mean(entropy if cap is None else entropy.clamp(max=cap), mask)
-
-
 def value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float | None = 0.2
 ) -> torch.Tensor:

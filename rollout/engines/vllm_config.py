@@ -4,22 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from rollout.engines.server_config import EngineServerConfig
 
 
-class VLLMEngineConfig(BaseModel):
+class VLLMEngineConfig(EngineServerConfig):
     """A vLLM OpenAI server started from its own virtual environment (``make vllm``), with
     rollmesh's worker extension and token check (``services/engine/vllm_plugin``). The LLMProxy
     talks to it with ``rollout.engines.vllm_client`` (set by ``rollmesh run``)."""
 
-    model_config = ConfigDict(extra="forbid")
-
     type: Literal["vllm"] = Field("vllm", description="Serve the model with vLLM.")
-    model_path: str | None = Field(
-        None, description="Local Hugging Face model directory to serve; default: the run's model_path."
-    )
-    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
-    port: int = Field(30000, ge=0, le=65535, description="HTTP port.")
     python: str = Field(
         ".venv-vllm/bin/python",
         description="The vLLM environment's interpreter; a relative path is taken from the rollmesh checkout.",

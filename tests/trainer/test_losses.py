@@ -345,15 +345,3 @@ def test_custom_loss_by_import_path_runs_with_its_own_params():
 def test_bad_loss_configs_fail_at_load_naming_the_key(loss, expected):
     with pytest.raises(ValidationError, match=expected):
         TrainerConfig.model_validate({"loss": loss})
-
-
-def test_the_entropy_bonus_stops_pushing_a_token_past_its_cap():
-    from trainer.losses import entropy_bonus
-
-    ent = torch.tensor([[0.5, 2.0, 4.0, 9.0]], requires_grad=True)
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last position is padding
-    bonus = entropy_bonus(ent, mask, cap=math.log(10))
-    bonus.backward()
-    assert bonus.item() == pytest.approx((0.5 + 2.0 + math.log(10)) / 3)
-    assert ent.grad.tolist() == [[pytest.approx(1 / 3), pytest.approx(1 / 3), 0.0, 0.0]]  # 4.0 > ln 10: no push
-    assert entropy_bonus(ent, mask).item() == pytest.approx(6.5 / 3)  # no cap: the plain token-mean

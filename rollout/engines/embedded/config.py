@@ -4,24 +4,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from rollout.engines.server_config import EngineServerConfig
 from rollout.engines.sim.config import SimEngineConfig
 from rollout.engines.vllm_config import VLLMEngineConfig
 from sample_buffer.registry import tagged_union
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(EngineServerConfig):
     """One embedded engine: which model it serves, where, and how large its running batch is."""
 
-    model_config = ConfigDict(extra="forbid")
-
     type: Literal["embedded"] = Field("embedded", description="The embedded torch engine (the default).")
-    model_path: str | None = Field(
-        None, description="Local Hugging Face model directory to serve; default: the run's model_path."
-    )
-    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
-    port: int = Field(30000, ge=0, le=65535, description="HTTP port (SGLang's default is 30000).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when available.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and activations dtype; float32 keeps log-probs exact on CPU."

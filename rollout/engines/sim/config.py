@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.engines.server_config import EngineServerConfig
+
 
 class LengthModel(BaseModel):
     """Response lengths: a lognormal fixed by its median and p99, capped (RL rollouts' long tail)."""
@@ -17,7 +19,7 @@ class LengthModel(BaseModel):
     cap: int = Field(16384, ge=1, description="Longest response (the request's max_new_tokens also caps it).")
 
 
-class SimEngineConfig(BaseModel):
+class SimEngineConfig(EngineServerConfig):
     """An engine server whose decode time is a function of batch size, response lengths,
     weight-load time and time scale (``engine: {type: sim}``).
 
@@ -25,12 +27,8 @@ class SimEngineConfig(BaseModel):
     sequence, so throughput grows with the batch until ``max_running_requests``.
     """
 
-    model_config = ConfigDict(extra="forbid")
-
     type: Literal["sim"] = Field("sim", description="Serve the latency simulator instead of a model.")
     model_path: str | None = Field(None, description="Tokenizer directory reported as the model; default: the run's.")
-    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
-    port: int = Field(30000, ge=0, le=65535, description="HTTP port.")
     max_running_requests: int = Field(64, ge=1, description="Requests decoded together; the rest wait in the queue.")
 
     time_scale: float = Field(100.0, gt=0, description="Simulated seconds per wall-clock second.")
