@@ -43,6 +43,21 @@ class RolloutConfig(BaseModel):
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="Per-episode limits and sampling.")
     admit_poll_s: float = Field(0.05, gt=0, description="Wait before asking again when admission is refused.")
     put_timeout_s: float = Field(60.0, gt=0, description="How long putting a group may wait on a full buffer.")
+    faulty_members: Literal["drop", "keep_timeouts"] = Field(
+        "drop",
+        description="What becomes of a member that did not end normally. drop: members that timed out (a "
+        "generation, reset or step deadline), whose environment failed (env_error) or whose episode raised "
+        "are left out and the group trains on the rest (ROLL's choice: a cut trajectory's reward says "
+        "nothing about its answer). keep_timeouts: a timed-out member that generated tokens is trained "
+        "with the reward it has so far (usually 0: a penalty for being slow, as in peers that keep "
+        "truncated responses); env errors and raised episodes are always left out. Counted by cause.",
+    )
+    min_group_members: int = Field(
+        2,
+        ge=1,
+        description="A group left with fewer members than this (at most group_size) is not put: it fails and "
+        "its slot goes back. GRPO's baseline needs two.",
+    )
 
     @field_validator("reward")
     @classmethod

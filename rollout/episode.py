@@ -3,7 +3,9 @@
 Token-in, token-out: the prompt is rendered once with the chat template; generated tokens go
 into the trajectory exactly as the engine produced them and are never re-tokenized; a later
 user turn is rendered on its own and appended (loss mask 0). Every generation and every
-environment step has a deadline; missing one ends the trajectory with ``timeout``.
+environment call (reset and step) has a deadline; missing one ends the trajectory with
+``timeout``, and an environment that raises ends it with ``env_error``. What becomes of such a
+member is the rollout loop's call (``RolloutConfig.faulty_members``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -81,19 +84,54 @@ def _report(hook, *args) -> None:
         log.exception("reporting to the rollout observer failed")
 
 
-async def _env_step(env: Env, action: str):
-    if inspect.iscoroutinefunction(env.step):
-        return await env.step(action)
-    return await asyncio.to_thread(env.step, action)
+async def _env_call(fn, arg, timeout_s: float):
+    """``fn(arg)`` within ``timeout_s``. A synchronous call runs in a daemon thread of its own: a
+    Python thread cannot be stopped, so one that hangs is left behind with its env (each episode
+    builds its own), instead of holding a slot of a shared pool that every other episode needs."""
+    if inspect.iscoroutinefunction(fn):
+        return await asyncio.wait_for(fn(arg), timeout_s)
+    loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
+
+    def settle(result, error) -> None:
+        if not done.done():  # after a timeout nobody waits for it any more
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def call() -> None:
+        try:
+            result, error = fn(arg), None
+        except BaseException as e:  # handed to the episode, which ends it as env_error
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the event loop closed while this call hung: nobody is waiting
+            pass
+
+    threading.Thread(target=call, name=f"env-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await asyncio.wait_for(done, timeout_s)
+
+
+def _env_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:500]
 
 
 async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier, observer):
-    obs = env.reset(seed)
+    def ended(finish, **why) -> Trajectory:  # before its first generation
+        return Trajectory(trajectory_id=trajectory_id, group_id=group_id, prompt_id=prompt_id, token_ids=[],
+                          loss_mask=[], behavior_logprobs=[], token_versions=[], reward=0.0, start_version=0,
+                          finish_reason=finish, metadata={"env": env.name, **why})  # fmt: skip
+
+    try:
+        obs = await _env_call(env.reset, seed, config.step_timeout_s)
+    except TimeoutError:
+        return ended(FinishReason.TIMEOUT, timeout="reset")
+    except Exception as e:
+        log.warning("%s: reset failed: %s", trajectory_id, _env_error(e))
+        return ended(FinishReason.ENV_ERROR, error=_env_error(e))
     tokens = render_user_turn(tokenizer, obs)
     mask = [0] * len(tokens)
     logprobs: list[float] = []
     versions: list[int] = []
-    reward, finish, turns = 0.0, FinishReason.STOP, []
+    reward, finish, turns, why = 0.0, FinishReason.STOP, [], {}
     for _ in range(config.max_turns):
         t_gen = time.monotonic()
         gen = await generate(tokens, config.sampling, trajectory_id, config.generation_timeout_s)
@@ -112,9 +150,13 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         action = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
         t_step = time.monotonic()
         try:
-            result = await asyncio.wait_for(_env_step(env, action), config.step_timeout_s)
+            result = await _env_call(env.step, action, config.step_timeout_s)
         except TimeoutError:
-            finish = FinishReason.TIMEOUT
+            finish, why = FinishReason.TIMEOUT, {"timeout": "step"}
+            break
+        except Exception as e:  # the environment's fault, not the policy's: the member is not trained
+            log.warning("%s: step failed: %s", trajectory_id, _env_error(e))
+            finish, why = FinishReason.ENV_ERROR, {"error": _env_error(e)}
             break
         finally:
             _report(observer.turn, env.name, generate_s, time.monotonic() - t_step)
@@ -138,5 +180,5 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         reward=reward,
         start_version=versions[0] if versions else 0,
         finish_reason=finish,
-        metadata={"env": env.name, "turn_starts": turns},
+        metadata={"env": env.name, "turn_starts": turns, **why},
     )

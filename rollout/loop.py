@@ -32,7 +32,7 @@ from rollout.ports import Admission, Generate, Generation, RolloutObserver, Samp
 from rollout.sampling import SamplingParams
 from rollout.scheduling import SCHEDULINGS, Scheduling
 from rollout.turn_barrier import TurnBarrier
-from sample_buffer.trajectory import Group, Trajectory
+from sample_buffer.trajectory import FinishReason, Group, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,9 @@ class GroupOutcome(StrEnum):
     FILTERED = "filtered"  # the buffer kept it out (no learning signal): its slot goes back
     STALE = "stale"  # stopped as staler than the bound: never put, its slot goes back
     FAILED = "failed"  # an episode or the put raised: logged, counted, its slot goes back
+
+
+DROP_CAUSES = ("timeout", "env_error", "raised")  # why a member is left out of its group
 
 
 @dataclass
@@ -97,13 +100,19 @@ class RolloutLoop:
         gid = f"{self.id_prefix}p{row}-{n}"
         state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(self.config.group_size)})
         try:  # generate → reward, every episode on its own, scored by its env the moment it ends
-            trajectories = await asyncio.gather(
-                *(self._episode(row, gid, i, state, barrier) for i in range(self.config.group_size))
+            members = await asyncio.gather(
+                *(self._episode(row, gid, i, state, barrier) for i in range(self.config.group_size)),
+                return_exceptions=True,  # one member's failure never sinks its group
             )
         finally:
             del self._rolling[gid]
+        trajectories = self._kept(gid, members)
         if state.stale:  # never put: the buffer would only drop it
             return self._ended(GroupOutcome.STALE, trajectories, t0)
+        if len(trajectories) < min(self.config.min_group_members, self.config.group_size):
+            log.warning("group %s: %d of %d members usable: not put", gid, len(trajectories), len(members))
+            self.counters["groups_too_few_members"] += 1
+            return self._ended(GroupOutcome.FAILED, trajectories, t0)
         result = await self.sink.put(Group(gid, f"p{row}", trajectories), self.config.put_timeout_s)  # put
         if not result.accepted and result.reason != "filtered":  # the buffer stayed full: not stored
             log.error("group %s not stored: %s", gid, result.reason)
@@ -199,6 +208,32 @@ class RolloutLoop:
                 self.observer.generate_retried(e.code)
                 await asyncio.sleep(delay)
                 delay = min(5.0, 2 * delay)
+
+    def _kept(self, gid: str, members: list) -> list[Trajectory]:
+        """The members the group trains on (``RolloutConfig.faulty_members``); the rest are counted
+        as ``members_dropped_<cause>``."""
+        kept = []
+        for m in members:
+            if isinstance(m, BaseException):
+                if isinstance(m, asyncio.CancelledError):  # the group itself is being cancelled
+                    raise m
+                log.warning("group %s: an episode failed: %s: %s", gid, type(m).__name__, m)
+                cause = "raised"
+            elif m.finish_reason == FinishReason.ENV_ERROR:
+                cause = "env_error"
+            elif m.finish_reason == FinishReason.TIMEOUT and not (
+                self.config.faulty_members == "keep_timeouts" and m.num_generated
+            ):
+                cause = "timeout"
+            else:
+                kept.append(m)
+                continue
+            self.counters[f"members_dropped_{cause}"] += 1
+            try:
+                self.observer.member_dropped(cause)
+            except Exception:
+                log.exception("recording a dropped member failed")
+        return kept
 
     async def _run_group_safely(self, barrier) -> GroupOutcome:
         try:

@@ -82,6 +82,9 @@ class RolloutObserver:
     def episode_ended(self, trajectory: Trajectory, seconds: float) -> None:
         """An episode ended (reset to its last step)."""
 
+    def member_dropped(self, cause: str) -> None:
+        """A member left out of its group (``RolloutConfig.faulty_members``): timeout, env_error or raised."""
+
     def group_ended(self, outcome: str, trajectories: list[Trajectory], seconds: float) -> None:
         """A group ended: ``put``, ``filtered``, ``stale`` or ``failed`` (then ``trajectories`` is empty)."""
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Summary
 from prometheus_client.core import GaugeMetricFamily
 
-from rollout.loop import GroupOutcome
+from rollout.loop import DROP_CAUSES, GroupOutcome
 from rollout.ports import RolloutObserver
 from sample_buffer.trajectory import FINISH_REASONS, Trajectory
 from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, histogram, init_labels
@@ -40,6 +40,11 @@ class EnvMetrics(RolloutObserver):
             "rollmesh_env_generate_retries", "Generation calls retried after a transient LLMProxy failure, by status",
             ["code"], registry=r,
         )  # fmt: skip
+        self.members_dropped = Counter(
+            "rollmesh_env_members_dropped", "Group members left out of their group (rollout.faulty_members), by cause",
+            ["cause"], registry=r,
+        )  # fmt: skip
+        init_labels(self.members_dropped, *DROP_CAUSES)
         self.reward = Summary("rollmesh_env_trajectory_reward", "Reward of each ended episode", ["env"], registry=r)
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS_S):
@@ -95,6 +100,9 @@ class EnvMetrics(RolloutObserver):
             self.stale_tokens.labels(self.env).inc(sum(len(t.behavior_logprobs) for t in trajectories))
         elif outcome != GroupOutcome.FAILED:
             self.group.labels(self.env).observe(seconds)
+
+    def member_dropped(self, cause: str) -> None:
+        self.members_dropped.labels(cause).inc()
 
     def generate_retried(self, code: str) -> None:
         self.generate_retries.labels(code).inc()

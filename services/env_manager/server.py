@@ -12,7 +12,7 @@ import uuid
 import grpc
 
 from rollout.envs import load_jsonl
-from rollout.loop import RolloutLoop
+from rollout.loop import DROP_CAUSES, RolloutLoop
 from rollout.rewards import resolve_reward
 from services.controller.client import ControllerClient
 from services.env_manager.config import EnvManagerConfig
@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.EnvManager"
 # One coroutine per worker, all created at once: 2**31 - 1 of them ate the service's memory and never started.
 MAX_WORKERS = 10_000
-_FAILURES = ("groups_failed", "groups_filtered", "groups_stale", "finish_timeout", "finish_abort", "release_failures")
+_FAILURES = ("groups_failed", "groups_filtered", "groups_stale", "groups_too_few_members", "finish_timeout",
+             "finish_abort", "release_failures", *(f"members_dropped_{c}" for c in DROP_CAUSES))  # fmt: skip
 
 
 def build_handler(loop: RolloutLoop) -> grpc.GenericRpcHandler:

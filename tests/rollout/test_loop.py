@@ -7,11 +7,14 @@ real services in tests/services/test_env_manager.py.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
 import time
 
 import pytest
 
 from rollout.config import RolloutConfig
+from rollout.envs.base import StepResult
 from rollout.loop import RolloutLoop
 from rollout.ports import Generation, RolloutObserver, TransientError
 from sample_buffer.config import BufferConfig
@@ -37,8 +40,10 @@ class ScriptedEngine:
     """Answers ``reply(request_id)`` at the controller's current version. ``transient`` calls fail
     with a ``TransientError`` first; a request id in ``held`` waits until it is aborted."""
 
-    def __init__(self, controller: AsyncController, reply=lambda rid: "7", transient: int = 0, error=None):
+    def __init__(self, controller: AsyncController, reply=lambda rid: "7", transient: int = 0, error=None,
+                 fails=lambda rid: False):  # fmt: skip
         self.controller, self.reply, self.transient, self.error = controller, reply, transient, error
+        self.fails = fails  # request ids that raise a (non-transient) error
         self.held: dict[str, asyncio.Event] = {}
         self.aborted: list[str] = []
         self.calls = 0
@@ -47,6 +52,8 @@ class ScriptedEngine:
         self.calls += 1
         if self.error is not None:
             raise self.error
+        if self.fails(request_id):
+            raise RuntimeError(f"{request_id}: engine failed")
         if self.transient:
             self.transient -= 1
             raise TransientError("UNAVAILABLE", "no engine in rotation")
@@ -67,6 +74,7 @@ class Recorder(RolloutObserver):
     def __init__(self) -> None:
         self.outcomes: list[str] = []
         self.retries: list[str] = []
+        self.dropped: list[str] = []
 
     def group_ended(self, outcome, trajectories, seconds):
         self.outcomes.append(str(outcome))
@@ -74,12 +82,16 @@ class Recorder(RolloutObserver):
     def generate_retried(self, code):
         self.retries.append(code)
 
+    def member_dropped(self, cause):
+        self.dropped.append(cause)
+
 
 def make_loop(engine_kw=None, *, async_ratio=0, groups_per_step=2, filter_zero_variance=False, capacity=4096, **cfg):
     controller = AsyncController(ControllerConfig(async_ratio=async_ratio, groups_per_step=groups_per_step))
     buffer = MemoryBuffer(BufferConfig(filter_zero_variance=filter_zero_variance, capacity_groups=capacity))
     engine = ScriptedEngine(controller, **(engine_kw or {}))
-    config = RolloutConfig(group_size=2, num_workers=4, reward="exact_match", admit_poll_s=0.005, **cfg)
+    cfg = {"group_size": 2, "num_workers": 4, "reward": "exact_match", "admit_poll_s": 0.005, **cfg}
+    config = RolloutConfig(**cfg)
     loop = RolloutLoop(config, rows=ROWS, tokenizer=CharTokenizer(), reward_fn=lambda r, a: float(r == a),
                        admission=controller, engine=engine, sink=buffer, observer=Recorder())  # fmt: skip
     return loop, controller, buffer, engine
@@ -223,3 +235,124 @@ def test_a_loop_started_elsewhere_in_the_order_does_not_replay_its_predecessors_
 
     first, restarted = asyncio.run(prompts(0)), asyncio.run(prompts(3))
     assert len(set(first)) == 3 and not set(first) & set(restarted)
+
+
+# What an environment does to its episode, by member index (the trajectory id's last part).
+ENV_FAULTS: dict[str, str] = {}
+RELEASE_HUNG = threading.Event()  # set at the end of a test: the hung threads return
+
+
+class FaultyEnv:
+    """The single-turn task, except that member ``i`` misbehaves as ``ENV_FAULTS[str(i)]`` says:
+    ``hang`` (a synchronous step that never returns by itself), ``raise`` (the step raises),
+    ``reset`` (reset raises)."""
+
+    name = "faulty"
+    counter = itertools.count()
+
+    def __init__(self, rows, reward_fn):
+        self.rows, self.reward_fn = rows, reward_fn
+        self.fault = ENV_FAULTS.get(str(next(self.counter) % 3))
+
+    def reset(self, seed):
+        if self.fault == "reset":
+            raise ConnectionError("provider refused the reset")
+        self.row = self.rows[seed]
+        return self.row["prompt"]
+
+    def step(self, action):
+        if self.fault == "hang":
+            RELEASE_HUNG.wait(30)
+        if self.fault == "raise":
+            raise ValueError("observation: not UTF-8")
+        return StepResult(None, self.reward_fn(action, self.row["answer"]), True)
+
+
+def _faulty_loop(faults: dict[str, str], **cfg):
+    ENV_FAULTS.clear()
+    ENV_FAULTS.update(faults)
+    FaultyEnv.counter = itertools.count()
+    RELEASE_HUNG.clear()
+    env = {"type": "custom", "cls": "tests.rollout.test_loop:FaultyEnv"}
+    return make_loop(async_ratio=20, group_size=3, env=env, episode={"step_timeout_s": 0.3}, **cfg)
+
+
+def test_one_failing_member_never_sinks_its_group():
+    """Member 0's generation raises in every group: each group is put with its other two members,
+    and each dropped member is counted by cause."""
+
+    async def main():
+        loop, ctl, buffer, _ = make_loop({"fails": lambda rid: rid.endswith("/0")}, async_ratio=3, group_size=3)
+        assert await loop.admit(4) == 4
+        outcomes = await loop.run_admitted(4)
+        batch = await buffer.get(4, current_version=0, max_staleness=3, timeout_s=0)
+        return outcomes, batch.decode(), loop, ctl
+
+    outcomes, groups, loop, ctl = asyncio.run(main())
+    assert outcomes == ["put"] * 4 and ctl.finished == 4 and ctl.in_flight == 0
+    assert all(sorted(t.trajectory_id[-1] for t in g.trajectories) == ["1", "2"] for g in groups)
+    assert loop.counters["members_dropped_raised"] == 4 and loop.observer.dropped == ["raised"] * 4
+
+
+def test_hung_env_steps_time_out_without_starving_the_others():
+    """A synchronous step that hangs is cut at step_timeout_s and its member dropped. Sixteen hung
+    steps at once are more than a shared thread pool holds (asyncio.to_thread's, min(32, cores + 4)
+    threads): the other members' steps must still run, so every group is put with two members."""
+
+    async def main():
+        loop, ctl, buffer, _ = _faulty_loop({"0": "hang"})
+        assert await loop.admit(16) == 16
+        t0 = time.monotonic()
+        outcomes = await loop.run_admitted(16)
+        seconds = time.monotonic() - t0
+        batch = await buffer.get(16, current_version=0, max_staleness=20, timeout_s=0)
+        return outcomes, seconds, batch.decode(), loop
+
+    try:
+        outcomes, seconds, groups, loop = asyncio.run(main())
+    finally:
+        RELEASE_HUNG.set()
+    assert outcomes == ["put"] * 16 and seconds < 2.0  # each hang costs its deadline (0.3 s), in parallel
+    assert all(len(g.trajectories) == 2 for g in groups)
+    assert loop.counters["members_dropped_timeout"] == 16
+
+
+def test_env_errors_are_dropped_and_a_group_left_too_small_fails():
+    """A step that raises, or a reset that raises, ends that member as env_error, and it is left
+    out. With members 0 and 1 both failing, one member is left: below min_group_members (2), the
+    group is not put and its slot comes back."""
+
+    async def main():
+        loop, ctl, buffer, _ = _faulty_loop({"0": "raise"})
+        assert await loop.admit(2) == 2
+        kept = await loop.run_admitted(2)
+        counters = dict(loop.counters)
+        loop2, ctl2, _, _ = _faulty_loop({"0": "raise", "1": "reset"})
+        assert await loop2.admit(2) == 2
+        too_few = await loop2.run_admitted(2)
+        return kept, counters, too_few, loop2, ctl2
+
+    kept, counters, too_few, loop2, ctl2 = asyncio.run(main())
+    assert kept == ["put", "put"] and counters["members_dropped_env_error"] == 2
+    assert too_few == ["failed", "failed"] and loop2.counters["groups_too_few_members"] == 2
+    assert loop2.counters["members_dropped_env_error"] == 4 and ctl2.in_flight == 0 and ctl2.finished == 0
+
+
+@pytest.mark.parametrize("policy, kept", [("drop", 2), ("keep_timeouts", 3)])
+def test_a_timed_out_member_is_dropped_or_kept_as_configured(policy, kept):
+    """keep_timeouts trains a member that generated and then missed its step's deadline, with the
+    reward it has (0) and finish_reason timeout; drop leaves it out."""
+
+    async def main():
+        loop, _, buffer, _ = _faulty_loop({"0": "hang"}, faulty_members=policy)
+        assert await loop.admit(1) == 1
+        await loop.run_admitted(1)
+        return (await buffer.get(1, current_version=0, max_staleness=20, timeout_s=0)).decode()
+
+    try:
+        (group,) = asyncio.run(main())
+    finally:
+        RELEASE_HUNG.set()
+    assert len(group.trajectories) == kept
+    timed_out = [t for t in group.trajectories if t.finish_reason == FinishReason.TIMEOUT]
+    assert len(timed_out) == kept - 2 and all(t.reward == 0.0 and t.num_generated == 1 for t in timed_out)
