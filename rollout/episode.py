@@ -2,7 +2,8 @@
 
 Token-in, token-out: the prompt is rendered once with the chat template; generated tokens go
 into the trajectory exactly as the engine produced them and are never re-tokenized; a later
-user turn is rendered on its own and appended (loss mask 0). Every generation and every
+turn (the environment's ``user`` or ``tool`` message) is the text the template adds for it
+(``rollout/chat_turns.py``), appended with loss mask 0. Every generation and every
 environment call (reset and step) has a deadline; missing one ends the trajectory with
 ``timeout``, and an environment that raises ends it with ``env_error``. What becomes of such a
 member is the rollout loop's call (``RolloutConfig.faulty_members``).
@@ -19,6 +20,7 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.chat_turns import Conversation
 from rollout.envs.base import Env
 from rollout.ports import Generation, RolloutObserver
 from rollout.sampling import SamplingParams
@@ -42,11 +44,6 @@ class EpisodeConfig(BaseModel):
     )
     generation_timeout_s: float = Field(60.0, gt=0, description="Deadline of one generation (suspension included).")
     step_timeout_s: float = Field(30.0, gt=0, description="Deadline of one environment step (reward included).")
-
-
-def render_user_turn(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 async def run_episode(
@@ -127,7 +124,8 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
     except Exception as e:
         log.warning("%s: reset failed: %s", trajectory_id, _env_error(e))
         return ended(FinishReason.ENV_ERROR, error=_env_error(e))
-    tokens = render_user_turn(tokenizer, obs)
+    chat = Conversation(tokenizer, obs)
+    tokens = chat.prompt_ids()
     mask = [0] * len(tokens)
     logprobs: list[float] = []
     versions: list[int] = []
@@ -166,7 +164,12 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         finish = gen.finish_reason
         if result.done or result.observation is None:
             break
-        next_turn = render_user_turn(tokenizer, result.observation)
+        try:
+            next_turn = chat.next_turn(gen.output_ids, gen.finish_reason == FinishReason.STOP, result.role,
+                                       result.observation)  # fmt: skip
+        except Exception as e:  # a role the chat does not have, a template that refuses the turn
+            finish, why = FinishReason.ENV_ERROR, {"error": _env_error(e)}
+            break
         tokens += next_turn
         mask += [0] * len(next_turn)
     return Trajectory(
@@ -180,5 +183,5 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         reward=reward,
         start_version=versions[0] if versions else 0,
         finish_reason=finish,
-        metadata={"env": env.name, "turn_starts": turns, **why},
+        metadata={"env": env.name, "turn_starts": turns, **why, **({} if chat.exact else {"chat_render": "alone"})},
     )

@@ -6,6 +6,7 @@ import time
 
 from rich.console import Console
 
+from rollout.chat_turns import render_prompt
 from rollout.proxy import ProxyConfig
 from services.launch import start_engine_process, stop_process
 from services.llm_proxy.client import ProxyClient
@@ -31,9 +32,8 @@ async def run_demo(model_path: str) -> None:
         t0 = time.perf_counter()
         calls = []
         for i, text in enumerate(PROMPTS):
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            calls.append(client.generate(list(ids), 24, trajectory_id=f"demo-{i}", temperature=1.0, sampling_seed=i))
+            ids = render_prompt(tok, text)
+            calls.append(client.generate(ids, 24, trajectory_id=f"demo-{i}", temperature=1.0, sampling_seed=i))
         outs = await asyncio.gather(*calls)
         for text, out in zip(PROMPTS, outs):
             mean_lp = sum(out.behavior_logprobs) / max(1, len(out.behavior_logprobs))

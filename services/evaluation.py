@@ -24,8 +24,8 @@ async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
     that fails or takes longer than ``cfg.run.heldout_timeout_s`` counts as wrong, and is counted."""
     from transformers import AutoTokenizer
 
+    from rollout.chat_turns import render_prompt
     from rollout.envs import load_jsonl
-    from rollout.episode import render_user_turn
     from rollout.rewards import resolve_reward
     from services.llm_proxy.client import ProxyClient
     from services.pb.rollmesh.v1 import common_pb2
@@ -36,7 +36,7 @@ async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
     max_new = cfg.env_manager.episode.sampling.max_new_tokens
     client = ProxyClient(proxy_address, auth=cfg.auth)
     try:
-        prompts = [render_user_turn(tok, r["prompt"]) for r in rows]
+        prompts = [render_prompt(tok, r["prompt"]) for r in rows]
         outs = await asyncio.gather(
             *(client.generate(p, max_new, temperature=0.0, timeout_s=cfg.run.heldout_timeout_s) for p in prompts),
             return_exceptions=True,

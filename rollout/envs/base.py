@@ -9,10 +9,11 @@ from typing import Protocol
 
 @dataclass
 class StepResult:
-    observation: str | None  # the next user turn, None when done
+    observation: str | None  # the next turn's message, None when done
     reward: float
     done: bool
     info: dict = field(default_factory=dict)
+    role: str = "user"  # who speaks the observation: "user", or "tool" for a tool's result
 
 
 class Env(Protocol):

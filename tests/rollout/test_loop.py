@@ -29,8 +29,12 @@ ROWS = [{"prompt": f"q{i}", "answer": "7"} for i in range(10)]
 class CharTokenizer:
     """One token per character: enough to render a prompt and decode a scripted answer."""
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        return [ord(c) for c in messages[-1]["content"]]
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        text = "".join(m["content"] for m in messages)  # a template that only joins the turns
+        return self.encode(text) if tokenize else text
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(map(chr, ids))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout.chat_turns import render_prompt
 from rollout.envs import load_jsonl
-from rollout.episode import render_user_turn
 from rollout.ports import TransientError
 from rollout.proxy import ProxyConfig
 from rollout.sampling import SamplingParams
@@ -49,7 +49,7 @@ def test_env_manager_fills_the_buffer_within_the_admission_bound(engine_url, tin
     rows = {f"p{i}": r for i, r in enumerate(load_jsonl(EnvManagerConfig().dataset_path))}
     for g in groups:
         assert len(g.trajectories) == 4 and len({t.trajectory_id for t in g.trajectories}) == 4
-        prompt = render_user_turn(tok, rows[g.prompt_id]["prompt"])
+        prompt = render_prompt(tok, rows[g.prompt_id]["prompt"])
         for t in g.trajectories:
             ids = t.token_ids.tolist()
             assert ids[: len(prompt)] == prompt  # token-in: rendered once
