@@ -25,6 +25,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[dev]"
+	# OpenEnv, for the tests that plug a server written with it into rollmesh (and its client into ours):
+	# without its dependencies, which bring a web UI (gradio) and model-hub clients the tests never use.
+	$(PIP) install -q --no-deps openenv-core==0.3.0
 	touch $(STAMP)
 
 $(MODEL)/config.json: | $(STAMP)

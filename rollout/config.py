@@ -2,27 +2,49 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollout.envs.base import Env
 from rollout.envs.config import EnvConfig, SingleTurnEnvConfig
+from rollout.envs.single_turn import load_jsonl
 from rollout.episode import EpisodeConfig
 from rollout.rewards import resolve_reward
 
 
-class RolloutConfig(BaseModel):
-    """A pool of workers running episodes of one task through the LLMProxy."""
+class TaskConfig(BaseModel):
+    """What an episode is: the environment, its dataset and its reward (an EnvManager's pool and an
+    environment provider both read these)."""
 
     model_config = ConfigDict(extra="forbid")
 
     dataset_path: str = Field("examples/find_digit_train.jsonl", description="JSONL rows with 'prompt' and 'answer'.")
     env: EnvConfig = Field(
         default_factory=SingleTurnEnvConfig,
-        description="The environment, a typed variant chosen by 'type' (single_turn | sim | custom) with its own "
-        "arguments.",
+        description="The environment, a typed variant chosen by 'type' (single_turn | sim | calculator | custom | "
+        "remote) with its own arguments.",
     )
     reward: str = Field("exact_match", description="Reward function: a name in rollout.rewards or 'module:function'.")
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_exists(cls, name: str) -> str:
+        resolve_reward(name)  # a misspelled reward fails when the config is loaded
+        return name
+
+    def env_factory(self) -> tuple[list[dict], Callable, Callable[[], Env]]:
+        """The dataset's rows, the reward function and a builder of one environment; building one
+        now, so a custom environment's constructor fails at start-up rather than mid-run."""
+        rows, reward_fn = load_jsonl(self.dataset_path), resolve_reward(self.reward)
+        self.env.build(rows, reward_fn)
+        return rows, reward_fn, lambda: self.env.build(rows, reward_fn)
+
+
+class RolloutConfig(TaskConfig):
+    """A pool of workers running episodes of one task through the LLMProxy."""
+
     tokenizer_path: str | None = Field(
         None, description="Tokenizer (HF directory) that renders prompts; default: the run's model_path."
     )
@@ -58,9 +80,3 @@ class RolloutConfig(BaseModel):
         description="A group left with fewer members than this (at most group_size) is not put: it fails and "
         "its slot goes back. GRPO's baseline needs two.",
     )
-
-    @field_validator("reward")
-    @classmethod
-    def _reward_exists(cls, name: str) -> str:
-        resolve_reward(name)  # a misspelled reward fails when the config is loaded
-        return name

@@ -71,6 +71,7 @@ async def run_episode(
     finally:
         if barrier is not None:
             barrier.leave()
+        await close_env(env, config.step_timeout_s)
 
 
 def _report(hook, *args) -> None:
@@ -81,12 +82,14 @@ def _report(hook, *args) -> None:
         log.exception("reporting to the rollout observer failed")
 
 
-async def _env_call(fn, arg, timeout_s: float):
+async def env_call(fn, arg, timeout_s: float):
     """``fn(arg)`` within ``timeout_s``. A synchronous call runs in a daemon thread of its own: a
     Python thread cannot be stopped, so one that hangs is left behind with its env (each episode
     builds its own), instead of holding a slot of a shared pool that every other episode needs."""
     if inspect.iscoroutinefunction(fn):
-        return await asyncio.wait_for(fn(arg), timeout_s)
+        # An environment that calls out (a remote provider) is told its deadline, to pass it on.
+        kwargs = {"timeout_s": timeout_s} if "timeout_s" in inspect.signature(fn).parameters else {}
+        return await asyncio.wait_for(fn(arg, **kwargs), timeout_s)
     loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
 
     def settle(result, error) -> None:
@@ -107,8 +110,24 @@ async def _env_call(fn, arg, timeout_s: float):
     return await asyncio.wait_for(done, timeout_s)
 
 
-def _env_error(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"[:500]
+def _env_error(e: BaseException) -> dict:
+    """What the trajectory keeps of an environment's failure: the message, and its kind where the
+    environment says (a provider: unreachable, garbage, refused, observation, action)."""
+    return {"error": f"{type(e).__name__}: {e}"[:500], "error_kind": getattr(e, "kind", "raised")}
+
+
+async def close_env(env, timeout_s: float) -> None:
+    """An environment with a ``close`` (a remote provider's session) is closed, within its deadline."""
+    close = getattr(env, "close", None)
+    if close is None:
+        return
+    try:
+        if inspect.iscoroutinefunction(close):
+            await asyncio.wait_for(close(), timeout_s)
+        else:
+            await env_call(lambda _: close(), None, timeout_s)
+    except Exception as e:  # the episode is over either way
+        log.debug("closing %s: %s", env.name, e)
 
 
 async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier, observer):
@@ -118,12 +137,12 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
                           finish_reason=finish, metadata={"env": env.name, **why})  # fmt: skip
 
     try:
-        obs = await _env_call(env.reset, seed, config.step_timeout_s)
+        obs = await env_call(env.reset, seed, config.step_timeout_s)
     except TimeoutError:
         return ended(FinishReason.TIMEOUT, timeout="reset")
     except Exception as e:
-        log.warning("%s: reset failed: %s", trajectory_id, _env_error(e))
-        return ended(FinishReason.ENV_ERROR, error=_env_error(e))
+        log.warning("%s: reset failed: %s: %s", trajectory_id, type(e).__name__, e)
+        return ended(FinishReason.ENV_ERROR, **_env_error(e))
     chat = Conversation(tokenizer, obs)
     tokens = chat.prompt_ids()
     mask = [0] * len(tokens)
@@ -148,13 +167,13 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         action = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
         t_step = time.monotonic()
         try:
-            result = await _env_call(env.step, action, config.step_timeout_s)
+            result = await env_call(env.step, action, config.step_timeout_s)
         except TimeoutError:
             finish, why = FinishReason.TIMEOUT, {"timeout": "step"}
             break
         except Exception as e:  # the environment's fault, not the policy's: the member is not trained
-            log.warning("%s: step failed: %s", trajectory_id, _env_error(e))
-            finish, why = FinishReason.ENV_ERROR, {"error": _env_error(e)}
+            log.warning("%s: step failed: %s: %s", trajectory_id, type(e).__name__, e)
+            finish, why = FinishReason.ENV_ERROR, _env_error(e)
             break
         finally:
             _report(observer.turn, env.name, generate_s, time.monotonic() - t_step)
@@ -168,7 +187,7 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
             next_turn = chat.next_turn(gen.output_ids, gen.finish_reason == FinishReason.STOP, result.role,
                                        result.observation)  # fmt: skip
         except Exception as e:  # a role the chat does not have, a template that refuses the turn
-            finish, why = FinishReason.ENV_ERROR, {"error": _env_error(e)}
+            finish, why = FinishReason.ENV_ERROR, _env_error(e)
             break
         tokens += next_turn
         mask += [0] * len(next_turn)

@@ -22,11 +22,13 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from rollout.admission import group_is_stale
 from rollout.config import RolloutConfig
+from rollout.envs.base import Env
 from rollout.episode import run_episode
 from rollout.ports import Admission, Generate, Generation, RolloutObserver, SampleSink, TransientError
 from rollout.sampling import SamplingParams
@@ -71,11 +73,15 @@ class RolloutLoop:
         scheduling: Scheduling | None = None,
         id_prefix: str = "",
         first_prompt: int = 0,
+        make_env: Callable[[str], Env] | None = None,
     ) -> None:
         """``id_prefix`` starts every group id: a process's own (random) one keeps ids unique when
         a restarted loop counts from 0 again. ``first_prompt``: where in the shuffled order this
         loop starts; a restarted (or a second) EnvManager that started at 0 would replay the
-        prompts its predecessor just ran."""
+        prompts its predecessor just ran. ``make_env(episode_id)``: one environment per episode;
+        default: the config's environment (a remote one is built over the EnvManager's provider
+        pool and passed in here)."""
+        self.make_env = make_env or (lambda _: config.env.build(rows, reward_fn))
         self.config, self.rows, self.tokenizer, self.reward_fn = config, rows, tokenizer, reward_fn
         self.id_prefix, self.first_prompt = id_prefix, first_prompt
         self.admission, self.engine, self.sink = admission, engine, sink
@@ -177,7 +183,7 @@ class RolloutLoop:
     # ------------------------------------------------------------------ the stages' details
     async def _episode(self, row: int, gid: str, i: int, state: _GroupState, barrier) -> Trajectory:
         tid = f"{gid}/{i}"
-        env = self.config.env.build(self.rows, self.reward_fn)
+        env = self.make_env(tid)
         self.running_episodes += 1
         try:
             t = await run_episode(env, row, self.generate, self.tokenizer, self.config.episode,

@@ -223,16 +223,20 @@ def grpc_sync_channel(address: str, auth: AuthConfig) -> grpc.Channel:
 
 # ---------------------------------------------------------------- HTTP
 class BearerMiddleware:
-    """ASGI middleware: 401 for a request without the token (health and metrics excepted). Plain
+    """ASGI middleware: 401 for a request without the token (health and metrics excepted), a
+    refused handshake for a WebSocket without it. Plain
     ASGI rather than Starlette's BaseHTTPMiddleware, which costs a task per request."""
 
     def __init__(self, app, bearer: str) -> None:
         self.app, self.bearer = app, bearer
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in EXEMPT_HTTP_PATHS:
+        if scope["type"] in ("http", "websocket") and scope["path"] not in EXEMPT_HTTP_PATHS:
             got = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             reason = _refusal(got, self.bearer)
+            if reason is not None and scope["type"] == "websocket":  # refused at the handshake (HTTP 403)
+                await send({"type": "websocket.close", "code": 1008, "reason": _message(reason)[:120]})
+                return
             if reason is not None:
                 body = json.dumps({"object": "error", "code": 401, "field": "authorization",
                                    "message": _message(reason)}).encode()  # fmt: skip

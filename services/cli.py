@@ -154,6 +154,32 @@ for _name, (_module, _section, _doc) in SERVICES.items():
     _register_serve(_name, _module, _section, _doc)
 
 
+@serve_app.command("env-provider")
+def serve_env_provider(
+    config: Path = ConfigOpt,
+    set_: list[str] = SetOpt,
+    env: str | None = typer.Option(
+        None, "--env", help="The environment to host: a type (single_turn, sim, calculator) or 'module:Class'."
+    ),
+) -> None:
+    """An environment provider: hosts an environment over gRPC and OpenEnv's HTTP (env_provider section)."""
+    if env is not None:
+        set_ = [*([f"env_provider.env.type={env}"] if ":" not in env else
+                  ["env_provider.env.type=custom", f"env_provider.env.cls={env}"]), *set_]  # fmt: skip
+    cfg = _config(config, set_)
+    _logging()
+    from services.auth import AuthError
+
+    try:
+        cfg.auth.bearer()  # no token: refuse before anything starts listening
+    except AuthError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2) from None
+    from services.env_provider.server import serve
+
+    serve(cfg.env_provider, cfg.auth)
+
+
 @app.command()
 def run(
     config: Path = typer.Argument(..., help="Run config (YAML)."),

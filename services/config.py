@@ -19,6 +19,7 @@ from sample_buffer.config import BufferConfig
 from services.auth import AuthConfig
 from services.controller.config import ControllerConfig
 from services.env_manager.config import EnvManagerConfig
+from services.env_provider.config import EnvProviderConfig
 from services.trainer.config import TrainerProcessConfig
 from trainer.config import TrainerConfig, TrainerVariant
 
@@ -90,6 +91,10 @@ class RollmeshConfig(BaseModel):
         default_factory=ControllerConfig, description="The AsyncController: version, admission, weight updates."
     )
     env_manager: EnvManagerConfig = Field(default_factory=EnvManagerConfig, description="The EnvManager pool.")
+    env_provider: EnvProviderConfig = Field(
+        default_factory=EnvProviderConfig,
+        description="`rollmesh serve env-provider`: an environment hosted for remote EnvManagers (env.type remote).",
+    )
     trainer: TrainerVariant = Field(
         default_factory=TrainerConfig, description="The training engine: fsdp (default) or sim (`type: sim`)."
     )

@@ -124,6 +124,27 @@ def start_engine_process(
     return proc, url
 
 
+def start_provider_process(
+    env: str, overrides: list[str] = (), grpc_port: int | None = None, http_port: int | None = None,
+    timeout_s: float = 60.0, log_path: Path | None = None,
+) -> tuple[subprocess.Popen, str, str]:  # fmt: skip
+    """Run ``rollmesh serve env-provider --env ENV``; returns (process, gRPC address, HTTP base URL)
+    once both answer. The same ports again start a provider in a killed one's place."""
+    grpc_port, http_port = grpc_port or free_port(), http_port or free_port()
+    cmd = serve_command("env-provider", "env_provider", [f"grpc_port={grpc_port}", f"http_port={http_port}",
+                                                          *overrides])  # fmt: skip
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives as long as the process)
+    proc = subprocess.Popen([*cmd, "--env", env], stdout=out, stderr=subprocess.STDOUT if log_path else out)
+    address, url = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
+    try:
+        wait_grpc_healthy(address, timeout_s, proc)
+        wait_http_healthy(url + "/health", timeout_s, proc)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, address, url
+
+
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
     """SIGTERM, then SIGKILL if it does not exit in time."""
     if proc.poll() is None:

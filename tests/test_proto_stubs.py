@@ -30,7 +30,7 @@ def test_all_five_services_have_contracts():
             {"Generate", "Abort", "Suspend", "Resume", "UpdateWeights", "UpdateWeightsBucket", "Stats"},
         ),
         "EnvManager": (env_manager_pb2, {"Start", "Stop", "Stats"}),
-        "EnvProvider": (env_provider_pb2, {"Reset", "Step", "Close"}),
+        "EnvProvider": (env_provider_pb2, {"Describe", "Reset", "Step", "Close"}),
         "SampleBuffer": (sample_buffer_pb2, {"Put", "Get", "Ack", "Stats"}),
         "AsyncController": (
             controller_pb2,

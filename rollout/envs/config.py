@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout.envs.base import Env
+from rollout.envs.remote import RemoteEnvConfig
 from rollout.envs.sim import SimEnvConfig
 from rollout.envs.single_turn import SingleTurnEnv
 from sample_buffer.registry import resolve, tagged_union
@@ -46,4 +47,4 @@ class CustomEnvConfig(BaseModel):
         return resolve("cls", self.cls, {}, attr_kind="Class")(rows, reward_fn, **self.args)
 
 
-EnvConfig = tagged_union(SingleTurnEnvConfig, SimEnvConfig, CustomEnvConfig, default="single_turn")
+EnvConfig = tagged_union(SingleTurnEnvConfig, SimEnvConfig, CustomEnvConfig, RemoteEnvConfig, default="single_turn")

@@ -6,19 +6,20 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Summary
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from rollout.envs.remote import ProviderPool
 from rollout.loop import DROP_CAUSES, GroupOutcome
 from rollout.ports import RolloutObserver
-from sample_buffer.trajectory import FINISH_REASONS, Trajectory
+from sample_buffer.trajectory import FINISH_REASONS, FinishReason, Trajectory
 from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, histogram, init_labels
 
 
 class EnvMetrics(RolloutObserver):
     """The rollout loop's observer: what it reports becomes Prometheus metrics."""
 
-    def __init__(self, env: str, stats: Callable[[], dict] | None = None) -> None:
-        self.env = env
+    def __init__(self, env: str, stats: Callable[[], dict] | None = None, pool: ProviderPool | None = None) -> None:
+        self.env, self.pool = env, pool  # the providers of a remote environment
         self.registry = r = CollectorRegistry()
         self.episodes = Counter("rollmesh_env_episodes", "Episodes ended, by env and finish reason",
                                 ["env", "finish"], registry=r)  # fmt: skip
@@ -45,6 +46,10 @@ class EnvMetrics(RolloutObserver):
             ["cause"], registry=r,
         )  # fmt: skip
         init_labels(self.members_dropped, *DROP_CAUSES)
+        self.env_errors = Counter(
+            "rollmesh_env_errors", "Episodes ended as env_error, by kind (a provider's: unreachable, garbage, refused, "
+            "observation, action; a local environment's: raised)", ["kind"], registry=r,
+        )  # fmt: skip
         self.reward = Summary("rollmesh_env_trajectory_reward", "Reward of each ended episode", ["env"], registry=r)
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS_S):
@@ -68,6 +73,14 @@ class EnvMetrics(RolloutObserver):
         s = self.stats()
         yield GaugeMetricFamily("rollmesh_env_running_episodes", "Episodes in progress", value=s["running_episodes"])
         yield GaugeMetricFamily("rollmesh_env_workers", "Workers of this pool", value=s["workers"])
+        if self.pool is not None:
+            up = sum(m.up for m in self.pool.members)
+            yield GaugeMetricFamily("rollmesh_env_providers_up", "Environment providers in rotation", value=up)
+            events = CounterMetricFamily("rollmesh_env_provider_events", "Provider calls failed by kind "
+                                         "(failed_*), providers marked down and back up", labels=["event"])  # fmt: skip
+            for event, n in sorted(self.pool.counters.items()):
+                events.add_metric([event], n)
+            yield events
 
     def timed_reward(self, reward_fn: Callable) -> Callable:
         """``reward_fn`` that records each call's latency."""
@@ -93,6 +106,8 @@ class EnvMetrics(RolloutObserver):
         self.reward.labels(env).observe(trajectory.reward)
         self.trajectory_tokens.labels(env).inc(len(trajectory.behavior_logprobs))  # generated tokens
         self.episode.labels(env).observe(seconds)
+        if trajectory.finish_reason == FinishReason.ENV_ERROR:
+            self.env_errors.labels(trajectory.metadata.get("error_kind", "raised")).inc()
 
     def group_ended(self, outcome: str, trajectories: list[Trajectory], seconds: float) -> None:
         self.groups.labels(outcome).inc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -11,12 +12,13 @@ import uuid
 
 import grpc
 
-from rollout.envs import load_jsonl
+from rollout.envs.remote import RemoteEnv
 from rollout.loop import DROP_CAUSES, RolloutLoop
-from rollout.rewards import resolve_reward
+from services.auth import AuthConfig
 from services.controller.client import ControllerClient
 from services.env_manager.config import EnvManagerConfig
 from services.env_manager.metrics import EnvMetrics
+from services.env_provider.clients import build_pool
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.llm_proxy.client import ProxyClient, ProxyGenerate
 from services.metrics import serve_metrics
@@ -63,21 +65,28 @@ def build_handler(loop: RolloutLoop) -> grpc.GenericRpcHandler:
     )
 
 
-def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClient,
-               controller: ControllerClient) -> RolloutLoop:  # fmt: skip
-    """The rollout loop over the mesh's clients, reporting to Prometheus."""
+def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClient, controller: ControllerClient,
+               auth: AuthConfig | None = None) -> RolloutLoop:  # fmt: skip
+    """The rollout loop over the mesh's clients, reporting to Prometheus. A remote environment's
+    episodes go to its providers through one pool of connections."""
     from transformers import AutoTokenizer
 
-    rows = load_jsonl(config.dataset_path)
-    reward_fn = resolve_reward(config.reward)
-    probe = config.env.build(rows, reward_fn)  # a custom environment's constructor fails here, not mid-run
-    metrics = EnvMetrics(getattr(probe, "name", config.env.type))
+    pool = make_env = None
+    if config.env.type == "remote":
+        pool = build_pool(config.env, auth or AuthConfig())
+        rows, reward_fn, name = [{} for _ in range(config.env.num_seeds)], None, config.env.env_name or "remote"
+        make_env = functools.partial(RemoteEnv, pool, name=name)
+    else:
+        rows, reward_fn, build = config.env_factory()  # a custom environment's constructor fails here, not mid-run
+        name = getattr(build(), "name", config.env.type)
+    metrics = EnvMetrics(name, pool=pool)
     loop = RolloutLoop(
         config, rows=rows, tokenizer=AutoTokenizer.from_pretrained(config.tokenizer_path),
-        reward_fn=metrics.timed_reward(reward_fn), admission=controller,
+        reward_fn=reward_fn and metrics.timed_reward(reward_fn), admission=controller,
         engine=ProxyGenerate(proxy), sink=PutBatcher(buffer, config.put_batch_max_groups, config.put_batch_delay_s),
         observer=metrics, id_prefix=f"{uuid.uuid4().hex[:8]}-",  # group ids unique across restarts
         first_prompt=random.randrange(len(rows)),  # a restart goes on somewhere else, not at the same prompts
+        make_env=make_env,
     )  # fmt: skip
     metrics.stats = lambda: {"running_episodes": loop.running_episodes, "workers": loop.workers}
     return loop
@@ -93,7 +102,7 @@ def serve(cfg) -> None:
         # of the groups this process had in flight when it died.
         holder = f"{socket.gethostname()}:{config.port}"
         controller = ControllerClient(cfg.mesh.controller, auth=cfg.auth, holder=holder)
-        loop = build_loop(config, proxy, buffer, controller)
+        loop = build_loop(config, proxy, buffer, controller, cfg.auth)
         server = await start_server(build_handler(loop), SERVICE, config.host, config.port, auth=cfg.auth)
         serve_metrics(loop.observer.registry, config.host, config.metrics_port, "EnvManager")
         lease = asyncio.create_task(controller.keep_lease(config.heartbeat_s))
@@ -105,6 +114,8 @@ def serve(cfg) -> None:
             lease.cancel()
             await loop.stop()
             await asyncio.gather(proxy.close(), buffer.close(), controller.close())
+            if loop.observer.pool is not None:
+                await loop.observer.pool.aclose()
 
         return server, cleanup
 

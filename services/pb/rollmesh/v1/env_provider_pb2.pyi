@@ -4,47 +4,69 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("name", "idempotent_steps", "max_sessions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    idempotent_steps: bool
+    max_sessions: int
+    def __init__(self, name: _Optional[str] = ..., idempotent_steps: _Optional[bool] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+
 class ResetRequest(_message.Message):
-    __slots__ = ("env_name", "seed", "config_json")
+    __slots__ = ("env_name", "seed", "config_json", "episode_id")
     ENV_NAME_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     env_name: str
     seed: int
     config_json: str
-    def __init__(self, env_name: _Optional[str] = ..., seed: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
+    episode_id: str
+    def __init__(self, env_name: _Optional[str] = ..., seed: _Optional[int] = ..., config_json: _Optional[str] = ..., episode_id: _Optional[str] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("episode_id", "observation", "info_json")
+    __slots__ = ("episode_id", "observation", "info_json", "role")
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     observation: str
     info_json: str
-    def __init__(self, episode_id: _Optional[str] = ..., observation: _Optional[str] = ..., info_json: _Optional[str] = ...) -> None: ...
+    role: str
+    def __init__(self, episode_id: _Optional[str] = ..., observation: _Optional[str] = ..., info_json: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("episode_id", "action", "timeout_s")
+    __slots__ = ("episode_id", "action", "timeout_s", "request_id")
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     action: str
     timeout_s: float
-    def __init__(self, episode_id: _Optional[str] = ..., action: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    request_id: str
+    def __init__(self, episode_id: _Optional[str] = ..., action: _Optional[str] = ..., timeout_s: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("observation", "reward", "done", "info_json")
+    __slots__ = ("observation", "reward", "done", "info_json", "role")
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     observation: str
     reward: float
     done: bool
     info_json: str
-    def __init__(self, observation: _Optional[str] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., info_json: _Optional[str] = ...) -> None: ...
+    role: str
+    def __init__(self, observation: _Optional[str] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., info_json: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("episode_id",)

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class EnvProviderStub:
-    """EnvProvider: what an external environment implements (this gRPC form or the same over REST).
+    """EnvProvider: what an external environment implements (this gRPC form, or the same over REST:
+    OpenEnv's /reset, /step, /state, /health, /metadata, and its WebSocket sessions at /ws).
+    Every call but health checks carries the bearer token.
     """
 
     def __init__(self, channel):
@@ -35,6 +37,11 @@ class EnvProviderStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Describe = channel.unary_unary(
+                '/rollmesh.v1.EnvProvider/Describe',
+                request_serializer=rollmesh_dot_v1_dot_env__provider__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_v1_dot_env__provider__pb2.DescribeResponse.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/rollmesh.v1.EnvProvider/Reset',
                 request_serializer=rollmesh_dot_v1_dot_env__provider__pb2.ResetRequest.SerializeToString,
@@ -53,8 +60,16 @@ class EnvProviderStub:
 
 
 class EnvProviderServicer:
-    """EnvProvider: what an external environment implements (this gRPC form or the same over REST).
+    """EnvProvider: what an external environment implements (this gRPC form, or the same over REST:
+    OpenEnv's /reset, /step, /state, /health, /metadata, and its WebSocket sessions at /ws).
+    Every call but health checks carries the bearer token.
     """
+
+    def Describe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Reset(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -77,6 +92,11 @@ class EnvProviderServicer:
 
 def add_EnvProviderServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=rollmesh_dot_v1_dot_env__provider__pb2.DescribeRequest.FromString,
+                    response_serializer=rollmesh_dot_v1_dot_env__provider__pb2.DescribeResponse.SerializeToString,
+            ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
                     request_deserializer=rollmesh_dot_v1_dot_env__provider__pb2.ResetRequest.FromString,
@@ -101,8 +121,37 @@ def add_EnvProviderServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class EnvProvider:
-    """EnvProvider: what an external environment implements (this gRPC form or the same over REST).
+    """EnvProvider: what an external environment implements (this gRPC form, or the same over REST:
+    OpenEnv's /reset, /step, /state, /health, /metadata, and its WebSocket sessions at /ws).
+    Every call but health checks carries the bearer token.
     """
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.v1.EnvProvider/Describe',
+            rollmesh_dot_v1_dot_env__provider__pb2.DescribeRequest.SerializeToString,
+            rollmesh_dot_v1_dot_env__provider__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Reset(request,

@@ -1,0 +1,300 @@
+"""Clients of environment providers, one per protocol, each implementing the rollout loop's
+``ProviderClient`` port (``rollout/envs/remote.py``): failures become ``ProviderError`` with
+their kind, so the pool decides alike what to retry, whatever the wire.
+
+- ``grpc``: rollmesh's ``EnvProvider`` service (one channel per provider, calls multiplexed).
+- ``http``: the same over REST, OpenEnv's routes with sessions keyed by ``episode_id`` (one
+  aiohttp session per provider: a pool of keep-alive connections).
+- ``openenv``: OpenEnv's WebSocket protocol (``/ws``; one connection per episode), which any
+  server built with ``openenv-core`` speaks unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import grpc
+
+from rollout.envs.remote import Observation, ProviderError, ProviderInfo, ProviderTimeout, RemoteEnvConfig
+from services.auth import AuthConfig, http_headers
+from services.grpc_util import channel
+from services.pb.rollmesh.v1 import env_provider_pb2 as pb
+from services.pb.rollmesh.v1 import env_provider_pb2_grpc as pb_grpc
+
+# A provider that answers at all answers in time; these mean it is not there (or no longer).
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+_WS_GONE = (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.ERROR)
+
+
+def _role(value: str) -> str:
+    return value or "user"
+
+
+def _info(raw: str) -> dict:
+    try:
+        info = json.loads(raw) if raw else {}
+    except ValueError:
+        raise ProviderError("garbage", f"info_json is not JSON: {raw[:80]!r}") from None
+    if not isinstance(info, dict):
+        raise ProviderError("garbage", "info_json is not a JSON object")
+    return info
+
+
+class GrpcProviderClient:
+    def __init__(self, address: str, config: RemoteEnvConfig, auth: AuthConfig) -> None:
+        self.address, self.config = address, config
+        self._channel = channel(address, auth=auth)
+        self._stub = pb_grpc.EnvProviderStub(self._channel)
+
+    async def _call(self, method: str, request, timeout_s: float):
+        try:
+            return await getattr(self._stub, method)(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # the provider's environment, or no answer at all
+                error = ProviderTimeout if e.details() and e.details().startswith("timeout_s:") else TimeoutError
+                raise error(f"{self.address}: {method}: {e.details()}") from None
+            if code in _UNREACHABLE:
+                raise ProviderError("unreachable", f"{self.address}: {method}: {e.details()}") from None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise ProviderError("busy", f"{self.address}: {e.details()}", retryable=True) from None
+            if code == grpc.StatusCode.INTERNAL:  # an answer grpc could not even parse
+                raise ProviderError("garbage", f"{self.address}: {method}: {e.details()}") from None
+            raise ProviderError("refused", f"{self.address}: {method}: {code.name}: {e.details()}") from None
+
+    async def describe(self, timeout_s: float) -> ProviderInfo:
+        r = await self._call("Describe", pb.DescribeRequest(), timeout_s)
+        return ProviderInfo(name=r.name, idempotent_steps=r.idempotent_steps)
+
+    async def reset(self, episode_id: str, seed: int, timeout_s: float) -> Observation:
+        r = await self._call("Reset", pb.ResetRequest(env_name=self.config.env_name, seed=seed, episode_id=episode_id),
+                             timeout_s)  # fmt: skip
+        return Observation(r.observation, _role(r.role), info=_info(r.info_json))
+
+    async def step(self, episode_id: str, action: str, request_id: str, timeout_s: float) -> Observation:
+        req = pb.StepRequest(episode_id=episode_id, action=action, request_id=request_id, timeout_s=timeout_s)
+        r = await self._call("Step", req, timeout_s)
+        return Observation(r.observation, _role(r.role), r.reward, r.done, _info(r.info_json))
+
+    async def close_episode(self, episode_id: str, timeout_s: float) -> None:
+        await self._call("Close", pb.CloseRequest(episode_id=episode_id), timeout_s)
+
+    async def healthy(self, timeout_s: float) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            stub = health_pb2_grpc.HealthStub(self._channel)
+            r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def aclose(self) -> None:
+        await self._channel.close()
+
+
+class _HttpBase:
+    """What the REST and WebSocket clients share: one aiohttp session per provider, OpenEnv's
+    answer ``{observation, reward, done}`` read strictly."""
+
+    def __init__(self, address: str, config: RemoteEnvConfig, auth: AuthConfig) -> None:
+        self.address, self.config = address.rstrip("/"), config
+        self._headers, self._ssl = http_headers(auth), auth.client_ssl()
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:  # made lazily: it must be made on the running loop
+            self._session = aiohttp.ClientSession(headers=self._headers, connector=aiohttp.TCPConnector(
+                limit=0, ssl=self._ssl if self._ssl is not None else True))  # fmt: skip
+        return self._session
+
+    async def _json(self, method: str, path: str, timeout_s: float, body: dict | None = None, params=None) -> dict:
+        url = self.address + path
+        try:
+            async with self.session.request(method, url, json=body, params=params,
+                                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:  # fmt: skip
+                raw = await r.read()
+        except TimeoutError:
+            raise TimeoutError(f"{url}: no answer in {timeout_s:g} s") from None
+        except aiohttp.ClientError as e:
+            raise ProviderError("unreachable", f"{url}: {type(e).__name__}: {e}") from None
+        try:
+            data = json.loads(raw.decode("utf-8")) if raw else {}
+        except (UnicodeDecodeError, ValueError):
+            raise ProviderError("garbage", f"{url}: HTTP {r.status}, not a JSON body: {raw[:80]!r}") from None
+        if r.status == 504 and isinstance(data, dict) and data.get("field") == "timeout_s":  # the provider's env
+            raise ProviderTimeout(f"{url}: {_message(data)}")
+        if r.status == 503:
+            raise ProviderError("busy", f"{url}: {_message(data)}", retryable=True)
+        if r.status >= 500 and r.status != 500:  # 502/504 from a gateway: the provider is not answering
+            raise ProviderError("unreachable", f"{url}: HTTP {r.status}: {_message(data)}")
+        if r.status >= 400:
+            raise ProviderError("refused", f"{url}: HTTP {r.status}: {_message(data)}")
+        if not isinstance(data, dict):
+            raise ProviderError("garbage", f"{url}: the answer is not a JSON object")
+        return data
+
+    def _observation(self, data: dict) -> Observation:
+        """OpenEnv's ``{observation: {...}, reward, done}``: the text is ``observation_key``."""
+        obs, reward, done = data.get("observation"), data.get("reward"), data.get("done", False)
+        if not isinstance(obs, dict):
+            raise ProviderError("garbage", f"{self.address}: 'observation' is not an object: {str(obs)[:80]!r}")
+        if not isinstance(done, bool) or not (reward is None or isinstance(reward, int | float)):
+            raise ProviderError("garbage", f"{self.address}: 'done' or 'reward' has the wrong type")
+        content = obs.get(self.config.observation_key)
+        if content is None:
+            raise ProviderError("garbage", f"{self.address}: the observation has no {self.config.observation_key!r} "
+                                f"(it has {sorted(obs)}; set env.observation_key)")  # fmt: skip
+        role = obs.get("role") or "user"
+        info = obs.get("info") if isinstance(obs.get("info"), dict) else {}
+        return Observation(content, role, float(reward or 0.0), done, info)
+
+    async def healthy(self, timeout_s: float) -> bool:
+        try:
+            async with self.session.get(self.address + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def _message(data) -> str:
+    if isinstance(data, dict):
+        return str(data.get("message") or data.get("detail") or data)[:300]
+    return str(data)[:300]
+
+
+class HttpProviderClient(_HttpBase):
+    """REST with sessions keyed by ``episode_id`` (rollmesh's provider and any server that keys them alike)."""
+
+    async def describe(self, timeout_s: float) -> ProviderInfo:
+        data = await self._json("GET", "/metadata", timeout_s)
+        return ProviderInfo(name=str(data.get("name", "")), idempotent_steps=data.get("idempotent_steps") is True)
+
+    async def reset(self, episode_id: str, seed: int, timeout_s: float) -> Observation:
+        body = {"seed": seed, "episode_id": episode_id}
+        return self._observation(await self._json("POST", "/reset", timeout_s, body))
+
+    async def step(self, episode_id: str, action: str, request_id: str, timeout_s: float) -> Observation:
+        body = {"action": {self.config.action_key: action}, "episode_id": episode_id, "request_id": request_id,
+                "timeout_s": timeout_s}  # fmt: skip
+        return self._observation(await self._json("POST", "/step", timeout_s, body))
+
+    async def close_episode(self, episode_id: str, timeout_s: float) -> None:
+        await self._json("POST", "/close", timeout_s, {"episode_id": episode_id})
+
+
+class OpenEnvClient(_HttpBase):
+    """OpenEnv's WebSocket sessions: each episode is one connection to ``/ws``, its messages
+    ``{type: reset|step|close, data}`` answered by ``{type: observation|error, data}``."""
+
+    def __init__(self, address: str, config: RemoteEnvConfig, auth: AuthConfig) -> None:
+        super().__init__(address, config, auth)
+        self._sockets: dict[str, aiohttp.ClientWebSocketResponse] = {}
+
+    async def describe(self, timeout_s: float) -> ProviderInfo:
+        # OpenEnv's /metadata names the environment; it promises nothing about repeated steps.
+        try:
+            data = await self._json("GET", "/metadata", timeout_s)
+        except ProviderError as e:
+            if e.kind != "refused":  # an OpenEnv server without /metadata is still one
+                raise
+            data = {}
+        return ProviderInfo(name=str(data.get("name", "")), idempotent_steps=False)
+
+    async def _send(self, episode_id: str, message: dict, timeout_s: float) -> dict:
+        ws = self._sockets.get(episode_id)
+        if ws is None or ws.closed:
+            raise ProviderError("refused", f"{self.address}: episode {episode_id!r} has no open session")
+        try:
+            await ws.send_str(json.dumps(message))
+            reply = await ws.receive(timeout=timeout_s)
+        except TimeoutError:
+            await self._drop(episode_id)  # an answer arriving later would be read as the next one's
+            raise TimeoutError(f"{self.address}/ws: no answer in {timeout_s:g} s") from None
+        except (aiohttp.ClientError, ConnectionError) as e:
+            await self._drop(episode_id)
+            raise ProviderError("unreachable", f"{self.address}/ws: {type(e).__name__}: {e}") from None
+        if reply.type != aiohttp.WSMsgType.TEXT:
+            await self._drop(episode_id)
+            kind = "unreachable" if reply.type in _WS_GONE else "garbage"
+            raise ProviderError(kind, f"{self.address}/ws: {reply.type.name} instead of an answer")
+        try:
+            data = json.loads(reply.data)
+        except ValueError:
+            raise ProviderError("garbage", f"{self.address}/ws: not JSON: {reply.data[:80]!r}") from None
+        if not isinstance(data, dict) or data.get("type") not in ("observation", "error", "state"):
+            raise ProviderError("garbage", f"{self.address}/ws: not an OpenEnv message: {str(data)[:80]!r}")
+        if data["type"] == "error":
+            error = data.get("data") if isinstance(data.get("data"), dict) else {}
+            if error.get("code") == "TIMEOUT":  # rollmesh's provider: its environment missed the deadline
+                await self._drop(episode_id)
+                raise ProviderTimeout(f"{self.address}/ws: {_message(error)}")
+            raise ProviderError("refused", f"{self.address}/ws: {_message(error)}")
+        return data.get("data") if isinstance(data.get("data"), dict) else {}
+
+    async def reset(self, episode_id: str, seed: int, timeout_s: float) -> Observation:
+        await self._drop(episode_id)
+        try:
+            self._sockets[episode_id] = await self.session.ws_connect(
+                self.address + "/ws", timeout=aiohttp.ClientWSTimeout(ws_close=min(timeout_s, 5.0)),
+                max_msg_size=16 * 1024 * 1024)  # fmt: skip
+        except aiohttp.WSServerHandshakeError as e:
+            kind = "refused" if e.status in (401, 403) else "unreachable"
+            raise ProviderError(kind, f"{self.address}/ws: handshake refused (HTTP {e.status})") from None
+        except (aiohttp.ClientError, ConnectionError) as e:
+            raise ProviderError("unreachable", f"{self.address}/ws: {type(e).__name__}: {e}") from None
+        return self._observation(await self._send(episode_id, {"type": "reset", "data": {"seed": seed}}, timeout_s))
+
+    async def step(self, episode_id: str, action: str, request_id: str, timeout_s: float) -> Observation:
+        message = {"type": "step", "data": {self.config.action_key: action}}
+        return self._observation(await self._send(episode_id, message, timeout_s))
+
+    async def close_episode(self, episode_id: str, timeout_s: float) -> None:
+        ws = self._sockets.get(episode_id)
+        if ws is not None and not ws.closed:
+            try:
+                await asyncio.wait_for(ws.send_str(json.dumps({"type": "close"})), timeout_s)
+            except (TimeoutError, aiohttp.ClientError, ConnectionError):
+                pass
+        await self._drop(episode_id)
+
+    async def _drop(self, episode_id: str) -> None:
+        ws = self._sockets.pop(episode_id, None)
+        if ws is not None and not ws.closed:
+            await ws.close()
+
+    async def aclose(self) -> None:
+        for k in list(self._sockets):
+            await self._drop(k)
+        await super().aclose()
+
+
+CLIENTS = {"grpc": GrpcProviderClient, "http": HttpProviderClient, "openenv": OpenEnvClient}
+
+
+def provider_auth(config: RemoteEnvConfig, auth: AuthConfig) -> AuthConfig:
+    """The run's auth, with the providers' own token where ``token_env`` names one."""
+    if config.token_env is None:
+        return auth
+    import os
+
+    from pydantic import SecretStr
+
+    token = os.environ.get(config.token_env)
+    if not token:
+        raise ValueError(f"env.token_env: ${config.token_env} is not set")
+    return auth.model_copy(update={"token": SecretStr(token), "disabled": False})
+
+
+def build_pool(config: RemoteEnvConfig, auth: AuthConfig):
+    from rollout.envs.remote import ProviderPool
+
+    auth = provider_auth(config, auth)
+    return ProviderPool([CLIENTS[config.protocol](a, config, auth) for a in config.addresses], config)

@@ -1,0 +1,81 @@
+"""Environments the provider tests host, and an OpenEnv server written with openenv-core alone.
+
+``ScriptEnv`` plays a short multi-turn episode and misbehaves on request: the action says how
+(``hang``, ``raise``, ``huge``, ``empty``, ``number``), so one provider process serves every
+fault a test needs.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rollout.envs.base import StepResult
+
+
+class ScriptEnv:
+    """reset(seed) -> "start <seed>"; each step answers the action back as a tool result; the third
+    step ends the episode with reward 1.0 if the action is "7"."""
+
+    name = "script"
+
+    def __init__(self, rows=None, reward_fn=None, turns: int = 3) -> None:
+        self.turns, self.steps, self.seed = turns, 0, None
+
+    def reset(self, seed: int) -> str:
+        self.seed, self.steps = seed, 0
+        return f"start {seed}"
+
+    def step(self, action: str) -> StepResult:
+        self.steps += 1
+        match action:
+            case "hang":
+                time.sleep(3600)
+            case "raise":
+                raise ValueError("the script was told to raise")
+            case "huge":
+                return StepResult("x" * 200_000, 0.0, False, role="tool")
+            case "empty":
+                return StepResult("", 0.0, False, role="tool")
+            case "number":
+                return StepResult(5, 0.0, False)  # type: ignore[arg-type]  # not text: the env's bug
+        if self.steps >= self.turns:
+            return StepResult(None, float(action == "7"), True, {"steps": self.steps})
+        return StepResult(f"echo {action}", 0.1, False, role="tool")
+
+
+def openenv_app():
+    """An OpenEnv server, written against openenv-core only: guess a number in 1..4, told
+    "higher"/"lower". Its observation and action fields are its own (``message`` / ``guess``)."""
+    from openenv.core.env_server import Environment, create_app
+    from openenv.core.env_server.types import Action, Observation, State
+
+    class GuessAction(Action):
+        guess: str
+
+    class GuessObservation(Observation):
+        message: str = ""
+
+    class GuessEnv(Environment):
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._state, self.target = State(), 1
+
+        def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
+            self._state = State(episode_id=episode_id, step_count=0)
+            self.target = (seed or 0) % 4 + 1
+            return GuessObservation(message="Guess a number from 1 to 4.")
+
+        def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
+            self._state.step_count += 1
+            if action.guess.strip() == str(self.target):
+                return GuessObservation(message="Correct!", reward=1.0, done=True)
+            hint = "higher" if action.guess.strip().isdigit() and int(action.guess) < self.target else "lower"
+            return GuessObservation(message=f"No, {hint}.", reward=0.0, done=self._state.step_count >= 4)
+
+        @property
+        def state(self) -> State:
+            return self._state
+
+    return create_app(GuessEnv, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=16)
