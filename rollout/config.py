@@ -74,6 +74,14 @@ class RolloutConfig(TaskConfig):
         "with the reward it has so far (usually 0: a penalty for being slow, as in peers that keep "
         "truncated responses); env errors and raised episodes are always left out. Counted by cause.",
     )
+    redundant_members: int = Field(
+        0,
+        ge=0,
+        description="Redundant rollout (ROLL Flash): run group_size + this many episodes per group and keep the "
+        "first group_size to end usable; the rest are cancelled (counted as members_dropped_redundant). Fail-slow "
+        "and fail-stop environments then cannot hold a group, at the price of a bias toward episodes that end "
+        "sooner (rollmesh_env_member_generated_tokens shows kept against cancelled).",
+    )
     min_group_members: int = Field(
         2,
         ge=1,

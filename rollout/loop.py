@@ -46,7 +46,14 @@ class GroupOutcome(StrEnum):
     FAILED = "failed"  # an episode or the put raised: logged, counted, its slot goes back
 
 
-DROP_CAUSES = ("timeout", "env_error", "raised")  # why a member is left out of its group
+# Why a member is left out of its group: a fault, or the group filled first (redundant rollout).
+DROP_CAUSES = ("timeout", "env_error", "raised", "redundant")
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A cancelled member's end is nobody's business; reading it keeps asyncio from warning."""
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass
@@ -55,6 +62,7 @@ class _GroupState:
 
     running: set[str]  # trajectory (= request) ids still generating
     finished_starts: list[int] = field(default_factory=list)  # start versions of finished members
+    tokens: dict[str, int] = field(default_factory=dict)  # generated so far, by member
     stale: bool = False
 
 
@@ -104,19 +112,16 @@ class RolloutLoop:
         self.counters["groups_started"] += 1
         row = self._order[(self.first_prompt + n) % len(self._order)]  # a shuffled order, round after round
         gid = f"{self.id_prefix}p{row}-{n}"
-        state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(self.config.group_size)})
+        size = self.config.group_size + self.config.redundant_members
+        state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(size)})
         try:  # generate → reward, every episode on its own, scored by its env the moment it ends
-            members = await asyncio.gather(
-                *(self._episode(row, gid, i, state, barrier) for i in range(self.config.group_size)),
-                return_exceptions=True,  # one member's failure never sinks its group
-            )
+            trajectories = await self._first_members(row, gid, state, size, barrier)
         finally:
             del self._rolling[gid]
-        trajectories = self._kept(gid, members)
         if state.stale:  # never put: the buffer would only drop it
             return self._ended(GroupOutcome.STALE, trajectories, t0)
         if len(trajectories) < min(self.config.min_group_members, self.config.group_size):
-            log.warning("group %s: %d of %d members usable: not put", gid, len(trajectories), len(members))
+            log.warning("group %s: %d of %d members usable: not put", gid, len(trajectories), size)
             self.counters["groups_too_few_members"] += 1
             return self._ended(GroupOutcome.FAILED, trajectories, t0)
         result = await self.sink.put(Group(gid, f"p{row}", trajectories), self.config.put_timeout_s)  # put
@@ -206,8 +211,12 @@ class RolloutLoop:
         deadline, delay = time.monotonic() + timeout_s, 0.1
         while True:
             try:
-                return await self.engine.generate(ids, sampling, request_id=tid, route=route,
-                                                  timeout_s=deadline - time.monotonic())  # fmt: skip
+                gen = await self.engine.generate(ids, sampling, request_id=tid, route=route,
+                                                 timeout_s=deadline - time.monotonic())  # fmt: skip
+                state = self._rolling.get(tid.rsplit("/", 1)[0])
+                if state is not None:  # what a member cancelled later will have cost
+                    state.tokens[tid] = state.tokens.get(tid, 0) + len(gen.output_ids)
+                return gen
             except TransientError as e:
                 if deadline - time.monotonic() - delay <= 0:  # the next try would start past the deadline
                     raise
@@ -215,31 +224,60 @@ class RolloutLoop:
                 await asyncio.sleep(delay)
                 delay = min(5.0, 2 * delay)
 
-    def _kept(self, gid: str, members: list) -> list[Trajectory]:
-        """The members the group trains on (``RolloutConfig.faulty_members``); the rest are counted
-        as ``members_dropped_<cause>``."""
-        kept = []
-        for m in members:
-            if isinstance(m, BaseException):
-                if isinstance(m, asyncio.CancelledError):  # the group itself is being cancelled
-                    raise m
-                log.warning("group %s: an episode failed: %s: %s", gid, type(m).__name__, m)
-                cause = "raised"
-            elif m.finish_reason == FinishReason.ENV_ERROR:
-                cause = "env_error"
-            elif m.finish_reason == FinishReason.TIMEOUT and not (
-                self.config.faulty_members == "keep_timeouts" and m.num_generated
-            ):
-                cause = "timeout"
-            else:
-                kept.append(m)
-                continue
-            self.counters[f"members_dropped_{cause}"] += 1
-            try:
-                self.observer.member_dropped(cause)
-            except Exception:
-                log.exception("recording a dropped member failed")
-        return kept
+    async def _first_members(self, row: int, gid: str, state: _GroupState, size: int, barrier) -> list[Trajectory]:
+        """Run ``size`` episodes and return the first ``group_size`` to end usable (redundant
+        rollout: the rest are cancelled the moment the group is full, so a fail-slow or fail-stop
+        environment cannot hold it). One member's failure never sinks the group: it is left out
+        and counted (``RolloutConfig.faulty_members``)."""
+        tasks = [asyncio.create_task(self._episode(row, gid, i, state, barrier)) for i in range(size)]
+        kept: list[Trajectory] = []
+        pending = set(tasks)
+        try:
+            while pending and len(kept) < self.config.group_size:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=tasks.index):  # ended together: the lower index first
+                    member = task.exception() or task.result()
+                    if self._usable(gid, member):
+                        if len(kept) < self.config.group_size:
+                            kept.append(member)
+                        else:  # ended in the same instant as the one that filled the group
+                            self._dropped("redundant", member.num_generated)
+        except asyncio.CancelledError:  # the group itself is cancelled: so are its episodes
+            for task in pending:
+                task.cancel()
+            raise
+        if pending:  # the group is full: the slowest members are not waited for
+            await asyncio.gather(*(self.engine.abort(t) for t in state.running), return_exceptions=True)
+            for task in pending:
+                task.cancel()
+                task.add_done_callback(_retrieve)
+                self._dropped("redundant", state.tokens.get(f"{gid}/{tasks.index(task)}", 0))
+        return sorted(kept, key=lambda t: int(t.trajectory_id.rsplit("/", 1)[1]))  # in member order, as before
+
+    def _usable(self, gid: str, member: Trajectory | BaseException) -> bool:
+        """Whether a member that ended is trained on; the others are counted as
+        ``members_dropped_<cause>``."""
+        if isinstance(member, BaseException):
+            log.warning("group %s: an episode failed: %s: %s", gid, type(member).__name__, member)
+            cause = "raised"
+        elif member.finish_reason == FinishReason.ENV_ERROR:
+            cause = "env_error"
+        elif member.finish_reason == FinishReason.TIMEOUT and not (
+            self.config.faulty_members == "keep_timeouts" and member.num_generated
+        ):
+            cause = "timeout"
+        else:
+            return True
+        self._dropped(cause, 0 if isinstance(member, BaseException) else member.num_generated)
+        return False
+
+    def _dropped(self, cause: str, tokens: int) -> None:
+        self.counters[f"members_dropped_{cause}"] += 1
+        self.counters[f"tokens_dropped_{cause}"] += tokens
+        try:
+            self.observer.member_dropped(cause, tokens)
+        except Exception:
+            log.exception("recording a dropped member failed")
 
     async def _run_group_safely(self, barrier) -> GroupOutcome:
         try:

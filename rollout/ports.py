@@ -82,8 +82,10 @@ class RolloutObserver:
     def episode_ended(self, trajectory: Trajectory, seconds: float) -> None:
         """An episode ended (reset to its last step)."""
 
-    def member_dropped(self, cause: str) -> None:
-        """A member left out of its group (``RolloutConfig.faulty_members``): timeout, env_error or raised."""
+    def member_dropped(self, cause: str, tokens: int = 0) -> None:
+        """A member left out of its group: a fault (``RolloutConfig.faulty_members``: timeout,
+        env_error, raised) or cancelled once its group was full (``redundant``), after it had
+        generated ``tokens``."""
 
     def group_ended(self, outcome: str, trajectories: list[Trajectory], seconds: float) -> None:
         """A group ended: ``put``, ``filtered``, ``stale`` or ``failed`` (then ``trajectories`` is empty)."""

@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Slow operations: a training step, a weight update, an environment step against a sandbox.
 SLOW_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# Generated tokens of one trajectory: a one-token answer to a long agentic episode.
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 # Staleness is a small integer (bounded by async_ratio); one bucket per version near the bound.
 VERSION_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 # Sample age: how long a finished group waited before training.

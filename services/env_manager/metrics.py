@@ -12,7 +12,7 @@ from rollout.envs.remote import ProviderPool
 from rollout.loop import DROP_CAUSES, GroupOutcome
 from rollout.ports import RolloutObserver
 from sample_buffer.trajectory import FINISH_REASONS, FinishReason, Trajectory
-from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, histogram, init_labels
+from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, TOKEN_BUCKETS, histogram, init_labels
 
 
 class EnvMetrics(RolloutObserver):
@@ -46,6 +46,18 @@ class EnvMetrics(RolloutObserver):
             ["cause"], registry=r,
         )  # fmt: skip
         init_labels(self.members_dropped, *DROP_CAUSES)
+        self.dropped_tokens = Counter(
+            "rollmesh_env_dropped_member_tokens", "Tokens the dropped members had generated (never trained), by cause",
+            ["cause"], registry=r,
+        )  # fmt: skip
+        init_labels(self.dropped_tokens, *DROP_CAUSES)
+        # Redundant rollout's bias toward short episodes, visible: kept members' lengths against what the
+        # cancelled ones had generated when they were cancelled.
+        self.member_tokens = histogram(
+            r, "rollmesh_env_member_generated_tokens", "Generated tokens per member: kept (put in the buffer) or "
+            "redundant (cancelled when its group was full; so far)", TOKEN_BUCKETS, labels=["fate"],
+        )  # fmt: skip
+        init_labels(self.member_tokens, "kept", "redundant")
         self.env_errors = Counter(
             "rollmesh_env_errors", "Episodes ended as env_error, by kind (a provider's: unreachable, garbage, refused, "
             "observation, action; a local environment's: raised)", ["kind"], registry=r,
@@ -111,13 +123,19 @@ class EnvMetrics(RolloutObserver):
 
     def group_ended(self, outcome: str, trajectories: list[Trajectory], seconds: float) -> None:
         self.groups.labels(outcome).inc()
+        if outcome == GroupOutcome.PUT:
+            for t in trajectories:
+                self.member_tokens.labels("kept").observe(t.num_generated)
         if outcome == GroupOutcome.STALE:  # what the bound costs: generated, never trained on
             self.stale_tokens.labels(self.env).inc(sum(len(t.behavior_logprobs) for t in trajectories))
         elif outcome != GroupOutcome.FAILED:
             self.group.labels(self.env).observe(seconds)
 
-    def member_dropped(self, cause: str) -> None:
+    def member_dropped(self, cause: str, tokens: int = 0) -> None:
         self.members_dropped.labels(cause).inc()
+        self.dropped_tokens.labels(cause).inc(tokens)
+        if cause == "redundant":  # cancelled: a lower bound of its length (what it had generated)
+            self.member_tokens.labels("redundant").observe(tokens)
 
     def generate_retried(self, code: str) -> None:
         self.generate_retries.labels(code).inc()

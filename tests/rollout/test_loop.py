@@ -45,9 +45,10 @@ class ScriptedEngine:
     with a ``TransientError`` first; a request id in ``held`` waits until it is aborted."""
 
     def __init__(self, controller: AsyncController, reply=lambda rid: "7", transient: int = 0, error=None,
-                 fails=lambda rid: False):  # fmt: skip
+                 fails=lambda rid: False, hold=lambda rid: False):  # fmt: skip
         self.controller, self.reply, self.transient, self.error = controller, reply, transient, error
         self.fails = fails  # request ids that raise a (non-transient) error
+        self.hold = hold  # request ids that wait until they are aborted
         self.held: dict[str, asyncio.Event] = {}
         self.aborted: list[str] = []
         self.calls = 0
@@ -62,6 +63,8 @@ class ScriptedEngine:
             self.transient -= 1
             raise TransientError("UNAVAILABLE", "no engine in rotation")
         version = self.controller.version
+        if self.hold(request_id):
+            self.held.setdefault(request_id, asyncio.Event())
         if request_id in self.held:
             await self.held[request_id].wait()
             return Generation([ord("7")], [-0.1], [version], FinishReason.ABORT)
@@ -79,6 +82,7 @@ class Recorder(RolloutObserver):
         self.outcomes: list[str] = []
         self.retries: list[str] = []
         self.dropped: list[str] = []
+        self.dropped_tokens: list[int] = []
 
     def group_ended(self, outcome, trajectories, seconds):
         self.outcomes.append(str(outcome))
@@ -86,8 +90,9 @@ class Recorder(RolloutObserver):
     def generate_retried(self, code):
         self.retries.append(code)
 
-    def member_dropped(self, cause):
+    def member_dropped(self, cause, tokens=0):
         self.dropped.append(cause)
+        self.dropped_tokens.append(tokens)
 
 
 def make_loop(engine_kw=None, *, async_ratio=0, groups_per_step=2, filter_zero_variance=False, capacity=4096, **cfg):
@@ -360,3 +365,46 @@ def test_a_timed_out_member_is_dropped_or_kept_as_configured(policy, kept):
     assert len(group.trajectories) == kept
     timed_out = [t for t in group.trajectories if t.finish_reason == FinishReason.TIMEOUT]
     assert len(timed_out) == kept - 2 and all(t.reward == 0.0 and t.num_generated == 1 for t in timed_out)
+
+
+def test_redundant_members_fill_a_group_without_waiting_for_the_slowest():
+    """group_size 2 + 2 redundant: members 1 and 3 of every group never finish on their own (a
+    fail-stop engine or environment). Each group is put with members 0 and 2; 1 and 3 are aborted
+    at the engine and counted as redundant, with what they had generated."""
+
+    async def main():
+        hold = lambda rid: rid[-1] in "13"  # noqa: E731
+        loop, ctl, buffer, engine = make_loop({"hold": hold, "reply": lambda rid: "7" if rid[-1] == "0" else "1"},
+                                              redundant_members=2, group_size=2)  # fmt: skip
+        await loop.start()
+        await until(lambda: loop.counters["groups_put"] >= 2)
+        await loop.stop()
+        batch = await buffer.get(10, current_version=0, max_staleness=0, timeout_s=0)
+        return loop, ctl, engine, batch.decode()
+
+    loop, ctl, engine, groups = asyncio.run(main())
+    assert len(groups) == 2 and ctl.in_flight == 0
+    for g in groups:
+        assert [t.trajectory_id[-1] for t in g.trajectories] == ["0", "2"]
+        assert [t.reward for t in g.trajectories] == [1.0, 0.0]
+        assert {f"{g.group_id}/1", f"{g.group_id}/3"} <= set(engine.aborted)
+    assert loop.counters["members_dropped_redundant"] == 4
+    # what each had generated when aborted (the scripted engine answers an abort with one token)
+    assert loop.observer.dropped == ["redundant"] * 4 and loop.observer.dropped_tokens == [1] * 4
+
+
+def test_redundant_members_cover_for_failed_ones():
+    """A member whose generation fails does not count toward the group: the redundant one takes its place."""
+
+    async def main():
+        loop, ctl, buffer, _ = make_loop({"fails": lambda rid: rid[-1] == "0"}, redundant_members=1, group_size=2,
+                                         filter_zero_variance=False)  # fmt: skip
+        await loop.start()
+        await until(lambda: loop.counters["groups_put"] >= 2)
+        await loop.stop()
+        batch = await buffer.get(10, current_version=0, max_staleness=0, timeout_s=0)
+        return loop, batch.decode()
+
+    loop, groups = asyncio.run(main())
+    assert [[t.trajectory_id[-1] for t in g.trajectories] for g in groups] == [["1", "2"]] * 2
+    assert loop.counters["members_dropped_raised"] == 2 and loop.counters["members_dropped_redundant"] == 0
