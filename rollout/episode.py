@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.budgets import EpisodeClock
 from rollout.chat_turns import Conversation
 from rollout.envs.base import Env
 from rollout.ports import Generation, RolloutObserver
@@ -33,6 +34,15 @@ _ENDS_EPISODE = (FinishReason.TIMEOUT, FinishReason.ABORT)
 log = logging.getLogger(__name__)
 
 
+class LatencyPenalty(BaseModel):
+    """A documented reward shaping for latency: ``reward -= penalty`` per turn over ``target_s``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target_s: float = Field(..., gt=0, description="A turn that takes longer (generation + step, seconds) pays.")
+    penalty: float = Field(..., ge=0, description="Reward taken off per turn over the target.")
+
+
 class EpisodeConfig(BaseModel):
     """Per-episode limits and sampling."""
 
@@ -44,6 +54,12 @@ class EpisodeConfig(BaseModel):
     )
     generation_timeout_s: float = Field(60.0, gt=0, description="Deadline of one generation (suspension included).")
     step_timeout_s: float = Field(30.0, gt=0, description="Deadline of one environment step (reward included).")
+    latency_penalty: LatencyPenalty | None = Field(
+        None,
+        description="Let the reward see each turn's latency: a turn (generation and step) longer than target_s "
+        "costs `penalty`; trajectories record turns_over_target, and rollmesh_env_turns_over_target_total counts "
+        "them, so a policy can learn to answer within its budget. None: latency does not touch the reward.",
+    )
 
 
 async def run_episode(
@@ -136,6 +152,7 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
                           loss_mask=[], behavior_logprobs=[], token_versions=[], reward=0.0, start_version=0,
                           finish_reason=finish, metadata={"env": env.name, **why})  # fmt: skip
 
+    started = time.monotonic()
     try:
         obs = await env_call(env.reset, seed, config.step_timeout_s)
     except TimeoutError:
@@ -148,10 +165,17 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
     mask = [0] * len(tokens)
     logprobs: list[float] = []
     versions: list[int] = []
-    reward, finish, turns, why = 0.0, FinishReason.STOP, [], {}
+    # The environment's budgets (a remote one's are known once it is reset) within the config's limits.
+    clock = EpisodeClock(config.step_timeout_s, config.generation_timeout_s, getattr(env, "budgets", None), started)
+    sampling, penalty = clock.sampling(config.sampling), config.latency_penalty
+    reward, finish, turns, why, over_target = 0.0, FinishReason.STOP, [], {}, 0
     for _ in range(config.max_turns):
+        timeout_s, budget = clock.generation()
+        if timeout_s <= 0:
+            finish, why = FinishReason.TIMEOUT, {"timeout": budget}
+            break
         t_gen = time.monotonic()
-        gen = await generate(tokens, config.sampling, trajectory_id, config.generation_timeout_s)
+        gen = await generate(tokens, sampling, trajectory_id, timeout_s)
         generate_s = time.monotonic() - t_gen
         turns.append(len(tokens))
         tokens += gen.output_ids
@@ -161,15 +185,19 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         if gen.finish_reason in _ENDS_EPISODE:
             _report(observer.turn, env.name, generate_s, None)
             finish = gen.finish_reason
+            why = {"timeout": budget} if finish == FinishReason.TIMEOUT else {}
             break
         if barrier is not None:
             await barrier.wait()  # generate all, then step all
         action = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        timeout_s, budget = clock.step()
         t_step = time.monotonic()
         try:
-            result = await env_call(env.step, action, config.step_timeout_s)
-        except TimeoutError:
-            finish, why = FinishReason.TIMEOUT, {"timeout": "step"}
+            if timeout_s <= 0:
+                raise TimeoutError(budget)
+            result = await env_call(env.step, action, timeout_s)
+        except TimeoutError:  # the provider's own deadline too (ProviderTimeout)
+            finish, why = FinishReason.TIMEOUT, {"timeout": budget}
             break
         except Exception as e:  # the environment's fault, not the policy's: the member is not trained
             log.warning("%s: step failed: %s: %s", trajectory_id, type(e).__name__, e)
@@ -180,6 +208,9 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         if barrier is not None and not (result.done or result.observation is None):
             await barrier.wait()  # step all, then generate the next turn together
         reward += result.reward
+        if penalty is not None and time.monotonic() - t_gen > penalty.target_s:  # the turn, as its user waits
+            reward -= penalty.penalty
+            over_target += 1
         finish = gen.finish_reason
         if result.done or result.observation is None:
             break
@@ -202,5 +233,11 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         reward=reward,
         start_version=versions[0] if versions else 0,
         finish_reason=finish,
-        metadata={"env": env.name, "turn_starts": turns, **why, **({} if chat.exact else {"chat_render": "alone"})},
+        metadata={
+            "env": env.name,
+            "turn_starts": turns,
+            **why,
+            **({} if chat.exact else {"chat_render": "alone"}),
+            **({"turns_over_target": over_target} if penalty is not None else {}),
+        },  # fmt: skip
     )

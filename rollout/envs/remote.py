@@ -30,6 +30,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollout.budgets import Budgets
 from rollout.envs.base import StepResult
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class ProviderInfo:
 
     name: str = ""
     idempotent_steps: bool = False  # a repeated step request_id is answered, not applied again
+    budgets: Budgets | None = None  # the environment's latency budgets
 
 
 class ProviderClient(Protocol):
@@ -222,6 +224,12 @@ class RemoteEnv:
         self.pool, self.config, self.episode_id, self.name = pool, pool.config, episode_id, name
         self._member: _Member | None = None
         self._steps = 0
+
+    @property
+    def budgets(self) -> Budgets | None:
+        """The latency budgets its provider declared (known once the episode is reset)."""
+        member = self._member
+        return member.info.budgets if member is not None and member.info is not None else None
 
     async def reset(self, seed: int, timeout_s: float | None = None) -> str:
         """Start the episode on an up provider, trying the others (and the same again once it is

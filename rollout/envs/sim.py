@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.budgets import Budgets
 from rollout.envs.base import StepResult
 
 
@@ -31,6 +32,7 @@ class SimEnvConfig(BaseModel):
     latency_sigma: float = Field(0.5, ge=0, description="Lognormal sigma of the step latency (0 = constant).")
     latency_cap_s: float = Field(600.0, gt=0, description="Longest simulated step.")
     time_scale: float = Field(100.0, gt=0, description="Simulated seconds per wall second (match the engines').")
+    budgets: Budgets | None = Field(None, description="The latency budgets it declares (wall seconds, tokens).")
 
     def build(self, rows: list[dict], reward_fn=None) -> SimEnv:
         return SimEnv(rows, self)
@@ -42,6 +44,7 @@ class SimEnv:
 
     def __init__(self, rows: list[dict], config: SimEnvConfig | None = None) -> None:
         self.rows, self.config = rows, config or SimEnvConfig()
+        self.budgets = self.config.budgets
         self._id = next(self._instances)
         self._rng = random.Random(self._id)
         self._turn = 0

@@ -58,6 +58,15 @@ class EnvMetrics(RolloutObserver):
             "redundant (cancelled when its group was full; so far)", TOKEN_BUCKETS, labels=["fate"],
         )  # fmt: skip
         init_labels(self.member_tokens, "kept", "redundant")
+        self.timeouts = Counter(
+            "rollmesh_env_timeouts", "Episodes ended by a missed deadline, by the budget it was (step, generation, "
+            "episode, reset)", ["budget"], registry=r,
+        )  # fmt: skip
+        init_labels(self.timeouts, "step", "generation", "episode", "reset")
+        self.turns = Counter("rollmesh_env_turns", "Turns of ended episodes", registry=r)
+        self.turns_over_target = Counter(
+            "rollmesh_env_turns_over_target", "Turns longer than episode.latency_penalty.target_s", registry=r
+        )
         self.env_errors = Counter(
             "rollmesh_env_errors", "Episodes ended as env_error, by kind (a provider's: unreachable, garbage, refused, "
             "observation, action; a local environment's: raised)", ["kind"], registry=r,
@@ -118,6 +127,10 @@ class EnvMetrics(RolloutObserver):
         self.reward.labels(env).observe(trajectory.reward)
         self.trajectory_tokens.labels(env).inc(len(trajectory.behavior_logprobs))  # generated tokens
         self.episode.labels(env).observe(seconds)
+        self.turns.inc(len(trajectory.metadata.get("turn_starts", ())))
+        self.turns_over_target.inc(trajectory.metadata.get("turns_over_target", 0))
+        if trajectory.finish_reason == FinishReason.TIMEOUT and "timeout" in trajectory.metadata:
+            self.timeouts.labels(trajectory.metadata["timeout"]).inc()
         if trajectory.finish_reason == FinishReason.ENV_ERROR:
             self.env_errors.labels(trajectory.metadata.get("error_kind", "raised")).inc()
 

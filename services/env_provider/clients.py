@@ -17,6 +17,7 @@ import json
 import aiohttp
 import grpc
 
+from rollout.budgets import Budgets
 from rollout.envs.remote import Observation, ProviderError, ProviderInfo, ProviderTimeout, RemoteEnvConfig
 from services.auth import AuthConfig, http_headers
 from services.grpc_util import channel
@@ -66,7 +67,18 @@ class GrpcProviderClient:
 
     async def describe(self, timeout_s: float) -> ProviderInfo:
         r = await self._call("Describe", pb.DescribeRequest(), timeout_s)
-        return ProviderInfo(name=r.name, idempotent_steps=r.idempotent_steps)
+        b = r.budgets
+        declared = {
+            k: v
+            for k, v in (
+                ("step_s", b.step_s),
+                ("generation_s", b.generation_s),
+                ("generation_tokens", b.generation_tokens),
+                ("episode_s", b.episode_s),
+            )
+            if v
+        }
+        return ProviderInfo(name=r.name, idempotent_steps=r.idempotent_steps, budgets=_budgets(declared))  # fmt: skip
 
     async def reset(self, episode_id: str, seed: int, timeout_s: float) -> Observation:
         r = await self._call("Reset", pb.ResetRequest(env_name=self.config.env_name, seed=seed, episode_id=episode_id),
@@ -164,6 +176,16 @@ class _HttpBase:
             await self._session.close()
 
 
+def _budgets(declared) -> Budgets | None:
+    """A provider's declared budgets; ones that do not parse are the provider's bug (garbage)."""
+    if not declared:
+        return None
+    try:
+        return Budgets.model_validate(declared)
+    except ValueError as e:
+        raise ProviderError("garbage", f"budgets: {e}") from None
+
+
 def _message(data) -> str:
     if isinstance(data, dict):
         return str(data.get("message") or data.get("detail") or data)[:300]
@@ -175,7 +197,8 @@ class HttpProviderClient(_HttpBase):
 
     async def describe(self, timeout_s: float) -> ProviderInfo:
         data = await self._json("GET", "/metadata", timeout_s)
-        return ProviderInfo(name=str(data.get("name", "")), idempotent_steps=data.get("idempotent_steps") is True)
+        return ProviderInfo(name=str(data.get("name", "")), idempotent_steps=data.get("idempotent_steps") is True,
+                            budgets=_budgets(data.get("budgets")))  # fmt: skip
 
     async def reset(self, episode_id: str, seed: int, timeout_s: float) -> Observation:
         body = {"seed": seed, "episode_id": episode_id}
@@ -206,7 +229,9 @@ class OpenEnvClient(_HttpBase):
             if e.kind != "refused":  # an OpenEnv server without /metadata is still one
                 raise
             data = {}
-        return ProviderInfo(name=str(data.get("name", "")), idempotent_steps=False)
+        return ProviderInfo(
+            name=str(data.get("name", "")), idempotent_steps=False, budgets=_budgets(data.get("budgets"))
+        )
 
     async def _send(self, episode_id: str, message: dict, timeout_s: float) -> dict:
         ws = self._sockets.get(episode_id)

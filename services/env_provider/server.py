@@ -67,8 +67,9 @@ def grpc_handler(sessions: ProviderSessions) -> grpc.GenericRpcHandler:
 
     async def describe(req: pb.DescribeRequest, ctx) -> pb.DescribeResponse:
         info = sessions.describe()
+        budgets = pb.Budgets(**{k: v for k, v in (info.budgets.model_dump() if info.budgets else {}).items() if v})
         return pb.DescribeResponse(name=info.name, idempotent_steps=info.idempotent_steps,
-                                   max_sessions=sessions.max_sessions)  # fmt: skip
+                                   max_sessions=sessions.max_sessions, budgets=budgets)  # fmt: skip
 
     async def reset(req: pb.ResetRequest, ctx) -> pb.ResetResponse:
         obs = await call(ctx, sessions.reset(req.episode_id, req.seed))
@@ -175,7 +176,8 @@ def create_app(sessions: ProviderSessions, auth: AuthConfig) -> FastAPI:
     async def metadata():
         info = sessions.describe()
         return {"name": info.name, "description": f"rollmesh environment {info.name!r}",
-                "idempotent_steps": info.idempotent_steps, "max_sessions": sessions.max_sessions}  # fmt: skip
+                "idempotent_steps": info.idempotent_steps, "max_sessions": sessions.max_sessions,
+                "budgets": info.budgets.model_dump(exclude_none=True) if info.budgets else {}}  # fmt: skip
 
     @app.get("/metrics")
     async def metrics():

@@ -54,13 +54,14 @@ class ProviderSessions:
     def __init__(self, make_env: Callable[[], Env], name: str, *, max_sessions: int, step_timeout_s: float,
                  session_idle_s: float, max_action_chars: int) -> None:  # fmt: skip
         self.make_env, self.name = make_env, name
+        self.budgets = getattr(make_env(), "budgets", None)  # what the hosted environment declares
         self.max_sessions, self.step_timeout_s = max_sessions, step_timeout_s
         self.session_idle_s, self.max_action_chars = session_idle_s, max_action_chars
         self.sessions: dict[str, _Session] = {}
         self.counters: dict[str, int] = {}
 
     def describe(self) -> ProviderInfo:
-        return ProviderInfo(name=self.name, idempotent_steps=True)
+        return ProviderInfo(name=self.name, idempotent_steps=True, budgets=self.budgets)
 
     async def reset(self, episode_id: str, seed: int, timeout_s: float = 0.0) -> Observation:
         _check_id(episode_id)

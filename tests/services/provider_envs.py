@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from rollout.budgets import Budgets
 from rollout.envs.base import StepResult
 
 
@@ -17,6 +18,7 @@ class ScriptEnv:
     step ends the episode with reward 1.0 if the action is "7"."""
 
     name = "script"
+    budgets = Budgets(step_s=5.0, generation_tokens=64)  # declared to every caller
 
     def __init__(self, rows=None, reward_fn=None, turns: int = 3) -> None:
         self.turns, self.steps, self.seed = turns, 0, None

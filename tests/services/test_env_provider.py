@@ -17,6 +17,7 @@ import grpc
 import httpx
 import pytest
 
+from rollout.budgets import Budgets
 from rollout.envs.remote import PROTOCOLS, ProviderError, ProviderTimeout, RemoteEnv, RemoteEnvConfig
 from services.auth import AuthConfig
 from services.env_provider.clients import build_pool
@@ -56,15 +57,17 @@ def test_a_multi_turn_episode_over_each_protocol(provider, protocol):
         env = RemoteEnv(pool, f"episode-{protocol}")
         try:
             first = await env.reset(3)
+            budgets = env.budgets
             steps = [await env.step(a) for a in ("a", "b", "7")]
             open_during = sessions_open(provider["http"])
             await env.close()
         finally:
             await pool.aclose()
-        return first, steps, open_during
+        return first, steps, open_during, budgets
 
-    first, (s1, s2, s3), open_during = asyncio.run(main())
+    first, (s1, s2, s3), open_during, budgets = asyncio.run(main())
     assert first == "start 3"
+    assert budgets == Budgets(step_s=5.0, generation_tokens=64)  # as the hosted environment declares them
     assert (s1.observation, s1.role, s1.reward, s1.done) == ("echo a", "tool", pytest.approx(0.1), False)
     assert s2.observation == "echo b"
     assert (s3.observation, s3.reward, s3.done, s3.info) == (None, 1.0, True, {"steps": 3})

@@ -1,6 +1,7 @@
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -9,14 +10,28 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("name", "idempotent_steps", "max_sessions")
+    __slots__ = ("name", "idempotent_steps", "max_sessions", "budgets")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENT_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BUDGETS_FIELD_NUMBER: _ClassVar[int]
     name: str
     idempotent_steps: bool
     max_sessions: int
-    def __init__(self, name: _Optional[str] = ..., idempotent_steps: _Optional[bool] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+    budgets: Budgets
+    def __init__(self, name: _Optional[str] = ..., idempotent_steps: _Optional[bool] = ..., max_sessions: _Optional[int] = ..., budgets: _Optional[_Union[Budgets, _Mapping]] = ...) -> None: ...
+
+class Budgets(_message.Message):
+    __slots__ = ("step_s", "generation_s", "generation_tokens", "episode_s")
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_S_FIELD_NUMBER: _ClassVar[int]
+    step_s: float
+    generation_s: float
+    generation_tokens: int
+    episode_s: float
+    def __init__(self, step_s: _Optional[float] = ..., generation_s: _Optional[float] = ..., generation_tokens: _Optional[int] = ..., episode_s: _Optional[float] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("env_name", "seed", "config_json", "episode_id")
