@@ -28,6 +28,8 @@ $(STAMP): pyproject.toml
 	# OpenEnv, for the tests that plug a server written with it into rollmesh (and its client into ours):
 	# without its dependencies, which bring a web UI (gradio) and model-hub clients the tests never use.
 	$(PIP) install -q --no-deps openenv-core==0.3.0
+	# GEM's games (env.type gem); its pins (reasoning-gym 0.1.23) would downgrade the tasks' reasoning-gym.
+	$(PIP) install -q --no-deps gem-llm==0.1.0
 	touch $(STAMP)
 
 $(MODEL)/config.json: | $(STAMP)

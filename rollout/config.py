@@ -23,8 +23,8 @@ class TaskConfig(BaseModel):
     dataset_path: str = Field("examples/find_digit_train.jsonl", description="JSONL rows with 'prompt' and 'answer'.")
     env: EnvConfig = Field(
         default_factory=SingleTurnEnvConfig,
-        description="The environment, a typed variant chosen by 'type' (single_turn | sim | calculator | custom | "
-        "remote) with its own arguments.",
+        description="The environment, a typed variant chosen by 'type' (single_turn | sim | calculator | gem | "
+        "custom | remote) with its own arguments.",
     )
     reward: str = Field("exact_match", description="Reward function: a name in rollout.rewards or 'module:function'.")
 

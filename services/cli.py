@@ -177,7 +177,11 @@ def serve_env_provider(
         raise typer.Exit(2) from None
     from services.env_provider.server import serve
 
-    serve(cfg.env_provider, cfg.auth)
+    try:
+        serve(cfg.env_provider, cfg.auth)
+    except (OSError, ValueError) as e:  # a dataset that is not there, a port taken, an environment that refuses
+        typer.echo(f"env-provider: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -307,6 +311,21 @@ def bench_async(
     result = _checked(run, str(model), steps, warmup, engines, time_scale, scenario or None, agentic,
                       _progress(json_), keep, suspend_mode, gps)  # fmt: skip
     _emit(result, json_)
+
+
+@bench_app.command("providers")
+def bench_providers(
+    providers: list[int] = typer.Option([], "--providers", help="Provider processes per cell (repeatable); 1 4 16."),
+    protocol: list[str] = typer.Option([], "--protocol", help="grpc, http, openenv (repeatable); default all."),
+    concurrency: int = typer.Option(64, help="Episodes stepping at once."),
+    seconds: float = typer.Option(3.0, help="How long each cell steps."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Steps/s and step latency to environment providers, gRPC vs HTTP vs OpenEnv's WebSocket."""
+    from services.bench.providers_bench import run
+
+    _emit(_checked(run, providers or [1, 4, 16], protocol or ["grpc", "http", "openenv"], concurrency, seconds,
+                   _progress(json_)), json_)  # fmt: skip
 
 
 @bench_app.command("ceiling")

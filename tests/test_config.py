@@ -41,7 +41,7 @@ def test_bad_values_name_the_field():
         load_config(None, ["controller.holder_lease_s=10", "env_manager.heartbeat_s=5"])
 
 
-@pytest.mark.parametrize("path", sorted(Path("examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(Path("examples").rglob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_parses(path):
     assert isinstance(load_config(path), RollmeshConfig)
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.auth import TOKEN_ENV
@@ -183,3 +184,32 @@ def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained
     assert result["groups_trained"] == 2 * result["steps"]  # every step of the curve, 2 groups each
     assert result["groups_consumed"] >= result["groups_trained"] + result[
         "groups_trained_by_a_killed_trainer_before_its_checkpoint"]  # fmt: skip
+
+
+@pytest.mark.parametrize("example, env, provider_args", [
+    ("calculator", "calculator", ["dataset_path=examples/math/sum1_train.jsonl", "reward=math_verify"]),
+    ("guess_number", "gem", ["env.reward_on_loss=0"]),
+])  # fmt: skip
+def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, example, env, provider_args):
+    """The README's two commands for each agentic example: a provider process, then `rollmesh run`
+    (cut to 2 steps of 2 groups on the tiny model). Multi-turn episodes reach the trainer."""
+    from services.launch import start_provider_process, stop_process
+
+    provider, grpc_address, url = start_provider_process(env, provider_args)
+    address = grpc_address if example == "calculator" else url
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "services.cli", "run", f"examples/agentic/{example}.yaml"]
+    overrides = [f"model_path={tiny_model}", f"train_loop.run_dir={run_dir}", "train_loop.steps=2",
+                 "controller.groups_per_step=2", "env_manager.group_size=4", "env_manager.num_workers=4",
+                 "buffer.filter_zero_variance=false", "trainer.num_threads=1"]  # fmt: skip
+    for o in [*overrides, f"env_manager.env.addresses=[{address}]"]:
+        cmd += ["--set", o]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+        metrics = httpx.get(url + "/metrics").text
+    finally:
+        stop_process(provider)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    steps = re.search(r'rollmesh_provider_events_total\{event="step"\} ([\d.]+)', metrics)
+    assert steps and float(steps.group(1)) >= 2 * 2 * 4  # every episode of 2 steps x 2 groups x 4 stepped it

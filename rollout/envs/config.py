@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout.envs.base import Env
+from rollout.envs.calculator import CalculatorEnvConfig
+from rollout.envs.gem_game import GemEnvConfig
 from rollout.envs.remote import RemoteEnvConfig
 from rollout.envs.sim import SimEnvConfig
 from rollout.envs.single_turn import SingleTurnEnv
@@ -47,4 +49,12 @@ class CustomEnvConfig(BaseModel):
         return resolve("cls", self.cls, {}, attr_kind="Class")(rows, reward_fn, **self.args)
 
 
-EnvConfig = tagged_union(SingleTurnEnvConfig, SimEnvConfig, CustomEnvConfig, RemoteEnvConfig, default="single_turn")
+EnvConfig = tagged_union(
+    SingleTurnEnvConfig,
+    SimEnvConfig,
+    CalculatorEnvConfig,
+    GemEnvConfig,
+    CustomEnvConfig,
+    RemoteEnvConfig,
+    default="single_turn",
+)

@@ -29,3 +29,53 @@ def test_reward_registry():
     assert resolve_reward("rollout.rewards:first_token_match")("7 apples", "7") == 1.0
     with pytest.raises(ValueError, match="unknown"):
         resolve_reward("nope")
+
+
+def test_the_calculator_evaluates_arithmetic_and_nothing_else():
+    from rollout.envs.calculator import CalculatorError, calculate
+
+    assert [calculate(e) for e in ("12 * (3 + 4)", "7 / 2", " -3 + 10 ", "9 // 2", "2 ** 10", "1/3")] == [
+        "84", "3.5", "7", "4", "1024", "0.333333"]  # fmt: skip
+    for bad in ("__import__('os').system('true')", "1 / 0", "2 ** 1000", "x + 1", "3 +", "1" * 300):
+        with pytest.raises(CalculatorError):
+            calculate(bad)
+
+
+def test_calculator_env_answers_tool_calls_then_scores_the_answer():
+    from rollout.envs.calculator import CalculatorEnv, CalculatorEnvConfig
+
+    env = CalculatorEnv([{"prompt": "Ann has 12 boxes of 7 pens. How many pens?", "answer": "84"}], exact_match,
+                        CalculatorEnvConfig(max_calls=2))  # fmt: skip
+    assert env.reset(0).startswith("Ann has 12 boxes") and "<calc>" in env.reset(0)
+    call = env.step("Let me compute <calc>12*7</calc>")
+    assert (call.observation, call.role, call.done, call.reward) == ("84", "tool", False, 0.0)
+    assert env.step("<calc>12 *</calc>").observation.startswith("error: cannot parse")  # a bad call costs a call
+    out_of_calls = env.step("<calc>1+1</calc> 84")  # the third call is over max_calls: this is the answer
+    assert out_of_calls.done and out_of_calls.reward == 1.0 and out_of_calls.info["calls"] == 2
+    env.reset(0)
+    assert env.step("85").reward == 0.0 and env.budgets.step_s == 5.0
+
+
+def test_a_gem_game_is_played_to_a_win_and_a_loss():
+    import re
+
+    from rollout.envs.gem_game import GemEnv, GemEnvConfig
+
+    env = GemEnv(GemEnvConfig(env_id="game:GuessTheNumber-v0-easy"))
+    first = env.reset(7)
+    assert "Guess The Number" in first and "between 1 and 10" in first
+    lo, hi, result = 1, 10, None
+    for _ in range(4):  # binary search wins in at most 4 guesses of 1..10
+        guess = (lo + hi) // 2
+        result = env.step(f"My guess: \\boxed{{{guess}}}")
+        if result.done:
+            break
+        lo, hi = (guess + 1, hi) if "higher" in result.observation else (lo, guess - 1)
+        assert re.search(r"guessed \d+", result.observation) and "next guess" in result.observation
+    assert result.done and result.reward == 1.0
+    lose = GemEnv(GemEnvConfig(env_id="game:GuessTheNumber-v0-easy", reward_on_loss=0.0))
+    lose.reset(7)
+    target = int(re.search(r"\d+", result.info["feedback"].split("number")[-1]).group())
+    wrong = 1 if target != 1 else 2
+    steps = [lose.step(f"\\boxed{{{wrong}}}") for _ in range(4)]
+    assert steps[-1].done and steps[-1].reward == 0.0  # GEM's partial credit for a near miss, replaced
