@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 
@@ -35,12 +36,19 @@ async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
     reward = resolve_reward(cfg.env_manager.reward)
     max_new = cfg.env_manager.episode.sampling.max_new_tokens
     client = ProxyClient(proxy_address, auth=cfg.auth)
+    timeout_s = cfg.run.heldout_timeout_s
+
+    async def answer(prompt: list[int]):
+        t0 = time.monotonic()
+        out = await client.generate(prompt, max_new, temperature=0.0, timeout_s=timeout_s)
+        # An engine that ends its answer while the proxy aborts it at the deadline sends it whole, but late.
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"cut at {timeout_s:g} s")
+        return out
+
     try:
         prompts = [render_prompt(tok, r["prompt"]) for r in rows]
-        outs = await asyncio.gather(
-            *(client.generate(p, max_new, temperature=0.0, timeout_s=cfg.run.heldout_timeout_s) for p in prompts),
-            return_exceptions=True,
-        )
+        outs = await asyncio.gather(*(answer(p) for p in prompts), return_exceptions=True)
     finally:
         await client.close()
     errors, scores = [], []
