@@ -130,19 +130,25 @@ SERVICES = {
 }
 
 
+def _service_config(config: Path | None, overrides: list[str]):
+    """The run config of a service about to start; exit 2 if it has no token to check calls against."""
+    cfg = _config(config, overrides)
+    _logging()
+    from services.auth import AuthError
+
+    try:
+        cfg.auth.bearer()  # no token: refuse before anything starts listening
+    except AuthError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2) from None
+    return cfg
+
+
 def _register_serve(name: str, module: str, section: str | None, doc: str) -> None:
     def command(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
-        cfg = _config(config, set_)
-        _logging()
+        cfg = _service_config(config, set_)
         import importlib
 
-        from services.auth import AuthError
-
-        try:
-            cfg.auth.bearer()  # no token: refuse before anything starts listening
-        except AuthError as e:
-            typer.echo(f"config error: {e}", err=True)
-            raise typer.Exit(2) from None
         service = importlib.import_module(module)
         service.serve(getattr(cfg, section), cfg.auth) if section else service.serve(cfg)
 
@@ -166,15 +172,7 @@ def serve_env_provider(
     if env is not None:
         set_ = [*([f"env_provider.env.type={env}"] if ":" not in env else
                   ["env_provider.env.type=custom", f"env_provider.env.cls={env}"]), *set_]  # fmt: skip
-    cfg = _config(config, set_)
-    _logging()
-    from services.auth import AuthError
-
-    try:
-        cfg.auth.bearer()  # no token: refuse before anything starts listening
-    except AuthError as e:
-        typer.echo(f"config error: {e}", err=True)
-        raise typer.Exit(2) from None
+    cfg = _service_config(config, set_)
     from services.env_provider.server import serve
 
     try:
