@@ -242,8 +242,9 @@ class RemoteEnv:
             except NoProviderUp:
                 if time.monotonic() >= deadline:
                     raise
-                if not tried:  # none is up: wait for a health check to be due
-                    await asyncio.sleep(min(self.config.health_interval_s, deadline - time.monotonic()))
+                # None is up: wait for a health check to be due; every one tried (busy): a moment.
+                wait_s = 0.1 if tried else self.config.health_interval_s
+                await asyncio.sleep(min(wait_s, max(0.0, deadline - time.monotonic())))
                 tried = set()
                 continue
             try:

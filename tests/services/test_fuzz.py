@@ -64,8 +64,9 @@ from tests.services.mesh import local_mesh
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
 # Answers a service may give to bad input. UNKNOWN / INTERNAL (an unhandled exception), UNAVAILABLE (an engine
 # or backend knocked out) and DEADLINE_EXCEEDED (a hang) all fail the test.
+# NOT_FOUND: an id that names nothing (an environment provider's episode).
 CLEAN = {OK, INVALID, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
-         grpc.StatusCode.OUT_OF_RANGE}  # fmt: skip
+         grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND}  # fmt: skip
 GRPC_DEFAULT_LIMIT = 4 << 20  # a server's receive limit unless it sets grpc.max_receive_message_length
 INT32 = st.integers(-(2**31), 2**31 - 1)
 INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -1186,3 +1187,45 @@ def test_engine_http_answers_bad_json_and_hostile_values_with_a_4xx_naming_the_f
     fuzz_each(cases, one, max_examples=3)
     assert get(engine.url, "/health").status_code == 200
     assert greedy_ids() == reference
+
+
+# ---------------------------------------------------------------------------------------------- an env provider
+def test_env_provider_answers_malformed_bytes_cleanly(aio):
+    """The provider's gRPC server over its sessions (the test's scripted environment), fuzzed; it then
+    runs an episode as before."""
+    from services.env_provider import server as provider_server
+    from services.env_provider.sessions import ProviderSessions
+    from services.pb.rollmesh.v1 import env_provider_pb2 as ppb
+    from tests.services.provider_envs import ScriptEnv
+
+    sessions = ProviderSessions(ScriptEnv, "script", max_sessions=100_000, step_timeout_s=5.0, session_idle_s=600,
+                                max_action_chars=65_536)  # fmt: skip
+
+    async def start():
+        server = await start_server(provider_server.grpc_handler(sessions), provider_server.SERVICE, "127.0.0.1", 0)
+        return server, channel(f"127.0.0.1:{server.bound_port}")
+
+    server, ch = aio.run(start())
+    try:
+        aio.run(sessions.reset("fuzzed", 0))
+        methods = {
+            "Describe": ppb.DescribeRequest(),
+            "Reset": ppb.ResetRequest(seed=1, episode_id="e1"),
+            "Step": ppb.StepRequest(episode_id="fuzzed", action="a", request_id="r", timeout_s=1.0),
+            "Close": ppb.CloseRequest(episode_id="nobody"),
+        }
+        fuzz_unary_methods(aio, ch, "EnvProvider", methods, 30)
+
+        async def episode():
+            code, out = await raw_call(ch, "EnvProvider", "Reset", ppb.ResetRequest(seed=4, episode_id="after")
+                                       .SerializeToString(), None)  # fmt: skip
+            first = ppb.ResetResponse.FromString(out).observation
+            code, out = await raw_call(ch, "EnvProvider", "Step", ppb.StepRequest(episode_id="after", action="x")
+                                       .SerializeToString(), None)  # fmt: skip
+            return first, ppb.StepResponse.FromString(out)
+
+        first, step = aio.run(episode())
+        assert first == "start 4" and (step.observation, step.role) == ("echo x", "tool")
+    finally:
+        aio.run(ch.close())
+        aio.run(server.stop(0))
