@@ -63,16 +63,17 @@ def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | N
 
 
 def serve_command(service: str, section: str, overrides: list[str], config_path: str | None = None) -> list[str]:
-    """``rollmesh serve SERVICE [--config PATH] --set SECTION.key=value ...`` as an argv list; a bare
-    ``key=value`` is the section's unless ``key`` is a top-level key of the run config (``model_path``)."""
+    """``rollmesh serve SERVICE [--config PATH] --set SECTION.key=value ...`` as an argv list; a
+    ``key=value`` (or ``key.sub=value``) is the section's unless ``key`` is a top-level key of the run
+    config (``model_path``, ``auth.disabled``)."""
     from services.config import RollmeshConfig
 
     cmd = [sys.executable, "-m", "services.cli", "serve", service]
     if config_path:
         cmd += ["--config", str(config_path)]
     for o in overrides:
-        key = o.split("=", 1)[0]
-        cmd += ["--set", o if "." in key or key in RollmeshConfig.model_fields else f"{section}.{o}"]
+        top = o.split("=", 1)[0].split(".")[0]
+        cmd += ["--set", o if top in RollmeshConfig.model_fields else f"{section}.{o}"]
     return cmd
 
 

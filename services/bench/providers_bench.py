@@ -26,8 +26,7 @@ from services.launch import start_provider_process, stop_process
 def _trivial_env() -> list[str]:
     rows = Path(tempfile.mkdtemp(prefix="rollmesh-bench-providers-")) / "rows.jsonl"
     rows.write_text('{"prompt": "step", "answer": "0"}\n')
-    return [f"dataset_path={rows}", "env_provider.env.latency_median_s=0", "env_provider.env.turns=1000000000",
-            "max_sessions=4096"]  # fmt: skip
+    return [f"dataset_path={rows}", "env.latency_median_s=0", "env.turns=1000000000", "max_sessions=4096"]
 
 
 async def _cell(protocol: str, addresses: list[str], concurrency: int, seconds: float) -> dict:
