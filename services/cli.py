@@ -297,6 +297,11 @@ def bench_async(
     agentic: bool = typer.Option(True, help="Also run the agentic variant (sync_batch and async_2)."),
     keep: Path = typer.Option(None, help="Keep every scenario's config, logs and metrics.jsonl in this directory."),
     suspend_mode: str = typer.Option("in_place", help="controller.suspend_mode of every scenario: in_place|continue."),
+    providers: bool = typer.Option(
+        False,
+        help="Instead: the agentic scenario with environments in provider processes, with and without "
+        "injected faults and redundant rollout (~8 min).",
+    ),
     groups_per_step: int = typer.Option(
         None, help="Groups (of 8) per training step; default 80, five times what the engines decode at once."
     ),
@@ -307,7 +312,7 @@ def bench_async(
 
     gps = DEFAULT_GROUPS_PER_STEP if groups_per_step is None else groups_per_step
     result = _checked(run, str(model), steps, warmup, engines, time_scale, scenario or None, agentic,
-                      _progress(json_), keep, suspend_mode, gps)  # fmt: skip
+                      _progress(json_), keep, suspend_mode, gps, providers)  # fmt: skip
     _emit(result, json_)
 
 

@@ -33,6 +33,13 @@ class SimEnvConfig(BaseModel):
     latency_cap_s: float = Field(600.0, gt=0, description="Longest simulated step.")
     time_scale: float = Field(100.0, gt=0, description="Simulated seconds per wall second (match the engines').")
     budgets: Budgets | None = Field(None, description="The latency budgets it declares (wall seconds, tokens).")
+    slow_step_share: float = Field(
+        0.0, ge=0, le=1, description="Fail-slow: this share of steps takes slow_factor times its drawn latency."
+    )
+    slow_factor: float = Field(20.0, ge=1, description="How much slower a fail-slow step is.")
+    stuck_episode_share: float = Field(
+        0.0, ge=0, le=1, description="Fail-stop: this share of episodes never answers a step (until cancelled)."
+    )
 
     def build(self, rows: list[dict], reward_fn=None) -> SimEnv:
         return SimEnv(rows, self)
@@ -48,19 +55,27 @@ class SimEnv:
         self._id = next(self._instances)
         self._rng = random.Random(self._id)
         self._turn = 0
+        self._stuck = False
 
     def reset(self, seed: int) -> str:
         self._rng = random.Random(seed * 1_000_003 + self._id)
         self._turn = 0
+        # Faults draw only where configured: without them, every episode's draws are as they were.
+        self._stuck = self.config.stuck_episode_share > 0 and self._rng.random() < self.config.stuck_episode_share
         return self.rows[seed % len(self.rows)]["prompt"]
 
     def latency_s(self) -> float:
         c = self.config
         if c.latency_median_s == 0:
             return 0.0
-        return min(c.latency_cap_s, self._rng.lognormvariate(math.log(c.latency_median_s), c.latency_sigma))
+        latency = self._rng.lognormvariate(math.log(c.latency_median_s), c.latency_sigma)
+        if c.slow_step_share > 0 and self._rng.random() < c.slow_step_share:
+            latency *= c.slow_factor
+        return min(c.latency_cap_s, latency)
 
     async def step(self, action: str) -> StepResult:
+        if self._stuck:  # a fail-stop environment: no answer, ever (the caller's deadline ends it)
+            await asyncio.Event().wait()
         await asyncio.sleep(self.latency_s() / self.config.time_scale)
         self._turn += 1
         if self._turn < self.config.turns:

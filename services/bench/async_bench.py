@@ -36,6 +36,17 @@ SCENARIOS = {
     "async_4": {"async_ratio": 4, "scheduling": "queue", "replicate": True},
 }
 AGENTIC = ("sync_batch", "async_2")
+# The agentic variant at async_ratio 2 with its environments in provider processes over HTTP: with and
+# without injected faults (5% of steps 20x slower, 1% of episodes never answering), with and without
+# redundant rollout (group_size + REDUNDANT members, the first group_size to end kept).
+PROVIDER_SCENARIOS = {
+    "providers": {"faults": False, "redundant": 0},
+    "providers_faults": {"faults": True, "redundant": 0},
+    "providers_redundant": {"faults": False, "redundant": 2},
+    "providers_faults_redundant": {"faults": True, "redundant": 2},
+}
+FAULTS = {"slow_step_share": 0.05, "slow_factor": 20.0, "stuck_episode_share": 0.01}
+NUM_PROVIDERS = 2
 DEFAULT_GROUPS_PER_STEP = 80  # five times the default engines' slots: see _config
 # The RLVR workload's shape (what `rollmesh bench ceiling` plays when given no run config).
 
@@ -48,10 +59,10 @@ def agentic_groups(groups_per_step: int) -> int:
 def _config(
     tmp: Path, name: str, scenario: dict, agentic: bool, *, engines: int, time_scale: float, steps: int,
     tokenizer: str, suspend_mode: str = "in_place", groups_per_step: int = DEFAULT_GROUPS_PER_STEP,
+    providers: list[str] | None = None, redundant: int = 0,
 ) -> Path:  # fmt: skip
-    dataset = tmp / "prompts.jsonl"
-    if not dataset.exists():
-        dataset.write_text("".join(json.dumps({"prompt": f"task {i}", "answer": ""}) + "\n" for i in range(1000)))
+    """``providers``: the environments' provider URLs (REST): the episodes run there, not in the EnvManager."""
+    dataset = _dataset(tmp)
     # By default a step's trajectories (80 x 8) are five times what the engines decode at once (2 x 64),
     # as in production recipes (DAPO: 512 prompts x 16 on 16 GPUs). Smaller steps next to the engines
     # need a larger async_ratio: at 1x, ratio 2 reaches only ~0.5 of the ideal (`rollmesh bench ceiling`).
@@ -78,7 +89,10 @@ def _config(
         },
         "env_manager": {
             "dataset_path": str(dataset),
-            "env": {"type": "sim", **env_args},
+            "env": {"type": "sim", **env_args}
+            if not providers
+            else {"type": "remote", "protocol": "http", "addresses": providers, "num_seeds": 1000},
+            "redundant_members": redundant,
             "group_size": group_size,
             # Enough workers for the largest bound: (4 + 1) x groups_per_step groups in flight.
             "num_workers": 5 * groups_per_step,
@@ -88,7 +102,9 @@ def _config(
                 "max_turns": env_args["turns"],
                 "sampling": {"max_new_tokens": max_new_tokens},
                 "generation_timeout_s": 600,
-                "step_timeout_s": 600,
+                # The longest simulated step (latency_cap_s), in wall seconds: a step that never answers is cut
+                # there (without redundancy, its group waits that long).
+                "step_timeout_s": 600 / time_scale if providers else 600,
             },
         },
         "trainer": {"type": "sim", "time_scale": time_scale},
@@ -123,6 +139,7 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
             raise RuntimeError(f"trainer failed ({trainer.returncode}): see {run_dir / 'logs' / 'trainer.log'}")
         stats = _buffer_stats(mesh.buffer)
         stale_share = _stale_token_share(mesh.metrics.get("env-manager", []))
+        members = _member_fates(mesh.metrics.get("env-manager", []))
     finally:
         if trainer is not None:
             stop_process(trainer)
@@ -159,6 +176,7 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
         "rules_step_s": rules["window_step_s"] if rules else None,
         "rules_steady_step_s": rules["steady"]["step_s"] if rules else None,
         "rules_efficiency": rules["steady"]["efficiency"] if rules else None,
+        **members,
     }
 
 
@@ -216,6 +234,36 @@ def _stale_token_share(env_manager_targets: list[str]) -> float | None:
     return round(stale / generated, 3) if generated else None
 
 
+def _member_fates(env_manager_targets: list[str]) -> dict:
+    """Redundant rollout's price and bias, from the EnvManagers' metrics: the share of generated tokens
+    that went to members cancelled when their group was full, and the mean generated tokens of a kept
+    member (against a run without redundancy: the bias toward episodes that end sooner)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    for target in env_manager_targets:
+        try:
+            text = httpx.get(f"http://{target}/metrics", timeout=2).text
+        except httpx.HTTPError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                label = sample.labels.get("fate") or sample.labels.get("cause") or ""
+                key = f"{sample.name}:{label}"
+                sums[key] = sums.get(key, 0.0) + sample.value
+    generated = sums.get("rollmesh_env_generated_tokens_total:", 0.0)
+    kept_n = sums.get("rollmesh_env_member_generated_tokens_count:kept", 0.0)
+    return {
+        "redundant_token_share": round(sums.get("rollmesh_env_dropped_member_tokens_total:redundant", 0.0)
+                                       / generated, 3) if generated else None,
+        "members_cancelled": sums.get("rollmesh_env_members_dropped_total:redundant", 0.0),
+        "members_timed_out": sums.get("rollmesh_env_members_dropped_total:timeout", 0.0),
+        "kept_member_mean_tokens": round(sums.get("rollmesh_env_member_generated_tokens_sum:kept", 0.0) / kept_n, 1)
+        if kept_n else None,
+    }  # fmt: skip
+
+
 def _buffer_stats(address: str) -> dict:
     import asyncio
 
@@ -235,9 +283,13 @@ def _buffer_stats(address: str) -> dict:
 def run(
     tokenizer: str, steps: int = 6, warmup: int = 2, engines: int = SHAPE["engines"], time_scale: float = 25.0,
     scenarios: list[str] | None = None, agentic: bool = True, progress=print, keep: Path | None = None,
-    suspend_mode: str = "in_place", groups_per_step: int = DEFAULT_GROUPS_PER_STEP,
+    suspend_mode: str = "in_place", groups_per_step: int = DEFAULT_GROUPS_PER_STEP, providers: bool = False,
 ) -> dict:  # fmt: skip
-    """Run the scenarios; returns the table rows and the summary the JSON line reports."""
+    """Run the scenarios; returns the table rows and the summary the JSON line reports. ``providers``:
+    only the agentic scenarios with provider processes, faults and redundancy (``PROVIDER_SCENARIOS``)."""
+    if providers:
+        return run_providers(tokenizer, steps, warmup, engines, time_scale, progress, keep, suspend_mode,
+                             groups_per_step)  # fmt: skip
     if steps < 1 or warmup < 1 or groups_per_step < 1:
         raise BadOption("steps, warmup and groups_per_step: must be >= 1")
     names = scenarios or list(SCENARIOS)
@@ -267,6 +319,61 @@ def run(
     return {"scenarios": results, "suspend_mode": suspend_mode, "groups_per_step": groups_per_step,
             "agentic_groups_per_step": agentic_groups(groups_per_step),
             **summarize(results)}  # fmt: skip
+
+
+def run_providers(tokenizer: str, steps: int, warmup: int, engines: int, time_scale: float, progress, keep,
+                  suspend_mode: str, groups_per_step: int) -> dict:  # fmt: skip
+    from services.launch import start_provider_process, stop_process
+
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="rollmesh-bench-providers-") as d:
+        tmp = Path(keep or d)
+        tmp.mkdir(parents=True, exist_ok=True)
+        dataset = _dataset(tmp)
+        for name, spec in PROVIDER_SCENARIOS.items():
+            env = {"turns": 4, "latency_median_s": 5.0, "latency_sigma": 1.2, "time_scale": time_scale,
+                   **(FAULTS if spec["faults"] else {})}  # fmt: skip
+            overrides = [f"dataset_path={dataset}", "max_sessions=8192", *(f"env.{k}={v}" for k, v in env.items())]
+            procs = [start_provider_process("sim", overrides, log_path=tmp / f"{name}-provider{i}.log")
+                     for i in range(NUM_PROVIDERS)]  # fmt: skip
+            try:
+                path = _config(tmp, name, SCENARIOS["async_2"], True, engines=engines, time_scale=time_scale,
+                               steps=warmup + steps, tokenizer=tokenizer, suspend_mode=suspend_mode,
+                               groups_per_step=groups_per_step, providers=[url for _, _, url in procs],
+                               redundant=spec["redundant"])  # fmt: skip
+                t0 = time.monotonic()
+                results[name] = r = run_scenario(path, warmup)
+            finally:
+                for proc, _, _ in procs:
+                    stop_process(proc)
+            progress(f"{name:28s} {r['step_s']:8.1f} s/step (ideal {r['ideal_step_s']:.1f}, efficiency "
+                     f"{r['ideal_step_s'] / r['step_s']:.2f})  members cancelled {r['members_cancelled']:.0f}, "
+                     f"timed out {r['members_timed_out']:.0f}  tokens lost to cancelled "
+                     f"{r['redundant_token_share'] or 0:.1%}  kept member {r['kept_member_mean_tokens']} tokens  "
+                     f"[{time.monotonic() - t0:.0f} s wall]")  # fmt: skip
+
+    def cost(faulty: str, clean: str) -> float:
+        return round(results[faulty]["step_s"] / results[clean]["step_s"] - 1, 3)
+
+    return {
+        "scenarios": results, "faults": FAULTS, "providers": NUM_PROVIDERS,
+        "agentic_groups_per_step": agentic_groups(groups_per_step), "redundant_members": 2,
+        # The target: with redundancy, the faults cost <= 10% of step time against the same run without faults.
+        "fault_cost_without_redundancy": cost("providers_faults", "providers"),
+        "fault_cost_with_redundancy": cost("providers_faults_redundant", "providers_redundant"),
+        "efficiency_faults_redundant": round(results["providers_faults_redundant"]["ideal_step_s"]
+                                             / results["providers_faults_redundant"]["step_s"], 3),
+        # Bias toward episodes that end sooner: a kept member's mean length with redundancy against without.
+        "kept_length_ratio_redundant_vs_not": round(results["providers_redundant"]["kept_member_mean_tokens"]
+                                                    / results["providers"]["kept_member_mean_tokens"], 3),
+    }  # fmt: skip
+
+
+def _dataset(tmp: Path) -> Path:
+    dataset = tmp / "prompts.jsonl"
+    if not dataset.exists():
+        dataset.write_text("".join(json.dumps({"prompt": f"task {i}", "answer": ""}) + "\n" for i in range(1000)))
+    return dataset
 
 
 def summarize(results: dict[str, dict]) -> dict:
