@@ -57,7 +57,8 @@ class BatchScheduling:
         while loop.running:
             n = await loop.admit(num_workers)
             if n:
-                await loop.run_admitted(n, TurnBarrier(n * loop.config.group_size))
+                members = loop.config.group_size + loop.config.redundant_members  # every episode is a party
+                await loop.run_admitted(n, TurnBarrier(n * members))
 
 
 SCHEDULINGS: dict[str, type[Scheduling]] = {"queue": QueueScheduling, "batch": BatchScheduling}

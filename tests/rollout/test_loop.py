@@ -408,3 +408,24 @@ def test_redundant_members_cover_for_failed_ones():
     loop, groups = asyncio.run(main())
     assert [[t.trajectory_id[-1] for t in g.trajectories] for g in groups] == [["1", "2"]] * 2
     assert loop.counters["members_dropped_raised"] == 2 and loop.counters["members_dropped_redundant"] == 0
+
+
+def test_redundant_members_under_batch_scheduling():
+    """Batch rollout waits for every live episode at each turn: the redundant ones are parties too.
+    Member 2 of each group is slow to generate; no group may be scored before it arrives (counted
+    short, the barrier opened for members 0 and 1, which filled their group without it)."""
+
+    async def main():
+        loop, ctl, buffer, engine = make_loop({"hold": lambda rid: rid.endswith("/2")}, redundant_members=1,
+                                              group_size=2, scheduling="batch")  # fmt: skip
+        await loop.start()
+        await until(lambda: len(engine.held) >= 2)  # both groups of the step are waiting on member 2
+        await asyncio.sleep(0.1)
+        before = loop.counters["groups_put"] + loop.counters["groups_filtered"]
+        for event in engine.held.values():
+            event.set()
+        await until(lambda: loop.counters["trajectories"] >= 4)
+        await loop.stop()
+        return before
+
+    assert asyncio.run(main()) == 0
