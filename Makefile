@@ -87,6 +87,7 @@ bench: $(STAMP) model servers models/tiny-digits/config.json $(VLLM_STAMP)
 	.venv/bin/rollmesh bench buffer --json
 	.venv/bin/rollmesh bench trainer --model $(MODEL) --json
 	.venv/bin/rollmesh bench async --model $(MODEL) --json
+	.venv/bin/rollmesh bench async --model $(MODEL) --providers --json
 	.venv/bin/rollmesh bench ceiling --json
 	.venv/bin/rollmesh bench providers --json
 	.venv/bin/rollmesh bench weights --json
