@@ -25,3 +25,20 @@ def test_async_beats_sync_batch_within_the_staleness_bound(tiny_model):
     # Synchronous training never stops a group as stale; what async_2 lost is read from the EnvManager.
     assert sync["stale_token_share"] == 0 and 0 <= out["stale_token_share_async2"] < 1
     assert out["groups_per_step"] == 12 and sync["consumed"] == async2["consumed"] == 4 * 12
+
+
+def test_agentic_providers_with_faults_and_redundancy(tiny_model):
+    """`bench async --providers` cut down: episodes in provider processes, faults injected,
+    redundant members cancelled and counted."""
+    cmd = [sys.executable, "-m", "services.cli", "bench", "async", "--model", tiny_model, "--steps", "1",
+           "--warmup", "1", "--time-scale", "50", "--groups-per-step", "12", "--providers", "--json"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs = out["scenarios"]
+    assert set(runs) == {"providers", "providers_faults", "providers_redundant", "providers_faults_redundant"}
+    assert all(r["consumed"] == 2 * 4 for r in runs.values())  # 2 steps of 4 agentic groups each
+    assert runs["providers"]["members_cancelled"] == 0 and runs["providers_redundant"]["members_cancelled"] > 0
+    assert 0 < runs["providers_redundant"]["redundant_token_share"] < 1
+    for key in ("fault_cost_without_redundancy", "fault_cost_with_redundancy", "kept_length_ratio_redundant_vs_not"):
+        assert isinstance(out[key], float), out
