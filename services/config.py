@@ -35,6 +35,12 @@ class RunConfig(BaseModel):
 
     num_engines: int = Field(1, ge=1, description="Engine processes behind the LLMProxy.")
     heldout_path: str | None = Field(None, description="JSONL evaluated greedily at the end (accuracy).")
+    heldout_episodes: int = Field(
+        0,
+        ge=0,
+        description="A remote environment's held-out set: this many greedy episodes on the seeds after "
+        "env_manager.env.num_seeds (never trained on), before and after training; success is reward >= 1.",
+    )
     heldout_timeout_s: float = Field(
         600.0, gt=0, description="How long one held-out answer may take; one that does not come counts as wrong."
     )
@@ -134,6 +140,13 @@ class RollmeshConfig(BaseModel):
             raise ValueError(f"proxy.engine_api: {self.proxy.engine_api!r} but engine.type {self.engine.type!r} "
                              f"speaks {api!r} (leave proxy.engine_api out)")  # fmt: skip
         self.proxy.engine_api = api
+        return self
+
+    @model_validator(mode="after")
+    def _heldout_episodes_need_seeds(self) -> RollmeshConfig:
+        if self.run.heldout_episodes and self.env_manager.env.type != "remote":
+            raise ValueError("run.heldout_episodes: held-out seeds are a remote environment's (env_manager.env.type "
+                             "remote); a local task's held-out set is run.heldout_path")  # fmt: skip
         return self
 
     @model_validator(mode="after")

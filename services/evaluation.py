@@ -62,3 +62,55 @@ async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
             scores.append(reward(tok.decode(out.output_ids, skip_special_tokens=True), row["answer"]))
     first = f"{type(errors[0]).__name__}: {errors[0]}" if errors else ""
     return HeldOut(sum(s >= 1.0 for s in scores) / len(scores), len(errors), first)
+
+
+async def heldout_episodes(proxy_address: str, cfg) -> HeldOut:
+    """A remote environment's held-out success: ``cfg.run.heldout_episodes`` greedy episodes on the
+    seeds after the ones training draws from (``env.num_seeds`` on), played through the LLMProxy
+    and the providers as training plays them; an episode succeeds with reward >= 1. One that
+    ends in an error or a missed deadline counts as failed, and is counted."""
+    from transformers import AutoTokenizer
+
+    from rollout.envs.remote import RemoteEnv
+    from rollout.episode import run_episode
+    from sample_buffer.trajectory import FinishReason
+    from services.env_provider.clients import build_pool
+    from services.llm_proxy.client import ProxyClient, ProxyGenerate
+
+    env_config, episode = cfg.env_manager.env, cfg.env_manager.episode
+    greedy = episode.model_copy(update={"sampling": episode.sampling.model_copy(update={"temperature": 0.0})})
+    tok = AutoTokenizer.from_pretrained(cfg.env_manager.tokenizer_path)
+    client, pool = ProxyClient(proxy_address, auth=cfg.auth), build_pool(env_config, cfg.auth)
+    engine = ProxyGenerate(client)
+
+    async def generate(ids, sampling, tid, timeout_s):
+        return await engine.generate(ids, sampling, request_id=tid, route=tid, timeout_s=timeout_s)
+
+    async def play(seed: int):
+        tid = f"heldout-{seed}-{time.monotonic_ns()}"
+        return await asyncio.wait_for(
+            run_episode(RemoteEnv(pool, tid), seed, generate, tok, greedy, trajectory_id=tid, group_id="heldout",
+                        prompt_id=f"s{seed}"), cfg.run.heldout_timeout_s)  # fmt: skip
+
+    seeds = range(env_config.num_seeds, env_config.num_seeds + cfg.run.heldout_episodes)
+    try:
+        outs = await asyncio.gather(*(play(s) for s in seeds), return_exceptions=True)
+    finally:
+        await asyncio.gather(client.close(), pool.aclose())
+    failed: list[BaseException] = []
+    for o in outs:
+        if isinstance(o, BaseException):
+            failed.append(o)
+        elif o.finish_reason in (FinishReason.ENV_ERROR, FinishReason.TIMEOUT):
+            failed.append(RuntimeError(f"{o.finish_reason}: {o.metadata.get('error') or o.metadata.get('timeout')}"))
+    wins = sum(not isinstance(o, BaseException) and o.reward >= 1.0 for o in outs)
+    first = f"{type(failed[0]).__name__}: {failed[0]}" if failed else ""
+    return HeldOut(wins / len(outs), len(failed), first)
+
+
+def evaluator(cfg):
+    """How this run's held-out set is evaluated, or None: a JSONL of prompts, or a remote environment's
+    unseen seeds."""
+    if cfg.run.heldout_path:
+        return heldout_accuracy
+    return heldout_episodes if cfg.run.heldout_episodes else None

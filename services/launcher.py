@@ -23,7 +23,7 @@ from rich.console import Console
 from services.auth import ensure_token
 from services.compare import SUMMARY
 from services.config import load_config
-from services.evaluation import heldout_accuracy
+from services.evaluation import evaluator
 from services.launch import (
     free_port,
     serve_command,
@@ -203,9 +203,9 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         console.print(f"[green]engines[/] {', '.join(mesh.engine_urls)}")
         console.print(f"[green]mesh up[/] proxy {mesh.proxy}, buffer {mesh.buffer}, controller {mesh.controller}")
         proxy_addr = mesh.proxy
-        acc0 = None
-        if cfg.run.heldout_path:  # when resuming: the restored weights, as the engines now serve them
-            acc0 = asyncio.run(heldout_accuracy(proxy_addr, cfg))
+        acc0, evaluate = None, evaluator(cfg)
+        if evaluate is not None:  # when resuming: the restored weights, as the engines now serve them
+            acc0 = asyncio.run(evaluate(proxy_addr, cfg))
             console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {acc0}")
         _, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
         trainer_proc = start_trainer(config_path, overrides, mesh, logs / "trainer.log", cfg.run.trainer_procs)
@@ -229,7 +229,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         history, _ = _tail_metrics(run_dir / "metrics.jsonl", 0)  # the curve as it stands, resumes included
         if history:
             plot_rewards(history, run_dir / "reward_curve.png")
-        held = asyncio.run(heldout_accuracy(proxy_addr, cfg)) if cfg.run.heldout_path else None
+        held = asyncio.run(evaluate(proxy_addr, cfg)) if evaluate is not None else None
         if held is not None and held.unanswered:
             console.print(f"[red]held-out: {held}[/]")
         acc = held.accuracy if held is not None else float("nan")

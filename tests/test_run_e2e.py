@@ -201,7 +201,7 @@ def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, examp
     cmd = [sys.executable, "-m", "services.cli", "run", f"examples/agentic/{example}.yaml"]
     overrides = [f"model_path={tiny_model}", f"train_loop.run_dir={run_dir}", "train_loop.steps=2",
                  "controller.groups_per_step=2", "env_manager.group_size=4", "env_manager.num_workers=4",
-                 "buffer.filter_zero_variance=false", "trainer.num_threads=1"]  # fmt: skip
+                 "buffer.filter_zero_variance=false", "trainer.num_threads=1", "run.heldout_episodes=4"]  # fmt: skip
     for o in [*overrides, f"env_manager.env.addresses=[{address}]"]:
         cmd += ["--set", o]
     try:
@@ -211,5 +211,7 @@ def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, examp
         stop_process(provider)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    summary = json.loads((run_dir / "summary.json").read_text())  # held-out: unseen seeds, greedy, through it
+    assert 0.0 <= summary["heldout_before"] <= 1.0 and 0.0 <= summary["heldout_after"] <= 1.0
     steps = re.search(r'rollmesh_provider_events_total\{event="step"\} ([\d.]+)', metrics)
     assert steps and float(steps.group(1)) >= 2 * 2 * 4  # every episode of 2 steps x 2 groups x 4 stepped it
