@@ -320,8 +320,10 @@ class RemoteEnv:
 
 def _at_fault(error: BaseException) -> bool:
     """The provider, not the request, failed: no answer, no connection, or an answer that is not the
-    contract. It leaves the rotation until a health check passes."""
-    return _retryable(error) or (isinstance(error, ProviderError) and error.kind == "garbage")
+    contract. It leaves the rotation until a health check passes (a busy one stays: it answered)."""
+    if isinstance(error, ProviderError):
+        return error.kind in ("unreachable", "garbage")
+    return isinstance(error, TimeoutError)
 
 
 def _retryable(error: BaseException) -> bool:

@@ -141,7 +141,7 @@ class _HttpBase:
             raise ProviderTimeout(f"{url}: {_message(data)}")
         if r.status == 503:
             raise ProviderError("busy", f"{url}: {_message(data)}", retryable=True)
-        if r.status >= 500 and r.status != 500:  # 502/504 from a gateway: the provider is not answering
+        if r.status > 500:  # 502/504 from a gateway: the provider is not answering (500: its environment raised)
             raise ProviderError("unreachable", f"{url}: HTTP {r.status}: {_message(data)}")
         if r.status >= 400:
             raise ProviderError("refused", f"{url}: HTTP {r.status}: {_message(data)}")

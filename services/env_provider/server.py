@@ -46,9 +46,9 @@ HTTP_STATUS = {"invalid": 400, "not_found": 404, "busy": 503, "timeout": 504, "e
 
 def build_sessions(config: EnvProviderConfig) -> ProviderSessions:
     _, _, make_env = config.env_factory()
-    name = getattr(make_env(), "name", config.env.type)
-    return ProviderSessions(make_env, name, max_sessions=config.max_sessions, step_timeout_s=config.step_timeout_s,
-                            session_idle_s=config.session_idle_s, max_action_chars=config.max_action_chars)  # fmt: skip
+    return ProviderSessions(make_env, config.env.type, max_sessions=config.max_sessions,
+                            step_timeout_s=config.step_timeout_s, session_idle_s=config.session_idle_s,
+                            max_action_chars=config.max_action_chars)  # fmt: skip
 
 
 def _timeout(value: float | None) -> float:

@@ -53,8 +53,10 @@ class _Session:
 class ProviderSessions:
     def __init__(self, make_env: Callable[[], Env], name: str, *, max_sessions: int, step_timeout_s: float,
                  session_idle_s: float, max_action_chars: int) -> None:  # fmt: skip
-        self.make_env, self.name = make_env, name
-        self.budgets = getattr(make_env(), "budgets", None)  # what the hosted environment declares
+        """``name``: the environment's, where it has no ``name`` of its own."""
+        self.make_env = make_env
+        probe = make_env()  # what the hosted environment says of itself: its name, its budgets
+        self.name, self.budgets = getattr(probe, "name", name), getattr(probe, "budgets", None)
         self.max_sessions, self.step_timeout_s = max_sessions, step_timeout_s
         self.session_idle_s, self.max_action_chars = session_idle_s, max_action_chars
         self.sessions: dict[str, _Session] = {}
