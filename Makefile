@@ -90,6 +90,7 @@ bench: $(STAMP) model servers models/tiny-digits/config.json $(VLLM_STAMP)
 	.venv/bin/rollmesh bench async --model $(MODEL) --providers --json
 	.venv/bin/rollmesh bench ceiling --json
 	.venv/bin/rollmesh bench providers --json
+	.venv/bin/rollmesh bench gateway --model $(MODEL) --json
 	.venv/bin/rollmesh bench weights --json
 	.venv/bin/rollmesh bench chaos --model $(MODEL) --json
 	.venv/bin/rollmesh bench offpolicy --model models/tiny-digits --json

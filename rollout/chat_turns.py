@@ -28,14 +28,14 @@ log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
-def _ids(rendered) -> list[int]:
+def token_ids(rendered) -> list[int]:
     """``apply_chat_template`` returns a list or, in newer transformers, a mapping."""
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
 
 def render_prompt(tokenizer, text: str) -> list[int]:
     """The first turn: one user message and the generation prompt, as the template gives it."""
-    return _ids(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    return token_ids(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
 
 
 class NotAPrefix(ValueError):
@@ -68,12 +68,12 @@ class Conversation:
         if self.exact:
             try:
                 text, self._text = self._delta(before, closed, after, answer, generated_ids, stopped)
-                return _ids(self.tokenizer.encode(text, add_special_tokens=False))
+                return token_ids(self.tokenizer.encode(text, add_special_tokens=False))
             except Exception as e:  # a template that raises on a role or layout: not a prefix either
                 self.exact = False
                 self._warn(e)
         alone = [{"role": role, "content": content}]
-        return _ids(self.tokenizer.apply_chat_template(alone, add_generation_prompt=True))
+        return token_ids(self.tokenizer.apply_chat_template(alone, add_generation_prompt=True))
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)

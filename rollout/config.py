@@ -5,13 +5,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout.envs.base import Env
 from rollout.envs.config import EnvConfig, SingleTurnEnvConfig
 from rollout.envs.single_turn import load_jsonl
 from rollout.episode import EpisodeConfig
+from rollout.reward_pool import RewardPool
 from rollout.rewards import resolve_reward
+
+
+class RewardWorkersConfig(BaseModel):
+    """Where the reward function runs (``rollout/reward_pool.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workers: int = Field(
+        0,
+        ge=0,
+        description="Worker processes scoring answers, and so how many are scored at once (0: in the "
+        "environment's own process, as a plain call). Use them for a CPU-heavy verifier (math-verify, a "
+        "parser): in-process it holds the GIL and stalls the EnvManager's event loop.",
+    )
+    timeout_s: float = Field(
+        30.0, gt=0, description="A score taking longer is cut: its worker is killed and replaced, the answer scores 0."
+    )
 
 
 class TaskConfig(BaseModel):
@@ -27,6 +45,10 @@ class TaskConfig(BaseModel):
         "custom | remote) with its own arguments.",
     )
     reward: str = Field("exact_match", description="Reward function: a name in rollout.rewards or 'module:function'.")
+    reward_workers: RewardWorkersConfig = Field(
+        default_factory=lambda: RewardWorkersConfig(),
+        description="Score in worker processes (a verifier that hangs or crashes costs one score, 0, counted).",
+    )
 
     @field_validator("reward")
     @classmethod
@@ -39,7 +61,24 @@ class TaskConfig(BaseModel):
         now, so a custom environment's constructor fails at start-up rather than mid-run."""
         rows, reward_fn = load_jsonl(self.dataset_path), resolve_reward(self.reward)
         self.env.build(rows, reward_fn)
+        if self.reward_workers.workers:
+            reward_fn = RewardPool(self.reward, self.reward_workers.workers, self.reward_workers.timeout_s)
         return rows, reward_fn, lambda: self.env.build(rows, reward_fn)
+
+
+class TailBatchingConfig(BaseModel):
+    """RollPacker's tail batching (``rollout/scheduling.py: TailScheduling``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    redundant_prompts: int = Field(
+        4,
+        ge=0,
+        description="Prompts (groups of group_size episodes) a short round launches beyond the step's "
+        "groups (controller.groups_per_step). The round ends when the step's groups are in; the prompts "
+        "still generating (as many as this, at most) wait for a long round, which runs once a step's worth "
+        "has gathered. More: shorter short rounds, more long rounds.",
+    )
 
 
 class RolloutConfig(TaskConfig):
@@ -50,11 +89,16 @@ class RolloutConfig(TaskConfig):
     )
     group_size: int = Field(8, ge=1, description="Trajectories per prompt (GRPO group); n independent requests.")
     num_workers: int = Field(8, ge=1, description="Groups (prompts) in flight at once in this pool.")
-    scheduling: Literal["queue", "batch"] = Field(
+    scheduling: Literal["queue", "batch", "tail"] = Field(
         "queue",
         description="queue: each group is scored and put the moment it ends, and its worker takes the next "
         "prompt. batch (the synchronous baseline): admit a step's groups, generate all, then score all, "
-        "then put all.",
+        "then put all. tail (RollPacker's tail batching, for async_ratio 0): short rounds launch more prompts "
+        "than a step needs and stop once the step's groups are in; the unfinished prompts run together in a "
+        "long round later (tail_batching).",
+    )
+    tail_batching: TailBatchingConfig = Field(
+        default_factory=lambda: TailBatchingConfig(), description="Tail batching's knobs (scheduling: tail)."
     )
     replicate_prompts: bool = Field(
         True,
@@ -88,3 +132,11 @@ class RolloutConfig(TaskConfig):
         description="A group left with fewer members than this (at most group_size) is not put: it fails and "
         "its slot goes back. GRPO's baseline needs two.",
     )
+
+    @model_validator(mode="after")
+    def _turns_for_every_try(self) -> RolloutConfig:
+        tries = getattr(self.env, "tries", 1)
+        if tries > self.episode.max_turns:
+            raise ValueError(f"env.tries: {tries} answers need episode.max_turns >= {tries}, "
+                             f"got {self.episode.max_turns}")  # fmt: skip
+        return self

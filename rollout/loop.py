@@ -32,7 +32,7 @@ from rollout.envs.base import Env
 from rollout.episode import run_episode
 from rollout.ports import Admission, Generate, Generation, RolloutObserver, SampleSink, TransientError
 from rollout.sampling import SamplingParams
-from rollout.scheduling import SCHEDULINGS, Scheduling
+from rollout.scheduling import Scheduling, Seats, make_scheduling
 from rollout.turn_barrier import TurnBarrier
 from sample_buffer.trajectory import FinishReason, Group, Trajectory
 
@@ -44,6 +44,7 @@ class GroupOutcome(StrEnum):
     FILTERED = "filtered"  # the buffer kept it out (no learning signal): its slot goes back
     STALE = "stale"  # stopped as staler than the bound: never put, its slot goes back
     FAILED = "failed"  # an episode or the put raised: logged, counted, its slot goes back
+    SURPLUS = "surplus"  # tail batching: it ended after its round's quota was in; never put
 
 
 # Why a member is left out of its group: a fault, or the group filled first (redundant rollout).
@@ -61,6 +62,7 @@ class _GroupState:
     """A group being rolled out, as far as staleness is concerned."""
 
     running: set[str]  # trajectory (= request) ids still generating
+    row: int = -1  # the prompt
     finished_starts: list[int] = field(default_factory=list)  # start versions of finished members
     tokens: dict[str, int] = field(default_factory=dict)  # generated so far, by member
     stale: bool = False
@@ -94,7 +96,7 @@ class RolloutLoop:
         self.id_prefix, self.first_prompt = id_prefix, first_prompt
         self.admission, self.engine, self.sink = admission, engine, sink
         self.observer = observer or RolloutObserver()
-        self.scheduling = scheduling or SCHEDULINGS[config.scheduling]()
+        self.scheduling = scheduling or make_scheduling(config)
         self.counters: Counter[str] = Counter()
         self.running = False  # admitting new groups
         self.running_episodes = 0
@@ -106,14 +108,22 @@ class RolloutLoop:
         self._stopped = False
 
     # ------------------------------------------------------------------ the loop
-    async def run_group(self, barrier: TurnBarrier | None = None) -> GroupOutcome:
-        """One admitted group, start to end; returns what became of it."""
+    def next_row(self) -> int:
+        """The next prompt: a shuffled order, round after round."""
+        n = self.counters["prompts_drawn"]
+        self.counters["prompts_drawn"] += 1
+        return self._order[(self.first_prompt + n) % len(self._order)]
+
+    async def run_group(self, barrier: TurnBarrier | None = None, row: int | None = None,
+                        seats: Seats | None = None) -> GroupOutcome:  # fmt: skip
+        """One admitted group, start to end; returns what became of it. ``row``: the prompt (default:
+        the next one); ``seats``: the group is put only if it gets one (tail batching's quota)."""
         n, t0 = self.counters["groups_started"], time.monotonic()
         self.counters["groups_started"] += 1
-        row = self._order[(self.first_prompt + n) % len(self._order)]  # a shuffled order, round after round
+        row = self.next_row() if row is None else row
         gid = f"{self.id_prefix}p{row}-{n}"
         size = self.config.group_size + self.config.redundant_members
-        state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(size)})
+        state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(size)}, row=row)
         try:  # generate → reward, every episode on its own, scored by its env the moment it ends
             trajectories = await self._first_members(row, gid, state, size, barrier)
         finally:
@@ -124,23 +134,34 @@ class RolloutLoop:
             log.warning("group %s: %d of %d members usable: not put", gid, len(trajectories), size)
             self.counters["groups_too_few_members"] += 1
             return self._ended(GroupOutcome.FAILED, trajectories, t0)
-        result = await self.sink.put(Group(gid, f"p{row}", trajectories), self.config.put_timeout_s)  # put
+        if seats is not None and not await seats.take():
+            return self._ended(GroupOutcome.SURPLUS, trajectories, t0)
+        accepted = False
+        try:
+            result = await self.sink.put(Group(gid, f"p{row}", trajectories), self.config.put_timeout_s)  # put
+            accepted = result.accepted
+        finally:
+            if seats is not None:
+                await asyncio.shield(seats.done(accepted))
         if not result.accepted and result.reason != "filtered":  # the buffer stayed full: not stored
             log.error("group %s not stored: %s", gid, result.reason)
             return self._ended(GroupOutcome.FAILED, trajectories, t0)
         return self._ended(GroupOutcome.PUT if result.accepted else GroupOutcome.FILTERED, trajectories, t0)
 
-    async def run_admitted(self, num_groups: int, barrier: TurnBarrier | None = None) -> list[GroupOutcome]:
-        """Run ``num_groups`` admitted groups at once and hand their slots back: a group in the buffer
-        keeps its slot as finished; any other returns it unused (a filtered group's slot must come
-        back, or dynamic filtering would use up the staleness budget and starve the trainer)."""
+    async def run_admitted(self, num_groups: int, barrier: TurnBarrier | None = None,
+                           rows: list[int] | None = None) -> list[GroupOutcome]:  # fmt: skip
+        """Run ``num_groups`` admitted groups at once (of ``rows``, default the next prompts) and hand
+        their slots back: a group in the buffer keeps its slot as finished; any other returns it unused
+        (a filtered group's slot must come back, or dynamic filtering would use up the staleness budget
+        and starve the trainer)."""
+        rows = rows or [None] * num_groups
         try:
-            outcomes = await asyncio.gather(*(self._run_group_safely(barrier) for _ in range(num_groups)))
+            outcomes = await asyncio.gather(*(self.run_group_safely(barrier, row) for row in rows))
         except asyncio.CancelledError:
-            await self._release(unused=num_groups)
+            await self.release(unused=num_groups)
             raise
         put = outcomes.count(GroupOutcome.PUT)
-        await self._release(unused=num_groups - put, finished=put)
+        await self.release(unused=num_groups - put, finished=put)
         return outcomes
 
     async def admit(self, num_groups: int) -> int:
@@ -153,7 +174,7 @@ class RolloutLoop:
             return 0
         self.async_ratio = admitted.async_ratio
         if admitted.num_groups and self._stopped:  # stopped while asking: the slots go back unused
-            await self._release(unused=admitted.num_groups)
+            await self.release(unused=admitted.num_groups)
             return 0
         if admitted.num_groups == 0:
             await asyncio.sleep(self.config.admit_poll_s)
@@ -279,9 +300,9 @@ class RolloutLoop:
         except Exception:
             log.exception("recording a dropped member failed")
 
-    async def _run_group_safely(self, barrier) -> GroupOutcome:
+    async def run_group_safely(self, barrier=None, row: int | None = None, seats: Seats | None = None) -> GroupOutcome:
         try:
-            return await self.run_group(barrier)
+            return await self.run_group(barrier, row, seats)
         except Exception:  # one failed group must not stop the pool: logged, counted, its slot returned
             log.exception("group failed")
             return self._ended(GroupOutcome.FAILED, [], None)
@@ -299,7 +320,12 @@ class RolloutLoop:
             log.exception("recording the end of a group failed")
         return outcome
 
-    async def _release(self, unused: int = 0, finished: int = 0) -> None:
+    async def abort_groups(self, rows: set[int]) -> None:
+        """Abort the generations of the groups rolling out ``rows`` (their tasks are cancelled by the caller)."""
+        running = [tid for state in self._rolling.values() if state.row in rows for tid in state.running]
+        await asyncio.gather(*(self.engine.abort(tid) for tid in running), return_exceptions=True)
+
+    async def release(self, unused: int = 0, finished: int = 0) -> None:
         try:
             await asyncio.shield(self.admission.release(unused=unused, finished=finished))
         except Exception as e:  # counted; the slots stay taken until the controller restarts

@@ -8,8 +8,8 @@ exceptions, never as gRPC status codes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from rollout.sampling import SamplingParams
@@ -37,6 +37,7 @@ class Generation:
     behavior_logprobs: list[float]  # the engine's log-prob of each output token
     token_versions: list[int]  # the policy version that produced each output token
     finish_reason: FinishReason
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked: (id, lp)
 
 
 class Admission(Protocol):
@@ -56,10 +57,13 @@ class Generate(Protocol):
     """The LLMProxy as the rollout loop sees it."""
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str, route: str, timeout_s: float
-    ) -> Generation:
+        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str, route: str, timeout_s: float,
+        top_logprobs: int = 0, on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Generation:  # fmt: skip
         """Generate for ``input_ids``; ``route`` keeps requests that share it on one engine.
-        Raises ``TransientError`` when the call may succeed if tried again."""
+        ``top_logprobs``: also the most likely tokens at each position; ``on_tokens``: stream the
+        generation, handing new tokens over as they are made (the agent gateway's streams; the
+        rollout loop passes neither). Raises ``TransientError`` when the call may succeed if tried again."""
 
     async def abort(self, request_id: str) -> None:
         """Stop a running generation; it returns its partial output as ``abort``."""

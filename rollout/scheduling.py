@@ -1,18 +1,19 @@
 """Scheduling strategies: how many groups the rollout loop admits at once, and when.
 
 A strategy is a plain object with ``run(loop, num_workers)``; it asks ``loop.admit`` for slots
-and hands them to ``loop.run_admitted``, until ``loop.running`` turns false. Strategies still to
-come plug in here: tail batching (RollPacker), redundant rollout (ROLL Flash).
+and hands them to ``loop.run_admitted``, until ``loop.running`` turns false.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
 from rollout.turn_barrier import TurnBarrier
 
 if TYPE_CHECKING:
+    from rollout.config import RolloutConfig, TailBatchingConfig
     from rollout.loop import RolloutLoop
 
 
@@ -61,4 +62,88 @@ class BatchScheduling:
                 await loop.run_admitted(n, TurnBarrier(n * members))
 
 
-SCHEDULINGS: dict[str, type[Scheduling]] = {"queue": QueueScheduling, "batch": BatchScheduling}
+class Seats:
+    """A round's quota of groups to put. A group that ends takes a seat before it is put and keeps
+    it if the buffer accepts it; a filtered (or failed) put gives it back. While every free seat
+    is taken by puts under way, a group that ends waits for their outcome: the round is full only
+    once ``n`` groups are in."""
+
+    def __init__(self, n: int) -> None:
+        self.free, self.pending = n, 0
+        self._changed = asyncio.Condition()
+
+    async def take(self) -> bool:
+        """A seat (True), or False once the quota is in."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.free > 0 or self.pending == 0)
+            if self.free <= 0:
+                return False
+            self.free, self.pending = self.free - 1, self.pending + 1
+            return True
+
+    async def done(self, accepted: bool) -> None:
+        async with self._changed:
+            self.pending -= 1
+            self.free += 0 if accepted else 1
+            self._changed.notify_all()
+
+
+class TailScheduling:
+    """RollPacker's tail batching, for synchronous training (``async_ratio`` 0).
+
+    A short round admits a step's groups (the quota) but launches ``redundant_prompts`` more
+    prompts, and ends the moment the quota of groups is in the buffer: the prompts still
+    generating then are the long tail. They are aborted and queued; once the queue holds a step's
+    worth, a long round runs them together, every group to its end. Both rounds feed training, so
+    long-answer prompts are trained on, a few steps later, not dropped; and most steps no longer
+    wait for the slowest answer of the step.
+    """
+
+    def __init__(self, config: TailBatchingConfig) -> None:
+        self.config = config
+        self.workers = 0
+        self.long_queue: deque[int] = deque()  # rows (prompts) waiting for a long round
+
+    async def run(self, loop: RolloutLoop, num_workers: int) -> None:
+        self.workers = 1
+        while loop.running:
+            n = await loop.admit(num_workers)
+            if not n:
+                continue
+            if len(self.long_queue) >= n:
+                loop.counters["tail_long_rounds"] += 1
+                await loop.run_admitted(n, rows=[self.long_queue.popleft() for _ in range(n)])
+            else:
+                loop.counters["tail_short_rounds"] += 1
+                await self._short_round(loop, n)
+
+    async def _short_round(self, loop: RolloutLoop, n: int) -> None:
+        seats = Seats(n)
+        rows = [loop.next_row() for _ in range(n + self.config.redundant_prompts)]
+        tasks = {asyncio.ensure_future(loop.run_group_safely(row=row, seats=seats)): row for row in rows}
+        pending, put = set(tasks), 0
+        try:
+            while pending and put < n:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                put += sum(t.result() == "put" for t in done)
+        except asyncio.CancelledError:  # the loop stops: every group goes, aborted at the engines
+            await loop.abort_groups(set(rows))
+            for t in tasks:
+                t.cancel()
+            await loop.release(unused=n - put, finished=put)
+            raise
+        if pending:  # the long tail: aborted now, run again in a long round
+            tail = {tasks[t] for t in pending}
+            await loop.abort_groups(tail)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            self.long_queue.extend(tasks[t] for t in tasks if t in pending)
+            loop.counters["tail_prompts_deferred"] += len(tail)
+        await loop.release(unused=n - put, finished=put)
+
+
+def make_scheduling(config: RolloutConfig) -> Scheduling:
+    if config.scheduling == "tail":
+        return TailScheduling(config.tail_batching)
+    return {"queue": QueueScheduling, "batch": BatchScheduling}[config.scheduling]()

@@ -126,6 +126,7 @@ SERVICES = {
     "sample-buffer": ("services.sample_buffer.server", "buffer", "The SampleBuffer gRPC service."),
     "controller": ("services.controller.server", None, "The AsyncController: admission, weight updates."),
     "env-manager": ("services.env_manager.server", None, "An EnvManager pool running episodes."),
+    "gateway": ("services.gateway.main", None, "The OpenAI-compatible agent gateway: sessions become trained groups."),
     "trainer": ("services.trainer.main", None, "The trainer process: train, publish, checkpoint; exits when done."),
 }
 
@@ -260,6 +261,22 @@ def bench_proxy(
     _emit(run(str(model), clients, requests_per_client), json_)
 
 
+@bench_app.command("gateway")
+def bench_gateway(
+    model: Path = typer.Option(Path("models/tiny"), help="Model directory (engine and chat template)."),
+    clients: int = typer.Option(200, help="Concurrent agents."),
+    duration_s: float = typer.Option(60.0, help="Seconds of load each way (straight to the proxy, via the gateway)."),
+    turns: int = typer.Option(3, help="Turns per session (each resends the history)."),
+    max_tokens: int = typer.Option(4, help="Tokens generated per turn."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Many agents' multi-turn sessions through the agent gateway vs straight to the LLMProxy: errors,
+    added latency, prompt tokens rendered vs reused by prefix aggregation."""
+    from services.bench.gateway_bench import run
+
+    _emit(_checked(run, str(model), clients, duration_s, turns, max_tokens, _progress(json_)), json_)
+
+
 @bench_app.command("buffer")
 def bench_buffer(
     groups: int = typer.Option(20_000, help="Groups to put and get."),
@@ -305,6 +322,9 @@ def bench_async(
     groups_per_step: int = typer.Option(
         None, help="Groups (of 8) per training step; default 80, five times what the engines decode at once."
     ),
+    tail: bool = typer.Option(
+        False, help="Instead: tail batching (RollPacker) against plain synchronous, on prompt-correlated lengths."
+    ),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
     """Synchronous vs queue scheduling vs async_ratio 1/2/4 on the latency simulator (real services)."""
@@ -312,7 +332,7 @@ def bench_async(
 
     gps = DEFAULT_GROUPS_PER_STEP if groups_per_step is None else groups_per_step
     result = _checked(run, str(model), steps, warmup, engines, time_scale, scenario or None, agentic,
-                      _progress(json_), keep, suspend_mode, gps, providers)  # fmt: skip
+                      _progress(json_), keep, suspend_mode, gps, providers, tail)  # fmt: skip
     _emit(result, json_)
 
 

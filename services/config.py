@@ -8,7 +8,7 @@ are errors that name the key, so a renamed option fails loudly instead of being 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -20,6 +20,7 @@ from services.auth import AuthConfig
 from services.controller.config import ControllerConfig
 from services.env_manager.config import EnvManagerConfig
 from services.env_provider.config import EnvProviderConfig
+from services.gateway.config import GatewayConfig
 from services.trainer.config import TrainerProcessConfig
 from trainer.config import TrainerConfig, TrainerVariant
 
@@ -34,6 +35,11 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_engines: int = Field(1, ge=1, description="Engine processes behind the LLMProxy.")
+    rollout: Literal["env_manager", "gateway"] = Field(
+        "env_manager",
+        description="Who makes the rollouts: the EnvManager running episodes, or external agents through the "
+        "agent gateway (started on gateway.port; its keys: gateway.api_keys_path and the run's token).",
+    )
     heldout_path: str | None = Field(None, description="JSONL evaluated greedily at the end (accuracy).")
     heldout_episodes: int = Field(
         0,
@@ -103,6 +109,9 @@ class RollmeshConfig(BaseModel):
     )
     trainer: TrainerVariant = Field(
         default_factory=TrainerConfig, description="The training engine: fsdp (default) or sim (`type: sim`)."
+    )
+    gateway: GatewayConfig = Field(
+        default_factory=GatewayConfig, description="The OpenAI-compatible gateway for external agents."
     )
     train_loop: TrainerProcessConfig = Field(
         default_factory=TrainerProcessConfig, description="The training loop and the trainer process around it."

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 _TYPE_NAMES = {"str", "int", "float", "bool", "bytes"}  # pydantic's names of union members of these types
 
 
-def _field(loc: tuple) -> str:
+def field_name(loc: tuple) -> str:
     """``("body", "sampling_params", "SamplingParams", "top_p")`` → ``sampling_params.top_p``.
 
     Union members appear in pydantic's locations under their type names; they are not fields
@@ -38,7 +38,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0]
-        field = _field(tuple(err.get("loc", ())))
+        field = field_name(tuple(err.get("loc", ())))
         if err.get("type") == "json_invalid":
             return bad_request("body", f"malformed JSON ({err.get('ctx', {}).get('error', 'invalid')})")
         if err.get("type") == "extra_forbidden":

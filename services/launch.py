@@ -125,6 +125,24 @@ def start_engine_process(
     return proc, url
 
 
+def start_gateway_process(
+    overrides: list[str], port: int, timeout_s: float = 60.0, config_path: str | None = None,
+    log_path: Path | None = None, auth: AuthConfig | None = None,
+) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """Run ``rollmesh serve gateway`` on ``port`` (agents are told where); returns (process, base URL)
+    once ``/health`` answers."""
+    cmd = serve_command("gateway", "gateway", [f"port={port}", *overrides], config_path)
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives as long as the process)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL)
+    url = f"{auth.scheme if auth else 'http'}://127.0.0.1:{port}"
+    try:
+        wait_http_healthy(url + "/health", timeout_s, proc, auth)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, url
+
+
 def start_provider_process(
     env: str, overrides: list[str] = (), grpc_port: int | None = None, http_port: int | None = None,
     timeout_s: float = 60.0, log_path: Path | None = None,

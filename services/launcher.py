@@ -28,6 +28,7 @@ from services.launch import (
     free_port,
     serve_command,
     start_engine_process,
+    start_gateway_process,
     start_service_process,
     stop_process,
 )
@@ -97,6 +98,7 @@ class Mesh:
     buffer: str
     controller: str
     metrics: dict[str, list[str]] = field(default_factory=dict)  # Prometheus job → host:port targets
+    gateway: str = ""  # the agent gateway's base URL, where run.rollout is gateway
 
     def metrics_port(self, job: str) -> str:
         """A free loopback port for ``job``'s /metrics, recorded as a scrape target."""
@@ -157,12 +159,19 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh
             "controller", "controller", ctl, log_path=logs / "controller.log", **up
         )
         mesh.services.append(Supervised("controller", proc, logs / "controller.log"))
-        proc, _ = start_service_process(
-            "env-manager", "env_manager",
-            [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager')}"],
-            log_path=logs / "env_manager.log", **up,
-        )  # fmt: skip
-        mesh.services.append(Supervised("env-manager", proc, logs / "env_manager.log"))
+        if cfg.run.rollout == "gateway":  # external agents make the rollouts
+            proc, mesh.gateway = start_gateway_process(
+                [*overrides, *mesh.wiring], cfg.gateway.port or free_port(), log_path=logs / "gateway.log", **up
+            )
+            mesh.metrics["gateway"] = [mesh.gateway.split("://", 1)[1]]  # /metrics beside the API
+            mesh.services.append(Supervised("gateway", proc, logs / "gateway.log"))
+        else:
+            proc, _ = start_service_process(
+                "env-manager", "env_manager",
+                [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager')}"],
+                log_path=logs / "env_manager.log", **up,
+            )  # fmt: skip
+            mesh.services.append(Supervised("env-manager", proc, logs / "env_manager.log"))
     except BaseException:
         mesh.stop()
         raise
@@ -185,7 +194,7 @@ def start_trainer(config_path: Path, overrides: list[str], mesh: Mesh, log_path:
 def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> int:
     cfg = load_config(config_path, overrides)
     ensure_token(cfg.auth)  # one per run, inherited by every process started below
-    console = Console()
+    console = Console(soft_wrap=True)  # a log file gets whole lines, not lines wrapped at 80 columns
 
     def _on_sigterm(signum, frame):  # stop the mesh on SIGTERM as on Ctrl-C, never leave orphans
         raise KeyboardInterrupt
@@ -202,6 +211,8 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         mesh = start_mesh(cfg, config_path, overrides, logs)
         console.print(f"[green]engines[/] {', '.join(mesh.engine_urls)}")
         console.print(f"[green]mesh up[/] proxy {mesh.proxy}, buffer {mesh.buffer}, controller {mesh.controller}")
+        if mesh.gateway:
+            console.print(f"[green]agent gateway[/] {mesh.gateway}/v1 (key: $ROLLMESH_TOKEN); waiting for agents")
         proxy_addr = mesh.proxy
         acc0, evaluate = None, evaluator(cfg)
         if evaluate is not None:  # when resuming: the restored weights, as the engines now serve them
@@ -225,6 +236,8 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
                 console.print(
                     f"step {m['step']:4d}  reward {m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
                     f"staleness max {m['staleness_max']}  {m['tokens'] / max(m['time_train_s'], 1e-9):,.0f} tok/s train"
+                    + (f"  turns {m['turns_mean']:.2f}" if m.get("turns_mean", 1) != 1 else "")
+                    + (f"  over target {m['turns_over_target_share']:.0%}" if "turns_over_target_share" in m else "")
                 )
         history, _ = _tail_metrics(run_dir / "metrics.jsonl", 0)  # the curve as it stands, resumes included
         if history:

@@ -27,7 +27,16 @@ def test_all_five_services_have_contracts():
     services = {
         "LLMProxy": (
             llm_proxy_pb2,
-            {"Generate", "Abort", "Suspend", "Resume", "UpdateWeights", "UpdateWeightsBucket", "Stats"},
+            {
+                "Generate",
+                "GenerateStream",
+                "Abort",
+                "Suspend",
+                "Resume",
+                "UpdateWeights",
+                "UpdateWeightsBucket",
+                "Stats",
+            },
         ),
         "EnvManager": (env_manager_pb2, {"Start", "Stop", "Stats"}),
         "EnvProvider": (env_provider_pb2, {"Describe", "Reset", "Step", "Close"}),

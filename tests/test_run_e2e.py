@@ -181,7 +181,7 @@ def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained
     # each came back (a restarted controller that cannot restore yet exits and is started again)
     assert all(n >= 1 for n in result["restarts_by_the_launcher"].values()), result
     assert result["groups_lost"] == 0 and result["groups_trained_twice"] == 0, result
-    assert result["groups_trained"] == 2 * result["steps"]  # every step of the curve, 2 groups each
+    assert result["groups_trained"] == 2 * result["steps"], result  # every step of the curve, 2 groups each
     assert result["groups_consumed"] >= result["groups_trained"] + result[
         "groups_trained_by_a_killed_trainer_before_its_checkpoint"]  # fmt: skip
 
@@ -189,6 +189,8 @@ def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained
 @pytest.mark.parametrize("example, env, provider_args", [
     ("calculator", "calculator", ["dataset_path=examples/math/sum1_train.jsonl", "reward=math_verify"]),
     ("guess_number", "gem", ["env.reward_on_loss=0"]),
+    ("digit_retry", "single_turn", ["env.tries=2", "dataset_path=examples/find_digit_train.jsonl",
+                                    "reward=digit_answer"]),
 ])  # fmt: skip
 def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, example, env, provider_args):
     """The README's two commands for each agentic example: a provider process, then `rollmesh run`
@@ -196,7 +198,7 @@ def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, examp
     from services.launch import start_provider_process, stop_process
 
     provider, grpc_address, url = start_provider_process(env, provider_args)
-    address = grpc_address if example == "calculator" else url
+    address = grpc_address if example in ("calculator", "digit_retry") else url
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "services.cli", "run", f"examples/agentic/{example}.yaml"]
     overrides = [f"model_path={tiny_model}", f"train_loop.run_dir={run_dir}", "train_loop.steps=2",
@@ -215,3 +217,33 @@ def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, examp
     assert 0.0 <= summary["heldout_before"] <= 1.0 and 0.0 <= summary["heldout_after"] <= 1.0
     steps = re.search(r'rollmesh_provider_events_total\{event="step"\} ([\d.]+)', metrics)
     assert steps and float(steps.group(1)) >= 2 * 2 * 4  # every episode of 2 steps x 2 groups x 4 stepped it
+
+
+def test_the_external_agent_example_trains_on_the_agents_sessions(tiny_model, tmp_path):
+    """The README's two commands for training an external agent: `rollmesh run` with the gateway in
+    place of the EnvManager (cut to 2 steps of 2 groups on the tiny model), and the agent script
+    against it until the run ends and the gateway goes away."""
+    from services.launch import free_port, wait_http_healthy
+
+    port, run_dir = free_port(), tmp_path / "run"
+    cmd = [sys.executable, "-m", "services.cli", "run", "examples/agent/train_agent.yaml"]
+    for o in [f"model_path={tiny_model}", f"train_loop.run_dir={run_dir}", "train_loop.steps=2",
+              "controller.groups_per_step=2", f"gateway.port={port}"]:  # fmt: skip
+        cmd += ["--set", o]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_http_healthy(f"http://127.0.0.1:{port}/health", 300, run)
+        agent = subprocess.run([sys.executable, "examples/agent/digit_agent.py", "--url", f"http://127.0.0.1:{port}",
+                                "--concurrency", "2", "--group-size", "4"],
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+        out, _ = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.send_signal(signal.SIGTERM)
+            run.wait(30)
+    assert run.returncode == 0, out[-3000:]
+    assert agent.returncode == 0, agent.stdout[-2000:] + agent.stderr[-2000:]
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2] and all(m["published"] for m in steps)
+    assert all(m["turns_mean"] >= 1.0 for m in steps)  # the agent's sessions, one or two turns each
+    assert re.search(r"^final: steps=2 .* heldout_accuracy=[\d.]+", out, re.M), out[-2000:]

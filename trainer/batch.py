@@ -87,3 +87,20 @@ def batch_from_sequences(seqs: list, loss_mask, behavior_logprobs, rewards, grou
     """A batch from token-id sequences (lists or tensors) and ready [B, T] / [B] tensors."""
     ids, offsets = _flat(seqs)
     return TrainBatch(ids, offsets, loss_mask, behavior_logprobs, rewards, group_ids)
+
+
+def episode_stats(groups: list[Group]) -> dict[str, float]:
+    """What the batch's episodes looked like, for the step's metrics: turns per episode, generated
+    tokens per turn and, where
+    the episodes ran under a latency penalty (``turns_over_target`` in their metadata), the share
+    of their turns that took longer than its target (the number a latency-aware policy lowers)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    turns = [len(t.metadata.get("turn_starts", ())) for t in trajs]
+    out = {"turns_mean": sum(turns) / len(turns)} if trajs else {}
+    if sum(turns):  # how long the policy talks per turn: what a latency-aware policy shortens
+        out["tokens_per_turn"] = float(sum(int(np.sum(t.loss_mask)) for t in trajs)) / sum(turns)
+    timed = [(t.metadata["turns_over_target"], n) for t, n in zip(trajs, turns, strict=True)
+             if "turns_over_target" in t.metadata]  # fmt: skip
+    if timed and sum(n for _, n in timed):
+        out["turns_over_target_share"] = sum(o for o, _ in timed) / sum(n for _, n in timed)
+    return out

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from sample_buffer.codec import decode_group
-from trainer.batch import batch_from_groups
+from trainer.batch import batch_from_groups, episode_stats
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainLoopConfig
 from trainer.ports import SampleSource, TrainObserver, TransientError, VersionControl, WeightPublisher
@@ -92,18 +92,24 @@ class TrainLoop:
         t_train = time.perf_counter()
         published = await self._publish()  # publish
         t_pub = time.perf_counter()
-        self._checkpoint_if_due()  # checkpoint
-        if self.rank != 0:
-            return metrics
-        staleness = [version - t.start_version for g in decoded for t in g.trajectories]
-        metrics |= {
-            "step": self.engine.step, "version": self.engine.version, "published": published,
-            "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
-            "time_get_s": t_get - t0, "time_train_s": t_train - t_get, "time_publish_s": t_pub - t_train,
-            "time_checkpoint_s": time.perf_counter() - t_pub, **self.publish_times, "wall": time.time(),
-            "group_ids": [g.group_id for g in decoded],  # which groups this step consumed (audits, chaos tests)
-        }  # fmt: skip
-        self.observer.step_done(metrics, staleness)
+        try:
+            if self.rank == 0:
+                staleness = [version - t.start_version for g in decoded for t in g.trajectories]
+                metrics |= {
+                    "step": self.engine.step, "version": self.engine.version, "published": published,
+                    "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
+                    "time_get_s": t_get - t0, "time_train_s": t_train - t_get, "time_publish_s": t_pub - t_train,
+                    **self.publish_times, "wall": time.time(),
+                    "group_ids": [g.group_id for g in decoded],  # which groups this step consumed (audits, chaos)
+                } | episode_stats(decoded)  # fmt: skip
+                # The step's line before its checkpoint: a trainer killed between the two leaves a line
+                # that a resume moves to lost_steps.jsonl; the other order would leave a checkpointed
+                # step with no line, its groups trained but missing from the curve.
+                self.observer.step_done(metrics, staleness)
+        finally:  # every rank checkpoints, whatever rank 0's report did: the save is collective
+            t_ckpt = time.perf_counter()
+            if self._checkpoint_if_due() and self.rank == 0:  # checkpoint
+                self.observer.checkpoint_done(time.perf_counter() - t_ckpt)
         return metrics
 
     async def publish(self) -> bool:
@@ -232,10 +238,12 @@ class TrainLoop:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _checkpoint_if_due(self) -> None:
+    def _checkpoint_if_due(self) -> bool:
         every = self.config.checkpoint_every
         if every and (self.engine.step % every == 0 or self.engine.step >= self.config.steps):
             save_checkpoint(self.engine, self.run_dir / "checkpoints", keep_last=2)
+            return True
+        return False
 
     async def _publish(self) -> bool:
         """``publish``, remembering on every rank whether it failed: a failed publish is tried again

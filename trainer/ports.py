@@ -88,6 +88,9 @@ class TrainObserver:
     def step_done(self, metrics: dict, staleness: list[int]) -> None:
         """A step's metrics (rank 0) and the staleness of every trajectory it trained on."""
 
+    def checkpoint_done(self, seconds: float) -> None:
+        """A checkpoint was written (rank 0), after its step's ``step_done``."""
+
     def update_done(self, seconds: float, location: str) -> None:
         """A weight update was committed; ``location`` is what ``export`` returned."""
 

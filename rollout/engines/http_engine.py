@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import ssl
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -42,6 +43,10 @@ class EngineResult:
     e2e_latency_s: float
     queue_time_s: float | None = None  # rollmesh engines report these; a stock SGLang server may not
     ttft_s: float | None = None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked: (id, lp)
+
+
+OnTokens = Callable[[list[int]], None]  # a streamed generation's new tokens, as they arrive
 
 
 def int_version(v) -> int:
@@ -129,6 +134,45 @@ class HTTPEngineClient:
         if not isinstance(body, dict):  # not an engine we can speak with: take it out of rotation
             raise EngineUnavailable(f"{url}: HTTP {status} with a body that is not a JSON object: {text[:200]!r}")
         return body
+
+    async def _post_events(self, path: str, timeout_s: float | None, **kwargs) -> AsyncIterator[dict]:
+        """A POST answered with server-sent events: each ``data:`` JSON object as it arrives, up
+        to ``[DONE]``. The timeout covers the whole stream; errors split as in ``_request``."""
+        url = self.base_url + path
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self._http().post(url, timeout=timeout, **kwargs) as r:
+                if r.status >= 400:
+                    text = await r.text()
+                    if r.status >= 500:
+                        raise EngineUnavailable(f"{url}: HTTP {r.status}: {text[:200]}")
+                    try:
+                        body = json.loads(text)
+                    except ValueError:
+                        body = {}
+                    raise EngineRejected(*_error(body, text), r.status)
+                pending = b""
+                # Lines split here: aiohttp's own line reader refuses a line over 64 KiB, and
+                # SGLang's events carry every token so far.
+                async for chunk in r.content.iter_any():
+                    *lines, pending = (pending + chunk).split(b"\n")
+                    for raw in lines:
+                        line = raw.decode().strip()
+                        if not line.startswith("data:"):
+                            continue  # blank separators, comments, event names
+                        data = line[len("data:") :].strip()
+                        if data == "[DONE]":
+                            return
+                        try:
+                            event = json.loads(data)
+                        except ValueError as e:
+                            raise EngineUnavailable(f"{url}: an event that is not JSON: {data[:200]!r}") from e
+                        if not isinstance(event, dict):
+                            raise EngineUnavailable(f"{url}: an event that is not a JSON object: {data[:200]!r}")
+                        yield event
+                raise EngineUnavailable(f"{url}: the stream ended without [DONE]")
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            raise EngineUnavailable(f"{url}: {type(e).__name__}: {e}") from e
 
     async def _post(self, path: str, timeout_s: float | None = None, **kwargs) -> dict:
         return await self._request("POST", path, timeout_s, **kwargs)

@@ -17,6 +17,7 @@ from rollout.engines.http_engine import (  # noqa: F401 (the errors are part of 
     EngineResult,
     EngineUnavailable,
     HTTPEngineClient,
+    OnTokens,
     int_version,
 )
 from rollout.sampling import SamplingParams
@@ -44,7 +45,29 @@ def parse_generate_response(body: dict) -> EngineResult:
         e2e_latency_s=float(meta.get("e2e_latency", 0.0)),
         queue_time_s=float(meta["queue_time"]) if "queue_time" in meta else None,
         ttft_s=float(meta["ttft"]) if "ttft" in meta else None,
+        top_logprobs=[[(int(t[1]), float(t[0])) for t in top or []] for top in meta.get("output_top_logprobs") or []],
     )
+
+
+# What an incremental SGLang stream (``--incremental-streaming-output``) sends as deltas; joined here.
+_PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs", "output_token_weight_versions")
+
+
+def join_events(events: list[dict]) -> dict:
+    """One ``/generate`` answer from the events of its stream. SGLang sends everything generated
+    so far in each event by default, and only what is new with ``--incremental-streaming-output``;
+    the embedded engine sends the whole answer last. Either way the answer is the last event, its
+    per-token lists joined from every event when they were deltas."""
+    last = events[-1]
+    meta = last.get("meta_info", {})
+    ids = last.get("output_ids", [])
+    if len(ids) >= int(meta.get("completion_tokens", len(ids))):
+        return last  # cumulative
+    joined = {"output_ids": [t for e in events for t in e.get("output_ids", [])], "meta_info": dict(meta)}
+    for key in _PER_TOKEN_META:
+        if any(key in e.get("meta_info", {}) for e in events):
+            joined["meta_info"][key] = [x for e in events for x in e.get("meta_info", {}).get(key) or []]
+    return joined
 
 
 class SGLangClient(HTTPEngineClient):
@@ -59,13 +82,32 @@ class SGLangClient(HTTPEngineClient):
         rid: str | None = None,
         return_logprob: bool = True,
         timeout_s: float | None = None,
+        top_logprobs: int = 0,
+        on_tokens: OnTokens | None = None,
     ) -> EngineResult:
+        """One generation. ``top_logprobs``: also the most likely tokens at each position;
+        ``on_tokens``: stream it, handing each event's new tokens over as they arrive."""
         if isinstance(sampling_params, SamplingParams):  # SGLang's names, every value sent: a server never
             sampling_params = sampling_params.model_dump(exclude_none=True)  # substitutes its own defaults
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if rid is not None:
             payload["rid"] = rid
-        return parse_generate_response(await self._post("/generate", timeout_s, json=payload))
+        if top_logprobs:
+            payload["top_logprobs_num"] = top_logprobs
+        if on_tokens is None:
+            return parse_generate_response(await self._post("/generate", timeout_s, json=payload))
+        events, seen = [], 0
+        async for event in self._post_events("/generate", timeout_s, json={**payload, "stream": True}):
+            events.append(event)
+            ids = event.get("output_ids") or []
+            done = int(event.get("meta_info", {}).get("completion_tokens", len(ids)))
+            new = ids[seen:] if len(ids) >= done else ids  # everything so far, or a delta
+            seen += len(new)
+            if new:
+                on_tokens(list(new))
+        if not events:
+            raise EngineUnavailable(f"{self.base_url}/generate: a stream without an answer")
+        return parse_generate_response(join_events(events))
 
     async def abort(self, rid: str | None = None, abort_all: bool = False, timeout_s: float = 5.0) -> dict:
         return await self._post("/abort_request", timeout_s, json={"rid": rid or "", "abort_all": abort_all})

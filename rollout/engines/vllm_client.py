@@ -25,7 +25,14 @@ from __future__ import annotations
 import asyncio
 import time
 
-from rollout.engines.http_engine import EngineRejected, EngineResult, EngineUnavailable, HTTPEngineClient, int_version
+from rollout.engines.http_engine import (
+    EngineRejected,
+    EngineResult,
+    EngineUnavailable,
+    HTTPEngineClient,
+    OnTokens,
+    int_version,
+)
 from rollout.sampling import SamplingParams
 from sample_buffer.trajectory import FINISH_REASONS, FinishReason
 
@@ -38,7 +45,7 @@ _RID_PREFIX = "generate-tokens-"
 _RESUME_RESERVE_S = 5.0
 
 
-def vllm_sampling(params: SamplingParams | dict, return_logprob: bool) -> dict:
+def vllm_sampling(params: SamplingParams | dict, return_logprob: bool, top_logprobs: int = 0) -> dict:
     """SGLang's sampling names (rollmesh's) as vLLM's ``SamplingParams``; every value is sent."""
     p = params if isinstance(params, SamplingParams) else SamplingParams.model_validate(params)
     out = {
@@ -53,11 +60,22 @@ def vllm_sampling(params: SamplingParams | dict, return_logprob: bool) -> dict:
     if p.sampling_seed is not None:
         out["seed"] = p.sampling_seed
     if return_logprob:
-        out["logprobs"] = 0  # the sampled token's log-prob only
+        # vLLM keeps the sampled token and the first k - 1 others: one more, for the whole top k
+        # when the sampled token is not among it (rollmesh serve engine raises --max-logprobs).
+        out["logprobs"] = top_logprobs + 1 if top_logprobs else 0  # 0: the sampled token's log-prob only
     return out
 
 
-def parse_vllm_response(body: dict, e2e_latency_s: float, return_logprob: bool = True) -> EngineResult:
+def _top(entry: dict, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely tokens of one position, by vLLM's rank (the list starts with the
+    sampled token, at its own rank, which may be past k)."""
+    ranked = {int(c["token_id"]): (int(c["rank"]), float(c["logprob"])) for c in entry.get("top_logprobs") or []
+              if c.get("rank") is not None and int(c["rank"]) <= k}  # fmt: skip
+    return [(t, lp) for t, (_, lp) in sorted(ranked.items(), key=lambda x: x[1][0])]
+
+
+def parse_vllm_response(body: dict, e2e_latency_s: float, return_logprob: bool = True,
+                        top_logprobs: int = 0) -> EngineResult:  # fmt: skip
     """One choice of ``/inference/v1/generate`` as an ``EngineResult``. An answer in another
     shape (a token without a log-prob or a weight version among them) is ``EngineUnavailable``
     naming what is missing: not an engine the proxy can use, so it leaves rotation and the request
@@ -67,6 +85,7 @@ def parse_vllm_response(body: dict, e2e_latency_s: float, return_logprob: bool =
         ids = [int(t) for t in choice["token_ids"] or []]
         content = (choice.get("logprobs") or {}).get("content") or []
         logprobs = [float(c["logprob"]) for c in content]
+        tops = [_top(c, top_logprobs) for c in content] if top_logprobs else []
         versions = [-1] * len(ids)
         for span in choice.get("weight_versions") or []:
             start, end = int(span["start"]), int(span["end"])
@@ -87,7 +106,26 @@ def parse_vllm_response(body: dict, e2e_latency_s: float, return_logprob: bool =
         weight_version=versions[-1] if versions else -1,  # no token: the client asks the server
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         e2e_latency_s=e2e_latency_s,
+        top_logprobs=tops,
     )
+
+
+def join_chunks(chunks: list[dict]) -> dict:
+    """The answer of a streamed ``/inference/v1/generate`` in the unary shape: each chunk carries
+    the new tokens and their log-probs; the last with a finish reason carries the weight-version
+    spans of the whole output; usage comes in a chunk of its own."""
+    ids, content, final, usage = [], [], {}, {}
+    for chunk in chunks:
+        if "error" in chunk:
+            raise EngineUnavailable(f"vLLM failed mid-stream: {str(chunk['error'])[:200]}")
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or []:
+            ids += choice.get("token_ids") or []
+            content += (choice.get("logprobs") or {}).get("content") or []
+            if choice.get("finish_reason") is not None:
+                final = choice
+    return {"choices": [{"token_ids": ids, "logprobs": {"content": content}, "finish_reason": final.get(
+        "finish_reason"), "weight_versions": final.get("weight_versions")}], "usage": usage}  # fmt: skip
 
 
 class VLLMClient(HTTPEngineClient):
@@ -100,13 +138,26 @@ class VLLMClient(HTTPEngineClient):
         rid: str | None = None,
         return_logprob: bool = True,
         timeout_s: float | None = None,
+        top_logprobs: int = 0,
+        on_tokens: OnTokens | None = None,
     ) -> EngineResult:
-        payload = {"token_ids": input_ids, "sampling_params": vllm_sampling(sampling_params, return_logprob)}
+        """As ``SGLangClient.generate``: ``on_tokens`` streams it (vLLM's ``stream: true``)."""
+        sampling = vllm_sampling(sampling_params, return_logprob, top_logprobs)
+        payload = {"token_ids": input_ids, "sampling_params": sampling}
         if rid is not None:
             payload["request_id"] = rid
         start = time.perf_counter()
-        body = await self._post("/inference/v1/generate", timeout_s, json=payload)
-        result = parse_vllm_response(body, time.perf_counter() - start, return_logprob)
+        if on_tokens is None:
+            body = await self._post("/inference/v1/generate", timeout_s, json=payload)
+        else:
+            chunks = []
+            stream = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+            async for chunk in self._post_events("/inference/v1/generate", timeout_s, json=stream):
+                chunks.append(chunk)
+                if new := [t for c in chunk.get("choices") or [] for t in c.get("token_ids") or []]:
+                    on_tokens(new)
+            body = join_chunks(chunks)
+        result = parse_vllm_response(body, time.perf_counter() - start, return_logprob, top_logprobs)
         if not result.output_ids and result.weight_version < 0:
             result.weight_version = (await self.model_info()).get("weight_version", -1)
         return result

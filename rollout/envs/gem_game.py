@@ -13,6 +13,7 @@ word list on first use, and fail on a closed network.)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Literal
 
@@ -31,6 +32,11 @@ class GemEnvConfig(BaseModel):
     reward_on_loss: float | None = Field(
         None, description="Reward of an episode that ended without a win; None keeps GEM's own (partial credit)."
     )
+    box_bare_number: bool = Field(
+        False,
+        description="An answer without \\boxed{} has its first number boxed before GEM reads it (GEM ends the "
+        "game on an answer it cannot read; a small model rarely writes \\boxed{} before it has learned to).",
+    )
 
     def build(self, rows=None, reward_fn: Callable | None = None) -> GemEnv:
         return GemEnv(self)
@@ -48,11 +54,16 @@ class GemEnv:
         return _with_suffix(obs, info)
 
     def step(self, action: str) -> StepResult:
+        if self.config.box_bare_number and "\\boxed{" not in action and (n := _NUMBER.search(action)):
+            action = f"\\boxed{{{n.group()}}}"
         obs, reward, terminated, truncated, info = self.game.step(action)
         done = bool(terminated or truncated)
         if done and self.config.reward_on_loss is not None and reward < 1.0:
             reward = self.config.reward_on_loss
         return StepResult(None if done else _with_suffix(obs, info), float(reward), done, {"feedback": obs})
+
+
+_NUMBER = re.compile(r"-?\d+")
 
 
 def _with_suffix(obs: str, info: dict) -> str:

@@ -1,4 +1,5 @@
-"""A single-turn verifiable task from a JSONL dataset: one prompt, one answer, one verifier."""
+"""A verifiable task from a JSONL dataset: one prompt, one answer, one verifier; with ``tries`` > 1
+a wrong answer is told so and answered again, which makes it the smallest multi-turn task."""
 
 from __future__ import annotations
 
@@ -30,18 +31,34 @@ def load_jsonl(path: str | Path, required: tuple[str, ...] = ("prompt", "answer"
 
 
 class SingleTurnEnv:
-    """``reset(seed)`` picks row ``seed % len(rows)``; ``step`` scores the response and ends."""
+    """``reset(seed)`` picks row ``seed % len(rows)``; ``step`` scores the response. The episode
+    ends at a solved answer (the reward function gives at least ``solved_at``) or after ``tries``
+    answers; before that a wrong answer gets ``retry_message`` as the next user turn. The answer
+    that ends the episode at try k (from 0) earns its reward times ``retry_discount ** k``, solved
+    or not: answering at once is worth more than after being told."""
 
-    def __init__(self, rows: list[dict], reward_fn: Callable[[str, str], float], name: str = "single_turn") -> None:
+    def __init__(self, rows: list[dict], reward_fn: Callable[[str, str], float], name: str = "single_turn",
+                 tries: int = 1, retry_message: str = "No. Try again.", retry_discount: float = 0.5,
+                 solved_at: float = 1.0) -> None:  # fmt: skip
+        if tries < 1:
+            raise ValueError(f"tries: must be >= 1, got {tries}")
         self.rows, self.reward_fn, self.name = rows, reward_fn, name
+        self.tries, self.retry_message = tries, retry_message
+        self.retry_discount, self.solved_at = retry_discount, solved_at
         self._row: dict | None = None
+        self._try = 0
 
     def reset(self, seed: int) -> str:
         self._row = self.rows[seed % len(self.rows)]
+        self._try = 0
         return self._row["prompt"]
 
     def step(self, action: str) -> StepResult:
         if self._row is None:
             raise RuntimeError("step() before reset()")
         reward = float(self.reward_fn(action, self._row["answer"]))
-        return StepResult(None, reward, True, {"answer": self._row["answer"]})
+        info = {"answer": self._row["answer"], "tries": self._try + 1}
+        if reward >= self.solved_at or self._try + 1 >= self.tries:
+            return StepResult(None, reward * self.retry_discount**self._try, True, info)
+        self._try += 1
+        return StepResult(self.retry_message, 0.0, False, info)

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rollout.engines.http_engine import EngineRejected, EngineUnavailable, int_version
+from rollout.engines.http_engine import EngineRejected, EngineUnavailable, OnTokens, int_version
 from rollout.engines.sglang_client import SGLangClient
 from rollout.proxy.config import ProxyConfig
 from rollout.proxy.router import EngineSlot, Router
@@ -35,6 +35,7 @@ from sample_buffer.trajectory import FinishReason
 log = logging.getLogger(__name__)
 
 SuspendMode = Literal["continue", "abort", "in_place"]
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and vLLM's default --max-logprobs
 _ENGINE_PAUSE_MODE = {"continue": "abort", "abort": "abort", "in_place": "in_place"}
 
 
@@ -57,6 +58,7 @@ class ProxyRequest:
     request_id: str = ""
     trajectory_id: str = ""
     timeout_s: float = 0.0
+    top_logprobs: int = 0  # the most likely tokens to report at each position (0: none)
 
 
 @dataclass
@@ -73,6 +75,7 @@ class ProxyResult:
     num_segments: int = 0
     queue_time_s: float = 0.0  # waiting at the suspend gate, plus the engine's queue for the first segment
     ttft_s: float | None = None  # arrival → first token, when the engine reports its own TTFT
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
 
 
 @dataclass
@@ -80,6 +83,8 @@ class _InFlight:
     request: ProxyRequest
     result: ProxyResult
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    on_tokens: OnTokens | None = None
+    streamed: int = 0  # tokens handed to on_tokens
     slot: EngineSlot | None = None
     engine_rid: str = ""
     t0: float = field(default_factory=time.perf_counter)
@@ -104,6 +109,8 @@ def _validate(req: ProxyRequest) -> None:
         raise RequestInvalid("input_ids", "must not be empty")
     if any(t < 0 for t in req.input_ids):
         raise RequestInvalid("input_ids", "token ids must be >= 0")
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestInvalid("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     _check_timeout(req.timeout_s)
 
 
@@ -158,12 +165,15 @@ class LLMProxy:
         return not self._open.is_set()
 
     # ------------------------------------------------------------------ generate
-    async def generate(self, req: ProxyRequest) -> ProxyResult:
+    async def generate(self, req: ProxyRequest, on_tokens: OnTokens | None = None) -> ProxyResult:
+        """Generate ``req``. ``on_tokens`` streams it: each piece of new tokens is handed over as the
+        engine makes it, across weight updates. An engine that fails after handing some over ends
+        the request as aborted (a retry elsewhere would hand tokens over again)."""
         _validate(req)
         req.request_id = req.request_id or uuid.uuid4().hex
         if req.request_id in self._in_flight:
             raise RequestInvalid("request_id", f"{req.request_id!r} is already in flight")
-        fl = _InFlight(req, ProxyResult(request_id=req.request_id))
+        fl = _InFlight(req, ProxyResult(request_id=req.request_id), on_tokens=on_tokens)
         deadline = fl.t0 + (req.timeout_s or self.config.request_timeout_s)
         self._in_flight[req.request_id] = fl
         self.counters["requests"] += 1
@@ -197,6 +207,9 @@ class LLMProxy:
             except EngineUnavailable as e:
                 self._take_out(slot, str(e))
                 failed.add(slot.name)
+                if fl.streamed > len(res.output_ids):  # the caller has tokens of the failed segment
+                    res.finish_reason = FinishReason.ABORT
+                    return
                 if len(failed) > self.config.max_retries:
                     raise NoEngineAvailable(f"{len(failed)} engines failed this request; last: {e}") from e
                 self.counters["retries"] += 1
@@ -215,6 +228,7 @@ class LLMProxy:
             res.output_ids += out.output_ids
             res.behavior_logprobs += out.behavior_logprobs
             res.token_versions += out.token_versions
+            res.top_logprobs += out.top_logprobs
             res.weight_version, res.engine = out.weight_version, slot.name
             res.prompt_tokens = len(req.input_ids)
             if out.finish_reason != FinishReason.ABORT:
@@ -254,7 +268,16 @@ class LLMProxy:
         client = self.clients[slot.name]
         grace = self.config.abort_grace_s
         remaining = max(0.001, deadline - time.perf_counter())
-        task = asyncio.ensure_future(client.generate(ids, params, rid=fl.engine_rid, timeout_s=remaining + grace))
+        extra = {"top_logprobs": fl.request.top_logprobs} if fl.request.top_logprobs else {}
+        if fl.on_tokens is not None:
+
+            def on_tokens(new: list[int]) -> None:
+                fl.streamed += len(new)
+                fl.on_tokens(new)
+
+            extra["on_tokens"] = on_tokens
+        task = asyncio.ensure_future(client.generate(ids, params, rid=fl.engine_rid, timeout_s=remaining + grace,
+                                                     **extra))  # fmt: skip
         try:
             done, _ = await asyncio.wait([task], timeout=remaining)
             if not done:

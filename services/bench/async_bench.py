@@ -59,7 +59,7 @@ def agentic_groups(groups_per_step: int) -> int:
 def _config(
     tmp: Path, name: str, scenario: dict, agentic: bool, *, engines: int, time_scale: float, steps: int,
     tokenizer: str, suspend_mode: str = "in_place", groups_per_step: int = DEFAULT_GROUPS_PER_STEP,
-    providers: list[str] | None = None, redundant: int = 0,
+    providers: list[str] | None = None, redundant: int = 0, prompt_share: float = 0.0, tail_prompts: int = 0,
 ) -> Path:  # fmt: skip
     """``providers``: the environments' provider URLs (REST): the episodes run there, not in the EnvManager."""
     dataset = _dataset(tmp)
@@ -78,7 +78,12 @@ def _config(
         max_new_tokens = SHAPE["max_new_tokens"]
     cfg = {
         "model_path": tokenizer,
-        "engine": {"type": "sim", "max_running_requests": max_running, "time_scale": time_scale},
+        "engine": {
+            "type": "sim",
+            "max_running_requests": max_running,
+            "time_scale": time_scale,
+            "lengths": {"prompt_share": prompt_share},
+        },
         "proxy": {"request_timeout_s": 600},
         "buffer": {"backend": "memory", "filter_zero_variance": False},
         "controller": {
@@ -97,6 +102,7 @@ def _config(
             # Enough workers for the largest bound: (4 + 1) x groups_per_step groups in flight.
             "num_workers": 5 * groups_per_step,
             "scheduling": scenario["scheduling"],
+            "tail_batching": {"redundant_prompts": tail_prompts},
             "replicate_prompts": scenario["replicate"],
             "episode": {
                 "max_turns": env_args["turns"],
@@ -140,6 +146,7 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
         stats = _buffer_stats(mesh.buffer)
         stale_share = _stale_token_share(mesh.metrics.get("env-manager", []))
         members = _member_fates(mesh.metrics.get("env-manager", []))
+        kept_lengths = _kept_length_buckets(mesh.metrics.get("env-manager", []))
     finally:
         if trainer is not None:
             stop_process(trainer)
@@ -176,6 +183,8 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
         "rules_step_s": rules["window_step_s"] if rules else None,
         "rules_steady_step_s": rules["steady"]["step_s"] if rules else None,
         "rules_efficiency": rules["steady"]["efficiency"] if rules else None,
+        "trained_tokens_per_step": sum(r["tokens"] for r in measured) / len(measured),
+        "kept_member_length_share": kept_lengths,
         **members,
     }
 
@@ -199,15 +208,10 @@ def _rules_reference(cfg, warmup: int, steps: int) -> dict:
 
 def _scrape(url: str) -> dict[str, float]:
     """A /metrics page's samples by name (labels summed); empty when it cannot be read."""
-    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=2).text
-    except httpx.HTTPError:
-        return {}
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_scrape_text(url)):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
@@ -264,6 +268,43 @@ def _member_fates(env_manager_targets: list[str]) -> dict:
     }  # fmt: skip
 
 
+LENGTH_BUCKETS = (1024, 4096, 16384)  # kept members' generated tokens (edges of TOKEN_BUCKETS)
+
+
+def _kept_length_buckets(env_manager_targets: list[str]) -> dict[str, float] | None:
+    """Share of the members put in the buffer (trained) by generated length, from the EnvManagers'
+    ``rollmesh_env_member_generated_tokens{fate="kept"}`` histogram (whole run)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cumulative: dict[float, float] = {}
+    for target in env_manager_targets:
+        text = _scrape_text(f"http://{target}")
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "rollmesh_env_member_generated_tokens_bucket" and sample.labels["fate"] == "kept":
+                    le = float(sample.labels["le"])
+                    cumulative[le] = cumulative.get(le, 0.0) + sample.value
+    total = cumulative.get(float("inf"), 0.0)
+    if not total:
+        return None
+    out, below = {}, 0.0
+    for edge in LENGTH_BUCKETS:
+        upto = max((v for le, v in cumulative.items() if le <= edge), default=0.0)
+        out[f"<={edge}"] = round((upto - below) / total, 3)
+        below = upto
+    out[f">{LENGTH_BUCKETS[-1]}"] = round((total - below) / total, 3)
+    return out
+
+
+def _scrape_text(url: str) -> str:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return ""
+
+
 def _buffer_stats(address: str) -> dict:
     import asyncio
 
@@ -284,14 +325,17 @@ def run(
     tokenizer: str, steps: int = 6, warmup: int = 2, engines: int = SHAPE["engines"], time_scale: float = 25.0,
     scenarios: list[str] | None = None, agentic: bool = True, progress=print, keep: Path | None = None,
     suspend_mode: str = "in_place", groups_per_step: int = DEFAULT_GROUPS_PER_STEP, providers: bool = False,
+    tail: bool = False,
 ) -> dict:  # fmt: skip
     """Run the scenarios; returns the table rows and the summary the JSON line reports. ``providers``:
     only the agentic scenarios with provider processes, faults and redundancy (``PROVIDER_SCENARIOS``)."""
+    if steps < 1 or warmup < 1 or groups_per_step < 1:
+        raise BadOption("steps, warmup and groups_per_step: must be >= 1")
+    if tail:
+        return run_tail(tokenizer, steps, warmup, engines, time_scale, progress, keep, suspend_mode, groups_per_step)
     if providers:
         return run_providers(tokenizer, steps, warmup, engines, time_scale, progress, keep, suspend_mode,
                              groups_per_step)  # fmt: skip
-    if steps < 1 or warmup < 1 or groups_per_step < 1:
-        raise BadOption("steps, warmup and groups_per_step: must be >= 1")
     names = scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -319,6 +363,42 @@ def run(
     return {"scenarios": results, "suspend_mode": suspend_mode, "groups_per_step": groups_per_step,
             "agentic_groups_per_step": agentic_groups(groups_per_step),
             **summarize(results)}  # fmt: skip
+
+
+# Tail batching (RollPacker) against plain synchronous rollout, on lengths where a prompt's answers are
+# alike (half the log-length's variance is the prompt's: hard prompts answer long), which is what tail
+# batching relies on. A quarter of the step's groups more per short round: a long round every 4 short
+# rounds at most.
+TAIL_SCENARIOS = {"sync_batch": SCENARIOS["sync_batch"],
+                  "sync_tail": {"async_ratio": 0, "scheduling": "tail", "replicate": True}}  # fmt: skip
+TAIL_PROMPT_SHARE, TAIL_PROMPTS_SHARE = 0.5, 0.25
+
+
+def run_tail(tokenizer: str, steps: int, warmup: int, engines: int, time_scale: float, progress, keep,
+             suspend_mode: str, groups_per_step: int) -> dict:  # fmt: skip
+    results: dict[str, dict] = {}
+    tail_prompts = max(1, round(TAIL_PROMPTS_SHARE * groups_per_step))
+    with tempfile.TemporaryDirectory(prefix="rollmesh-bench-tail-") as d:
+        tmp = Path(keep or d)
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, scenario in TAIL_SCENARIOS.items():
+            path = _config(tmp, name, scenario, False, engines=engines, time_scale=time_scale, steps=warmup + steps,
+                           tokenizer=tokenizer, suspend_mode=suspend_mode, groups_per_step=groups_per_step,
+                           prompt_share=TAIL_PROMPT_SHARE, tail_prompts=tail_prompts)  # fmt: skip
+            t0 = time.monotonic()
+            results[name] = r = run_scenario(path, warmup)
+            progress(f"{name:12s} {r['step_s']:8.1f} s/step  trained {r['trained_tokens_per_step']:,.0f} tokens/step  "
+                     f"kept lengths {r['kept_member_length_share']}  [{time.monotonic() - t0:.0f} s wall]")  # fmt: skip
+    sync, tail = results["sync_batch"], results["sync_tail"]
+    return {
+        "scenarios": results, "prompt_share": TAIL_PROMPT_SHARE, "redundant_prompts": tail_prompts,
+        "groups_per_step": groups_per_step,
+        # The target: >= 2.5x the steps/s of plain synchronous (RollPacker: 2.03-2.56x against veRL).
+        "tail_speedup_vs_sync": round(sync["step_s"] / tail["step_s"], 3),
+        "trained_tokens_per_step_ratio": round(tail["trained_tokens_per_step"] / sync["trained_tokens_per_step"], 3),
+        "trained_tokens_per_s_ratio": round(tail["trained_tokens_per_step"] / tail["step_s"]
+                                            / (sync["trained_tokens_per_step"] / sync["step_s"]), 3),
+    }  # fmt: skip
 
 
 def run_providers(tokenizer: str, steps: int, warmup: int, engines: int, time_scale: float, progress, keep,

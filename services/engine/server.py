@@ -43,6 +43,7 @@ class GenerateReq(BaseModel):
     rid: str | list[str] | None = Field(None, description="Request id(s); generated when absent.")
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, description="With return_logprob: the most likely tokens at each position.")
     stream: bool = Field(False, description="Server-sent events, one per token, then the whole answer (one prompt).")
 
 
@@ -124,6 +125,8 @@ def _response(out: GenerateOutput, return_logprob: bool, tokenizer=None) -> dict
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.behavior_logprobs, out.output_ids)]
+        if out.top_logprobs:  # SGLang's shape: per position, [logprob, token id, text] most likely first
+            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in out.top_logprobs]
     body = {"output_ids": out.output_ids, "meta_info": meta}
     if tokenizer is not None:
         body["text"] = tokenizer.decode(out.output_ids, skip_special_tokens=True)
@@ -191,13 +194,18 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
             except EngineError as e:
                 field = e.field if not batched else e.field.replace("input_ids", f"input_ids[{i}]")
                 raise EngineError(field, e.message) from None
+        extra = {}
+        if req.top_logprobs_num:
+            if "top_logprobs_num" not in inspect.signature(engine.submit).parameters:
+                raise EngineError("top_logprobs_num", f"{type(engine).__name__} does not report top log-probs")
+            extra["top_logprobs_num"] = req.top_logprobs_num
         if req.stream:
             if batched:
                 raise EngineError("stream", "a stream carries one prompt; send a batch without stream")
             if "on_token" not in inspect.signature(engine.submit).parameters:
                 raise EngineError("stream", f"{type(engine).__name__} does not stream; send stream=false")
-            return _stream(rids[0], prompts[0], params[0], req.return_logprob)
-        futures = [engine.submit(rid, prompt, p) for rid, prompt, p in zip(rids, prompts, params)]
+            return _stream(rids[0], prompts[0], params[0], req.return_logprob, extra)
+        futures = [engine.submit(rid, prompt, p, **extra) for rid, prompt, p in zip(rids, prompts, params)]
         outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         for out in outs:
             metrics.observe(out)
@@ -206,13 +214,16 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
         # (~1 us each), which made weight updates wait seconds behind aborted long generations.
         return Response(json.dumps(body if batched else body[0]), media_type="application/json")
 
-    def _stream(rid: str, prompt: list[int], params: SamplingParams, return_logprob: bool) -> StreamingResponse:
+    def _stream(rid: str, prompt: list[int], params: SamplingParams, return_logprob: bool,
+                extra: dict) -> StreamingResponse:  # fmt: skip
         """SGLang's stream: an event per token with everything generated so far, the whole answer
         last, then ``[DONE]``. A client that goes away aborts the request."""
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
         future = asyncio.wrap_future(
-            engine.submit(rid, prompt, params, on_token=lambda *t: loop.call_soon_threadsafe(tokens.put_nowait, t))
+            engine.submit(
+                rid, prompt, params, on_token=lambda *t: loop.call_soon_threadsafe(tokens.put_nowait, t), **extra
+            )
         )
 
         def event(body: dict) -> str:

@@ -21,7 +21,7 @@ INERT_REQUEST = frozenset({
 DEFAULT_ONLY_REQUEST = {
     "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "modalities": None,
     "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
-    "logprob_start_len": -1, "top_logprobs_num": 0, "token_ids_logprob": None, "return_hidden_states": False,
+    "logprob_start_len": -1, "token_ids_logprob": None, "return_hidden_states": False,
     "return_routed_experts": False, "return_entropy": False, "return_prompt_token_ids": False,
     "require_reasoning": False, "max_thinking_tokens": None, "positional_embed_overrides": None,
 }  # fmt: skip

@@ -56,6 +56,7 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
         "--gpu-memory-utilization", str(memory), "--seed", str(cfg.seed),
         "--enable-scale-out",
         "--logprobs-mode", "processed_logprobs",  # log_softmax(logits / T), as SGLang's (default: T ignored)
+        "--max-logprobs", "21",  # OpenAI's top 20, plus the sampled token vLLM lists first (vllm_client)
         "--worker-extension-cls", "rollmesh_vllm.RollmeshWorker",
         "--middleware", "rollmesh_vllm.BearerCheck",
         "--disable-uvicorn-access-log",

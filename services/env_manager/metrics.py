@@ -20,6 +20,7 @@ class EnvMetrics(RolloutObserver):
 
     def __init__(self, env: str, stats: Callable[[], dict] | None = None, pool: ProviderPool | None = None) -> None:
         self.env, self.pool = env, pool  # the providers of a remote environment
+        self.reward_pool = None  # a RewardPool scoring in worker processes, when the task uses one
         self.registry = r = CollectorRegistry()
         self.episodes = Counter("rollmesh_env_episodes", "Episodes ended, by env and finish reason",
                                 ["env", "finish"], registry=r)  # fmt: skip
@@ -94,6 +95,12 @@ class EnvMetrics(RolloutObserver):
         s = self.stats()
         yield GaugeMetricFamily("rollmesh_env_running_episodes", "Episodes in progress", value=s["running_episodes"])
         yield GaugeMetricFamily("rollmesh_env_workers", "Workers of this pool", value=s["workers"])
+        if self.reward_pool is not None:
+            failures = CounterMetricFamily("rollmesh_env_reward_failures", "Scores cut to 0 in the reward workers, "
+                                           "by cause (raised, timeout, crashed)", labels=["cause"])  # fmt: skip
+            for cause, n in sorted(self.reward_pool.failures.items()):
+                failures.add_metric([cause], n)
+            yield failures
         if self.pool is not None:
             up = sum(m.up for m in self.pool.members)
             yield GaugeMetricFamily("rollmesh_env_providers_up", "Environment providers in rotation", value=up)

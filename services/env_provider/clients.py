@@ -213,13 +213,37 @@ class HttpProviderClient(_HttpBase):
         await self._json("POST", "/close", timeout_s, {"episode_id": episode_id})
 
 
+class _Socket:
+    """One episode's WebSocket, read all the time by a task of its own: aiohttp answers the
+    server's keepalive pings only while something reads, and an episode reads nothing while the
+    policy generates, often for longer than a server waits for its pong (uvicorn: 20 + 20 s), so
+    without a reader the server drops the connection mid-episode."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self.ws = ws
+        self.replies: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            message = await self.ws.receive()  # pings are answered in here
+            self.replies.put_nowait(message)
+            if message.type in _WS_GONE:
+                return
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        if not self.ws.closed:
+            await self.ws.close()
+
+
 class OpenEnvClient(_HttpBase):
     """OpenEnv's WebSocket sessions: each episode is one connection to ``/ws``, its messages
     ``{type: reset|step|close, data}`` answered by ``{type: observation|error, data}``."""
 
     def __init__(self, address: str, config: RemoteEnvConfig, auth: AuthConfig) -> None:
         super().__init__(address, config, auth)
-        self._sockets: dict[str, aiohttp.ClientWebSocketResponse] = {}
+        self._sockets: dict[str, _Socket] = {}
 
     async def describe(self, timeout_s: float) -> ProviderInfo:
         # OpenEnv's /metadata names the environment; it promises nothing about repeated steps.
@@ -234,12 +258,12 @@ class OpenEnvClient(_HttpBase):
         )
 
     async def _send(self, episode_id: str, message: dict, timeout_s: float) -> dict:
-        ws = self._sockets.get(episode_id)
-        if ws is None or ws.closed:
+        sock = self._sockets.get(episode_id)
+        if sock is None or sock.ws.closed:
             raise ProviderError("refused", f"{self.address}: episode {episode_id!r} has no open session")
         try:
-            await ws.send_str(json.dumps(message))
-            reply = await ws.receive(timeout=timeout_s)
+            await sock.ws.send_str(json.dumps(message))
+            reply = await asyncio.wait_for(sock.replies.get(), timeout_s)
         except TimeoutError:
             await self._drop(episode_id)  # an answer arriving later would be read as the next one's
             raise TimeoutError(f"{self.address}/ws: no answer in {timeout_s:g} s") from None
@@ -267,9 +291,10 @@ class OpenEnvClient(_HttpBase):
     async def reset(self, episode_id: str, seed: int, timeout_s: float) -> Observation:
         await self._drop(episode_id)
         try:
-            self._sockets[episode_id] = await self.session.ws_connect(
+            ws = await self.session.ws_connect(
                 self.address + "/ws", timeout=aiohttp.ClientWSTimeout(ws_close=min(timeout_s, 5.0)),
                 max_msg_size=16 * 1024 * 1024)  # fmt: skip
+            self._sockets[episode_id] = _Socket(ws)
         except aiohttp.WSServerHandshakeError as e:
             kind = "refused" if e.status in (401, 403) else "unreachable"
             raise ProviderError(kind, f"{self.address}/ws: handshake refused (HTTP {e.status})") from None
@@ -282,18 +307,18 @@ class OpenEnvClient(_HttpBase):
         return self._observation(await self._send(episode_id, message, timeout_s))
 
     async def close_episode(self, episode_id: str, timeout_s: float) -> None:
-        ws = self._sockets.get(episode_id)
-        if ws is not None and not ws.closed:
+        sock = self._sockets.get(episode_id)
+        if sock is not None and not sock.ws.closed:
             try:
-                await asyncio.wait_for(ws.send_str(json.dumps({"type": "close"})), timeout_s)
+                await asyncio.wait_for(sock.ws.send_str(json.dumps({"type": "close"})), timeout_s)
             except (TimeoutError, aiohttp.ClientError, ConnectionError):
                 pass
         await self._drop(episode_id)
 
     async def _drop(self, episode_id: str) -> None:
-        ws = self._sockets.pop(episode_id, None)
-        if ws is not None and not ws.closed:
-            await ws.close()
+        sock = self._sockets.pop(episode_id, None)
+        if sock is not None:
+            await sock.close()
 
     async def aclose(self) -> None:
         for k in list(self._sockets):

@@ -21,6 +21,12 @@ class EnvProviderConfig(TaskConfig):
     session_idle_s: float = Field(
         600.0, gt=0, description="An episode nobody stepped for this long is closed (its caller died)."
     )
+    ws_ping_interval_s: float = Field(
+        20.0,
+        gt=0,
+        description="WebSocket keepalive: a ping this often, and a client that has not answered one "
+        "within as long again is disconnected (uvicorn's defaults).",
+    )
     max_action_chars: int = Field(65_536, ge=1, description="A longer action is refused (INVALID_ARGUMENT / 400).")
 
     @model_validator(mode="after")

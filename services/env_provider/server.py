@@ -258,6 +258,7 @@ def serve(config: EnvProviderConfig, auth: AuthConfig) -> None:
             create_app(sessions, auth), host=config.host, port=config.http_port, log_level="warning",
             access_log=False, ssl_certfile=auth.tls.cert_path if auth.tls else None,
             ssl_keyfile=auth.tls.key_path if auth.tls else None, ws="websockets-sansio",
+            ws_ping_interval=config.ws_ping_interval_s, ws_ping_timeout=config.ws_ping_interval_s,
         ))  # fmt: skip
         http.install_signal_handlers = lambda: None  # serve_until_signal owns SIGTERM
         http_task = asyncio.create_task(http.serve())

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
-from rollout.ports import Generation
+from rollout.ports import Generation, TransientError
 from rollout.sampling import SamplingParams
 from services.auth import AuthConfig
 from services.convert import finish_from_pb, project_error, sampling_to_pb
@@ -14,9 +16,10 @@ from services.pb.rollmesh.v1 import llm_proxy_pb2_grpc
 
 
 def generate_request(input_ids: list[int], sampling: SamplingParams, request_id: str, route: str,
-                     timeout_s: float) -> pb.GenerateRequest:  # fmt: skip
+                     timeout_s: float, top_logprobs: int = 0) -> pb.GenerateRequest:  # fmt: skip
     return pb.GenerateRequest(request_id=request_id, trajectory_id=route, input_ids=input_ids,
-                              sampling_params=sampling_to_pb(sampling), timeout_s=timeout_s)  # fmt: skip
+                              sampling_params=sampling_to_pb(sampling), timeout_s=timeout_s,
+                              top_logprobs=top_logprobs)  # fmt: skip
 
 
 class ProxyClient:
@@ -78,15 +81,27 @@ class ProxyGenerate:
         self.client = client
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str, route: str, timeout_s: float
-    ) -> Generation:
-        req = generate_request(input_ids, sampling, request_id, route, timeout_s)
+        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str, route: str, timeout_s: float,
+        top_logprobs: int = 0, on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Generation:  # fmt: skip
+        req = generate_request(input_ids, sampling, request_id, route, timeout_s, top_logprobs)
         try:
-            res = await self.client.stub.Generate(req, timeout=timeout_s + 5.0)
+            if on_tokens is None:
+                res = await self.client.stub.Generate(req, timeout=timeout_s + 5.0)
+            else:
+                res = None
+                async for chunk in self.client.stub.GenerateStream(req, timeout=timeout_s + 5.0):
+                    if chunk.HasField("result"):
+                        res = chunk.result
+                    elif chunk.output_ids:
+                        on_tokens(list(chunk.output_ids))
+                if res is None:
+                    raise TransientError("the LLMProxy's stream ended without a result")
         except grpc.aio.AioRpcError as e:  # our own cancellation arrives as CancelledError instead
             raise project_error(e) from None
+        tops = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in res.top_logprobs]
         return Generation(list(res.output_ids), list(res.behavior_logprobs), list(res.token_versions),
-                          finish_from_pb(res.finish_reason))  # fmt: skip
+                          finish_from_pb(res.finish_reason), tops)  # fmt: skip
 
     async def abort(self, request_id: str) -> None:
         try:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
+import uuid
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
@@ -20,6 +23,7 @@ from services.convert import finish_to_pb, sampling_from_pb
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import SLOW_BUCKETS_S, histogram, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
+from services.streams import until_done
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.LLMProxy"
@@ -139,34 +143,64 @@ class ProxyMetrics:
                 self.update_failures.labels(r.get("cause") or "error").inc()
 
 
+def _request(req: pb.GenerateRequest) -> ProxyRequest:
+    return ProxyRequest(input_ids=list(req.input_ids), sampling_params=sampling_from_pb(req.sampling_params),
+                        request_id=req.request_id, trajectory_id=req.trajectory_id, timeout_s=req.timeout_s,
+                        top_logprobs=req.top_logprobs)  # fmt: skip
+
+
+def _response(res) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=res.request_id,
+        output_ids=res.output_ids,
+        behavior_logprobs=res.behavior_logprobs,
+        token_versions=res.token_versions,
+        finish_reason=finish_to_pb(res.finish_reason),
+        weight_version=res.weight_version,
+        engine=res.engine,
+        prompt_tokens=res.prompt_tokens,
+        e2e_latency_s=res.e2e_latency_s,
+        num_segments=res.num_segments,
+        top_logprobs=[
+            pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top]) for top in res.top_logprobs
+        ],  # fmt: skip
+    )
+
+
 def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHandler:
     async def generate(req: pb.GenerateRequest, ctx) -> pb.GenerateResponse:
         try:
-            preq = ProxyRequest(
-                input_ids=list(req.input_ids),
-                sampling_params=sampling_from_pb(req.sampling_params),
-                request_id=req.request_id,
-                trajectory_id=req.trajectory_id,
-                timeout_s=req.timeout_s,
-            )
-            res = await proxy.generate(preq)
+            res = await proxy.generate(_request(req))
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NoEngineAvailable as e:
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         metrics.observe(res)
-        return pb.GenerateResponse(
-            request_id=res.request_id,
-            output_ids=res.output_ids,
-            behavior_logprobs=res.behavior_logprobs,
-            token_versions=res.token_versions,
-            finish_reason=finish_to_pb(res.finish_reason),
-            weight_version=res.weight_version,
-            engine=res.engine,
-            prompt_tokens=res.prompt_tokens,
-            e2e_latency_s=res.e2e_latency_s,
-            num_segments=res.num_segments,
-        )
+        return _response(res)
+
+    async def generate_stream(req: pb.GenerateRequest, ctx):
+        """Chunks of new tokens as the engines make them, then the result. A caller that goes away
+        aborts the generation."""
+        preq = _request(req)
+        preq.request_id = preq.request_id or uuid.uuid4().hex  # known here: the abort below needs it
+        pieces: asyncio.Queue[list[int]] = asyncio.Queue()
+        task = asyncio.ensure_future(proxy.generate(preq, on_tokens=pieces.put_nowait))
+        try:
+            async for ids in until_done(pieces, task):
+                yield pb.GenerateChunk(output_ids=ids)
+            try:
+                res = task.result()
+            except RequestInvalid as e:
+                await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except NoEngineAvailable as e:
+                await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            metrics.observe(res)
+            yield pb.GenerateChunk(result=_response(res))
+        finally:
+            if not task.done():  # the caller went away mid-stream
+                await proxy.abort(preq.request_id)
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(task, proxy.config.abort_grace_s)
 
     async def abort(req: pb.AbortRequest, ctx) -> pb.AbortResponse:
         if not req.request_id and not req.abort_all:
@@ -235,6 +269,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
             "UpdateWeightsBucket": (pb.WeightBucket, update_weights_bucket),
             "Stats": (pb.StatsRequest, stats),
         },
+        streams={"GenerateStream": (pb.GenerateRequest, generate_stream)},
     )
 
 

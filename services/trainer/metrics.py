@@ -99,8 +99,7 @@ class TrainerMetrics:
         self.steps.inc()
         self.version.set(m["version"])
         self.last_step.set(time.time())
-        for phase, key in (("wait_data", "time_get_s"), ("train", "time_train_s"), ("weight_sync", "time_publish_s"),
-                           ("checkpoint", "time_checkpoint_s")):  # fmt: skip
+        for phase, key in (("wait_data", "time_get_s"), ("train", "time_train_s"), ("weight_sync", "time_publish_s")):
             self.phase.labels(phase).inc(m.get(key, 0.0))
         self.step_seconds.observe(sum(m.get(k, 0.0) for k in ("time_get_s", "time_train_s", "time_publish_s")))
         self.tokens.inc(m.get("tokens", 0))
@@ -127,6 +126,9 @@ class TrainerObserver(TrainObserver):
         if self.log is not None:
             self.log.write(metrics)
         self.prom.observe_step(metrics, staleness)
+
+    def checkpoint_done(self, seconds: float) -> None:
+        self.prom.phase.labels("checkpoint").inc(seconds)
 
     def update_done(self, seconds: float, location: str) -> None:
         self.prom.update_seconds.observe(seconds)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "docker-compose.yaml"
 # compose service → (config section, whether it serves gRPC on `port`)
 SECTIONS = {"llm-proxy": "proxy", "sample-buffer": "buffer", "controller": "controller",
-            "env-manager": "env_manager", "engine-cpu": "engine"}  # fmt: skip
+            "env-manager": "env_manager", "engine-cpu": "engine", "gateway": "gateway"}  # fmt: skip
 
 
 TOKEN = "compose-test-token"
@@ -45,7 +45,7 @@ def test_every_service_gets_the_token_and_compose_refuses_to_start_without_one()
     assert res.returncode != 0 and "ROLLMESH_TOKEN" in res.stderr, res.stderr
     services = compose_config()["services"]
     ours = [n for n, s in services.items() if "build" in s]
-    assert len(ours) == 8
+    assert len(ours) == 9
     for name in ours:
         assert services[name]["environment"]["ROLLMESH_TOKEN"] == TOKEN, name
     sglang = services["engine-gpu"]["command"]
@@ -65,6 +65,7 @@ def test_compose_file_is_valid_and_has_both_profiles():
     assert {"engine-gpu", "trainer-gpu"} <= {n for n, p in profiles.items() if p == {"gpu"}}
     for shared in ("llm-proxy", "sample-buffer", "controller", "env-manager"):
         assert profiles[shared] == {"cpu", "gpu"}, shared
+    assert profiles["gateway"] == {"agents"}  # added to either: external agents beside the EnvManager
     gpu = services["trainer-gpu"]
     assert gpu["command"][0] == "torchrun"
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]

@@ -68,6 +68,10 @@ def test_defaults_render_a_disaggregated_gpu_mesh(tmp_path):
         assert c["readinessProbe"]["grpc"]["port"] == c["ports"][0]["containerPort"], name
         assert c["livenessProbe"]["grpc"]["port"] == c["ports"][0]["containerPort"], name
         assert c["command"][:3] == ["rollmesh", "serve", name]
+    gateway = pod(docs, "Deployment", "gateway")["containers"][0]
+    assert gateway["command"][:3] == ["rollmesh", "serve", "gateway"]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert ("Deployment", "t-rollmesh-gateway") not in by_kind_name(render("gateway.enabled=false"))
     # The run config every service reads is valid for rollmesh's own schema and wired to the Services.
     (tmp_path / "config.yaml").write_text(objs[("ConfigMap", "t-rollmesh-config")]["data"]["config.yaml"])
     cfg = load_config(tmp_path / "config.yaml")
@@ -75,6 +79,7 @@ def test_defaults_render_a_disaggregated_gpu_mesh(tmp_path):
     assert cfg.mesh.proxy == "t-rollmesh-llm-proxy:50051"
     assert cfg.buffer.redis_url == "redis://t-rollmesh-redis:6379/0" and cfg.buffer.backend == "redis"
     assert cfg.controller.async_ratio == 2 and cfg.train_loop.metrics_host == "0.0.0.0"
+    assert (cfg.gateway.host, cfg.gateway.port) == ("0.0.0.0", gateway["ports"][0]["containerPort"])
     services = {n for k, n in objs if k == "Service"}
     assert cfg.engine.model_path == cfg.trainer.model_path == cfg.env_manager.tokenizer_path == cfg.model_path
     for address in (cfg.mesh.proxy, cfg.mesh.buffer, cfg.mesh.controller):
@@ -118,7 +123,7 @@ def test_every_pod_reads_the_run_token_from_one_secret():
     token = base64.b64decode(objs[("Secret", "t-rollmesh-token")]["data"]["token"]).decode()
     assert len(token) == 48 and token.isalnum()
     workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and "redis" not in d["metadata"]["name"]]
-    assert len(workloads) == 6
+    assert len(workloads) == 7  # proxy, buffer, controller, EnvManager, gateway, engines, trainer
     ours = {"name": "t-rollmesh-token", "key": "token"}
     for d in workloads:
         assert _token_env(d["spec"]["template"]["spec"]["containers"][0]) == ours, d["metadata"]["name"]

@@ -13,6 +13,31 @@ def test_single_turn_env_scores_and_ends(tmp_path):
     assert env.step("6").reward == 0.0
 
 
+def test_a_wrong_answer_is_told_and_answered_again_until_the_tries_run_out():
+    from pydantic import TypeAdapter, ValidationError
+
+    from rollout.envs.config import EnvConfig
+    from rollout.rewards import digit_answer
+
+    config = TypeAdapter(EnvConfig).validate_python
+
+    rows = [{"prompt": "kq7x", "answer": "7"}]
+    env = config({"type": "single_turn", "tries": 3}).build(rows, digit_answer)
+    env.reset(0)
+    first = env.step("3")
+    assert (first.observation, first.reward, first.done) == ("No. Try again.", 0.0, False)
+    assert env.step("7").reward == 0.5  # solved at the second try: 1.0 x 0.5
+    env.reset(0)
+    assert env.step("7").reward == 1.0  # a new episode starts from its first try
+    env.reset(0)
+    results = [env.step(a) for a in ("1", "x", "2")]
+    assert [r.done for r in results] == [False, False, True]
+    assert results[-1].info["tries"] == 3  # out of tries: the last answer's reward, discounted as a solve would be
+    assert results[-1].reward == pytest.approx(0.1 * 0.5**2)
+    with pytest.raises(ValidationError, match="tries"):
+        config({"type": "single_turn", "tries": 0})
+
+
 def test_jsonl_errors_name_the_line(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "c"}\n')
@@ -79,3 +104,19 @@ def test_a_gem_game_is_played_to_a_win_and_a_loss():
     wrong = 1 if target != 1 else 2
     steps = [lose.step(f"\\boxed{{{wrong}}}") for _ in range(4)]
     assert steps[-1].done and steps[-1].reward == 0.0  # GEM's partial credit for a near miss, replaced
+
+
+def test_a_bare_number_is_boxed_only_where_asked():
+    from rollout.envs.gem_game import GemEnv, GemEnvConfig
+
+    strict = GemEnv(GemEnvConfig(env_id="game:GuessTheNumber-v0-easy"))
+    strict.reset(7)
+    assert strict.step("I guess 5").done  # GEM cannot read it: the game ends
+    lenient = GemEnv(GemEnvConfig(env_id="game:GuessTheNumber-v0-easy", box_bare_number=True))
+    lenient.reset(7)
+    target = lenient.game.game_number  # GEM's secret
+    a, b = (1, 2) if target not in (1, 2) else (9, 10)
+    first = lenient.step(f"I guess {a}, or maybe {b}")
+    assert not first.done and f"guessed {a}," in first.info["feedback"]  # read as \\boxed{a}
+    second = lenient.step(f"\\boxed{{{b}}} and not {a}")  # already boxed: passed on as written
+    assert f"guessed {b}," in second.info["feedback"]

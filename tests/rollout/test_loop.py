@@ -429,3 +429,38 @@ def test_redundant_members_under_batch_scheduling():
         return before
 
     assert asyncio.run(main()) == 0
+
+
+def test_tail_batching_defers_the_long_tail_to_a_long_round_and_trains_it():
+    """Steps of 2 groups, 2 prompts more per short round. Prompts 3 and 7 are slow the first time
+    (held until aborted): the short rounds end without them, they are aborted and queued, and once
+    2 have gathered a long round runs them to their end. Every step is a full one, at v0 then v1..."""
+    slow, first = {3, 7}, {}
+
+    def hold(rid: str) -> bool:
+        gid = rid.rsplit("/", 1)[0]
+        row = int(gid[1:].split("-")[0])
+        return row in slow and first.setdefault(row, gid) == gid
+
+    async def main():
+        loop, ctl, buffer, engine = make_loop({"hold": hold}, scheduling="tail", groups_per_step=2,
+                                              tail_batching={"redundant_prompts": 2})  # fmt: skip
+        loop._order = list(range(len(ROWS)))  # prompts in order: 3 and 7 come in the second and fourth rounds
+        await loop.start()
+        trained = []
+        for version in range(5):  # the trainer: a step of 2 groups, then a new version
+            batch = await buffer.get(2, current_version=version, max_staleness=0, timeout_s=2)
+            trained.append([g.prompt_id for g in batch.decode()])
+            await buffer.ack(batch.batch_id)
+            update = await ctl.begin_update(version + 1)
+            await ctl.commit_update(update, version + 1)
+        await loop.stop()
+        return loop, ctl, engine, trained
+
+    loop, ctl, engine, trained = asyncio.run(main())
+    assert all(len(step) == 2 for step in trained)  # every step full
+    flat = [p for step in trained for p in step]
+    assert "p3" in flat and "p7" in flat  # the long tail is trained, not dropped
+    assert {"p3", "p7"} in [set(step) for step in trained]  # together, in a long round
+    assert loop.counters["tail_prompts_deferred"] >= 2 and loop.counters["tail_long_rounds"] >= 1
+    assert {a.split("-")[0] for a in engine.aborted} >= {"p3", "p7"}  # aborted at the engine, not left running

@@ -67,3 +67,17 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours():
         t, _ = sample_next_tokens(rows, [p] * (1 + neighbours), gens, torch.Generator().manual_seed(neighbours))
         draws.append(int(t[0]))
     assert draws[0] == draws[1]
+
+
+def test_top_logprobs_are_each_rows_most_likely_tokens_at_its_temperature():
+    from rollout.engines.embedded.sampling import top_logprobs
+
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=0.5), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
+    tops = top_logprobs(logits, params, [4, 2, 0])
+    assert tops[2] == []  # a row that does not ask gets nothing
+    for row, t, k in ((0, 0.5, 4), (1, 1.0, 2)):  # greedy reports as if at temperature 1, as for the sampled token
+        full = torch.log_softmax(logits[row] / t, -1)
+        want = full.topk(k)
+        assert [i for i, _ in tops[row]] == want.indices.tolist()
+        torch.testing.assert_close(torch.tensor([lp for _, lp in tops[row]]), want.values)

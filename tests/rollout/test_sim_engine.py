@@ -1,3 +1,4 @@
+import math
 import statistics
 import time
 
@@ -86,3 +87,16 @@ def test_abort_pause_and_weight_versions(tmp_path):
             eng.load_weights_from_disk(str(tmp_path / "missing"), 8)
     finally:
         eng.shutdown()
+
+
+def test_a_prompts_share_of_the_length_makes_its_answers_alike_and_keeps_the_distribution():
+    model = LengthModel(median=100, p99=2000, cap=100_000, prompt_share=0.8)
+    alone = LengthModel(median=100, p99=2000, cap=100_000)
+    draws = [[draw_length(model, f"p{p}/r{r}", prompt_key=f"p{p}") for r in range(8)] for p in range(400)]
+    flat = sorted(x for row in draws for x in row)
+    assert 80 <= flat[len(flat) // 2] <= 125  # the median stays the lognormal's
+    logs = [[math.log(x) for x in row] for row in draws]
+    within = statistics.mean(statistics.pvariance(row) for row in logs)
+    between = statistics.pvariance([statistics.mean(row) for row in logs])
+    assert between > 2 * within  # answers to one prompt are alike
+    assert draw_length(alone, "k") == draw_length(alone, "k", prompt_key="anything")  # share 0: as before

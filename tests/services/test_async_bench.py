@@ -42,3 +42,18 @@ def test_agentic_providers_with_faults_and_redundancy(tiny_model):
     assert 0 < runs["providers_redundant"]["redundant_token_share"] < 1
     for key in ("fault_cost_without_redundancy", "fault_cost_with_redundancy", "kept_length_ratio_redundant_vs_not"):
         assert isinstance(out[key], float), out
+
+
+def test_tail_batching_against_plain_synchronous(tiny_model):
+    """`bench async --tail` cut down: 8 groups a step, 2 more per short round; every step is full and
+    synchronous (staleness 0), and cutting the long tail makes steps shorter."""
+    cmd = [sys.executable, "-m", "services.cli", "bench", "async", "--model", tiny_model, "--steps", "3",
+           "--warmup", "1", "--time-scale", "50", "--groups-per-step", "8", "--tail", "--json"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    sync, tail = out["scenarios"]["sync_batch"], out["scenarios"]["sync_tail"]
+    assert sync["consumed"] == tail["consumed"] == 4 * 8 and out["redundant_prompts"] == 2
+    assert sync["max_staleness"] == tail["max_staleness"] == 0
+    assert out["tail_speedup_vs_sync"] > 1.2, out  # 64 sequences on 128 slots: the step is its longest answer
+    assert abs(sum(tail["kept_member_length_share"].values()) - 1) < 0.01

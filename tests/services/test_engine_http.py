@@ -259,3 +259,22 @@ def test_sglang_housekeeping_endpoints(engine_url):
     assert info["is_generation"] is True and "weight_version" in info
     server = httpx.get(engine_url + "/get_server_info", headers=h, timeout=5).json()
     assert {"num_running", "num_waiting", "counters"} <= set(server)
+
+
+def test_a_streamed_answer_is_joined_from_cumulative_and_from_incremental_events():
+    """SGLang streams everything so far by default and only what is new with
+    --incremental-streaming-output; the answer is the same either way."""
+    from rollout.engines.sglang_client import join_events
+
+    def event(ids, done, lps, finish=None):
+        triples = [[lp, t, None] for lp, t in zip(lps, ids)]
+        return {"output_ids": ids, "meta_info": {"completion_tokens": done, "finish_reason": finish,
+                                                 "output_token_logprobs": triples, "weight_version": "3"}}  # fmt: skip
+
+    cumulative = [event([5], 1, [-0.1]), event([5, 6], 2, [-0.1, -0.2]), event([5, 6, 7], 3, [-0.1, -0.2, -0.3],
+                  {"type": "length"})]  # fmt: skip
+    incremental = [event([5], 1, [-0.1]), event([6], 2, [-0.2]), event([7], 3, [-0.3], {"type": "length"})]
+    for events in (cumulative, incremental):
+        res = parse_generate_response(join_events(events))
+        assert res.output_ids == [5, 6, 7] and res.behavior_logprobs == [-0.1, -0.2, -0.3]
+        assert res.token_versions == [3, 3, 3] and res.finish_reason == "length"

@@ -63,6 +63,36 @@ def test_env_manager_fills_the_buffer_within_the_admission_bound(engine_url, tin
             assert t.reward == want and t.start_version == 0 and t.finish_reason in ("stop", "length")
 
 
+def test_rewards_scored_in_worker_processes_count_their_failures(engine_url, tiny_model):
+    """reward_workers: the verifier runs in worker processes; one that raises scores 0, the group is
+    still put, and each failure is counted by cause on the EnvManager's /metrics."""
+    from prometheus_client import generate_latest
+
+    async def main():
+        async with local_mesh(engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0,
+                              groups_per_step=2) as mesh:  # fmt: skip
+            cfg = EnvManagerConfig(tokenizer_path=tiny_model, group_size=2, num_workers=2,
+                                   reward="tests.rollout.reward_fns:always_raise",
+                                   reward_workers={"workers": 2, "timeout_s": 10},
+                                   episode={"sampling": {"max_new_tokens": 3}})  # fmt: skip
+            manager = build_loop(cfg, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
+            await manager.start()
+            for _ in range(400):
+                if manager.counters["groups_put"] >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            await manager.stop()
+            batch = await mesh.buffer_client.get(10, current_version=0, max_staleness=0, timeout_s=1)
+            text = generate_latest(manager.observer.registry).decode()
+            manager.observer.reward_pool.close()
+            return manager.counters, batch.decode(), text
+
+    counters, groups, metrics = asyncio.run(main())
+    assert counters["groups_put"] == 2 and all(t.reward == 0.0 for g in groups for t in g.trajectories)
+    assert 'rollmesh_env_reward_failures_total{cause="raised"} 4.0' in metrics
+    assert 'rollmesh_env_reward_failures_total{cause="timeout"} 0.0' in metrics
+
+
 class HeldEnv:
     """Single-turn; the second episode of each group waits in its step until ``HeldEnv.held`` is set,
     so its group is still rolling out, one member finished, when the version moves on."""

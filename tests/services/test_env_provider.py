@@ -395,3 +395,26 @@ def test_the_rollout_loop_runs_multi_turn_episodes_on_a_provider(provider):
             assert CharTokenizer().decode(t.token_ids) == f"start {t.prompt_id[1:]}{a}echo {a}{a}echo {a}{a}"
             assert list(t.loss_mask) == [0] * 7 + [1] + [0] * 6 + [1] + [0] * 6 + [1]
     assert sessions_open(provider["http"]) == 0  # every episode closed on the provider, the failed ones too
+
+
+def test_an_openenv_episode_survives_a_long_generation_between_steps():
+    """The policy may think for minutes between two steps; the WebSocket's keepalive must not end
+    the episode meanwhile (the server pings every 0.3 s here and drops a client silent for 0.6 s)."""
+    proc, _, url = start_provider_process(SCRIPT, [*FAST, "ws_ping_interval_s=0.3"])
+
+    async def main():
+        pool = pool_for("openenv", [url])
+        env = RemoteEnv(pool, "a-slow-policy")
+        try:
+            await env.reset(1)
+            await asyncio.sleep(2.0)  # generating, reading nothing
+            step = await env.step("a")
+            await env.close()
+        finally:
+            await pool.aclose()
+        return step
+
+    try:
+        assert asyncio.run(main()).observation == "echo a"
+    finally:
+        stop_process(proc)

@@ -189,6 +189,48 @@ def test_deadline_returns_partial_and_abort_rpc(two_engines):
     assert n == 1 and victim.finish_reason == common_pb2.FINISH_REASON_ABORT and len(victim.output_ids) < 900
 
 
+def test_a_stream_hands_tokens_over_as_made_and_they_join_to_the_result(two_engines, tiny_model):
+    """GenerateStream (the agent gateway's streams): pieces of new tokens, then the result; with
+    top_logprobs each position also carries its most likely tokens, greedy's first."""
+    from rollout.sampling import SamplingParams
+    from services.llm_proxy.client import ProxyGenerate
+
+    async def scenario(client, proxy):
+        port, pieces = ProxyGenerate(client), []
+        sampling = SamplingParams(max_new_tokens=24, **GREEDY)
+        streamed = await port.generate([1, 40, 41], sampling, request_id="s", route="s", timeout_s=60,
+                                       top_logprobs=3, on_tokens=pieces.append)  # fmt: skip
+        unary = await port.generate([1, 40, 41], sampling, request_id="u", route="u", timeout_s=60, top_logprobs=3)
+        return pieces, streamed, unary
+
+    pieces, streamed, unary = run(scenario, two_engines)
+    assert streamed.output_ids == greedy(tiny_model, [1, 40, 41], 24) == unary.output_ids
+    assert [t for p in pieces for t in p] == streamed.output_ids and len(pieces) > 1  # incremental, all of it
+    for gen in (streamed, unary):
+        assert len(gen.top_logprobs) == 24
+        for token, lp, top in zip(gen.output_ids, gen.behavior_logprobs, gen.top_logprobs, strict=True):
+            assert len(top) == 3 and [x[1] for x in top] == sorted((x[1] for x in top), reverse=True)
+            assert top[0][0] == token and top[0][1] == pytest.approx(lp, abs=1e-3)  # greedy: the most likely
+
+
+def test_a_stream_whose_caller_goes_away_is_aborted(two_engines):
+    async def scenario(client, proxy):
+        req = pb.GenerateRequest(request_id="gone", input_ids=[1, 8], timeout_s=60,
+                                 sampling_params=pb.SamplingParams(max_new_tokens=900, ignore_eos=True))  # fmt: skip
+        call = client.stub.GenerateStream(req, timeout=60)
+        first = await call.read()
+        call.cancel()
+        for _ in range(100):  # the proxy aborts it at the engine and forgets it
+            if not proxy._in_flight:
+                break
+            await asyncio.sleep(0.05)
+        return first, dict(proxy._in_flight), proxy.counters
+
+    first, in_flight, counters = run(scenario, two_engines)
+    assert len(first.output_ids) >= 1 and not first.HasField("result")
+    assert in_flight == {} and counters["finished_abort"] == 1
+
+
 def test_failed_update_reports_per_engine_and_keeps_version(two_engines):
     async def scenario(client, proxy):
         before = proxy.weight_version

@@ -42,10 +42,14 @@ class Publisher:
 
 class Recorder(TrainObserver):
     def __init__(self) -> None:
-        self.steps, self.failures = [], []
+        self.steps, self.failures, self.events = [], [], []
 
     def step_done(self, metrics, staleness):
         self.steps.append((metrics, staleness))
+        self.events.append(f"line {metrics['step']}")
+
+    def checkpoint_done(self, seconds):
+        self.events.append("checkpoint")
 
     def update_failed(self, cause):
         self.failures.append(cause)
@@ -83,6 +87,48 @@ def test_a_step_gets_trains_acks_and_publishes(tmp_path):
     assert loop.publisher.loaded == [1] and loop.publisher.committed_versions == [1]
     assert stats["consumed"] == 2  # acked
     assert len(loop.observer.steps) == 1 and loop.observer.steps[0][1] == [0, 0, 0, 0]
+
+
+def test_a_step_reports_its_episodes_turns_and_turns_over_target(tmp_path):
+    async def main():
+        loop, ctl, buf = make(tmp_path)
+        await loop.join()
+        await ctl.admit(2)
+        for g, turns, over in (("a", [0, 10, 20], 1), ("b", [0], 0)):  # 3 + 3 turns, 2 + 0 over target
+            group = make_group(g)
+            for t in group.trajectories:
+                t.metadata |= {"turn_starts": turns, "turns_over_target": over}
+            await buf.put(group)
+        await ctl.release(finished=2)
+        return await loop.step()
+
+    m = asyncio.run(main())
+    assert m["turns_mean"] == pytest.approx(2.0)  # (3 + 3 + 1 + 1) / 4 episodes
+    assert m["tokens_per_turn"] == pytest.approx(4 * 6 / 8)  # 6 generated tokens in each of 4 episodes
+    assert m["turns_over_target_share"] == pytest.approx(2 / 8)
+
+
+def test_a_steps_line_is_written_before_its_checkpoint(tmp_path, monkeypatch):
+    """A trainer killed between the two must not leave a checkpointed step without a line (its
+    groups trained but missing from the curve); a line without a checkpoint goes to lost_steps."""
+    import trainer.loop
+
+    async def main():
+        loop, ctl, buf = make(tmp_path)
+        loop.config.checkpoint_every = 2
+        saved = loop.observer.events.append
+        monkeypatch.setattr(trainer.loop, "save_checkpoint", lambda engine, _, keep_last: saved(f"save {engine.step}"))
+        await loop.join()
+        for step in range(2):
+            await ctl.admit(2)
+            for g in ("a", "b"):
+                await buf.put(make_group(f"{g}{step}"))
+            await ctl.release(finished=2)
+            assert await loop.step() is not None
+        return loop
+
+    loop = asyncio.run(main())
+    assert loop.observer.events == ["line 1", "line 2", "save 2", "checkpoint"]
 
 
 def test_a_failed_publish_rolls_back_and_is_counted(tmp_path):

@@ -30,7 +30,7 @@ import torch
 from rollout.engines.embedded.attention import AttentionLayout, UnsupportedModel
 from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.kv_slots import KVSlots
-from rollout.engines.embedded.sampling import sample_next_tokens
+from rollout.engines.embedded.sampling import sample_next_tokens, top_logprobs
 from rollout.engines.embedded.weights import check_named_tensors, copy_named_tensors, weights_checksum
 from rollout.engines.scheduler import PauseMode, SchedulerCommands
 from rollout.sampling import SamplingParams
@@ -58,6 +58,7 @@ class GenerateOutput:
     e2e_latency_s: float
     queue_time_s: float = 0.0  # submitted → first admitted to the running batch
     ttft_s: float = 0.0  # submitted → first token (0 when none was generated)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
 
 
 @dataclass
@@ -69,12 +70,14 @@ class _Request:
     generator: torch.Generator | None
     stop_ids: frozenset[int]
     on_token: Callable[[int, float, int], None] | None = None  # streaming: called from the scheduler thread
+    top_n: int = 0  # the most likely tokens to report at each position (OpenAI's top_logprobs)
     t0: float = field(default_factory=time.perf_counter)
     t_admit: float = 0.0
     t_first: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def context(self) -> list[int]:
@@ -188,17 +191,21 @@ class EmbeddedEngine(SchedulerCommands):
             raise EngineError("sampling_params.sampling_seed", f"must fit in 64 bits, got {params.sampling_seed}")
 
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams,
-               on_token: Callable[[int, float, int], None] | None = None) -> Future:  # fmt: skip
+               on_token: Callable[[int, float, int], None] | None = None,
+               top_logprobs_num: int = 0) -> Future:  # fmt: skip
         """Queue a generation; the future resolves to a ``GenerateOutput``. ``on_token(token,
         logprob, version)`` is called for each token as it is generated (in the scheduler thread:
-        it must only hand the token over)."""
+        it must only hand the token over). ``top_logprobs_num``: also report that many most likely
+        tokens at each position."""
         self.validate(input_ids, params)
+        if not 0 <= top_logprobs_num <= self.vocab_size:
+            raise EngineError("top_logprobs_num", f"must be in [0, {self.vocab_size}], got {top_logprobs_num}")
         fut: Future = Future()
         gen = None
         if params.sampling_seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        req = _Request(rid, list(input_ids), params, fut, gen, stop, on_token)
+        req = _Request(rid, list(input_ids), params, fut, gen, stop, on_token, top_n=top_logprobs_num)
         self._commands.put(lambda: self._enqueue(req))
         return fut
 
@@ -300,6 +307,7 @@ class EmbeddedEngine(SchedulerCommands):
             tokens, logprobs = sample_next_tokens(
                 out.logits[:, -1], [r.params for r in group], [r.generator for r in group], self._sampler
             )
+            tops = top_logprobs(out.logits[:, -1], [r.params for r in group], [r.top_n for r in group])
         except Exception:
             # Out of the queue, not yet running: the loop's handler fails only the running batch, so
             # these would never be answered (their callers hung). They fail with it.
@@ -308,7 +316,7 @@ class EmbeddedEngine(SchedulerCommands):
         self._running += group
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         first = len(self._running) - len(group)
-        self._leave({first + i for i, r in enumerate(group) if self._append(r, tokens[i], logprobs[i])})
+        self._leave({first + i for i, r in enumerate(group) if self._append(r, tokens[i], logprobs[i], tops[i])})
 
     def _decode_step(self) -> None:
         ids, positions, masks = self._batch.decode([r.output_ids[-1] for r in self._running], self.dtype)
@@ -326,8 +334,9 @@ class EmbeddedEngine(SchedulerCommands):
             [r.generator for r in self._running],
             self._sampler,
         )
+        tops = top_logprobs(out.logits[:, -1], [r.params for r in self._running], [r.top_n for r in self._running])
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        self._leave({i for i, r in enumerate(self._running) if self._append(r, tokens[i], logprobs[i])})
+        self._leave({i for i, r in enumerate(self._running) if self._append(r, tokens[i], logprobs[i], tops[i])})
         self.counters["decode_steps"] += 1
 
     def _leave(self, rows: set[int]) -> None:
@@ -335,12 +344,14 @@ class EmbeddedEngine(SchedulerCommands):
         if rows:
             self._running = [self._running[i] for i in self._batch.release(rows)]
 
-    def _append(self, req: _Request, token: int, logprob: float) -> bool:
+    def _append(self, req: _Request, token: int, logprob: float, top: list[tuple[int, float]]) -> bool:
         """Record a generated token; finish the request and return True if it is done."""
         if not req.output_ids:
             req.t_first = time.perf_counter()
         req.output_ids.append(token)
         req.logprobs.append(logprob)
+        if req.top_n:
+            req.tops.append(top)
         req.versions.append(self.weight_version)
         if req.on_token is not None:
             req.on_token(token, logprob, self.weight_version)
@@ -370,6 +381,7 @@ class EmbeddedEngine(SchedulerCommands):
                 e2e_latency_s=time.perf_counter() - req.t0,
                 queue_time_s=max(0.0, (req.t_admit or time.perf_counter()) - req.t0),
                 ttft_s=max(0.0, req.t_first - req.t0) if req.t_first else 0.0,
+                top_logprobs=list(req.tops),
             )
         )
 

@@ -75,3 +75,19 @@ def sample_next_tokens(
                 tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, chosen
+
+
+def top_logprobs(logits: torch.Tensor, params: list[SamplingParams], ks: list[int]) -> list[list[tuple[int, float]]]:
+    """Each row's ``ks[i]`` most likely tokens as ``(token_id, logprob)``, most likely first, in the
+    log-probs the sampled token's are reported in (``token_logprobs``, before top-p / top-k).
+
+    logits: [B, V]; rows with k 0 get []. Only the rows that ask are normalised."""
+    rows = [i for i, k in enumerate(ks) if k > 0]
+    out: list[list[tuple[int, float]]] = [[] for _ in ks]
+    if not rows:
+        return out
+    temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+    values, ids = token_logprobs(logits[rows], temps).topk(min(max(ks), logits.shape[-1]), dim=-1)
+    for j, i in enumerate(rows):
+        out[i] = list(zip(ids[j, : ks[i]].tolist(), values[j, : ks[i]].tolist()))
+    return out

@@ -17,6 +17,14 @@ class LengthModel(BaseModel):
     median: float = Field(1000, gt=0, description="Median response length in tokens.")
     p99: float = Field(14000, gt=0, description="99th percentile of the response length in tokens.")
     cap: int = Field(16384, ge=1, description="Longest response (the request's max_new_tokens also caps it).")
+    prompt_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of the log-length's variance that comes from the prompt (0: every response drawn on "
+        "its own). Above 0, a prompt with one long answer tends to have others: hard prompts make long answers, "
+        "the property tail batching (RollPacker) relies on when it reruns long-tail prompts together.",
+    )
 
 
 class SimEngineConfig(EngineServerConfig):

@@ -15,6 +15,7 @@ Prefill time is not modelled: decode dominates long RL rollouts.
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
 import os
 import queue
@@ -79,7 +80,9 @@ class SimEngine(SchedulerCommands):
         self.validate(input_ids, params)
         done = trailing_run(input_ids, self.sim.token_id)
         prompt = len(input_ids) - done
-        target = draw_length(self.sim.lengths, f"{rid.split('#')[0]}:{prompt}", self.sim.seed)
+        prompt_key = hashlib.blake2b(str(input_ids[:prompt]).encode(), digest_size=8).hexdigest() \
+            if self.sim.lengths.prompt_share else ""  # fmt: skip
+        target = draw_length(self.sim.lengths, f"{rid.split('#')[0]}:{prompt}", self.sim.seed, prompt_key)
         left = max(1, target - done)
         fut: Future = Future()
         req = _SimRequest(rid, len(input_ids), min(left, params.max_new_tokens), left <= params.max_new_tokens, fut)

@@ -69,6 +69,7 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
                  "host" "0.0.0.0" "port" .Values.buffer.port "metrics_port" .Values.buffer.metricsPort)
   "controller" (dict "host" "0.0.0.0" "port" .Values.controller.port "metrics_port" .Values.controller.metricsPort)
   "env_manager" (dict "host" "0.0.0.0" "port" .Values.envManager.port "metrics_port" .Values.envManager.metricsPort)
+  "gateway" (dict "host" "0.0.0.0" "port" .Values.gateway.port)
   "train_loop" (dict "run_dir" (printf "%s/%s" .Values.runs.mountPath .Release.Name) "metrics_host" "0.0.0.0"
                      "metrics_port" .Values.trainer.metricsPort)
 -}}

@@ -25,47 +25,51 @@ _sym_db = _symbol_database.Default()
 from services.pb.rollmesh.v1 import common_pb2 as rollmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollmesh/v1/llm_proxy.proto\x12\x0brollmesh.v1\x1a\x18rollmesh/v1/common.proto\"\xe8\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x1a\n\rsampling_seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x10\n\x0e_sampling_seed\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.rollmesh.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\x8b\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\noutput_ids\x18\x02 \x03(\x05\x12\x19\n\x11\x62\x65havior_logprobs\x18\x03 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x04 \x03(\x03\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.rollmesh.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x12\x15\n\re2e_latency_s\x18\t \x01(\x01\x12\x14\n\x0cnum_segments\x18\n \x01(\x05\"5\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tabort_all\x18\x02 \x01(\x08\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"K\n\x0eSuspendRequest\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.rollmesh.v1.SuspendMode\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"(\n\x0fSuspendResponse\x12\x15\n\rnum_in_flight\x18\x01 \x01(\x05\"\"\n\rResumeRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"\x10\n\x0eResumeResponse\"U\n\x14UpdateWeightsRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"m\n\x12\x45ngineUpdateResult\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0f\n\x07success\x18\x02 \x01(\x08\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05\x63\x61use\x18\x05 \x01(\t\"Z\n\x15UpdateWeightsResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x30\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1f.rollmesh.v1.EngineUpdateResult\"\x82\x01\n\x0cWeightBucket\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x13\n\x0bsafetensors\x18\x03 \x01(\x0c\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x14\n\x0crestore_path\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\"\x0e\n\x0cStatsRequest\"\xb0\x01\n\x0b\x45ngineStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\x05 \x01(\x03\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x16\n\x0erequests_total\x18\x07 \x01(\x03\x12\x16\n\x0e\x66\x61ilures_total\x18\x08 \x01(\x03\"\xa4\x01\n\nProxyStats\x12\x11\n\tsuspended\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x16\n\x0erequests_total\x18\x03 \x01(\x03\x12\x15\n\rretries_total\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12)\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x18.rollmesh.v1.EngineStats*y\n\x0bSuspendMode\x12\x1c\n\x18SUSPEND_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SUSPEND_MODE_CONTINUE\x10\x01\x12\x16\n\x12SUSPEND_MODE_ABORT\x10\x02\x12\x19\n\x15SUSPEND_MODE_IN_PLACE\x10\x03\x32\x87\x04\n\x08LLMProxy\x12G\n\x08Generate\x12\x1c.rollmesh.v1.GenerateRequest\x1a\x1d.rollmesh.v1.GenerateResponse\x12>\n\x05\x41\x62ort\x12\x19.rollmesh.v1.AbortRequest\x1a\x1a.rollmesh.v1.AbortResponse\x12\x44\n\x07Suspend\x12\x1b.rollmesh.v1.SuspendRequest\x1a\x1c.rollmesh.v1.SuspendResponse\x12\x41\n\x06Resume\x12\x1a.rollmesh.v1.ResumeRequest\x1a\x1b.rollmesh.v1.ResumeResponse\x12V\n\rUpdateWeights\x12!.rollmesh.v1.UpdateWeightsRequest\x1a\".rollmesh.v1.UpdateWeightsResponse\x12T\n\x13UpdateWeightsBucket\x12\x19.rollmesh.v1.WeightBucket\x1a\".rollmesh.v1.UpdateWeightsResponse\x12;\n\x05Stats\x12\x19.rollmesh.v1.StatsRequest\x1a\x17.rollmesh.v1.ProxyStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollmesh/v1/llm_proxy.proto\x12\x0brollmesh.v1\x1a\x18rollmesh/v1/common.proto\"\xe8\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x1a\n\rsampling_seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x10\n\x0e_sampling_seed\"\xae\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.rollmesh.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xbb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\noutput_ids\x18\x02 \x03(\x05\x12\x19\n\x11\x62\x65havior_logprobs\x18\x03 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x04 \x03(\x03\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.rollmesh.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x12\x15\n\re2e_latency_s\x18\t \x01(\x01\x12\x14\n\x0cnum_segments\x18\n \x01(\x05\x12.\n\x0ctop_logprobs\x18\x0b \x03(\x0b\x32\x18.rollmesh.v1.TopLogprobs\"R\n\rGenerateChunk\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12-\n\x06result\x18\x02 \x01(\x0b\x32\x1d.rollmesh.v1.GenerateResponse\"5\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tabort_all\x18\x02 \x01(\x08\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\x05\"K\n\x0eSuspendRequest\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x18.rollmesh.v1.SuspendMode\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"(\n\x0fSuspendResponse\x12\x15\n\rnum_in_flight\x18\x01 \x01(\x05\"\"\n\rResumeRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"\x10\n\x0eResumeResponse\"U\n\x14UpdateWeightsRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"m\n\x12\x45ngineUpdateResult\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0f\n\x07success\x18\x02 \x01(\x08\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05\x63\x61use\x18\x05 \x01(\t\"Z\n\x15UpdateWeightsResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x30\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1f.rollmesh.v1.EngineUpdateResult\"\x82\x01\n\x0cWeightBucket\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x13\n\x0bsafetensors\x18\x03 \x01(\x0c\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x14\n\x0crestore_path\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\"\x0e\n\x0cStatsRequest\"\xb0\x01\n\x0b\x45ngineStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\x05 \x01(\x03\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x16\n\x0erequests_total\x18\x07 \x01(\x03\x12\x16\n\x0e\x66\x61ilures_total\x18\x08 \x01(\x03\"\xa4\x01\n\nProxyStats\x12\x11\n\tsuspended\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x16\n\x0erequests_total\x18\x03 \x01(\x03\x12\x15\n\rretries_total\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12)\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x18.rollmesh.v1.EngineStats*y\n\x0bSuspendMode\x12\x1c\n\x18SUSPEND_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SUSPEND_MODE_CONTINUE\x10\x01\x12\x16\n\x12SUSPEND_MODE_ABORT\x10\x02\x12\x19\n\x15SUSPEND_MODE_IN_PLACE\x10\x03\x32\xd5\x04\n\x08LLMProxy\x12G\n\x08Generate\x12\x1c.rollmesh.v1.GenerateRequest\x1a\x1d.rollmesh.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.rollmesh.v1.GenerateRequest\x1a\x1a.rollmesh.v1.GenerateChunk0\x01\x12>\n\x05\x41\x62ort\x12\x19.rollmesh.v1.AbortRequest\x1a\x1a.rollmesh.v1.AbortResponse\x12\x44\n\x07Suspend\x12\x1b.rollmesh.v1.SuspendRequest\x1a\x1c.rollmesh.v1.SuspendResponse\x12\x41\n\x06Resume\x12\x1a.rollmesh.v1.ResumeRequest\x1a\x1b.rollmesh.v1.ResumeResponse\x12V\n\rUpdateWeights\x12!.rollmesh.v1.UpdateWeightsRequest\x1a\".rollmesh.v1.UpdateWeightsResponse\x12T\n\x13UpdateWeightsBucket\x12\x19.rollmesh.v1.WeightBucket\x1a\".rollmesh.v1.UpdateWeightsResponse\x12;\n\x05Stats\x12\x19.rollmesh.v1.StatsRequest\x1a\x17.rollmesh.v1.ProxyStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollmesh.v1.llm_proxy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUSPENDMODE']._serialized_start=1781
-  _globals['_SUSPENDMODE']._serialized_end=1902
+  _globals['_SUSPENDMODE']._serialized_start=1987
+  _globals['_SUSPENDMODE']._serialized_end=2108
   _globals['_SAMPLINGPARAMS']._serialized_start=71
   _globals['_SAMPLINGPARAMS']._serialized_end=303
   _globals['_GENERATEREQUEST']._serialized_start=306
-  _globals['_GENERATEREQUEST']._serialized_end=458
-  _globals['_GENERATERESPONSE']._serialized_start=461
-  _globals['_GENERATERESPONSE']._serialized_end=728
-  _globals['_ABORTREQUEST']._serialized_start=730
-  _globals['_ABORTREQUEST']._serialized_end=783
-  _globals['_ABORTRESPONSE']._serialized_start=785
-  _globals['_ABORTRESPONSE']._serialized_end=821
-  _globals['_SUSPENDREQUEST']._serialized_start=823
-  _globals['_SUSPENDREQUEST']._serialized_end=898
-  _globals['_SUSPENDRESPONSE']._serialized_start=900
-  _globals['_SUSPENDRESPONSE']._serialized_end=940
-  _globals['_RESUMEREQUEST']._serialized_start=942
-  _globals['_RESUMEREQUEST']._serialized_end=976
-  _globals['_RESUMERESPONSE']._serialized_start=978
-  _globals['_RESUMERESPONSE']._serialized_end=994
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=996
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1081
-  _globals['_ENGINEUPDATERESULT']._serialized_start=1083
-  _globals['_ENGINEUPDATERESULT']._serialized_end=1192
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1194
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1284
-  _globals['_WEIGHTBUCKET']._serialized_start=1287
-  _globals['_WEIGHTBUCKET']._serialized_end=1417
-  _globals['_STATSREQUEST']._serialized_start=1419
-  _globals['_STATSREQUEST']._serialized_end=1433
-  _globals['_ENGINESTATS']._serialized_start=1436
-  _globals['_ENGINESTATS']._serialized_end=1612
-  _globals['_PROXYSTATS']._serialized_start=1615
-  _globals['_PROXYSTATS']._serialized_end=1779
-  _globals['_LLMPROXY']._serialized_start=1905
-  _globals['_LLMPROXY']._serialized_end=2424
+  _globals['_GENERATEREQUEST']._serialized_end=480
+  _globals['_TOPLOGPROBS']._serialized_start=482
+  _globals['_TOPLOGPROBS']._serialized_end=532
+  _globals['_GENERATERESPONSE']._serialized_start=535
+  _globals['_GENERATERESPONSE']._serialized_end=850
+  _globals['_GENERATECHUNK']._serialized_start=852
+  _globals['_GENERATECHUNK']._serialized_end=934
+  _globals['_ABORTREQUEST']._serialized_start=936
+  _globals['_ABORTREQUEST']._serialized_end=989
+  _globals['_ABORTRESPONSE']._serialized_start=991
+  _globals['_ABORTRESPONSE']._serialized_end=1027
+  _globals['_SUSPENDREQUEST']._serialized_start=1029
+  _globals['_SUSPENDREQUEST']._serialized_end=1104
+  _globals['_SUSPENDRESPONSE']._serialized_start=1106
+  _globals['_SUSPENDRESPONSE']._serialized_end=1146
+  _globals['_RESUMEREQUEST']._serialized_start=1148
+  _globals['_RESUMEREQUEST']._serialized_end=1182
+  _globals['_RESUMERESPONSE']._serialized_start=1184
+  _globals['_RESUMERESPONSE']._serialized_end=1200
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1202
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1287
+  _globals['_ENGINEUPDATERESULT']._serialized_start=1289
+  _globals['_ENGINEUPDATERESULT']._serialized_end=1398
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1400
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1490
+  _globals['_WEIGHTBUCKET']._serialized_start=1493
+  _globals['_WEIGHTBUCKET']._serialized_end=1623
+  _globals['_STATSREQUEST']._serialized_start=1625
+  _globals['_STATSREQUEST']._serialized_end=1639
+  _globals['_ENGINESTATS']._serialized_start=1642
+  _globals['_ENGINESTATS']._serialized_end=1818
+  _globals['_PROXYSTATS']._serialized_start=1821
+  _globals['_PROXYSTATS']._serialized_end=1985
+  _globals['_LLMPROXY']._serialized_start=2111
+  _globals['_LLMPROXY']._serialized_end=2708
 # @@protoc_insertion_point(module_scope)

@@ -38,21 +38,31 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sampling_seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "trajectory_id", "input_ids", "sampling_params", "timeout_s")
+    __slots__ = ("request_id", "trajectory_id", "input_ids", "sampling_params", "timeout_s", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     trajectory_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "output_ids", "behavior_logprobs", "token_versions", "finish_reason", "weight_version", "engine", "prompt_tokens", "e2e_latency_s", "num_segments")
+    __slots__ = ("request_id", "output_ids", "behavior_logprobs", "token_versions", "finish_reason", "weight_version", "engine", "prompt_tokens", "e2e_latency_s", "num_segments", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     BEHAVIOR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +73,7 @@ class GenerateResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     E2E_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     NUM_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     behavior_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -73,7 +84,16 @@ class GenerateResponse(_message.Message):
     prompt_tokens: int
     e2e_latency_s: float
     num_segments: int
-    def __init__(self, request_id: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., e2e_latency_s: _Optional[float] = ..., num_segments: _Optional[int] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., e2e_latency_s: _Optional[float] = ..., num_segments: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("output_ids", "result")
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    result: GenerateResponse
+    def __init__(self, output_ids: _Optional[_Iterable[int]] = ..., result: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "abort_all")

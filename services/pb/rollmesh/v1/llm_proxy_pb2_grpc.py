@@ -40,6 +40,11 @@ class LLMProxyStub:
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.unary_stream(
+                '/rollmesh.v1.LLMProxy/GenerateStream',
+                request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateChunk.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/rollmesh.v1.LLMProxy/Abort',
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.AbortRequest.SerializeToString,
@@ -78,6 +83,13 @@ class LLMProxyServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request, context):
+        """The same generation streamed: chunks of new tokens as the engine makes them, then the result.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -126,6 +138,11 @@ def add_LLMProxyServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateRequest.FromString,
                     response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateRequest.FromString,
+                    response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -186,6 +203,33 @@ class LLMProxy:
             '/rollmesh.v1.LLMProxy/Generate',
             rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateRequest.SerializeToString,
             rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rollmesh.v1.LLMProxy/GenerateStream',
+            rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateRequest.SerializeToString,
+            rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,

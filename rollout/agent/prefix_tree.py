@@ -1,0 +1,176 @@
+"""Prefix aggregation: an agent session's requests as a tree of token segments.
+
+An agent sends its whole conversation with every request. Rendered from scratch each time, its
+earlier assistant turns would be re-tokenized (not the tokens the policy generated) and every
+request would pay for the whole history again. Instead each session keeps a tree:
+
+- a **prompt node** holds the tokens a request added (the rendered new messages and the
+  generation prompt, loss mask 0), keyed by the hash chain of the request's messages;
+- a **generation node** under it holds what the engine generated for that prompt (loss mask 1,
+  behaviour log-probs, policy versions), keyed by the chain extended with the assistant message
+  the gateway answered with.
+
+A request whose messages extend a generation node's conversation is rendered as the template's
+difference after it (``rollout/agent/render.py``) and hangs below it; one that repeats a prompt
+reuses it. An agent that edits its history finds no node for the edited message and starts a
+new branch from the deepest one it still shares (a new root, rendered whole, when it shares
+none). Each generation node nothing continues is the tip of one trajectory: the segments on its
+path, in order, are exactly what the engine consumed and produced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from rollout.agent.messages import conversation_keys
+from rollout.agent.render import TemplateRenderer
+from rollout.chat_turns import NotAPrefix
+from rollout.ports import Generation
+from sample_buffer.trajectory import FinishReason
+
+
+@dataclass
+class PromptNode:
+    key: str
+    parent: GenerationNode | None
+    ids: list[int]  # the tokens this request added (loss mask 0)
+    text: str  # the template's text of the whole conversation, generation prompt included
+    children: list[GenerationNode] = field(default_factory=list)
+
+
+@dataclass
+class GenerationNode:
+    key: str
+    parent: PromptNode
+    generation: Generation
+    children: list[PromptNode] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to generate: its prompt node and the whole prompt's token ids."""
+
+    node: PromptNode
+    input_ids: list[int]
+    rendered: int  # tokens rendered for this request
+    reused: int  # tokens taken from the tree (earlier prompts and generations)
+
+
+class SessionTree:
+    """One agent session's conversations, rendered once and shared where they share a prefix."""
+
+    def __init__(self, renderer: TemplateRenderer) -> None:
+        self.renderer = renderer
+        self.roots: list[PromptNode] = []
+        self._prompts: dict[str, PromptNode] = {}
+        self._generations: dict[str, GenerationNode] = {}
+        self.forks = 0  # requests that started a new branch off (or beside) an existing one
+
+    def prepare(self, messages: list[dict], tools: list | None = None) -> Prepared:
+        """The prompt for ``messages``: a known one, an extension of a known generation, or a new root."""
+        keys = conversation_keys(messages, tools)
+        if (node := self._prompts.get(keys[-1])) is not None:
+            ids = path_ids(node)
+            return Prepared(node, ids, 0, len(ids))
+        for j in range(len(messages) - 2, -1, -1):  # the deepest generated assistant turn this request shares
+            base = self._generations.get(keys[j])
+            if base is None:
+                continue
+            try:
+                rendered = self.renderer.after(base.parent.text, base.generation.output_ids, messages, j, tools)
+            except NotAPrefix:
+                break  # rendered whole below: a new root
+            self.forks += bool(base.children)  # something else already continued this turn: a branch
+            node = PromptNode(keys[-1], base, rendered.ids, rendered.text)
+            base.children.append(node)
+            self._prompts[node.key] = node
+            ids = path_ids(node)
+            return Prepared(node, ids, len(rendered.ids), len(ids) - len(rendered.ids))
+        rendered = self.renderer.whole(messages, tools)
+        if self.roots:
+            self.forks += 1
+        node = PromptNode(keys[-1], None, rendered.ids, rendered.text)
+        self.roots.append(node)
+        self._prompts[node.key] = node
+        return Prepared(node, rendered.ids, len(rendered.ids), 0)
+
+    def prepare_ids(self, ids: list[int]) -> Prepared:
+        """A raw prompt (``/v1/completions``): its own root, reused when the same ids come again."""
+        key = "ids:" + hashlib.sha256(repr(ids).encode()).hexdigest()[:32]
+        if (node := self._prompts.get(key)) is not None:
+            return Prepared(node, list(ids), 0, len(ids))
+        node = PromptNode(key, None, list(ids), "")
+        self.roots.append(node)
+        self._prompts[key] = node
+        return Prepared(node, list(ids), len(ids), 0)
+
+    def record(self, prompt: PromptNode, generation: Generation, key: str | None = None) -> GenerationNode:
+        """What the engine generated for ``prompt``; ``key``: the conversation's key once the agent
+        appends the assistant message it was answered with (``conversation_keys``), so that a
+        request continuing it finds it. None: nothing continues it (a raw completion)."""
+        node = GenerationNode(key or "", prompt, generation)
+        prompt.children.append(node)
+        if key:
+            self._generations.setdefault(key, node)  # n choices alike: the first one is continued
+        return node
+
+    def tips(self) -> list[GenerationNode]:
+        """Generation nodes nothing continues: one trajectory each."""
+        out, stack = [], list(reversed(self.roots))
+        while stack:
+            prompt = stack.pop()
+            for gen in prompt.children:
+                continued = [p for p in gen.children if p.children]
+                if not continued:
+                    out.append(gen)
+                stack.extend(reversed(gen.children))
+        return out
+
+
+def path_ids(node: PromptNode) -> list[int]:
+    """The token ids from the root to the end of ``node``."""
+    segments: list[list[int]] = []
+    prompt: PromptNode | None = node
+    while prompt is not None:
+        segments.append(prompt.ids)
+        if prompt.parent is None:
+            break
+        segments.append(prompt.parent.generation.output_ids)
+        prompt = prompt.parent.parent
+    return [t for seg in reversed(segments) for t in seg]
+
+
+@dataclass(frozen=True)
+class Path:
+    """A trajectory's tokens: everything from its root to a generation tip."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    token_versions: list[int]
+    turn_starts: list[int]  # where each generation begins
+    finish_reason: FinishReason
+
+
+def trajectory_path(tip: GenerationNode) -> Path:
+    chain: list[GenerationNode] = []
+    gen: GenerationNode | None = tip
+    while gen is not None:
+        chain.append(gen)
+        gen = gen.parent.parent
+    ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    starts: list[int] = []
+    for g in reversed(chain):
+        ids += g.parent.ids
+        mask += [0] * len(g.parent.ids)
+        starts.append(len(ids))
+        out = g.generation
+        ids += out.output_ids
+        mask += [1] * len(out.output_ids)
+        logprobs += out.behavior_logprobs
+        versions += out.token_versions
+    return Path(ids, mask, logprobs, versions, starts, tip.generation.finish_reason)

@@ -1,0 +1,87 @@
+"""`rollmesh serve gateway`: the agent gateway as a process, wired to the mesh's services."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+from rollout.agent.render import TemplateRenderer
+from rollout.agent.sessions import AgentSessions
+from services.auth import AuthConfig
+from services.controller.client import ControllerClient
+from services.gateway.config import GatewayConfig
+from services.gateway.server import KeyRing, create_app, expire_forever
+from services.grpc_util import serve_until_signal
+from services.llm_proxy.client import ProxyClient, ProxyGenerate
+from services.sample_buffer.client import BufferClient
+
+log = logging.getLogger(__name__)
+
+
+def key_ring(config: GatewayConfig, auth: AuthConfig) -> KeyRing | None:
+    """The keys the gateway takes: its key file's and the mesh token (named ``mesh``); None where
+    ``auth.disabled`` says nobody else can reach the network."""
+    if auth.disabled:
+        return None
+    bearer = auth.bearer()
+    return KeyRing({**config.keys(), "mesh": bearer.removeprefix("Bearer ")})
+
+
+def build_sessions(config: GatewayConfig, tokenizer_path: str, proxy, buffer, controller) -> AgentSessions:
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    template = Path(config.chat_template_path).read_text() if config.chat_template_path else None
+    renderer = TemplateRenderer(AutoTokenizer.from_pretrained(tokenizer_path), template)
+    return AgentSessions(config.sessions, renderer, ProxyGenerate(proxy), admission=controller, sink=buffer)
+
+
+class _Uvicorn:
+    """A uvicorn server under ``serve_until_signal``, which stops what it runs with ``stop(grace)``."""
+
+    def __init__(self, server, task: asyncio.Task) -> None:
+        self.server, self.task = server, task
+
+    async def stop(self, grace: float) -> None:
+        self.server.should_exit = True
+        await asyncio.wait([self.task], timeout=grace)
+
+
+def serve(cfg) -> None:
+    """``cfg``: the whole run config (the gateway's section and the mesh's addresses)."""
+    import uvicorn
+
+    config = cfg.gateway
+
+    async def start():
+        proxy, buffer = ProxyClient(cfg.mesh.proxy, auth=cfg.auth), BufferClient(cfg.mesh.buffer, auth=cfg.auth)
+        # Named by where it serves, which a restart keeps: its successor's first report frees the slots
+        # of the groups this process had in flight when it died (on port 0 the name is this process's own).
+        where = config.port or f"pid{os.getpid()}"
+        controller = ControllerClient(
+            cfg.mesh.controller, auth=cfg.auth, holder=f"{socket.gethostname()}:gateway:{where}"
+        )
+        sessions = build_sessions(config, config.tokenizer_path or cfg.model_path, proxy, buffer, controller)
+        app = create_app(sessions, config, key_ring(config, cfg.auth))
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=config.host, port=config.port, log_level="warning", access_log=False,
+            ssl_certfile=cfg.auth.tls.cert_path if cfg.auth.tls else None,
+            ssl_keyfile=cfg.auth.tls.key_path if cfg.auth.tls else None,
+        ))  # fmt: skip
+        server.install_signal_handlers = lambda: None  # serve_until_signal owns SIGTERM
+        task = asyncio.create_task(server.serve())
+        lease = asyncio.create_task(controller.keep_lease(5.0))
+        expiry = asyncio.create_task(expire_forever(sessions, min(30.0, config.sessions.idle_s / 2)))
+        log.info("agent gateway on http://%s:%d (model %r)", config.host, config.port, config.model_name)
+
+        async def cleanup() -> None:
+            lease.cancel()
+            expiry.cancel()
+            await asyncio.gather(proxy.close(), buffer.close(), controller.close())
+
+        return _Uvicorn(server, task), cleanup
+
+    serve_until_signal(start)

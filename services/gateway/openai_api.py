@@ -1,0 +1,238 @@
+"""The OpenAI API's shapes as the gateway reads and writes them: requests, answers, stream chunks, errors.
+
+Requests accept fields this gateway does not act on (``user``, ``store``, ``parallel_tool_calls``,
+``metadata``, ...) and ignore them, as OpenAI-compatible servers do, because agent frameworks
+send them; fields whose meaning it cannot honour are refused by name (``echo``; ``tool_choice``
+other than ``auto`` or ``none``: forcing a call needs constrained decoding, which no engine here does).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rollout.agent.messages import text_of
+from rollout.agent.sessions import ChatResult, Choice
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "server_error", 504: "server_error"}  # fmt: skip
+
+
+def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}  # fmt: skip
+    # OpenAI's clients retry 409 (and 408, 429, 5xx) by themselves: the same request cannot succeed here.
+    headers = {"x-should-retry": "false"} if 400 <= status < 500 and status not in (408, 429) else None
+    return JSONResponse(status_code=status, content=body, headers=headers)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(..., description="The served model's name.")
+    n: int = Field(1, ge=1, description="Choices to generate.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = Field(None)
+    seed: int | None = Field(None)
+    stream: bool = Field(False)
+    stream_options: dict | None = Field(None)
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, stop):
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stops
+
+    def stops(self) -> list[str]:
+        return list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class ChatRequest(_Request):
+    messages: list[dict] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = Field(None)
+    tool_choice: str | dict | None = Field(None)
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, messages: list[dict]) -> list[dict]:
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str):
+                raise ValueError(f"[{i}].role: missing")
+            if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
+                raise ValueError(f"[{i}].role: {m['role']!r} is not system, developer, user, assistant or tool")
+        return messages
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_we_can_honour(cls, choice):
+        if choice not in (None, "auto", "none"):
+            raise ValueError("only auto or none: the gateway cannot force a call (no constrained decoding)")
+        return choice
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, k, info):
+        if k and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return k
+
+    def top_k(self) -> int:
+        """How many most likely tokens to report at each position."""
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def rendered_messages(self) -> list[dict]:
+        """Messages for the chat template: ``developer`` is OpenAI's new name for ``system``; content
+        given as a list of parts is its text, as the message's key reads it."""
+        out = []
+        for m in self.messages:
+            m = {**m, "role": "system"} if m["role"] == "developer" else dict(m)
+            if isinstance(m.get("content"), list):
+                m["content"] = text_of(m["content"])
+            out.append(m)
+        return out
+
+    def template_tools(self) -> list[dict] | None:
+        """Tools the template renders; ``tool_choice: none`` hides them."""
+        return None if self.tool_choice == "none" else self.tools
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] = Field(..., description="Text, or token ids (token-in, token-out).")
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = Field(False)
+
+    def top_k(self) -> int:
+        return self.logprobs or 0
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("not supported: the prompt is not echoed")
+        return echo
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt):
+        if not prompt:
+            raise ValueError("empty")
+        return prompt
+
+    def requested_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class SessionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    group: str | None = Field(None, max_length=200, description="Sessions with one group key form one group.")
+    group_size: int = Field(1, ge=1, description="How many sessions the group has; it is trained once all ended.")
+
+
+class RewardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float = Field(..., allow_inf_nan=False)
+
+
+class EndRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float | None = Field(None, allow_inf_nan=False)
+
+
+# ---------------------------------------------------------------- answers
+def usage(result: ChatResult) -> dict:
+    completion = sum(len(c.generation.output_ids) for c in result.choices)
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": result.prompt_tokens + completion}  # fmt: skip
+
+
+def _entry(tokenizer, token_id: int, logprob: float) -> dict:
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def token_logprobs(tokenizer, choice: Choice) -> list[dict]:
+    """Chat's ``logprobs.content``: each token's log-prob and, when asked, its position's most likely tokens."""
+    gen = choice.generation
+    tops = gen.top_logprobs or [[] for _ in gen.output_ids]
+    return [_entry(tokenizer, tid, lp) | {"top_logprobs": [_entry(tokenizer, t, x) for t, x in top]}
+            for tid, lp, top in zip(gen.output_ids, gen.behavior_logprobs, tops, strict=True)]  # fmt: skip
+
+
+def _message(choice: Choice) -> dict:
+    msg = dict(choice.message)
+    if msg.get("tool_calls") and not msg.get("content"):
+        msg["content"] = None  # as OpenAI answers a call without text
+    return msg
+
+
+def chat_answer(req: ChatRequest, result: ChatResult, model: str, tokenizer, session_id: str | None) -> dict:
+    choices = [
+        {"index": i, "message": _message(c), "finish_reason": c.finish_reason,
+         "logprobs": {"content": token_logprobs(tokenizer, c)} if req.logprobs else None}
+        for i, c in enumerate(result.choices)
+    ]  # fmt: skip
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(result),
+            "rollmesh": _extra(result, session_id)}  # fmt: skip
+
+
+def completion_logprobs(tokenizer, choice: Choice, k: int) -> dict:
+    """The legacy completions' ``logprobs``: tokens, their log-probs, the top ``k`` of each position
+    (as ``{token: logprob}``) and where each token starts in the text."""
+    gen = choice.generation
+    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in gen.output_ids]
+    tops = [{tokenizer.decode([t], skip_special_tokens=False): x for t, x in top} for top in gen.top_logprobs] \
+        if k else None  # fmt: skip
+    return {"tokens": tokens, "token_logprobs": list(gen.behavior_logprobs), "top_logprobs": tops,
+            "text_offset": _offsets(tokens)}  # fmt: skip
+
+
+def completion_answer(
+    req: CompletionRequest, result: ChatResult, model: str, tokenizer, session_id: str | None
+) -> dict:
+    choices = []
+    for i, c in enumerate(result.choices):
+        logprobs = completion_logprobs(tokenizer, c, req.top_k()) if req.logprobs is not None else None
+        choices.append({"index": i, "text": c.text, "finish_reason": completion_finish(c), "logprobs": logprobs})
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(result),
+            "rollmesh": _extra(result, session_id)}  # fmt: skip
+
+
+def completion_finish(c: Choice) -> str:
+    return "length" if c.finish_reason == "length" else "stop"
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    out, at = [], 0
+    for t in tokens:
+        out.append(at)
+        at += len(t)
+    return out
+
+
+def _extra(result: ChatResult, session_id: str | None) -> dict:
+    """What rollmesh adds: the session, and how much of the prompt the prefix tree reused."""
+    return {"session": session_id, "rendered_tokens": result.rendered_tokens, "reused_tokens": result.reused_tokens,
+            "output_token_ids": [c.generation.output_ids for c in result.choices]}  # fmt: skip

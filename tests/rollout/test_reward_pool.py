@@ -1,0 +1,77 @@
+"""The reward pool with real worker processes: scores, the concurrency limit, and verifiers that
+hang, crash or raise costing one score each, never the pool."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from rollout.reward_pool import RewardPool
+
+FNS = "tests.rollout.reward_fns"
+
+
+def test_scores_match_the_function_and_at_most_workers_run_at_once():
+    pool = RewardPool(f"{FNS}:slow_right", workers=2, timeout_s=10)
+    try:
+        pool("x", "x")  # the workers start on first use: not in the timing below
+        pool("x", "x")
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as ex:
+            scores = list(ex.map(pool, ["7", "8", "7", "9"], ["7"] * 4))
+        took = time.perf_counter() - t0
+    finally:
+        pool.close()
+    assert scores == [1.0, 0.0, 1.0, 0.0]
+    assert 0.55 < took < 3.0  # 4 calls of 0.3 s, 2 at a time: two rounds, not one
+    assert dict(pool.failures) == {"raised": 0, "timeout": 0, "crashed": 0}
+
+
+@pytest.mark.parametrize(("fn", "bad", "cause"), [("hang", "hang", "timeout"), ("crash", "crash", "crashed"),
+                                                  ("raise_", "raise", "raised")])  # fmt: skip
+def test_a_verifier_that_misbehaves_costs_one_score_and_the_pool_goes_on(fn, bad, cause):
+    pool = RewardPool(f"{FNS}:{fn}", workers=1, timeout_s=1.0)
+    try:
+        t0 = time.perf_counter()
+        assert pool(bad, "") == 0.0
+        assert time.perf_counter() - t0 < 30  # a hang is cut at its timeout (plus a worker's start)
+        assert [pool("fine", "") for _ in range(3)] == [1.0] * 3  # a fresh worker, or the same one, serves on
+    finally:
+        pool.close()
+    assert pool.failures[cause] == 1 and sum(pool.failures.values()) == 1
+
+
+def test_a_cpu_heavy_verifier_does_not_stall_the_event_loop():
+    """The verifier holds the GIL for half a second or more: run in-process (in a thread, as an
+    environment's step runs) it stalls the event loop's ticker; in the pool the ticker keeps ticking."""
+    from tests.rollout.reward_fns import busy
+
+    pool = RewardPool(f"{FNS}:busy", workers=1, timeout_s=10)
+
+    async def longest_gap(score) -> float:
+        gaps, last, stop = [], time.perf_counter(), False
+
+        async def tick():
+            nonlocal last
+            while not stop:
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        assert await asyncio.to_thread(score, "x", "") == 1.0
+        stop = True
+        await ticker
+        return max(gaps)
+
+    try:
+        pool("warm", "")  # the worker's start is not the point
+        in_pool = asyncio.run(longest_gap(pool))
+    finally:
+        pool.close()
+    in_process = asyncio.run(longest_gap(busy))
+    assert in_process > 0.4 and in_pool < 0.2, (in_process, in_pool)
