@@ -12,8 +12,9 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # Servers and tools the tests start themselves (on free loopback ports), from Debian packages:
-# redis-server, prometheus + promtool, docker-compose (only `config` is run: no Docker daemon).
-APT_TOOLS := redis-server:redis-server prometheus:prometheus promtool:prometheus docker-compose:docker-compose
+# redis-server, prometheus + promtool, docker-compose (only `config` is run: no Docker daemon),
+# bubblewrap (the code reward's sandbox).
+APT_TOOLS := redis-server:redis-server prometheus:prometheus promtool:prometheus docker-compose:docker-compose bwrap:bubblewrap
 servers:
 	@missing=""; for t in $(APT_TOOLS); do command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ]; then \

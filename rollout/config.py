@@ -12,7 +12,8 @@ from rollout.envs.config import EnvConfig, SingleTurnEnvConfig
 from rollout.envs.single_turn import load_jsonl
 from rollout.episode import EpisodeConfig
 from rollout.reward_pool import RewardPool
-from rollout.rewards import resolve_reward
+from rollout.rewards import build_reward, resolve_reward
+from rollout.verifiers.code import CodeRewardConfig
 
 
 class RewardWorkersConfig(BaseModel):
@@ -44,7 +45,12 @@ class TaskConfig(BaseModel):
         description="The environment, a typed variant chosen by 'type' (single_turn | sim | calculator | gem | "
         "custom | remote) with its own arguments.",
     )
-    reward: str = Field("exact_match", description="Reward function: a name in rollout.rewards or 'module:function'.")
+    reward: str | CodeRewardConfig = Field(
+        "exact_match",
+        description="Reward function: a name in rollout.rewards (exact_match, digit_answer, math_verify, ...) or "
+        "'module:function'; or a typed variant: {type: code, sandbox: {...}, timeout: {...}} runs the answer "
+        "against the task's tests in a sandbox (rollout/verifiers/code.py).",
+    )
     reward_workers: RewardWorkersConfig = Field(
         default_factory=lambda: RewardWorkersConfig(),
         description="Score in worker processes (a verifier that hangs or crashes costs one score, 0, counted).",
@@ -52,14 +58,24 @@ class TaskConfig(BaseModel):
 
     @field_validator("reward")
     @classmethod
-    def _reward_exists(cls, name: str) -> str:
-        resolve_reward(name)  # a misspelled reward fails when the config is loaded
-        return name
+    def _reward_exists(cls, reward: str | CodeRewardConfig) -> str | CodeRewardConfig:
+        if isinstance(reward, str):
+            resolve_reward(reward)  # a misspelled reward fails when the config is loaded
+        return reward
+
+    @model_validator(mode="after")
+    def _workers_for_functions(self) -> TaskConfig:
+        if self.reward_workers.workers and not isinstance(self.reward, str):
+            raise ValueError(
+                f"reward_workers.workers: the {self.reward.type} reward runs each answer in a process of its own "
+                "already (workers would split its timeout anchors); set it to 0"
+            )
+        return self
 
     def env_factory(self) -> tuple[list[dict], Callable, Callable[[], Env]]:
         """The dataset's rows, the reward function and a builder of one environment; building one
         now, so a custom environment's constructor fails at start-up rather than mid-run."""
-        rows, reward_fn = load_jsonl(self.dataset_path), resolve_reward(self.reward)
+        rows, reward_fn = load_jsonl(self.dataset_path), build_reward(self.reward)
         self.env.build(rows, reward_fn)
         if self.reward_workers.workers:
             reward_fn = RewardPool(self.reward, self.reward_workers.workers, self.reward_workers.timeout_s)

@@ -55,3 +55,9 @@ REWARDS: dict[str, Callable[[str, str], float]] = {
 
 def resolve_reward(name: str) -> Callable[[str, str], float]:
     return resolve("reward", name, REWARDS)
+
+
+def build_reward(spec) -> Callable[[str, str], float]:
+    """A reward from config: a name (``resolve_reward``) or a typed variant with ``build()``
+    (``reward: {type: code}``)."""
+    return resolve_reward(spec) if isinstance(spec, str) else spec.build()

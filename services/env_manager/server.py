@@ -14,7 +14,6 @@ import grpc
 
 from rollout.envs.remote import RemoteEnv
 from rollout.loop import DROP_CAUSES, RolloutLoop
-from rollout.reward_pool import RewardPool
 from services.auth import AuthConfig
 from services.controller.client import ControllerClient
 from services.env_manager.config import EnvManagerConfig
@@ -81,8 +80,8 @@ def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClien
         rows, reward_fn, build = config.env_factory()  # a custom environment's constructor fails here, not mid-run
         name = getattr(build(), "name", config.env.type)
     metrics = EnvMetrics(name, pool=pool)
-    if isinstance(reward_fn, RewardPool):
-        metrics.reward_pool = reward_fn
+    if hasattr(reward_fn, "failures"):  # reward workers or the code sandbox: faults counted by cause
+        metrics.reward_source = reward_fn
     loop = RolloutLoop(
         config, rows=rows, tokenizer=AutoTokenizer.from_pretrained(config.tokenizer_path),
         reward_fn=reward_fn and metrics.timed_reward(reward_fn), admission=controller,

@@ -84,7 +84,7 @@ def test_rewards_scored_in_worker_processes_count_their_failures(engine_url, tin
             await manager.stop()
             batch = await mesh.buffer_client.get(10, current_version=0, max_staleness=0, timeout_s=1)
             text = generate_latest(manager.observer.registry).decode()
-            manager.observer.reward_pool.close()
+            manager.observer.reward_source.close()
             return manager.counters, batch.decode(), text
 
     counters, groups, metrics = asyncio.run(main())

@@ -1,0 +1,196 @@
+"""The code sandbox with real processes (bubblewrap, rlimits): programs that attack the machine are
+contained, scored 0 with their cause counted, and the reward goes on scoring; the adaptive timeout
+against the slides' formula; HumanEval's own solutions pass through the code reward."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from rollout.config import RolloutConfig
+from rollout.envs.humaneval_data import humaneval_rows
+from rollout.verifiers.adaptive_timeout import AdaptiveTimeoutConfig, TimeoutAnchors, adaptive_timeout
+from rollout.verifiers.code import CodeReward, CodeRewardConfig, extract_program, program_for
+from rollout.verifiers.sandbox import Sandbox, SandboxConfig
+
+SQUARE = json.dumps({"task_id": "sq", "tests": "assert square(3) == 9\nassert square(-2) == 4", "entry_point": None})
+RIGHT = "```python\ndef square(x):\n    return x * x\n```"
+
+
+@pytest.fixture(scope="module")
+def reward():
+    return CodeReward(CodeRewardConfig(timeout=AdaptiveTimeoutConfig(t_min_s=1.0, t_max_s=3.0, lam=2.0)))
+
+
+def attack(body: str) -> str:
+    return f"```python\n{body}\ndef square(x):\n    return x * x\n```"
+
+
+def test_a_right_answer_scores_1_and_a_wrong_one_0(reward):
+    assert reward(RIGHT, SQUARE) == 1.0
+    assert reward("```python\ndef square(x):\n    return x + x\n```", SQUARE) == 0.0
+    assert reward("no code at all", SQUARE) == 0.0
+
+
+def test_the_sandbox_sees_only_usr_and_its_scratch(tmp_path):
+    box = Sandbox()
+    (tmp_path / "secret").write_text("the project's file")
+    probe = f"""
+import os
+for p in ("/etc/passwd", "/root", "/home", "/work", "{tmp_path}/secret", "{__file__}"):
+    print(p, os.path.exists(p))
+open("/box/note", "w").write("scratch works")
+print(open("/box/note").read())
+for p in ("/usr/evil", "/evil", "{tmp_path}/escaped"):
+    try:
+        open(p, "w").write("x")
+        print("wrote", p)
+    except OSError as e:
+        print("refused", p, type(e).__name__)
+print("uid", os.getuid())
+"""
+    r = box.run(probe, timeout_s=5)
+    assert r.outcome == "ok", r.stderr
+    assert "True" not in r.stdout and "wrote" not in r.stdout, r.stdout
+    assert "scratch works" in r.stdout and r.stdout.count("refused") == 3
+    assert "uid 0" not in r.stdout
+    assert not (tmp_path / "escaped").exists()
+
+
+@pytest.fixture
+def listener():
+    """A real TCP server on loopback that records whether anything reached it."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    srv.settimeout(0.2)
+    reached = []
+    stop = threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                reached.append(srv.accept())
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield srv.getsockname()[1], reached
+    stop.set()
+    t.join(2)
+    srv.close()
+
+
+def test_no_network(reward, listener):
+    port, reached = listener
+    program = attack(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'leak')")
+    assert reward(program, SQUARE) == 0.0
+    time.sleep(0.3)
+    assert reached == []  # the program's loopback is its own (an empty network namespace)
+    assert reward(RIGHT, SQUARE) == 1.0  # and the reward goes on
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "outcome", "within_s"),
+    [
+        ("spin forever", "while True:\n    pass", "timeout", 6),
+        ("sleep forever", "import time\ntime.sleep(3600)", "timeout", 6),
+        ("allocate 4 GiB", "x = bytearray(4 * 1024 ** 3)", "memory", 3),
+        ("print gigabytes", "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", "output", 3),
+        ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+         "timeout", 6),
+        ("segfault", "import ctypes\nctypes.string_at(0)", "killed", 3),
+    ],
+)  # fmt: skip
+def test_an_attack_is_contained_scored_0_and_counted(reward, name, body, outcome, within_s):
+    before = dict(reward.failures)
+    t0 = time.monotonic()
+    assert reward(attack(body), SQUARE) == 0.0
+    assert time.monotonic() - t0 < within_s, name
+    assert reward.failures[outcome] == before[outcome] + 1, (name, reward.outcomes)
+    assert reward(RIGHT, SQUARE) == 1.0  # the next answer is scored as ever
+    if name == "fork bomb":  # nothing of it outlives its run
+        uids = range(
+            reward.config.sandbox.uid_base, reward.config.sandbox.uid_base + reward.config.sandbox.max_concurrent
+        )
+        left = subprocess.run(["pgrep", "-u", ",".join(map(str, uids))], capture_output=True, text=True).stdout
+        assert left.strip() == ""
+
+
+def test_output_is_capped():
+    box = Sandbox(SandboxConfig(max_output_bytes=4096))
+    r = box.run("print('y' * 10**7)", timeout_s=5)
+    assert r.outcome == "output" and len(r.stdout) <= 4096
+
+
+def test_runs_at_once_are_bounded_by_max_concurrent():
+    box = Sandbox(SandboxConfig(max_concurrent=2))
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=box.run, args=("import time; time.sleep(0.5)", 5)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 1.0 <= time.monotonic() - t0 < 4.0  # 4 runs of 0.5 s, 2 at a time
+    assert box.counts["ok"] == 5  # with the start-up check
+
+
+def test_adaptive_timeout_is_the_slides_formula():
+    for anchor in (0.01, 0.3, 1.0, 4.0, 100.0):
+        assert adaptive_timeout(anchor, 0.5, 10.0, 3.0) == min(max(0.5, 3.0 * anchor), 10.0)
+    assert adaptive_timeout(None, 0.5, 10.0, 3.0) == 10.0  # no correct answer yet: the fixed limit
+    anchors = TimeoutAnchors(AdaptiveTimeoutConfig(t_min_s=0.5, t_max_s=10, lam=2))
+    anchors.correct("a", 0.4)
+    anchors.correct("a", 1.5)
+    anchors.correct("b", 0.1)
+    assert anchors.timeout_for("a") == 3.0 and anchors.timeout_for("b") == 0.5
+    assert anchors.timeout_for("new") == 3.0  # an unseen task: the anchor over all tasks
+    fixed = TimeoutAnchors(AdaptiveTimeoutConfig(enabled=False, t_max_s=7))
+    fixed.correct("a", 0.1)
+    assert fixed.timeout_for("a") == 7
+    with pytest.raises(ValidationError, match="t_min_s"):
+        AdaptiveTimeoutConfig(t_min_s=5, t_max_s=1)
+
+
+def test_a_run_that_would_only_time_out_is_stopped_at_the_adaptive_limit():
+    reward = CodeReward(CodeRewardConfig(timeout=AdaptiveTimeoutConfig(t_min_s=0.5, t_max_s=8.0, lam=2.0)))
+    assert reward(RIGHT, SQUARE) == 1.0  # the anchor: a fast correct run
+    t0 = time.monotonic()
+    assert reward(attack("while True:\n    pass"), SQUARE) == 0.0
+    assert time.monotonic() - t0 < 3.0  # cut at max(0.5, 2 x anchor), not at the fixed 8 s
+    assert reward.adaptive_cuts == 1 and reward.failures["timeout"] == 1
+
+
+def test_the_program_is_the_last_code_block_and_continues_a_given_signature():
+    assert extract_program("a\n```python\nx = 1\n```\nthen\n```\ny = 2\n```") == "y = 2\n"
+    assert extract_program("```python\nz = 3\n") == "z = 3\n"  # cut by a length stop: still runs
+    task = {"prompt": "def f(x):\n", "tests": "def check(c):\n    assert c(1) == 2\n", "entry_point": "f"}
+    assert program_for("    return x + 1\n", task).startswith("def f(x):\n    return x + 1\n")
+    whole = program_for("```python\ndef f(x):\n    return 2 * x\n```", task)
+    assert whole.count("def f(") == 1 and whole.rstrip().endswith("check(f)")
+
+
+def test_humaneval_solutions_pass_and_their_corruptions_fail(reward):
+    rows = humaneval_rows(with_solutions=True)
+    assert len(rows) == 164
+    for row in rows[:12]:
+        task = json.loads(row["answer"])
+        assert reward(row["canonical_solution"], row["answer"]) == 1.0, task["task_id"]
+        assert reward("    return None\n", row["answer"]) == 0.0, task["task_id"]
+
+
+def test_the_code_reward_is_a_typed_variant_of_the_config():
+    cfg = RolloutConfig(reward={"type": "code", "sandbox": {"memory_mb": 256}, "timeout": {"t_max_s": 5}})
+    assert isinstance(cfg.reward, CodeRewardConfig) and cfg.reward.sandbox.memory_mb == 256
+    assert RolloutConfig(reward="digit_answer").reward == "digit_answer"
+    with pytest.raises(ValidationError, match="reward_workers.workers"):
+        RolloutConfig(reward={"type": "code"}, reward_workers={"workers": 2})
+    with pytest.raises(ValidationError, match="memory_gb"):
+        RolloutConfig(reward={"type": "code", "sandbox": {"memory_gb": 1}})
