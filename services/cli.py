@@ -362,6 +362,26 @@ def bench_providers(
                    _progress(json_)), json_)  # fmt: skip
 
 
+@bench_app.command("reward")
+def bench_reward(
+    tasks: int = typer.Option(24, help="Code tasks."),
+    per_task: int = typer.Option(8, help="Answers per task (a group)."),
+    base_s: float = typer.Option(0.15, help="Typical run time of a task's right answer, s (tasks vary 0.3-1.7x)."),
+    hang_share: float = typer.Option(0.05, help="Share of answers that never end (they meet the fixed timeout)."),
+    fixed_s: float = typer.Option(3.0, help="The fixed timeout, s (RollPacker's 30 s, scaled down)."),
+    t_min_s: float = typer.Option(0.5, help="Adaptive timeout: T_min, s."),
+    lam: float = typer.Option(2.0, help="Adaptive timeout: lambda, the multiple of the anchor."),
+    concurrency: int = typer.Option(2, help="Sandboxed runs at once."),
+    seed: int = typer.Option(0, help="Seed of the workload."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Code sandbox seconds with a fixed vs the adaptive timeout; sandbox and math-verify throughput."""
+    from services.bench.reward_bench import run
+
+    _emit(_checked(run, tasks, per_task, base_s, hang_share, fixed_s, t_min_s, lam, concurrency, seed,
+                   _progress(json_)), json_)  # fmt: skip
+
+
 @bench_app.command("ceiling")
 def bench_ceiling(
     config: Path = typer.Option(None, help="Take the workload from this run config (a sim engine and trainer, sizes)."),
