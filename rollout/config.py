@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -14,6 +14,10 @@ from rollout.episode import EpisodeConfig
 from rollout.reward_pool import RewardPool
 from rollout.rewards import build_reward, resolve_reward
 from rollout.verifiers.code import CodeRewardConfig
+from rollout.verifiers.judge import JudgeRewardConfig
+
+# A reward in config: a function's name, or a typed variant chosen by its 'type'.
+RewardSpec = str | Annotated[CodeRewardConfig | JudgeRewardConfig, Field(discriminator="type")]
 
 
 class RewardWorkersConfig(BaseModel):
@@ -45,11 +49,12 @@ class TaskConfig(BaseModel):
         description="The environment, a typed variant chosen by 'type' (single_turn | sim | calculator | gem | "
         "custom | remote) with its own arguments.",
     )
-    reward: str | CodeRewardConfig = Field(
+    reward: RewardSpec = Field(
         "exact_match",
         description="Reward function: a name in rollout.rewards (exact_match, digit_answer, math_verify, ...) or "
         "'module:function'; or a typed variant: {type: code, sandbox: {...}, timeout: {...}} runs the answer "
-        "against the task's tests in a sandbox (rollout/verifiers/code.py).",
+        "against the task's tests in a sandbox (rollout/verifiers/code.py); {type: judge, ...} asks a judge model "
+        "through an LLMProxy (rollout/verifiers/judge.py).",
     )
     reward_workers: RewardWorkersConfig = Field(
         default_factory=lambda: RewardWorkersConfig(),
@@ -58,7 +63,7 @@ class TaskConfig(BaseModel):
 
     @field_validator("reward")
     @classmethod
-    def _reward_exists(cls, reward: str | CodeRewardConfig) -> str | CodeRewardConfig:
+    def _reward_exists(cls, reward: RewardSpec) -> RewardSpec:
         if isinstance(reward, str):
             resolve_reward(reward)  # a misspelled reward fails when the config is loaded
         return reward
@@ -72,10 +77,11 @@ class TaskConfig(BaseModel):
             )
         return self
 
-    def env_factory(self) -> tuple[list[dict], Callable, Callable[[], Env]]:
+    def env_factory(self, **ports) -> tuple[list[dict], Callable, Callable[[], Env]]:
         """The dataset's rows, the reward function and a builder of one environment; building one
-        now, so a custom environment's constructor fails at start-up rather than mid-run."""
-        rows, reward_fn = load_jsonl(self.dataset_path), build_reward(self.reward)
+        now, so a custom environment's constructor fails at start-up rather than mid-run. ``ports``:
+        what a reward variant needs from the mesh (``judge``: a builder of the LLM judge)."""
+        rows, reward_fn = load_jsonl(self.dataset_path), build_reward(self.reward, **ports)
         self.env.build(rows, reward_fn)
         if self.reward_workers.workers:
             reward_fn = RewardPool(self.reward, self.reward_workers.workers, self.reward_workers.timeout_s)

@@ -57,7 +57,7 @@ def resolve_reward(name: str) -> Callable[[str, str], float]:
     return resolve("reward", name, REWARDS)
 
 
-def build_reward(spec) -> Callable[[str, str], float]:
-    """A reward from config: a name (``resolve_reward``) or a typed variant with ``build()``
-    (``reward: {type: code}``)."""
-    return resolve_reward(spec) if isinstance(spec, str) else spec.build()
+def build_reward(spec, **ports) -> Callable[[str, str], float]:
+    """A reward from config: a name (``resolve_reward``) or a typed variant with ``build(**ports)``
+    (``reward: {type: code}``; ``{type: judge}`` takes ``judge``, a builder the EnvManager passes)."""
+    return resolve_reward(spec) if isinstance(spec, str) else spec.build(**ports)

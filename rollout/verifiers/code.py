@@ -44,7 +44,7 @@ class CodeRewardConfig(BaseModel):
         default_factory=lambda: AdaptiveTimeoutConfig(), description="Each run's time limit (adaptive or fixed)."
     )
 
-    def build(self) -> CodeReward:
+    def build(self, **_) -> CodeReward:
         return CodeReward(self)
 
 

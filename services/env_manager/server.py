@@ -14,6 +14,7 @@ import grpc
 
 from rollout.envs.remote import RemoteEnv
 from rollout.loop import DROP_CAUSES, RolloutLoop
+from rollout.verifiers.judge import JudgeReward, JudgeRewardConfig
 from services.auth import AuthConfig
 from services.controller.client import ControllerClient
 from services.env_manager.config import EnvManagerConfig
@@ -65,6 +66,26 @@ def build_handler(loop: RolloutLoop) -> grpc.GenericRpcHandler:
     )
 
 
+def _judge_builder(proxy: ProxyClient, auth: AuthConfig | None, tokenizer_path: str):
+    """Builds the LLM judge (``reward: {type: judge}``) on this process's event loop: through the
+    mesh's LLMProxy, or a client of its own to the judge's."""
+
+    def build(spec: JudgeRewardConfig) -> JudgeReward:
+        from transformers import AutoTokenizer
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                "the judge reward is built on the EnvManager's event loop: call build_loop there"
+            ) from None
+        client = proxy if spec.proxy is None else ProxyClient(spec.proxy, auth=auth)
+        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or tokenizer_path)
+        return JudgeReward(spec, ProxyGenerate(client), tokenizer, loop)
+
+    return build
+
+
 def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClient, controller: ControllerClient,
                auth: AuthConfig | None = None) -> RolloutLoop:  # fmt: skip
     """The rollout loop over the mesh's clients, reporting to Prometheus. A remote environment's
@@ -77,7 +98,8 @@ def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClien
         rows, reward_fn, name = [{} for _ in range(config.env.num_seeds)], None, config.env.env_name or "remote"
         make_env = functools.partial(RemoteEnv, pool, name=name)
     else:
-        rows, reward_fn, build = config.env_factory()  # a custom environment's constructor fails here, not mid-run
+        # A custom environment's constructor fails here, not mid-run.
+        rows, reward_fn, build = config.env_factory(judge=_judge_builder(proxy, auth, config.tokenizer_path))
         name = getattr(build(), "name", config.env.type)
     metrics = EnvMetrics(name, pool=pool)
     if hasattr(reward_fn, "failures"):  # reward workers or the code sandbox: faults counted by cause

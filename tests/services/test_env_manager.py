@@ -93,6 +93,51 @@ def test_rewards_scored_in_worker_processes_count_their_failures(engine_url, tin
     assert 'rollmesh_env_reward_failures_total{cause="timeout"} 0.0' in metrics
 
 
+def test_an_llm_judge_through_the_proxy_scores_and_stays_out_of_the_trajectories(engine_url, tiny_model):
+    """reward: {type: judge} with the mesh's own LLMProxy as the judge (the policy judges itself): each
+    answer is scored by one judge generation through the proxy, and the trajectories hold only the
+    task's prompt and the policy's answer. (The tiny model's verdicts are noise, so the pattern here
+    takes any text as the verdict ''; parsing real verdicts: tests/rollout/test_judge.py.)"""
+    from prometheus_client import generate_latest
+
+    async def main():
+        async with local_mesh(engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0,
+                              groups_per_step=2) as mesh:  # fmt: skip
+            judge = {
+                "type": "judge",
+                "template": "Reference: {answer}\nAnswer: {response}\nVerdict:",
+                "verdict_pattern": "()",
+                "scores": {"": 1.0},
+                "max_new_tokens": 4,
+                "timeout_s": 20,
+            }
+            cfg = EnvManagerConfig(tokenizer_path=tiny_model, group_size=2, num_workers=2, reward=judge,
+                                   episode={"sampling": {"max_new_tokens": 3}})  # fmt: skip
+            manager = build_loop(cfg, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
+            await manager.start()
+            for _ in range(400):
+                if manager.counters["groups_put"] >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            await manager.stop()
+            batch = await mesh.buffer_client.get(10, current_version=0, max_staleness=0, timeout_s=1)
+            text = generate_latest(manager.observer.registry).decode()
+            return manager, batch.decode(), text, mesh.proxy.counters["requests"]
+
+    manager, groups, metrics, proxy_requests = asyncio.run(main())
+    judge = manager.observer.reward_source
+    assert len(groups) == 2 and all(t.reward == 1.0 for g in groups for t in g.trajectories)
+    # Each answer judged once, through the same proxy: its requests are the policy's and the judge's.
+    assert judge.calls >= manager.counters["trajectories_put"] == 4 and proxy_requests >= 2 * judge.calls
+    assert 'rollmesh_env_reward_failures_total{cause="unparsed"} 0.0' in metrics
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rows = {f"p{i}": r for i, r in enumerate(load_jsonl(EnvManagerConfig().dataset_path))}
+    for g in groups:
+        prompt = render_prompt(tok, rows[g.prompt_id]["prompt"])
+        for t in g.trajectories:  # the task's prompt and at most 3 policy tokens: nothing of the judge's
+            assert t.token_ids.tolist()[: len(prompt)] == prompt and len(t.token_ids) <= len(prompt) + 3
+
+
 class HeldEnv:
     """Single-turn; the second episode of each group waits in its step until ``HeldEnv.held`` is set,
     so its group is still rolling out, one member finished, when the version moves on."""
