@@ -215,7 +215,9 @@ def test_a_generation_waits_out_an_unreachable_proxy_and_gives_up_at_its_deadlin
         client = ProxyClient(f"127.0.0.1:{port}")
         loop = build_loop(EnvManagerConfig(tokenizer_path=tiny_model), client, None, None)
         retried = loop.observer.generate_retries.labels("UNAVAILABLE")
-        call = asyncio.ensure_future(loop.generate([1, 2, 3], SamplingParams(max_new_tokens=4), "g/0", 30.0))
+        # ignore_eos: a random model's sample can end early (it did: 1 run in about 50), and this is about retries
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        call = asyncio.ensure_future(loop.generate([1, 2, 3], params, "g/0", 30.0))
         await asyncio.sleep(1.0)  # the proxy comes up a second late
         server, proxy = await start_proxy(ProxyConfig(engine_urls=[engine_url], port=port, metrics_port=0))
         try:
