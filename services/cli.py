@@ -44,7 +44,9 @@ def _logging() -> None:
 @app.command("make-dataset")
 def make_dataset(
     task: str = typer.Argument(
-        ..., help="A reasoning-gym task (chain_sum, basic_arithmetic, gsm_symbolic, ...) or humaneval (code tasks)."
+        ...,
+        help="A reasoning-gym task (chain_sum, basic_arithmetic, gsm_symbolic, ...), humaneval or code_tasks "
+        "(code tasks for reward type code).",
     ),
     out: Path = typer.Option(..., "--out", help="JSONL file to write (prompt, answer, task per row)."),
     size: int = typer.Option(1000, min=1, help="Rows to generate."),
@@ -71,6 +73,10 @@ def make_dataset(
             rows = humaneval_rows()
             random.Random(seed).shuffle(rows)
             rows = rows[:size]
+        elif task == "code_tasks":  # one-line functions a small model can learn to write
+            from rollout.envs.code_tasks import code_task_rows
+
+            rows = code_task_rows(size, seed)
         else:
             rows = reasoning_gym_rows(task, size, seed, **options)
     except (DatasetError, RuntimeError) as e:

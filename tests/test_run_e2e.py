@@ -67,11 +67,14 @@ def test_rollmesh_run_on_vllm_engines(tiny_model, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_the_smollm2_math_example_runs_a_few_steps(smollm2, tmp_path):
-    """`examples/smollm2-math.yaml` as shipped (a real model, reasoning-gym data, math-verify
-    rewards), cut to 2 steps of 2 prompts: it trains, publishes and scores its held-out set."""
+@pytest.mark.parametrize("example", ["examples/smollm2-math.yaml", "examples/code/smollm2-code.yaml"])
+def test_the_smollm2_examples_run_a_few_steps(smollm2, tmp_path, example):
+    """`examples/smollm2-math.yaml` (reasoning-gym data, math-verify rewards) and
+    `examples/code/smollm2-code.yaml` (code tasks, rewards from running the answer in the sandbox)
+    as shipped, with a real model, cut to 2 steps of 2 prompts: each trains, publishes and scores
+    its held-out set."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "run", "examples/smollm2-math.yaml", "--set", f"model_path={smollm2}",
+    cmd = [sys.executable, "-m", "services.cli", "run", example, "--set", f"model_path={smollm2}",
            "--set", f"train_loop.run_dir={run_dir}", "--set", "train_loop.steps=2",
            "--set", "controller.groups_per_step=2"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
@@ -79,7 +82,7 @@ def test_the_smollm2_math_example_runs_a_few_steps(smollm2, tmp_path):
     before = re.search(r"^held-out accuracy before training: ([\d.]+)$", proc.stdout, re.M)
     final = re.search(r"^final: steps=2 reward_mean_last5=([\d.]+) heldout_accuracy=([\d.]+)", proc.stdout, re.M)
     assert before and final, proc.stdout[-2000:]
-    assert 0.1 <= float(before.group(1)) <= 0.6  # the model starts where RL has room (measured: 0.38)
+    assert 0.1 <= float(before.group(1)) <= 0.6  # the model starts where RL has room (measured: 0.38, 0.xx)
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2] and all(m["published"] and m["tokens"] > 0 for m in steps)
     assert all(0.0 <= m["reward_mean"] <= 1.0 for m in steps)
