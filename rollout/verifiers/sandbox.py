@@ -101,8 +101,9 @@ class Sandbox:
         c = self.config
         if not (os.path.isabs(c.python) and c.python.startswith("/usr/") and os.access(c.python, os.X_OK)):
             raise SandboxUnavailable(f"sandbox.python: {c.python!r} must be an executable under /usr")
-        if shutil.which("prlimit") is None:
-            raise SandboxUnavailable("prlimit (util-linux) is not on PATH")
+        missing = [tool for tool in ("prlimit", "setpriv") if shutil.which(tool) is None]
+        if missing:
+            raise SandboxUnavailable(f"{missing[0]} (util-linux) is not on PATH")
         if c.isolation == "bwrap" and shutil.which("bwrap") is None:
             raise SandboxUnavailable(
                 "sandbox.isolation: bwrap needs bubblewrap (Debian: apt-get install bubblewrap); "
@@ -148,14 +149,15 @@ class Sandbox:
             with open(path, "w") as f:
                 f.write(program)
             os.chmod(path, 0o644)
+            uid = c.uid_base + slot if os.geteuid() == 0 else None
             argv = self._argv(path, timeout_s)
-            as_root = os.geteuid() == 0
-            uid = c.uid_base + slot if as_root else None
+            if uid is not None:  # the uid is dropped by setpriv, not by Popen(user=...): that would make
+                # Popen fork rather than vfork, and gRPC's fork handlers log a line for every run
+                argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
             t0 = time.monotonic()
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 cwd=tmp, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
-                user=uid, group=uid, extra_groups=[] if as_root else None,
             )  # fmt: skip
             out, err, cut = _collect(proc, t0 + timeout_s, c.max_output_bytes)
             seconds = time.monotonic() - t0

@@ -57,3 +57,6 @@ def test_tail_batching_against_plain_synchronous(tiny_model):
     assert sync["max_staleness"] == tail["max_staleness"] == 0
     assert out["tail_speedup_vs_sync"] > 1.2, out  # 64 sequences on 128 slots: the step is its longest answer
     assert abs(sum(tail["kept_member_length_share"].values()) - 1) < 0.01
+    members = out["scenarios"]["sync_tail_members"]  # + 4 members a group, the first 8 to end kept
+    assert members["consumed"] == 4 * 8 and members["max_staleness"] == 0
+    assert out["tail_members_speedup_vs_sync"] > 1.2, out

@@ -63,32 +63,35 @@ def test_env_manager_fills_the_buffer_within_the_admission_bound(engine_url, tin
             assert t.reward == want and t.start_version == 0 and t.finish_reason in ("stop", "length")
 
 
+async def two_groups_with(engine_url: str, tiny_model: str, **cfg):
+    """An EnvManager with ``cfg`` on a real mesh until 2 groups of 2 are put: the manager, the groups,
+    its /metrics text and the LLMProxy's request count."""
+    from prometheus_client import generate_latest
+
+    async with local_mesh(engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0,
+                          groups_per_step=2) as mesh:  # fmt: skip
+        config = EnvManagerConfig(tokenizer_path=tiny_model, group_size=2, num_workers=2,
+                                  episode={"sampling": {"max_new_tokens": 3}}, **cfg)  # fmt: skip
+        manager = build_loop(config, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
+        await manager.start()
+        for _ in range(400):
+            if manager.counters["groups_put"] >= 2:
+                break
+            await asyncio.sleep(0.05)
+        await manager.stop()
+        batch = await mesh.buffer_client.get(10, current_version=0, max_staleness=0, timeout_s=1)
+        text = generate_latest(manager.observer.registry).decode()
+        return manager, batch.decode(), text, mesh.proxy.counters["requests"]
+
+
 def test_rewards_scored_in_worker_processes_count_their_failures(engine_url, tiny_model):
     """reward_workers: the verifier runs in worker processes; one that raises scores 0, the group is
     still put, and each failure is counted by cause on the EnvManager's /metrics."""
-    from prometheus_client import generate_latest
-
-    async def main():
-        async with local_mesh(engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0,
-                              groups_per_step=2) as mesh:  # fmt: skip
-            cfg = EnvManagerConfig(tokenizer_path=tiny_model, group_size=2, num_workers=2,
-                                   reward="tests.rollout.reward_fns:always_raise",
-                                   reward_workers={"workers": 2, "timeout_s": 10},
-                                   episode={"sampling": {"max_new_tokens": 3}})  # fmt: skip
-            manager = build_loop(cfg, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
-            await manager.start()
-            for _ in range(400):
-                if manager.counters["groups_put"] >= 2:
-                    break
-                await asyncio.sleep(0.05)
-            await manager.stop()
-            batch = await mesh.buffer_client.get(10, current_version=0, max_staleness=0, timeout_s=1)
-            text = generate_latest(manager.observer.registry).decode()
-            manager.observer.reward_source.close()
-            return manager.counters, batch.decode(), text
-
-    counters, groups, metrics = asyncio.run(main())
-    assert counters["groups_put"] == 2 and all(t.reward == 0.0 for g in groups for t in g.trajectories)
+    manager, groups, metrics, _ = asyncio.run(two_groups_with(
+        engine_url, tiny_model, reward="tests.rollout.reward_fns:always_raise",
+        reward_workers={"workers": 2, "timeout_s": 10}))  # fmt: skip
+    manager.observer.reward_source.close()
+    assert manager.counters["groups_put"] == 2 and all(t.reward == 0.0 for g in groups for t in g.trajectories)
     assert 'rollmesh_env_reward_failures_total{cause="raised"} 4.0' in metrics
     assert 'rollmesh_env_reward_failures_total{cause="timeout"} 0.0' in metrics
 
@@ -98,33 +101,9 @@ def test_an_llm_judge_through_the_proxy_scores_and_stays_out_of_the_trajectories
     answer is scored by one judge generation through the proxy, and the trajectories hold only the
     task's prompt and the policy's answer. (The tiny model's verdicts are noise, so the pattern here
     takes any text as the verdict ''; parsing real verdicts: tests/rollout/test_judge.py.)"""
-    from prometheus_client import generate_latest
-
-    async def main():
-        async with local_mesh(engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0,
-                              groups_per_step=2) as mesh:  # fmt: skip
-            judge = {
-                "type": "judge",
-                "template": "Reference: {answer}\nAnswer: {response}\nVerdict:",
-                "verdict_pattern": "()",
-                "scores": {"": 1.0},
-                "max_new_tokens": 4,
-                "timeout_s": 20,
-            }
-            cfg = EnvManagerConfig(tokenizer_path=tiny_model, group_size=2, num_workers=2, reward=judge,
-                                   episode={"sampling": {"max_new_tokens": 3}})  # fmt: skip
-            manager = build_loop(cfg, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
-            await manager.start()
-            for _ in range(400):
-                if manager.counters["groups_put"] >= 2:
-                    break
-                await asyncio.sleep(0.05)
-            await manager.stop()
-            batch = await mesh.buffer_client.get(10, current_version=0, max_staleness=0, timeout_s=1)
-            text = generate_latest(manager.observer.registry).decode()
-            return manager, batch.decode(), text, mesh.proxy.counters["requests"]
-
-    manager, groups, metrics, proxy_requests = asyncio.run(main())
+    judge = {"type": "judge", "template": "Reference: {answer}\nAnswer: {response}\nVerdict:",
+             "verdict_pattern": "()", "scores": {"": 1.0}, "max_new_tokens": 4, "timeout_s": 20}  # fmt: skip
+    manager, groups, metrics, proxy_requests = asyncio.run(two_groups_with(engine_url, tiny_model, reward=judge))
     judge = manager.observer.reward_source
     assert len(groups) == 2 and all(t.reward == 1.0 for g in groups for t in g.trajectories)
     # Each answer judged once, through the same proxy: its requests are the policy's and the judge's.
