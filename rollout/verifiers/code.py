@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import threading
 from collections import Counter
 from typing import Literal
@@ -29,7 +30,7 @@ from rollout.verifiers.sandbox import Sandbox, SandboxConfig
 
 # Contained faults, counted as reward failures; ``error`` (the program raised or a test failed)
 # is a wrong answer, not a fault.
-FAULTS = ("timeout", "memory", "output", "killed", "sandbox")
+FAULTS = ("timeout", "memory", "output", "killed", "sandbox", "busy")
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
 
 
@@ -43,6 +44,10 @@ class CodeRewardConfig(BaseModel):
     timeout: AdaptiveTimeoutConfig = Field(
         default_factory=lambda: AdaptiveTimeoutConfig(), description="Each run's time limit (adaptive or fixed)."
     )
+
+    def max_seconds(self) -> float:
+        """The longest one score can take: the fixed limit, and a killed run's few seconds to be gone."""
+        return self.timeout.t_max_s + 6.0
 
     def build(self, **_) -> CodeReward:
         return CodeReward(self)
@@ -78,6 +83,7 @@ class CodeReward:
         self.sandbox = Sandbox(config.sandbox)
         self.anchors = TimeoutAnchors(config.timeout)
         self.adaptive_cuts = 0  # timeouts at a limit below t_max_s: stopped early by the adaptive rule
+        self.early_exits = 0  # exited 0 without reaching the end of the tests
         self.sandbox_seconds = 0.0
         self._lock = threading.Lock()
 
@@ -85,11 +91,20 @@ class CodeReward:
         task = parse_task(answer)
         key = str(task.get("task_id", ""))
         limit = self.anchors.timeout_for(key)
-        result = self.sandbox.run(program_for(response, task), timeout_s=limit)
+        # Passing is exit 0 *and* a marker the program prints after the tests: an answer that exits
+        # early with 0 (sys.exit(0), os._exit(0): a known reward hack of code RL) never prints it.
+        # The marker is new each run and the program comes on stdin, so the answer cannot read it
+        # from a file (only from its own code object in memory, which this does not stop).
+        marker = secrets.token_hex(16)
+        program = f"{program_for(response, task)}\nprint({marker!r})\n"
+        result = self.sandbox.run(program, timeout_s=limit)
         with self._lock:
             self.sandbox_seconds += result.seconds
             if result.outcome == "timeout" and limit < self.config.timeout.t_max_s:
                 self.adaptive_cuts += 1
+            if result.outcome == "ok" and result.stdout.rstrip().rpartition("\n")[2] != marker:
+                self.early_exits += 1
+                return 0.0
         if result.outcome != "ok":
             return 0.0
         self.anchors.correct(key, result.seconds)
@@ -102,5 +117,7 @@ class CodeReward:
 
     @property
     def failures(self) -> Counter[str]:
-        """Scores cut to 0 by a contained fault, by cause."""
-        return Counter({k: self.sandbox.counts[k] for k in FAULTS})
+        """Scores cut to 0 by a contained fault, by cause (``early_exit``: exit 0 before the tests ended)."""
+        failures = Counter({k: self.sandbox.counts[k] for k in FAULTS})
+        failures["early_exit"] = self.early_exits
+        return failures

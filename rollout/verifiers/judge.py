@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 import uuid
 from collections import Counter
 from typing import Literal
@@ -36,6 +37,7 @@ DEFAULT_TEMPLATE = (
     "Reply with 'Verdict: correct' or 'Verdict: incorrect'."
 )
 FAILURE_CAUSES = ("timeout", "error", "unparsed")
+GRACE_S = 2.0  # past the generation's own deadline, for its answer to come back
 
 
 class JudgeRewardConfig(BaseModel):
@@ -59,7 +61,12 @@ class JudgeRewardConfig(BaseModel):
     )
     max_new_tokens: int = Field(32, ge=1, description="The judge's answer, tokens.")
     temperature: float = Field(0.0, ge=0, description="The judge's sampling temperature (0: greedy).")
-    timeout_s: float = Field(30.0, gt=0, description="One verdict, s; past it the answer scores 0 (timeout).")
+    timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="One verdict, s (a wait for a free call included); past it the answer scores 0 "
+        "(timeout). With its grace it must fit in episode.step_timeout_s.",
+    )
     max_concurrent: int = Field(8, ge=1, description="Judge calls in flight at once; more wait.")
 
     @field_validator("template")
@@ -79,6 +86,10 @@ class JudgeRewardConfig(BaseModel):
         if re.compile(pattern).groups < 1:
             raise ValueError(f"needs a group that captures the verdict, got {pattern!r}")
         return pattern
+
+    def max_seconds(self) -> float:
+        """The longest one score can take."""
+        return self.timeout_s + GRACE_S
 
     def build(self, judge=None, **_):
         """The reward; ``judge(config)`` builds it where a proxy can be reached (the EnvManager)."""
@@ -113,30 +124,37 @@ class JudgeReward:
         if on_loop:
             raise RuntimeError("the judge reward waits for its event loop: call it from another thread")
         c = self.config
-        with self._slots:
+        deadline = time.monotonic() + c.timeout_s
+        if not self._slots.acquire(timeout=c.timeout_s):
+            return self._failed("timeout")
+        try:
             with self._lock:
                 self.calls += 1
-            fut = asyncio.run_coroutine_threadsafe(self._verdict(response, answer), self.loop)
+            left = max(0.01, deadline - time.monotonic())
+            fut = asyncio.run_coroutine_threadsafe(self._verdict(response, answer, left), self.loop)
             try:
-                text = fut.result(timeout=c.timeout_s + 5)  # the generation has its own deadline inside
+                text = fut.result(timeout=left + GRACE_S)  # the generation has its own deadline inside
             except TimeoutError:
                 fut.cancel()
                 return self._failed("timeout")
             except Exception:
                 return self._failed("error")
-        if text is None:
-            return self._failed("timeout")
+        finally:
+            self._slots.release()
+        if isinstance(text, FinishReason):
+            return self._failed("timeout" if text == FinishReason.TIMEOUT else "error")
         score = parse_verdict(text, c.verdict_pattern, c.scores)
         return self._failed("unparsed") if score is None else score
 
-    async def _verdict(self, response: str, answer: str) -> str | None:
+    async def _verdict(self, response: str, answer: str, timeout_s: float) -> str | FinishReason:
+        """The judge's text, or the finish reason of a generation that did not end (timeout, abort, error)."""
         c = self.config
         prompt = render_prompt(self.tokenizer, c.template.format(response=response, answer=answer))
         rid = f"judge-{uuid.uuid4().hex[:12]}"
         sampling = SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature)
-        gen = await self.generate.generate(prompt, sampling, request_id=rid, route=rid, timeout_s=c.timeout_s)
-        if gen.finish_reason in (FinishReason.TIMEOUT, FinishReason.ABORT):
-            return None
+        gen = await self.generate.generate(prompt, sampling, request_id=rid, route=rid, timeout_s=timeout_s)
+        if gen.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            return gen.finish_reason
         return self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
 
     def _failed(self, cause: str) -> float:

@@ -4,8 +4,8 @@ on CPU time, memory, processes, file size and output, killed at its deadline.
 The isolation is bubblewrap (Debian's ``bubblewrap``), started as an unprivileged uid so that it
 builds its namespaces from a user namespace, which needs no privileges beyond what a CI machine
 gives a normal user. Inside: an empty network namespace (no interface but a loopback that is
-down), its own pid, ipc and uts namespaces, a filesystem holding only ``/usr`` read-only, the
-program read-only and a small tmpfs as scratch (``/box``, also ``/tmp``); no ``/etc``, ``/home``,
+down), its own pid, ipc and uts namespaces, a filesystem holding only ``/usr`` read-only and
+a small tmpfs as scratch (``/box``, also ``/tmp``), the program on stdin; no ``/etc``, ``/home``,
 ``/root``, nor the project. Outside, ``prlimit`` sets the rlimits before bubblewrap starts, so they
 hold for everything inside: CPU seconds, address space, open files, file size and processes. The
 process limit counts per uid, so each concurrent run gets a uid of its own (``uid_base + slot``).
@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 # Why a run ended, as counted: ``ok`` and ``error`` are the program's own exit (zero or not).
 # ``sandbox``: the sandbox itself could not start (counted apart: not the program's fault).
-OUTCOMES = ("ok", "error", "timeout", "memory", "output", "killed", "sandbox")
+# ``busy``: no slot came free within the run's timeout (the program never ran).
+OUTCOMES = ("ok", "error", "timeout", "memory", "output", "killed", "sandbox", "busy")
 _START_TRIES = 4  # bubblewrap's start can fail for a moment while a killed run's processes exit
 
 
@@ -101,37 +102,51 @@ class Sandbox:
         c = self.config
         if not (os.path.isabs(c.python) and c.python.startswith("/usr/") and os.access(c.python, os.X_OK)):
             raise SandboxUnavailable(f"sandbox.python: {c.python!r} must be an executable under /usr")
-        missing = [tool for tool in ("prlimit", "setpriv") if shutil.which(tool) is None]
+        # Absolute paths: the run's PATH is not the caller's.
+        self._tools = {tool: shutil.which(tool) for tool in ("prlimit", "setpriv", "bwrap")}
+        missing = [tool for tool in ("prlimit", "setpriv") if self._tools[tool] is None]
         if missing:
             raise SandboxUnavailable(f"{missing[0]} (util-linux) is not on PATH")
-        if c.isolation == "bwrap" and shutil.which("bwrap") is None:
+        if c.isolation == "bwrap" and self._tools["bwrap"] is None:
             raise SandboxUnavailable(
                 "sandbox.isolation: bwrap needs bubblewrap (Debian: apt-get install bubblewrap); "
                 "isolation: none runs programs with rlimits only"
             )
         if c.isolation == "none":
             log.warning("sandbox: isolation none: programs see the network and the machine's files (rlimits only)")
+        self._own_uids = os.geteuid() == 0
+        if not self._own_uids:  # the limit would count the caller's own processes and threads too
+            log.warning("sandbox: not root, so runs share the caller's uid and have no process limit")
         self._slots: list[int] = list(range(c.max_concurrent))
         self._free = threading.Condition()
         self.counts: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         check = self.run("print(6 * 7)", timeout_s=10)
         if check.outcome != "ok" or check.stdout.strip() != "42":
             raise SandboxUnavailable(f"sandbox: a test program did not run ({check.outcome}): {check.stderr[-500:]}")
+        self.counts[check.outcome] -= 1  # the check is not an answer's run
 
     # ------------------------------------------------------------------ a run
     def run(self, program: str, timeout_s: float) -> RunResult:
+        """Run ``program``; the whole call (a wait for a free slot included) ends within about
+        ``timeout_s`` plus the few seconds a killed run takes to be gone."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        deadline = time.monotonic() + timeout_s
         with self._free:
-            self._free.wait_for(lambda: self._slots)
+            if not self._free.wait_for(lambda: self._slots, timeout=timeout_s):
+                result = RunResult("busy", None, timeout_s, "", f"no free sandbox slot within {timeout_s:g} s")
+                self.counts["busy"] += 1
+                return result
             slot = self._slots.pop()
         try:
             for attempt in range(_START_TRIES):
-                result = self._run(program, timeout_s, slot)
-                if result.outcome != "sandbox":
+                result = self._run(program, max(0.01, deadline - time.monotonic()), slot)
+                # Retried within the same deadline: a program that only pretends bubblewrap failed
+                # gets no more time than it had.
+                if result.outcome != "sandbox" or deadline - time.monotonic() < 0.1:
                     break
                 time.sleep(0.05 * 2**attempt)  # a killed run's processes still count against the uid
-            else:
+            if result.outcome == "sandbox":
                 log.warning("sandbox: could not start: %s", result.stderr.strip()[-300:])
         finally:
             with self._free:
@@ -143,22 +158,24 @@ class Sandbox:
 
     def _run(self, program: str, timeout_s: float, slot: int) -> RunResult:
         c = self.config
-        with tempfile.TemporaryDirectory(prefix="rollmesh-sbx-") as tmp:
-            os.chmod(tmp, 0o755)  # the run's uid reads the program; nothing here is writable to it
-            path = os.path.join(tmp, "main.py")
-            with open(path, "w") as f:
-                f.write(program)
-            os.chmod(path, 0o644)
-            uid = c.uid_base + slot if os.geteuid() == 0 else None
-            argv = self._argv(path, timeout_s)
-            if uid is not None:  # the uid is dropped by setpriv, not by Popen(user=...): that would make
-                # Popen fork rather than vfork, and gRPC's fork handlers log a line for every run
-                argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+        uid = c.uid_base + slot if self._own_uids else None
+        # setpriv drops the uid (Popen(user=...) would fork rather than vfork, and gRPC's fork
+        # handlers log a line for every run) and ties the run to its caller: if the caller dies,
+        # the run is killed, and bubblewrap takes its namespace down with it.
+        who = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
+        argv = [self._tools["setpriv"], "--pdeathsig=KILL", *who, "--", *self._argv(timeout_s)]
+        with tempfile.TemporaryDirectory(prefix="rollmesh-sbx-") as tmp:  # the cwd (isolation none: scratch)
+            if uid is not None:
+                os.chown(tmp, uid, uid)
             t0 = time.monotonic()
             proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 cwd=tmp, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
             )  # fmt: skip
+            # The program comes on stdin, not as a file it could read back (the code reward's end
+            # marker is in it). Python reads all of it before running any, so nothing is printed
+            # before the write ends; a thread, so a sandbox that never reads cannot hold this one.
+            threading.Thread(target=_feed, args=(proc.stdin, program.encode()), daemon=True).start()
             out, err, cut = _collect(proc, t0 + timeout_s, c.max_output_bytes)
             seconds = time.monotonic() - t0
             if cut and uid is not None:  # the slot's next run must not inherit its dying processes
@@ -166,29 +183,39 @@ class Sandbox:
         stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
         return RunResult(_outcome(proc.returncode, cut, stderr), proc.returncode, seconds, stdout, stderr)
 
-    def _argv(self, program_path: str, timeout_s: float) -> list[str]:
+    def _argv(self, timeout_s: float) -> list[str]:
         c = self.config
         mib = 1024 * 1024
+        nproc = [f"--nproc={c.max_processes}"] if self._own_uids else []
         limits = [
-            "prlimit", f"--cpu={math.ceil(timeout_s) + 1}", f"--as={c.memory_mb * mib}",
-            f"--nproc={c.max_processes}", f"--fsize={c.max_file_mb * mib}", f"--nofile={c.max_open_files}",
-            "--core=0", "--",
+            self._tools["prlimit"], f"--cpu={math.ceil(timeout_s) + 1}", f"--as={c.memory_mb * mib}", *nproc,
+            f"--fsize={c.max_file_mb * mib}", f"--nofile={c.max_open_files}", "--core=0", "--",
         ]  # fmt: skip
-        run = [c.python, "-I", "-S", "-B"]  # isolated: no site-packages, no user paths, no .pyc writes
+        # Isolated (no site-packages, no user paths, no .pyc writes), the program from stdin.
+        run = [c.python, "-I", "-S", "-B", "-"]
         if c.isolation == "none":
-            return [*limits, *run, program_path]
+            return [*limits, *run]
         scratch = str(c.scratch_mb * mib)
         bwrap = [
-            "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1",
+            self._tools["bwrap"], "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1",
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
             "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev",
-            "--size", scratch, "--tmpfs", "/tmp", "--size", scratch, "--tmpfs", "/box",
-            "--ro-bind", program_path, "/box/main.py", "--chdir", "/box",
+            # bubblewrap's /dev is a tmpfs of no set size (half the RAM) with a writable /dev/shm
+            "--size", scratch, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+            "--size", scratch, "--tmpfs", "/tmp", "--size", scratch, "--tmpfs", "/box", "--chdir", "/box",
             "--remount-ro", "/",  # the root is bubblewrap's own tmpfs: unbounded if left writable
             "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/box", "--setenv", "LANG", "C.UTF-8",
             "--",
         ]  # fmt: skip
-        return [*limits, *bwrap, *run, "/box/main.py"]
+        return [*limits, *bwrap, *run]
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except OSError:  # the sandbox ended (or never started) before reading it all: its outcome says why
+        pass
 
 
 def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 
 from rollout.config import RolloutConfig
 from rollout.ports import Generation
-from rollout.verifiers.judge import JudgeReward, JudgeRewardConfig, parse_verdict
+from rollout.verifiers.judge import GRACE_S, JudgeReward, JudgeRewardConfig, parse_verdict
 from sample_buffer.trajectory import FinishReason
 
 
@@ -41,6 +42,8 @@ class ScriptedJudge:
             raise RuntimeError("the judge's engine fell over")
         if self.mode == "timeout":
             return Generation([], [], [], FinishReason.TIMEOUT)
+        if self.mode == "slow":  # never answers within the judge's deadline
+            await asyncio.sleep(30)
         if self.mode == "mumble":
             return Generation(list(b"hmm"), [0.0] * 3, [0] * 3, FinishReason.LENGTH)
         ref, said = text.split("R=")[1].split(";")[0], text.split("S=")[1].split(";")[0]
@@ -70,14 +73,16 @@ def test_the_verdict_is_the_score():
     assert dict(judge.failures) == {"timeout": 0, "error": 0, "unparsed": 0}
 
 
-@pytest.mark.parametrize("mode", ["timeout", "error", "mumble"])
+@pytest.mark.parametrize("mode", ["timeout", "slow", "error", "mumble"])
 def test_a_judge_that_fails_costs_one_score_counted(mode):
-    judge, _, loop = judge_on_a_loop(mode)
+    judge, _, loop = judge_on_a_loop(mode, timeout_s=0.5)
     try:
+        t0 = time.monotonic()
         assert judge("7", "7") == 0.0
+        assert time.monotonic() - t0 < 0.5 + GRACE_S + 1  # a judge that never answers is not waited for
     finally:
         loop.call_soon_threadsafe(loop.stop)
-    cause = {"timeout": "timeout", "error": "error", "mumble": "unparsed"}[mode]
+    cause = {"timeout": "timeout", "slow": "timeout", "error": "error", "mumble": "unparsed"}[mode]
     assert judge.failures[cause] == 1 and sum(judge.failures.values()) == 1
 
 
@@ -107,3 +112,5 @@ def test_verdicts_parse_and_bad_configs_fail_at_load():
     assert isinstance(cfg.reward, JudgeRewardConfig) and cfg.reward.max_new_tokens == 8
     with pytest.raises(ValueError, match="needs an LLMProxy"):
         cfg.env_factory()  # outside the EnvManager no judge can be reached
+    with pytest.raises(ValidationError, match="step_timeout_s"):  # the step would be cut before its verdict
+        RolloutConfig(reward={"type": "judge", "timeout_s": 40}, episode={"step_timeout_s": 30})

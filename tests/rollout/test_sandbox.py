@@ -38,6 +38,21 @@ def test_a_right_answer_scores_1_and_a_wrong_one_0(reward):
     assert reward("no code at all", SQUARE) == 0.0
 
 
+@pytest.mark.parametrize("exit_call", ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"])
+def test_a_wrong_answer_that_exits_0_before_the_tests_scores_0(reward, exit_call):
+    """The known reward hack of code RL: leave with status 0 before a failing test can run."""
+    before = reward.failures["early_exit"]
+    assert reward(f"```python\ndef square(x):\n    return 0\n{exit_call}\n```", SQUARE) == 0.0
+    assert reward.failures["early_exit"] == before + 1
+
+
+def test_the_program_is_in_no_file_it_could_read():
+    """It comes on stdin: the end marker in it is in no file the answer could print."""
+    box = Sandbox()
+    r = box.run("import sys, os\nprint(sys.argv, os.listdir('.'))", timeout_s=5)
+    assert r.outcome == "ok" and r.stdout.strip() == "['-'] []"
+
+
 def test_the_sandbox_sees_only_usr_and_its_scratch(tmp_path):
     box = Sandbox()
     (tmp_path / "secret").write_text("the project's file")
@@ -46,8 +61,13 @@ import os
 for p in ("/etc/passwd", "/root", "/home", "/work", "{tmp_path}/secret", "{__file__}"):
     print(p, os.path.exists(p))
 open("/box/note", "w").write("scratch works")
+try:
+    open("/dev/shm/big", "wb").write(b"x" * 64 * 1024 * 1024)  # more than its 16 MiB
+    print("wrote /dev/shm/big")
+except OSError as e:
+    print("refused /dev/shm/big", type(e).__name__)
 print(open("/box/note").read())
-for p in ("/usr/evil", "/evil", "{tmp_path}/escaped"):
+for p in ("/usr/evil", "/evil", "/dev/evil", "{tmp_path}/escaped"):
     try:
         open(p, "w").write("x")
         print("wrote", p)
@@ -58,7 +78,7 @@ print("uid", os.getuid())
     r = box.run(probe, timeout_s=5)
     assert r.outcome == "ok", r.stderr
     assert "True" not in r.stdout and "wrote" not in r.stdout, r.stdout
-    assert "scratch works" in r.stdout and r.stdout.count("refused") == 3
+    assert "scratch works" in r.stdout and r.stdout.count("refused") == 5
     assert "uid 0" not in r.stdout
     assert not (tmp_path / "escaped").exists()
 
@@ -139,7 +159,7 @@ def test_runs_at_once_are_bounded_by_max_concurrent():
     for t in threads:
         t.join()
     assert 1.0 <= time.monotonic() - t0 < 4.0  # 4 runs of 0.5 s, 2 at a time
-    assert box.counts["ok"] == 5  # with the start-up check
+    assert box.counts["ok"] == 4  # the start-up check is not counted
 
 
 def test_adaptive_timeout_is_the_slides_formula():
