@@ -131,10 +131,11 @@ class RollmeshConfig(BaseModel):
 
     @model_validator(mode="after")
     def _buckets_need_weights(self) -> RollmeshConfig:
-        if self.train_loop.publisher.type == "http_buckets" and self.trainer.type == "sim":
-            raise ValueError("train_loop.publisher: http_buckets sends real weights; the simulated trainer has "
+        kind = self.train_loop.publisher.type
+        if kind != "disk" and self.trainer.type == "sim":
+            raise ValueError(f"train_loop.publisher: {kind} sends real weights; the simulated trainer has "
                              "none (use type: disk)")  # fmt: skip
-        if self.train_loop.publisher.type == "http_buckets" and self.engine.type == "vllm":
+        if kind != "disk" and self.engine.type == "vllm":
             raise ValueError("train_loop.publisher: vLLM engines load weights from disk (use type: disk)")
         return self
 

@@ -35,6 +35,8 @@ def test_all_five_services_have_contracts():
                 "Resume",
                 "UpdateWeights",
                 "UpdateWeightsBucket",
+                "InitWeightsGroup",
+                "UpdateWeightsDistributed",
                 "Stats",
             },
         ),

@@ -152,6 +152,35 @@ class SGLangClient(HTTPEngineClient):
             res = await self.update_weights_from_safetensors(data, weight_version, i == len(buckets) - 1, timeout_s)
         return res
 
+    # ---- SGLang's collective weight update: the trainer is rank 0 of a group the engines join
+    async def server_info(self, timeout_s: float = 5.0) -> dict:
+        return await self._get("/get_server_info", timeout_s)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str,
+                                        timeout_s: float = 120.0) -> dict:  # fmt: skip
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}  # fmt: skip
+        return await self._post("/init_weights_update_group", timeout_s, json=body)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, weight_version: int | None,
+                                              timeout_s: float = 120.0) -> dict:  # fmt: skip
+        """Receive one bucket that rank 0 broadcasts; ``weight_version`` (the last bucket only)
+        makes the engine serve it. The answer's ``weight_version`` is an int (-1: none named)."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": True}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        res = await self._post("/update_weights_from_distributed", timeout_s, json=body)
+        if weight_version is not None:
+            if "weight_version" not in res:  # SGLang's answer lacks it
+                res["weight_version"] = (await self.model_info(min(timeout_s, 10.0))).get("weight_version")
+            res["weight_version"] = int_version(res["weight_version"])
+        return res
+
+    async def destroy_weights_update_group(self, group_name: str, timeout_s: float = 10.0) -> dict:
+        return await self._post("/destroy_weights_update_group", timeout_s, json={"group_name": group_name})
+
     async def model_info(self, timeout_s: float = 5.0) -> dict:
         try:
             return await self._get(self._model_info_path, timeout_s)

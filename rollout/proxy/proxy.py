@@ -97,6 +97,16 @@ class _BucketUpdate:
     next_index: int = 0
 
 
+@dataclass
+class _GroupPlan:
+    """A weight-update group the trainer hosts: its members and their joins (answered once every
+    rank, the trainer's included, has joined)."""
+
+    name: str
+    slots: list[EngineSlot]
+    joined: asyncio.Task
+
+
 def _check_timeout(timeout_s: float) -> None:
     # Infinity made aiohttp raise OverflowError (an UNKNOWN status, or an engine taken out of rotation after a
     # pause it could not send); NaN made asyncio's wait_for raise and switched aiohttp's timeout off.
@@ -139,6 +149,7 @@ class LLMProxy:
         self._in_flight: dict[str, _InFlight] = {}
         self._last_update: tuple[str, int] | None = None  # (model_path, version) every engine should serve
         self._bucket_update: _BucketUpdate | None = None  # an in-memory update under way
+        self._group: _GroupPlan | None = None  # the collective transport's group, once planned
         self.weight_version = 0
         self.counters: Counter[str] = Counter()
         self._seq = itertools.count()
@@ -349,9 +360,81 @@ class LLMProxy:
         confirms ``version``; an engine that came into rotation midway loads ``restore_path``
         instead. Any failure ends the update: the caller rolls back and starts again from bucket 0.
         """
+
+        def send(c, timeout: float):
+            return c.update_weights_from_safetensors(data, version, final, timeout_s=timeout)
+
+        return await self._bucket(version, index, final, restore_path, timeout_s, send, "")
+
+    async def init_weights_group(self, master_address: str, master_port: int, group_name: str, backend: str,
+                                 timeout_s: float = 0.0) -> tuple[int, list[str]]:  # fmt: skip
+        """Plan a weight-update group hosted by the trainer (rank 0) at ``master_address:master_port``
+        over the engines in rotation, each taking as many ranks as its tensor-parallel size, and
+        start their joins. Returns the group's world size (for the trainer's own join, which
+        completes the group) and its engines."""
+        if not master_address:
+            raise RequestInvalid("master_address", "must not be empty")
+        if not 1 <= master_port <= 65535:
+            raise RequestInvalid("master_port", f"must be in [1, 65535], got {master_port}")
+        if not group_name:
+            raise RequestInvalid("group_name", "must not be empty")
+        if backend not in ("gloo", "nccl"):
+            raise RequestInvalid("backend", f"must be gloo or nccl, got {backend!r}")
+        _check_timeout(timeout_s)
+        timeout = timeout_s or self.config.update_weights_timeout_s
+        if self._group is not None:
+            self._group.joined.cancel()
+        slots = [s for s in self.router.engines if s.healthy]
+        if not slots:
+            raise RequestInvalid("engines", "no engine in rotation to join a weight-update group")
+        infos = await asyncio.gather(*(self.clients[s.name].server_info(self.config.control_timeout_s)
+                                       for s in slots), return_exceptions=True)  # fmt: skip
+        ranks = [1 if isinstance(i, BaseException) else max(1, int(i.get("tp_size", 1))) for i in infos]
+        offsets = list(itertools.accumulate([1, *ranks]))
+        world = offsets[-1]
+        joins = [self._engine_update(s, -1, False, timeout, lambda c, off=off: c.init_weights_update_group(
+            master_address, master_port, off, world, group_name, backend, timeout_s=timeout))
+            for s, off in zip(slots, offsets)]  # fmt: skip
+        self._group = _GroupPlan(group_name, slots, asyncio.ensure_future(asyncio.gather(*joins)))
+        return world, [s.name for s in slots]
+
+    async def update_weights_distributed(self, version: int, index: int, names: list[str], dtypes: list[str],
+                                         shapes: list[list[int]], final: bool, restore_path: str, checksum: str,
+                                         timeout_s: float = 0.0) -> tuple[bool, list[dict]]:  # fmt: skip
+        """One bucket of a collective update (the ``collective`` transport): every engine of the
+        group receives the tensors the trainer broadcasts. Like ``update_weights_bucket``, and
+        each engine's ``checksum`` of what it received must match the trainer's where it reports one."""
+        if not names or not len(names) == len(dtypes) == len(shapes):
+            raise RequestInvalid("tensors", "at least one tensor, each with a name, a dtype and a shape")
+        group = self._group
+        if group is None:
+            raise RequestInvalid("group_name", "no weight-update group: InitWeightsGroup first")
+        _check_timeout(timeout_s)
+        timeout = timeout_s or self.config.update_weights_timeout_s
+        if index == 0:  # the trainer joined, so every engine's join is answering now
+            try:
+                joined = await asyncio.wait_for(asyncio.shield(group.joined), timeout)
+            except (TimeoutError, asyncio.CancelledError):
+                joined = [{"engine": s.name, "success": False, "weight_version": s.weight_version, "cause": "timeout",
+                           "message": "did not join the weight-update group"} for s in group.slots]  # fmt: skip
+            ok, results = self._outcome(group.slots, list(joined))
+            if not ok:
+                self._group = None
+                return ok, results
+
+        def send(c, timeout: float):
+            return c.update_weights_from_distributed(names, dtypes, shapes, group.name, version if final else None,
+                                                     timeout_s=timeout)  # fmt: skip
+
+        return await self._bucket(version, index, final, restore_path, timeout_s, send, checksum, group.slots)
+
+    async def _bucket(self, version: int, index: int, final: bool, restore_path: str, timeout_s: float, send,
+                      checksum: str, members: list[EngineSlot] | None = None) -> tuple[bool, list[dict]]:  # fmt: skip
+        """One bucket of an update that travels in pieces: ``send(client, timeout)`` forwards it to
+        every engine taking part (``members``, default: those in rotation at bucket 0)."""
         _check_timeout(timeout_s)
         if index == 0:
-            self._bucket_update = _BucketUpdate(version, [s for s in self.router.engines if s.healthy])
+            self._bucket_update = _BucketUpdate(version, members or [s for s in self.router.engines if s.healthy])
         update = self._bucket_update
         if update is None or update.version != version or update.next_index != index:
             expected = "0" if update is None else f"{update.next_index} of version {update.version}"
@@ -360,9 +443,12 @@ class LLMProxy:
         if final and not restore_path:
             raise RequestInvalid("restore_path", "the final bucket must name a directory holding the version")
         timeout = timeout_s or self.config.update_weights_timeout_s
-        calls = [self._engine_update(s, version, final, timeout, lambda c: c.update_weights_from_safetensors(
-            data, version, final, timeout_s=timeout)) for s in update.slots]  # fmt: skip
+        calls = [self._engine_update(s, version, final, timeout, lambda c: send(c, timeout)) for s in update.slots]
         results = list(await asyncio.gather(*calls))
+        for r in results:
+            got = r.pop("received_checksum", checksum)
+            if r["success"] and checksum and got != checksum:
+                r.update(success=False, cause="checksum", message="received bytes differ from the trainer's")
         update.next_index += 1
         if not final:
             ok, results = self._outcome(update.slots, results)
@@ -404,6 +490,9 @@ class LLMProxy:
             ok = got == version or not applies
             msg = res.get("message", "") if ok else f"engine reports version {got}, expected {version}"
             cause = "" if ok else "version_mismatch"
+            if ok and "received_checksum" in res:  # a collective bucket's, compared by ``_bucket``
+                return {"engine": slot.name, "success": ok, "weight_version": got, "message": msg, "cause": cause,
+                        "received_checksum": res["received_checksum"]}  # fmt: skip
         except (EngineUnavailable, EngineRejected, TimeoutError, ValueError) as e:
             ok, got, msg = False, slot.weight_version, f"{type(e).__name__}: {e}"
             cause = _UPDATE_FAILURE_CAUSES.get(type(e), "error")

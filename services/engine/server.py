@@ -7,7 +7,8 @@ drives a real SGLang server on GPU and this engine on CPU: ``/generate`` with ``
 can honour them (``sglang_fields.py``), ``/flush_cache``, ``/health_generate``,
 ``/get_server_info`` and ``/get_model_info``. Two rollmesh extensions are marked:
 ``/update_weights_from_safetensors`` (bucketed weights from the trainer as safetensors bytes) and
-``meta_info.output_token_weight_versions``.
+``meta_info.output_token_weight_versions``. SGLang's collective weight update
+(``/init_weights_update_group`` and its kin) is in ``weight_group_routes.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rollout.engines.embedded.engine import EmbeddedEngine, EngineError, Generat
 from rollout.sampling import SamplingParams
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector
 from services.engine.sglang_fields import strip_request
+from services.engine.weight_group_routes import add_weight_group_routes
 from services.http_errors import bad_request, install_error_handlers
 from services.metrics import histogram, init_labels
 
@@ -310,6 +312,8 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
         res = await asyncio.wrap_future(engine.commit_staged(weight_version))
         return {"success": True, "message": "updated", **res}
 
+    add_weight_group_routes(app, engine, _version)
+
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():
@@ -322,7 +326,8 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
-        return {**engine.info(), **engine.load(), "counters": dict(engine.counters)}
+        # tp_size: the ranks this engine takes in a weight-update group (SGLang reports its own).
+        return {**engine.info(), **engine.load(), "tp_size": 1, "counters": dict(engine.counters)}
 
     @app.get("/health")
     async def health():

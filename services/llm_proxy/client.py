@@ -69,6 +69,22 @@ class ProxyClient:
                               restore_path=restore_path, timeout_s=timeout_s)  # fmt: skip
         return await self.stub.UpdateWeightsBucket(req, timeout=timeout_s + 10)
 
+    async def init_weights_group(self, master_address: str, master_port: int, group_name: str, backend: str,
+                                 timeout_s: float = 120.0) -> pb.InitWeightsGroupResponse:  # fmt: skip
+        req = pb.InitWeightsGroupRequest(master_address=master_address, master_port=master_port,
+                                         group_name=group_name, backend=backend, timeout_s=timeout_s)  # fmt: skip
+        return await self.stub.InitWeightsGroup(req, timeout=timeout_s + 10)
+
+    async def update_weights_distributed(
+        self, weight_version: int, index: int, tensors: list[tuple[str, str, list[int]]], final: bool,
+        restore_path: str = "", checksum: str = "", timeout_s: float = 120.0,
+    ) -> pb.UpdateWeightsResponse:  # fmt: skip
+        """``tensors``: (name, dtype, shape) of each tensor, in the order they are broadcast."""
+        metas = [pb.TensorMeta(name=n, dtype=d, shape=s) for n, d, s in tensors]
+        req = pb.DistributedBucket(weight_version=weight_version, index=index, tensors=metas, final=final,
+                                   restore_path=restore_path, checksum=checksum, timeout_s=timeout_s)  # fmt: skip
+        return await self.stub.UpdateWeightsDistributed(req, timeout=timeout_s + 10)
+
     async def stats(self) -> pb.ProxyStats:
         return await self.stub.Stats(pb.StatsRequest(), timeout=10)
 

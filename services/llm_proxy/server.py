@@ -241,6 +241,33 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
             metrics.observe_update(ok, results)
         return pb.UpdateWeightsResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
 
+    async def init_weights_group(req: pb.InitWeightsGroupRequest, ctx) -> pb.InitWeightsGroupResponse:
+        try:
+            world, engines = await proxy.init_weights_group(req.master_address, req.master_port, req.group_name,
+                                                            req.backend, req.timeout_s)  # fmt: skip
+        except RequestInvalid as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.InitWeightsGroupResponse(world_size=world, engines=engines)
+
+    async def update_weights_distributed(req: pb.DistributedBucket, ctx) -> pb.UpdateWeightsResponse:
+        try:
+            ok, results = await proxy.update_weights_distributed(
+                req.weight_version,
+                req.index,
+                [t.name for t in req.tensors],
+                [t.dtype for t in req.tensors],
+                [list(t.shape) for t in req.tensors],
+                req.final,
+                req.restore_path,
+                req.checksum,
+                req.timeout_s,
+            )
+        except RequestInvalid as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if req.final or not ok:
+            metrics.observe_update(ok, results)
+        return pb.UpdateWeightsResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
+
     async def stats(req: pb.StatsRequest, ctx) -> pb.ProxyStats:
         s = proxy.stats()
         engines = [
@@ -267,6 +294,8 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
             "Resume": (pb.ResumeRequest, resume),
             "UpdateWeights": (pb.UpdateWeightsRequest, update_weights),
             "UpdateWeightsBucket": (pb.WeightBucket, update_weights_bucket),
+            "InitWeightsGroup": (pb.InitWeightsGroupRequest, init_weights_group),
+            "UpdateWeightsDistributed": (pb.DistributedBucket, update_weights_distributed),
             "Stats": (pb.StatsRequest, stats),
         },
         streams={"GenerateStream": (pb.GenerateRequest, generate_stream)},

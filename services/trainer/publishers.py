@@ -10,6 +10,9 @@ point, but the engines get the weights from memory: safetensors buckets of at mo
 sent one at a time through the LLMProxy, which forwards each to every engine as it arrives
 (``/update_weights_from_safetensors``). While generation is suspended no engine reads a file,
 which matters where the run directory is a slow shared filesystem.
+
+``collective`` (``collective_publisher.py``): the same restore directory, and the weights
+broadcast over a process group the engines join (SGLang's collective contract; NCCL or gloo).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from services.llm_proxy.server import MAX_WEIGHT_BUCKET_MB
 from trainer.ports import PublishError
 
 
-def _engine_failures(res) -> str:
+def engine_failures(res) -> str:
     return "; ".join(f"{e.engine or 'proxy'}: {e.message}" for e in res.engines if not e.success)
 
 
@@ -49,7 +52,7 @@ class DiskPublisher:
         except grpc.aio.AioRpcError as e:
             raise PublishError(f"LLMProxy: {project_error(e)}") from None
         if not res.success:
-            raise PublishError(_engine_failures(res))
+            raise PublishError(engine_failures(res))
 
     def committed(self, version: int) -> None:
         dirs = sorted(self.weights_dir.glob("v*"), key=lambda p: int(p.name[1:].split(".")[0]))
@@ -90,7 +93,7 @@ class BucketPublisher:
             except grpc.aio.AioRpcError as e:
                 raise PublishError(f"LLMProxy, bucket {i} of {len(buckets)}: {project_error(e)}") from None
             if not res.success:
-                raise PublishError(f"bucket {i} of {len(buckets)}: {_engine_failures(res)}")
+                raise PublishError(f"bucket {i} of {len(buckets)}: {engine_failures(res)}")
 
     def committed(self, version: int) -> None:
         self.restore.committed(version)
@@ -122,4 +125,34 @@ class BucketPublisherConfig(BaseModel):
         return BucketPublisher(proxy, run_dir, keep_versions, self.bucket_mb)
 
 
-PublisherConfig = tagged_union(DiskPublisherConfig, BucketPublisherConfig, default="disk")
+class CollectivePublisherConfig(BaseModel):
+    """``collective``: the trainer broadcasts the weights over a group the engines join (SGLang's
+    ``/init_weights_update_group`` contract): NCCL between GPUs, gloo on CPU."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["collective"] = Field(
+        "collective", description="Weights are broadcast from the trainer; the directory is only the restore point."
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="The group's backend; auto: nccl where the trainer has a GPU, else gloo."
+    )
+    bucket_mb: int = Field(256, ge=1, description="Tensors broadcast per LLMProxy call, in MiB (a bigger one alone).")
+    master_address: str = Field(
+        "127.0.0.1", min_length=1, description="The trainer's address as the engines reach it; it hosts the "
+        "group's store there. Set it to the trainer's pod or host address when engines run elsewhere: the store "
+        "takes no token, so keep that network private.",
+    )  # fmt: skip
+    master_port: int = Field(0, ge=0, le=65535, description="The store's port; 0 picks a free one per group.")
+    group_name: str = Field("weight_update_group", min_length=1, description="The group's name on the engines.")
+
+    def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int):
+        import torch
+
+        from services.trainer.collective_publisher import CollectivePublisher
+
+        backend = self.backend if self.backend != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
+        return CollectivePublisher(proxy, run_dir, keep_versions, self.bucket_mb, backend, self.master_address,
+                                   self.master_port, self.group_name)  # fmt: skip
+
+
+PublisherConfig = tagged_union(DiskPublisherConfig, BucketPublisherConfig, CollectivePublisherConfig, default="disk")

@@ -123,7 +123,7 @@ class EmbeddedEngine(SchedulerCommands):
         self._rids: set[str] = set()
         self._paused = False
         self._staged: dict[str, torch.Tensor] = {}  # buckets of an update in progress ...
-        self._staged_version: int | None = None  # ... and the version they belong to
+        self._staged_key: object = None  # ... and the update they belong to (its version, by default)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._sampler = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -225,19 +225,24 @@ class EmbeddedEngine(SchedulerCommands):
         checksum = weights_checksum(state)
         return self._call(lambda: self._swap_model(model, path, weight_version, checksum))
 
-    def stage_tensors(self, tensors: dict[str, torch.Tensor], weight_version: int | None) -> int:
-        """Validate a bucket of named tensors of ``weight_version`` and hold it until ``commit_staged``;
-        returns the staged count. Tensors staged for another version (an update that failed
-        midway) are dropped first, so two updates never mix."""
+    def stage_tensors(self, tensors: dict[str, torch.Tensor], update: object) -> int:
+        """Validate a bucket of named tensors of ``update`` (a key: the version, or a collective
+        update's) and hold it until ``commit_staged``; returns the staged count. Tensors staged
+        for another update (one that failed midway) are dropped first, so two updates never mix."""
+        self.check_tensors(tensors)
+        return self._call(lambda: self._stage(tensors, update)).result()
+
+    def check_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Raise ``EngineError`` unless every tensor (real or on the meta device) fits a parameter."""
         try:
             check_named_tensors(self.model, tensors)
         except ValueError as e:
             raise EngineError("tensors", str(e)) from None
-        return self._call(lambda: self._stage(tensors, weight_version)).result()
 
-    def commit_staged(self, weight_version: int | None) -> Future:
-        """Apply every staged tensor at once between two steps (they must cover every parameter)."""
-        return self._call(lambda: self._commit_staged(weight_version))
+    def commit_staged(self, weight_version: int | None, update: object = None) -> Future:
+        """Apply every tensor staged for ``update`` (default: ``weight_version``) at once between
+        two steps (they must cover every parameter) and serve ``weight_version``."""
+        return self._call(lambda: self._commit_staged(weight_version, weight_version if update is None else update))
 
     def info(self) -> dict:
         return {
@@ -422,16 +427,16 @@ class EmbeddedEngine(SchedulerCommands):
         self._staged = {}  # a whole model replaces any update that was under way
         return self._bump_version(version)
 
-    def _stage(self, tensors: dict[str, torch.Tensor], version: int | None) -> int:
-        if version != self._staged_version:
-            self._staged, self._staged_version = {}, version
+    def _stage(self, tensors: dict[str, torch.Tensor], update: object) -> int:
+        if update != self._staged_key:
+            self._staged, self._staged_key = {}, update
         self._staged.update(tensors)
         return len(self._staged)
 
-    def _commit_staged(self, version: int | None) -> dict:
+    def _commit_staged(self, version: int | None, update: object) -> dict:
         staged, self._staged = self._staged, {}
-        if self._staged_version != version:
-            staged = {}  # staged for another version: never applied under this one
+        if self._staged_key != update:
+            staged = {}  # staged for another update: never applied under this one
         # A lost bucket must fail the update, not leave a model half old, half new.
         missing = [n for n, _ in self.model.named_parameters() if n not in staged]
         if missing:

@@ -181,6 +181,56 @@ class WeightBucket(_message.Message):
     timeout_s: float
     def __init__(self, weight_version: _Optional[int] = ..., index: _Optional[int] = ..., safetensors: _Optional[bytes] = ..., final: _Optional[bool] = ..., restore_path: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
+class InitWeightsGroupRequest(_message.Message):
+    __slots__ = ("master_address", "master_port", "group_name", "backend", "timeout_s")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    group_name: str
+    backend: str
+    timeout_s: float
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class InitWeightsGroupResponse(_message.Message):
+    __slots__ = ("world_size", "engines")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, world_size: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DistributedBucket(_message.Message):
+    __slots__ = ("weight_version", "index", "tensors", "final", "restore_path", "checksum", "timeout_s")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_PATH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    index: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    final: bool
+    restore_path: str
+    checksum: str
+    timeout_s: float
+    def __init__(self, weight_version: _Optional[int] = ..., index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., final: _Optional[bool] = ..., restore_path: _Optional[str] = ..., checksum: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -70,6 +70,16 @@ class LLMProxyStub:
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.WeightBucket.SerializeToString,
                 response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.InitWeightsGroup = channel.unary_unary(
+                '/rollmesh.v1.LLMProxy/InitWeightsGroup',
+                request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.InitWeightsGroupRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.InitWeightsGroupResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsDistributed = channel.unary_unary(
+                '/rollmesh.v1.LLMProxy/UpdateWeightsDistributed',
+                request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.DistributedBucket.SerializeToString,
+                response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/rollmesh.v1.LLMProxy/Stats',
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.StatsRequest.SerializeToString,
@@ -125,6 +135,20 @@ class LLMProxyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitWeightsGroup(self, request, context):
+        """The `collective` transport (SGLang's contract): the trainer hosts a group the engines join,
+        then broadcasts each bucket's tensors while the engines receive them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsDistributed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -167,6 +191,16 @@ def add_LLMProxyServicer_to_server(servicer, server):
             'UpdateWeightsBucket': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeightsBucket,
                     request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.WeightBucket.FromString,
+                    response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'InitWeightsGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightsGroup,
+                    request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.InitWeightsGroupRequest.FromString,
+                    response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.InitWeightsGroupResponse.SerializeToString,
+            ),
+            'UpdateWeightsDistributed': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsDistributed,
+                    request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.DistributedBucket.FromString,
                     response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
@@ -364,6 +398,60 @@ class LLMProxy:
             target,
             '/rollmesh.v1.LLMProxy/UpdateWeightsBucket',
             rollmesh_dot_v1_dot_llm__proxy__pb2.WeightBucket.SerializeToString,
+            rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightsGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.v1.LLMProxy/InitWeightsGroup',
+            rollmesh_dot_v1_dot_llm__proxy__pb2.InitWeightsGroupRequest.SerializeToString,
+            rollmesh_dot_v1_dot_llm__proxy__pb2.InitWeightsGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsDistributed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.v1.LLMProxy/UpdateWeightsDistributed',
+            rollmesh_dot_v1_dot_llm__proxy__pb2.DistributedBucket.SerializeToString,
             rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,121 @@
+"""The ``collective`` weight transport: the trainer broadcasts the weights over a process group
+the engines joined (NCCL between GPUs, gloo on CPU), following SGLang's
+``/init_weights_update_group`` + ``/update_weights_from_distributed`` contract through the LLMProxy.
+
+The directory is still written before generation is suspended (the restore point and what an
+engine that rejoins loads). While suspended, each bucket goes out as one LLMProxy call (the
+engines start receiving) during which rank 0 broadcasts the bucket's tensors; every engine reports
+the checksum of what it received, which must equal the trainer's. The group is made on the first
+update and kept; any failure closes it (an engine blocked in a broadcast then fails at once) and
+the next update makes a new one over the engines then in rotation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+
+import grpc
+
+from rollout.engines import weight_group as wg
+from services.convert import project_error
+from services.llm_proxy.client import ProxyClient
+from services.trainer.publishers import DiskPublisher, engine_failures
+from trainer.ports import PublishError
+
+
+class CollectivePublisher:
+    def __init__(self, proxy: ProxyClient | None, run_dir: str | Path, keep_versions: int = 2, bucket_mb: int = 256,
+                 backend: str = "gloo", master_address: str = "127.0.0.1", master_port: int = 0,
+                 group_name: str = wg.DEFAULT_GROUP) -> None:  # fmt: skip
+        self.proxy, self.max_bytes = proxy, bucket_mb << 20
+        self.backend, self.address, self.port, self.group_name = backend, master_address, master_port, group_name
+        self.restore = DiskPublisher(proxy, run_dir, keep_versions)
+        self.group: wg.WeightGroup | None = None
+        self._buckets: list[tuple[dict, str]] = []  # (tensors, checksum) of the exported version
+        self.groups_made = 0
+
+    def export(self, engine, version: int) -> str:
+        from trainer.export import weight_buckets
+
+        state = engine.full_weights()  # every rank gathers; rank 0 gets the weights
+        path = self.restore.export(engine, version, state)
+        # Checksummed now, before generation is suspended: the suspension only waits for the transfer.
+        self._buckets = [(b, wg.bucket_checksum(b)) for b in weight_buckets(state, self.max_bytes)] if path else []
+        return path
+
+    async def load(self, version: int, timeout_s: float) -> None:
+        buckets, self._buckets = self._buckets, []
+        if not buckets:
+            raise PublishError(f"no weights exported for version {version}")
+        deadline = time.monotonic() + timeout_s
+        try:
+            if self.group is None:
+                await self._make_group(deadline)
+            for i, (tensors, checksum) in enumerate(buckets):
+                await self._bucket(version, i, tensors, checksum, i == len(buckets) - 1, deadline, len(buckets))
+        except BaseException:
+            self.close()  # peers blocked in a broadcast fail now; the next update makes a new group
+            raise
+
+    def committed(self, version: int) -> None:
+        self.restore.committed(version)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    @staticmethod
+    def _left(deadline: float, what: str) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PublishError(f"{what}: the update's deadline passed")
+        return left
+
+    async def _make_group(self, deadline: float) -> None:
+        left = self._left(deadline, "weight-update group")
+        store = await asyncio.to_thread(wg.host_store, self.address, self.port, None, left)
+        try:
+            plan = await self.proxy.init_weights_group(self.address, store.port, self.group_name, self.backend, left)
+        except grpc.aio.AioRpcError as e:
+            raise PublishError(f"LLMProxy, weight-update group: {project_error(e)}") from None
+        left = self._left(deadline, "weight-update group")
+        try:  # completes once every engine has joined too
+            self.group = await asyncio.to_thread(wg.join_hosted, self.group_name, self.backend, store,
+                                                 plan.world_size, left)  # fmt: skip
+        except Exception as e:  # torch's DistStoreError / RuntimeError: an engine never joined
+            raise PublishError(f"weight-update group of {plan.world_size} ranks ({', '.join(plan.engines)}): "
+                               f"{type(e).__name__}: {e}") from None  # fmt: skip
+        self.groups_made += 1
+
+    async def _bucket(self, version: int, i: int, tensors: dict, checksum: str, final: bool, deadline: float,
+                      n: int) -> None:  # fmt: skip
+        left = self._left(deadline, f"bucket {i} of {n}")
+        metas = [(name, wg.dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()]
+        call = asyncio.ensure_future(self.proxy.update_weights_distributed(
+            version, i, metas, final, self.restore.path if final else "", checksum, left))  # fmt: skip
+        send = asyncio.ensure_future(asyncio.to_thread(wg.send, self.group, tensors))
+        # The first to fail ends the bucket: a send that failed (an engine died) closes the group,
+        # so the engines' receives, and with them the proxy's call, end at once; a call that failed
+        # (an engine refused the bucket) leaves the send nobody to receive it, and closing ends it.
+        done, _ = await asyncio.wait([call, send], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if send in done and send.exception() is not None:
+            self.close()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(call, 10)
+            raise PublishError(f"bucket {i} of {n}: broadcast failed: {send.exception()}")
+        try:
+            res = await asyncio.wait_for(call, self._left(deadline, f"bucket {i} of {n}"))
+        except grpc.aio.AioRpcError as e:
+            raise PublishError(f"LLMProxy, bucket {i} of {n}: {project_error(e)}") from None
+        except TimeoutError:
+            raise PublishError(f"bucket {i} of {n}: the update's deadline passed") from None
+        if not res.success:
+            raise PublishError(f"bucket {i} of {n}: {engine_failures(res)}")
+        try:  # every engine received everything: the broadcast has ended or is about to
+            await asyncio.wait_for(send, self._left(deadline, f"bucket {i} of {n}"))
+        except (TimeoutError, RuntimeError) as e:
+            raise PublishError(f"bucket {i} of {n}: broadcast failed: {e}") from None
