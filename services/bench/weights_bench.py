@@ -9,6 +9,9 @@ transport's update is timed in its two phases, as the training loop runs them:
   and for ``http_buckets`` serialize the buckets);
 - ``load``: what generation waits for while suspended (every engine confirms the version).
 
+``collective_gloo`` is the ``collective`` transport on CPU; its first update also makes the group
+(the median hides that once). NCCL and CUDA IPC need GPUs, and are not timed here.
+
 Each number is the median of ``repeats`` updates, each to a new version whose weights differ.
 """
 
@@ -60,6 +63,7 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
         progress=print) -> dict:  # fmt: skip
     """Time ``repeats`` updates through ``disk`` and ``http_buckets``; returns the medians."""
     from services.llm_proxy.client import ProxyClient
+    from services.trainer.collective_publisher import CollectivePublisher
     from services.trainer.publishers import BucketPublisher, DiskPublisher
     from trainer.config import TrainerConfig
     from trainer.engine import TrainEngine
@@ -92,11 +96,16 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
                     transports = {
                         "disk": DiskPublisher(client, Path(tmp) / "run"),
                         "http_buckets": BucketPublisher(client, Path(tmp) / "run", bucket_mb=bucket_mb),
+                        "collective_gloo": CollectivePublisher(
+                            client, Path(tmp) / "run", bucket_mb=bucket_mb, backend="gloo"
+                        ),  # fmt: skip
                     }
                     for i, (name, publisher) in enumerate(transports.items()):
                         progress(f"{name}: {repeats} update(s)")
                         out[name] = await _updates(publisher, trainer, client, 1 + i * repeats, repeats, 600.0)
                         out[name]["gb_per_s"] = gb / out[name]["load_s"]
+                        if isinstance(publisher, CollectivePublisher):  # the group is made by the first update
+                            publisher.close()
                     return out
                 finally:
                     await client.close()
@@ -112,4 +121,5 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
         "bucket_mb": bucket_mb,
         **{f"{name}_{m}": round(v, 3) for name, r in result.items() for m, v in r.items()},
         "load_speedup_buckets_vs_disk": round(result["disk"]["load_s"] / result["http_buckets"]["load_s"], 2),
+        "load_speedup_gloo_vs_disk": round(result["disk"]["load_s"] / result["collective_gloo"]["load_s"], 2),
     }

@@ -359,11 +359,15 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
 
 def serve(engine_config, auth: AuthConfig) -> None:
     """Run the engine server until SIGTERM/SIGINT, then drain and exit 0; https with ``auth.tls``.
-    ``type: vllm`` execs a vLLM server instead (``services/engine/vllm_server.py``)."""
+    ``type: vllm`` and ``type: sglang`` exec that server instead (``vllm_server.py``, ``sglang_server.py``)."""
     if engine_config.type == "vllm":
         from services.engine.vllm_server import serve as serve_vllm
 
         return serve_vllm(engine_config, auth)
+    if engine_config.type == "sglang":
+        from services.engine.sglang_server import serve as serve_sglang
+
+        return serve_sglang(engine_config, auth)
     import contextlib
     import signal
 

@@ -9,11 +9,11 @@ extension and token check (``vllm_plugin/rollmesh_vllm.py``, put on vLLM's ``PYT
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from rollout.engines.vllm_config import VLLMEngineConfig
-from services.auth import AuthConfig, AuthError
+from services.auth import AuthConfig
+from services.engine.external import exec_server
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
@@ -83,13 +83,5 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
 
 
 def serve(cfg: VLLMEngineConfig, auth: AuthConfig) -> None:
-    """Become the vLLM server (exec): signals, exit code and process id are vLLM's own, so a
-    supervisor that stops or kills this process stops vLLM, with nothing left behind."""
-    try:
-        argv, env = vllm_command(cfg, auth)
-    except (VLLMNotInstalled, ValueError, AuthError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(argv[0], argv, env)
+    """Become the vLLM server (``services/engine/external.py``)."""
+    exec_server(vllm_command, cfg, auth, (VLLMNotInstalled,))

@@ -10,12 +10,15 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import yaml
 
+from services.auth import AuthConfig
 from services.cli import SERVICES
 from services.config import load_config
+from services.engine.sglang_server import sglang_command
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "docker-compose.yaml"
@@ -40,7 +43,7 @@ def compose_config() -> dict:
     return yaml.safe_load(res.stdout)
 
 
-def test_every_service_gets_the_token_and_compose_refuses_to_start_without_one():
+def test_every_service_gets_the_token_and_compose_refuses_to_start_without_one(tiny_model):
     res = _compose({})
     assert res.returncode != 0 and "ROLLMESH_TOKEN" in res.stderr, res.stderr
     services = compose_config()["services"]
@@ -48,8 +51,13 @@ def test_every_service_gets_the_token_and_compose_refuses_to_start_without_one()
     assert len(ours) == 9
     for name in ours:
         assert services[name]["environment"]["ROLLMESH_TOKEN"] == TOKEN, name
-    sglang = services["engine-gpu"]["command"]
-    assert sglang[sglang.index("--api-key") + 1] == TOKEN  # SGLang checks the same token
+    # The GPU engine execs SGLang with the token it got, which SGLang then checks (--api-key).
+    cmd = services["engine-gpu"]["command"]
+    assert cmd[:3] == ["rollmesh", "serve", "engine"]
+    engine = load_config(ROOT / cmd[cmd.index("--config") + 1]).engine
+    engine.python, engine.model_path = sys.executable, tiny_model
+    argv, _ = sglang_command(engine, AuthConfig(token=services["engine-gpu"]["environment"]["ROLLMESH_TOKEN"]))
+    assert argv[argv.index("--api-key") + 1] == TOKEN and argv[argv.index("--port") + 1] == "30000"
 
 
 def _source(volume) -> str:

@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rollout.engines.sglang_config import SGLangEngineConfig
+from services.auth import AuthConfig, TlsConfig
 from services.config import load_config
+from services.engine.sglang_server import sglang_command
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "rollmesh"
 
@@ -61,7 +64,7 @@ def test_defaults_render_a_disaggregated_gpu_mesh(tmp_path):
     assert trainer["nodeSelector"] == {"rollmesh.io/pool": "training"}
     assert engine["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert trainer["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert engine["containers"][0]["command"][:3] == ["python3", "-m", "sglang.launch_server"]
+    assert engine["containers"][0]["command"][:3] == ["rollmesh", "serve", "engine"]  # which execs SGLang
     assert trainer["containers"][0]["command"][:3] == ["torchrun", "--nproc-per-node", "8"]
     for name in ("llm-proxy", "sample-buffer", "controller", "env-manager"):
         c = pod(docs, "Deployment", name)["containers"][0]
@@ -82,8 +85,19 @@ def test_defaults_render_a_disaggregated_gpu_mesh(tmp_path):
     assert (cfg.gateway.host, cfg.gateway.port) == ("0.0.0.0", gateway["ports"][0]["containerPort"])
     services = {n for k, n in objs if k == "Service"}
     assert cfg.engine.model_path == cfg.trainer.model_path == cfg.env_manager.tokenizer_path == cfg.model_path
+    # The engine pods run SGLang with the flags `rollmesh run` would give it, plus the chart's own.
+    assert cfg.engine.type == "sglang" and cfg.engine.tensor_parallel_size == 1
+    assert cfg.engine.extra_args == ["--mem-fraction-static", "0.85"] and cfg.engine.port == 30000
+    tp = load_config(_config_file(tmp_path, render("engine.tensorParallelSize=4"))).engine
+    assert tp.tensor_parallel_size == 4
     for address in (cfg.mesh.proxy, cfg.mesh.buffer, cfg.mesh.controller):
         assert address.split(":")[0] in services
+
+
+def _config_file(tmp_path: Path, docs: list[dict]) -> Path:
+    path = tmp_path / "rendered.yaml"
+    path.write_text(by_kind_name(docs)[("ConfigMap", "t-rollmesh-config")]["data"]["config.yaml"])
+    return path
 
 
 def test_colocated_placement_and_embedded_engines():
@@ -127,15 +141,14 @@ def test_every_pod_reads_the_run_token_from_one_secret():
     ours = {"name": "t-rollmesh-token", "key": "token"}
     for d in workloads:
         assert _token_env(d["spec"]["template"]["spec"]["containers"][0]) == ours, d["metadata"]["name"]
-    sglang = pod(docs, "StatefulSet", "engine")["containers"][0]["command"]
-    assert sglang[sglang.index("--api-key") + 1] == "$(ROLLMESH_TOKEN)"  # Kubernetes expands it from env
+    # The engine pod's `rollmesh serve engine` hands that token to SGLang (--api-key): test_sglang_launch.
     # a Secret managed elsewhere: nothing made, every pod points at it
     docs = render("auth.existingSecret=team-token", "auth.secretKey=t")
     assert not [d for d in docs if d["kind"] == "Secret"]
     assert _token_env(pod(docs, "Deployment", "controller")["containers"][0]) == {"name": "team-token", "key": "t"}
 
 
-def test_tls_from_a_secret_reaches_every_service_and_the_probes_still_work():
+def test_tls_from_a_secret_reaches_every_service_and_the_probes_still_work(tiny_model):
     docs = render("auth.tls.secretName=mesh-tls")
     config = yaml.safe_load(by_kind_name(docs)[("ConfigMap", "t-rollmesh-config")]["data"]["config.yaml"])
     assert config["auth"]["tls"] == {"cert_path": "/etc/rollmesh-tls/tls.crt", "key_path": "/etc/rollmesh-tls/tls.key",
@@ -155,16 +168,19 @@ def test_tls_from_a_secret_reaches_every_service_and_the_probes_still_work():
     engine = pod(docs, "StatefulSet", "engine")["containers"][0]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert engine[probe]["httpGet"]["scheme"] == "HTTPS", probe
-    cmd = engine["command"]
-    assert cmd[cmd.index("--ssl-certfile") + 1] == "/etc/rollmesh-tls/tls.crt"
-    assert cmd[cmd.index("--ssl-keyfile") + 1] == "/etc/rollmesh-tls/tls.key"
+    # SGLang gets the run's TLS pair from the config `rollmesh serve engine` reads.
+    files = TlsConfig.model_construct(**config["auth"]["tls"])  # the files are in the pod only
+    tls = AuthConfig(token="t").model_copy(update={"tls": files})
+    argv, _ = sglang_command(SGLangEngineConfig(model_path=tiny_model, python=sys.executable), tls)
+    assert argv[argv.index("--ssl-certfile") + 1] == "/etc/rollmesh-tls/tls.crt"
+    assert argv[argv.index("--ssl-keyfile") + 1] == "/etc/rollmesh-tls/tls.key"
     monitor = by_kind_name(docs)[("ServiceMonitor", "t-rollmesh")]["spec"]["endpoints"]
     engine_scrape = next(e for e in monitor if e["port"] == "http")
     assert engine_scrape["scheme"] == "https"
     assert engine_scrape["tlsConfig"]["ca"]["secret"] == {"name": "mesh-tls", "key": "ca.crt"}
     # without the value nothing of it shows
     plain = render()
-    assert "--ssl-certfile" not in pod(plain, "StatefulSet", "engine")["containers"][0]["command"]
+    assert "auth" not in yaml.safe_load(by_kind_name(plain)[("ConfigMap", "t-rollmesh-config")]["data"]["config.yaml"])
     assert not any(v["name"] == "tls" for v in pod(plain, "Deployment", "controller")["volumes"])
 
 

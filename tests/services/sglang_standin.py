@@ -24,9 +24,9 @@ from rollout.sampling import SamplingParams
 from services.launch import free_port
 
 
-def create_standin(engine: EmbeddedEngine) -> FastAPI:
+def create_standin(engine: EmbeddedEngine, weight_version: str = "default") -> FastAPI:
     app = FastAPI()
-    state = {"weight_version": "default"}
+    state = {"weight_version": weight_version}
     calls: list[str] = []
     app.state.calls = calls
 

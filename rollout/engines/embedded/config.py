@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from rollout.engines.server_config import EngineServerConfig
+from rollout.engines.sglang_config import SGLangEngineConfig
 from rollout.engines.sim.config import SimEngineConfig
 from rollout.engines.vllm_config import VLLMEngineConfig
 from sample_buffer.registry import tagged_union
@@ -36,6 +37,6 @@ class EngineConfig(EngineServerConfig):
         return EmbeddedEngine(self)
 
 
-# What `engine:` in a run config may be: the embedded engine, vLLM (`type: vllm`), or the latency
-# simulator (`type: sim`).
-EngineVariant = tagged_union(EngineConfig, VLLMEngineConfig, SimEngineConfig, default="embedded")
+# What `engine:` in a run config may be: the embedded engine, vLLM (`type: vllm`), SGLang
+# (`type: sglang`), or the latency simulator (`type: sim`).
+EngineVariant = tagged_union(EngineConfig, VLLMEngineConfig, SGLangEngineConfig, SimEngineConfig, default="embedded")

@@ -73,6 +73,11 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
   "train_loop" (dict "run_dir" (printf "%s/%s" .Values.runs.mountPath .Release.Name) "metrics_host" "0.0.0.0"
                      "metrics_port" .Values.trainer.metricsPort)
 -}}
+{{- if eq .Values.engine.kind "sglang" -}}
+{{- $_ := set $mesh.engine "type" "sglang" -}}
+{{- $_ := set $mesh.engine "tensor_parallel_size" .Values.engine.tensorParallelSize -}}
+{{- $_ := set $mesh.engine "extra_args" .Values.engine.sglangArgs -}}
+{{- end -}}
 {{- if .Values.auth.tls.secretName -}}
 {{- $dir := include "rollmesh.tlsDir" . -}}
 {{- $_ := set $mesh "auth" (dict "tls" (dict "cert_path" (printf "%s/tls.crt" $dir) "key_path" (printf "%s/tls.key" $dir)

@@ -1,0 +1,76 @@
+"""``rollmesh serve engine`` with ``engine.type: sglang``: exec SGLang's server with the flags RL
+needs. The same flags are in the Helm chart's engine template and the compose file's ``gpu``
+profile (``tests/deploy`` checks they agree).
+
+What RL needs of it: a local model only (``HF_HUB_OFFLINE``), the run's token (``--api-key``:
+SGLang then wants it on every route but /health and /metrics), the version it starts at
+(``--weight-version``, which the LLMProxy reads before letting it serve), metrics for the
+dashboards, and TLS where the run has it. Weight updates come later over HTTP: from disk, or
+over a weight-update group the trainer hosts (``/init_weights_update_group``), which needs no
+flag at launch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from rollout.engines.sglang_config import SGLangEngineConfig
+from services.auth import AuthConfig
+from services.engine.external import exec_server
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+class SGLangNotInstalled(RuntimeError):
+    """No interpreter with SGLang where the config says."""
+
+
+def interpreter(cfg: SGLangEngineConfig) -> str:
+    if os.sep in cfg.python:
+        path = Path(cfg.python) if Path(cfg.python).is_absolute() else CHECKOUT / cfg.python
+        found = str(path) if path.exists() else None
+    else:
+        found = shutil.which(cfg.python)
+    if found is None:
+        raise SGLangNotInstalled(
+            f"engine.python: no interpreter {cfg.python!r}; point it at an environment with SGLang "
+            "(`pip install sglang` on a GPU machine; the GPU image has one)"
+        )
+    return found
+
+
+def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of the SGLang server ``cfg`` describes."""
+    if cfg.model_path is None:
+        raise ValueError("engine.model_path: not set (nor the run's model_path)")
+    model = Path(cfg.model_path)
+    if not (model / "config.json").exists():  # SGLang would take a missing directory for a hub name
+        raise ValueError(f"engine.model_path: {cfg.model_path!r} is not a local model directory (no config.json)")
+    bearer = auth.bearer()  # raises when no token is set and auth is not disabled
+    argv = [
+        interpreter(cfg), "-m", "sglang.launch_server",
+        "--model-path", str(model.resolve()), "--host", cfg.host, "--port", str(cfg.port),
+        "--dtype", cfg.dtype, "--tp-size", str(cfg.tensor_parallel_size),
+        "--random-seed", str(cfg.seed), "--weight-version", str(cfg.weight_version),
+        "--enable-metrics",
+    ]  # fmt: skip
+    for flag, value in (("--mem-fraction-static", cfg.mem_fraction_static),
+                        ("--max-running-requests", cfg.max_running_requests),
+                        ("--context-length", cfg.context_length),
+                        ("--served-model-name", cfg.served_model_name)):  # fmt: skip
+        if value is not None:
+            argv += [flag, str(value)]
+    if bearer:
+        argv += ["--api-key", bearer.removeprefix("Bearer ")]
+    if auth.tls and auth.tls.cert_path and auth.tls.key_path:
+        argv += ["--ssl-certfile", auth.tls.cert_path, "--ssl-keyfile", auth.tls.key_path]
+    argv += cfg.extra_args
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    return argv, env
+
+
+def serve(cfg: SGLangEngineConfig, auth: AuthConfig) -> None:
+    """Become the SGLang server (``services/engine/external.py``)."""
+    exec_server(sglang_command, cfg, auth, (SGLangNotInstalled,))

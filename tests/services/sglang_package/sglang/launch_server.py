@@ -1,0 +1,50 @@
+"""``python -m sglang.launch_server`` for tests, where SGLang cannot run (no GPU): it accepts
+SGLang's own flag names, and only those rollmesh sends (an unknown or misspelt one fails the
+start, as it would in SGLang's parser), records the argv it got (``SGLANG_STANDIN_ARGV``), and
+serves the SGLang stand-in (``tests/services/sglang_standin.py``) as the flags say: model, port,
+dtype, seed, starting weight version, and ``--api-key`` on every route but /health and /metrics."""
+
+import argparse
+import json
+import os
+import sys
+
+import uvicorn
+from fastapi.responses import JSONResponse
+
+from rollout.engines.embedded.config import EngineConfig
+from tests.services.sglang_standin import create_standin
+
+p = argparse.ArgumentParser(prog="sglang.launch_server", allow_abbrev=False)
+for flag in ("--model-path", "--host", "--served-model-name", "--api-key", "--ssl-certfile", "--ssl-keyfile"):
+    p.add_argument(flag)
+p.add_argument("--port", type=int, required=True)
+p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
+for flag in ("--tp-size", "--random-seed", "--max-running-requests", "--context-length"):
+    p.add_argument(flag, type=int)
+p.add_argument("--mem-fraction-static", type=float)
+p.add_argument("--weight-version", default="default")
+p.add_argument("--enable-metrics", action="store_true")
+args = p.parse_args()
+if os.environ.get("SGLANG_STANDIN_ARGV"):
+    with open(os.environ["SGLANG_STANDIN_ARGV"], "w") as f:
+        json.dump(sys.argv[1:], f)
+
+dtype = "float32" if args.dtype == "auto" else args.dtype
+engine = EngineConfig(model_path=args.model_path, dtype=dtype, seed=args.random_seed or 0,
+                      max_running_requests=args.max_running_requests or 8).build().start()  # fmt: skip
+app = create_standin(engine, args.weight_version)
+
+
+@app.middleware("http")
+async def api_key(request, call_next):
+    if (
+        args.api_key
+        and request.url.path not in ("/health", "/metrics")
+        and (request.headers.get("authorization") != f"Bearer {args.api_key}")
+    ):
+        return JSONResponse(status_code=401, content={"error": "Unauthorized"})
+    return await call_next(request)
+
+
+uvicorn.run(app, host=args.host or "127.0.0.1", port=args.port, log_level="warning")
