@@ -18,6 +18,7 @@ from rollout.proxy.config import ProxyConfig
 from sample_buffer.config import BufferConfig
 from services.auth import AuthConfig
 from services.controller.config import ControllerConfig
+from services.device_map import DeviceMapConfig, check_shape, gpus_per_engine
 from services.env_manager.config import EnvManagerConfig
 from services.env_provider.config import EnvProviderConfig
 from services.gateway.config import GatewayConfig
@@ -117,6 +118,9 @@ class RollmeshConfig(BaseModel):
         default_factory=TrainerProcessConfig, description="The training loop and the trainer process around it."
     )
     run: RunConfig = Field(default_factory=RunConfig, description="`rollmesh run`: how the local mesh is laid out.")
+    devices: DeviceMapConfig = Field(
+        default_factory=DeviceMapConfig, description="Which GPUs serve engines and which train (device_map.py)."
+    )
 
     @model_validator(mode="after")
     def _propagate_model_path(self) -> RollmeshConfig:
@@ -150,6 +154,13 @@ class RollmeshConfig(BaseModel):
             raise ValueError(f"proxy.engine_api: {self.proxy.engine_api!r} but engine.type {self.engine.type!r} "
                              f"speaks {api!r} (leave proxy.engine_api out)")  # fmt: skip
         self.proxy.engine_api = api
+        return self
+
+    @model_validator(mode="after")
+    def _devices_fit_the_run(self) -> RollmeshConfig:
+        check_shape(self.devices, self.run.num_engines, gpus_per_engine(self.engine), self.run.trainer_procs)
+        if self.devices.placement != "none" and self.engine.type == "sim":
+            raise ValueError("devices.placement: the simulated engine uses no GPU (use placement: none)")
         return self
 
     @model_validator(mode="after")

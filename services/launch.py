@@ -103,9 +103,10 @@ def start_engine_process(
     timeout_s: float = 120.0,
     config_path: str | None = None,
     auth: AuthConfig | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """Run ``rollmesh serve engine`` as its own process; returns (process, base URL) once healthy
-    (``https://`` when ``auth`` has TLS).
+    """Run ``rollmesh serve engine`` as its own process (``env``: added to this one's); returns
+    (process, base URL) once healthy (``https://`` when ``auth`` has TLS).
     Its output goes to an unnamed temporary file (a pipe nobody reads would block it) and is shown
     if it fails to start."""
     import tempfile
@@ -113,7 +114,8 @@ def start_engine_process(
     port = port or free_port()
     cmd = serve_command("engine", "engine", [f"model_path={model_path}", f"port={port}", *(extra or [])], config_path)
     out = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the process)
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))  # fmt: skip
     url = f"{auth.scheme if auth else 'http'}://127.0.0.1:{port}"
     try:
         wait_http_healthy(url + "/health", timeout_s, proc, auth)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from rich.console import Console
 from services.auth import ensure_token
 from services.compare import SUMMARY
 from services.config import load_config
+from services.device_map import Placement, gpus_per_engine, place, visible_gpus
 from services.evaluation import evaluator
 from services.launch import (
     free_port,
@@ -121,22 +123,28 @@ class Mesh:
             stop_process(s.proc)
 
 
-def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh:
+def _gpus(name: str | None) -> dict[str, str]:
+    return {} if name is None else {"CUDA_VISIBLE_DEVICES": name}
+
+
+def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path, placement: Placement | None = None) -> Mesh:
     """Engines → LLMProxy → SampleBuffer → AsyncController → EnvManager, each healthy before the
-    next. On any failure everything started so far is stopped."""
+    next (engines on the GPUs ``placement`` gives them). On any failure everything started so far
+    is stopped."""
+    placement = placement or Placement([None] * cfg.run.num_engines, None, cfg.run.trainer_procs)
     mesh = Mesh([], [], "", "", "")
     up = dict(config_path=str(config_path), timeout_s=cfg.run.startup_timeout_s, auth=cfg.auth)
     try:
 
-        def engine(_):
-            return start_engine_process(
-                cfg.engine.model_path, free_port(), overrides, cfg.run.startup_timeout_s, str(config_path), cfg.auth
-            )
+        def engine(i):
+            return start_engine_process(cfg.engine.model_path, free_port(), overrides, cfg.run.startup_timeout_s,
+                                        str(config_path), cfg.auth, _gpus(placement.engines[i]))  # fmt: skip
 
         with ThreadPoolExecutor(cfg.run.num_engines) as pool:  # engines load in parallel
             futures = [pool.submit(engine, i) for i in range(cfg.run.num_engines)]
         started = [f.result() for f in futures if f.exception() is None]
-        mesh.services += [Supervised(f"engine-{i}", p, logs / f"engine-{i}.log") for i, (p, _) in enumerate(started)]
+        mesh.services += [Supervised(f"engine-{i}", p, logs / f"engine-{i}.log", env=_gpus(placement.engines[i]))
+                          for i, (p, _) in enumerate(started)]  # fmt: skip
         mesh.engine_urls += [u for _, u in started]
         mesh.metrics["engine"] = [u.split("://", 1)[1] for u in mesh.engine_urls]  # /metrics beside the API
         for f in futures:
@@ -178,8 +186,10 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path) -> Mesh
     return mesh
 
 
-def start_trainer(config_path: Path, overrides: list[str], mesh: Mesh, log_path: Path, procs: int = 1):
-    """The trainer process; with ``procs`` > 1, ``procs`` ranks under torchrun (rank 0 serves /metrics)."""
+def start_trainer(config_path: Path, overrides: list[str], mesh: Mesh, log_path: Path, procs: int = 1,
+                  gpus: str | None = None):  # fmt: skip
+    """The trainer process; with ``procs`` > 1, ``procs`` ranks under torchrun (rank 0 serves /metrics);
+    ``gpus``: its ``CUDA_VISIBLE_DEVICES``."""
     port = f"train_loop.metrics_port={mesh.metrics_port('trainer')}"
     cmd = serve_command("trainer", "trainer", [*overrides, *mesh.wiring, port], str(config_path))
     if procs > 1:  # python -m torch.distributed.run ... -m services.cli serve trainer ...
@@ -188,13 +198,20 @@ def start_trainer(config_path: Path, overrides: list[str], mesh: Mesh, log_path:
         cmd,
         stdout=open(log_path, "ab"),  # noqa: SIM115 (closed with the process)
         stderr=subprocess.STDOUT,
+        env=dict(os.environ, **_gpus(gpus)),
     )
 
 
 def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> int:
     cfg = load_config(config_path, overrides)
-    ensure_token(cfg.auth)  # one per run, inherited by every process started below
     console = Console(soft_wrap=True)  # a log file gets whole lines, not lines wrapped at 80 columns
+    try:  # before anything starts: a GPU the map names must be here
+        placement = place(cfg.devices, cfg.run.num_engines, gpus_per_engine(cfg.engine), cfg.run.trainer_procs,
+                          visible_gpus() if cfg.devices.placement != "none" else [])  # fmt: skip
+    except ValueError as e:
+        console.print(f"[red]config error: {e}[/]")
+        return 2
+    ensure_token(cfg.auth)  # one per run, inherited by every process started below
 
     def _on_sigterm(signum, frame):  # stop the mesh on SIGTERM as on Ctrl-C, never leave orphans
         raise KeyboardInterrupt
@@ -208,7 +225,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
     trainer: Supervised | None = None
     t0 = time.time()
     try:
-        mesh = start_mesh(cfg, config_path, overrides, logs)
+        mesh = start_mesh(cfg, config_path, overrides, logs, placement)
         console.print(f"[green]engines[/] {', '.join(mesh.engine_urls)}")
         console.print(f"[green]mesh up[/] proxy {mesh.proxy}, buffer {mesh.buffer}, controller {mesh.controller}")
         if mesh.gateway:
@@ -219,8 +236,10 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
             acc0 = asyncio.run(evaluate(proxy_addr, cfg))
             console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {acc0}")
         _, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
-        trainer_proc = start_trainer(config_path, overrides, mesh, logs / "trainer.log", cfg.run.trainer_procs)
-        trainer = Supervised("trainer", trainer_proc, logs / "trainer.log", finishes=True)
+        trainer_proc = start_trainer(config_path, overrides, mesh, logs / "trainer.log", placement.trainer_procs,
+                                     placement.trainer)  # fmt: skip
+        trainer = Supervised("trainer", trainer_proc, logs / "trainer.log", finishes=True,
+                             env=_gpus(placement.trainer))  # fmt: skip
         supervised = [*mesh.services, trainer]
         launcher_registry = CollectorRegistry()
         launcher_registry.register(RestartsCollector(supervised))

@@ -88,8 +88,8 @@ def test_defaults_render_a_disaggregated_gpu_mesh(tmp_path):
     # The engine pods run SGLang with the flags `rollmesh run` would give it, plus the chart's own.
     assert cfg.engine.type == "sglang" and cfg.engine.tensor_parallel_size == 1
     assert cfg.engine.extra_args == ["--mem-fraction-static", "0.85"] and cfg.engine.port == 30000
-    tp = load_config(_config_file(tmp_path, render("engine.tensorParallelSize=4"))).engine
-    assert tp.tensor_parallel_size == 4
+    tp = render("engine.tensorParallelSize=4", "engine.resources.limits.nvidia\\.com/gpu=4")
+    assert load_config(_config_file(tmp_path, tp)).engine.tensor_parallel_size == 4
     for address in (cfg.mesh.proxy, cfg.mesh.buffer, cfg.mesh.controller):
         assert address.split(":")[0] in services
 
@@ -117,7 +117,10 @@ def test_external_redis_and_bad_values_fail_clearly():
     assert config["buffer"]["redis_url"] == "redis://cache:6379/2"
     for sets, message in [(["redis.enabled=false"], "redis.externalUrl is required"),
                           (["placement.mode=mixed"], "placement.mode must be"),
-                          (["engine.kind=vllm"], "engine.kind must be")]:  # fmt: skip
+                          (["engine.kind=vllm"], "engine.kind must be"),
+                          # the pods' GPUs must fit what runs in them (the device map's check, per pod)
+                          (["engine.tensorParallelSize=2"], "must equal engine.tensorParallelSize (2)"),
+                          (["trainer.nprocPerNode=4"], "must equal trainer.nprocPerNode (4)")]:  # fmt: skip
         cmd = [_helm(), "template", "t", str(CHART)] + [a for s in sets for a in ("--set", s)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert res.returncode != 0 and message in res.stderr, (sets, res.stderr)
