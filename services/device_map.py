@@ -106,8 +106,10 @@ def check_shape(devices: DeviceMapConfig, num_engines: int, gpus_per_engine: int
         return
     need = num_engines * gpus_per_engine
     if len(devices.engine_gpus) != need:
-        raise ValueError(f"devices.engine_gpus: {len(devices.engine_gpus)} GPU(s) for run.num_engines={num_engines} "
-                         f"engines of {gpus_per_engine} GPU(s) each (engine.tensor_parallel_size); {need} needed")
+        raise ValueError(
+            f"devices.engine_gpus: {len(devices.engine_gpus)} GPU(s) for run.num_engines={num_engines} "
+            f"engines of {gpus_per_engine} GPU(s) each (engine.tensor_parallel_size); {need} needed"
+        )
     if trainer_procs != len(devices.trainer_gpus):
         raise ValueError(f"run.trainer_procs: {trainer_procs}, but devices.trainer_gpus lists "
                          f"{len(devices.trainer_gpus)} GPU(s); the trainer runs one rank per GPU")  # fmt: skip
@@ -124,8 +126,10 @@ def place(devices: DeviceMapConfig, num_engines: int, gpus_per_engine: int, trai
         missing = [i for i in getattr(devices, name) if i >= len(visible)]
         if missing:
             seen = f"{len(visible)} visible ({', '.join(visible)})" if visible else "none visible"
-            raise ValueError(f"devices.{name}: GPU {missing[0]} is not on this machine: {seen}"
-                             + (" (CUDA_VISIBLE_DEVICES)" if "CUDA_VISIBLE_DEVICES" in os.environ else ""))
+            raise ValueError(
+                f"devices.{name}: GPU {missing[0]} is not on this machine: {seen}"
+                + (" (CUDA_VISIBLE_DEVICES)" if "CUDA_VISIBLE_DEVICES" in os.environ else "")
+            )
     names = [visible[i] for i in devices.engine_gpus]
     engines = [",".join(names[e * gpus_per_engine : (e + 1) * gpus_per_engine]) for e in range(num_engines)]
     return Placement(engines, ",".join(visible[i] for i in devices.trainer_gpus), len(devices.trainer_gpus))

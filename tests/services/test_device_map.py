@@ -26,7 +26,9 @@ def test_disaggregated_engines_of_two_gpus_and_a_trainer_of_four():
 
 def test_colocated_and_indices_taken_through_cuda_visible_devices():
     devices = DeviceMapConfig(placement="colocated", engine_gpus=[0, 1], trainer_gpus=[1, 0])
-    p = place(devices, num_engines=2, gpus_per_engine=1, trainer_procs=2, visible=["3", "5"])  # CUDA_VISIBLE_DEVICES=3,5
+    p = place(
+        devices, num_engines=2, gpus_per_engine=1, trainer_procs=2, visible=["3", "5"]
+    )  # CUDA_VISIBLE_DEVICES=3,5
     assert p.engines == ["3", "5"] and p.trainer == "5,3"
     none = place(DeviceMapConfig(), num_engines=3, gpus_per_engine=1, trainer_procs=1, visible=[])
     assert none.engines == [None, None, None] and none.trainer is None
