@@ -96,8 +96,9 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
 def test_a_restarted_process_keeps_its_gpus(tmp_path):
     log = tmp_path / "engine.log"
     code = "import os, sys; print('gpus', os.environ.get('CUDA_VISIBLE_DEVICES')); sys.exit(1)"
-    proc = subprocess.Popen([sys.executable, "-c", code], env={"CUDA_VISIBLE_DEVICES": "4,5"},
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # fmt: skip
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], env={"CUDA_VISIBLE_DEVICES": "4,5"}, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
     s = Supervised("engine-0", proc, log, env={"CUDA_VISIBLE_DEVICES": "4,5"})
     proc.wait(30)
     deadline = time.monotonic() + 30
