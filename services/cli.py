@@ -309,15 +309,20 @@ def bench_buffer(
 
 @bench_app.command("trainer")
 def bench_trainer(
-    model: Path = typer.Option(Path("models/tiny"), help="Model directory."),
+    model: Path | None = typer.Option(None, help="Model directory; default: a random model of --shape."),
+    shape: str = typer.Option("tiny", help="Random model to build when no --model: tiny or qwen2-0.5b."),
     steps: int = typer.Option(20, help="Optimizer steps to time."),
     trajectories: int = typer.Option(256, help="Trajectories per step (groups of 8)."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    mixed_precision: bool = typer.Option(False, "--mixed-precision", help="bfloat16 compute, float32 master weights."),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Recompute activations."),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
-    """GRPO training steps on the tiny model, with and without sequence packing."""
+    """GRPO training steps, with and without sequence packing: tokens/s, MFU and peak memory on a GPU."""
     from services.bench.trainer_bench import run
 
-    _emit(run(str(model), steps, trajectories), json_)
+    _emit(_checked(run, None if model is None else str(model), steps, trajectories, shape, device, mixed_precision,
+                   activation_checkpointing, _progress(json_)), json_)  # fmt: skip
 
 
 @bench_app.command("async")

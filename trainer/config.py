@@ -25,6 +25,19 @@ class TrainLoopConfig(BaseModel):
     keep_weight_versions: int = Field(2, ge=1, description="Exported weight versions kept (rollback needs >= 1).")
 
 
+class MixedPrecisionConfig(BaseModel):
+    """Compute in a lower precision while the optimizer keeps float32 master weights: FSDP2's
+    ``MixedPrecisionPolicy`` under torchrun (parameters cast for forward and backward, gradients
+    reduced in ``reduce_dtype``); ``torch.autocast`` in a single process."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    param_dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Dtype of forward and backward.")
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype gradients are reduced in across ranks (float32: no precision lost summing)."
+    )
+
+
 class TrainerConfig(BaseModel):
     """The training engine: model, optimiser, batching, loss terms, checkpoints."""
 
@@ -36,7 +49,17 @@ class TrainerConfig(BaseModel):
         None, description="Local Hugging Face model directory to start from; default: the run's model_path."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks cuda when available.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype of the parameters the optimizer updates (keep float32 with mixed_precision)."
+    )
+    mixed_precision: MixedPrecisionConfig | None = Field(
+        None, description="Train in bfloat16 (or float16) with float32 master weights and reductions; None: all in "
+        "`dtype`. On GPU: mixed_precision: {} (bfloat16 compute, float32 reduction).",
+    )  # fmt: skip
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in the backward pass: less memory for "
+        "long sequences, about a third more compute.",
+    )  # fmt: skip
     seed: int = Field(0, description="Seed of torch's generators.")
     num_threads: int = Field(
         0, ge=0, description="torch intra-op CPU threads; 0 keeps torch's default. Set 1 when sharing cores."
@@ -110,6 +133,13 @@ class TrainerConfig(BaseModel):
                 f"mismatch: {self.mismatch.type!r} corrects π_prox/μ, which loss {self.loss.type!r} already takes "
                 "into account; use it with old_policy: proximal (or reinforce / custom)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _master_weights_are_wider(self) -> TrainerConfig:
+        if self.mixed_precision is not None and self.dtype != "float32":
+            raise ValueError(f"dtype: {self.dtype!r} with mixed_precision leaves no float32 master weights (keep "
+                             "dtype: float32; mixed_precision sets the compute dtype)")  # fmt: skip
         return self
 
     @model_validator(mode="after")

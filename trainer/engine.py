@@ -9,6 +9,7 @@ averaged gradients equal the single-process gradient of the whole batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections import defaultdict
@@ -142,13 +143,29 @@ class TrainEngine:
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         model.config.use_cache = False
         model.to(self.device)
+        if self.config.activation_checkpointing:  # before sharding: each layer is recomputed, then resharded
+            enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.world > 1:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            mp = self.config.mixed_precision
+            policy = MixedPrecisionPolicy() if mp is None else MixedPrecisionPolicy(
+                param_dtype=getattr(torch, mp.param_dtype), reduce_dtype=getattr(torch, mp.reduce_dtype))  # fmt: skip
             for layer in model.base_model.layers:
-                fully_shard(layer)
-            fully_shard(model)
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
         return model
+
+    def _compute_precision(self):
+        """Autocast to the mixed-precision dtype in a single process (FSDP2 casts on its own)."""
+        mp = self.config.mixed_precision
+        if mp is None or self.world > 1:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, mp.param_dtype))
 
     # ------------------------------------------------------------------ forward passes
     def _forward(self, model, seqs: list[list[int]], width: int, entropy: bool = False):
@@ -156,14 +173,16 @@ class TrainEngine:
         An empty ``seqs`` (a rank's filler micro-batch) runs one dummy token and returns [0, width]
         tensors still attached to the graph, so its backward joins the collectives."""
         if not seqs:
-            dummy = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
+            with self._compute_precision():
+                dummy = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
             zero = dummy.sum() * 0.0
             lp = torch.zeros(0, width, device=self.device) + zero
             return lp, (torch.zeros(0, width, device=self.device) + zero if entropy else None)
         if self.config.pack_sequences:
             rows = pack_rows(seqs, self.config.pack_row_tokens)
             ids, positions, masks = packed_inputs([[seqs[i] for i in row] for row in rows], self.device)
-            logits = model(input_ids=ids, position_ids=positions, attention_mask=masks).logits
+            with self._compute_precision():
+                logits = model(input_ids=ids, position_ids=positions, attention_mask=masks).logits
             row_lp = gather_token_logprobs(logits, ids)
             row_ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0)) if entropy else None
             lp = torch.zeros(len(seqs), width, device=self.device)
@@ -179,7 +198,8 @@ class TrainEngine:
                     start += n
             return lp, ent
         ids, attn = padded_inputs(seqs, self.device)
-        logits = model(input_ids=ids, attention_mask=attn).logits
+        with self._compute_precision():
+            logits = model(input_ids=ids, attention_mask=attn).logits
         lp = gather_token_logprobs(logits, ids) * attn
         ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0)) * attn if entropy else None
         pad = width - lp.shape[1]

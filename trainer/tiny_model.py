@@ -36,6 +36,10 @@ class TinyModelConfig(BaseModel):
     num_attention_heads: int = Field(4, ge=1, description="Query heads.")
     num_key_value_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
     max_position_embeddings: int = Field(1024, ge=32, description="Context length in tokens.")
+    vocab_size: int | None = Field(
+        None, ge=1, description="Rows of the embedding; default: the tokenizer's. Larger only shapes the model "
+        "like a real one (its tokens past the tokenizer's are never produced by it).",
+    )  # fmt: skip
     seed: int = Field(0, description="Seed of the random initialisation.")
     digit_prior_steps: int = Field(
         0, ge=0, description="Steps of format-only warm-up (answer with one digit; see trainer/format_prior.py)."
@@ -97,8 +101,10 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
     tokenizer = build_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    if cfg.vocab_size is not None and cfg.vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size={cfg.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
     hf_cfg = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=cfg.vocab_size or len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers,
@@ -127,3 +133,11 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
 def count_parameters(model) -> int:
     """Unique parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+# Shapes of real models, randomly initialised (nothing is downloaded): for benchmarks on a GPU.
+SHAPES = {
+    "tiny": TinyModelConfig(),
+    "qwen2-0.5b": TinyModelConfig(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                                  num_key_value_heads=2, max_position_embeddings=32768, vocab_size=151936),
+}  # fmt: skip

@@ -1,8 +1,10 @@
 """Run under torchrun: train on this rank's whole groups with FSDP2 and report loss and weights.
 
-Usage: torchrun --nproc_per_node 2 tests/trainer/fsdp_worker.py MODEL_DIR OUT_FILE STEPS
+Usage: torchrun --nproc_per_node 2 tests/trainer/fsdp_worker.py MODEL_DIR OUT_FILE STEPS [CONFIG_JSON]
+(CONFIG_JSON: more TrainerConfig fields, e.g. '{"mixed_precision": {}}').
 """
 
+import json
 import sys
 
 import torch
@@ -17,9 +19,11 @@ from trainer.export import full_state_dict
 
 def main() -> None:
     model, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = TrainEngine(TrainerConfig(model_path=model, lr=1e-3, micro_batch_tokens=48, mini_batches=2))
+    config = TrainerConfig(model_path=model, lr=1e-3, micro_batch_tokens=48, mini_batches=2, **extra)
+    engine = TrainEngine(config)
     losses = []
     for step in range(steps):
         batch = toy_batch(seed=step)
@@ -28,12 +32,14 @@ def main() -> None:
         losses.append(engine.train_step(batch.select(mine))["loss"])
     state = full_state_dict(engine.model)
     ckpt = save_checkpoint(engine, out + ".ckpt")
-    again = TrainEngine(TrainerConfig(model_path=model, lr=1e-3, micro_batch_tokens=48, mini_batches=2))
+    again = TrainEngine(config)
     load_checkpoint(again, latest_checkpoint(out + ".ckpt"))
     reloaded = full_state_dict(again.model)
     if rank == 0:
         same = all(torch.equal(reloaded[k], v) for k, v in state.items())
-        torch.save({"losses": losses, "state": state, "world": world, "ckpt": str(ckpt), "reload_equal": same}, out)
+        master = {p.to_local().dtype if hasattr(p, "to_local") else p.dtype for p in engine.model.parameters()}
+        torch.save({"losses": losses, "state": state, "world": world, "ckpt": str(ckpt), "reload_equal": same,
+                    "master_dtypes": sorted(str(d) for d in master)}, out)  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,0 +1,43 @@
+"""`rollmesh bench trainer` prints its JSON line (tokens/s; MFU and GPU memory only on a GPU), and
+the Qwen2-0.5B shape it builds for a GPU has Qwen2-0.5B's parameter count."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "services.cli", "bench", "trainer", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_bench_trainer_prints_throughput_in_mixed_precision_with_checkpointing():
+    proc = _bench("--steps", "1", "--trajectories", "16", "--mixed-precision", "--activation-checkpointing", "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["shape"] == "tiny" and out["device"] == "cpu" and out["mixed_precision"] is True
+    assert out["train_tokens_per_s"] > 0 and out["unpacked_tokens_per_s"] > 0 and out["tokens_per_step"] > 16 * 32
+    assert out["mfu"] is None and out["peak_gpu_mem_gb"] is None  # no GPU here: no peak to compare with
+
+
+def test_bench_trainer_refuses_an_unknown_shape():
+    proc = _bench("--shape", "llama-70b")
+    assert proc.returncode == 2 and "--shape: one of" in proc.stderr
+
+
+def test_the_qwen2_half_billion_shape_has_its_parameter_count():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trainer.tiny_model import SHAPES, count_parameters
+
+    s = SHAPES["qwen2-0.5b"]
+    cfg = Qwen2Config(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                      num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
+                      num_key_value_heads=s.num_key_value_heads, tie_word_embeddings=True)  # fmt: skip
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    assert abs(count_parameters(model) / 1e6 - 494.0) < 1.0  # Qwen2-0.5B: 494 M with tied embeddings
