@@ -418,10 +418,10 @@ def bench_weights(
     layers: int = typer.Option(8, help="Decoder layers of the random model."),
     engines: int = typer.Option(2, help="Engine processes behind the proxy."),
     repeats: int = typer.Option(3, help="Updates per transport (the median is reported)."),
-    bucket_mb: int = typer.Option(256, help="http_buckets and collective: largest bucket in MiB."),
+    bucket_mb: int = typer.Option(256, help="http_buckets, ipc and collective: largest bucket in MiB."),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
-    """One weight update through each transport (disk, http_buckets, collective over gloo): seconds and GB/s."""
+    """One weight update through each CPU transport (disk, http_buckets, ipc, collective/gloo): seconds, GB/s."""
     from services.bench.weights_bench import run
 
     _emit(_checked(run, hidden_size, layers, engines, repeats, bucket_mb, _progress(json_)), json_)

@@ -356,11 +356,12 @@ class TrainEngine:
         names += ["kl"] if s.ref is not None and not cfg.kl_in_reward and cfg.kl_coef > 0 else []
         return dict(zip(names, _all_reduce_all([sums[k] for k in names]), strict=True)) | {"grad_norm": grad_norm}
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """The policy's unsharded weights on CPU by HF name: on rank 0; {} on the others (collective)."""
+    def full_weights(self, on_device: bool = False) -> dict[str, torch.Tensor]:
+        """The policy's unsharded weights by HF name, on CPU (``on_device``: on the trainer's device):
+        on rank 0; {} on the others (collective)."""
         from trainer.export import full_state_dict
 
-        return full_state_dict(self.model)
+        return full_state_dict(self.model, cpu_offload=not on_device)
 
     def export(self, out_dir, state: dict[str, torch.Tensor] | None = None):
         """Write the current policy (``state``: from ``full_weights``, else gathered here) as a HF

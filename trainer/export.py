@@ -21,9 +21,11 @@ _HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeniz
              "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")  # fmt: skip
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded CPU tensors by HF name (every rank must call it under FSDP2), tied copies dropped."""
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state_dict(model: torch.nn.Module, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """Unsharded tensors by HF name, on CPU unless ``cpu_offload`` is off (every rank must call it
+    under FSDP2; with the offload only rank 0 gets them), tied copies dropped."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    sd = get_model_state_dict(model, options=opts)
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
     return sd
@@ -62,7 +64,8 @@ def export_hf(model: torch.nn.Module, source_dir: str | Path, out_dir: str | Pat
     for name in _HF_FILES:
         if (Path(source_dir) / name).exists():
             shutil.copy(Path(source_dir) / name, tmp / name)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}  # (a no-op for CPU tensors)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # an engine never sees a half-written directory
     return out

@@ -122,7 +122,11 @@ class SGLangClient(HTTPEngineClient):
         """Returns the engine's answer with ``weight_version`` the version it now serves (an int;
         -1 when it names none): SGLang's answer lacks it, so it is read back from the model info."""
         body = {"model_path": model_path, "weight_version": str(weight_version)}
-        res = await self._post("/update_weights_from_disk", timeout_s, json=body)
+        return await self._with_version(await self._post("/update_weights_from_disk", timeout_s, json=body), timeout_s)
+
+    async def _with_version(self, res: dict, timeout_s: float) -> dict:
+        """An update's answer with ``weight_version`` as an int, read back from the model info
+        where the answer lacks it (SGLang's)."""
         if "weight_version" not in res:
             res["weight_version"] = (await self.model_info(min(timeout_s, 10.0))).get("weight_version")
         res["weight_version"] = int_version(res["weight_version"])
@@ -172,11 +176,17 @@ class SGLangClient(HTTPEngineClient):
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         res = await self._post("/update_weights_from_distributed", timeout_s, json=body)
+        return res if weight_version is None else await self._with_version(res, timeout_s)
+
+    async def update_weights_from_tensor(self, payload: str, weight_version: int | None,
+                                         timeout_s: float = 120.0) -> dict:  # fmt: skip
+        """Tensors passed by handle (``rollout/engines/tensor_handles.py``) from a process on the same
+        machine; ``weight_version`` (the last bucket only) makes the engine serve them."""
+        body = {"serialized_named_tensors": [payload], "flush_cache": True}
         if weight_version is not None:
-            if "weight_version" not in res:  # SGLang's answer lacks it
-                res["weight_version"] = (await self.model_info(min(timeout_s, 10.0))).get("weight_version")
-            res["weight_version"] = int_version(res["weight_version"])
-        return res
+            body["weight_version"] = str(weight_version)
+        res = await self._post("/update_weights_from_tensor", timeout_s, json=body)
+        return res if weight_version is None else await self._with_version(res, timeout_s)
 
     async def destroy_weights_update_group(self, group_name: str, timeout_s: float = 10.0) -> dict:
         return await self._post("/destroy_weights_update_group", timeout_s, json={"group_name": group_name})

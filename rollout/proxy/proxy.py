@@ -352,16 +352,21 @@ class LLMProxy:
         return self._updated(slots, list(results), model_path, version)
 
     async def update_weights_bucket(self, version: int, index: int, data: bytes, final: bool, restore_path: str,
-                                    timeout_s: float = 0.0) -> tuple[bool, list[dict]]:  # fmt: skip
+                                    timeout_s: float = 0.0, fmt: str = "") -> tuple[bool, list[dict]]:  # fmt: skip
         """Forward one bucket of an in-memory update (``http_buckets``) to every engine taking part.
 
         Bucket 0 starts the update: the engines in rotation then take part. The final bucket makes
         them apply it and, like ``update_weights``, succeeds only if every engine in rotation
         confirms ``version``; an engine that came into rotation midway loads ``restore_path``
         instead. Any failure ends the update: the caller rolls back and starts again from bucket 0.
+        ``fmt``: what ``data`` holds, safetensors bytes (default) or ``tensor_handles`` (``ipc``).
         """
+        if fmt not in ("", "safetensors", "tensor_handles"):
+            raise RequestInvalid("format", f"must be safetensors or tensor_handles, got {fmt!r}")
 
         def send(c, timeout: float):
+            if fmt == "tensor_handles":
+                return c.update_weights_from_tensor(data.decode("ascii"), version if final else None, timeout_s=timeout)
             return c.update_weights_from_safetensors(data, version, final, timeout_s=timeout)
 
         return await self._bucket(version, index, final, restore_path, timeout_s, send, "")

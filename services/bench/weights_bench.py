@@ -10,7 +10,8 @@ transport's update is timed in its two phases, as the training loop runs them:
 - ``load``: what generation waits for while suspended (every engine confirms the version).
 
 ``collective_gloo`` is the ``collective`` transport on CPU; its first update also makes the group
-(the median hides that once). NCCL and CUDA IPC need GPUs, and are not timed here.
+(the median hides that once). ``ipc_shm`` is the ``ipc`` transport on CPU (shared memory instead
+of CUDA IPC handles). NCCL and CUDA IPC need GPUs, and are not timed here.
 
 Each number is the median of ``repeats`` updates, each to a new version whose weights differ.
 """
@@ -64,7 +65,7 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
     """Time ``repeats`` updates through ``disk`` and ``http_buckets``; returns the medians."""
     from services.llm_proxy.client import ProxyClient
     from services.trainer.collective_publisher import CollectivePublisher
-    from services.trainer.publishers import BucketPublisher, DiskPublisher
+    from services.trainer.publishers import BucketPublisher, DiskPublisher, IpcPublisher
     from trainer.config import TrainerConfig
     from trainer.engine import TrainEngine
 
@@ -96,6 +97,7 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
                     transports = {
                         "disk": DiskPublisher(client, Path(tmp) / "run"),
                         "http_buckets": BucketPublisher(client, Path(tmp) / "run", bucket_mb=bucket_mb),
+                        "ipc_shm": IpcPublisher(client, Path(tmp) / "run", bucket_mb=bucket_mb),
                         "collective_gloo": CollectivePublisher(
                             client, Path(tmp) / "run", bucket_mb=bucket_mb, backend="gloo"
                         ),  # fmt: skip
@@ -122,4 +124,5 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
         **{f"{name}_{m}": round(v, 3) for name, r in result.items() for m, v in r.items()},
         "load_speedup_buckets_vs_disk": round(result["disk"]["load_s"] / result["http_buckets"]["load_s"], 2),
         "load_speedup_gloo_vs_disk": round(result["disk"]["load_s"] / result["collective_gloo"]["load_s"], 2),
+        "load_speedup_ipc_vs_disk": round(result["disk"]["load_s"] / result["ipc_shm"]["load_s"], 2),
     }

@@ -12,6 +12,9 @@ trainer's.
 A bucket that cannot be received, or that names a tensor the model has no slot for, closes the
 group (the trainer's broadcast then fails at once instead of at its timeout); the next update
 joins a new one.
+
+``/update_weights_from_tensor`` is SGLang's same-machine transport: tensors passed by handle (CUDA
+IPC, or shared memory on CPU; ``rollout/engines/tensor_handles.py``), with the same staging.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.engines import tensor_handles
 from rollout.engines import weight_group as wg
 from rollout.engines.embedded.engine import EmbeddedEngine, EngineError
 
@@ -53,9 +57,22 @@ class DistributedUpdateReq(BaseModel):
     load_format: str | None = None
 
 
+class TensorUpdateReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    serialized_named_tensors: list[str] = Field(min_length=1, description="One payload per tensor-parallel rank.")
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | int | None = Field(None, description="Given on an update's last bucket: apply them all.")
+
+
 class DestroyGroupReq(BaseModel):
     model_config = ConfigDict(extra="forbid")
     group_name: str = wg.DEFAULT_GROUP
+
+
+def _own_copy(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {n: t.to(device, copy=True) for n, t in tensors.items()}
 
 
 def _failed(message: str) -> JSONResponse:
@@ -119,6 +136,23 @@ def add_weight_group_routes(app: FastAPI, engine: EmbeddedEngine, parse_version)
             return {"success": True, "message": f"staged {staged} tensors", "received_checksum": checksum}
         res = await asyncio.wrap_future(engine.commit_staged(version, key))
         return {"success": True, "message": "updated", **res, "received_checksum": checksum}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(req: TensorUpdateReq):
+        version = parse_version(req.weight_version)
+        try:  # one rank here: the first payload is this engine's
+            shared = await asyncio.to_thread(tensor_handles.loads, req.serialized_named_tensors[0])
+        except ValueError as e:
+            raise EngineError("serialized_named_tensors", str(e)) from None
+        engine.check_tensors(shared)
+        # Copied out of the sender's memory now: it may reuse that memory once this call returns.
+        mine = await asyncio.to_thread(_own_copy, shared, engine.device)
+        del shared
+        staged = await asyncio.to_thread(engine.stage_tensors, mine, ("tensor",))
+        if version is None:
+            return {"success": True, "message": f"staged {staged} tensors"}
+        res = await asyncio.wrap_future(engine.commit_staged(version, ("tensor",)))
+        return {"success": True, "message": "updated", **res}
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(req: DestroyGroupReq):

@@ -63,10 +63,10 @@ class ProxyClient:
 
     async def update_weights_bucket(
         self, weight_version: int, index: int, data: bytes, final: bool, restore_path: str = "",
-        timeout_s: float = 120.0,
+        timeout_s: float = 120.0, fmt: str = "",
     ) -> pb.UpdateWeightsResponse:  # fmt: skip
         req = pb.WeightBucket(weight_version=weight_version, index=index, safetensors=data, final=final,
-                              restore_path=restore_path, timeout_s=timeout_s)  # fmt: skip
+                              restore_path=restore_path, timeout_s=timeout_s, format=fmt)  # fmt: skip
         return await self.stub.UpdateWeightsBucket(req, timeout=timeout_s + 10)
 
     async def init_weights_group(self, master_address: str, master_port: int, group_name: str, backend: str,

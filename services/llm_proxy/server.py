@@ -234,7 +234,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
     async def update_weights_bucket(req: pb.WeightBucket, ctx) -> pb.UpdateWeightsResponse:
         try:
             ok, results = await proxy.update_weights_bucket(req.weight_version, req.index, req.safetensors, req.final,
-                                                            req.restore_path, req.timeout_s)  # fmt: skip
+                                                            req.restore_path, req.timeout_s, req.format)  # fmt: skip
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if req.final or not ok:  # the update ended

@@ -13,6 +13,9 @@ which matters where the run directory is a slow shared filesystem.
 
 ``collective`` (``collective_publisher.py``): the same restore directory, and the weights
 broadcast over a process group the engines join (SGLang's collective contract; NCCL or gloo).
+
+``ipc``: the same restore directory, and buckets of handles to the trainer's memory (CUDA IPC, or
+shared memory on CPU) that engines on the same machine load from (``/update_weights_from_tensor``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class DiskPublisher:
 
 
 class BucketPublisher:
+    format = "safetensors"  # what each bucket's bytes hold (WeightBucket.format)
+
     def __init__(self, proxy: ProxyClient | None, run_dir: str | Path, keep_versions: int = 2,
                  bucket_mb: int = 256) -> None:  # fmt: skip
         self.proxy, self.max_bytes = proxy, bucket_mb << 20
@@ -68,15 +73,21 @@ class BucketPublisher:
         self._buckets: list[bytes] = []
 
     def export(self, engine, version: int) -> str:
-        from safetensors.torch import save
-
         from trainer.export import weight_buckets
 
-        state = engine.full_weights()  # every rank gathers; rank 0 gets the weights
+        state = self._gather(engine)  # every rank gathers; rank 0 gets the weights
         path = self.restore.export(engine, version, state)
         # Serialized now, before generation is suspended: the suspension only waits for the transfer.
-        self._buckets = [save(b) for b in weight_buckets(state, self.max_bytes)] if path else []
+        self._buckets = [self._serialize(b) for b in weight_buckets(state, self.max_bytes)] if path else []
         return path
+
+    def _gather(self, engine) -> dict:
+        return engine.full_weights()
+
+    def _serialize(self, bucket: dict) -> bytes:
+        from safetensors.torch import save
+
+        return save(bucket)
 
     async def load(self, version: int, timeout_s: float) -> None:
         buckets, self._buckets = self._buckets, []
@@ -89,7 +100,8 @@ class BucketPublisher:
                 raise PublishError(f"bucket {i} of {len(buckets)}: the {timeout_s:g} s deadline passed")
             final = i == len(buckets) - 1
             try:
-                res = await self.proxy.update_weights_bucket(version, i, data, final, self.restore.path, left)
+                res = await self.proxy.update_weights_bucket(version, i, data, final, self.restore.path, left,
+                                                             self.format)  # fmt: skip
             except grpc.aio.AioRpcError as e:
                 raise PublishError(f"LLMProxy, bucket {i} of {len(buckets)}: {project_error(e)}") from None
             if not res.success:
@@ -97,6 +109,35 @@ class BucketPublisher:
 
     def committed(self, version: int) -> None:
         self.restore.committed(version)
+
+
+class IpcPublisher(BucketPublisher):
+    """``ipc``: buckets of handles to the trainer's own memory (CUDA IPC on a GPU, shared memory on
+    CPU), SGLang's ``/update_weights_from_tensor``: an engine on the same machine copies the
+    weights straight from the trainer's GPU, and no byte of them crosses a socket."""
+
+    format = "tensor_handles"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._shared: dict | None = None  # the memory the handles point into, alive until the update ends
+
+    def _gather(self, engine) -> dict:
+        # On the GPU, where CUDA IPC hands it over; a copy of its own per update: a parameter's
+        # memory, once shared, was found unlinked on CPU when shared again with the same engine.
+        self._shared = {k: v.clone() for k, v in engine.full_weights(on_device=True).items()}
+        return self._shared
+
+    def _serialize(self, bucket: dict) -> bytes:
+        from rollout.engines.tensor_handles import dumps
+
+        return dumps(list(bucket.items())).encode("ascii")
+
+    async def load(self, version: int, timeout_s: float) -> None:
+        try:
+            await super().load(version, timeout_s)
+        finally:
+            self._shared = None
 
 
 class DiskPublisherConfig(BaseModel):
@@ -155,4 +196,17 @@ class CollectivePublisherConfig(BaseModel):
                                    self.master_port, self.group_name)  # fmt: skip
 
 
-PublisherConfig = tagged_union(DiskPublisherConfig, BucketPublisherConfig, CollectivePublisherConfig, default="disk")
+class IpcPublisherConfig(BaseModel):
+    """``ipc``: weights handed over by memory handle to engines on the trainer's machine (CUDA IPC
+    on a GPU: colocated engines; shared memory on CPU)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["ipc"] = Field("ipc", description="Engines on this machine map the trainer's weights directly.")
+    bucket_mb: int = Field(1024, ge=1, description="Weights handed over per LLMProxy call, in MiB.")
+
+    def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> IpcPublisher:
+        return IpcPublisher(proxy, run_dir, keep_versions, self.bucket_mb)
+
+
+PublisherConfig = tagged_union(DiskPublisherConfig, BucketPublisherConfig, CollectivePublisherConfig,
+                               IpcPublisherConfig, default="disk")  # fmt: skip

@@ -150,3 +150,59 @@ def test_an_engine_applies_only_a_whole_version(make_engine_process, tiny_model)
     missing, whole, info = asyncio.run(main())
     assert missing.field == "tensors"
     assert whole["weight_version"] == 6 and info["weight_version"] == "6"
+
+
+def test_ipc_hands_every_engine_the_trainer_weights_by_memory_handle(make_engine_process, tiny_model, tmp_path):
+    """``ipc`` on CPU: shared-memory handles (CUDA IPC handles on a GPU), SGLang's
+    /update_weights_from_tensor; the engines end at exactly the restore point's weights."""
+    from services.trainer.publishers import IpcPublisher
+
+    urls = [make_engine_process()[1], make_engine_process()[1]]
+
+    async def main():
+        async with local_mesh(urls, tiny_model, async_ratio=1, groups_per_step=1) as mesh:
+            before = [await _engine_state(u) for u in urls]
+            publisher = IpcPublisher(mesh.proxy_client, tmp_path / "run", bucket_mb=1)
+            engine = _perturbed_trainer(tiny_model)
+            loop = _loop(mesh, tmp_path, engine, publisher)
+            ok = await loop.publish()
+            after = [await _engine_state(u) for u in urls]
+            restore = await engine_client(urls[0]).update_weights_from_disk(str(tmp_path / "run/weights/v1"), 1)
+            with torch.no_grad():  # a second update to the same engines (its memory was once found gone)
+                for p in engine.model.parameters():
+                    p.add_(0.01)
+            engine.version = 2
+            again = await loop.publish()
+            out = await mesh.proxy_client.generate([1, 2, 3], 4)
+            return ok and again, before, after, restore, out, publisher, [await _engine_state(u) for u in urls]
+
+    ok, before, after, restore, out, publisher, second = asyncio.run(main())
+    assert ok and [v for v, _ in after] == ["1", "1"] and after[0][1] == after[1][1] != before[0][1]
+    assert restore["checksum"] == after[0][1] and set(out.token_versions) == {2}
+    assert [v for v, _ in second] == ["2", "2"] and second[0][1] == second[1][1] != after[0][1]
+    assert publisher._shared is None and publisher._buckets == []  # nothing held once the update ended
+
+
+def test_a_tensor_handle_payload_runs_no_other_code(engine_url, tmp_path):
+    """The engine unpickles only what torch's tensor reductions need: a payload that names any
+    other callable is refused by field, and nothing it names runs."""
+    import base64
+    import os
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    payload = base64.b64encode(pickle.dumps([("model.norm.weight", Evil())])).decode()
+    with httpx.Client(base_url=engine_url, timeout=10, headers=http_headers(AuthConfig())) as c:
+        res = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
+        garbage = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["not base64!"]})
+        alive = c.get("/health")
+    assert res.status_code == 400 and res.json()["field"] == "serialized_named_tensors"
+    assert "posix.system" in res.json()["message"] or "os.system" in res.json()["message"]
+    assert not marker.exists()
+    assert garbage.status_code == 400 and garbage.json()["field"] == "serialized_named_tensors"
+    assert alive.status_code == 200

@@ -14,7 +14,7 @@ def test_bench_weights_times_every_cpu_transport():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["engines"] == 2 and out["params_m"] > 0
-    for transport in ("disk", "http_buckets", "collective_gloo"):  # every engine confirmed every version
+    for transport in ("disk", "http_buckets", "ipc_shm", "collective_gloo"):  # every engine confirmed every version
         assert out[f"{transport}_load_s"] > 0 and out[f"{transport}_export_s"] > 0
         assert out[f"{transport}_gb_per_s"] > 0
     assert out["load_speedup_buckets_vs_disk"] > 0 and out["load_speedup_gloo_vs_disk"] > 0

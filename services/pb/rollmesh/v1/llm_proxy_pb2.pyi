@@ -166,20 +166,22 @@ class UpdateWeightsResponse(_message.Message):
     def __init__(self, success: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineUpdateResult, _Mapping]]] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("weight_version", "index", "safetensors", "final", "restore_path", "timeout_s")
+    __slots__ = ("weight_version", "index", "safetensors", "final", "restore_path", "timeout_s", "format")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     RESTORE_PATH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     index: int
     safetensors: bytes
     final: bool
     restore_path: str
     timeout_s: float
-    def __init__(self, weight_version: _Optional[int] = ..., index: _Optional[int] = ..., safetensors: _Optional[bytes] = ..., final: _Optional[bool] = ..., restore_path: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    format: str
+    def __init__(self, weight_version: _Optional[int] = ..., index: _Optional[int] = ..., safetensors: _Optional[bytes] = ..., final: _Optional[bool] = ..., restore_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., format: _Optional[str] = ...) -> None: ...
 
 class InitWeightsGroupRequest(_message.Message):
     __slots__ = ("master_address", "master_port", "group_name", "backend", "timeout_s")
