@@ -37,6 +37,8 @@ def test_all_five_services_have_contracts():
                 "UpdateWeightsBucket",
                 "InitWeightsGroup",
                 "UpdateWeightsDistributed",
+                "ReleaseMemory",
+                "ResumeMemory",
                 "Stats",
             },
         ),

@@ -24,7 +24,7 @@ from sample_buffer.codec import decode_group
 from trainer.batch import batch_from_groups, episode_stats
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainLoopConfig
-from trainer.ports import SampleSource, TrainObserver, TransientError, VersionControl, WeightPublisher
+from trainer.ports import EngineMemory, SampleSource, TrainObserver, TransientError, VersionControl, WeightPublisher
 
 log = logging.getLogger(__name__)
 MAX_PUBLISH_RETRY_S = 8.0  # a failed publish is tried again after 0.5 s, doubling up to this
@@ -51,11 +51,12 @@ class TrainLoop:
     def __init__(self, config: TrainLoopConfig, engine, *, source: SampleSource | None,
                  control: VersionControl | None, publisher: WeightPublisher, groups_per_step: int,
                  max_staleness: int, observer: TrainObserver | None = None, rank: int = 0,
-                 world: int = 1) -> None:  # fmt: skip
+                 world: int = 1, memory: EngineMemory | None = None) -> None:  # fmt: skip
         if groups_per_step < world:
             raise ValueError(f"controller.groups_per_step ({groups_per_step}) must be >= the {world} trainer ranks")
         self.config, self.engine, self.publisher = config, engine, publisher
         self.source, self.control = source, control  # rank 0 only
+        self.memory = memory  # rank 0, colocated engines only: they free the GPUs while this trains
         self.groups_per_step, self.max_staleness = groups_per_step, max_staleness
         self.observer = observer or TrainObserver()
         self.rank, self.world = rank, world
@@ -76,7 +77,7 @@ class TrainLoop:
                 await asyncio.sleep(min(MAX_PUBLISH_RETRY_S, 0.5 * 2 ** min(self._publish_failures - 1, 8)))
                 return None
         t0, version = time.perf_counter(), self.engine.version
-        fetched = self._from_rank0(await self._get(version) if self.rank == 0 else None)  # get
+        fetched = self._from_rank0(await self._get_and_free(version) if self.rank == 0 else None)  # get
         if fetched is None:
             return None
         encoded, batch_ids = fetched
@@ -89,6 +90,8 @@ class TrainLoop:
         metrics = await asyncio.to_thread(self.engine.train_step, batch_from_groups(mine))  # train
         for batch_id in batch_ids if self.rank == 0 else ():
             await self._ack(batch_id)  # ack
+        if self.memory is not None and self.rank == 0:
+            await self._colocated("restore", self.memory.restore)  # before the new weights load
         t_train = time.perf_counter()
         published = await self._publish()  # publish
         t_pub = time.perf_counter()
@@ -111,6 +114,22 @@ class TrainLoop:
             if self._checkpoint_if_due() and self.rank == 0:  # checkpoint
                 self.observer.checkpoint_done(time.perf_counter() - t_ckpt)
         return metrics
+
+    async def _get_and_free(self, version: int):
+        """Rank 0's get; colocated engines then give the GPUs back before any rank trains."""
+        fetched = await self._get(version)
+        if fetched is not None and self.memory is not None:
+            await self._colocated("release", self.memory.release)
+        return fetched
+
+    async def _colocated(self, what: str, call) -> None:
+        # A failure is reported and the step goes on: at worst the engines keep their memory while
+        # this trains (slower, or out of memory), and the LLMProxy's lease takes it back.
+        try:
+            await call()
+        except Exception as e:
+            log.warning("colocated engines: %s failed: %s", what, e)
+            self.observer.update_failed(what)
 
     async def publish(self) -> bool:
         """Move every engine to the new weights; on any failure roll back and return False.

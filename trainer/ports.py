@@ -1,4 +1,5 @@
-"""What the training loop needs from the rest of the mesh: three small ports and an observer.
+"""What the training loop needs from the rest of the mesh: three small ports (a fourth for
+colocated engines) and an observer.
 
 ``services/trainer`` implements them over gRPC (the SampleBuffer, the AsyncController, the
 LLMProxy); tests implement them in-process (the in-memory buffer, the plain controller object)
@@ -13,6 +14,7 @@ from sample_buffer.buffer import Batch
 from sample_buffer.errors import TransientError
 
 __all__ = [
+    "EngineMemory",
     "Limits",
     "PublishError",
     "SampleSource",
@@ -76,6 +78,17 @@ class WeightPublisher(Protocol):
 
     def committed(self, version: int) -> None:
         """``version`` is current: older copies may go."""
+
+
+class EngineMemory(Protocol):
+    """Colocated engines (they share the trainer's GPUs): they give their GPU memory back while the
+    trainer trains, and take it again before the new weights load."""
+
+    async def release(self) -> None:
+        """Suspend generation and free the engines' GPU memory; raises on any engine's failure."""
+
+    async def restore(self) -> None:
+        """The engines take their memory back (generation resumes with the weight update)."""
 
 
 class PublishError(RuntimeError):

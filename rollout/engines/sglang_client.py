@@ -188,6 +188,12 @@ class SGLangClient(HTTPEngineClient):
         res = await self._post("/update_weights_from_tensor", timeout_s, json=body)
         return res if weight_version is None else await self._with_version(res, timeout_s)
 
+    async def release_memory_occupation(self, tags: list[str] | None = None, timeout_s: float = 60.0) -> dict:
+        return await self._post("/release_memory_occupation", timeout_s, json={"tags": tags} if tags else {})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None, timeout_s: float = 60.0) -> dict:
+        return await self._post("/resume_memory_occupation", timeout_s, json={"tags": tags} if tags else {})
+
     async def destroy_weights_update_group(self, group_name: str, timeout_s: float = 10.0) -> dict:
         return await self._post("/destroy_weights_update_group", timeout_s, json={"group_name": group_name})
 

@@ -150,6 +150,7 @@ class LLMProxy:
         self._last_update: tuple[str, int] | None = None  # (model_path, version) every engine should serve
         self._bucket_update: _BucketUpdate | None = None  # an in-memory update under way
         self._group: _GroupPlan | None = None  # the collective transport's group, once planned
+        self._lease: asyncio.Task | None = None  # colocated: ends a memory release the trainer never ended
         self.weight_version = 0
         self.counters: Counter[str] = Counter()
         self._seq = itertools.count()
@@ -333,9 +334,53 @@ class LLMProxy:
 
     async def resume(self, timeout_s: float = 0.0) -> None:
         _check_timeout(timeout_s)
+        if self._lease is not None:  # the update that follows a memory release resumes: the lease is done
+            self._lease.cancel()
+            self._lease = None
         timeout = timeout_s or self.config.control_timeout_s
         await self._fan_out(lambda c: c.resume(timeout_s=timeout), "resume")
         self._open.set()
+
+    # ------------------------------------------------------------------ colocated engines
+    async def release_memory(self, tags: list[str], lease_s: float, timeout_s: float = 0.0) -> tuple[bool, list[dict]]:
+        """Suspend generation (``continue``: partial tokens are kept) and have every engine in
+        rotation give back its GPU memory of ``tags`` while a colocated trainer trains. Past
+        ``lease_s`` without a resume (a trainer that died), the proxy takes the memory back and
+        resumes generation itself."""
+        if not lease_s > 0 or not math.isfinite(lease_s):
+            raise RequestInvalid("lease_s", f"must be a positive number of seconds, got {lease_s}")
+        bad = [t for t in tags if t not in ("weights", "kv_cache")]
+        if bad:
+            raise RequestInvalid("tags", f"must be weights or kv_cache, got {bad[0]!r}")
+        _check_timeout(timeout_s)
+        timeout = timeout_s or self.config.update_weights_timeout_s
+        await self.suspend("continue", timeout_s)
+        if self._lease is not None:
+            self._lease.cancel()
+        self._lease = asyncio.ensure_future(self._lease_ends(lease_s, tags))
+        self.counters["memory_releases"] += 1
+        return await self._on_engines(lambda c: c.release_memory_occupation(tags or None, timeout_s=timeout), timeout)
+
+    async def resume_memory(self, tags: list[str], timeout_s: float = 0.0) -> tuple[bool, list[dict]]:
+        """Every engine in rotation takes its memory of ``tags`` back; generation stays suspended
+        until the weight update that follows resumes it (or the lease ends)."""
+        _check_timeout(timeout_s)
+        timeout = timeout_s or self.config.update_weights_timeout_s
+        return await self._on_engines(lambda c: c.resume_memory_occupation(tags or None, timeout_s=timeout), timeout)
+
+    async def _lease_ends(self, lease_s: float, tags: list[str]) -> None:
+        await asyncio.sleep(lease_s)
+        self._lease = None  # (resume would cancel this very task)
+        log.warning("colocated engines released for %.0f s with no resume: taking their memory back", lease_s)
+        self.counters["memory_lease_expired"] += 1
+        await self.resume_memory(tags)
+        await self.resume()
+
+    async def _on_engines(self, call, timeout: float) -> tuple[bool, list[dict]]:
+        slots = [s for s in self.router.engines if s.healthy]
+        results = await asyncio.gather(*(self._engine_update(s, -1, False, timeout, call) for s in slots))
+        ok = bool(slots) and all(r["success"] for r in results)
+        return ok, (list(results) if slots else [_NO_ENGINE])
 
     async def update_weights(self, model_path: str, version: int, timeout_s: float = 0.0) -> tuple[bool, list[dict]]:
         """Load ``model_path`` on every engine in rotation; succeed only if all confirm ``version``.

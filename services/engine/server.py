@@ -8,7 +8,8 @@ can honour them (``sglang_fields.py``), ``/flush_cache``, ``/health_generate``,
 ``/get_server_info`` and ``/get_model_info``. Two rollmesh extensions are marked:
 ``/update_weights_from_safetensors`` (bucketed weights from the trainer as safetensors bytes) and
 ``meta_info.output_token_weight_versions``. SGLang's collective weight update
-(``/init_weights_update_group`` and its kin) is in ``weight_group_routes.py``.
+(``/init_weights_update_group`` and its kin), by-handle updates and memory release are in
+``rl_routes.py``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rollout.engines.embedded.engine import EmbeddedEngine, EngineError, GenerateOutput
 from rollout.sampling import SamplingParams
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector
+from services.engine.rl_routes import add_rl_routes
 from services.engine.sglang_fields import strip_request
-from services.engine.weight_group_routes import add_weight_group_routes
 from services.http_errors import bad_request, install_error_handlers
 from services.metrics import histogram, init_labels
 
@@ -312,7 +313,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
         res = await asyncio.wrap_future(engine.commit_staged(weight_version))
         return {"success": True, "message": "updated", **res}
 
-    add_weight_group_routes(app, engine, _version)
+    add_rl_routes(app, engine, _version)
 
     @app.get("/model_info")
     @app.get("/get_model_info")

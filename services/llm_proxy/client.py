@@ -85,6 +85,15 @@ class ProxyClient:
                                    restore_path=restore_path, checksum=checksum, timeout_s=timeout_s)  # fmt: skip
         return await self.stub.UpdateWeightsDistributed(req, timeout=timeout_s + 10)
 
+    async def release_memory(self, lease_s: float, tags: list[str] | None = None,
+                             timeout_s: float = 60.0) -> pb.MemoryResponse:  # fmt: skip
+        req = pb.MemoryRequest(tags=tags or [], lease_s=lease_s, timeout_s=timeout_s)
+        return await self.stub.ReleaseMemory(req, timeout=2 * timeout_s + 10)  # a suspend, then the release
+
+    async def resume_memory(self, tags: list[str] | None = None, timeout_s: float = 60.0) -> pb.MemoryResponse:
+        req = pb.MemoryRequest(tags=tags or [], timeout_s=timeout_s)
+        return await self.stub.ResumeMemory(req, timeout=timeout_s + 10)
+
     async def stats(self) -> pb.ProxyStats:
         return await self.stub.Stats(pb.StatsRequest(), timeout=10)
 

@@ -268,6 +268,20 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
             metrics.observe_update(ok, results)
         return pb.UpdateWeightsResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
 
+    async def release_memory(req: pb.MemoryRequest, ctx) -> pb.MemoryResponse:
+        try:
+            ok, results = await proxy.release_memory(list(req.tags), req.lease_s, req.timeout_s)
+        except RequestInvalid as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.MemoryResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
+
+    async def resume_memory(req: pb.MemoryRequest, ctx) -> pb.MemoryResponse:
+        try:
+            ok, results = await proxy.resume_memory(list(req.tags), req.timeout_s)
+        except RequestInvalid as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.MemoryResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
+
     async def stats(req: pb.StatsRequest, ctx) -> pb.ProxyStats:
         s = proxy.stats()
         engines = [
@@ -296,6 +310,8 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
             "UpdateWeightsBucket": (pb.WeightBucket, update_weights_bucket),
             "InitWeightsGroup": (pb.InitWeightsGroupRequest, init_weights_group),
             "UpdateWeightsDistributed": (pb.DistributedBucket, update_weights_distributed),
+            "ReleaseMemory": (pb.MemoryRequest, release_memory),
+            "ResumeMemory": (pb.MemoryRequest, resume_memory),
             "Stats": (pb.StatsRequest, stats),
         },
         streams={"GenerateStream": (pb.GenerateRequest, generate_stream)},

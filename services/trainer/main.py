@@ -57,11 +57,16 @@ def serve(cfg) -> None:
             run_dir.mkdir(parents=True, exist_ok=True)
             observer = TrainerObserver(MetricsLog(run_dir / "metrics.jsonl", lc.tracking, run_dir.name, run_dir),
                                        TrainerMetrics())  # fmt: skip
+        memory = None  # colocated engines give the GPUs back while a step trains
+        if rank == 0 and cfg.devices.placement == "colocated":
+            from services.trainer.colocation import ProxyMemory
+
+            memory = ProxyMemory(proxy, lc.colocated_lease_s)
         loop = TrainLoop(
             lc, cfg.trainer.build(total_steps=lc.steps), source=buffer, control=controller,
             publisher=lc.publisher.build(proxy, lc.run_dir, lc.keep_weight_versions), observer=observer,
             groups_per_step=cfg.controller.groups_per_step, max_staleness=cfg.controller.async_ratio, rank=rank,
-            world=world,
+            world=world, memory=memory,
         )  # fmt: skip
         if loop.resume() and rank == 0:  # the curve goes on from the checkpoint
             moved = continue_from(observer.log.path, loop.engine.step)

@@ -46,6 +46,9 @@ class EngineError(ValueError):
         self.field, self.message = field, message
 
 
+MEMORY_TAGS = ("weights", "kv_cache")  # what /release_memory_occupation can give back (SGLang's tags)
+
+
 @dataclass
 class GenerateOutput:
     rid: str
@@ -122,6 +125,7 @@ class EmbeddedEngine(SchedulerCommands):
         self._batch = self._new_batch()
         self._rids: set[str] = set()
         self._paused = False
+        self._released: set[str] = set()  # memory given back: "weights" and/or "kv_cache" (colocated)
         self._staged: dict[str, torch.Tensor] = {}  # buckets of an update in progress ...
         self._staged_key: object = None  # ... and the update they belong to (its version, by default)
         self._stop = threading.Event()
@@ -244,6 +248,24 @@ class EmbeddedEngine(SchedulerCommands):
         two steps (they must cover every parameter) and serve ``weight_version``."""
         return self._call(lambda: self._commit_staged(weight_version, weight_version if update is None else update))
 
+    def release_memory(self, tags: list[str] | None = None) -> Future:
+        """Give back the GPU memory of ``tags`` (default both: "weights" move to host memory, the KV
+        cache is dropped) while a colocated trainer trains; generation must be paused."""
+        tags = self._memory_tags(tags)
+        return self._call(lambda: self._release(tags))
+
+    def resume_memory(self, tags: list[str] | None = None) -> Future:
+        """Take the memory of ``tags`` again (weights back on the device; the KV cache regrows)."""
+        tags = self._memory_tags(tags)
+        return self._call(lambda: self._take_back(tags))
+
+    @staticmethod
+    def _memory_tags(tags: list[str] | None) -> set[str]:
+        tags = set(tags or MEMORY_TAGS)
+        if not tags <= set(MEMORY_TAGS):
+            raise EngineError("tags", f"must be among {list(MEMORY_TAGS)}, got {sorted(tags - set(MEMORY_TAGS))}")
+        return tags
+
     def info(self) -> dict:
         return {
             "model_path": self.model_path,
@@ -254,6 +276,7 @@ class EmbeddedEngine(SchedulerCommands):
             "vocab_size": self.vocab_size,
             "max_context_length": self.max_context,
             "device": str(self.device),
+            "memory_released": sorted(self._released),
         }
 
     # ----------------------------------------------------------------- scheduler thread
@@ -420,7 +443,28 @@ class EmbeddedEngine(SchedulerCommands):
         return len(self._running)
 
     def _resume(self) -> None:
+        if "weights" in self._released:
+            raise EngineError("memory", "the weights are released: /resume_memory_occupation first")
         self._paused = False
+
+    def _release(self, tags: set[str]) -> dict:
+        if not self._paused:
+            raise EngineError("memory", "generation is running: /pause_generation first (its requests would be lost)")
+        if "kv_cache" in tags:
+            self._retract_running()
+            self._batch = self._new_batch()  # the old cache's tensors go; a new one grows as needed
+        if "weights" in tags and self.device.type == "cuda":
+            self.model.to("cpu")  # a host copy, so nothing has to be sent again to take them back
+        self._released |= tags
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"memory_released": sorted(self._released)}
+
+    def _take_back(self, tags: set[str]) -> dict:
+        if "weights" in tags and "weights" in self._released and self.device.type == "cuda":
+            self.model.to(self.device)
+        self._released -= tags
+        return {"memory_released": sorted(self._released)}
 
     def _swap_model(self, model, path: str, version: int | None, checksum: str) -> dict:
         self.model, self.model_path, self.checksum = model, path, checksum

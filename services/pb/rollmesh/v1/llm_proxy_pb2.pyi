@@ -233,6 +233,24 @@ class DistributedBucket(_message.Message):
     timeout_s: float
     def __init__(self, weight_version: _Optional[int] = ..., index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., final: _Optional[bool] = ..., restore_path: _Optional[str] = ..., checksum: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
+class MemoryRequest(_message.Message):
+    __slots__ = ("tags", "lease_s", "timeout_s")
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    lease_s: float
+    timeout_s: float
+    def __init__(self, tags: _Optional[_Iterable[str]] = ..., lease_s: _Optional[float] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class MemoryResponse(_message.Message):
+    __slots__ = ("success", "engines")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    engines: _containers.RepeatedCompositeFieldContainer[EngineUpdateResult]
+    def __init__(self, success: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineUpdateResult, _Mapping]]] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

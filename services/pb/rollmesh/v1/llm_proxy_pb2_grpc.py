@@ -80,6 +80,16 @@ class LLMProxyStub:
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.DistributedBucket.SerializeToString,
                 response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.ReleaseMemory = channel.unary_unary(
+                '/rollmesh.v1.LLMProxy/ReleaseMemory',
+                request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryResponse.FromString,
+                _registered_method=True)
+        self.ResumeMemory = channel.unary_unary(
+                '/rollmesh.v1.LLMProxy/ResumeMemory',
+                request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/rollmesh.v1.LLMProxy/Stats',
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.StatsRequest.SerializeToString,
@@ -149,6 +159,21 @@ class LLMProxyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseMemory(self, request, context):
+        """Colocated engines (devices.placement colocated): generation is suspended and the engines give
+        their GPU memory back while the trainer trains; ResumeMemory takes it again (generation goes on
+        with the next weight update's resume, or when the lease ends).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeMemory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -202,6 +227,16 @@ def add_LLMProxyServicer_to_server(servicer, server):
                     servicer.UpdateWeightsDistributed,
                     request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.DistributedBucket.FromString,
                     response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'ReleaseMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseMemory,
+                    request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryRequest.FromString,
+                    response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryResponse.SerializeToString,
+            ),
+            'ResumeMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeMemory,
+                    request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryRequest.FromString,
+                    response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -453,6 +488,60 @@ class LLMProxy:
             '/rollmesh.v1.LLMProxy/UpdateWeightsDistributed',
             rollmesh_dot_v1_dot_llm__proxy__pb2.DistributedBucket.SerializeToString,
             rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.v1.LLMProxy/ReleaseMemory',
+            rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryRequest.SerializeToString,
+            rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.v1.LLMProxy/ResumeMemory',
+            rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryRequest.SerializeToString,
+            rollmesh_dot_v1_dot_llm__proxy__pb2.MemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,13 +1,13 @@
-"""The embedded engine's side of SGLang's collective weight update.
+"""The embedded engine's RL endpoints beyond generation, as SGLang names them.
 
-``/init_weights_update_group`` joins the trainer's group (the trainer is rank 0 and hosts it),
-``/update_weights_from_distributed`` receives the named tensors rank 0 then broadcasts, and
-``/destroy_weights_update_group`` leaves. The fields are SGLang's. Its requests carry
-``weight_version`` only on an update's last bucket: the embedded engine stages the earlier ones and
-applies every bucket at once there (SGLang loads each as it arrives; generation is suspended either
-way, and a failure is rolled back from the restore directory). The answer adds ``received_checksum`` (a
-rollmesh extension: the received bytes' ``bucket_checksum``), which the LLMProxy compares with the
-trainer's.
+The collective weight update: ``/init_weights_update_group`` joins the trainer's group (the
+trainer is rank 0 and hosts it), ``/update_weights_from_distributed`` receives the named tensors
+rank 0 then broadcasts, and ``/destroy_weights_update_group`` leaves. The fields are SGLang's. Its
+requests carry ``weight_version`` only on an update's last bucket: the embedded engine stages the
+earlier ones and applies every bucket at once there (SGLang loads each as it arrives; generation
+is suspended either way, and a failure is rolled back from the restore directory). The answer
+adds ``received_checksum`` (a rollmesh extension: the received bytes' ``bucket_checksum``), which
+the LLMProxy compares with the trainer's.
 
 A bucket that cannot be received, or that names a tensor the model has no slot for, closes the
 group (the trainer's broadcast then fails at once instead of at its timeout); the next update
@@ -15,6 +15,8 @@ joins a new one.
 
 ``/update_weights_from_tensor`` is SGLang's same-machine transport: tensors passed by handle (CUDA
 IPC, or shared memory on CPU; ``rollout/engines/tensor_handles.py``), with the same staging.
+``/release_memory_occupation`` and ``/resume_memory_occupation`` (SGLang's too) give a colocated
+trainer the GPU while it trains.
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ class TensorUpdateReq(BaseModel):
     weight_version: str | int | None = Field(None, description="Given on an update's last bucket: apply them all.")
 
 
+class MemoryReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tags: list[str] | None = Field(None, description="weights and/or kv_cache; default both.")
+
+
 class DestroyGroupReq(BaseModel):
     model_config = ConfigDict(extra="forbid")
     group_name: str = wg.DEFAULT_GROUP
@@ -79,7 +86,7 @@ def _failed(message: str) -> JSONResponse:
     return JSONResponse(status_code=500, content={"success": False, "message": message})
 
 
-def add_weight_group_routes(app: FastAPI, engine: EmbeddedEngine, parse_version) -> None:
+def add_rl_routes(app: FastAPI, engine: EmbeddedEngine, parse_version) -> None:
     groups: dict[str, tuple[wg.WeightGroup, int]] = {}  # name -> (group, the join's number: its staging key)
     joins = itertools.count(1)
 
@@ -153,6 +160,16 @@ def add_weight_group_routes(app: FastAPI, engine: EmbeddedEngine, parse_version)
             return {"success": True, "message": f"staged {staged} tensors"}
         res = await asyncio.wrap_future(engine.commit_staged(version, ("tensor",)))
         return {"success": True, "message": "updated", **res}
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(req: MemoryReq | None = None):
+        res = await asyncio.wrap_future(engine.release_memory(req.tags if req else None))
+        return {"success": True, "message": "released", **res}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(req: MemoryReq | None = None):
+        res = await asyncio.wrap_future(engine.resume_memory(req.tags if req else None))
+        return {"success": True, "message": "resumed", **res}
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(req: DestroyGroupReq):
