@@ -139,8 +139,12 @@ class RollmeshConfig(BaseModel):
         if kind != "disk" and self.trainer.type == "sim":
             raise ValueError(f"train_loop.publisher: {kind} sends real weights; the simulated trainer has "
                              "none (use type: disk)")  # fmt: skip
-        if kind != "disk" and self.engine.type == "vllm":
-            raise ValueError("train_loop.publisher: vLLM engines load weights from disk (use type: disk)")
+        if kind not in ("disk", "collective") and self.engine.type == "vllm":
+            raise ValueError("train_loop.publisher: vLLM engines load weights from disk or over a group (use type: "
+                             "disk or collective)")  # fmt: skip
+        if self.devices.placement == "colocated" and self.engine.type == "vllm":
+            raise ValueError("devices.placement: colocated engines release their memory while the trainer trains; "
+                             "use SGLang or the embedded engine")  # fmt: skip
         return self
 
     @model_validator(mode="after")

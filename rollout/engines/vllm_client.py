@@ -181,6 +181,18 @@ class VLLMClient(HTTPEngineClient):
         ``weight_version`` is read back from the server. A server that is generating is paused
         (requests kept) for the load, so no token comes from half-loaded weights, and resumed
         even when the load fails or runs out of time."""
+        res = await self._worker_load("rollmesh_load_weights", [model_path], weight_version, timeout_s, "model_path",
+                                      f"cannot load {model_path!r}")  # fmt: skip
+        info = await self.model_info(min(10.0, timeout_s))
+        loaded = (res.get("results") or ["?"])[0]
+        return {"success": True, "message": f"loaded {loaded} tensors", "weight_version": info["weight_version"]}
+
+    async def _worker_load(self, method: str, args: list, weight_version: int | None, timeout_s: float,
+                           field: str, what: str) -> dict:  # fmt: skip
+        """Run a loading worker method through ``/collective_rpc``; with ``weight_version``, label it
+        and drop the KV the old weights made. A server that is generating is paused (requests kept)
+        for the load, so no token comes from half-loaded weights, and resumed even when the load
+        fails or runs out of time. A worker error naming ``field`` is the caller's input's fault."""
         deadline = time.monotonic() + max(0.5, timeout_s - _RESUME_RESERVE_S)
 
         def left() -> float:
@@ -190,32 +202,66 @@ class VLLMClient(HTTPEngineClient):
         if not paused:
             await self.pause("in_place", left())
         try:
-            rpc = {"method": "rollmesh_load_weights", "args": [model_path], "timeout": left()}
+            rpc = {"method": method, "args": args, "timeout": left()}
             try:
                 res = await self._post_alone("/collective_rpc", left(), json=rpc)
             except EngineUnavailable as e:  # the worker raised: vLLM answers 500 with its message
-                if "model_path" in str(e):
-                    raise EngineRejected(f"model_path: cannot load {model_path!r}: {e}", "model_path") from e
+                if field in str(e):
+                    raise EngineRejected(f"{field}: {what}: {e}", field) from e
                 raise
-            await self._post("/update_weight_version", left(), json={"new_version": str(weight_version)})
-            # KV cached by the old weights must go, the running requests' included (they are
-            # recomputed when generation resumes); without them vLLM refuses while any are held.
-            reset = await self._post("/reset_prefix_cache", left(), params={"reset_running_requests": "true"})
-            if not reset.get("success"):
-                raise EngineUnavailable(f"{self.base_url}: the prefix cache was not reset after loading {model_path}")
+            if weight_version is not None:
+                await self._post("/update_weight_version", left(), json={"new_version": str(weight_version)})
+                # KV cached by the old weights must go, the running requests' included (they are
+                # recomputed when generation resumes); without them vLLM refuses while any are held.
+                reset = await self._post("/reset_prefix_cache", left(), params={"reset_running_requests": "true"})
+                if not reset.get("success"):
+                    raise EngineUnavailable(f"{self.base_url}: the prefix cache was not reset after {method}")
         finally:
             if not paused:  # shielded: a caller's timeout must not leave the engine frozen
                 await asyncio.shield(self.resume(_RESUME_RESERVE_S))
-        info = await self.model_info(left())
-        loaded = (res.get("results") or ["?"])[0]
-        return {"success": True, "message": f"loaded {loaded} tensors", "weight_version": info["weight_version"]}
+        return res
+
+    # ---- the collective transport, as rollmesh's worker extension implements it
+    async def server_info(self, timeout_s: float = 5.0) -> dict:
+        return {"tp_size": 1}  # rollmesh starts vLLM with one worker (tensor parallelism: not yet)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str,
+                                        timeout_s: float = 120.0) -> dict:  # fmt: skip
+        rpc = {
+            "method": "rollmesh_join_weight_group",
+            "timeout": timeout_s,
+            "args": [master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s],
+        }
+        res = await self._post_alone("/collective_rpc", timeout_s, json=rpc)
+        return {"success": True, "message": f"rank {(res.get('results') or ['?'])[0]} of {world_size}"}
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, weight_version: int | None,
+                                              timeout_s: float = 120.0) -> dict:  # fmt: skip
+        res = await self._worker_load("rollmesh_receive_weights", [names, dtypes, shapes, group_name,
+                                                                   weight_version is not None],
+                                      weight_version, timeout_s, "names", "cannot receive the weights")  # fmt: skip
+        out = {"success": True, "received_checksum": (res.get("results") or [""])[0]}
+        if weight_version is not None:
+            out["weight_version"] = (await self.model_info(min(10.0, timeout_s)))["weight_version"]
+        return out
 
     async def update_weights_from_safetensors(self, data: bytes, weight_version: int, final: bool,
                                               timeout_s: float = 120.0) -> dict:  # fmt: skip
         raise EngineRejected(
-            "train_loop.publisher.type: vLLM engines load weights from disk (use type: disk)",
+            "train_loop.publisher.type: vLLM engines load weights from disk or over a group (disk, collective)",
             "train_loop.publisher.type",
         )
+
+    async def update_weights_from_tensor(self, payload: str, weight_version: int | None,
+                                         timeout_s: float = 120.0) -> dict:  # fmt: skip
+        return await self.update_weights_from_safetensors(b"", weight_version or 0, True, timeout_s)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None, timeout_s: float = 60.0) -> dict:
+        raise EngineRejected("devices.placement: colocated engines are SGLang or embedded ones, not vLLM", "tags")
+
+    resume_memory_occupation = release_memory_occupation
 
     async def update_weights_from_tensors(self, buckets: list[dict], weight_version: int,
                                           timeout_s: float = 120.0) -> dict:  # fmt: skip

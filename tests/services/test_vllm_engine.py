@@ -181,3 +181,33 @@ def test_vllm_suspend_update_resume(vllm_engines, tiny_model, tiny_model_b, mode
     assert 0 < switch < n and set(versions[:switch]) == {base} and set(versions[switch:]) == {base + 1}
     assert ids[:switch] == greedy(tiny_model, prompt, switch)
     assert ids[switch:] == greedy(tiny_model_b, prompt + ids[:switch], n - switch)
+
+
+def test_vllm_takes_weights_broadcast_by_the_trainer(vllm_engines, tiny_model, tiny_model_b, tmp_path):
+    """The ``collective`` transport into vLLM (rollmesh's worker extension joins the trainer's gloo
+    group): both engines confirm the version and the checksum of every bucket, and then sample with
+    exactly the trainer's weights (log-probs against a teacher-forced forward of tiny_model_b)."""
+    from services.trainer.collective_publisher import CollectivePublisher
+    from trainer.config import TrainerConfig
+    from trainer.engine import TrainEngine
+
+    trainer = TrainEngine(TrainerConfig(model_path=tiny_model_b))
+    prompt = [1, 40, 41, 42]
+
+    async def scenario(client, proxy):
+        base = proxy.weight_version
+        publisher = CollectivePublisher(client, tmp_path / "run", bucket_mb=1, backend="gloo")
+        try:
+            publisher.export(trainer, base + 1)
+            await publisher.load(base + 1, 120)
+            out = await client.generate(prompt, 24, **GREEDY)
+            return base, out, await client.stats(), publisher
+        finally:
+            publisher.close()
+            assert (await client.update_weights(tiny_model, base + 2)).success
+
+    base, out, stats, publisher = run(scenario, vllm_engines)
+    assert publisher.groups_made == 1 and {e.weight_version for e in stats.engines} == {base + 1}
+    assert set(out.token_versions) == {base + 1} and len(out.output_ids) == 24
+    ref = teacher_forced(tiny_model_b, prompt, list(out.output_ids), 1.0)
+    assert max(abs(a - b) for a, b in zip(out.behavior_logprobs, ref)) < 1e-4

@@ -1,6 +1,6 @@
-"""The ``http_buckets`` weight transport over real engine processes, the LLMProxy and the controller:
-every engine ends at the trainer's weights, an engine that dies midway rolls the update back,
-and buckets out of order are refused."""
+"""The ``http_buckets`` and ``ipc`` weight transports over real engine processes, the LLMProxy and
+the controller: every engine ends at the trainer's weights, an engine that dies midway rolls the
+update back, and buckets out of order are refused. (``collective``: test_collective_weights.py.)"""
 
 from __future__ import annotations
 
@@ -82,7 +82,11 @@ class _KillingProxyClient:
         return await self.client.update_weights_bucket(version, index, data, final, *args, **kwargs)
 
 
-def test_an_engine_dying_mid_transfer_rolls_the_update_back(make_engine_process, tiny_model, tmp_path):
+@pytest.mark.parametrize("transport", ["http_buckets", "ipc"])
+def test_an_engine_dying_mid_transfer_rolls_the_update_back(transport, make_engine_process, tiny_model, tmp_path):
+    from services.trainer.publishers import IpcPublisher
+
+    kind = BucketPublisher if transport == "http_buckets" else IpcPublisher
     survivor, (victim, victim_url) = make_engine_process()[1], make_engine_process()
     urls = [survivor, victim_url]
 
@@ -91,13 +95,13 @@ def test_an_engine_dying_mid_transfer_rolls_the_update_back(make_engine_process,
             before = await _engine_state(survivor)
             killer = _KillingProxyClient(mesh.proxy_client, victim)
             engine = _perturbed_trainer(tiny_model)
-            ok = await _loop(mesh, tmp_path, engine, BucketPublisher(killer, tmp_path / "run", bucket_mb=1)).publish()
+            ok = await _loop(mesh, tmp_path, engine, kind(killer, tmp_path / "run", bucket_mb=1)).publish()
             rolled_back = await _engine_state(survivor)  # it had applied version 1
             out = await mesh.proxy_client.generate([1, 2, 3], 4)  # generation goes on, at version 0
             # The next update goes through once the dead engine is out of rotation.
             mesh.proxy.router.engines[1].healthy = False
-            again = await _loop(mesh, tmp_path, engine, BucketPublisher(mesh.proxy_client, tmp_path / "run",
-                                                                        bucket_mb=1)).publish()  # fmt: skip
+            again = await _loop(mesh, tmp_path, engine, kind(mesh.proxy_client, tmp_path / "run",
+                                                             bucket_mb=1)).publish()  # fmt: skip
             return ok, before, rolled_back, out, again, mesh, await _engine_state(survivor), killer.buckets
 
     ok, before, rolled_back, out, again, mesh, final, buckets = asyncio.run(main())

@@ -15,6 +15,12 @@ vLLM environment has no rollmesh installed.
 - **Weights from disk.** ``RollmeshWorker.rollmesh_load_weights(path)`` (called through
   ``/collective_rpc``) streams a checkpoint directory's safetensors into the running model with
   the model's own ``load_weights`` (it knows vLLM's fused q/k/v and gate/up layouts).
+- **Weights broadcast by the trainer.** ``rollmesh_join_weight_group`` and
+  ``rollmesh_receive_weights`` are SGLang's collective contract (``/init_weights_update_group``,
+  ``/update_weights_from_distributed``) as worker methods: the trainer is rank 0 of a group this
+  worker joins; each bucket's tensors are received, checksummed as rollmesh's
+  ``rollout/engines/weight_group.py`` does (a test compares the two), and loaded with the model's
+  ``load_weights`` at the last bucket.
 - **A token on every endpoint.** vLLM's ``--api-key`` guards only ``/v1``, ``/inference`` and
   similar; its RL control endpoints (``/pause``, ``/collective_rpc``, ``/update_weight_version``)
   stay open. ``BearerCheck`` asks for ``Authorization: Bearer $ROLLMESH_TOKEN`` everywhere but
@@ -74,6 +80,65 @@ class RollmeshWorker:
         if missing:  # a partial checkpoint would leave old and new weights mixed: say so
             raise ValueError(f"model_path: {path!r} lacks {len(missing)} of the model's tensors: {missing[:5]}")
         return len(loaded)
+
+    # ---- the collective transport (rollmesh's weight_group.py, which this environment cannot import)
+    def rollmesh_join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                   group_name: str, backend: str, timeout_s: float) -> int:  # fmt: skip
+        """Join the trainer's weight-update group as rank ``rank_offset`` + this worker's rank."""
+        import datetime
+
+        import torch.distributed as dist
+
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
+        prefixed = dist.PrefixStore(f"{group_name}/", store)
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        else:
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        groups = self.__dict__.setdefault("_rollmesh_groups", {})
+        groups[group_name] = pg
+        self._rollmesh_staged = {}
+        return rank
+
+    def rollmesh_receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                 group_name: str, apply: bool) -> str:  # fmt: skip
+        """Receive one bucket from rank 0; ``apply`` (the last bucket): load every staged tensor.
+        Returns the bucket's checksum."""
+        import hashlib
+
+        import torch.distributed as dist
+
+        pg = self.__dict__.get("_rollmesh_groups", {}).get(group_name)
+        if pg is None:
+            raise ValueError(f"group_name: no weight-update group {group_name!r}")
+        device = self.model_runner.device if backend_is_cuda(pg) else torch.device("cpu")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        h = hashlib.sha256()
+        staged = self.__dict__.setdefault("_rollmesh_staged", {})
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
+            pg.broadcast([t], opts).wait()
+            staged[name] = t
+            cpu = t.detach().to("cpu").contiguous()
+            h.update(f"{name}|{dtype}|{tuple(cpu.shape)}|".encode())
+            h.update(cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b"")
+        if apply:
+            self._rollmesh_staged = {}
+            model = self.model_runner.model
+            loaded = set(model.load_weights(iter(staged.items())))
+            missing = sorted({n for n, _ in model.named_parameters()} - loaded)
+            if missing:
+                raise ValueError(f"names: {len(missing)} of the model's tensors were not sent: {missing[:5]}")
+        return h.hexdigest()[:16]
+
+
+def backend_is_cuda(pg) -> bool:
+    return type(pg).__name__ == "ProcessGroupNCCL"
 
 
 class BearerCheck:
