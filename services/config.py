@@ -165,6 +165,12 @@ class RollmeshConfig(BaseModel):
         check_shape(self.devices, self.run.num_engines, gpus_per_engine(self.engine), self.run.trainer_procs)
         if self.devices.placement != "none" and self.engine.type == "sim":
             raise ValueError("devices.placement: the simulated engine uses no GPU (use placement: none)")
+        if self.devices.placement == "colocated":
+            if self.train_loop.publisher.type == "collective":
+                raise ValueError("train_loop.publisher: collective puts the trainer and an engine on one GPU as two "
+                                 "ranks, which NCCL refuses; colocated engines take ipc (or disk)")  # fmt: skip
+            if self.engine.type == "sglang":  # SGLang frees GPU memory only with its memory saver
+                self.engine.enable_memory_saver = True
         return self
 
     @model_validator(mode="after")

@@ -10,8 +10,9 @@
 
 ``rollmesh run`` turns the map into each process's ``CUDA_VISIBLE_DEVICES`` (an engine gets
 ``tensor_parallel_size`` consecutive GPUs of ``engine_gpus``; the trainer one rank per GPU of
-``trainer_gpus``, under torchrun). The Helm chart writes the same ``devices.placement`` into the
-run config from its ``placement.mode``, where the node pools and pod GPU limits realize it.
+``trainer_gpus``, under torchrun). In a cluster, where every pod gets GPUs of its own, the Helm
+chart's ``placement.mode`` places pods on node pools instead and checks each pod's GPU limit
+against what runs in it.
 """
 
 from __future__ import annotations

@@ -87,11 +87,13 @@ class TrainLoop:
         decoded = [decode_group(g, validate=False) for g in share]
         mine = decoded[:: self.world] if self.rank == 0 else decoded  # whole groups per rank
         t_get = time.perf_counter()
-        metrics = await asyncio.to_thread(self.engine.train_step, batch_from_groups(mine))  # train
+        try:
+            metrics = await asyncio.to_thread(self.engine.train_step, batch_from_groups(mine))  # train
+        finally:  # colocated engines take their memory back (and generate again) whatever happened
+            if self.memory is not None and self.rank == 0:
+                await self._colocated("restore", self.memory.restore)
         for batch_id in batch_ids if self.rank == 0 else ():
             await self._ack(batch_id)  # ack
-        if self.memory is not None and self.rank == 0:
-            await self._colocated("restore", self.memory.restore)  # before the new weights load
         t_train = time.perf_counter()
         published = await self._publish()  # publish
         t_pub = time.perf_counter()

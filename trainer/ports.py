@@ -88,7 +88,8 @@ class EngineMemory(Protocol):
         """Suspend generation and free the engines' GPU memory; raises on any engine's failure."""
 
     async def restore(self) -> None:
-        """The engines take their memory back (generation resumes with the weight update)."""
+        """The engines take their memory back and generate again (with the weights they had, until
+        the update that follows)."""
 
 
 class PublishError(RuntimeError):

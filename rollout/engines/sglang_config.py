@@ -38,6 +38,10 @@ class SGLangEngineConfig(EngineServerConfig):
         "loads a later checkpoint says so.",
     )  # fmt: skip
     served_model_name: str | None = Field(None, description="Name in SGLang's API; default the path.")
+    enable_memory_saver: bool = Field(
+        False, description="--enable-memory-saver: lets /release_memory_occupation free the GPU (devices.placement "
+        "colocated switches it on).",
+    )  # fmt: skip
     extra_args: list[str] = Field(
         default_factory=list, description="Further sglang.launch_server flags, as given: [--chunked-prefill-size, "
         "'4096'].",

@@ -29,8 +29,21 @@ _ALLOWED = {
      ("collections", "OrderedDict")}  # fmt: skip
 
 
+def _torch_segment_only(cls, manager, handle, size, dtype=None):
+    """``rebuild_storage_filename``, for the shared-memory segments torch names (``/torch_...``)
+    only: a payload may not map any other file of /dev/shm into this process."""
+    from torch.multiprocessing.reductions import rebuild_storage_filename
+
+    name = handle.decode(errors="replace") if isinstance(handle, bytes) else str(handle)
+    if not name.startswith("/torch_") or "/" in name[1:]:
+        raise pickle.UnpicklingError(f"shared memory {name!r} is not a torch segment")
+    return rebuild_storage_filename(cls, manager, handle, size, dtype)
+
+
 class _TensorsOnly(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename"):
+            return _torch_segment_only
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor handle")

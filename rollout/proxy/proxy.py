@@ -107,6 +107,19 @@ class _GroupPlan:
     joined: asyncio.Task
 
 
+def _group_ranks(slot: EngineSlot, info) -> int:
+    """The ranks an engine takes in a weight-update group: its tensor-parallel size. An engine
+    whose server info cannot be read counts as one (its join then fails or times out, and the
+    update with it)."""
+    try:
+        if isinstance(info, BaseException):
+            raise ValueError(info)
+        return max(1, int(info.get("tp_size", 1)))
+    except (TypeError, ValueError) as e:
+        log.warning("engine %s: no tensor-parallel size (%s); counting 1 rank", slot.name, e)
+        return 1
+
+
 def _check_timeout(timeout_s: float) -> None:
     # Infinity made aiohttp raise OverflowError (an UNKNOWN status, or an engine taken out of rotation after a
     # pause it could not send); NaN made asyncio's wait_for raise and switched aiohttp's timeout off.
@@ -345,8 +358,8 @@ class LLMProxy:
     async def release_memory(self, tags: list[str], lease_s: float, timeout_s: float = 0.0) -> tuple[bool, list[dict]]:
         """Suspend generation (``continue``: partial tokens are kept) and have every engine in
         rotation give back its GPU memory of ``tags`` while a colocated trainer trains. Past
-        ``lease_s`` without a resume (a trainer that died), the proxy takes the memory back and
-        resumes generation itself."""
+        ``lease_s`` without ``resume_memory`` (a trainer that died), the proxy takes the memory
+        back and resumes generation itself: the lease must outlast a step's training."""
         if not lease_s > 0 or not math.isfinite(lease_s):
             raise RequestInvalid("lease_s", f"must be a positive number of seconds, got {lease_s}")
         bad = [t for t in tags if t not in ("weights", "kv_cache")]
@@ -362,11 +375,14 @@ class LLMProxy:
         return await self._on_engines(lambda c: c.release_memory_occupation(tags or None, timeout_s=timeout), timeout)
 
     async def resume_memory(self, tags: list[str], timeout_s: float = 0.0) -> tuple[bool, list[dict]]:
-        """Every engine in rotation takes its memory of ``tags`` back; generation stays suspended
-        until the weight update that follows resumes it (or the lease ends)."""
+        """Every engine in rotation takes its memory of ``tags`` back, and generation resumes (with
+        the weights it had: the weight update that follows suspends it as any other). Resuming at
+        once means no failure after this point can leave generation stopped."""
         _check_timeout(timeout_s)
         timeout = timeout_s or self.config.update_weights_timeout_s
-        return await self._on_engines(lambda c: c.resume_memory_occupation(tags or None, timeout_s=timeout), timeout)
+        res = await self._on_engines(lambda c: c.resume_memory_occupation(tags or None, timeout_s=timeout), timeout)
+        await self.resume(timeout_s)
+        return res
 
     async def _lease_ends(self, lease_s: float, tags: list[str]) -> None:
         await asyncio.sleep(lease_s)
@@ -374,7 +390,6 @@ class LLMProxy:
         log.warning("colocated engines released for %.0f s with no resume: taking their memory back", lease_s)
         self.counters["memory_lease_expired"] += 1
         await self.resume_memory(tags)
-        await self.resume()
 
     async def _on_engines(self, call, timeout: float) -> tuple[bool, list[dict]]:
         slots = [s for s in self.router.engines if s.healthy]
@@ -439,7 +454,7 @@ class LLMProxy:
             raise RequestInvalid("engines", "no engine in rotation to join a weight-update group")
         infos = await asyncio.gather(*(self.clients[s.name].server_info(self.config.control_timeout_s)
                                        for s in slots), return_exceptions=True)  # fmt: skip
-        ranks = [1 if isinstance(i, BaseException) else max(1, int(i.get("tp_size", 1))) for i in infos]
+        ranks = [_group_ranks(s, i) for s, i in zip(slots, infos)]
         offsets = list(itertools.accumulate([1, *ranks]))
         world = offsets[-1]
         joins = [self._engine_update(s, -1, False, timeout, lambda c, off=off: c.init_weights_update_group(
@@ -463,8 +478,10 @@ class LLMProxy:
         timeout = timeout_s or self.config.update_weights_timeout_s
         if index == 0:  # the trainer joined, so every engine's join is answering now
             try:
+                if group.joined.cancelled():  # superseded by a newer InitWeightsGroup
+                    raise TimeoutError
                 joined = await asyncio.wait_for(asyncio.shield(group.joined), timeout)
-            except (TimeoutError, asyncio.CancelledError):
+            except TimeoutError:
                 joined = [{"engine": s.name, "success": False, "weight_version": s.weight_version, "cause": "timeout",
                            "message": "did not join the weight-update group"} for s in group.slots]  # fmt: skip
             ok, results = self._outcome(group.slots, list(joined))

@@ -62,6 +62,8 @@ def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str]
                         ("--served-model-name", cfg.served_model_name)):  # fmt: skip
         if value is not None:
             argv += [flag, str(value)]
+    if cfg.enable_memory_saver:
+        argv.append("--enable-memory-saver")
     if bearer:
         argv += ["--api-key", bearer.removeprefix("Bearer ")]
     if auth.tls and auth.tls.cert_path and auth.tls.key_path:

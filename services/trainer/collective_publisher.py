@@ -53,7 +53,7 @@ class CollectivePublisher:
         deadline = time.monotonic() + timeout_s
         try:
             if self.group is None:
-                await self._make_group(deadline)
+                await self._make_group(deadline, timeout_s)
             for i, (tensors, checksum) in enumerate(buckets):
                 await self._bucket(version, i, tensors, checksum, i == len(buckets) - 1, deadline, len(buckets))
         except BaseException:
@@ -75,17 +75,18 @@ class CollectivePublisher:
             raise PublishError(f"{what}: the update's deadline passed")
         return left
 
-    async def _make_group(self, deadline: float) -> None:
+    async def _make_group(self, deadline: float, op_timeout_s: float) -> None:
+        """``op_timeout_s``: the group's timeout, for its join and every later broadcast (the
+        update's, not what is left of the first update's deadline)."""
         left = self._left(deadline, "weight-update group")
-        store = await asyncio.to_thread(wg.host_store, self.address, self.port, None, left)
+        store = await asyncio.to_thread(wg.host_store, self.address, self.port, None, op_timeout_s)
         try:
             plan = await self.proxy.init_weights_group(self.address, store.port, self.group_name, self.backend, left)
         except grpc.aio.AioRpcError as e:
             raise PublishError(f"LLMProxy, weight-update group: {project_error(e)}") from None
-        left = self._left(deadline, "weight-update group")
         try:  # completes once every engine has joined too
             self.group = await asyncio.to_thread(wg.join_hosted, self.group_name, self.backend, store,
-                                                 plan.world_size, left)  # fmt: skip
+                                                 plan.world_size, op_timeout_s)  # fmt: skip
         except Exception as e:  # torch's DistStoreError / RuntimeError: an engine never joined
             raise PublishError(f"weight-update group of {plan.world_size} ranks ({', '.join(plan.engines)}): "
                                f"{type(e).__name__}: {e}") from None  # fmt: skip
@@ -98,6 +99,13 @@ class CollectivePublisher:
         call = asyncio.ensure_future(self.proxy.update_weights_distributed(
             version, i, metas, final, self.restore.path if final else "", checksum, left))  # fmt: skip
         send = asyncio.ensure_future(asyncio.to_thread(wg.send, self.group, tensors))
+        try:
+            await self._both(call, send, i, n, left, deadline)
+        finally:  # nothing of this bucket outlives it (a blocked send ends when load closes the group)
+            call.cancel()
+            send.cancel()
+
+    async def _both(self, call, send, i: int, n: int, left: float, deadline: float) -> None:
         # The first to fail ends the bucket: a send that failed (an engine died) closes the group,
         # so the engines' receives, and with them the proxy's call, end at once; a call that failed
         # (an engine refused the bucket) leaves the send nobody to receive it, and closing ends it.

@@ -123,9 +123,14 @@ class IpcPublisher(BucketPublisher):
         self._shared: dict | None = None  # the memory the handles point into, alive until the update ends
 
     def _gather(self, engine) -> dict:
-        # On the GPU, where CUDA IPC hands it over; a copy of its own per update: a parameter's
-        # memory, once shared, was found unlinked on CPU when shared again with the same engine.
-        self._shared = {k: v.clone() for k, v in engine.full_weights(on_device=True).items()}
+        # On the GPU, where CUDA IPC hands it over. Without offload every rank gets the full
+        # weights: only rank 0 keeps them. In one process they are the parameters themselves,
+        # copied per update: a parameter's memory, once shared, was found unlinked on CPU when
+        # shared again with the same engine (FSDP2's gather makes fresh tensors already).
+        state = engine.full_weights(on_device=True)
+        if getattr(engine, "rank", 0) != 0:
+            return {}
+        self._shared = {k: v.clone() for k, v in state.items()} if getattr(engine, "world", 1) == 1 else state
         return self._shared
 
     def _serialize(self, bucket: dict) -> bytes:

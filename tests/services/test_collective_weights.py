@@ -12,12 +12,12 @@ import grpc
 import httpx
 import pytest
 
-from rollout.engines.sglang_client import EngineRejected
 from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
 from services.trainer.collective_publisher import CollectivePublisher
 from tests.services.mesh import local_mesh
 from tests.services.test_weight_transports import _engine_state, _loop, _perturbed_trainer
+from trainer.ports import PublishError
 
 
 def _publisher(client, tmp_path) -> CollectivePublisher:
@@ -126,13 +126,14 @@ def test_bad_collective_input_is_refused_by_name_and_everything_keeps_serving(en
                 await publisher.load(1, 20)
             took = time.monotonic() - t0
             out = await mesh.proxy_client.generate([1, 2, 3], 2)
-        return errors, no_group.value, bad_backend.value, refused.value, took, out
+        return errors, no_group.value, bad_backend.value, refused.value, took, out, publisher
 
-    errors, no_group, bad_backend, refused, took, out = asyncio.run(main())
+    errors, no_group, bad_backend, refused, took, out, publisher = asyncio.run(main())
     assert errors["nccl"]["field"] == "backend" and "gloo" in errors["nccl"]["message"]
     assert errors["rank"]["field"] == "rank_offset"
     assert errors["no_group"]["field"] == "group_name"
     assert no_group.code() == grpc.StatusCode.INVALID_ARGUMENT and no_group.details().startswith("group_name:")
     assert bad_backend.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_backend.details().startswith("backend:")
     assert took < 15 and len(out.output_ids) == 2
-    assert isinstance(refused, Exception) and not isinstance(refused, EngineRejected)
+    assert isinstance(refused, PublishError) and "tensors" in str(refused)  # the engine's field, passed on
+    assert publisher.group is None  # closed: the trainer's blocked broadcast ends, the next update re-forms it

@@ -71,6 +71,10 @@ def test_the_run_config_checks_the_map_against_its_engines_and_trainer(tmp_path)
         load_config(path, ["engine.tensor_parallel_size=1"])
     with pytest.raises(Exception, match="simulated engine uses no GPU"):
         load_config(path, ["engine={type: sim}", "devices.engine_gpus=[0, 1]"])
+    colocated = ["devices.placement=colocated", "devices.trainer_gpus=[0, 1, 2, 3]", "run.trainer_procs=4"]
+    assert load_config(path, colocated).engine.enable_memory_saver  # SGLang frees memory only with it
+    with pytest.raises(Exception, match="NCCL refuses"):
+        load_config(path, [*colocated, "train_loop.publisher={type: collective}"])
 
 
 def test_rollmesh_run_refuses_a_gpu_map_on_a_machine_without_those_gpus(tmp_path):

@@ -17,6 +17,11 @@ import grpc
 import httpx
 import pytest
 
+# Imported at collection, not inside the test: deep in a long pytest session, compiling this
+# import chain (beartype rewrites fastmcp's modules) once raised CPython 3.11's "AST constructor
+# recursion depth mismatch" SystemError; alone it passes.
+from openenv.core import GenericEnvClient  # isort: skip
+
 from rollout.budgets import Budgets
 from rollout.envs.remote import PROTOCOLS, ProviderError, ProviderTimeout, RemoteEnv, RemoteEnvConfig
 from services.auth import AuthConfig
@@ -331,8 +336,6 @@ def test_an_openenv_server_plugs_in_unchanged():
 
 def test_openenvs_own_client_drives_a_rollmesh_provider():
     """The other way round: OpenEnv's GenericEnvClient (it sends no token: auth off on this one)."""
-    from openenv.core import GenericEnvClient
-
     proc, _, url = start_provider_process(SCRIPT, ["auth.disabled=true"])
 
     async def main():

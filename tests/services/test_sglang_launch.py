@@ -46,7 +46,11 @@ def test_the_command_carries_the_flags_rl_needs(tiny_model):
     assert flags["--tp-size"] == "2" and flags["--mem-fraction-static"] == "0.6" and flags["--dtype"] == "bfloat16"
     assert flags["--weight-version"] == "7" and flags["--random-seed"] == "3" and "--enable-metrics" in flags
     assert flags["--api-key"] == "s3cret" and flags["--chunked-prefill-size"] == "4096"
-    assert "--max-running-requests" not in flags  # unset: SGLang's own default
+    assert "--max-running-requests" not in flags and "--enable-memory-saver" not in flags  # SGLang's defaults
+    memory_saver = _flags(
+        sglang_command(cfg.model_copy(update={"enable_memory_saver": True}), AuthConfig(token="t"))[0]
+    )
+    assert "--enable-memory-saver" in memory_saver
     assert env["HF_HUB_OFFLINE"] == "1"
 
 

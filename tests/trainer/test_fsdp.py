@@ -29,6 +29,8 @@ def _two_ranks(tiny_model, out, extra: str = "{}") -> dict:
 def _single(tiny_model, **extra) -> tuple[list[float], dict]:
     single = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3, micro_batch_tokens=48, mini_batches=2,
                                        **extra))  # fmt: skip
+    on = any(getattr(m, "gradient_checkpointing", False) for m in single.model.modules())  # any transformers
+    assert on == bool(extra.get("activation_checkpointing"))
     losses = [single.train_step(toy_batch(seed=s))["loss"] for s in range(STEPS)]
     return losses, full_state_dict(single.model)
 

@@ -100,6 +100,7 @@ class RollmeshWorker:
         else:
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         groups = self.__dict__.setdefault("_rollmesh_groups", {})
+        _abort(groups.pop(group_name, None))  # a new group replaces the old one of that name
         groups[group_name] = pg
         self._rollmesh_staged = {}
         return rank
@@ -120,13 +121,18 @@ class RollmeshWorker:
         opts.rootRank = 0
         h = hashlib.sha256()
         staged = self.__dict__.setdefault("_rollmesh_staged", {})
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
-            pg.broadcast([t], opts).wait()
-            staged[name] = t
-            cpu = t.detach().to("cpu").contiguous()
-            h.update(f"{name}|{dtype}|{tuple(cpu.shape)}|".encode())
-            h.update(cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b"")
+        try:
+            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+                t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
+                pg.broadcast([t], opts).wait()
+                staged[name] = t
+                cpu = t.detach().to("cpu").contiguous()
+                h.update(f"{name}|{dtype}|{tuple(cpu.shape)}|".encode())
+                h.update(cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b"")
+        except BaseException:  # this group is over: the trainer makes a new one for the next update
+            _abort(self._rollmesh_groups.pop(group_name, None))
+            self._rollmesh_staged = {}
+            raise
         if apply:
             self._rollmesh_staged = {}
             model = self.model_runner.model
@@ -139,6 +145,16 @@ class RollmeshWorker:
 
 def backend_is_cuda(pg) -> bool:
     return type(pg).__name__ == "ProcessGroupNCCL"
+
+
+def _abort(pg) -> None:
+    """Drop a weight-update group's connections (a peer blocked in it then fails at once)."""
+    for stop in ("abort", "shutdown"):
+        try:
+            getattr(pg, stop)()
+            return
+        except (AttributeError, RuntimeError):
+            continue
 
 
 class BearerCheck:

@@ -161,8 +161,8 @@ class LLMProxyServicer:
 
     def ReleaseMemory(self, request, context):
         """Colocated engines (devices.placement colocated): generation is suspended and the engines give
-        their GPU memory back while the trainer trains; ResumeMemory takes it again (generation goes on
-        with the next weight update's resume, or when the lease ends).
+        their GPU memory back while the trainer trains; ResumeMemory takes it again and generation goes
+        on (the proxy does both itself when the lease ends first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -25,6 +25,7 @@ for flag in ("--tp-size", "--random-seed", "--max-running-requests", "--context-
 p.add_argument("--mem-fraction-static", type=float)
 p.add_argument("--weight-version", default="default")
 p.add_argument("--enable-metrics", action="store_true")
+p.add_argument("--enable-memory-saver", action="store_true")
 args = p.parse_args()
 if os.environ.get("SGLANG_STANDIN_ARGV"):
     with open(os.environ["SGLANG_STANDIN_ARGV"], "w") as f:
