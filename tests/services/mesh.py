@@ -43,3 +43,13 @@ async def local_mesh(engine_url: str | list[str], model_path: str, buffer: dict 
         await ctl.close()
         await buf.close()
         await proxy.close()
+
+
+def digit_rollout(mesh, tokenizer_path: str):
+    """An EnvManager rollout loop on the mesh: groups of 4 two-token answers to digit prompts."""
+    from services.env_manager.config import EnvManagerConfig
+    from services.env_manager.server import build_loop
+
+    config = EnvManagerConfig(tokenizer_path=tokenizer_path, group_size=4, num_workers=3, reward="digit_answer",
+                              episode={"sampling": {"max_new_tokens": 2}})  # fmt: skip
+    return build_loop(config, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)

@@ -13,11 +13,9 @@ import httpx
 import pytest
 
 from services.auth import AuthConfig, http_headers
-from services.env_manager.config import EnvManagerConfig
-from services.env_manager.server import build_loop
 from services.trainer.colocation import ProxyMemory
 from services.trainer.publishers import DiskPublisher
-from tests.services.mesh import local_mesh
+from tests.services.mesh import digit_rollout, local_mesh
 from trainer.config import TrainerConfig, TrainLoopConfig
 from trainer.engine import TrainEngine
 from trainer.loop import TrainLoop
@@ -35,11 +33,7 @@ def test_a_colocated_step_trains_while_the_engines_are_released(make_engine_proc
     async def main():
         async with local_mesh(urls, tiny_model, {"filter_zero_variance": False}, async_ratio=1,
                               groups_per_step=2) as mesh:  # fmt: skip
-            env = build_loop(
-                EnvManagerConfig(tokenizer_path=tiny_model, group_size=4, num_workers=3, reward="digit_answer",
-                                 episode={"sampling": {"max_new_tokens": 2}}),
-                mesh.proxy_client, mesh.buffer_client, mesh.controller_client,
-            )  # fmt: skip
+            env = digit_rollout(mesh, tiny_model)
             engine = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3))
             train_step = engine.train_step
 

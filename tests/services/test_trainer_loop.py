@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-from services.env_manager.config import EnvManagerConfig
-from services.env_manager.server import build_loop
 from services.metrics_log import MetricsLog
 from services.trainer.metrics import TrainerMetrics, TrainerObserver
 from services.trainer.publishers import DiskPublisher
-from tests.services.mesh import local_mesh
+from tests.services.mesh import digit_rollout, local_mesh
 from trainer.config import TrainerConfig, TrainLoopConfig
 from trainer.engine import TrainEngine
 from trainer.loop import TrainLoop
@@ -29,11 +27,7 @@ def test_steps_publish_versions_and_resume(make_engine_process, tiny_model, tmp_
     async def main():
         async with local_mesh(url, tiny_model, {"filter_zero_variance": False}, async_ratio=1,
                               groups_per_step=2) as mesh:  # fmt: skip
-            env = build_loop(
-                EnvManagerConfig(tokenizer_path=tiny_model, group_size=4, num_workers=3, reward="digit_answer",
-                                 episode={"sampling": {"max_new_tokens": 2}}),
-                mesh.proxy_client, mesh.buffer_client, mesh.controller_client,
-            )  # fmt: skip
+            env = digit_rollout(mesh, tiny_model)
 
             def loop():
                 engine = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3))
