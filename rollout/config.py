@@ -15,9 +15,11 @@ from rollout.reward_pool import RewardPool
 from rollout.rewards import build_reward, resolve_reward
 from rollout.verifiers.code import CodeRewardConfig
 from rollout.verifiers.judge import JudgeRewardConfig
+from rollout.verifiers.service import ServiceRewardConfig
 
 # A reward in config: a function's name, or a typed variant chosen by its 'type'.
-RewardSpec = str | Annotated[CodeRewardConfig | JudgeRewardConfig, Field(discriminator="type")]
+RewardVariant = Annotated[CodeRewardConfig | JudgeRewardConfig | ServiceRewardConfig, Field(discriminator="type")]
+RewardSpec = str | RewardVariant
 
 
 class RewardWorkersConfig(BaseModel):
@@ -54,7 +56,8 @@ class TaskConfig(BaseModel):
         description="Reward function: a name in rollout.rewards (exact_match, digit_answer, math_verify, ...) or "
         "'module:function'; or a typed variant: {type: code, sandbox: {...}, timeout: {...}} runs the answer "
         "against the task's tests in a sandbox (rollout/verifiers/code.py); {type: judge, ...} asks a judge model "
-        "through an LLMProxy (rollout/verifiers/judge.py).",
+        "through an LLMProxy (rollout/verifiers/judge.py); {type: service} sends each answer to a reward service "
+        "(`rollmesh serve reward`, rollout/verifiers/service.py) that scores with any of these.",
     )
     reward_workers: RewardWorkersConfig = Field(
         default_factory=lambda: RewardWorkersConfig(),
@@ -72,15 +75,16 @@ class TaskConfig(BaseModel):
     def _workers_for_functions(self) -> TaskConfig:
         if self.reward_workers.workers and not isinstance(self.reward, str):
             raise ValueError(
-                f"reward_workers.workers: the {self.reward.type} reward runs each answer in a process of its own "
-                "already (workers would split its timeout anchors); set it to 0"
+                f"reward_workers.workers: the {self.reward.type} reward scores each answer outside this process "
+                "already (workers would split a code reward's timeout anchors); set it to 0"
             )
         return self
 
     def env_factory(self, **ports) -> tuple[list[dict], Callable, Callable[[], Env]]:
         """The dataset's rows, the reward function and a builder of one environment; building one
         now, so a custom environment's constructor fails at start-up rather than mid-run. ``ports``:
-        what a reward variant needs from the mesh (``judge``: a builder of the LLM judge)."""
+        what a reward variant needs from the mesh (``judge``: a builder of the LLM judge;
+        ``reward_service``: of a reward service's client)."""
         rows, reward_fn = load_jsonl(self.dataset_path), build_reward(self.reward, **ports)
         self.env.build(rows, reward_fn)
         if self.reward_workers.workers:

@@ -1,4 +1,4 @@
-"""What the rollout loop needs from the rest of the mesh: three small ports and an observer.
+"""What the rollout loop needs from the rest of the mesh: four small ports and an observer.
 
 ``services/`` implements them over gRPC (the AsyncController, the LLMProxy, the SampleBuffer);
 tests implement them in-process (the plain controller object, a scripted generate function, the
@@ -17,7 +17,8 @@ from sample_buffer.buffer import PutResult
 from sample_buffer.errors import TransientError
 from sample_buffer.trajectory import FinishReason, Group, Trajectory
 
-__all__ = ["Admission", "Admitted", "Generate", "Generation", "RolloutObserver", "SampleSink", "TransientError"]
+__all__ = ["Admission", "Admitted", "Generate", "Generation", "Rewarder", "RolloutObserver", "SampleSink",
+           "TransientError"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,15 @@ class SampleSink(Protocol):
 
     async def put(self, group: Group, timeout_s: float) -> PutResult:
         """Store a finished group; the result says whether the buffer kept it (or filtered it)."""
+
+
+class Rewarder(Protocol):
+    """A reward as an environment calls it when an episode ends: a function of rollout/rewards.py,
+    reward workers (``RewardPool``), the code sandbox, the judge, or the reward service's client.
+    Thread-safe (environments step in threads). The pooled ones are bounded in time: a verifier
+    that fails or hangs there scores 0 and counts the fault in ``failures`` (by cause)."""
+
+    def __call__(self, response: str, answer: str) -> float: ...
 
 
 class RolloutObserver:

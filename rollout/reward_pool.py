@@ -74,15 +74,19 @@ class RewardPool:
             self._idle.put(None)  # a slot; its worker starts on first use
 
     def __call__(self, response: str, answer: str) -> float:
+        return self.scored(response, answer)[0]
+
+    def scored(self, response: str, answer: str) -> tuple[float, str]:
+        """The score and, when a fault cut it to 0, its cause ("" otherwise)."""
         worker = self._idle.get()  # the concurrency limit: a call waits for a free worker
         try:
             worker = worker or self._start()
-            reward, worker = self._score(worker, response, answer)
-            return reward
+            reward, cause, worker = self._score(worker, response, answer)
+            return reward, cause
         finally:
             self._idle.put(worker)
 
-    def _score(self, worker: _Worker, response: str, answer: str) -> tuple[float, _Worker | None]:
+    def _score(self, worker: _Worker, response: str, answer: str) -> tuple[float, str, _Worker | None]:
         with self._lock:
             self.calls += 1
         try:
@@ -97,16 +101,16 @@ class RewardPool:
             with self._lock:
                 self.failures["raised"] += 1
             log.warning("reward %s raised: %s (scored 0)", self.name, value)
-            return 0.0, worker
-        return value, worker
+            return 0.0, "raised", worker
+        return value, "", worker
 
-    def _failed(self, cause: str, worker: _Worker, why: str) -> tuple[float, None]:
+    def _failed(self, cause: str, worker: _Worker, why: str) -> tuple[float, str, None]:
         worker.kill()
         with self._lock:
             self.failures[cause] += 1
             self._all.remove(worker)
         log.warning("reward %s: %s (scored 0; the worker is replaced)", self.name, why)
-        return 0.0, None  # its slot starts a fresh worker on next use
+        return 0.0, cause, None  # its slot starts a fresh worker on next use
 
     def _start(self) -> _Worker:
         worker = _Worker(self._ctx, self.name)

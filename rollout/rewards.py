@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from rollout.ports import Rewarder
 from sample_buffer.registry import resolve
 
 
@@ -57,7 +58,8 @@ def resolve_reward(name: str) -> Callable[[str, str], float]:
     return resolve("reward", name, REWARDS)
 
 
-def build_reward(spec, **ports) -> Callable[[str, str], float]:
+def build_reward(spec, **ports) -> Rewarder:
     """A reward from config: a name (``resolve_reward``) or a typed variant with ``build(**ports)``
-    (``reward: {type: code}``; ``{type: judge}`` takes ``judge``, a builder the EnvManager passes)."""
+    (``reward: {type: code}``; ``{type: judge}`` takes ``judge`` and ``{type: service}`` takes
+    ``reward_service``, builders that ``services/`` passes)."""
     return resolve_reward(spec) if isinstance(spec, str) else spec.build(**ports)

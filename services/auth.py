@@ -214,11 +214,13 @@ def grpc_channel(address: str, auth: AuthConfig, options: list) -> grpc.aio.Chan
     return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
 
 
-def grpc_sync_channel(address: str, auth: AuthConfig) -> grpc.Channel:
-    """A blocking channel for health checks (exempt from the token; TLS still applies)."""
+def grpc_sync_channel(address: str, auth: AuthConfig, options: list | None = None) -> grpc.Channel:
+    """A blocking channel (TLS when configured). It adds no token: health checks need none, and a
+    blocking caller passes ``auth.bearer()`` as the call's ``authorization`` metadata."""
     if auth.tls is None:
-        return grpc.insecure_channel(address)
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=auth.tls.read("ca_path")))
+        return grpc.insecure_channel(address, options=options)
+    creds = grpc.ssl_channel_credentials(root_certificates=auth.tls.read("ca_path"))
+    return grpc.secure_channel(address, creds, options=options)
 
 
 # ---------------------------------------------------------------- HTTP

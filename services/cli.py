@@ -145,6 +145,7 @@ SERVICES = {
     "env-manager": ("services.env_manager.server", None, "An EnvManager pool running episodes."),
     "gateway": ("services.gateway.main", None, "The OpenAI-compatible agent gateway: sessions become trained groups."),
     "trainer": ("services.trainer.main", None, "The trainer process: train, publish, checkpoint; exits when done."),
+    "reward": ("services.reward.server", None, "The reward service: one verifier pool scoring answers for the mesh."),
 }
 
 
@@ -194,7 +195,7 @@ def serve_env_provider(
     from services.env_provider.server import serve
 
     try:
-        serve(cfg.env_provider, cfg.auth)
+        serve(cfg.env_provider, cfg.auth, cfg.mesh.reward)
     except (OSError, ValueError) as e:  # a dataset that is not there, a port taken, an environment that refuses
         typer.echo(f"env-provider: {e}", err=True)
         raise typer.Exit(2) from None

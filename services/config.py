@@ -22,6 +22,7 @@ from services.device_map import DeviceMapConfig, check_shape, gpus_per_engine
 from services.env_manager.config import EnvManagerConfig
 from services.env_provider.config import EnvProviderConfig
 from services.gateway.config import GatewayConfig
+from services.reward.config import RewardServiceConfig
 from services.trainer.config import TrainerProcessConfig
 from trainer.config import TrainerConfig, TrainerVariant
 
@@ -69,6 +70,11 @@ class MeshConfig(BaseModel):
     proxy: str = Field("127.0.0.1:50051", description="LLMProxy gRPC address (host:port).")
     buffer: str = Field("127.0.0.1:50052", description="SampleBuffer gRPC address (host:port).")
     controller: str = Field("127.0.0.1:50053", description="AsyncController gRPC address (host:port).")
+    reward: str = Field(
+        "127.0.0.1:50057",
+        description="RewardService gRPC address (host:port): where a `reward: {type: service}` naming no address "
+        "is scored.",
+    )
 
 
 CONTROLLER_STATE = "controller.json"  # in the run directory: the controller's version across restarts
@@ -113,6 +119,11 @@ class RollmeshConfig(BaseModel):
     )
     gateway: GatewayConfig = Field(
         default_factory=GatewayConfig, description="The OpenAI-compatible gateway for external agents."
+    )
+    reward_service: RewardServiceConfig = Field(
+        default_factory=RewardServiceConfig,
+        description="`rollmesh serve reward`: one verifier pool for the mesh; `rollmesh run` starts it when "
+        "env_manager.reward is {type: service} with no address.",
     )
     train_loop: TrainerProcessConfig = Field(
         default_factory=TrainerProcessConfig, description="The training loop and the trainer process around it."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 
@@ -30,10 +31,11 @@ async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
     from rollout.rewards import build_reward
     from services.llm_proxy.client import ProxyClient
     from services.pb.rollmesh.v1 import common_pb2
+    from services.reward.ports import reward_ports
 
     rows = load_jsonl(cfg.run.heldout_path)
     tok = AutoTokenizer.from_pretrained(cfg.env_manager.tokenizer_path)
-    reward = build_reward(cfg.env_manager.reward)
+    reward = build_reward(cfg.env_manager.reward, **reward_ports(cfg.auth, reward_address=cfg.mesh.reward))
     max_new = cfg.env_manager.episode.sampling.max_new_tokens
     client = ProxyClient(proxy_address, auth=cfg.auth)
     timeout_s = cfg.run.heldout_timeout_s
@@ -51,17 +53,22 @@ async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
         outs = await asyncio.gather(*(answer(p) for p in prompts), return_exceptions=True)
     finally:
         await client.close()
-    errors, scores = [], []
+    # A variant may block (a sandbox run, a call to the reward service): scored in threads, all at once.
+    # A function is called here, in the main thread, where math-verify's time limits work.
+    inline = isinstance(cfg.env_manager.reward, str)
+    errors, scored = [], []
     for out, row in zip(outs, rows):
         if not isinstance(out, BaseException) and out.finish_reason == common_pb2.FINISH_REASON_TIMEOUT:
             out = TimeoutError(f"cut at {cfg.run.heldout_timeout_s:g} s")  # a cut answer is not the model's answer
         if isinstance(out, BaseException):
             errors.append(out)
-            scores.append(0.0)
         else:
-            scores.append(reward(tok.decode(out.output_ids, skip_special_tokens=True), row["answer"]))
+            response = tok.decode(out.output_ids, skip_special_tokens=True)
+            score = reward if inline else functools.partial(asyncio.to_thread, reward)
+            scored.append(score(response, row["answer"]))
+    scores = scored if inline else await asyncio.gather(*scored)
     first = f"{type(errors[0]).__name__}: {errors[0]}" if errors else ""
-    return HeldOut(sum(s >= 1.0 for s in scores) / len(scores), len(errors), first)
+    return HeldOut(sum(s >= 1.0 for s in scores) / len(rows), len(errors), first)
 
 
 async def heldout_episodes(proxy_address: str, cfg) -> HeldOut:

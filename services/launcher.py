@@ -1,8 +1,8 @@
 """`rollmesh run`: every service as its own local process on loopback, progress, evaluation.
 
-Order: engines → LLMProxy → SampleBuffer → AsyncController → EnvManager → trainer. Each is
-waited on for health before the next starts; all of them are stopped (SIGTERM, then SIGKILL)
-at the end or on Ctrl-C. Logs go to ``RUN_DIR/logs/<service>.log``.
+Order: engines → LLMProxy → SampleBuffer → AsyncController → (reward service) → EnvManager →
+trainer. Each is waited on for health before the next starts; all of them are stopped (SIGTERM,
+then SIGKILL) at the end or on Ctrl-C. Logs go to ``RUN_DIR/logs/<service>.log``.
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ class Mesh:
     controller: str
     metrics: dict[str, list[str]] = field(default_factory=dict)  # Prometheus job → host:port targets
     gateway: str = ""  # the agent gateway's base URL, where run.rollout is gateway
+    reward: str = ""  # the reward service's address, where the run starts one
 
     def metrics_port(self, job: str) -> str:
         """A free loopback port for ``job``'s /metrics, recorded as a scrape target."""
@@ -116,7 +117,8 @@ class Mesh:
     @property
     def wiring(self) -> list[str]:
         """``--set`` overrides that point a client (EnvManager, trainer) at this mesh."""
-        return [f"mesh.proxy={self.proxy}", f"mesh.buffer={self.buffer}", f"mesh.controller={self.controller}"]
+        wiring = [f"mesh.proxy={self.proxy}", f"mesh.buffer={self.buffer}", f"mesh.controller={self.controller}"]
+        return wiring + ([f"mesh.reward={self.reward}"] if self.reward else [])
 
     def stop(self) -> None:
         for s in reversed(self.services):
@@ -127,10 +129,17 @@ def _gpus(name: str | None) -> dict[str, str]:
     return {} if name is None else {"CUDA_VISIBLE_DEVICES": name}
 
 
+def needs_reward_service(cfg) -> bool:
+    """The EnvManager scores through the mesh's reward service (``{type: service}``, no address of its own)."""
+    reward = cfg.env_manager.reward
+    return cfg.run.rollout == "env_manager" and not isinstance(reward, str) and reward.type == "service" \
+        and reward.address is None  # fmt: skip
+
+
 def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path, placement: Placement | None = None) -> Mesh:
-    """Engines → LLMProxy → SampleBuffer → AsyncController → EnvManager, each healthy before the
-    next (engines on the GPUs ``placement`` gives them). On any failure everything started so far
-    is stopped."""
+    """Engines → LLMProxy → SampleBuffer → AsyncController → (reward service) → EnvManager, each
+    healthy before the next (engines on the GPUs ``placement`` gives them). On any failure
+    everything started so far is stopped."""
     placement = placement or Placement([None] * cfg.run.num_engines, None, cfg.run.trainer_procs)
     mesh = Mesh([], [], "", "", "")
     up = dict(config_path=str(config_path), timeout_s=cfg.run.startup_timeout_s, auth=cfg.auth)
@@ -174,6 +183,13 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path, placeme
             mesh.metrics["gateway"] = [mesh.gateway.split("://", 1)[1]]  # /metrics beside the API
             mesh.services.append(Supervised("gateway", proc, logs / "gateway.log"))
         else:
+            if needs_reward_service(cfg):
+                proc, mesh.reward = start_service_process(
+                    "reward", "reward_service",
+                    [*overrides, *mesh.wiring, f"reward_service.metrics_port={mesh.metrics_port('reward')}"],
+                    log_path=logs / "reward.log", **up,
+                )  # fmt: skip
+                mesh.services.append(Supervised("reward", proc, logs / "reward.log"))
             proc, _ = start_service_process(
                 "env-manager", "env_manager",
                 [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager')}"],
@@ -226,6 +242,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
     t0 = time.time()
     try:
         mesh = start_mesh(cfg, config_path, overrides, logs, placement)
+        cfg.mesh.reward = mesh.reward or cfg.mesh.reward  # the held-out evaluation scores there too
         console.print(f"[green]engines[/] {', '.join(mesh.engine_urls)}")
         console.print(f"[green]mesh up[/] proxy {mesh.proxy}, buffer {mesh.buffer}, controller {mesh.controller}")
         if mesh.gateway:

@@ -24,10 +24,13 @@ def quickstart_cmd(model, run_dir, *overrides: str) -> list[str]:
 
 
 def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
+    """With the episodes and the held-out answers scored by a reward service the run starts
+    (`reward: {type: service}`; the quickstart's other runs score in the EnvManager)."""
     run_dir = tmp_path / "run"
     cmd = quickstart_cmd(
         tiny_model, run_dir, "train_loop.steps=4", "controller.groups_per_step=2",
         "buffer.filter_zero_variance=false",  # a random model's groups are mostly all-zero: keep them
+        "env_manager.reward={type: service}", "reward_service.reward=digit_answer",
     )  # fmt: skip
     # No token in the environment: rollmesh run makes one for the run and every service gets it.
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
@@ -41,6 +44,10 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     assert (run_dir / "checkpoints" / "step_4" / "COMPLETE").exists()
     leftovers = subprocess.run(["pgrep", "-f", f"train_loop.run_dir={run_dir}"], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", "services still running after rollmesh run returned"
+    # Every trained episode (4 steps x 2 groups x 8) and the held-out answers, before and after, were scored there.
+    scored = re.search(r"scored (\d+) answers \(\{'ok': (\d+)\}\)", (run_dir / "logs" / "reward.log").read_text())
+    heldout = len(Path("examples/find_digit_heldout.jsonl").read_text().splitlines())
+    assert scored and int(scored.group(1)) == int(scored.group(2)) >= 4 * 2 * 8 + 2 * heldout
 
 
 def test_rollmesh_run_on_vllm_engines(tiny_model, tmp_path):

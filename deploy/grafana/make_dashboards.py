@@ -407,6 +407,22 @@ health = dashboard(
             w=12,
             targets=[(f"sum by (result) (rate(rollmesh_env_groups_total[{R}]))", "{{result}}")],
         ),
+        dict(
+            title="Reward service: scores by outcome (per second)",
+            w=12,
+            desc="ok, or 0 for a fault: timeout and raised cut by the service, fault contained by the verifier "
+            "(its cause in rollmesh_reward_reward_failures_total)",
+            targets=[(f"sum by (outcome) (rate(rollmesh_reward_scores_total[{R}]))", "{{outcome}}")],
+        ),
+        dict(
+            title="Reward service: score latency (the wait for a slot included)",
+            unit="s",
+            w=12,
+            targets=[
+                (q(0.5, "rollmesh_reward_score_seconds"), "p50"),
+                (q(0.99, "rollmesh_reward_score_seconds"), "p99"),
+            ],
+        ),
     ],
 )
 

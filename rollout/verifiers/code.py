@@ -88,6 +88,11 @@ class CodeReward:
         self._lock = threading.Lock()
 
     def __call__(self, response: str, answer: str) -> float:
+        return self.scored(response, answer)[0]
+
+    def scored(self, response: str, answer: str) -> tuple[float, str]:
+        """The score and, when a contained fault cut it to 0, its cause ("" otherwise: a wrong answer
+        is no fault)."""
         task = parse_task(answer)
         key = str(task.get("task_id", ""))
         limit = self.anchors.timeout_for(key)
@@ -104,11 +109,11 @@ class CodeReward:
                 self.adaptive_cuts += 1
             if result.outcome == "ok" and result.stdout.rstrip().rpartition("\n")[2] != marker:
                 self.early_exits += 1
-                return 0.0
+                return 0.0, "early_exit"
         if result.outcome != "ok":
-            return 0.0
+            return 0.0, result.outcome if result.outcome in FAULTS else ""
         self.anchors.correct(key, result.seconds)
-        return 1.0
+        return 1.0, ""
 
     @property
     def outcomes(self) -> dict[str, int]:

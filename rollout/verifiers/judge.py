@@ -95,7 +95,8 @@ class JudgeRewardConfig(BaseModel):
         """The reward; ``judge(config)`` builds it where a proxy can be reached (the EnvManager)."""
         if judge is None:
             raise ValueError("reward.type judge needs an LLMProxy to reach the judge: it runs in the EnvManager "
-                             "(not in an environment provider or a held-out evaluation)")  # fmt: skip
+                             "or a reward service; elsewhere (an environment provider, a held-out evaluation) "
+                             "host it in `rollmesh serve reward` and name that with {type: service}")  # fmt: skip
         return judge(self)
 
 
@@ -117,6 +118,10 @@ class JudgeReward:
         self._lock = threading.Lock()
 
     def __call__(self, response: str, answer: str) -> float:
+        return self.scored(response, answer)[0]
+
+    def scored(self, response: str, answer: str) -> tuple[float, str]:
+        """The score and, when the judge gave none, the cause of its 0 ("" otherwise)."""
         try:
             on_loop = asyncio.get_running_loop() is self.loop
         except RuntimeError:  # no loop runs in this thread: the normal case (an environment's step thread)
@@ -144,7 +149,7 @@ class JudgeReward:
         if isinstance(text, FinishReason):
             return self._failed("timeout" if text == FinishReason.TIMEOUT else "error")
         score = parse_verdict(text, c.verdict_pattern, c.scores)
-        return self._failed("unparsed") if score is None else score
+        return self._failed("unparsed") if score is None else (score, "")
 
     async def _verdict(self, response: str, answer: str, timeout_s: float) -> str | FinishReason:
         """The judge's text, or the finish reason of a generation that did not end (timeout, abort, error)."""
@@ -157,7 +162,7 @@ class JudgeReward:
             return gen.finish_reason
         return self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
 
-    def _failed(self, cause: str) -> float:
+    def _failed(self, cause: str) -> tuple[float, str]:
         with self._lock:
             self.failures[cause] += 1
-        return 0.0
+        return 0.0, cause

@@ -13,30 +13,7 @@ from rollout.loop import DROP_CAUSES, GroupOutcome
 from rollout.ports import RolloutObserver
 from sample_buffer.trajectory import FINISH_REASONS, FinishReason, Trajectory
 from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, TOKEN_BUCKETS, histogram, init_labels
-
-
-def reward_families(reward) -> list:
-    """What a reward counts: its faults (reward workers: raised, timeout, crashed; the code
-    sandbox: timeout, memory, output, killed, sandbox) and, for the code reward, its runs."""
-    failures = CounterMetricFamily("rollmesh_env_reward_failures", "Scores cut to 0 by a fault of the verifier "
-                                   "or the program it ran, by cause", labels=["cause"])  # fmt: skip
-    for cause, n in sorted(reward.failures.items()):
-        failures.add_metric([cause], n)
-    families = [failures]
-    if hasattr(reward, "outcomes"):
-        runs = CounterMetricFamily(
-            "rollmesh_env_code_runs", "Sandboxed runs of answers, by outcome", labels=["outcome"]
-        )
-        for outcome, n in sorted(reward.outcomes.items()):
-            runs.add_metric([outcome], n)
-        families += [
-            runs,
-            CounterMetricFamily("rollmesh_env_code_sandbox_seconds", "Wall seconds spent in the sandbox",
-                                value=reward.sandbox_seconds),
-            CounterMetricFamily("rollmesh_env_code_adaptive_cuts", "Runs stopped by the adaptive timeout below "
-                                "its fixed limit", value=reward.adaptive_cuts),
-        ]  # fmt: skip
-    return families
+from services.reward.metrics import reward_families
 
 
 class EnvMetrics(RolloutObserver):
@@ -120,7 +97,7 @@ class EnvMetrics(RolloutObserver):
         yield GaugeMetricFamily("rollmesh_env_running_episodes", "Episodes in progress", value=s["running_episodes"])
         yield GaugeMetricFamily("rollmesh_env_workers", "Workers of this pool", value=s["workers"])
         if self.reward_source is not None:
-            yield from reward_families(self.reward_source)
+            yield from reward_families(self.reward_source, "rollmesh_env")
         if self.pool is not None:
             up = sum(m.up for m in self.pool.members)
             yield GaugeMetricFamily("rollmesh_env_providers_up", "Environment providers in rotation", value=up)

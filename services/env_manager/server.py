@@ -14,7 +14,6 @@ import grpc
 
 from rollout.envs.remote import RemoteEnv
 from rollout.loop import DROP_CAUSES, RolloutLoop
-from rollout.verifiers.judge import JudgeReward, JudgeRewardConfig
 from services.auth import AuthConfig
 from services.controller.client import ControllerClient
 from services.env_manager.config import EnvManagerConfig
@@ -24,6 +23,7 @@ from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.llm_proxy.client import ProxyClient, ProxyGenerate
 from services.metrics import serve_metrics
 from services.pb.rollmesh.v1 import env_manager_pb2 as pb
+from services.reward.ports import reward_ports
 from services.sample_buffer.client import BufferClient, PutBatcher
 
 log = logging.getLogger(__name__)
@@ -66,30 +66,11 @@ def build_handler(loop: RolloutLoop) -> grpc.GenericRpcHandler:
     )
 
 
-def _judge_builder(proxy: ProxyClient, auth: AuthConfig | None, tokenizer_path: str):
-    """Builds the LLM judge (``reward: {type: judge}``) on this process's event loop: through the
-    mesh's LLMProxy, or a client of its own to the judge's."""
-
-    def build(spec: JudgeRewardConfig) -> JudgeReward:
-        from transformers import AutoTokenizer
-
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            raise RuntimeError(
-                "the judge reward is built on the EnvManager's event loop: call build_loop there"
-            ) from None
-        client = proxy if spec.proxy is None else ProxyClient(spec.proxy, auth=auth)
-        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path or tokenizer_path)
-        return JudgeReward(spec, ProxyGenerate(client), tokenizer, loop)
-
-    return build
-
-
 def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClient, controller: ControllerClient,
-               auth: AuthConfig | None = None) -> RolloutLoop:  # fmt: skip
+               auth: AuthConfig | None = None, reward_address: str | None = None) -> RolloutLoop:  # fmt: skip
     """The rollout loop over the mesh's clients, reporting to Prometheus. A remote environment's
-    episodes go to its providers through one pool of connections."""
+    episodes go to its providers through one pool of connections; ``reward_address``: the mesh's
+    reward service (``reward: {type: service}`` naming none)."""
     from transformers import AutoTokenizer
 
     pool = make_env = None
@@ -99,10 +80,11 @@ def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClien
         make_env = functools.partial(RemoteEnv, pool, name=name)
     else:
         # A custom environment's constructor fails here, not mid-run.
-        rows, reward_fn, build = config.env_factory(judge=_judge_builder(proxy, auth, config.tokenizer_path))
+        ports = reward_ports(auth, reward_address=reward_address, proxy=proxy, tokenizer_path=config.tokenizer_path)
+        rows, reward_fn, build = config.env_factory(**ports)
         name = getattr(build(), "name", config.env.type)
     metrics = EnvMetrics(name, pool=pool)
-    if hasattr(reward_fn, "failures"):  # reward workers or the code sandbox: faults counted by cause
+    if hasattr(reward_fn, "failures"):  # reward workers, the sandbox, the judge, the service: faults by cause
         metrics.reward_source = reward_fn
     loop = RolloutLoop(
         config, rows=rows, tokenizer=AutoTokenizer.from_pretrained(config.tokenizer_path),
@@ -126,7 +108,7 @@ def serve(cfg) -> None:
         # of the groups this process had in flight when it died.
         holder = f"{socket.gethostname()}:{config.port}"
         controller = ControllerClient(cfg.mesh.controller, auth=cfg.auth, holder=holder)
-        loop = build_loop(config, proxy, buffer, controller, cfg.auth)
+        loop = build_loop(config, proxy, buffer, controller, cfg.auth, cfg.mesh.reward)
         server = await start_server(build_handler(loop), SERVICE, config.host, config.port, auth=cfg.auth)
         serve_metrics(loop.observer.registry, config.host, config.metrics_port, "EnvManager")
         lease = asyncio.create_task(controller.keep_lease(config.heartbeat_s))

@@ -35,6 +35,7 @@ from services.env_provider.sessions import ProviderSessions, SessionError
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.http_errors import bad_request, install_error_handlers
 from services.pb.rollmesh.v1 import env_provider_pb2 as pb
+from services.reward.ports import reward_ports
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.EnvProvider"
@@ -44,8 +45,10 @@ GRPC_STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.St
 HTTP_STATUS = {"invalid": 400, "not_found": 404, "busy": 503, "timeout": 504, "env": 500}
 
 
-def build_sessions(config: EnvProviderConfig) -> ProviderSessions:
-    _, _, make_env = config.env_factory()
+def build_sessions(config: EnvProviderConfig, auth: AuthConfig | None = None,
+                   reward_address: str | None = None) -> ProviderSessions:  # fmt: skip
+    """``reward_address``: the mesh's reward service, for ``reward: {type: service}`` naming none."""
+    _, _, make_env = config.env_factory(**reward_ports(auth, reward_address=reward_address))
     return ProviderSessions(make_env, config.env.type, max_sessions=config.max_sessions,
                             step_timeout_s=config.step_timeout_s, session_idle_s=config.session_idle_s,
                             max_action_chars=config.max_action_chars)  # fmt: skip
@@ -247,12 +250,12 @@ class _Collector:
 
 
 # ---------------------------------------------------------------- the process
-def serve(config: EnvProviderConfig, auth: AuthConfig) -> None:
+def serve(config: EnvProviderConfig, auth: AuthConfig, reward_address: str | None = None) -> None:
     """Serve gRPC on ``grpc_port`` and HTTP on ``http_port`` until SIGTERM or SIGINT."""
     import uvicorn
 
     async def start():
-        sessions = build_sessions(config)
+        sessions = build_sessions(config, auth, reward_address)
         server = await start_server(grpc_handler(sessions), SERVICE, config.host, config.grpc_port, auth=auth)
         http = uvicorn.Server(uvicorn.Config(
             create_app(sessions, auth), host=config.host, port=config.http_port, log_level="warning",

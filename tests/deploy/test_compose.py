@@ -48,7 +48,7 @@ def test_every_service_gets_the_token_and_compose_refuses_to_start_without_one(t
     assert res.returncode != 0 and "ROLLMESH_TOKEN" in res.stderr, res.stderr
     services = compose_config()["services"]
     ours = [n for n, s in services.items() if "build" in s]
-    assert len(ours) == 9
+    assert len(ours) == 10
     for name in ours:
         assert services[name]["environment"]["ROLLMESH_TOKEN"] == TOKEN, name
     # The GPU engine execs SGLang with the token it got, which SGLang then checks (--api-key).
@@ -74,6 +74,7 @@ def test_compose_file_is_valid_and_has_both_profiles():
     for shared in ("llm-proxy", "sample-buffer", "controller", "env-manager"):
         assert profiles[shared] == {"cpu", "gpu"}, shared
     assert profiles["gateway"] == {"agents"}  # added to either: external agents beside the EnvManager
+    assert profiles["reward"] == {"rewards"}  # added to either: env_manager.reward {type: service}
     gpu = services["trainer-gpu"]
     assert gpu["command"][0] == "torchrun"
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
@@ -117,7 +118,7 @@ def test_prometheus_targets_are_compose_services_on_their_metrics_ports():
     cfg = load_config(ROOT / "deploy" / "configs" / "compose.yaml")
     ports = {"engine": cfg.engine.port, "llm-proxy": cfg.proxy.metrics_port, "sample-buffer": cfg.buffer.metrics_port,
              "controller": cfg.controller.metrics_port, "env-manager": cfg.env_manager.metrics_port,
-             "trainer": cfg.train_loop.metrics_port}  # fmt: skip
+             "trainer": cfg.train_loop.metrics_port, "reward": cfg.reward_service.metrics_port}  # fmt: skip
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     for job in prom["scrape_configs"]:
         for target in job["static_configs"][0]["targets"]:

@@ -94,6 +94,22 @@ def test_defaults_render_a_disaggregated_gpu_mesh(tmp_path):
         assert address.split(":")[0] in services
 
 
+def test_the_reward_service_renders_when_enabled_and_every_client_finds_it(tmp_path):
+    assert ("Deployment", "t-rollmesh-reward") not in by_kind_name(render())  # off by default
+    docs = render("reward.enabled=true", "reward.replicas=2", "config.env_manager.reward.type=service",
+                  "config.reward_service.reward=math_verify")  # fmt: skip
+    objs = by_kind_name(docs)
+    deployment = objs[("Deployment", "t-rollmesh-reward")]
+    c = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert deployment["spec"]["replicas"] == 2 and c["command"][:3] == ["rollmesh", "serve", "reward"]
+    assert c["readinessProbe"]["grpc"]["port"] == c["ports"][0]["containerPort"] == 50057
+    cfg = load_config(_config_file(tmp_path, docs))
+    assert cfg.mesh.reward == "t-rollmesh-reward:50057" and ("Service", "t-rollmesh-reward") in objs
+    assert (cfg.reward_service.host, cfg.reward_service.port, cfg.reward_service.reward) == ("0.0.0.0", 50057,
+                                                                                          "math_verify")  # fmt: skip
+    assert cfg.env_manager.reward.type == "service" and cfg.env_manager.reward.address is None  # → mesh.reward
+
+
 def _config_file(tmp_path: Path, docs: list[dict]) -> Path:
     path = tmp_path / "rendered.yaml"
     path.write_text(by_kind_name(docs)[("ConfigMap", "t-rollmesh-config")]["data"]["config.yaml"])

@@ -37,3 +37,9 @@ def busy(response: str, answer: str) -> float:
 
 def always_raise(response: str, answer: str) -> float:
     raise ValueError("no answer can be read")
+
+
+def misbehave(response: str, answer: str) -> float:
+    """Each fault on cue (hang, crash, raise); otherwise an exact match."""
+    {"hang": hang, "crash": crash, "raise": raise_}.get(response, lambda r, a: 1.0)(response, answer)
+    return float(response == answer)

@@ -60,9 +60,10 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
 {{- $proxy := include "rollmesh.address" (dict "root" . "component" "llm-proxy" "port" .Values.proxy.port) -}}
 {{- $buffer := include "rollmesh.address" (dict "root" . "component" "sample-buffer" "port" .Values.buffer.port) -}}
 {{- $controller := include "rollmesh.address" (dict "root" . "component" "controller" "port" .Values.controller.port) -}}
+{{- $reward := include "rollmesh.address" (dict "root" . "component" "reward" "port" .Values.reward.port) -}}
 {{- $mesh := dict
   "model_path" .Values.model.path
-  "mesh" (dict "proxy" $proxy "buffer" $buffer "controller" $controller)
+  "mesh" (dict "proxy" $proxy "buffer" $buffer "controller" $controller "reward" $reward)
   "engine" (dict "host" "0.0.0.0" "port" .Values.engine.port)
   "proxy" (dict "engine_urls" $urls "host" "0.0.0.0" "port" .Values.proxy.port "metrics_port" .Values.proxy.metricsPort)
   "buffer" (dict "backend" "redis" "redis_url" (include "rollmesh.redisUrl" .) "key_prefix" (printf "rollmesh:%s" .Release.Name)
@@ -70,6 +71,7 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
   "controller" (dict "host" "0.0.0.0" "port" .Values.controller.port "metrics_port" .Values.controller.metricsPort)
   "env_manager" (dict "host" "0.0.0.0" "port" .Values.envManager.port "metrics_port" .Values.envManager.metricsPort)
   "gateway" (dict "host" "0.0.0.0" "port" .Values.gateway.port)
+  "reward_service" (dict "host" "0.0.0.0" "port" .Values.reward.port "metrics_port" .Values.reward.metricsPort)
   "train_loop" (dict "run_dir" (printf "%s/%s" .Values.runs.mountPath .Release.Name) "metrics_host" "0.0.0.0"
                      "metrics_port" .Values.trainer.metricsPort)
 -}}

@@ -1,0 +1,1 @@
+"""The reward service: one verifier pool scoring answers for the whole mesh."""

@@ -1,0 +1,129 @@
+"""gRPC RewardService: ``Score`` over one hosted reward, for every client of the mesh.
+
+The hosted reward is what an environment would call in-process (rollout/rewards.py,
+rollout/verifiers): a function runs in reward worker processes (``RewardPool``: a hang or crash
+costs one score and the worker is replaced), the code reward in its sandbox, the judge through
+an LLMProxy. Each score runs in a thread of a bounded pool (``max_concurrent``) so the event loop
+keeps answering; its wait for a thread and its run are bounded by the caller's timeout and the
+service's own. A verifier that raises or does not finish in time scores 0, with the cause in
+the reply and in ``rollmesh_reward_scores_total``; so does a fault the hosted reward contained
+(a worker killed, a sandbox limit hit, a judge with no verdict), by its own cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from rollout.reward_pool import RewardPool
+from rollout.rewards import build_reward
+from services.grpc_util import serve_until_signal, start_server, unary_service
+from services.metrics import serve_metrics
+from services.pb.rollmesh.v1 import reward_pb2 as pb
+from services.reward.config import RewardServiceConfig
+from services.reward.metrics import SCORE_OUTCOMES, RewardMetrics
+
+log = logging.getLogger(__name__)
+SERVICE = "rollmesh.v1.RewardService"
+
+
+class RewardService:
+    """The plain object behind the servicer: a hosted reward, a thread pool and the bounds."""
+
+    def __init__(self, config: RewardServiceConfig, reward) -> None:
+        self.config, self.reward = config, reward
+        self.metrics = RewardMetrics(reward)
+        # The pooled rewards say why a score is 0 (a worker's timeout, a sandbox's memory limit);
+        # a plain function's only faults are the ones caught here.
+        self._scored = getattr(reward, "scored", None) or (lambda response, answer: (reward(response, answer), ""))
+        self._threads = ThreadPoolExecutor(config.max_concurrent, thread_name_prefix="score")
+        self.outcomes: Counter[str] = Counter()
+
+    async def score(self, response: str, answer: str, timeout_s: float) -> tuple[float, str, float]:
+        """(reward, failure cause or "", seconds) within ``timeout_s`` (0: the service's own)."""
+        limit = min(timeout_s or self.config.timeout_s, self.config.timeout_s)
+        t0 = time.monotonic()
+        self.metrics.in_flight.inc()
+        try:
+            # The thread is not killed at the deadline; the hosted rewards bound their own runs.
+            work = asyncio.get_running_loop().run_in_executor(self._threads, self._scored, response, answer)
+            reward, failure = await asyncio.wait_for(work, limit)
+            reward = float(reward)
+        except TimeoutError:
+            reward, failure = 0.0, "timeout"
+        except Exception as e:  # the verifier's fault costs this score, never the service
+            log.warning("reward raised %s: %s (scored 0)", type(e).__name__, e)
+            reward, failure = 0.0, "raised"
+        finally:
+            self.metrics.in_flight.dec()
+        seconds = time.monotonic() - t0
+        outcome = "ok" if not failure else failure if failure in SCORE_OUTCOMES else "fault"
+        self.outcomes[outcome] += 1
+        self.metrics.scores.labels(outcome).inc()
+        self.metrics.seconds.observe(seconds)
+        return reward, failure, seconds
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self.reward, "close"):
+            self.reward.close()
+
+
+def build_handler(service: RewardService) -> grpc.GenericRpcHandler:
+    c = service.config
+    name = c.reward if isinstance(c.reward, str) else c.reward.type
+
+    async def describe(req: pb.RewardDescribeRequest, ctx) -> pb.RewardDescribeResponse:
+        return pb.RewardDescribeResponse(reward=name, max_concurrent=c.max_concurrent, timeout_s=c.timeout_s)
+
+    async def score(req: pb.ScoreRequest, ctx) -> pb.ScoreResponse:
+        if not (0 <= req.timeout_s < math.inf):
+            why = f"timeout_s: must be a finite number >= 0 (0 = the service's {c.timeout_s:g} s), got {req.timeout_s}"
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        for field in ("response", "answer"):
+            if len(getattr(req, field)) > c.max_chars:
+                why = f"{field}: {len(getattr(req, field))} characters, more than max_chars {c.max_chars}"
+                await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        reward, failure, seconds = await service.score(req.response, req.answer, req.timeout_s)
+        return pb.ScoreResponse(reward=reward, failure=failure, seconds=seconds)
+
+    return unary_service(SERVICE, {"Describe": (pb.RewardDescribeRequest, describe),
+                                   "Score": (pb.ScoreRequest, score)})  # fmt: skip
+
+
+def hosted_reward(config: RewardServiceConfig, ports: dict):
+    """The reward the service scores with: a function in worker processes, or a variant."""
+    if isinstance(config.reward, str):
+        build_reward(config.reward)  # a function that cannot be imported fails here, not in a worker
+        return RewardPool(config.reward, config.workers, config.timeout_s)
+    return build_reward(config.reward, **ports)
+
+
+def serve(cfg) -> None:
+    """``cfg``: the whole run config (the reward_service section; mesh.proxy for a judge)."""
+    from services.llm_proxy.client import ProxyClient
+    from services.reward.ports import reward_ports
+
+    async def start():
+        config: RewardServiceConfig = cfg.reward_service
+        proxy = ProxyClient(cfg.mesh.proxy, auth=cfg.auth)
+        ports = reward_ports(cfg.auth, proxy=proxy, tokenizer_path=config.tokenizer_path or cfg.model_path)
+        service = RewardService(config, hosted_reward(config, ports))
+        server = await start_server(build_handler(service), SERVICE, config.host, config.port, auth=cfg.auth)
+        serve_metrics(service.metrics.registry, config.host, config.metrics_port, "RewardService")
+        log.info("RewardService (%s) serving on %s:%d", config.reward, config.host, server.bound_port)
+
+        async def cleanup() -> None:
+            log.info("scored %d answers (%s)", service.outcomes.total(), dict(service.outcomes))
+            service.close()
+            await proxy.close()
+
+        return server, cleanup
+
+    serve_until_signal(start)
