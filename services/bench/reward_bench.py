@@ -8,7 +8,9 @@
   (min(max(T_min, λ·T_anchor), T_max)): sandbox seconds and wall seconds of each, and the correct
   answers the adaptive limit lost (it should lose none).
 - **Throughput.** Sandbox runs/s of a trivial program at 1 and 2 concurrent runs, and math-verify
-  scores/s in-process and in 1 and 2 reward workers (``rollout/reward_pool.py``).
+  scores/s in-process, in 1 and 2 reward workers (``rollout/reward_pool.py``) and in a reward
+  service of 2 workers over gRPC (``services/reward``), with one score's latency there and in a
+  local worker: what the service's hop costs.
 """
 
 from __future__ import annotations
@@ -113,4 +115,45 @@ def run(tasks: int, per_task: int, base_s: float, hang_share: float, fixed_s: fl
         assert all(s == 1.0 for s in scores), "math-verify disagreed with itself in a worker"
         out[f"math_verify_per_s_workers_{n}"] = round(len(answers) / wall, 1)
         progress(f"math-verify, {n} worker(s): {len(answers) / wall:.1f} scores/s")
+    out |= _through_the_service(answers, progress)
     return out
+
+
+def _through_the_service(answers: list[tuple[str, str]], progress) -> dict:
+    """math-verify in a reward service (`rollmesh serve reward`, 2 workers) over gRPC from 4 callers,
+    beside the 2 in-process workers above; and one score's latency, one caller, each way."""
+    import statistics
+
+    from rollout.reward_pool import RewardPool
+    from services.auth import ensure_token
+    from services.config import load_config
+    from services.launch import start_service_process, stop_process
+    from services.reward.client import RewardClient
+
+    auth = ensure_token(load_config().auth)  # the service process inherits it
+    proc, address = start_service_process("reward", "reward_service", ["reward=math_verify", "workers=2",
+                                                                       "metrics_port=0"], auth=auth)  # fmt: skip
+    pool = RewardPool("math_verify", workers=1, timeout_s=30)
+    try:
+        client = RewardClient(address, timeout_s=30, auth=auth)
+        _score_all(lambda _: client("1", "1"), range(4), 4)  # the service's workers start: not timed
+        scores, wall = _score_all(lambda it: client(*it), answers, 4)
+        assert all(s == 1.0 for s in scores), "math-verify disagreed with itself in the reward service"
+        pool("1", "1")
+
+        def latency_ms(score) -> float:
+            times = []
+            for r, a in answers[:50]:
+                t0 = time.perf_counter()
+                score(r, a)
+                times.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(times)
+
+        service_ms, pool_ms = latency_ms(client), latency_ms(pool)
+    finally:
+        pool.close()
+        stop_process(proc)
+    progress(f"math-verify in the reward service (2 workers, 4 callers): {len(answers) / wall:.1f} scores/s; "
+             f"one score {service_ms:.2f} ms vs {pool_ms:.2f} ms in a local worker")  # fmt: skip
+    return {"math_verify_per_s_service_2_workers": round(len(answers) / wall, 1),
+            "score_ms_p50_service": round(service_ms, 2), "score_ms_p50_local_worker": round(pool_ms, 2)}  # fmt: skip
