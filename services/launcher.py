@@ -130,10 +130,10 @@ def _gpus(name: str | None) -> dict[str, str]:
 
 
 def needs_reward_service(cfg) -> bool:
-    """The EnvManager scores through the mesh's reward service (``{type: service}``, no address of its own)."""
+    """The task's reward is the mesh's reward service (``{type: service}``, no address of its own): the
+    EnvManager's episodes and the held-out evaluation score there."""
     reward = cfg.env_manager.reward
-    return cfg.run.rollout == "env_manager" and not isinstance(reward, str) and reward.type == "service" \
-        and reward.address is None  # fmt: skip
+    return not isinstance(reward, str) and reward.type == "service" and reward.address is None
 
 
 def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path, placement: Placement | None = None) -> Mesh:
@@ -176,6 +176,13 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path, placeme
             "controller", "controller", ctl, log_path=logs / "controller.log", **up
         )
         mesh.services.append(Supervised("controller", proc, logs / "controller.log"))
+        if needs_reward_service(cfg):
+            proc, mesh.reward = start_service_process(
+                "reward", "reward_service",
+                [*overrides, *mesh.wiring, f"reward_service.metrics_port={mesh.metrics_port('reward')}"],
+                log_path=logs / "reward.log", **up,
+            )  # fmt: skip
+            mesh.services.append(Supervised("reward", proc, logs / "reward.log"))
         if cfg.run.rollout == "gateway":  # external agents make the rollouts
             proc, mesh.gateway = start_gateway_process(
                 [*overrides, *mesh.wiring], cfg.gateway.port or free_port(), log_path=logs / "gateway.log", **up
@@ -183,13 +190,6 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path, placeme
             mesh.metrics["gateway"] = [mesh.gateway.split("://", 1)[1]]  # /metrics beside the API
             mesh.services.append(Supervised("gateway", proc, logs / "gateway.log"))
         else:
-            if needs_reward_service(cfg):
-                proc, mesh.reward = start_service_process(
-                    "reward", "reward_service",
-                    [*overrides, *mesh.wiring, f"reward_service.metrics_port={mesh.metrics_port('reward')}"],
-                    log_path=logs / "reward.log", **up,
-                )  # fmt: skip
-                mesh.services.append(Supervised("reward", proc, logs / "reward.log"))
             proc, _ = start_service_process(
                 "env-manager", "env_manager",
                 [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager')}"],
