@@ -4,7 +4,8 @@ that hangs or crashes costs that one score, never the run.
 ``RewardPool(name, workers, timeout_s)`` is a reward function (``pool(response, answer)``) like
 the ones in ``rollout/rewards.py``, so an environment calls it as it calls any reward. Each call
 borrows a worker (at most ``workers`` run at once; a call waits for a free one), sends it the
-response and answer, and waits up to ``timeout_s``. A verifier that raises scores 0 (``raised``);
+response and answer, and waits up to ``timeout_s`` (the wait for a worker included: ``busy`` when
+none came free). A verifier that raises scores 0 (``raised``);
 one that runs past its timeout is killed and its worker replaced (``timeout``); a worker that dies
 (a crash, ``os._exit``, the OOM killer) is replaced (``crashed``). Every failure is counted by
 cause in ``failures``. Workers start on first use, with the ``spawn`` method: the caller may run
@@ -20,12 +21,13 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
+import time
 from collections import Counter
 from multiprocessing.connection import Connection
 
 log = logging.getLogger(__name__)
 
-FAILURE_CAUSES = ("raised", "timeout", "crashed")
+FAILURE_CAUSES = ("raised", "timeout", "crashed", "busy")
 
 
 def _serve(name: str, conn: Connection) -> None:
@@ -70,29 +72,42 @@ class RewardPool:
         self._idle: queue.Queue[_Worker | None] = queue.Queue()
         self._lock = threading.Lock()
         self._all: list[_Worker] = []
+        self._closed = False
         for _ in range(workers):
             self._idle.put(None)  # a slot; its worker starts on first use
 
     def __call__(self, response: str, answer: str) -> float:
         return self.scored(response, answer)[0]
 
-    def scored(self, response: str, answer: str) -> tuple[float, str]:
-        """The score and, when a fault cut it to 0, its cause ("" otherwise)."""
-        worker = self._idle.get()  # the concurrency limit: a call waits for a free worker
+    def scored(self, response: str, answer: str, timeout_s: float | None = None) -> tuple[float, str]:
+        """The score and, when a fault cut it to 0, its cause ("" otherwise). ``timeout_s``: the
+        caller's own bound, when shorter than the pool's; it covers the wait for a free worker too
+        (none in time: ``busy``)."""
+        limit = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        deadline = time.monotonic() + limit
         try:
+            worker = self._idle.get(timeout=limit)  # the concurrency limit: a call waits for a free worker
+        except queue.Empty:
+            with self._lock:
+                self.failures["busy"] += 1
+            return 0.0, "busy"
+        try:
+            if self._closed:
+                raise RuntimeError(f"reward pool {self.name}: closed")
             worker = worker or self._start()
-            reward, cause, worker = self._score(worker, response, answer)
+            reward, cause, worker = self._score(worker, response, answer, max(0.01, deadline - time.monotonic()))
             return reward, cause
         finally:
             self._idle.put(worker)
 
-    def _score(self, worker: _Worker, response: str, answer: str) -> tuple[float, str, _Worker | None]:
+    def _score(self, worker: _Worker, response: str, answer: str,
+               limit: float) -> tuple[float, str, _Worker | None]:  # fmt: skip
         with self._lock:
             self.calls += 1
         try:
             worker.conn.send((response, answer))
-            if not worker.conn.poll(self.timeout_s):
-                return self._failed("timeout", worker, f"no score within {self.timeout_s:g} s: killed")
+            if not worker.conn.poll(limit):
+                return self._failed("timeout", worker, f"no score within {limit:g} s: killed")
             status, value = worker.conn.recv()
         except (EOFError, OSError) as e:  # the worker died under the call
             return self._failed("crashed", worker, f"the worker died ({type(e).__name__}; exit code "
@@ -108,7 +123,8 @@ class RewardPool:
         worker.kill()
         with self._lock:
             self.failures[cause] += 1
-            self._all.remove(worker)
+            if worker in self._all:  # not when the pool closed meanwhile
+                self._all.remove(worker)
         log.warning("reward %s: %s (scored 0; the worker is replaced)", self.name, why)
         return 0.0, cause, None  # its slot starts a fresh worker on next use
 
@@ -120,6 +136,7 @@ class RewardPool:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True  # a call still waiting for a slot starts no worker
             workers, self._all = self._all, []
         for w in workers:
             w.kill()

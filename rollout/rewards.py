@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from rollout.ports import Rewarder
 from sample_buffer.registry import resolve
+
+if TYPE_CHECKING:  # reward workers import this module: they need none of the ports' imports
+    from rollout.ports import Rewarder
 
 
 def exact_match(response: str, answer: str) -> float:

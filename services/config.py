@@ -185,6 +185,18 @@ class RollmeshConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _the_reward_service_answers_in_time(self) -> RollmeshConfig:
+        reward, service = self.env_manager.reward, self.reward_service
+        if isinstance(reward, str) or reward.type != "service" or reward.address is not None:
+            return self  # not the mesh's own service: its bound is not known here
+        if service.timeout_s > reward.timeout_s:
+            raise ValueError(f"env_manager.reward.timeout_s ({reward.timeout_s:g} s) is shorter than a score of the "
+                             f"mesh's reward service may take (reward_service.timeout_s: {service.timeout_s:g} s), so "
+                             "scores it would still finish are cut: raise the first (within env_manager.episode."
+                             "step_timeout_s) or lower the second")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
     def _heldout_episodes_need_seeds(self) -> RollmeshConfig:
         if self.run.heldout_episodes and self.env_manager.env.type != "remote":
             raise ValueError("run.heldout_episodes: held-out seeds are a remote environment's (env_manager.env.type "

@@ -13,11 +13,12 @@ class HeldOut:
     accuracy: float
     unanswered: int  # prompts whose answer failed or timed out: scored as wrong
     first_error: str = ""
+    scoring_faults: int = 0  # answers the reward could not score (a verifier's fault, the service away): wrong
 
     def __str__(self) -> str:
-        if not self.unanswered:
-            return f"{self.accuracy:.3f}"
-        return f"{self.accuracy:.3f} ({self.unanswered} unanswered, scored wrong: {self.first_error})"
+        notes = [f"{self.unanswered} unanswered, scored wrong: {self.first_error}"] if self.unanswered else []
+        notes += [f"{self.scoring_faults} not scored (reward faults), counted wrong"] if self.scoring_faults else []
+        return f"{self.accuracy:.3f}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
@@ -66,9 +67,14 @@ async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
             response = tok.decode(out.output_ids, skip_special_tokens=True)
             score = reward if inline else functools.partial(asyncio.to_thread, reward)
             scored.append(score(response, row["answer"]))
-    scores = scored if inline else await asyncio.gather(*scored)
+    faults = sum(getattr(reward, "failures", {}).values())
+    try:
+        scores = scored if inline else await asyncio.gather(*scored)
+    finally:
+        getattr(reward, "close", lambda: None)()  # the reward service's channel
+    faults = sum(getattr(reward, "failures", {}).values()) - faults
     first = f"{type(errors[0]).__name__}: {errors[0]}" if errors else ""
-    return HeldOut(sum(s >= 1.0 for s in scores) / len(rows), len(errors), first)
+    return HeldOut(sum(s >= 1.0 for s in scores) / len(rows), len(errors), first, faults)
 
 
 async def heldout_episodes(proxy_address: str, cfg) -> HeldOut:

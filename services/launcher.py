@@ -279,7 +279,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         if history:
             plot_rewards(history, run_dir / "reward_curve.png")
         held = asyncio.run(evaluate(proxy_addr, cfg)) if evaluate is not None else None
-        if held is not None and held.unanswered:
+        if held is not None and (held.unanswered or held.scoring_faults):
             console.print(f"[red]held-out: {held}[/]")
         acc = held.accuracy if held is not None else float("nan")
         last5 = [m["reward_mean"] for m in history[-5:]]

@@ -90,12 +90,13 @@ class CodeReward:
     def __call__(self, response: str, answer: str) -> float:
         return self.scored(response, answer)[0]
 
-    def scored(self, response: str, answer: str) -> tuple[float, str]:
+    def scored(self, response: str, answer: str, timeout_s: float | None = None) -> tuple[float, str]:
         """The score and, when a contained fault cut it to 0, its cause ("" otherwise: a wrong answer
-        is no fault)."""
+        is no fault). ``timeout_s``: the caller's own bound, when shorter than the run's limit."""
         task = parse_task(answer)
         key = str(task.get("task_id", ""))
-        limit = self.anchors.timeout_for(key)
+        adaptive = self.anchors.timeout_for(key)
+        limit = adaptive if timeout_s is None else min(adaptive, timeout_s)
         # Passing is exit 0 *and* a marker the program prints after the tests: an answer that exits
         # early with 0 (sys.exit(0), os._exit(0): a known reward hack of code RL) never prints it.
         # The marker is new each run and the program comes on stdin, so the answer cannot read it
@@ -105,7 +106,7 @@ class CodeReward:
         result = self.sandbox.run(program, timeout_s=limit)
         with self._lock:
             self.sandbox_seconds += result.seconds
-            if result.outcome == "timeout" and limit < self.config.timeout.t_max_s:
+            if result.outcome == "timeout" and limit == adaptive < self.config.timeout.t_max_s:
                 self.adaptive_cuts += 1
             if result.outcome == "ok" and result.stdout.rstrip().rpartition("\n")[2] != marker:
                 self.early_exits += 1

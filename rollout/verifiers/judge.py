@@ -120,8 +120,9 @@ class JudgeReward:
     def __call__(self, response: str, answer: str) -> float:
         return self.scored(response, answer)[0]
 
-    def scored(self, response: str, answer: str) -> tuple[float, str]:
-        """The score and, when the judge gave none, the cause of its 0 ("" otherwise)."""
+    def scored(self, response: str, answer: str, timeout_s: float | None = None) -> tuple[float, str]:
+        """The score and, when the judge gave none, the cause of its 0 ("" otherwise). ``timeout_s``:
+        the caller's own bound, when shorter than the judge's."""
         try:
             on_loop = asyncio.get_running_loop() is self.loop
         except RuntimeError:  # no loop runs in this thread: the normal case (an environment's step thread)
@@ -129,8 +130,9 @@ class JudgeReward:
         if on_loop:
             raise RuntimeError("the judge reward waits for its event loop: call it from another thread")
         c = self.config
-        deadline = time.monotonic() + c.timeout_s
-        if not self._slots.acquire(timeout=c.timeout_s):
+        limit = c.timeout_s if timeout_s is None else min(timeout_s, c.timeout_s)
+        deadline = time.monotonic() + limit
+        if not self._slots.acquire(timeout=limit):
             return self._failed("timeout")
         try:
             with self._lock:

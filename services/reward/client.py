@@ -60,8 +60,10 @@ class RewardClient:
                                   request_id=uuid.uuid4().hex[:12])  # fmt: skip
         deadline = time.monotonic() + self.timeout_s + GRACE_S
         while True:
+            left = deadline - time.monotonic()
+            request.timeout_s = max(0.01, left - GRACE_S)  # the service bounds its work by what is left
             try:
-                reply = self._score(request, timeout=max(0.01, deadline - time.monotonic()), metadata=self._metadata)
+                reply = self._score(request, timeout=max(0.01, left), metadata=self._metadata)
                 break
             except grpc.RpcError as e:
                 # Not there (yet, or again: a restart is back within seconds): ask again until the deadline.

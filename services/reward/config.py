@@ -20,7 +20,8 @@ class RewardServiceConfig(BaseModel):
         "exact_match",
         description="What it scores with: a function's name in rollout.rewards or 'module:function' (run in "
         "`workers` processes), {type: code} (the sandbox) or {type: judge} (a judge model through an LLMProxy: "
-        "the mesh's, mesh.proxy, unless the judge names its own).",
+        "the mesh's, mesh.proxy, unless the judge names its own; its tokenizer: the run's model_path unless "
+        "it names one).",
     )
     workers: int = Field(
         2,
@@ -33,16 +34,13 @@ class RewardServiceConfig(BaseModel):
         None,
         gt=0,
         description="The longest one score may take here, s; a caller's shorter timeout wins. Null: the reward's "
-        "own bound (code and judge), 30 s for a function (its worker is killed past it).",
+        "own bound (code and judge), 15 s for a function (its worker is killed past it).",
     )
     max_concurrent: int = Field(
         32, ge=1, description="Score calls being worked on at once (each holds a thread); more wait in line."
     )
     max_chars: int = Field(
         1_000_000, ge=1, description="A longer response or answer is refused (INVALID_ARGUMENT naming the field)."
-    )
-    tokenizer_path: str | None = Field(
-        None, description="The judge's tokenizer when reward.tokenizer_path is null; default: the run's model_path."
     )
 
     @field_validator("reward")
@@ -58,5 +56,5 @@ class RewardServiceConfig(BaseModel):
     @model_validator(mode="after")
     def _bound(self) -> RewardServiceConfig:
         if self.timeout_s is None:
-            self.timeout_s = 30.0 if isinstance(self.reward, str) else self.reward.max_seconds()
+            self.timeout_s = 15.0 if isinstance(self.reward, str) else self.reward.max_seconds()
         return self

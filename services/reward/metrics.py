@@ -7,8 +7,10 @@ from prometheus_client.core import CounterMetricFamily
 
 from services.metrics import SLOW_BUCKETS_S, histogram, init_labels
 
-# ok; timeout and raised: cut here; fault: contained by the hosted reward (its cause in *_reward_failures)
-SCORE_OUTCOMES = ("ok", "timeout", "raised", "fault")
+# ok, or why a score is 0: timeout (here or the verifier's own bound), raised, busy (no free verifier
+# before the caller's deadline), fault (any other cause the verifier contained: crashed, memory, ...;
+# by cause in rollmesh_reward_reward_failures_total)
+SCORE_OUTCOMES = ("ok", "timeout", "raised", "busy", "fault")
 
 
 def reward_families(reward, prefix: str) -> list:
@@ -42,7 +44,7 @@ class RewardMetrics:
     def __init__(self, reward) -> None:
         self.registry = r = CollectorRegistry()
         self.scores = Counter("rollmesh_reward_scores", "Score calls answered, by outcome (all but ok score 0: "
-                              "timeout, raised, or a fault the hosted reward contained)", ["outcome"],
+                              "timeout, raised, busy, or another fault the verifier contained)", ["outcome"],
                               registry=r)  # fmt: skip
         init_labels(self.scores, *SCORE_OUTCOMES)
         self.seconds = histogram(r, "rollmesh_reward_score_seconds", "One score, the wait for a free slot included",

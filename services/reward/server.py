@@ -31,6 +31,7 @@ from services.reward.metrics import SCORE_OUTCOMES, RewardMetrics
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.RewardService"
+GRACE_S = 0.5  # past a score's limit, for the hosted reward's own bounded answer to come back
 
 
 class RewardService:
@@ -41,24 +42,25 @@ class RewardService:
         self.metrics = RewardMetrics(reward)
         # The pooled rewards say why a score is 0 (a worker's timeout, a sandbox's memory limit);
         # a plain function's only faults are the ones caught here.
-        self._scored = getattr(reward, "scored", None) or (lambda response, answer: (reward(response, answer), ""))
+        self._scored = getattr(reward, "scored", None) or (lambda r, a, timeout_s=None: (reward(r, a), ""))
         self._threads = ThreadPoolExecutor(config.max_concurrent, thread_name_prefix="score")
         self.outcomes: Counter[str] = Counter()
 
-    async def score(self, response: str, answer: str, timeout_s: float) -> tuple[float, str, float]:
+    async def score(self, response: str, answer: str, timeout_s: float,
+                    request_id: str = "") -> tuple[float, str, float]:  # fmt: skip
         """(reward, failure cause or "", seconds) within ``timeout_s`` (0: the service's own)."""
         limit = min(timeout_s or self.config.timeout_s, self.config.timeout_s)
         t0 = time.monotonic()
         self.metrics.in_flight.inc()
         try:
-            # The thread is not killed at the deadline; the hosted rewards bound their own runs.
-            work = asyncio.get_running_loop().run_in_executor(self._threads, self._scored, response, answer)
-            reward, failure = await asyncio.wait_for(work, limit)
+            # The hosted reward gets the time left and bounds its own run (a thread is never killed).
+            work = asyncio.get_running_loop().run_in_executor(self._threads, self._run, response, answer, t0 + limit)
+            reward, failure = await asyncio.wait_for(work, limit + GRACE_S)
             reward = float(reward)
         except TimeoutError:
             reward, failure = 0.0, "timeout"
         except Exception as e:  # the verifier's fault costs this score, never the service
-            log.warning("reward raised %s: %s (scored 0)", type(e).__name__, e)
+            log.warning("score %s: the reward raised %s: %s (scored 0)", request_id, type(e).__name__, e)
             reward, failure = 0.0, "raised"
         finally:
             self.metrics.in_flight.dec()
@@ -68,6 +70,12 @@ class RewardService:
         self.metrics.scores.labels(outcome).inc()
         self.metrics.seconds.observe(seconds)
         return reward, failure, seconds
+
+    def _run(self, response: str, answer: str, deadline: float) -> tuple[float, str]:
+        left = deadline - time.monotonic()
+        if left <= 0:  # it waited for a thread until its caller gave up: not worth scoring now
+            return 0.0, "busy"
+        return self._scored(response, answer, timeout_s=left)
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
@@ -90,7 +98,7 @@ def build_handler(service: RewardService) -> grpc.GenericRpcHandler:
             if len(getattr(req, field)) > c.max_chars:
                 why = f"{field}: {len(getattr(req, field))} characters, more than max_chars {c.max_chars}"
                 await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-        reward, failure, seconds = await service.score(req.response, req.answer, req.timeout_s)
+        reward, failure, seconds = await service.score(req.response, req.answer, req.timeout_s, req.request_id)
         return pb.ScoreResponse(reward=reward, failure=failure, seconds=seconds)
 
     return unary_service(SERVICE, {"Describe": (pb.RewardDescribeRequest, describe),
@@ -113,9 +121,11 @@ def serve(cfg) -> None:
     async def start():
         config: RewardServiceConfig = cfg.reward_service
         proxy = ProxyClient(cfg.mesh.proxy, auth=cfg.auth)
-        ports = reward_ports(cfg.auth, proxy=proxy, tokenizer_path=config.tokenizer_path or cfg.model_path)
+        ports = reward_ports(cfg.auth, proxy=proxy, tokenizer_path=cfg.model_path)
         service = RewardService(config, hosted_reward(config, ports))
-        server = await start_server(build_handler(service), SERVICE, config.host, config.port, auth=cfg.auth)
+        # Requests up to max_chars of (up to 4-byte) characters in each field are refused by name, not by size.
+        options = [("grpc.max_receive_message_length", 8 * config.max_chars + 65_536)]
+        server = await start_server(build_handler(service), SERVICE, config.host, config.port, options, cfg.auth)
         serve_metrics(service.metrics.registry, config.host, config.metrics_port, "RewardService")
         log.info("RewardService (%s) serving on %s:%d", config.reward, config.host, server.bound_port)
 

@@ -43,3 +43,8 @@ def misbehave(response: str, answer: str) -> float:
     """Each fault on cue (hang, crash, raise); otherwise an exact match."""
     {"hang": hang, "crash": crash, "raise": raise_}.get(response, lambda r, a: 1.0)(response, answer)
     return float(response == answer)
+
+
+def length_share(response: str, answer: str) -> float:
+    """A reward that differs between answers, also a random model's (0.01 a character)."""
+    return len(response) / 100

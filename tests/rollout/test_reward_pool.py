@@ -27,7 +27,28 @@ def test_scores_match_the_function_and_at_most_workers_run_at_once():
         pool.close()
     assert scores == [1.0, 0.0, 1.0, 0.0]
     assert 0.55 < took < 3.0  # 4 calls of 0.3 s, 2 at a time: two rounds, not one
-    assert dict(pool.failures) == {"raised": 0, "timeout": 0, "crashed": 0}
+    assert dict(pool.failures) == {"raised": 0, "timeout": 0, "crashed": 0, "busy": 0}
+
+
+def test_a_caller_bound_covers_the_wait_for_a_worker():
+    """``scored(..., timeout_s)``: a call that finds no free worker within its own bound is 0, busy,
+    and starts nothing; one that gets a worker has only the time left for its score."""
+    pool = RewardPool(f"{FNS}:hang", workers=1, timeout_s=3.0)
+    try:
+        pool("warm", "")
+        with ThreadPoolExecutor(1) as ex:
+            hung = ex.submit(pool.scored, "hang", "")  # holds the one worker for 3 s
+            time.sleep(0.3)
+            t0 = time.perf_counter()
+            assert pool.scored("fine", "", timeout_s=0.5) == (0.0, "busy")
+            waited = time.perf_counter() - t0
+            assert hung.result() == (0.0, "timeout")
+        t0 = time.perf_counter()
+        assert pool.scored("hang", "", timeout_s=0.5) == (0.0, "timeout")  # cut at the caller's 0.5 s, not 3
+        cut = time.perf_counter() - t0
+    finally:
+        pool.close()
+    assert 0.45 < waited < 1.5 and cut < 2.5 and pool.failures["busy"] == 1
 
 
 @pytest.mark.parametrize(("fn", "bad", "cause"), [("hang", "hang", "timeout"), ("crash", "crash", "crashed"),

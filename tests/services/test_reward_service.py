@@ -61,7 +61,7 @@ def test_math_verify_scores_free_form_answers_in_the_service(math_service):
     assert client("41", "42") == 0.0  # wrong, not a fault
     assert sum(client.failures.values()) == 0 and client.calls == 3
     described = call(address, "Describe", pb.RewardDescribeRequest())
-    assert described.reward == "math_verify" and described.timeout_s == 30.0
+    assert described.reward == "math_verify" and described.timeout_s == 15.0
     assert metric(metrics, 'rollmesh_reward_scores_total{outcome="ok"}') == 3.0
 
 
@@ -89,23 +89,25 @@ def test_a_call_without_the_token_is_refused(math_service, token):
 def test_a_verifier_that_hangs_crashes_or_raises_costs_one_score_and_the_service_keeps_serving():
     """A function reward runs in worker processes: a hang is cut at the service's timeout_s and its
     worker killed, a crash kills its worker, a raise is caught; each scores 0 with its cause, at the
-    client and on the service's /metrics, and the next right answer scores 1."""
+    client and on the service's /metrics, and the next right answer scores 1. (5 s: a replaced
+    worker's start, a spawned Python, counts against its first score.)"""
     proc, address, metrics = start_reward_service("reward=tests.rollout.reward_fns:misbehave", "workers=2",
-                                                  "timeout_s=2")  # fmt: skip
+                                                  "timeout_s=5")  # fmt: skip
     try:
         client = RewardClient(address, timeout_s=10)
         assert client("warm", "warm") == 1.0  # the workers start on first use
         t0 = time.monotonic()
         assert client("hang", "x") == 0.0
-        assert time.monotonic() - t0 < 5
+        assert 4.5 < time.monotonic() - t0 < 8
         assert client("crash", "x") == 0.0
         assert client("raise", "x") == 0.0
+        assert metric(metrics, 'rollmesh_reward_scores_total{outcome="raised"}') == 1.0
         assert [client(a, "right") for a in ("right", "wrong", "right")] == [1.0, 0.0, 1.0]
         assert (client.failures["timeout"], client.failures["crashed"], client.failures["raised"]) == (1, 1, 1)
         assert metric(metrics, 'rollmesh_reward_reward_failures_total{cause="crashed"}') == 1.0
         assert metric(metrics, 'rollmesh_reward_scores_total{outcome="ok"}') == 4.0
-        assert metric(metrics, 'rollmesh_reward_scores_total{outcome="fault"}') + metric(
-            metrics, 'rollmesh_reward_scores_total{outcome="timeout"}') == 2.0  # fmt: skip
+        assert metric(metrics, 'rollmesh_reward_scores_total{outcome="timeout"}') == 1.0
+        assert metric(metrics, 'rollmesh_reward_scores_total{outcome="fault"}') == 1.0  # crashed
     finally:
         stop_process(proc)
 
@@ -136,9 +138,10 @@ def test_a_client_waits_out_a_service_that_starts_late():
 
 
 def test_the_env_manager_scores_its_episodes_in_the_reward_service(engine_url, tiny_model):
-    """reward: {type: service}: every episode's reward comes from the service (exact match here, in
-    its worker processes), and the EnvManager counts no failure."""
-    proc, address, metrics = start_reward_service("reward=exact_match")
+    """reward: {type: service}: every episode's reward comes from the service (a reward of the answer's
+    length here, so a random model's answers differ; in the service's worker processes), exactly, and
+    the EnvManager counts no failure."""
+    proc, address, metrics = start_reward_service("reward=tests.rollout.reward_fns:length_share")
     try:
         reward = {"type": "service", "address": address}
         manager, groups, text, _ = asyncio.run(two_groups_with(engine_url, tiny_model, reward=reward))
@@ -147,16 +150,13 @@ def test_the_env_manager_scores_its_episodes_in_the_reward_service(engine_url, t
         stop_process(proc)
     from transformers import AutoTokenizer
 
-    from rollout.envs import load_jsonl
-    from services.env_manager.config import EnvManagerConfig
-
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    rows = {f"p{i}": r for i, r in enumerate(load_jsonl(EnvManagerConfig().dataset_path))}
     assert len(groups) == 2 and scored >= manager.counters["trajectories_put"] == 4
     for g in groups:
         for t in g.trajectories:
             said = tok.decode(t.token_ids.tolist()[-int(t.loss_mask.sum()) :], skip_special_tokens=True)
-            assert t.reward == float(said.strip() == rows[g.prompt_id]["answer"].strip())
+            assert t.reward == len(said) / 100
+    assert any(t.reward > 0 for g in groups for t in g.trajectories)  # a value, not float32's approximation of it
     assert 'rollmesh_env_reward_failures_total{cause="unreachable"} 0.0' in text
 
 
@@ -175,7 +175,7 @@ def test_a_judge_hosted_in_the_reward_service_scores_a_heldout_evaluation(engine
     judge = '{type: judge, template: "{answer} {response} Verdict:", verdict_pattern: "()", scores: {"": 1.0}, ' \
             'max_new_tokens: 2, timeout_s: 20}'  # fmt: skip
     cfg = load_config(None, [f"model_path={tiny_model}", f"run.heldout_path={heldout}",
-                             f"reward_service.reward={judge}", "env_manager.reward={type: service}",
+                             f"reward_service.reward={judge}", "env_manager.reward={type: service, timeout_s: 25}",
                              "env_manager.episode.sampling.max_new_tokens=2"])  # fmt: skip
     # A judge in the evaluation itself is refused, naming the way out.
     with pytest.raises(ValueError, match="rollmesh serve reward"):
@@ -208,6 +208,10 @@ def test_the_config_refuses_a_service_scoring_through_another_and_workers_in_fro
         load_config(None, ["env_manager.reward={type: service}", "env_manager.reward_workers.workers=2"])
     with pytest.raises(ConfigError, match="step_timeout_s"):
         load_config(None, ["env_manager.reward={type: service, timeout_s: 60}"])
+    # The mesh's own service may take longer than its client waits: refused at load.
+    with pytest.raises(ConfigError, match="reward_service.timeout_s"):
+        load_config(None, ["env_manager.reward={type: service}", "reward_service.reward={type: judge}"])
+    load_config(None, ["env_manager.reward={type: service, timeout_s: 25}", "reward_service.reward={type: judge}"])
     cfg = load_config(None, ["reward_service.reward={type: code}"])
     assert cfg.reward_service.timeout_s == cfg.reward_service.reward.max_seconds()  # the reward's own bound
     assert ServiceRewardConfig().max_seconds() < load_config(None).env_manager.episode.step_timeout_s
