@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: setup run test proto lint format bench model clean servers vllm
+.PHONY: setup run test proto lint format bench model clean servers vllm gpu-check
 
 setup: $(STAMP)
 
@@ -95,6 +95,11 @@ bench: $(STAMP) model servers models/tiny-digits/config.json $(VLLM_STAMP)
 	.venv/bin/rollmesh bench weights --json
 	.venv/bin/rollmesh bench chaos --model $(MODEL) --json
 	.venv/bin/rollmesh bench offpolicy --model models/tiny-digits --json
+
+# The GPU path measured (docs/gpu.md): needs a CUDA GPU and torch's CUDA build (make gpu-check TORCH=torch);
+# not part of `make test`. Prints one JSON line; exits 2 without CUDA.
+gpu-check: $(STAMP)
+	$(PY) -m services.cli bench gpu --json
 
 clean:
 	rm -rf .venv .venv-vllm .pytest_cache .ruff_cache

@@ -463,6 +463,27 @@ def bench_offpolicy(
     _emit(_checked(run, str(model), loss or None, ratio or None, steps, seeds, str(out), _progress(json_)), json_)
 
 
+@bench_app.command("gpu")
+def bench_gpu(
+    steps: int = typer.Option(5, help="Training steps to time (packed and unpacked)."),
+    num_prompts: int = typer.Option(256, help="Prompts the engine and generate answer."),
+    max_new_tokens: int = typer.Option(128, help="Longest response, in tokens."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """The GPU path on a Qwen2-0.5B-shaped model (`make gpu-check`): a bf16 training step, the engine
+    on CUDA vs generate, CUDA-IPC and NCCL weight updates. Exits 2 without CUDA, 1 if a part failed."""
+    from services.bench.gpu_check import NoCuda, run
+
+    try:
+        result = _checked(run, steps, num_prompts, max_new_tokens, _progress(json_))
+    except NoCuda as e:
+        typer.echo(f"gpu-check: {e}; run it on a machine with a CUDA GPU and torch's CUDA build", err=True)
+        raise typer.Exit(2) from None
+    _emit(result, json_)
+    if result["failed_sections"]:
+        raise typer.Exit(1)
+
+
 def _checked(fn, *args):
     """``fn(*args)``; a bad option value (``BadOption`` naming it) exits 2 with the message, no traceback."""
     from services.bench import BadOption

@@ -53,7 +53,8 @@ def mismatch(model, prompts, outs) -> dict:
     deltas = []
     for prompt, out in zip(prompts, outs):
         with torch.inference_mode():
-            logp = torch.log_softmax(model(torch.tensor([prompt + out.output_ids])).logits[0].float(), -1)
+            ids = torch.tensor([prompt + out.output_ids], device=model.device)
+            logp = torch.log_softmax(model(ids).logits[0].float(), -1).cpu()
         ref = logp[len(prompt) - 1 : -1].gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
         deltas += (ref - torch.tensor(out.behavior_logprobs)).abs().tolist()
     return {"mean": float(f"{sum(deltas) / len(deltas):.3g}"), "max": float(f"{max(deltas):.3g}")}
@@ -74,8 +75,8 @@ def _hf_run(model, prompts, lengths, batch_size: int) -> float:
     for i in range(0, len(prompts), batch_size):
         batch, want = prompts[i : i + batch_size], lengths[i : i + batch_size]
         width = max(map(len, batch))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         with torch.inference_mode():
             model.generate(
                 input_ids=ids,
@@ -87,11 +88,14 @@ def _hf_run(model, prompts, lengths, batch_size: int) -> float:
                 top_k=0,
                 pad_token_id=0,
             )
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
 def run(model_path: str, num_prompts: int = 256, max_new_tokens: int = 128, batch_size: int = 64,
-        vllm: bool = True, progress=print) -> dict:  # fmt: skip
+        vllm: bool = True, progress=print, device: str = "cpu", dtype: str = "float32") -> dict:  # fmt: skip
+    """``device``/``dtype``: of the embedded engine and of HF generate alike (vLLM keeps its own)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if vllm:
@@ -108,17 +112,20 @@ def run(model_path: str, num_prompts: int = 256, max_new_tokens: int = 128, batc
     useful = sum(lengths)
     walls, outs = {}, {}
     progress(f"embedded engine: {num_prompts} prompts, {useful} tokens")
-    walls["embedded"], outs["embedded"] = _served(model_path, [f"max_running_requests={batch_size}"], prompts, lengths)
+    embedded = [f"max_running_requests={batch_size}", f"device={device}", f"dtype={dtype}"]
+    walls["embedded"], outs["embedded"] = _served(model_path, embedded, prompts, lengths)
     if vllm:
         progress("vLLM (starting takes a minute or two)")
         extra = ["type=vllm", f"max_num_seqs={batch_size}", f"max_model_len={48 + max_new_tokens + 16}"]
         walls["vllm"], outs["vllm"] = _served(model_path, extra, prompts, lengths, "vllm")
     progress("HF generate")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     _hf_run(model, prompts[:16], lengths[:16], batch_size)  # warm-up
     walls["hf_generate"] = _hf_run(model, prompts, lengths, batch_size)
     result = {
         "model": model_path,
+        "device": device,
+        "dtype": dtype,
         "num_prompts": num_prompts,
         "useful_tokens": useful,
         "p50_len": sorted(lengths)[len(lengths) // 2],

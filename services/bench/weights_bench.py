@@ -11,9 +11,12 @@ transport's update is timed in its two phases, as the training loop runs them:
 
 ``collective_gloo`` is the ``collective`` transport on CPU; its first update also makes the group
 (the median hides that once). ``ipc_shm`` is the ``ipc`` transport on CPU (shared memory instead
-of CUDA IPC handles). NCCL and CUDA IPC need GPUs, and are not timed here.
+of CUDA IPC handles). ``ipc_cuda`` and ``collective_nccl`` are the same transports on a GPU; the
+GPU check (``services/bench/gpu_check.py``) times them.
 
-Each number is the median of ``repeats`` updates, each to a new version whose weights differ.
+Each number is the median of ``repeats`` updates, each to a new version whose weights differ. After
+the last update of each transport every engine's ``/get_weight_version`` checksum must equal the
+trainer's over the weights it exported (``<transport>_checksums_equal``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,40 @@ def _model(out: Path, hidden_size: int, layers: int) -> Path:
     cfg = TinyModelConfig(hidden_size=hidden_size, intermediate_size=3 * hidden_size, num_hidden_layers=layers,
                           num_attention_heads=heads, num_key_value_heads=kv_heads)  # fmt: skip
     return build_tiny_model(out, cfg)
+
+
+CPU_TRANSPORTS = ("disk", "http_buckets", "ipc_shm", "collective_gloo")
+
+
+def _publisher(name: str, client, run_dir: Path, bucket_mb: int):
+    from services.trainer.collective_publisher import CollectivePublisher
+    from services.trainer.publishers import BucketPublisher, DiskPublisher, IpcPublisher
+
+    builders = {
+        "disk": lambda: DiskPublisher(client, run_dir),
+        "http_buckets": lambda: BucketPublisher(client, run_dir, bucket_mb=bucket_mb),
+        "ipc_shm": lambda: IpcPublisher(client, run_dir, bucket_mb=bucket_mb),
+        "ipc_cuda": lambda: IpcPublisher(client, run_dir, bucket_mb=bucket_mb),
+        "collective_gloo": lambda: CollectivePublisher(client, run_dir, bucket_mb=bucket_mb, backend="gloo"),
+        "collective_nccl": lambda: CollectivePublisher(client, run_dir, bucket_mb=bucket_mb, backend="nccl"),
+    }
+    if name not in builders:
+        raise BadOption(f"transport: one of {sorted(builders)}, got {name!r}")
+    return builders[name]()
+
+
+async def _checksums_equal(trainer, engine_urls: list[str]) -> bool:
+    """Every engine reports the checksum of the trainer's current weights (what it exported)."""
+    import httpx
+
+    from rollout.engines.embedded.weights import weights_checksum
+    from services.auth import AuthConfig, http_headers
+
+    want = weights_checksum(trainer.model.state_dict())  # one process: the engine's own names, tied copies too
+    auth = AuthConfig()
+    async with httpx.AsyncClient(headers=http_headers(auth), verify=auth.client_ssl() or True, timeout=60) as http:
+        got = [(await http.get(f"{url}/get_weight_version")).json()["checksum"] for url in engine_urls]
+    return all(g == want for g in got)
 
 
 async def _updates(publisher, trainer, proxy_client, first_version: int, repeats: int, timeout_s: float) -> dict:
@@ -61,11 +98,13 @@ async def _updates(publisher, trainer, proxy_client, first_version: int, repeats
 
 
 def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int = 3, bucket_mb: int = 256,
-        progress=print) -> dict:  # fmt: skip
-    """Time ``repeats`` updates through ``disk`` and ``http_buckets``; returns the medians."""
+        progress=print, model_path: str | None = None, transports: tuple[str, ...] = CPU_TRANSPORTS,
+        engine_env: dict[str, str] | None = None) -> dict:  # fmt: skip
+    """Time ``repeats`` updates through each of ``transports``; returns the medians. ``model_path``:
+    serve and train that model instead of a random one of ``hidden_size`` x ``layers``;
+    ``engine_env``: added to the engines' environment (``CUDA_VISIBLE_DEVICES``)."""
     from services.llm_proxy.client import ProxyClient
     from services.trainer.collective_publisher import CollectivePublisher
-    from services.trainer.publishers import BucketPublisher, DiskPublisher, IpcPublisher
     from trainer.config import TrainerConfig
     from trainer.engine import TrainEngine
 
@@ -75,7 +114,7 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
             raise BadOption(f"--{name}: must be >= {low}, got {value}")
     procs = []
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-weights-") as tmp:
-        model = _model(Path(tmp) / "model", hidden_size, layers)
+        model = Path(model_path) if model_path else _model(Path(tmp) / "model", hidden_size, layers)
         trainer = TrainEngine(TrainerConfig(model_path=str(model)))
         n_params = sum(p.numel() for p in trainer.model.parameters())
         gb = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / 1e9
@@ -83,7 +122,7 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
         try:
             urls = []
             for _ in range(engines):
-                proc, url = start_engine_process(str(model))
+                proc, url = start_engine_process(str(model), timeout_s=600, env=engine_env)
                 procs.append(proc)
                 urls.append(url)
             proxy, address = start_service_process("llm-proxy", "proxy", [f"engine_urls=[{','.join(urls)}]",
@@ -94,18 +133,12 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
                 client = ProxyClient(address)
                 try:
                     out = {}
-                    transports = {
-                        "disk": DiskPublisher(client, Path(tmp) / "run"),
-                        "http_buckets": BucketPublisher(client, Path(tmp) / "run", bucket_mb=bucket_mb),
-                        "ipc_shm": IpcPublisher(client, Path(tmp) / "run", bucket_mb=bucket_mb),
-                        "collective_gloo": CollectivePublisher(
-                            client, Path(tmp) / "run", bucket_mb=bucket_mb, backend="gloo"
-                        ),  # fmt: skip
-                    }
-                    for i, (name, publisher) in enumerate(transports.items()):
+                    for i, name in enumerate(transports):
+                        publisher = _publisher(name, client, Path(tmp) / "run", bucket_mb)
                         progress(f"{name}: {repeats} update(s)")
                         out[name] = await _updates(publisher, trainer, client, 1 + i * repeats, repeats, 600.0)
                         out[name]["gb_per_s"] = gb / out[name]["load_s"]
+                        out[name]["checksums_equal"] = await _checksums_equal(trainer, urls)
                         if isinstance(publisher, CollectivePublisher):  # the group is made by the first update
                             publisher.close()
                     return out
@@ -116,13 +149,16 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
         finally:
             for p in procs:
                 stop_process(p)
+    rounded = {
+        f"{name}_{m}": v if isinstance(v, bool) else round(v, 3) for name, r in result.items() for m, v in r.items()
+    }
+    speedups = {f"load_speedup_{name}_vs_disk": round(result["disk"]["load_s"] / r["load_s"], 2)
+                for name, r in result.items() if name != "disk" and "disk" in result}  # fmt: skip
     return {
         "params_m": round(n_params / 1e6, 1),
         "model_gb": round(gb, 3),
         "engines": engines,
         "bucket_mb": bucket_mb,
-        **{f"{name}_{m}": round(v, 3) for name, r in result.items() for m, v in r.items()},
-        "load_speedup_buckets_vs_disk": round(result["disk"]["load_s"] / result["http_buckets"]["load_s"], 2),
-        "load_speedup_gloo_vs_disk": round(result["disk"]["load_s"] / result["collective_gloo"]["load_s"], 2),
-        "load_speedup_ipc_vs_disk": round(result["disk"]["load_s"] / result["ipc_shm"]["load_s"], 2),
+        **rounded,
+        **speedups,
     }

@@ -17,7 +17,8 @@ def test_bench_weights_times_every_cpu_transport():
     for transport in ("disk", "http_buckets", "ipc_shm", "collective_gloo"):  # every engine confirmed every version
         assert out[f"{transport}_load_s"] > 0 and out[f"{transport}_export_s"] > 0
         assert out[f"{transport}_gb_per_s"] > 0
-    assert out["load_speedup_buckets_vs_disk"] > 0 and out["load_speedup_gloo_vs_disk"] > 0
+        assert out[f"{transport}_checksums_equal"] is True  # each engine holds exactly the trainer's weights
+    assert out["load_speedup_http_buckets_vs_disk"] > 0 and out["load_speedup_collective_gloo_vs_disk"] > 0
 
 
 def test_bench_weights_refuses_a_bad_option():
