@@ -214,6 +214,31 @@ def run(
     raise typer.Exit(run_mesh(config, set_, fresh))
 
 
+@app.command("config")
+def config_(
+    show: Path = typer.Option(None, "--show", help="Print this run config resolved, every default filled in."),
+    set_: list[str] = SetOpt,
+    docs: bool = typer.Option(False, "--docs", help="Write the config reference (every key) to --out."),
+    out: Path = typer.Option(Path("docs/config.md"), help="Where --docs writes."),
+) -> None:
+    """The run config: one resolved (`--show CONFIG`), or the reference of every key (`--docs`)."""
+    import yaml
+
+    if docs and (show is not None or set_):
+        typer.echo("error: --docs takes no config; give --docs or --show CONFIG", err=True)
+        raise typer.Exit(2)
+    if docs:
+        from services.config_docs import write
+
+        typer.echo(f"wrote {write(out)}")
+        return
+    if show is None:
+        typer.echo("error: give --show CONFIG (with any --set) or --docs", err=True)
+        raise typer.Exit(2)
+    # Secrets print masked (SecretStr), never as given.
+    typer.echo(yaml.safe_dump(_config(show, set_).model_dump(mode="json"), sort_keys=False), nl=False)
+
+
 @app.command()
 def compare(
     run_dirs: list[Path] = typer.Argument(..., help="Run directories (`train_loop.run_dir` of `rollmesh run`)."),

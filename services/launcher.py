@@ -24,6 +24,7 @@ from rich.console import Console
 from services.auth import ensure_token
 from services.compare import SUMMARY
 from services.config import load_config
+from services.cpu_threads import thread_overrides, usable_cores
 from services.device_map import Placement, gpus_per_engine, place, visible_gpus
 from services.evaluation import evaluator
 from services.launch import (
@@ -36,6 +37,7 @@ from services.launch import (
 )
 from services.metrics import serve_metrics
 from services.metrics_log import LOST_STEPS, continue_from
+from services.run_progress import RunProgress
 from services.supervisor import GaveUp, RestartsCollector, Supervised
 
 
@@ -228,6 +230,10 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         console.print(f"[red]config error: {e}[/]")
         return 2
     ensure_token(cfg.auth)  # one per run, inherited by every process started below
+    threads, line = thread_overrides(cfg, usable_cores())
+    if line:
+        console.print(line)
+    overrides = [*overrides, *threads]
 
     def _on_sigterm(signum, frame):  # stop the mesh on SIGTERM as on Ctrl-C, never leave orphans
         raise KeyboardInterrupt
@@ -252,7 +258,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         if evaluate is not None:  # when resuming: the restored weights, as the engines now serve them
             acc0 = asyncio.run(evaluate(proxy_addr, cfg))
             console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {acc0}")
-        _, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
+        earlier, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
         trainer_proc = start_trainer(config_path, overrides, mesh, logs / "trainer.log", placement.trainer_procs,
                                      placement.trainer)  # fmt: skip
         trainer = Supervised("trainer", trainer_proc, logs / "trainer.log", finishes=True,
@@ -263,21 +269,21 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         serve_metrics(launcher_registry, "127.0.0.1", int(mesh.metrics_port("launcher")), "rollmesh run")
         mesh.write_scrape_targets(run_dir / "prometheus_targets.json")
         console.print(f"metrics: Prometheus file_sd targets in {run_dir / 'prometheus_targets.json'}")
-        while trainer.proc.poll() != 0:  # the trainer exits 0 once it has trained every step
-            time.sleep(1.0)
-            for s in supervised:  # a service that died comes back (a trainer resumes from its checkpoint)
-                s.check(cfg.run.max_restarts, lambda line: console.print(f"[red]{line}[/]"))
-            new, seen = _tail_metrics(run_dir / "metrics.jsonl", seen)
-            for m in new:
-                console.print(
-                    f"step {m['step']:4d}  reward {m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
-                    f"staleness max {m['staleness_max']}  {m['tokens'] / max(m['time_train_s'], 1e-9):,.0f} tok/s train"
-                    + (f"  turns {m['turns_mean']:.2f}" if m.get("turns_mean", 1) != 1 else "")
-                    + (f"  over target {m['turns_over_target_share']:.0%}" if "turns_over_target_share" in m else "")
-                )
+        progress = RunProgress(console, cfg.train_loop.steps, earlier[-1]["step"] if earlier else 0)
+        try:
+            while trainer.proc.poll() != 0:  # the trainer exits 0 once it has trained every step
+                time.sleep(1.0)
+                for s in supervised:  # a service that died comes back (a trainer resumes from its checkpoint)
+                    s.check(cfg.run.max_restarts, lambda line: console.print(f"[red]{line}[/]"))
+                new, seen = _tail_metrics(run_dir / "metrics.jsonl", seen)
+                for m in new:
+                    progress.step(m)
+        finally:
+            progress.close()
         history, _ = _tail_metrics(run_dir / "metrics.jsonl", 0)  # the curve as it stands, resumes included
+        curve = run_dir / "reward_curve.png"
         if history:
-            plot_rewards(history, run_dir / "reward_curve.png")
+            plot_rewards(history, curve)
         held = asyncio.run(evaluate(proxy_addr, cfg)) if evaluate is not None else None
         if held is not None and (held.unanswered or held.scoring_faults):
             console.print(f"[red]held-out: {held}[/]")
@@ -299,6 +305,8 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
             f"wall_s={summary['wall_s']:.1f}",
             flush=True,
         )
+        if history:
+            print(f"reward curve: {curve}  metrics: {run_dir / 'metrics.jsonl'}", flush=True)
         return 0
     except GaveUp as e:
         console.print(f"[red]{e}[/]")

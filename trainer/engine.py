@@ -10,6 +10,7 @@ averaged gradients equal the single-process gradient of the whole batch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import random
 from collections import defaultdict
@@ -33,6 +34,8 @@ from trainer.losses import (
     value_loss,
 )
 from trainer.packing import gather_token_logprobs, pack_rows, packed_inputs, padded_inputs, plan_micro_batches
+
+log = logging.getLogger(__name__)
 
 
 def _world() -> tuple[int, int]:
@@ -119,6 +122,8 @@ class TrainEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        log.info("torch threads: %d (%s)", torch.get_num_threads(),
+                 "trainer.num_threads" if config.num_threads else "torch's default: every core")  # fmt: skip
         torch.manual_seed(config.seed)
         dtype = getattr(torch, config.dtype)
         self.model = self._prepare(AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype))

@@ -96,6 +96,8 @@ class EmbeddedEngine(SchedulerCommands):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        log.info("torch threads: %d (%s)", torch.get_num_threads(),
+                 "engine.num_threads" if config.num_threads else "torch's default: every core")  # fmt: skip
         if config.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
