@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: setup run test proto lint format bench model clean servers vllm gpu-check
+.PHONY: setup run test proto lint format bench model clean servers vllm gpu-check examples
 
 setup: $(STAMP)
 
@@ -67,6 +67,19 @@ vllm: $(VLLM_STAMP)
 # The quickstart: the whole mesh on this machine, GRPO on "find the digit" (kq7x -> 7).
 run: $(STAMP) models/tiny-digits/config.json
 	.venv/bin/rollmesh run examples/quickstart.yaml --fresh
+
+# The examples' learning runs, one after another (docs/examples.md has what each learns; hours on
+# 2 cores): the quickstart, SmolLM2 on math and on code, and the digit task with a second try in an
+# environment provider process. Each writes runs/<name>/ (metrics.jsonl, reward_curve.png, summary.json).
+examples: $(STAMP) servers models/tiny-digits/config.json $(SMOLLM2)/config.json
+	.venv/bin/rollmesh run examples/quickstart.yaml --fresh
+	.venv/bin/rollmesh run examples/agentic/answer_in_time.yaml --fresh
+	.venv/bin/rollmesh run examples/smollm2-math.yaml --fresh
+	.venv/bin/rollmesh run examples/code/smollm2-code.yaml --fresh
+	export ROLLMESH_TOKEN=$$(.venv/bin/python -c "import secrets; print(secrets.token_hex(16))"); \
+	.venv/bin/rollmesh serve env-provider --env single_turn --set env_provider.env.tries=2 \
+	  --set env_provider.dataset_path=examples/find_digit_train.jsonl --set env_provider.reward=digit_answer & \
+	provider=$$!; .venv/bin/rollmesh run examples/agentic/digit_retry.yaml --fresh; rc=$$?; kill $$provider; exit $$rc
 
 test: $(STAMP) servers $(SMOLLM2)/config.json $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -358,7 +358,9 @@ def bench_async(
     warmup: int = typer.Option(2, help="Steps before measuring (the pipeline fills)."),
     engines: int = typer.Option(2, help="Simulated engines (identical in every scenario)."),
     time_scale: float = typer.Option(25.0, help="Simulated seconds per wall second."),
-    scenario: list[str] = typer.Option([], "--scenario", help="Run only these (repeatable); default all."),
+    scenario: list[str] = typer.Option(
+        [], "--scenario", help="Run only these (repeatable; also of --tail and --providers); default all."
+    ),
     agentic: bool = typer.Option(True, help="Also run the agentic variant (sync_batch and async_2)."),
     keep: Path = typer.Option(None, help="Keep every scenario's config, logs and metrics.jsonl in this directory."),
     suspend_mode: str = typer.Option("in_place", help="controller.suspend_mode of every scenario: in_place|continue."),

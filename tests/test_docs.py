@@ -94,3 +94,12 @@ def test_config_show_names_a_bad_key_and_exits_2():
            "--set", "engine.max_runing_requests=7"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown key 'engine.max_runing_requests'" in proc.stderr
+
+
+def test_every_relative_link_in_the_docs_points_at_a_file():
+    broken = []
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" not in target and not (path.parent / target).exists():
+                broken.append(f"{path}: {target}")
+    assert not broken, broken

@@ -73,24 +73,31 @@ def test_rollmesh_run_on_vllm_engines(tiny_model, tmp_path):
     assert after <= before, "vLLM processes left running after rollmesh run returned"
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize(("example", "start"), [("examples/smollm2-math.yaml", (0.1, 0.6)),  # measured 0.38
-                                               ("examples/code/smollm2-code.yaml", (0.5, 0.95))])  # 0.75  # fmt: skip
-def test_the_smollm2_examples_run_a_few_steps(smollm2, tmp_path, example, start):
+@pytest.mark.parametrize("example", ["examples/smollm2-math.yaml", "examples/code/smollm2-code.yaml"])
+def test_the_smollm2_examples_run_a_few_steps(smollm2, tmp_path, example):
     """`examples/smollm2-math.yaml` (reasoning-gym data, math-verify rewards) and
     `examples/code/smollm2-code.yaml` (code tasks, rewards from running the answer in the sandbox)
-    as shipped, with a real model, cut to 2 steps of 2 prompts: each trains, publishes and scores
-    its held-out set."""
+    as shipped, with a real model, cut to 2 steps of 2 prompts and the first 8 problems of the
+    held-out set: each trains, publishes and scores its held-out problems before and after. (What
+    they learn in 40 steps is `make examples`' and docs/examples.md's.)"""
+    import yaml
+
+    config = yaml.safe_load(Path(example).read_text())
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(Path(config["run"]["heldout_path"]).read_text().splitlines(keepends=True)[:8]))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "run", example, "--set", f"model_path={smollm2}",
-           "--set", f"train_loop.run_dir={run_dir}", "--set", "train_loop.steps=2",
-           "--set", "controller.groups_per_step=2"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840)
+    cmd = [sys.executable, "-m", "services.cli", "run", example]
+    for o in (f"model_path={smollm2}", f"train_loop.run_dir={run_dir}", "train_loop.steps=2",
+              "controller.groups_per_step=2", f"run.heldout_path={heldout}"):  # fmt: skip
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     before = re.search(r"^held-out accuracy before training: ([\d.]+)$", proc.stdout, re.M)
     final = re.search(r"^final: steps=2 reward_mean_last5=([\d.]+) heldout_accuracy=([\d.]+)", proc.stdout, re.M)
     assert before and final, proc.stdout[-2000:]
-    assert start[0] <= float(before.group(1)) <= start[1]  # the model starts where RL has room
+    # Greedy answers to 8 problems, scored by the real verifier: the first 8 have right and wrong
+    # answers both (math 0.38 and code 0.75 over the whole held-out sets).
+    assert 0.0 < float(before.group(1)) < 1.0
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2] and all(m["published"] and m["tokens"] > 0 for m in steps)
     assert all(0.0 <= m["reward_mean"] <= 1.0 for m in steps)
@@ -140,65 +147,60 @@ def test_sigterm_stops_every_service(tiny_model, tmp_path):
     assert leftovers.stdout.strip() == "", "services still running after SIGTERM"
 
 
-@pytest.mark.timeout(600)  # two runs of the mesh: 150 steps, then 5 more
-def test_quickstart_learns_well_above_chance_and_resumes_where_it_stopped(tmp_path):
-    """The quickstart cut to 150 steps (~2 min): held-out accuracy must rise far above chance (0.1).
-    (The full 300-step quickstart reaches ~0.9; at 100 steps runs measured 0.8-0.9, but RL on a tiny
-    model has unlucky runs, so the bar is set at several times chance, not at the full target.)
-    Then the whole mesh starts again for 5 more steps in the same run directory: the engines serve
-    the checkpoint's weights from the start (held-out accuracy as at step 150), the trainer goes on
-    at step 151 and the metrics continue the curve."""
+def test_quickstart_learns_above_chance_in_50_steps_and_resumes_where_it_stopped(tmp_path):
+    """The quickstart cut to 50 steps (~40 s): held-out accuracy must rise well above chance (0.1;
+    runs measured 0.56-0.59 at 50 steps; the full 300 steps reach 0.91-1.00 in `make examples`).
+    Then the whole mesh starts again for 3 more steps in the same run directory: the engines serve
+    the checkpoint's weights from the start (held-out accuracy as at step 50), the trainer goes on
+    at step 51 and the metrics continue the curve."""
     from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
     model = str(build_tiny_model(tmp_path / "tiny-digits", TinyModelConfig(digit_prior_steps=100)))
     run_dir = tmp_path / "run"
-    cmd = quickstart_cmd(model, run_dir, "train_loop.steps=150", "train_loop.checkpoint_every=150")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    cmd = quickstart_cmd(model, run_dir, "train_loop.steps=50", "train_loop.checkpoint_every=50")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     before = re.search(r"held-out accuracy before training: ([\d.]+)", proc.stdout)
-    final = re.search(r"^final: steps=150 .* heldout_accuracy=([\d.]+)", proc.stdout, re.M)
+    final = re.search(r"^final: steps=50 .* heldout_accuracy=([\d.]+)", proc.stdout, re.M)
     assert before and final, proc.stdout[-2000:]
     assert float(before.group(1)) < 0.25  # the format prior answers digits, at chance on which one
-    assert float(final.group(1)) >= 0.35, proc.stdout[-2000:]
-    # No collapse: with an entropy bonus, 3 runs of 6 went uniform over the vocabulary (reward 0 for
-    # dozens of steps from then on); without one, no step after the 20th measured below 0.10 here.
-    # Checked as 3 steps in a row: one CI run (stop 28) had a single step at 0.0 in a run that
-    # otherwise learned (held-out >= 0.35 at the end); that glitch has not been reproduced since.
-    rewards = [json.loads(x)["reward_mean"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    collapsed = [i for i in range(20, len(rewards) - 2) if max(rewards[i : i + 3]) <= 0.03]
-    assert not collapsed, [round(r, 3) for r in rewards]
+    assert float(final.group(1)) >= 0.3, proc.stdout[-2000:]
+    assert re.search(r"^step 50/50  reward [\d.]+ .* elapsed [\d:]+  eta 0:00$", proc.stdout, re.M), proc.stdout[-1000:]
+    assert f"reward curve: {run_dir / 'reward_curve.png'}" in proc.stdout
 
-    cmd = quickstart_cmd(model, run_dir, "train_loop.steps=155", "train_loop.checkpoint_every=150")
+    cmd = quickstart_cmd(model, run_dir, "train_loop.steps=53", "train_loop.checkpoint_every=50")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     at_resume = re.search(r"held-out accuracy at resume: ([\d.]+)", proc.stdout)
     assert "resuming from" in proc.stdout and at_resume, proc.stdout[-2000:]
     # Greedy answers from the same weights; only batching can flip a near-tie.
     assert abs(float(at_resume.group(1)) - float(final.group(1))) <= 0.05, proc.stdout[-2000:]
-    assert re.search(r"^final: steps=155 ", proc.stdout, re.M), proc.stdout[-2000:]
+    assert re.search(r"^final: steps=53 ", proc.stdout, re.M), proc.stdout[-2000:]
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 156))
-    assert '"version": 155' in (run_dir / "controller.json").read_text()
+    assert steps == list(range(1, 54))
+    assert '"version": 53' in (run_dir / "controller.json").read_text()
 
 
 @pytest.mark.timeout(900)
 def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained_twice(tiny_model):
-    """`rollmesh bench chaos` without its undisturbed baseline: the engine, LLMProxy, controller,
-    SampleBuffer, redis-server, EnvManager and trainer each get SIGKILL mid-run (the buffer on
-    Redis); the run trains every step, and every group the buffer stored is accounted for."""
+    """`rollmesh bench chaos` without its undisturbed baseline, on a fixed schedule: the engine,
+    LLMProxy, controller, SampleBuffer, redis-server, EnvManager and trainer each get SIGKILL 0.2 s
+    after a step ends (the buffer on Redis); the run trains every step, and every group the buffer
+    stored is accounted for. (The bench kills at random moments within a step.)"""
     from services.bench.chaos_bench import SERVICES, run
 
     lines: list[str] = []
-    result = run(tiny_model, steps_between=1, baseline=False, progress=lines.append)
+    result = run(tiny_model, steps_between=1, baseline=False, progress=lines.append, kill_delay_s=0.2)
+    shown = json.dumps(result)  # every number, whatever fails (how long each took is the bench's to report)
     assert list(result["kill_to_next_step_s"]) == list(SERVICES), lines
     # 0.0: a step already under way when the service died (rounded to 0.1 s)
-    assert all(0 <= s < 120 for s in result["kill_to_next_step_s"].values()), result
+    assert all(s >= 0 for s in result["kill_to_next_step_s"].values()), shown
     assert list(result["kill_to_serving_again_s"]) == list(SERVICES)
-    assert all(0 <= s < 120 for s in result["kill_to_serving_again_s"].values()), result
+    assert all(s >= 0 for s in result["kill_to_serving_again_s"].values()), shown
     # each came back (a restarted controller that cannot restore yet exits and is started again)
-    assert all(n >= 1 for n in result["restarts_by_the_launcher"].values()), result
-    assert result["groups_lost"] == 0 and result["groups_trained_twice"] == 0, result
-    assert result["groups_trained"] == 2 * result["steps"], result  # every step of the curve, 2 groups each
+    assert all(n >= 1 for n in result["restarts_by_the_launcher"].values()), shown
+    assert result["groups_lost"] == 0 and result["groups_trained_twice"] == 0, shown
+    assert result["groups_trained"] == 2 * result["steps"], shown  # every step of the curve, 2 groups each
     assert result["groups_consumed"] >= result["groups_trained"] + result[
         "groups_trained_by_a_killed_trainer_before_its_checkpoint"]  # fmt: skip
 

@@ -1,64 +1,141 @@
 """Tensors passed by handle between processes on one machine: SGLang's
 ``/update_weights_from_tensor`` contract.
 
-The sender pickles a list of (name, tensor) with torch's multiprocessing pickler: a CUDA tensor
-becomes a CUDA IPC handle (the receiver maps the sender's GPU memory, nothing is copied until it
-loads the weights), a CPU tensor a shared-memory segment by name (the ``file_system`` sharing
-strategy; torch's default, file descriptors, cannot cross between unrelated processes). SGLang
-sends one such payload per tensor-parallel rank, base64-encoded in JSON.
+The sender pickles a list of (name, tensor). A CUDA tensor becomes a CUDA IPC handle through torch's
+multiprocessing pickler (the receiver maps the sender's GPU memory; nothing is copied until it loads
+the weights), as SGLang sends it. CPU tensors are copied into one POSIX shared-memory segment per
+payload (``/dev/shm/rollmesh_w_<random>``) and each is pickled as a reference into it (segment,
+offset, dtype, shape), which the receiver maps read-only and copies out. SGLang sends one such
+payload per tensor-parallel rank, base64-encoded in JSON.
+
+Why not torch's ``file_system`` sharing for CPU tensors: its shared-memory manager is started by
+forking the sending process, and a fork of a trainer with gRPC and server threads running crashed
+in the child under load ("no response from torch_shm_manager", a child's segmentation fault in a
+full test run). Creating a segment forks nothing.
 
 Unpickling runs whatever a payload names, so the receiver's unpickler admits only what torch's
-reductions of tensors and storages need; anything else is refused.
+reductions of CUDA tensors need and rollmesh's segment references; anything else is refused. A
+reference may name only a rollmesh segment, and only bytes inside it.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import mmap
+import os
 import pickle
+import re
+import secrets
 
 import torch
 
 _ALLOWED = {
     ("torch.multiprocessing.reductions", n) for n in (
-        "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage", "rebuild_storage_filename",
-        "rebuild_storage_empty", "rebuild_nested_tensor", "rebuild_sparse_coo_tensor",
+        "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage", "rebuild_storage_empty",
+        "rebuild_nested_tensor", "rebuild_sparse_coo_tensor",
     )
 } | {("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
      ("torch.nn.parameter", "Parameter"), ("torch._utils", "_rebuild_tensor_v2"),
      ("collections", "OrderedDict")}  # fmt: skip
 
+SEGMENT_PREFIX = "rollmesh_w_"
+_SEGMENT = re.compile(rf"{SEGMENT_PREFIX}[0-9a-f]{{16}}")
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+_ALIGN = 64  # each tensor starts on a cache line of the segment
 
-def _torch_segment_only(cls, manager, handle, size, dtype=None):
-    """``rebuild_storage_filename``, for the shared-memory segments torch names (``/torch_...``)
-    only: a payload may not map any other file of /dev/shm into this process."""
-    from torch.multiprocessing.reductions import rebuild_storage_filename
 
-    name = handle.decode(errors="replace") if isinstance(handle, bytes) else str(handle)
-    if not name.startswith("/torch_") or "/" in name[1:]:
-        raise pickle.UnpicklingError(f"shared memory {name!r} is not a torch segment")
-    return rebuild_storage_filename(cls, manager, handle, size, dtype)
+def _shm_tensor(segment: str, offset: int, dtype: str, shape: tuple) -> torch.Tensor:
+    """The tensor at ``offset`` of ``segment``, mapped copy-on-write (the sender's bytes never change)."""
+    if not isinstance(segment, str) or not _SEGMENT.fullmatch(segment):
+        raise pickle.UnpicklingError(f"shared memory {segment!r} is not a rollmesh weight segment")
+    if dtype not in _DTYPES:
+        raise pickle.UnpicklingError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    if not (isinstance(shape, tuple) and all(isinstance(n, int) and n >= 0 for n in shape)):
+        raise pickle.UnpicklingError(f"shape {shape!r} is not a tuple of sizes")
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * _DTYPES[dtype].itemsize
+    fd = os.open(f"/dev/shm/{segment}", os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if not (isinstance(offset, int) and offset >= 0 and offset + nbytes <= size):
+            raise pickle.UnpicklingError(f"bytes {offset}..{offset}+{nbytes} lie outside {segment} ({size} bytes)")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=_DTYPES[dtype])
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=_DTYPES[dtype], count=numel, offset=offset).view(shape)
+
+
+class _SegmentRef:
+    """Pickles as a call of ``_shm_tensor``: what the receiver rebuilds a CPU tensor with."""
+
+    def __init__(self, segment: str, offset: int, dtype: torch.dtype, shape: torch.Size) -> None:
+        self.args = (segment, offset, str(dtype).removeprefix("torch."), tuple(shape))
+
+    def __reduce__(self):
+        return _shm_tensor, self.args
+
+
+class Handles:
+    """One payload and the shared memory its CPU tensors were copied into, which must stay until the
+    receiver has copied them out; ``close()`` frees it (CUDA tensors: their memory is the caller's)."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        from multiprocessing.reduction import ForkingPickler
+
+        self.segment = None
+        cpu = [(n, t.detach().contiguous()) for n, t in named if not t.is_cuda]
+        items, refs = list(named), {}
+        if cpu:
+            spans, total = [], 0
+            for name, t in cpu:
+                if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+                    raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot travel as a weight")
+                spans.append(total)
+                total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            self.segment = _create_segment(max(total, 1))
+            for (name, t), offset in zip(cpu, spans):
+                n = t.numel() * t.element_size()
+                if n:  # one copy, straight into the segment, and no view of it left behind
+                    self.segment.buf[offset : offset + n] = t.reshape(-1).view(torch.uint8).numpy()
+                refs[name] = _SegmentRef(self.segment.name, offset, t.dtype, t.shape)
+            items = [(n, refs.get(n, t)) for n, t in named]
+        buf = io.BytesIO()
+        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(items)
+        self.payload = base64.b64encode(buf.getvalue()).decode()
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment.unlink()
+            self.segment = None
+
+
+def _create_segment(size: int):
+    from multiprocessing import shared_memory
+
+    # The name is random: a receiver can map only a segment whose name a payload it was sent holds.
+    return shared_memory.SharedMemory(name=SEGMENT_PREFIX + secrets.token_hex(8), create=True, size=size)
 
 
 class _TensorsOnly(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename"):
-            return _torch_segment_only
+        if (module, name) == (__name__, "_shm_tensor"):
+            return _shm_tensor
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor handle")
 
 
-def dumps(named: list[tuple[str, torch.Tensor]]) -> str:
-    """(name, tensor) pairs as one base64 payload: handles to the tensors' memory, which must stay
-    alive (and unchanged) until the receiver has loaded them."""
-    from multiprocessing.reduction import ForkingPickler
-
-    if any(not t.is_cuda for _, t in named):
-        torch.multiprocessing.set_sharing_strategy("file_system")  # shareable with an unrelated process
-    buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(list(named))
-    return base64.b64encode(buf.getvalue()).decode()
+def dumps(named: list[tuple[str, torch.Tensor]]) -> Handles:
+    """(name, tensor) pairs as one payload (``.payload``, base64) of handles: CUDA tensors' memory must
+    stay alive and unchanged until the receiver has loaded them; CPU tensors are copied into shared
+    memory that lives until ``.close()``."""
+    return Handles(named)
 
 
 def loads(payload: str | bytes) -> dict[str, torch.Tensor]:

@@ -332,14 +332,12 @@ def run(
     if steps < 1 or warmup < 1 or groups_per_step < 1:
         raise BadOption("steps, warmup and groups_per_step: must be >= 1")
     if tail:
-        return run_tail(tokenizer, steps, warmup, engines, time_scale, progress, keep, suspend_mode, groups_per_step)
+        return run_tail(tokenizer, steps, warmup, engines, time_scale, progress, keep, suspend_mode, groups_per_step,
+                        _chosen(scenarios, TAIL_SCENARIOS))  # fmt: skip
     if providers:
         return run_providers(tokenizer, steps, warmup, engines, time_scale, progress, keep, suspend_mode,
-                             groups_per_step)  # fmt: skip
-    names = scenarios or list(SCENARIOS)
-    unknown = [n for n in names if n not in SCENARIOS]
-    if unknown:
-        raise BadOption(f"scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
+                             groups_per_step, _chosen(scenarios, PROVIDER_SCENARIOS))  # fmt: skip
+    names = _chosen(scenarios, SCENARIOS)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-async-") as d:
         tmp = Path(keep or d)  # kept: configs, logs and metrics.jsonl of every scenario
@@ -378,14 +376,29 @@ TAIL_SCENARIOS = {"sync_batch": SCENARIOS["sync_batch"],
 TAIL_PROMPT_SHARE, TAIL_PROMPTS_SHARE = 0.5, 0.25
 
 
+def _chosen(scenarios: list[str] | None, known: dict) -> list[str]:
+    """``--scenario`` names (default: all of ``known``), each one of ``known``."""
+    names = scenarios or list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise BadOption(f"--scenario: unknown {unknown}; choose from {list(known)}")
+    return names
+
+
+def _ratio(results: dict, a: str, b: str, what: str = "step_s") -> float | None:
+    """results[a][what] / results[b][what], None unless both scenarios ran."""
+    return round(results[a][what] / results[b][what], 3) if a in results and b in results else None
+
+
 def run_tail(tokenizer: str, steps: int, warmup: int, engines: int, time_scale: float, progress, keep,
-             suspend_mode: str, groups_per_step: int) -> dict:  # fmt: skip
+             suspend_mode: str, groups_per_step: int, names: list[str]) -> dict:  # fmt: skip
     results: dict[str, dict] = {}
     tail_prompts = max(1, round(TAIL_PROMPTS_SHARE * groups_per_step))
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-tail-") as d:
         tmp = Path(keep or d)
         tmp.mkdir(parents=True, exist_ok=True)
-        for name, scenario in TAIL_SCENARIOS.items():
+        for name in names:
+            scenario = TAIL_SCENARIOS[name]
             path = _config(tmp, name, scenario, False, engines=engines, time_scale=time_scale, steps=warmup + steps,
                            tokenizer=tokenizer, suspend_mode=suspend_mode, groups_per_step=groups_per_step,
                            prompt_share=TAIL_PROMPT_SHARE, tail_prompts=tail_prompts,
@@ -394,23 +407,19 @@ def run_tail(tokenizer: str, steps: int, warmup: int, engines: int, time_scale: 
             results[name] = r = run_scenario(path, warmup)
             progress(f"{name:12s} {r['step_s']:8.1f} s/step  trained {r['trained_tokens_per_step']:,.0f} tokens/step  "
                      f"kept lengths {r['kept_member_length_share']}  [{time.monotonic() - t0:.0f} s wall]")  # fmt: skip
-    sync = results["sync_batch"]
     out = {"scenarios": results, "prompt_share": TAIL_PROMPT_SHARE, "redundant_prompts": tail_prompts,
            "groups_per_step": groups_per_step}  # fmt: skip
     for name, suffix in (("sync_tail", ""), ("sync_tail_members", "_members")):
-        tail = results[name]
-        out |= {  # the target: >= 2.5x the steps/s of plain synchronous (RollPacker: 2.03-2.56x against veRL)
-            f"tail{suffix}_speedup_vs_sync": round(sync["step_s"] / tail["step_s"], 3),
-            f"trained_tokens_per_step_ratio{suffix}": round(tail["trained_tokens_per_step"]
-                                                            / sync["trained_tokens_per_step"], 3),
-            f"trained_tokens_per_s_ratio{suffix}": round(tail["trained_tokens_per_step"] / tail["step_s"]
-                                                         / (sync["trained_tokens_per_step"] / sync["step_s"]), 3),
-        }  # fmt: skip
+        speedup = _ratio(results, "sync_batch", name)  # the target: >= 2.5x (RollPacker: 2.03-2.56x against veRL)
+        tokens = _ratio(results, name, "sync_batch", "trained_tokens_per_step")
+        per_s = None if tokens is None else round(tokens * speedup, 3)
+        out |= {f"tail{suffix}_speedup_vs_sync": speedup, f"trained_tokens_per_step_ratio{suffix}": tokens,
+                f"trained_tokens_per_s_ratio{suffix}": per_s}  # fmt: skip
     return out
 
 
 def run_providers(tokenizer: str, steps: int, warmup: int, engines: int, time_scale: float, progress, keep,
-                  suspend_mode: str, groups_per_step: int) -> dict:  # fmt: skip
+                  suspend_mode: str, groups_per_step: int, names: list[str]) -> dict:  # fmt: skip
     from services.launch import start_provider_process, stop_process
 
     results: dict[str, dict] = {}
@@ -418,7 +427,8 @@ def run_providers(tokenizer: str, steps: int, warmup: int, engines: int, time_sc
         tmp = Path(keep or d)
         tmp.mkdir(parents=True, exist_ok=True)
         dataset = _dataset(tmp)
-        for name, spec in PROVIDER_SCENARIOS.items():
+        for name in names:
+            spec = PROVIDER_SCENARIOS[name]
             env = {"turns": 4, "latency_median_s": 5.0, "latency_sigma": 1.2, "time_scale": time_scale,
                    **(FAULTS if spec["faults"] else {})}  # fmt: skip
             overrides = [f"dataset_path={dataset}", "max_sessions=8192", *(f"env.{k}={v}" for k, v in env.items())]
@@ -440,20 +450,21 @@ def run_providers(tokenizer: str, steps: int, warmup: int, engines: int, time_sc
                      f"{r['redundant_token_share'] or 0:.1%}  kept member {r['kept_member_mean_tokens']} tokens  "
                      f"[{time.monotonic() - t0:.0f} s wall]")  # fmt: skip
 
-    def cost(faulty: str, clean: str) -> float:
-        return round(results[faulty]["step_s"] / results[clean]["step_s"] - 1, 3)
+    def cost(faulty: str, clean: str) -> float | None:
+        ratio = _ratio(results, faulty, clean)
+        return None if ratio is None else round(ratio - 1, 3)
 
+    both = results.get("providers_faults_redundant")
     return {
         "scenarios": results, "faults": FAULTS, "providers": NUM_PROVIDERS,
         "agentic_groups_per_step": agentic_groups(groups_per_step), "redundant_members": 2,
         # The target: with redundancy, the faults cost <= 10% of step time against the same run without faults.
         "fault_cost_without_redundancy": cost("providers_faults", "providers"),
         "fault_cost_with_redundancy": cost("providers_faults_redundant", "providers_redundant"),
-        "efficiency_faults_redundant": round(results["providers_faults_redundant"]["ideal_step_s"]
-                                             / results["providers_faults_redundant"]["step_s"], 3),
+        "efficiency_faults_redundant": round(both["ideal_step_s"] / both["step_s"], 3) if both else None,
         # Bias toward episodes that end sooner: a kept member's mean length with redundancy against without.
-        "kept_length_ratio_redundant_vs_not": round(results["providers_redundant"]["kept_member_mean_tokens"]
-                                                    / results["providers"]["kept_member_mean_tokens"], 3),
+        "kept_length_ratio_redundant_vs_not": _ratio(results, "providers_redundant", "providers",
+                                                     "kept_member_mean_tokens"),  # fmt: skip
     }  # fmt: skip
 
 
@@ -466,7 +477,7 @@ def _dataset(tmp: Path) -> Path:
 
 def summarize(results: dict[str, dict]) -> dict:
     def ratio(a: str, b: str) -> float | None:
-        return round(results[a]["step_s"] / results[b]["step_s"], 3) if a in results and b in results else None
+        return _ratio(results, a, b)
 
     a2 = results.get("async_2")
     return {

@@ -89,11 +89,11 @@ def _serving(service: str, run_dir: Path) -> float | None:
         return None
 
 
-def _run(model: str, run_dir: Path, redis, total: int, kills: list[str], steps_between: int, rng: random.Random,
+def _run(model: str, run_dir: Path, redis, total: int, kills: list[str], steps_between: int, pause,
          progress) -> tuple[dict, dict, float, str]:  # fmt: skip
     """One run; kills ``kills`` in order, each once the last victim serves again and
-    ``steps_between`` more steps were trained. Returns (seconds from kill to next step, seconds
-    from kill to serving again, per service), wall, output."""
+    ``steps_between`` more steps were trained, ``pause()`` seconds after that step ends. Returns
+    (seconds from kill to next step, seconds from kill to serving again, per service), wall, output."""
     log = open(run_dir.parent / f"{run_dir.name}.out", "w+")  # noqa: SIM115 (read back below)
     t0 = time.time()
     proc = subprocess.Popen(_command(model, run_dir, redis.url, total), stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -104,7 +104,7 @@ def _run(model: str, run_dir: Path, redis, total: int, kills: list[str], steps_b
             # Each kill meets a whole mesh: the last victim serves again, and steps went on since.
             at = len(_steps(run_dir)) + steps_between
             _wait(f"step {at}", lambda at=at: len(_steps(run_dir)) >= at or None, proc, 300)
-            time.sleep(rng.uniform(0.0, 0.5))  # anywhere in a step: mid-generation, mid-update, mid-train
+            time.sleep(pause())  # within a step: mid-generation, mid-update or mid-train
             t_kill = time.time()
             _kill(service, run_dir, redis)  # redis-server: restarted here, serving once this returns
             seen = {"serving": time.time()} if service == REDIS else {}
@@ -169,7 +169,10 @@ def _accounting(run_dir: Path, redis_url: str) -> dict:
 
 
 def run(model_path: str, services: list[str] | None = None, steps_between: int = 2, seed: int = 0,
-        baseline: bool = True, progress=print, keep: str | None = None) -> dict:  # fmt: skip
+        baseline: bool = True, progress=print, keep: str | None = None,
+        kill_delay_s: float | None = None) -> dict:  # fmt: skip
+    """``kill_delay_s``: kill each service this long after a step ends (a fixed schedule, as the
+    tests run it); default a random moment within 0.5 s, drawn from ``seed``."""
     from services.auth import AuthConfig, ensure_token
     from services.launch import RedisServer
 
@@ -188,6 +191,10 @@ def run(model_path: str, services: list[str] | None = None, steps_between: int =
     # gets steps_between + 4 steps of room, and the undisturbed end as much again.
     steps = (steps_between + 4) * (len(services) + 1)
     rng = random.Random(seed)
+
+    def pause() -> float:
+        return rng.uniform(0.0, 0.5) if kill_delay_s is None else kill_delay_s
+
     with tempfile.TemporaryDirectory(prefix="rollmesh-chaos-") as d:
         tmp = Path(keep or d)  # kept: each run's output, logs and metrics
         (tmp / "redis").mkdir(parents=True)
@@ -196,11 +203,11 @@ def run(model_path: str, services: list[str] | None = None, steps_between: int =
             undisturbed = None
             if baseline:
                 progress(f"undisturbed run: {steps} steps")
-                _, _, undisturbed, _ = _run(model_path, tmp / "calm", redis, steps, [], steps_between, rng, progress)
+                _, _, undisturbed, _ = _run(model_path, tmp / "calm", redis, steps, [], steps_between, pause, progress)
             progress(f"disturbed run: {steps} steps, killing {', '.join(services)}")
             run_dir = tmp / "chaos"
             recovery, serving, disturbed, out = _run(model_path, run_dir, redis, steps, services, steps_between,
-                                                      rng, progress)  # fmt: skip
+                                                      pause, progress)  # fmt: skip
             restarts = {s: len(re.findall(rf"^{s}(-\d+)? exited with code", out, re.M)) for s in services}
             result = {
                 "steps": steps, "services_killed": services,

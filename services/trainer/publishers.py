@@ -120,29 +120,44 @@ class IpcPublisher(BucketPublisher):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._shared: dict | None = None  # the memory the handles point into, alive until the update ends
+        self._shared: dict | None = None  # CUDA: the memory the handles point into, alive until the update ends
+        self._handles: list = []  # CPU: the shared-memory segments the weights were copied into
 
     def _gather(self, engine) -> dict:
         # On the GPU, where CUDA IPC hands it over. Without offload every rank gets the full
-        # weights: only rank 0 keeps them. In one process they are the parameters themselves,
-        # copied per update: a parameter's memory, once shared, was found unlinked on CPU when
-        # shared again with the same engine (FSDP2's gather makes fresh tensors already).
+        # weights: only rank 0 keeps them. On a GPU in one process they are the parameters
+        # themselves, copied per update so that the engine reads a version no optimizer step
+        # touches (FSDP2's gather makes fresh tensors already); on CPU the handles copy them.
         state = engine.full_weights(on_device=True)
         if getattr(engine, "rank", 0) != 0:
             return {}
-        self._shared = {k: v.clone() for k, v in state.items()} if getattr(engine, "world", 1) == 1 else state
+        on_gpu = any(v.is_cuda for v in state.values())
+        self._shared = (
+            {k: v.clone() for k, v in state.items()} if on_gpu and getattr(engine, "world", 1) == 1 else state
+        )
         return self._shared
 
     def _serialize(self, bucket: dict) -> bytes:
         from rollout.engines.tensor_handles import dumps
 
-        return dumps(list(bucket.items())).encode("ascii")
+        handles = dumps(list(bucket.items()))
+        self._handles.append(handles)
+        return handles.payload.encode("ascii")
 
     async def load(self, version: int, timeout_s: float) -> None:
         try:
             await super().load(version, timeout_s)
         finally:
-            self._shared = None
+            self._free()
+
+    def _free(self) -> None:
+        handles, self._handles, self._shared = self._handles, [], None
+        for h in handles:
+            h.close()
+
+    def export(self, engine, version: int) -> str:
+        self._free()  # an export whose update never loaded leaves nothing behind
+        return super().export(engine, version)
 
 
 class DiskPublisherConfig(BaseModel):
