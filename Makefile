@@ -82,7 +82,7 @@ examples: $(STAMP) servers models/tiny-digits/config.json $(SMOLLM2)/config.json
 	provider=$$!; .venv/bin/rollmesh run examples/agentic/digit_retry.yaml --fresh; rc=$$?; kill $$provider; exit $$rc
 
 test: $(STAMP) servers $(SMOLLM2)/config.json $(VLLM_STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 proto: $(STAMP)
 	$(PY) -m services.protogen

@@ -16,6 +16,29 @@ from trainer.tiny_model import TinyModelConfig, build_tiny_model
 os.environ.setdefault(TOKEN_ENV, "test-" + secrets.token_urlsafe(16))
 
 
+# `make test` runs two workers (pytest-xdist, --dist loadgroup). Tests that share something
+# machine-wide run on one worker: the session's vLLM servers (started once, not once a worker) and
+# the code sandbox's uids (uid_base + slot in every process: two processes' runs would share one
+# process limit, so a fork bomb in one could starve the other).
+_GROUPS = {
+    "vllm": ("tests/services/test_vllm_engine.py", "tests/services/test_llm_proxy.py",
+             "::test_rollmesh_run_on_vllm_engines"),
+    "sandbox": ("tests/rollout/test_sandbox.py", "tests/services/test_reward_bench.py",
+                "tests/services/test_reward_service.py", "::test_the_smollm2_examples_run_a_few_steps"),
+}  # fmt: skip
+# The slowest files first, so that two workers share them rather than one ending the run alone.
+_FIRST = ("tests/test_run_e2e.py", "tests/services/test_async_bench.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for group, where in _GROUPS.items():
+            if any(w in item.nodeid for w in where):
+                item.add_marker(pytest.mark.xdist_group(group))
+    first = {f: i for i, f in enumerate(_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable within each
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelConfig(seed=0)))

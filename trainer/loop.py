@@ -63,6 +63,7 @@ class TrainLoop:
         self.run_dir = Path(config.run_dir)
         self.publish_times: dict[str, float] = {}
         self._unpublished = False  # the engines do not serve this trainer's version yet
+        self._begun = False  # this process has begun an update (its first supersedes a dead predecessor's)
         self.served_version: int | None = None  # what the engines serve, as of join and the last publish
         self._publish_failures = 0  # in a row: the wait before trying again doubles
 
@@ -151,9 +152,13 @@ class TrainLoop:
             return True  # rank 0 alone moves the engines
         t1 = time.perf_counter()
         try:
-            update_id = await self.control.begin_update(version, timeout_s=self.config.publish_timeout_s * 2)
+            # This process's first update supersedes any still in progress: only a trainer that died
+            # mid-update (this one's predecessor) can have left one, and its watchdog takes minutes.
+            update_id = await self.control.begin_update(version, timeout_s=self.config.publish_timeout_s * 2,
+                                                        supersede=not self._begun)  # fmt: skip
         except Exception as e:  # generation was not suspended (or the controller's watchdog resumes it)
             return self._failed("begin", version, e)
+        self._begun = True
         t2 = time.perf_counter()
         try:
             await self.publisher.load(version, self.config.publish_timeout_s)

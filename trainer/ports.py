@@ -52,8 +52,9 @@ class VersionControl(Protocol):
     async def release(self, *, dropped: int) -> None:
         """Finished groups the buffer dropped as too stale: their slots go back to admission."""
 
-    async def begin_update(self, new_version: int, timeout_s: float) -> str:
-        """Suspend generation for an update to ``new_version``; returns the update's id."""
+    async def begin_update(self, new_version: int, timeout_s: float, supersede: bool = False) -> str:
+        """Suspend generation for an update to ``new_version``; returns the update's id.
+        ``supersede``: roll back an update still in progress first (a dead predecessor's)."""
 
     async def commit_update(self, update_id: str, version: int, model_path: str) -> int:
         """Make ``version`` current (``model_path``: where it can be restored from) and resume."""

@@ -82,8 +82,8 @@ class ControllerClient:
         res = await self._call(self.stub.Admit, pb.AdmitRequest(num_groups=0))
         return Limits(res.async_ratio, res.groups_per_step, res.version)
 
-    async def begin_update(self, new_version: int, timeout_s: float) -> str:
-        req = pb.BeginUpdateRequest(new_version=new_version, timeout_s=timeout_s)
+    async def begin_update(self, new_version: int, timeout_s: float, supersede: bool = False) -> str:
+        req = pb.BeginUpdateRequest(new_version=new_version, timeout_s=timeout_s, supersede=supersede)
         return (await self._call(self.stub.BeginUpdate, req, 60)).update_id
 
     async def commit_update(self, update_id: str, version: int, model_path: str) -> int:

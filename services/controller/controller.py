@@ -267,8 +267,13 @@ class AsyncController:
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ weight updates
-    async def begin_update(self, new_version: int, timeout_s: float = 0.0) -> str:
+    async def begin_update(self, new_version: int, timeout_s: float = 0.0, supersede: bool = False) -> str:
+        """``supersede``: roll back an update in progress first (its trainer died before committing
+        it: a restarted trainer would otherwise wait out the dead one's watchdog, minutes)."""
         async with self._lock:
+            if self._update is not None and supersede:
+                self.counters["updates_superseded"] += 1
+                await self._abort(self._update, "superseded: the trainer that began it is gone")
             if self._update is not None:
                 raise UpdateConflict(f"update {self._update.update_id} to v{self._update.new_version} is in progress")
             if not self.version < new_version <= MAX_VERSION:

@@ -1,4 +1,4 @@
-"""`rollmesh bench offpolicy` end to end, cut to one loss, one ratio and 3 steps."""
+"""`rollmesh bench offpolicy` end to end, cut to one loss, one ratio and 10 steps (its fewest)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 def test_bench_offpolicy_prints_its_table_and_writes_its_plot(tiny_model, tmp_path):
     out_dir = tmp_path / "out"
     cmd = [sys.executable, "-m", "services.cli", "bench", "offpolicy", "--model", tiny_model, "--loss", "ppo_naive",
-           "--ratio", "2", "--steps", "3", "--out", str(out_dir), "--json"]  # fmt: skip
+           "--ratio", "2", "--steps", "10", "--out", str(out_dir), "--json"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -18,7 +18,7 @@ def test_bench_offpolicy_prints_its_table_and_writes_its_plot(tiny_model, tmp_pa
     assert 0 <= row["heldout_accuracy"] <= 1 and row["wall_s"] > 0 and 0 <= row["staleness_mean"] <= 2
     assert out["heldout ppo_naive@2"] == round(row["heldout_accuracy"], 3)
     assert (out_dir / "offpolicy.png").stat().st_size > 0
-    assert len(json.loads((out_dir / "offpolicy.json").read_text())["ppo_naive"]["2"]["runs"][0]["curve"]) == 3
+    assert len(json.loads((out_dir / "offpolicy.json").read_text())["ppo_naive"]["2"]["runs"][0]["curve"]) == 10
 
 
 def test_bench_offpolicy_refuses_a_bad_option():

@@ -210,6 +210,34 @@ def test_a_trainer_behind_the_controller_goes_on_from_its_version(tmp_path):
     assert loop.publisher.loaded == [8] and m["published"] and ctl.version == 8
 
 
+def test_a_restarted_trainer_supersedes_the_update_its_predecessor_left_in_progress(tmp_path):
+    """The trainer died between BeginUpdate and CommitUpdate (chaos run: its successor was refused
+    "update ... is in progress" for the 240 s of the dead one's watchdog). The successor's first
+    update rolls that one back and goes through at once; a second concurrent begin is still refused."""
+    from services.controller.controller import UpdateConflict
+
+    async def main():
+        loop, ctl, buf = make(tmp_path)
+        orphan = await ctl.begin_update(1, timeout_s=600)  # the dead trainer's
+        await loop.join()
+        await ctl.admit(2)
+        for g in ("a", "b"):
+            await buf.put(make_group(g))
+        await ctl.release(finished=2)
+        m = await loop.step()
+        mine = await ctl.begin_update(2, timeout_s=600)
+        with pytest.raises(UpdateConflict, match="is in progress"):
+            await ctl.begin_update(3)  # only a process's first update supersedes
+        with pytest.raises(UpdateConflict, match="not in progress"):
+            await ctl.commit_update(orphan, 1)  # rolled back: its id is gone
+        await ctl.abort_update(mine)
+        return m, ctl
+
+    m, ctl = asyncio.run(main())
+    assert m["published"] and ctl.version == 1
+    assert ctl.counters["updates_superseded"] == 1 and ctl.counters["updates_aborted"] == 2
+
+
 def test_a_trainer_ahead_of_the_controller_publishes_its_checkpoint_before_training(tmp_path):
     """A fresh controller (version 0) under a trainer resumed at version 5: the engines get the
     checkpoint's weights before any step, so no step trains on the initial model's samples."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crollmesh/v1/controller.proto\x12\x0brollmesh.v1\"F\n\x0c\x41\x64mitRequest\x12\x12\n\nnum_groups\x18\x02 \x01(\x05\x12\x0e\n\x06holder\x18\x03 \x01(\t\x12\x0c\n\x04held\x18\x04 \x01(\x05J\x04\x08\x01\x10\x02\"v\n\rAdmitResponse\x12\x14\n\x0cnum_admitted\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x05\x12\x13\n\x0b\x61sync_ratio\x18\x04 \x01(\x05\x12\x17\n\x0fgroups_per_step\x18\x05 \x01(\x05\"s\n\x0eReleaseRequest\x12\x12\n\nnum_groups\x18\x02 \x01(\x05\x12\x14\n\x0cnum_finished\x18\x03 \x01(\x05\x12\x13\n\x0bnum_dropped\x18\x04 \x01(\x05\x12\x0e\n\x06holder\x18\x05 \x01(\t\x12\x0c\n\x04held\x18\x06 \x01(\x05J\x04\x08\x01\x10\x02\"\x11\n\x0fReleaseResponse\"<\n\x12\x42\x65ginUpdateRequest\x12\x13\n\x0bnew_version\x18\x01 \x01(\x03\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"(\n\x13\x42\x65ginUpdateResponse\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"M\n\x13\x43ommitUpdateRequest\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nmodel_path\x18\x03 \x01(\t\"\'\n\x14\x43ommitUpdateResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"7\n\x12\x41\x62ortUpdateRequest\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x13\x41\x62ortUpdateResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x15\n\x13WatchVersionRequest\"2\n\x0cVersionEvent\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tsuspended\x18\x02 \x01(\x08\x32\xdf\x03\n\x0f\x41syncController\x12>\n\x05\x41\x64mit\x12\x19.rollmesh.v1.AdmitRequest\x1a\x1a.rollmesh.v1.AdmitResponse\x12\x44\n\x07Release\x12\x1b.rollmesh.v1.ReleaseRequest\x1a\x1c.rollmesh.v1.ReleaseResponse\x12P\n\x0b\x42\x65ginUpdate\x12\x1f.rollmesh.v1.BeginUpdateRequest\x1a .rollmesh.v1.BeginUpdateResponse\x12S\n\x0c\x43ommitUpdate\x12 .rollmesh.v1.CommitUpdateRequest\x1a!.rollmesh.v1.CommitUpdateResponse\x12P\n\x0b\x41\x62ortUpdate\x12\x1f.rollmesh.v1.AbortUpdateRequest\x1a .rollmesh.v1.AbortUpdateResponse\x12M\n\x0cWatchVersion\x12 .rollmesh.v1.WatchVersionRequest\x1a\x19.rollmesh.v1.VersionEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crollmesh/v1/controller.proto\x12\x0brollmesh.v1\"F\n\x0c\x41\x64mitRequest\x12\x12\n\nnum_groups\x18\x02 \x01(\x05\x12\x0e\n\x06holder\x18\x03 \x01(\t\x12\x0c\n\x04held\x18\x04 \x01(\x05J\x04\x08\x01\x10\x02\"v\n\rAdmitResponse\x12\x14\n\x0cnum_admitted\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x05\x12\x13\n\x0b\x61sync_ratio\x18\x04 \x01(\x05\x12\x17\n\x0fgroups_per_step\x18\x05 \x01(\x05\"s\n\x0eReleaseRequest\x12\x12\n\nnum_groups\x18\x02 \x01(\x05\x12\x14\n\x0cnum_finished\x18\x03 \x01(\x05\x12\x13\n\x0bnum_dropped\x18\x04 \x01(\x05\x12\x0e\n\x06holder\x18\x05 \x01(\t\x12\x0c\n\x04held\x18\x06 \x01(\x05J\x04\x08\x01\x10\x02\"\x11\n\x0fReleaseResponse\"O\n\x12\x42\x65ginUpdateRequest\x12\x13\n\x0bnew_version\x18\x01 \x01(\x03\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x11\n\tsupersede\x18\x03 \x01(\x08\"(\n\x13\x42\x65ginUpdateResponse\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"M\n\x13\x43ommitUpdateRequest\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nmodel_path\x18\x03 \x01(\t\"\'\n\x14\x43ommitUpdateResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"7\n\x12\x41\x62ortUpdateRequest\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x13\x41\x62ortUpdateResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"\x15\n\x13WatchVersionRequest\"2\n\x0cVersionEvent\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tsuspended\x18\x02 \x01(\x08\x32\xdf\x03\n\x0f\x41syncController\x12>\n\x05\x41\x64mit\x12\x19.rollmesh.v1.AdmitRequest\x1a\x1a.rollmesh.v1.AdmitResponse\x12\x44\n\x07Release\x12\x1b.rollmesh.v1.ReleaseRequest\x1a\x1c.rollmesh.v1.ReleaseResponse\x12P\n\x0b\x42\x65ginUpdate\x12\x1f.rollmesh.v1.BeginUpdateRequest\x1a .rollmesh.v1.BeginUpdateResponse\x12S\n\x0c\x43ommitUpdate\x12 .rollmesh.v1.CommitUpdateRequest\x1a!.rollmesh.v1.CommitUpdateResponse\x12P\n\x0b\x41\x62ortUpdate\x12\x1f.rollmesh.v1.AbortUpdateRequest\x1a .rollmesh.v1.AbortUpdateResponse\x12M\n\x0cWatchVersion\x12 .rollmesh.v1.WatchVersionRequest\x1a\x19.rollmesh.v1.VersionEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,21 +40,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASERESPONSE']._serialized_start=354
   _globals['_RELEASERESPONSE']._serialized_end=371
   _globals['_BEGINUPDATEREQUEST']._serialized_start=373
-  _globals['_BEGINUPDATEREQUEST']._serialized_end=433
-  _globals['_BEGINUPDATERESPONSE']._serialized_start=435
-  _globals['_BEGINUPDATERESPONSE']._serialized_end=475
-  _globals['_COMMITUPDATEREQUEST']._serialized_start=477
-  _globals['_COMMITUPDATEREQUEST']._serialized_end=554
-  _globals['_COMMITUPDATERESPONSE']._serialized_start=556
-  _globals['_COMMITUPDATERESPONSE']._serialized_end=595
-  _globals['_ABORTUPDATEREQUEST']._serialized_start=597
-  _globals['_ABORTUPDATEREQUEST']._serialized_end=652
-  _globals['_ABORTUPDATERESPONSE']._serialized_start=654
-  _globals['_ABORTUPDATERESPONSE']._serialized_end=692
-  _globals['_WATCHVERSIONREQUEST']._serialized_start=694
-  _globals['_WATCHVERSIONREQUEST']._serialized_end=715
-  _globals['_VERSIONEVENT']._serialized_start=717
-  _globals['_VERSIONEVENT']._serialized_end=767
-  _globals['_ASYNCCONTROLLER']._serialized_start=770
-  _globals['_ASYNCCONTROLLER']._serialized_end=1249
+  _globals['_BEGINUPDATEREQUEST']._serialized_end=452
+  _globals['_BEGINUPDATERESPONSE']._serialized_start=454
+  _globals['_BEGINUPDATERESPONSE']._serialized_end=494
+  _globals['_COMMITUPDATEREQUEST']._serialized_start=496
+  _globals['_COMMITUPDATEREQUEST']._serialized_end=573
+  _globals['_COMMITUPDATERESPONSE']._serialized_start=575
+  _globals['_COMMITUPDATERESPONSE']._serialized_end=614
+  _globals['_ABORTUPDATEREQUEST']._serialized_start=616
+  _globals['_ABORTUPDATEREQUEST']._serialized_end=671
+  _globals['_ABORTUPDATERESPONSE']._serialized_start=673
+  _globals['_ABORTUPDATERESPONSE']._serialized_end=711
+  _globals['_WATCHVERSIONREQUEST']._serialized_start=713
+  _globals['_WATCHVERSIONREQUEST']._serialized_end=734
+  _globals['_VERSIONEVENT']._serialized_start=736
+  _globals['_VERSIONEVENT']._serialized_end=786
+  _globals['_ASYNCCONTROLLER']._serialized_start=789
+  _globals['_ASYNCCONTROLLER']._serialized_end=1268
 # @@protoc_insertion_point(module_scope)

@@ -47,12 +47,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BeginUpdateRequest(_message.Message):
-    __slots__ = ("new_version", "timeout_s")
+    __slots__ = ("new_version", "timeout_s", "supersede")
     NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDE_FIELD_NUMBER: _ClassVar[int]
     new_version: int
     timeout_s: float
-    def __init__(self, new_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    supersede: bool
+    def __init__(self, new_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., supersede: _Optional[bool] = ...) -> None: ...
 
 class BeginUpdateResponse(_message.Message):
     __slots__ = ("update_id",)
