@@ -132,7 +132,8 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
         return pb.ReleaseResponse()
 
     async def begin(req: pb.BeginUpdateRequest, ctx) -> pb.BeginUpdateResponse:
-        return pb.BeginUpdateResponse(update_id=await guarded(ctx, ctl.begin_update(req.new_version, req.timeout_s, req.supersede)))
+        update_id = await guarded(ctx, ctl.begin_update(req.new_version, req.timeout_s, req.supersede))
+        return pb.BeginUpdateResponse(update_id=update_id)
 
     async def commit(req: pb.CommitUpdateRequest, ctx) -> pb.CommitUpdateResponse:
         version = await guarded(ctx, ctl.commit_update(req.update_id, req.version, req.model_path))
