@@ -28,6 +28,10 @@ _GROUPS = {
 }  # fmt: skip
 # The slowest files first, so that two workers share them rather than one ending the run alone.
 _FIRST = ("tests/test_run_e2e.py", "tests/services/test_async_bench.py")
+# Marked `serial`: `make test` runs them after the two workers, alone on the machine. They time what a
+# process does against the clock (a sandbox's kill at its deadline, an event loop's longest stall, a
+# scrape within its interval), and under the other worker's load they failed.
+_SERIAL = ("tests/rollout/test_sandbox.py", "tests/rollout/test_reward_pool.py", "tests/deploy/test_prometheus.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -35,6 +39,8 @@ def pytest_collection_modifyitems(config, items):
         for group, where in _GROUPS.items():
             if any(w in item.nodeid for w in where):
                 item.add_marker(pytest.mark.xdist_group(group))
+        if item.nodeid.startswith(_SERIAL):
+            item.add_marker(pytest.mark.serial)
     first = {f: i for i, f in enumerate(_FIRST)}
     items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable within each
 
