@@ -34,6 +34,7 @@ _FIRST = ("tests/test_run_e2e.py", "tests/services/test_async_bench.py")
 _SERIAL = ("tests/rollout/test_sandbox.py", "tests/rollout/test_reward_pool.py", "tests/deploy/test_prometheus.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for group, where in _GROUPS.items():
