@@ -112,9 +112,10 @@ class BucketPublisher:
 
 
 class IpcPublisher(BucketPublisher):
-    """``ipc``: buckets of handles to the trainer's own memory (CUDA IPC on a GPU, shared memory on
-    CPU), SGLang's ``/update_weights_from_tensor``: an engine on the same machine copies the
-    weights straight from the trainer's GPU, and no byte of them crosses a socket."""
+    """``ipc``: buckets of handles, SGLang's ``/update_weights_from_tensor``: on a GPU CUDA IPC handles
+    to the trainer's own memory (an engine on the same machine copies the weights straight from the
+    trainer's GPU); on CPU references into shared-memory segments the weights were copied into. No
+    byte of them crosses a socket."""
 
     format = "tensor_handles"
 

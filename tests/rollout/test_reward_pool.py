@@ -95,4 +95,7 @@ def test_a_cpu_heavy_verifier_does_not_stall_the_event_loop():
     finally:
         pool.close()
     in_process = asyncio.run(longest_gap(busy))
-    assert in_process > 0.4 and in_pool < 0.2, (in_process, in_pool)
+    # In-process the loop stalls for the whole match (0.8 s here, 0.4 s for a 24-character match measured
+    # 0.3996 once); in the pool its longest gap is the ticker's own jitter (~0.01 s). Compared, not
+    # against a fixed number of seconds, so a faster or busier machine moves both.
+    assert in_process > 4 * in_pool and in_process > 0.1, (in_process, in_pool)
