@@ -1,11 +1,12 @@
 """How many torch threads each process of a local mesh gets, when its config leaves it to us.
 
-torch's default takes every core in every process. Two processes that each spin an OpenMP team
-over every core, beside a third that is busy, collapse: `bench engine` on the tiny model fell from
-3,146 to 90 tokens/s with one busy neighbour process (OpenMP threads spin-waiting for a teammate
-whose core is taken). So `rollmesh run` divides the cores it may use among the torch processes it
-starts (embedded engines and trainer ranks) wherever a section's `num_threads` is 0, and says what
-it chose; a number set in the config is kept.
+torch's default takes every core in every process. `bench engine` on the tiny model, with torch's
+default, was reported at 90 tokens/s beside one busy process against 3,146 on a quiet machine
+(issue 32; the likely cause, OpenMP threads spinning while waiting for a teammate whose core is
+taken, is not verified yet), and the quickstart measured 2.0 s against 0.3 s per train step with
+engine and trainer at every core each. So `rollmesh run` divides the cores it may use among the
+torch processes it starts (embedded engines and trainer ranks) wherever a section's `num_threads`
+is 0, and says what it chose; a number set in the config is kept.
 """
 
 from __future__ import annotations
