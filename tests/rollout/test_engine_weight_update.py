@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,6 +10,7 @@ from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.engine import EmbeddedEngine, EngineError
 from rollout.engines.embedded.weights import weights_checksum
 from rollout.sampling import SamplingParams
+from tests.rollout.engine_waits import wait_decoding
 
 T = 60
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
@@ -67,7 +66,7 @@ def test_in_flight_request_is_reprefilled_under_new_weights(engine, tiny_model, 
     """No KV computed under old weights is reused: the tokens after the switch are exactly what the
     new model generates greedily from prompt + the tokens before the switch."""
     fut = engine.submit("long", PROMPT, SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True))
-    time.sleep(0.2)
+    wait_decoding(engine, "long")
     engine.load_weights_from_disk(tiny_model_b, 1).result(T)
     out = fut.result(T)
     switch = out.token_versions.index(1)

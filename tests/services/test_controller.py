@@ -23,6 +23,7 @@ from services.sample_buffer.client import BufferClient
 from services.sample_buffer.server import start_buffer_service
 from tests.sample_buffer.helpers import make_group
 from tests.services.mesh import local_mesh
+from tests.services.proxy_waits import decoding
 
 
 def run(scenario, engine_url: str, model_path: str, **cfg):
@@ -47,6 +48,11 @@ def run(scenario, engine_url: str, model_path: str, **cfg):
             await proxy.close()
 
     return asyncio.run(main())
+
+
+# Nearly the tiny model's context (1024): about a second on a quiet machine, so an update begun a
+# few tokens in lands mid-request (see tests/services/proxy_waits.py).
+LONG = 1000
 
 
 @pytest.fixture
@@ -91,8 +97,8 @@ def test_update_protocol_continues_generation_under_new_weights(engine, tiny_mod
                     return
 
         watcher = asyncio.create_task(watch())
-        long = asyncio.create_task(gen.generate([1, 30, 31], 300, temperature=0.0, ignore_eos=True))
-        await asyncio.sleep(0.3)
+        long = asyncio.create_task(gen.generate([1, 30, 31], LONG, temperature=0.0, ignore_eos=True))
+        await decoding(proxy)
         update = await stub.BeginUpdate(pb.BeginUpdateRequest(new_version=1, timeout_s=30))
         suspended = proxy.suspended
         pushed = await gen.update_weights(tiny_model_b, 1)  # the trainer's push, through the proxy
@@ -108,7 +114,7 @@ def test_update_protocol_continues_generation_under_new_weights(engine, tiny_mod
     suspended, pushed, conflict, committed, out, events, still = run(scenario, engine, tiny_model)
     assert suspended and pushed.success and committed.version == 1 and not still
     assert conflict.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert out.num_segments == 2 and set(out.token_versions) == {0, 1} and len(out.output_ids) == 300
+    assert out.num_segments == 2 and set(out.token_versions) == {0, 1} and len(out.output_ids) == LONG
     assert events[0] == (0, False) and (0, True) in events and events[-1] == (1, False)
 
 
@@ -117,8 +123,8 @@ def test_in_place_suspend_keeps_requests_inside_the_engine_across_an_update(engi
     weights and goes on decoding; the proxy never re-submits (one segment), versions still switch."""
 
     async def scenario(stub, gen, proxy):
-        long = asyncio.create_task(gen.generate([1, 30, 31], 300, temperature=0.0, ignore_eos=True))
-        await asyncio.sleep(0.3)
+        long = asyncio.create_task(gen.generate([1, 30, 31], LONG, temperature=0.0, ignore_eos=True))
+        await decoding(proxy)
         update = await stub.BeginUpdate(pb.BeginUpdateRequest(new_version=1, timeout_s=30))
         in_flight_while_suspended = len(proxy._in_flight)
         pushed = await gen.update_weights(tiny_model_b, 1)
@@ -127,7 +133,7 @@ def test_in_place_suspend_keeps_requests_inside_the_engine_across_an_update(engi
 
     in_flight, pushed, out = run(scenario, engine, tiny_model, suspend_mode="in_place")
     assert in_flight == 1 and pushed.success
-    assert out.num_segments == 1 and len(out.output_ids) == 300
+    assert out.num_segments == 1 and len(out.output_ids) == LONG
     versions = list(out.token_versions)
     assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)  # switched once, mid-request
 

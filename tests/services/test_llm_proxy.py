@@ -19,6 +19,7 @@ from services.llm_proxy.server import engine_client, start_proxy
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from tests.engines import Engines
+from tests.services.proxy_waits import decoding
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +127,8 @@ def test_suspend_update_resume_continues_from_partial_tokens(make_engine_process
     prompt = [1, 30, 31, 32]
 
     async def scenario(client, proxy):
-        task = asyncio.create_task(client.generate(prompt, 400, request_id="long", **GREEDY))
-        await asyncio.sleep(0.3)
+        task = asyncio.create_task(client.generate(prompt, 600, request_id="long", **GREEDY))
+        await decoding(proxy)
         suspended = await client.suspend(pb.SUSPEND_MODE_CONTINUE)
         update = await client.update_weights(tiny_model_b, 1)
         waiting = not task.done()
@@ -137,14 +138,14 @@ def test_suspend_update_resume_continues_from_partial_tokens(make_engine_process
     suspended, update, waiting, out, stats = run(scenario, [url])
     assert suspended.num_in_flight == 1 and waiting
     assert update.success and [e.weight_version for e in update.engines] == [1]
-    assert out.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(out.output_ids) == 400
+    assert out.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(out.output_ids) == 600
     assert out.num_segments == 2 and out.weight_version == 1 and stats.weight_version == 1
     versions = list(out.token_versions)
     switch = versions.index(1)
     assert set(versions[:switch]) == {0} and set(versions[switch:]) == {1}
     ids = list(out.output_ids)
     assert ids[:switch] == greedy(tiny_model, prompt, switch)
-    assert ids[switch:] == greedy(tiny_model_b, prompt + ids[:switch], 400 - switch)
+    assert ids[switch:] == greedy(tiny_model_b, prompt + ids[:switch], 600 - switch)
 
 
 def test_a_proxy_started_in_front_of_updated_engines_serves_their_version(make_engine_process, tiny_model_b):
@@ -161,8 +162,8 @@ def test_a_proxy_started_in_front_of_updated_engines_serves_their_version(make_e
 
 def test_suspend_abort_mode_and_gate(two_engines):
     async def scenario(client, proxy):
-        task = asyncio.create_task(client.generate([1, 5], 900, ignore_eos=True))
-        await asyncio.sleep(0.3)
+        task = asyncio.create_task(client.generate([1, 5], 1000, ignore_eos=True))
+        await decoding(proxy)
         await client.suspend(pb.SUSPEND_MODE_ABORT)
         aborted = await task
         gated = await client.generate([1, 5], 2, timeout_s=0.5)  # waits at the closed gate until its deadline
@@ -171,7 +172,7 @@ def test_suspend_abort_mode_and_gate(two_engines):
         return aborted, gated, after
 
     aborted, gated, after = run(scenario, two_engines)
-    assert aborted.finish_reason == common_pb2.FINISH_REASON_ABORT and 0 < len(aborted.output_ids) < 900
+    assert aborted.finish_reason == common_pb2.FINISH_REASON_ABORT and 0 < len(aborted.output_ids) < 1000
     assert gated.finish_reason == common_pb2.FINISH_REASON_TIMEOUT and len(gated.output_ids) == 0
     assert len(after.output_ids) >= 1
 
@@ -179,14 +180,14 @@ def test_suspend_abort_mode_and_gate(two_engines):
 def test_deadline_returns_partial_and_abort_rpc(two_engines):
     async def scenario(client, proxy):
         timed = await client.generate([1, 6], 1000, timeout_s=0.3, ignore_eos=True)
-        task = asyncio.create_task(client.generate([1, 7], 900, request_id="victim", ignore_eos=True))
-        await asyncio.sleep(0.3)
+        task = asyncio.create_task(client.generate([1, 7], 1000, request_id="victim", ignore_eos=True))
+        await decoding(proxy)
         n = await client.abort("victim")
         return timed, n.num_aborted, await task
 
     timed, n, victim = run(scenario, two_engines)
     assert timed.finish_reason == common_pb2.FINISH_REASON_TIMEOUT and len(timed.output_ids) > 0
-    assert n == 1 and victim.finish_reason == common_pb2.FINISH_REASON_ABORT and len(victim.output_ids) < 900
+    assert n == 1 and victim.finish_reason == common_pb2.FINISH_REASON_ABORT and len(victim.output_ids) < 1000
 
 
 def test_a_stream_hands_tokens_over_as_made_and_they_join_to_the_result(two_engines, tiny_model):
