@@ -39,7 +39,7 @@ def test_collective_moves_every_engine_to_the_trainer_weights_and_keeps_its_grou
             restore = await engine_client(urls[0]).update_weights_from_disk(str(tmp_path / "run/weights/v1"), 1)
             engine.version = 2  # a second update over the same group
             second = await loop.publish()
-            out = await mesh.proxy_client.generate([1, 2, 3], 4)
+            out = await mesh.proxy_client.generate([1, 2, 3], 4, ignore_eos=True)
             stats = await mesh.proxy_client.stats()
             return first, second, before, after, restore, out, publisher, stats
 
@@ -82,7 +82,7 @@ def test_an_engine_dying_mid_broadcast_fails_the_update_at_once_and_rolls_it_bac
             ok = await _loop(mesh, tmp_path, engine, _publisher(killer, tmp_path)).publish()
             failed_in = time.monotonic() - t0
             rolled_back = await _engine_state(survivor)
-            out = await mesh.proxy_client.generate([1, 2, 3], 4)  # generation goes on, at version 0
+            out = await mesh.proxy_client.generate([1, 2, 3], 4, ignore_eos=True)  # generation goes on, at version 0
             mesh.proxy.router.engines[1].healthy = False  # the dead engine is out of rotation
             publisher = _publisher(mesh.proxy_client, tmp_path)
             again = await _loop(mesh, tmp_path, engine, publisher).publish()  # a new group, of the survivor
@@ -125,7 +125,7 @@ def test_bad_collective_input_is_refused_by_name_and_everything_keeps_serving(en
             with pytest.raises(Exception, match="no_such_weight") as refused:
                 await publisher.load(1, 20)
             took = time.monotonic() - t0
-            out = await mesh.proxy_client.generate([1, 2, 3], 2)
+            out = await mesh.proxy_client.generate([1, 2, 3], 2, ignore_eos=True)
         return errors, no_group.value, bad_backend.value, refused.value, took, out, publisher
 
     errors, no_group, bad_backend, refused, took, out, publisher = asyncio.run(main())

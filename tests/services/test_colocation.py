@@ -51,7 +51,7 @@ def test_a_colocated_step_trains_while_the_engines_are_released(make_engine_proc
             await loop.join()
             metrics = await loop.step()
             after = [_released(u) for u in urls]
-            out = await mesh.proxy_client.generate([1, 2, 3], 3)
+            out = await mesh.proxy_client.generate([1, 2, 3], 3, ignore_eos=True)
             await env.stop()
             return metrics, after, out, mesh
 
@@ -68,7 +68,9 @@ def test_the_lease_gives_the_engines_back_when_the_trainer_never_returns(engine_
             res = await mesh.proxy_client.release_memory(lease_s=1.0)
             during = _released(engine_url), mesh.proxy.suspended
             t0 = time.monotonic()
-            out = await mesh.proxy_client.generate([1, 2, 3], 2, timeout_s=30)  # waits at the gate, then runs
+            out = await mesh.proxy_client.generate(
+                [1, 2, 3], 2, timeout_s=30, ignore_eos=True
+            )  # waits at the gate, then runs
             waited = time.monotonic() - t0
             with pytest.raises(grpc.aio.AioRpcError) as bad:
                 await mesh.proxy_client.release_memory(lease_s=0)

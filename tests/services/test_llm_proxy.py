@@ -252,7 +252,9 @@ def test_dead_engine_leaves_rotation_and_comes_back(make_engine_process, tiny_mo
     async def scenario(client, proxy):
         os.kill(proc_a.pid, signal.SIGKILL)
         proc_a.wait(10)
-        outs = await asyncio.gather(*(client.generate([1, 2, 3], 4, trajectory_id=f"k{i}") for i in range(6)))
+        outs = await asyncio.gather(
+            *(client.generate([1, 2, 3], 4, trajectory_id=f"k{i}", ignore_eos=True) for i in range(6))
+        )
         down = await client.stats()
         make_engine_process(port)  # same address: the health loop must notice it again
         for _ in range(100):

@@ -79,7 +79,7 @@ def test_serve_engine_launches_sglang_and_the_proxy_drives_it(tiny_model, tmp_pa
 
         async def main():
             async with local_mesh(url, tiny_model) as mesh:
-                out = await mesh.proxy_client.generate([1, 2, 3], 4, temperature=0.0)
+                out = await mesh.proxy_client.generate([1, 2, 3], 4, temperature=0.0, ignore_eos=True)
                 return out, await mesh.proxy_client.stats()
 
         out, stats = asyncio.run(main())

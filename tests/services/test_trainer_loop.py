@@ -71,7 +71,7 @@ def test_a_failed_publish_rolls_back_and_generation_goes_on(make_engine_process,
             engine.config = engine.config.model_copy(update={"model_path": str(tmp_path / "missing")})
             engine.version = 1
             ok = await loop.publish()
-            out = await mesh.proxy_client.generate([1, 2, 3], 4)
+            out = await mesh.proxy_client.generate([1, 2, 3], 4, ignore_eos=True)
             return ok, out, mesh.controller.version, mesh.proxy.suspended, mesh.controller.counters
 
     ok, out, version, suspended, counters = asyncio.run(main())

@@ -131,7 +131,9 @@ def test_vllm_frozen_engine_leaves_rotation_and_comes_back(vllm_engines):
                 if not (await client.stats()).engines[0].healthy:
                     break
                 await asyncio.sleep(0.1)
-            outs = await asyncio.gather(*(client.generate([1, 2, 3], 4, trajectory_id=f"f{i}") for i in range(4)))
+            outs = await asyncio.gather(
+                *(client.generate([1, 2, 3], 4, trajectory_id=f"f{i}", ignore_eos=True) for i in range(4))
+            )
             down = await client.stats()
         finally:
             os.kill(frozen.pid, signal.SIGCONT)

@@ -56,7 +56,7 @@ def test_http_buckets_move_every_engine_to_the_trainer_weights(make_engine_proce
             after = [await _engine_state(u) for u in urls]
             # The restore point is the same weights: a disk load of it gives the same checksum.
             restore = await engine_client(urls[0]).update_weights_from_disk(str(tmp_path / "run/weights/v1"), 1)
-            out = await mesh.proxy_client.generate([1, 2, 3], 4)
+            out = await mesh.proxy_client.generate([1, 2, 3], 4, ignore_eos=True)
             return ok, before, after, restore, out, mesh.controller.version, publisher
 
     ok, before, after, restore, out, version, publisher = asyncio.run(main())
@@ -97,7 +97,7 @@ def test_an_engine_dying_mid_transfer_rolls_the_update_back(transport, make_engi
             engine = _perturbed_trainer(tiny_model)
             ok = await _loop(mesh, tmp_path, engine, kind(killer, tmp_path / "run", bucket_mb=1)).publish()
             rolled_back = await _engine_state(survivor)  # it had applied version 1
-            out = await mesh.proxy_client.generate([1, 2, 3], 4)  # generation goes on, at version 0
+            out = await mesh.proxy_client.generate([1, 2, 3], 4, ignore_eos=True)  # generation goes on, at version 0
             # The next update goes through once the dead engine is out of rotation.
             mesh.proxy.router.engines[1].healthy = False
             again = await _loop(mesh, tmp_path, engine, kind(mesh.proxy_client, tmp_path / "run",
@@ -121,7 +121,7 @@ def test_buckets_out_of_order_are_refused_and_the_proxy_keeps_serving(engine_url
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await mesh.proxy_client.update_weights_bucket(*args)
                 errors.append((e.value.code(), e.value.details()))
-            out = await mesh.proxy_client.generate([1, 2, 3], 2)
+            out = await mesh.proxy_client.generate([1, 2, 3], 2, ignore_eos=True)
             return errors, out
 
     errors, out = asyncio.run(main())
@@ -177,7 +177,7 @@ def test_ipc_hands_every_engine_the_trainer_weights_by_memory_handle(make_engine
                     p.add_(0.01)
             engine.version = 2
             again = await loop.publish()
-            out = await mesh.proxy_client.generate([1, 2, 3], 4)
+            out = await mesh.proxy_client.generate([1, 2, 3], 4, ignore_eos=True)
             return ok and again, before, after, restore, out, publisher, [await _engine_state(u) for u in urls]
 
     ok, before, after, restore, out, publisher, second = asyncio.run(main())
