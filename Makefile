@@ -82,9 +82,9 @@ examples: $(STAMP) servers models/tiny-digits/config.json $(SMOLLM2)/config.json
 	provider=$$!; .venv/bin/rollmesh run examples/agentic/digit_retry.yaml --fresh; rc=$$?; kill $$provider; exit $$rc
 
 test: $(STAMP) servers $(SMOLLM2)/config.json $(VLLM_STAMP)
-	@# Two workers (pytest-xdist; tests/conftest.py groups what must share one), then the tests that
+	@# Two workers (pytest-xdist; tests/conftest.py schedules what must share one), then the tests that
 	@# time a process against the clock, alone. Exit 5 (nothing selected, e.g. by -k) is not a failure.
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -n 2 -m "not serial" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(PY) -m pytest -q -m serial --durations=5 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 proto: $(STAMP)

@@ -16,10 +16,12 @@ from trainer.tiny_model import TinyModelConfig, build_tiny_model
 os.environ.setdefault(TOKEN_ENV, "test-" + secrets.token_urlsafe(16))
 
 
-# `make test` runs two workers (pytest-xdist, --dist loadgroup). Tests that share something
-# machine-wide run on one worker: the session's vLLM servers (started once, not once a worker) and
-# the code sandbox's uids (uid_base + slot in every process: two processes' runs would share one
-# process limit, so a fork bomb in one could starve the other).
+# `make test` runs two workers (pytest-xdist). Tests that share something machine-wide run on one
+# worker: the session's vLLM servers (started once, not once a worker) and the code sandbox's uids
+# (uid_base + slot in every process: two processes' runs would share one process limit, so a fork
+# bomb in one could starve the other). The scheduler below reads these groups off the test ids:
+# xdist's own `--dist loadgroup` marks them by rewriting `item._nodeid`, which pytest 9.2 no longer
+# reads (its ids live in `_id`), and the "grouped" tests had been spread over both workers.
 _GROUPS = {
     "vllm": ("tests/services/test_vllm_engine.py", "tests/services/test_llm_proxy.py",
              "::test_rollmesh_run_on_vllm_engines"),
@@ -34,16 +36,30 @@ _FIRST = ("tests/test_run_e2e.py", "tests/services/test_async_bench.py")
 _SERIAL = ("tests/rollout/test_sandbox.py", "tests/rollout/test_reward_pool.py", "tests/deploy/test_prometheus.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the markers
+def xdist_group_of(nodeid: str) -> str | None:
+    """The group a test runs in (all of a group on one worker), or None: any worker."""
+    return next((group for group, where in _GROUPS.items() if any(w in nodeid for w in where)), None)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        for group, where in _GROUPS.items():
-            if any(w in item.nodeid for w in where):
-                item.add_marker(pytest.mark.xdist_group(group))
         if item.nodeid.startswith(_SERIAL):
             item.add_marker(pytest.mark.serial)
     first = {f: i for i, f in enumerate(_FIRST)}
     items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable within each
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, present when `-n` is given
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """Each group is one unit of work, sent whole to one worker; every other test is its own unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid) or nodeid
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
