@@ -24,7 +24,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from rollout.admission import group_is_stale
 from rollout.config import RolloutConfig
@@ -32,19 +31,11 @@ from rollout.envs.base import Env
 from rollout.episode import run_episode
 from rollout.ports import Admission, Generate, Generation, RolloutObserver, SampleSink, TransientError
 from rollout.sampling import SamplingParams
-from rollout.scheduling import Scheduling, Seats, make_scheduling
+from rollout.scheduling import GroupOutcome, Scheduling, Seats, make_scheduling
 from rollout.turn_barrier import TurnBarrier
 from sample_buffer.trajectory import FinishReason, Group, Trajectory
 
 log = logging.getLogger(__name__)
-
-
-class GroupOutcome(StrEnum):
-    PUT = "put"  # in the buffer: its slot counts as finished
-    FILTERED = "filtered"  # the buffer kept it out (no learning signal): its slot goes back
-    STALE = "stale"  # stopped as staler than the bound: never put, its slot goes back
-    FAILED = "failed"  # an episode or the put raised: logged, counted, its slot goes back
-    SURPLUS = "surplus"  # tail batching: it ended after its round's quota was in; never put
 
 
 # Why a member is left out of its group: a fault, or the group filled first (redundant rollout).

@@ -1,26 +1,65 @@
 """Scheduling strategies: how many groups the rollout loop admits at once, and when.
 
-A strategy is a plain object with ``run(loop, num_workers)``; it asks ``loop.admit`` for slots
-and hands them to ``loop.run_admitted``, until ``loop.running`` turns false.
+A strategy is a plain object with ``run(groups, num_workers)``; it asks ``groups.admit`` for slots
+and hands them to ``groups.run_admitted``, until ``groups.running`` turns false. ``Groups`` is the
+rollout loop as a strategy sees it: the calls below, nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
+from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 from rollout.turn_barrier import TurnBarrier
 
 if TYPE_CHECKING:
     from rollout.config import RolloutConfig, TailBatchingConfig
-    from rollout.loop import RolloutLoop
+
+
+class GroupOutcome(StrEnum):
+    PUT = "put"  # in the buffer: its slot counts as finished
+    FILTERED = "filtered"  # the buffer kept it out (no learning signal): its slot goes back
+    STALE = "stale"  # stopped as staler than the bound: never put, its slot goes back
+    FAILED = "failed"  # an episode or the put raised: logged, counted, its slot goes back
+    SURPLUS = "surplus"  # tail batching: it ended after its round's quota was in; never put
+
+
+class Groups(Protocol):
+    """The rollout loop, as a scheduling strategy drives it."""
+
+    running: bool  # false once the loop stops admitting
+    config: RolloutConfig
+    counters: Counter[str]  # the loop's event counts; strategies add their own
+
+    async def admit(self, num_groups: int) -> int:
+        """Slots granted now (0 when refused)."""
+
+    async def run_admitted(
+        self, num_groups: int, barrier: TurnBarrier | None = None, rows: list[int] | None = None
+    ) -> list[GroupOutcome]:
+        """Run admitted groups together and hand their slots back."""
+
+    def next_row(self) -> int:
+        """The next prompt's row."""
+
+    async def run_group_safely(
+        self, barrier: TurnBarrier | None = None, row: int | None = None, seats: Seats | None = None
+    ) -> GroupOutcome:
+        """One group, start to end; never raises (a failure is an outcome)."""
+
+    async def abort_groups(self, rows: set[int]) -> None:
+        """Abort the generations of these rows' groups at the engines."""
+
+    async def release(self, unused: int = 0, finished: int = 0) -> None:
+        """Hand admitted slots back to the controller."""
 
 
 class Scheduling(Protocol):
     workers: int  # concurrent workers while running
 
-    async def run(self, loop: RolloutLoop, num_workers: int) -> None: ...
+    async def run(self, loop: Groups, num_workers: int) -> None: ...
 
 
 class QueueScheduling:
@@ -30,17 +69,17 @@ class QueueScheduling:
     def __init__(self) -> None:
         self.workers = 0
 
-    async def run(self, loop: RolloutLoop, num_workers: int) -> None:
+    async def run(self, loop: Groups, num_workers: int) -> None:
         self.workers = num_workers
         await asyncio.gather(*(self._worker(loop) for _ in range(num_workers)))
 
-    async def _worker(self, loop: RolloutLoop) -> None:
+    async def _worker(self, loop: Groups) -> None:
         failures = 0  # in a row: back off so a broken dependency is not hammered with new groups
         while loop.running:
             if not await loop.admit(1):
                 continue
             [outcome] = await loop.run_admitted(1)
-            failures = failures + 1 if outcome == "failed" else 0
+            failures = failures + 1 if outcome == GroupOutcome.FAILED else 0
             if failures:
                 await asyncio.sleep(min(5.0, 0.1 * 2**failures))
 
@@ -53,7 +92,7 @@ class BatchScheduling:
     def __init__(self) -> None:
         self.workers = 0
 
-    async def run(self, loop: RolloutLoop, num_workers: int) -> None:
+    async def run(self, loop: Groups, num_workers: int) -> None:
         self.workers = 1
         while loop.running:
             n = await loop.admit(num_workers)
@@ -104,7 +143,7 @@ class TailScheduling:
         self.workers = 0
         self.long_queue: deque[int] = deque()  # rows (prompts) waiting for a long round
 
-    async def run(self, loop: RolloutLoop, num_workers: int) -> None:
+    async def run(self, loop: Groups, num_workers: int) -> None:
         self.workers = 1
         while loop.running:
             n = await loop.admit(num_workers)
@@ -117,7 +156,7 @@ class TailScheduling:
                 loop.counters["tail_short_rounds"] += 1
                 await self._short_round(loop, n)
 
-    async def _short_round(self, loop: RolloutLoop, n: int) -> None:
+    async def _short_round(self, loop: Groups, n: int) -> None:
         seats = Seats(n)
         rows = [loop.next_row() for _ in range(n + self.config.redundant_prompts)]
         tasks = {asyncio.ensure_future(loop.run_group_safely(row=row, seats=seats)): row for row in rows}
@@ -125,7 +164,7 @@ class TailScheduling:
         try:
             while pending and put < n:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                put += sum(t.result() == "put" for t in done)
+                put += sum(t.result() == GroupOutcome.PUT for t in done)
         except asyncio.CancelledError:  # the loop stops: every group goes, aborted at the engines
             await loop.abort_groups(set(rows))
             for t in tasks:

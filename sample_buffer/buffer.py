@@ -180,13 +180,3 @@ class SampleBuffer(ABC):
     @abstractmethod
     async def _stats(self) -> dict:
         """``depth``, ``in_flight`` and every counter of ``COUNTERS``."""
-
-
-def make_buffer(config: BufferConfig) -> SampleBuffer:
-    if config.backend == "memory":
-        from sample_buffer.memory import MemoryBuffer
-
-        return MemoryBuffer(config)
-    from sample_buffer.redis_buffer import RedisBuffer
-
-    return RedisBuffer(config)

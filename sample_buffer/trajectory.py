@@ -8,7 +8,6 @@ sequence; ``behavior_logprobs``/``token_versions`` cover only the generated toke
 
 from __future__ import annotations
 
-import time
 from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
@@ -126,32 +125,3 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
-
-
-class GroupAssembler:
-    """Collects trajectories into groups of ``size``; a group is complete when all its members
-    are in or its deadline passes (then it completes with the members it has)."""
-
-    def __init__(self, size: int, deadline_s: float | None = None) -> None:
-        if size < 1:
-            raise ValueError(f"size: must be >= 1, got {size}")
-        self.size, self.deadline_s = size, deadline_s
-        self._open: dict[str, tuple[float, str, list[Trajectory]]] = {}
-
-    def add(self, traj: Trajectory, now: float | None = None) -> Group | None:
-        started, prompt_id, members = self._open.setdefault(
-            traj.group_id, (now if now is not None else time.monotonic(), traj.prompt_id, [])
-        )
-        members.append(traj)
-        if len(members) >= self.size:
-            del self._open[traj.group_id]
-            return Group(traj.group_id, prompt_id, members)
-        return None
-
-    def expire(self, now: float | None = None) -> list[Group]:
-        """Groups whose deadline passed, completed with the members they have."""
-        if self.deadline_s is None:
-            return []
-        now = now if now is not None else time.monotonic()
-        done = [gid for gid, (t0, _, _) in self._open.items() if now - t0 >= self.deadline_s]
-        return [Group(gid, self._open[gid][1], self._open.pop(gid)[2]) for gid in done]

@@ -13,18 +13,20 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollout.engines.embedded.config import EngineConfig, EngineVariant
+from rollout.engines.embedded.config import EngineConfig
 from rollout.proxy.config import ProxyConfig
 from sample_buffer.config import BufferConfig
 from services.auth import AuthConfig
 from services.controller.config import ControllerConfig
 from services.device_map import DeviceMapConfig, check_shape, gpus_per_engine
+from services.engine.backends import EngineVariant, backend
 from services.env_manager.config import EnvManagerConfig
 from services.env_provider.config import EnvProviderConfig
 from services.gateway.config import GatewayConfig
 from services.reward.config import RewardServiceConfig
 from services.trainer.config import TrainerProcessConfig
-from trainer.config import TrainerConfig, TrainerVariant
+from trainer.config import TrainerConfig
+from trainer.variants import TrainerVariant
 
 
 class ConfigError(ValueError):
@@ -100,7 +102,8 @@ class RollmeshConfig(BaseModel):
     )
     engine: EngineVariant = Field(
         default_factory=EngineConfig,
-        description="The engine server: embedded (default), vLLM (`type: vllm`) or the simulator (`type: sim`).",
+        description="The engine server, by `type`: embedded (default), vllm, sglang or sim (the latency simulator); "
+        "services/engine/backends.py lists them.",
     )
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="The LLMProxy in front of the engines.")
     buffer: BufferConfig = Field(
@@ -146,16 +149,17 @@ class RollmeshConfig(BaseModel):
 
     @model_validator(mode="after")
     def _buckets_need_weights(self) -> RollmeshConfig:
-        kind = self.train_loop.publisher.type
-        if kind != "disk" and self.trainer.type == "sim":
+        publisher, engine = self.train_loop.publisher, backend(self.engine)
+        kind = publisher.type
+        if publisher.sends_tensors and self.trainer.type == "sim":
             raise ValueError(f"train_loop.publisher: {kind} sends real weights; the simulated trainer has "
                              "none (use type: disk)")  # fmt: skip
-        if kind not in ("disk", "collective") and self.engine.type == "vllm":
-            raise ValueError("train_loop.publisher: vLLM engines load weights from disk or over a group (use type: "
-                             "disk or collective)")  # fmt: skip
-        if self.devices.placement == "colocated" and self.engine.type == "vllm":
-            raise ValueError("devices.placement: colocated engines release their memory while the trainer trains; "
-                             "use SGLang or the embedded engine")  # fmt: skip
+        if kind not in engine.transports:
+            raise ValueError(f"train_loop.publisher: engine.type {self.engine.type!r} receives weights by "
+                             f"{' or '.join(sorted(engine.transports))}, not {kind}")  # fmt: skip
+        if self.devices.placement == "colocated" and not engine.releases_memory:
+            raise ValueError(f"devices.placement: colocated engines release their memory while the trainer trains; "
+                             f"engine.type {self.engine.type!r} does not")  # fmt: skip
         return self
 
     @model_validator(mode="after")
@@ -164,7 +168,7 @@ class RollmeshConfig(BaseModel):
         # that no run config describes (and must not contradict one that does).
         if "engine" not in self.model_fields_set:
             return self
-        api = "vllm" if self.engine.type == "vllm" else "sglang"
+        api = backend(self.engine).api
         if "engine_api" in self.proxy.model_fields_set and self.proxy.engine_api != api:
             raise ValueError(f"proxy.engine_api: {self.proxy.engine_api!r} but engine.type {self.engine.type!r} "
                              f"speaks {api!r} (leave proxy.engine_api out)")  # fmt: skip
@@ -174,14 +178,15 @@ class RollmeshConfig(BaseModel):
     @model_validator(mode="after")
     def _devices_fit_the_run(self) -> RollmeshConfig:
         check_shape(self.devices, self.run.num_engines, gpus_per_engine(self.engine), self.run.trainer_procs)
-        if self.devices.placement != "none" and self.engine.type == "sim":
-            raise ValueError("devices.placement: the simulated engine uses no GPU (use placement: none)")
+        if self.devices.placement != "none" and not backend(self.engine).uses_gpu:
+            raise ValueError(f"devices.placement: engine.type {self.engine.type!r} uses no GPU (use placement: none)")
         if self.devices.placement == "colocated":
-            if self.train_loop.publisher.type == "collective":
-                raise ValueError("train_loop.publisher: collective puts the trainer and an engine on one GPU as two "
-                                 "ranks, which NCCL refuses; colocated engines take ipc (or disk)")  # fmt: skip
-            if self.engine.type == "sglang":  # SGLang frees GPU memory only with its memory saver
-                self.engine.enable_memory_saver = True
+            if not self.train_loop.publisher.colocates:
+                raise ValueError(f"train_loop.publisher: {self.train_loop.publisher.type} puts the trainer and an "
+                                 "engine on one GPU as two ranks, which NCCL refuses; colocated engines take ipc (or "
+                                 "disk)")  # fmt: skip
+            for key, value in backend(self.engine).colocated_settings:  # e.g. SGLang's memory saver
+                setattr(self.engine, key, value)
         return self
 
     @model_validator(mode="after")

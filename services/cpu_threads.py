@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from services.engine.backends import backend
+
 
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask: a container's or taskset's limit)."""
@@ -30,7 +32,7 @@ def threads_each(cores: int, processes: int) -> int:
 def thread_overrides(cfg, cores: int) -> tuple[list[str], str]:
     """``--set`` overrides giving each torch process of ``cfg``'s local mesh its share of ``cores``
     (only sections whose ``num_threads`` is 0), and a line saying what was chosen."""
-    engines = cfg.run.num_engines if cfg.engine.type == "embedded" else 0
+    engines = cfg.run.num_engines if backend(cfg.engine).torch_threads else 0
     ranks = cfg.run.trainer_procs if cfg.trainer.type == "fsdp" else 0
     share = threads_each(cores, engines + ranks)
     overrides, chosen = [], []

@@ -73,3 +73,111 @@ def test_every_rollmesh_command_in_the_readme_exists():
     for cmd in sorted(commands):
         res = CliRunner().invoke(app, [*cmd.split(), "--help"])
         assert res.exit_code == 0, f"`rollmesh {cmd}` in README.md does not exist: {res.output[-300:]}"
+
+
+PRODUCT = ("rollout", "trainer", "sample_buffer", "services")
+
+
+def _product_modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PRODUCT:
+        for f in Path(pkg).rglob("*.py"):
+            if "pb" not in f.parts:  # generated protobuf stubs
+                name = ".".join(f.with_suffix("").parts)
+                mods[name.removesuffix(".__init__")] = f
+    return mods
+
+
+def _imports(tree) -> list[str]:
+    """Every module an import statement anywhere names: in functions and TYPE_CHECKING blocks too,
+    because a lazy or type-only import is still a dependency a reader must follow."""
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return found
+
+
+def test_no_import_circle_among_product_modules():
+    """A circle (A imports B, B imports A, directly or around a loop) means neither can be read,
+    tested or replaced alone: configs do not build their implementations, strategies see the loop
+    through a protocol, each transport's module owns both its config and its publisher."""
+    import ast
+
+    mods = _product_modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {m: set() for m in mods}
+    for m, f in mods.items():
+        for target in _imports(ast.parse(f.read_text())):
+            r = resolve(target)
+            if r and r != m and not m.startswith(r + "."):  # a module's own package is not a dependency
+                graph[m].add(r)
+    # Depth-first search; a back edge to a module on the current path closes a circle.
+    state, path, circles = {}, [], []
+
+    def visit(m: str) -> None:
+        state[m] = "open"
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                circles.append(path[path.index(n) :] + [n])
+            elif n not in state:
+                visit(n)
+        path.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_simulator_loads_no_model_library():
+    """The latency simulator shares the engine contract (rollout/engines/contract.py), not the
+    embedded engine's module: it starts without torch."""
+    code = "import sys, rollout.engines.sim.engine; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_engine_backends_and_weight_transports_are_asked_not_named():
+    """What differs between engines lives in services/engine/backends.py (and between transports in
+    services/weight_transports/): elsewhere nothing compares engine.type, proxy.engine_api or
+    publisher.type with a name."""
+    allowed = {Path("services/engine/backends.py")}
+    pattern = re.compile(r"\b(engine\.type|engine_api|publisher\.type)\s*(==|!=|\bin\b|\bnot in\b)\s*[\"'(\[{]")
+    hits = [
+        f"{f}:{i}: {line.strip()}"
+        for pkg in PRODUCT
+        for f in Path(pkg).rglob("*.py")
+        if f not in allowed and "pb" not in f.parts
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not hits, "ask the registry instead:\n" + "\n".join(hits)
+
+
+def test_every_registered_variant_has_its_implementation():
+    """Each registry lists its names once; what pairs with them covers exactly those names."""
+    from typing import get_args
+
+    from rollout.envs.remote import PROTOCOLS
+    from services.engine.backends import ALL_TRANSPORTS, BACKENDS, ENGINE_APIS
+    from services.env_provider.clients import CLIENTS
+    from services.weight_transports import TRANSPORTS
+
+    assert set(CLIENTS) == set(PROTOCOLS)
+    assert set(TRANSPORTS) == ALL_TRANSPORTS
+    for name, b in BACKENDS.items():
+        assert get_args(b.config.model_fields["type"].annotation) == (name,)
+        assert b.api in ENGINE_APIS and b.transports <= ALL_TRANSPORTS
+        assert callable(b.serve_fn())

@@ -6,10 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sample_buffer.registry import tagged_union
 from trainer.advantage_config import AdvantageConfig, GRPOAdvantageConfig
 from trainer.loss_config import DecoupledPPOLossConfig, MismatchCorrection, NoMismatchCorrection, PolicyLossConfig
-from trainer.sim import SimTrainerConfig
 
 
 class TrainLoopConfig(BaseModel):
@@ -148,13 +146,3 @@ class TrainerConfig(BaseModel):
         if (self.advantages.type == "gae") != self.critic:
             raise ValueError("critic: must be true exactly when advantages.type is 'gae' (GAE needs a value model)")
         return self
-
-    def build(self, total_steps: int | None = None):
-        """The training engine; ``total_steps`` is the run's length (the cosine schedule's span)."""
-        from trainer.engine import TrainEngine
-
-        return TrainEngine(self, total_steps=total_steps)
-
-
-# What `trainer:` in a run config may be: FSDP2 on a real model, or the simulator (`type: sim`).
-TrainerVariant = tagged_union(TrainerConfig, SimTrainerConfig, default="fsdp")

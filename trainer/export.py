@@ -3,7 +3,7 @@
 Two forms: a Hugging Face directory (what ``/update_weights_from_disk`` loads, and the restore
 point of every transport) and buckets of (name, tensor) pairs, each at most ``max_bytes`` (what
 an in-memory transport sends, such as the embedded engine's ``/update_weights_from_safetensors``).
-The transports are the ``WeightPublisher``s in ``services/trainer/publishers.py``. Names are
+The transports are the ``WeightPublisher``s in ``services/weight_transports/``. Names are
 Hugging Face parameter names, so any engine that loads the checkpoint accepts them.
 """
 

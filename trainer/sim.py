@@ -34,9 +34,6 @@ class SimTrainerConfig(BaseModel):
     )
     step_overhead_s: float = Field(1.0, ge=0, description="Fixed simulated time per step (optimizer, sync).")
 
-    def build(self, total_steps: int | None = None) -> SimTrainEngine:
-        return SimTrainEngine(self)
-
 
 class SimTrainEngine:
     """Stands in for ``trainer.engine.TrainEngine`` in the trainer loop."""

@@ -4,9 +4,8 @@ batch, and commands from any thread that run in it between two steps."""
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Literal
 
-PauseMode = Literal["abort", "retract", "in_place"]
+from rollout.engines.contract import PauseMode
 
 
 class SchedulerCommands:

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -34,7 +34,9 @@ from rollout.budgets import Budgets
 from rollout.envs.base import StepResult
 
 log = logging.getLogger(__name__)
-PROTOCOLS = ("grpc", "http", "openenv")
+# The protocols a provider may speak; services/env_provider/clients.py has one client for each.
+EnvProtocol = Literal["grpc", "http", "openenv"]
+PROTOCOLS: tuple[str, ...] = get_args(EnvProtocol)
 
 
 class ProviderError(Exception):
@@ -108,7 +110,7 @@ class RemoteEnvConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["remote"] = Field("remote", description="Selects environments served by providers.")
-    protocol: Literal["grpc", "http", "openenv"] = Field(
+    protocol: EnvProtocol = Field(
         "grpc",
         description="grpc: rollmesh's EnvProvider service. http: the same over REST (OpenEnv's /reset and /step, "
         "sessions keyed by episode_id). openenv: OpenEnv's WebSocket sessions (/ws), for any server written "

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rollout.engines.http_engine import EngineRejected, EngineUnavailable, OnTokens, int_version
-from rollout.engines.sglang_client import SGLangClient
+from rollout.engines.sglang.client import SGLangClient
 from rollout.proxy.config import ProxyConfig
 from rollout.proxy.router import EngineSlot, Router
 from rollout.sampling import SamplingParams

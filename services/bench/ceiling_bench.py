@@ -17,8 +17,8 @@ def plan(cfg, groups_per_step: list[int], async_ratios: list[int], engines: int 
         raise BadOption("groups_per_step: each >= 1; async_ratio: each >= 0")
     sim, trainer, shape = SimEngineConfig(), SimTrainerConfig(), dict(SHAPE)
     if cfg is not None:  # a loaded run config (services.config.RollmeshConfig)
-        sim = cfg.engine if cfg.engine.type == "sim" else sim
-        trainer = cfg.trainer if cfg.trainer.type == "sim" else trainer
+        sim = cfg.engine if isinstance(cfg.engine, SimEngineConfig) else sim
+        trainer = cfg.trainer if isinstance(cfg.trainer, SimTrainerConfig) else trainer
         shape = {
             "engines": cfg.run.num_engines,
             "max_running": cfg.engine.max_running_requests,

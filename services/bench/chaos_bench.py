@@ -140,7 +140,7 @@ def _accounting(run_dir: Path, redis_url: str) -> dict:
     group ids each step recorded."""
     import asyncio
 
-    from sample_buffer.buffer import make_buffer
+    from sample_buffer.backends import make_buffer
     from sample_buffer.config import BufferConfig
 
     trained = Counter(g for s in _steps(run_dir) for g in s["group_ids"])

@@ -99,7 +99,7 @@ def run(model_path: str, num_prompts: int = 256, max_new_tokens: int = 128, batc
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if vllm:
-        from rollout.engines.vllm_config import VLLMEngineConfig
+        from rollout.engines.vllm.config import VLLMEngineConfig
         from services.bench import BadOption
         from services.engine.vllm_server import VLLMNotInstalled, interpreter
 

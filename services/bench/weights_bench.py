@@ -2,7 +2,7 @@
 
 Engine processes serve a randomly initialised model of the chosen shape behind an LLMProxy
 process, as deployed; the trainer side (a ``TrainEngine`` on the same weights and the
-``WeightPublisher``s of ``services/trainer/publishers.py``) runs in this process. Each
+``WeightPublisher``s of ``services/weight_transports/``) runs in this process. Each
 transport's update is timed in its two phases, as the training loop runs them:
 
 - ``export``: before generation is suspended (gather the weights, write the restore directory,
@@ -45,8 +45,10 @@ CPU_TRANSPORTS = ("disk", "http_buckets", "ipc_shm", "collective_gloo")
 
 
 def _publisher(name: str, client, run_dir: Path, bucket_mb: int):
-    from services.trainer.collective_publisher import CollectivePublisher
-    from services.trainer.publishers import BucketPublisher, DiskPublisher, IpcPublisher
+    from services.weight_transports.collective import CollectivePublisher
+    from services.weight_transports.disk import DiskPublisher
+    from services.weight_transports.http_buckets import BucketPublisher
+    from services.weight_transports.ipc import IpcPublisher
 
     builders = {
         "disk": lambda: DiskPublisher(client, run_dir),
@@ -104,7 +106,7 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
     serve and train that model instead of a random one of ``hidden_size`` x ``layers``;
     ``engine_env``: added to the engines' environment (``CUDA_VISIBLE_DEVICES``)."""
     from services.llm_proxy.client import ProxyClient
-    from services.trainer.collective_publisher import CollectivePublisher
+    from services.weight_transports.collective import CollectivePublisher
     from trainer.config import TrainerConfig
     from trainer.engine import TrainEngine
 

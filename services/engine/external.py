@@ -7,8 +7,20 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from services.auth import AuthConfig, AuthError
+
+
+def local_model_dir(cfg) -> Path:
+    """``engine.model_path`` as a local model directory; ``ValueError`` naming the field otherwise
+    (either server would take a missing directory for a model hub's name and try to download it)."""
+    if cfg.model_path is None:
+        raise ValueError("engine.model_path: not set (nor the run's model_path)")
+    model = Path(cfg.model_path)
+    if not (model / "config.json").exists():
+        raise ValueError(f"engine.model_path: {cfg.model_path!r} is not a local model directory (no config.json)")
+    return model
 
 
 def exec_server(command: Callable, cfg, auth: AuthConfig, config_errors: tuple[type[Exception], ...]) -> None:

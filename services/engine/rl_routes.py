@@ -31,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.engines import tensor_handles
 from rollout.engines import weight_group as wg
-from rollout.engines.embedded.engine import EmbeddedEngine, EngineError
+from rollout.engines.contract import EngineError
+from rollout.engines.embedded.engine import EmbeddedEngine
 
 # How long joining a group, and one broadcast within it, may wait for the other ranks.
 GROUP_TIMEOUT_S = 120.0

@@ -1,7 +1,7 @@
 """HTTP server of the embedded engine: SGLang's native API, as far as an RL system and SGLang's
 own tools use it.
 
-Field names and semantics follow SGLang so the same client (``rollout.engines.sglang_client``)
+Field names and semantics follow SGLang so the same client (``rollout.engines.sglang.client``)
 drives a real SGLang server on GPU and this engine on CPU: ``/generate`` with ``input_ids`` or
 ``text``, batched or streamed (SSE), SGLang's other request fields accepted as far as the engine
 can honour them (``sglang_fields.py``), ``/flush_cache``, ``/health_generate``,
@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollout.engines.embedded.engine import EmbeddedEngine, EngineError, GenerateOutput
+from rollout.engines.contract import EngineError, GenerateOutput
+from rollout.engines.embedded.engine import EmbeddedEngine
 from rollout.sampling import SamplingParams
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector
 from services.engine.rl_routes import add_rl_routes
@@ -360,15 +361,12 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
 
 def serve(engine_config, auth: AuthConfig) -> None:
     """Run the engine server until SIGTERM/SIGINT, then drain and exit 0; https with ``auth.tls``.
-    ``type: vllm`` and ``type: sglang`` exec that server instead (``vllm_server.py``, ``sglang_server.py``)."""
-    if engine_config.type == "vllm":
-        from services.engine.vllm_server import serve as serve_vllm
+    A backend with a server of its own (vLLM, SGLang) runs that one instead (``backends.py``)."""
+    from services.engine.backends import backend
 
-        return serve_vllm(engine_config, auth)
-    if engine_config.type == "sglang":
-        from services.engine.sglang_server import serve as serve_sglang
-
-        return serve_sglang(engine_config, auth)
+    kind = backend(engine_config)
+    if kind.engine is None:
+        return kind.serve_fn()(engine_config, auth)
     import contextlib
     import signal
 
@@ -389,7 +387,7 @@ def serve(engine_config, auth: AuthConfig) -> None:
     # The scheduler thread and the HTTP event loop share the GIL; a short switch interval keeps
     # the loop answering while the scheduler runs Python between kernels (p99 latency).
     sys.setswitchinterval(0.0005)
-    engine = engine_config.build().start()  # the embedded engine or the simulator
+    engine = kind.build(engine_config).start()  # the embedded engine or the simulator
     # Everything loaded so far (torch, transformers, the model) lives for the whole process;
     # freezing it keeps full GC passes from walking millions of objects (200+ ms pauses).
     gc.freeze()

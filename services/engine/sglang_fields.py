@@ -10,7 +10,7 @@ field SGLang does not define stays an error ("unknown field").
 
 from __future__ import annotations
 
-from rollout.engines.embedded.engine import EngineError
+from rollout.engines.contract import EngineError
 
 INERT_REQUEST = frozenset({
     "session_id", "log_metrics", "priority", "routing_key", "conversation_id", "data_parallel_rank",

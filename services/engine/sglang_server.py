@@ -16,9 +16,9 @@ import os
 import shutil
 from pathlib import Path
 
-from rollout.engines.sglang_config import SGLangEngineConfig
+from rollout.engines.sglang.config import SGLangEngineConfig
 from services.auth import AuthConfig
-from services.engine.external import exec_server
+from services.engine.external import exec_server, local_model_dir
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 
@@ -43,11 +43,7 @@ def interpreter(cfg: SGLangEngineConfig) -> str:
 
 def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of the SGLang server ``cfg`` describes."""
-    if cfg.model_path is None:
-        raise ValueError("engine.model_path: not set (nor the run's model_path)")
-    model = Path(cfg.model_path)
-    if not (model / "config.json").exists():  # SGLang would take a missing directory for a hub name
-        raise ValueError(f"engine.model_path: {cfg.model_path!r} is not a local model directory (no config.json)")
+    model = local_model_dir(cfg)
     bearer = auth.bearer()  # raises when no token is set and auth is not disabled
     argv = [
         interpreter(cfg), "-m", "sglang.launch_server",

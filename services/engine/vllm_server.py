@@ -1,7 +1,7 @@
 """``rollmesh serve engine`` with ``engine.type: vllm``: run vLLM's OpenAI server from its own
 virtual environment, switched on for RL.
 
-What it switches on (``rollout/engines/vllm_client.py`` uses each): the token-in/token-out API
+What it switches on (``rollout/engines/vllm/client.py`` uses each): the token-in/token-out API
 (``--enable-scale-out``), the RL control endpoints (``VLLM_SERVER_DEV_MODE=1``), rollmesh's worker
 extension and token check (``vllm_plugin/rollmesh_vllm.py``, put on vLLM's ``PYTHONPATH``).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rollout.engines.vllm_config import VLLMEngineConfig
+from rollout.engines.vllm.config import VLLMEngineConfig
 from services.auth import AuthConfig
-from services.engine.external import exec_server
+from services.engine.external import exec_server, local_model_dir
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugin"
@@ -42,11 +42,7 @@ def is_cpu_build(python: Path) -> bool:
 
 def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of the vLLM server ``cfg`` describes."""
-    if cfg.model_path is None:
-        raise ValueError("engine.model_path: not set (nor the run's model_path)")
-    model = Path(cfg.model_path)
-    if not (model / "config.json").exists():  # vLLM would take a missing directory for a hub name
-        raise ValueError(f"engine.model_path: {cfg.model_path!r} is not a local model directory (no config.json)")
+    model = local_model_dir(cfg)
     python = interpreter(cfg)
     memory = cfg.memory_utilization or (0.08 if is_cpu_build(python) else 0.9)
     argv = [

@@ -326,6 +326,8 @@ class OpenEnvClient(_HttpBase):
         await super().aclose()
 
 
+# The env protocols (rollout/envs/remote.py's EnvProtocol, env.protocol in a run config), each
+# with its client. Adding one: its name there, its client here (a RemoteEnv port), tests.
 CLIENTS = {"grpc": GrpcProviderClient, "http": HttpProviderClient, "openenv": OpenEnvClient}
 
 

@@ -13,13 +13,12 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rollout.engines.http_engine import HTTPEngineClient
-from rollout.engines.sglang_client import SGLangClient
-from rollout.engines.vllm_client import VLLMClient
 from rollout.proxy import LLMProxy, ProxyConfig, ProxyRequest, RequestInvalid
 from rollout.proxy.proxy import UPDATE_FAILURE_CAUSES, NoEngineAvailable
 from sample_buffer.trajectory import FinishReason
 from services.auth import AuthConfig, http_headers
 from services.convert import finish_to_pb, sampling_from_pb
+from services.engine.backends import ENGINE_APIS
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import SLOW_BUCKETS_S, histogram, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
@@ -332,15 +331,12 @@ async def start_proxy(config: ProxyConfig, auth: AuthConfig | None = None) -> tu
     return server, proxy
 
 
-ENGINE_CLIENTS = {"sglang": SGLangClient, "vllm": VLLMClient}
-
-
 def engine_client(url: str, auth: AuthConfig | None = None, api: str = "sglang", **kwargs) -> HTTPEngineClient:
     """A client of the engine at ``url`` speaking ``api`` (``ProxyConfig.engine_api``) that carries
     the run's token and trusts its CA (``auth``; default: from the environment): how the proxy,
     benchmarks and tools call an engine."""
     auth = auth or AuthConfig()
-    return ENGINE_CLIENTS[api](url, headers=http_headers(auth), ssl_context=auth.client_ssl(), **kwargs)
+    return ENGINE_APIS[api](url, headers=http_headers(auth), ssl_context=auth.client_ssl(), **kwargs)
 
 
 def serve(config: ProxyConfig, auth: AuthConfig) -> None:

@@ -11,7 +11,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from sample_buffer.buffer import FULL, BufferBackendError, SampleBuffer, make_buffer
+from sample_buffer.backends import make_buffer
+from sample_buffer.buffer import FULL, BufferBackendError, SampleBuffer
 from sample_buffer.codec import CodecError, read_header
 from sample_buffer.config import BufferConfig
 from services.auth import AuthConfig

@@ -8,7 +8,7 @@ import grpc
 
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
-from services.trainer.publishers import engine_failures
+from services.weight_transports.common import engine_failures
 
 
 class ProxyMemory:

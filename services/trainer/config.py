@@ -5,7 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 
 from services.metrics_log import TrackingConfig
-from services.trainer.publishers import DiskPublisherConfig, PublisherConfig
+from services.weight_transports import PublisherConfig
+from services.weight_transports.disk import DiskPublisherConfig
 from trainer.config import TrainLoopConfig
 
 

@@ -44,6 +44,7 @@ def serve(cfg) -> None:
     from services.sample_buffer.client import BufferClient
     from services.trainer.metrics import TrainerMetrics, TrainerObserver
     from trainer.loop import TrainLoop
+    from trainer.variants import build_trainer
 
     rank, world = _init_distributed(cfg)
     lc = cfg.train_loop
@@ -63,7 +64,7 @@ def serve(cfg) -> None:
 
             memory = ProxyMemory(proxy, lc.colocated_lease_s)
         loop = TrainLoop(
-            lc, cfg.trainer.build(total_steps=lc.steps), source=buffer, control=controller,
+            lc, build_trainer(cfg.trainer, lc.steps), source=buffer, control=controller,
             publisher=lc.publisher.build(proxy, lc.run_dir, lc.keep_weight_versions), observer=observer,
             groups_per_step=cfg.controller.groups_per_step, max_staleness=cfg.controller.async_ratio, rank=rank,
             world=world, memory=memory,

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from services.auth import AuthConfig
-from services.cli import SERVICES
+from services.commands.serve import SERVICES
 from services.config import load_config
 from services.engine.sglang_server import sglang_command
 

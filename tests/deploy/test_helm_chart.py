@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollout.engines.sglang_config import SGLangEngineConfig
+from rollout.engines.sglang.config import SGLangEngineConfig
 from services.auth import AuthConfig, TlsConfig
 from services.config import load_config
 from services.engine.sglang_server import sglang_command

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rollout.engines.contract import EngineError
 from rollout.engines.embedded.config import EngineConfig
-from rollout.engines.embedded.engine import EmbeddedEngine, EngineError
+from rollout.engines.embedded.engine import EmbeddedEngine
 from rollout.sampling import SamplingParams
 from tests.rollout.engine_waits import wait_decoding
 

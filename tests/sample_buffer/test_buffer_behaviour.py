@@ -7,7 +7,8 @@ import uuid
 
 import pytest
 
-from sample_buffer.buffer import BufferFull, make_buffer
+from sample_buffer.backends import make_buffer
+from sample_buffer.buffer import BufferFull
 from sample_buffer.codec import CodecError
 from sample_buffer.config import BufferConfig
 from tests.sample_buffer.helpers import make_group

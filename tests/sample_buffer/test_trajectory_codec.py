@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from sample_buffer.codec import CodecError, decode_group, encode_group, read_header
-from sample_buffer.trajectory import Group, GroupAssembler, Trajectory, TrajectoryError
+from sample_buffer.trajectory import Group, Trajectory, TrajectoryError
 from tests.sample_buffer.helpers import make_group
 
 
@@ -117,14 +117,9 @@ def test_corrupt_groups_are_codec_errors(header, body, message):
         decode_group(data)
 
 
-def test_group_assembler_completes_on_size_or_deadline():
-    asm = GroupAssembler(size=2, deadline_s=10)
-    a = traj(trajectory_id="a", group_id="x")
-    assert asm.add(a, now=0) is None
-    done = asm.add(traj(trajectory_id="b", group_id="x"), now=1)
-    assert isinstance(done, Group) and [t.trajectory_id for t in done.trajectories] == ["a", "b"]
-    asm.add(traj(trajectory_id="c", group_id="y"), now=0)
-    assert asm.expire(now=5) == []
-    [late] = asm.expire(now=10)
-    assert late.group_id == "y" and len(late.trajectories) == 1
-    assert Group("z", "p", [traj(group_id="z", start_version=3)]).start_version == 3
+def test_a_groups_start_version_is_its_oldest_members():
+    members = [
+        traj(trajectory_id="a", group_id="z", start_version=5),
+        traj(trajectory_id="b", group_id="z", start_version=3),
+    ]
+    assert Group("z", "p", members).start_version == 3  # a group is as stale as its stalest member

@@ -14,7 +14,7 @@ import pytest
 
 from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
-from services.trainer.collective_publisher import CollectivePublisher
+from services.weight_transports.collective import CollectivePublisher
 from tests.services.mesh import local_mesh
 from tests.services.test_weight_transports import _engine_state, _loop, _perturbed_trainer
 from trainer.ports import PublishError

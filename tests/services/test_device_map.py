@@ -69,7 +69,7 @@ def test_the_run_config_checks_the_map_against_its_engines_and_trainer(tmp_path)
     assert load_config(path).devices.engine_gpus == [0, 1, 2, 3]
     with pytest.raises(Exception, match="devices.engine_gpus: 4 GPU"):
         load_config(path, ["engine.tensor_parallel_size=1"])
-    with pytest.raises(Exception, match="simulated engine uses no GPU"):
+    with pytest.raises(Exception, match="engine.type .sim. uses no GPU"):
         load_config(path, ["engine={type: sim}", "devices.engine_gpus=[0, 1]"])
     colocated = ["devices.placement=colocated", "devices.trainer_gpus=[0, 1, 2, 3]", "run.trainer_procs=4"]
     assert load_config(path, colocated).engine.enable_memory_saver  # SGLang frees memory only with it

@@ -11,7 +11,7 @@ import uvicorn
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
-from rollout.engines.sglang_client import EngineRejected, parse_generate_response
+from rollout.engines.sglang.client import EngineRejected, parse_generate_response
 from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
 
@@ -265,7 +265,7 @@ def test_sglang_housekeeping_endpoints(engine_url):
 def test_a_streamed_answer_is_joined_from_cumulative_and_from_incremental_events():
     """SGLang streams everything so far by default and only what is new with
     --incremental-streaming-output; the answer is the same either way."""
-    from rollout.engines.sglang_client import join_events
+    from rollout.engines.sglang.client import join_events
 
     def event(ids, done, lps, finish=None):
         triples = [[lp, t, None] for lp, t in zip(lps, ids)]

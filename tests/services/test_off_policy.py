@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 
 from services.env_manager.config import EnvManagerConfig
 from services.env_manager.server import build_loop
-from services.trainer.publishers import DiskPublisher
+from services.weight_transports.disk import DiskPublisher
 from tests.services.mesh import local_mesh
 from trainer.config import TrainerConfig, TrainLoopConfig
 from trainer.engine import TrainEngine

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from rollout.engines.sglang_client import EngineUnavailable, SGLangClient
+from rollout.engines.sglang.client import EngineUnavailable, SGLangClient
 from rollout.proxy import ProxyConfig
 from services.llm_proxy.client import ProxyClient
 from services.llm_proxy.server import start_proxy

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.engines.sglang_config import SGLangEngineConfig
+from rollout.engines.sglang.config import SGLangEngineConfig
 from services.auth import AuthConfig, AuthError
 from services.engine.sglang_server import SGLangNotInstalled, sglang_command
 from services.launch import start_engine_process, stop_process

@@ -7,7 +7,7 @@ import json
 
 from services.metrics_log import MetricsLog
 from services.trainer.metrics import TrainerMetrics, TrainerObserver
-from services.trainer.publishers import DiskPublisher
+from services.weight_transports.disk import DiskPublisher
 from tests.services.mesh import digit_rollout, local_mesh
 from trainer.config import TrainerConfig, TrainLoopConfig
 from trainer.engine import TrainEngine

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollout.engines.http_engine import EngineUnavailable
-from rollout.engines.vllm_client import parse_vllm_response, vllm_sampling
-from rollout.engines.vllm_config import VLLMEngineConfig
+from rollout.engines.vllm.client import parse_vllm_response, vllm_sampling
+from rollout.engines.vllm.config import VLLMEngineConfig
 from services.auth import AuthConfig
 from services.engine.vllm_server import VLLMNotInstalled, vllm_command
 from services.llm_proxy.server import engine_client
@@ -189,7 +189,7 @@ def test_vllm_takes_weights_broadcast_by_the_trainer(vllm_engines, tiny_model, t
     """The ``collective`` transport into vLLM (rollmesh's worker extension joins the trainer's gloo
     group): both engines confirm the version and the checksum of every bucket, and then sample with
     exactly the trainer's weights (log-probs against a teacher-forced forward of tiny_model_b)."""
-    from services.trainer.collective_publisher import CollectivePublisher
+    from services.weight_transports.collective import CollectivePublisher
     from trainer.config import TrainerConfig
     from trainer.engine import TrainEngine
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from rollout.engines.sglang_client import EngineRejected
+from rollout.engines.sglang.client import EngineRejected
 from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
-from services.trainer.publishers import BucketPublisher
+from services.weight_transports.http_buckets import BucketPublisher
 from tests.services.mesh import local_mesh
 from trainer.config import TrainerConfig, TrainLoopConfig
 from trainer.engine import TrainEngine
@@ -84,7 +84,7 @@ class _KillingProxyClient:
 
 @pytest.mark.parametrize("transport", ["http_buckets", "ipc"])
 def test_an_engine_dying_mid_transfer_rolls_the_update_back(transport, make_engine_process, tiny_model, tmp_path):
-    from services.trainer.publishers import IpcPublisher
+    from services.weight_transports.ipc import IpcPublisher
 
     kind = BucketPublisher if transport == "http_buckets" else IpcPublisher
     survivor, (victim, victim_url) = make_engine_process()[1], make_engine_process()
@@ -159,7 +159,7 @@ def test_an_engine_applies_only_a_whole_version(make_engine_process, tiny_model)
 def test_ipc_hands_every_engine_the_trainer_weights_by_memory_handle(make_engine_process, tiny_model, tmp_path):
     """``ipc`` on CPU: shared-memory handles (CUDA IPC handles on a GPU), SGLang's
     /update_weights_from_tensor; the engines end at exactly the restore point's weights."""
-    from services.trainer.publishers import IpcPublisher
+    from services.weight_transports.ipc import IpcPublisher
 
     urls = [make_engine_process()[1], make_engine_process()[1]]
 

@@ -7,10 +7,6 @@ from typing import Literal
 from pydantic import Field
 
 from rollout.engines.server_config import EngineServerConfig
-from rollout.engines.sglang_config import SGLangEngineConfig
-from rollout.engines.sim.config import SimEngineConfig
-from rollout.engines.vllm_config import VLLMEngineConfig
-from sample_buffer.registry import tagged_union
 
 
 class EngineConfig(EngineServerConfig):
@@ -30,13 +26,3 @@ class EngineConfig(EngineServerConfig):
     seed: int = Field(0, description="Seed of the engine's sampler for requests without sampling_seed.")
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
     served_model_name: str | None = Field(None, description="Name reported by /model_info; default the path.")
-
-    def build(self):
-        from rollout.engines.embedded.engine import EmbeddedEngine
-
-        return EmbeddedEngine(self)
-
-
-# What `engine:` in a run config may be: the embedded engine, vLLM (`type: vllm`), SGLang
-# (`type: sglang`), or the latency simulator (`type: sim`).
-EngineVariant = tagged_union(EngineConfig, VLLMEngineConfig, SGLangEngineConfig, SimEngineConfig, default="embedded")

@@ -27,41 +27,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.engines.contract import EngineError, GenerateOutput, PauseMode
 from rollout.engines.embedded.attention import AttentionLayout, UnsupportedModel
 from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.kv_slots import KVSlots
 from rollout.engines.embedded.sampling import sample_next_tokens, top_logprobs
 from rollout.engines.embedded.weights import check_named_tensors, copy_named_tensors, weights_checksum
-from rollout.engines.scheduler import PauseMode, SchedulerCommands
+from rollout.engines.scheduler import SchedulerCommands
 from rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class EngineError(ValueError):
-    """A request the engine refuses; ``field`` names the offending input."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
-
-
 MEMORY_TAGS = ("weights", "kv_cache")  # what /release_memory_occupation can give back (SGLang's tags)
-
-
-@dataclass
-class GenerateOutput:
-    rid: str
-    output_ids: list[int]
-    behavior_logprobs: list[float]
-    token_versions: list[int]
-    finish_reason: dict
-    prompt_tokens: int
-    weight_version: int
-    e2e_latency_s: float
-    queue_time_s: float = 0.0  # submitted → first admitted to the running batch
-    ttft_s: float = 0.0  # submitted → first token (0 when none was generated)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
 
 
 @dataclass

@@ -47,11 +47,6 @@ class SimEngineConfig(EngineServerConfig):
     token_id: int = Field(120, ge=0, description="The token every simulated response is made of.")
     seed: int = Field(0, description="Seed of the length draws (a request's length depends on it and its id).")
 
-    def build(self):
-        from rollout.engines.sim.engine import SimEngine
-
-        return SimEngine(self)
-
     def step_s(self, batch: int) -> float:
         """Simulated seconds of one decode step with ``batch`` running sequences."""
         return (self.decode_base_ms + self.decode_per_seq_ms * batch) / 1000.0

@@ -24,8 +24,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from rollout.engines.embedded.engine import EngineError, GenerateOutput
-from rollout.engines.scheduler import PauseMode, SchedulerCommands
+from rollout.engines.contract import EngineError, GenerateOutput, PauseMode
+from rollout.engines.scheduler import SchedulerCommands
 from rollout.engines.sim.config import SimEngineConfig
 from rollout.engines.sim.lengths import draw_length, trailing_run
 from rollout.sampling import SamplingParams

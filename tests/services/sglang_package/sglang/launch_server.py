@@ -13,6 +13,7 @@ import uvicorn
 from fastapi.responses import JSONResponse
 
 from rollout.engines.embedded.config import EngineConfig
+from rollout.engines.embedded.engine import EmbeddedEngine
 from tests.services.sglang_standin import create_standin
 
 p = argparse.ArgumentParser(prog="sglang.launch_server", allow_abbrev=False)
@@ -32,8 +33,9 @@ if os.environ.get("SGLANG_STANDIN_ARGV"):
         json.dump(sys.argv[1:], f)
 
 dtype = "float32" if args.dtype == "auto" else args.dtype
-engine = EngineConfig(model_path=args.model_path, dtype=dtype, seed=args.random_seed or 0,
-                      max_running_requests=args.max_running_requests or 8).build().start()  # fmt: skip
+config = EngineConfig(model_path=args.model_path, dtype=dtype, seed=args.random_seed or 0,
+                      max_running_requests=args.max_running_requests or 8)  # fmt: skip
+engine = EmbeddedEngine(config).start()
 app = create_standin(engine, args.weight_version)
 
 

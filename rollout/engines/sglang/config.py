@@ -11,7 +11,7 @@ from rollout.engines.server_config import EngineServerConfig
 
 class SGLangEngineConfig(EngineServerConfig):
     """An SGLang server (``python -m sglang.launch_server``) started with the flags RL needs; the
-    LLMProxy drives it with ``rollout.engines.sglang_client`` like the embedded engine. SGLang is
+    LLMProxy drives it with ``rollout.engines.sglang.client`` like the embedded engine. SGLang is
     not a rollmesh dependency: ``python`` names an interpreter whose environment has it (the GPU
     image's)."""
 

@@ -12,7 +12,7 @@ from rollout.engines.server_config import EngineServerConfig
 class VLLMEngineConfig(EngineServerConfig):
     """A vLLM OpenAI server started from its own virtual environment (``make vllm``), with
     rollmesh's worker extension and token check (``services/engine/vllm_plugin``). The LLMProxy
-    talks to it with ``rollout.engines.vllm_client`` (set by ``rollmesh run``)."""
+    talks to it with ``rollout.engines.vllm.client`` (set by ``rollmesh run``)."""
 
     type: Literal["vllm"] = Field("vllm", description="Serve the model with vLLM.")
     python: str = Field(

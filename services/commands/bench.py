@@ -1,0 +1,256 @@
+"""``rollmesh bench NAME``: the benchmarks; each prints a table, and with --json one JSON line last."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from rollout.envs.remote import PROTOCOLS
+from services.commands.common import checked, emit, load_or_exit, progress_printer
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks; each prints a JSON line last.")
+
+
+@app.callback()
+def _bench_token() -> None:
+    """Benchmarks start their own services: one token for all of them, like `rollmesh run`."""
+    from services.auth import AuthConfig, ensure_token
+
+    ensure_token(AuthConfig())
+
+
+@app.command("engine")
+def bench_engine(
+    model: Path = typer.Option(Path("models/tiny"), help="Model directory."),
+    num_prompts: int = typer.Option(256, help="Prompts to generate for."),
+    max_new_tokens: int = typer.Option(128, help="Longest response, in tokens."),
+    batch_size: int = typer.Option(64, help="Running batch (engines) and static batch (HF generate)."),
+    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Include vLLM (from `make vllm`'s environment)."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Embedded engine and vLLM (continuous batching) vs HF generate (static batches) on long-tailed
+    lengths, with each engine's log-prob mismatch against a teacher-forced forward."""
+    from services.bench.engine_bench import run
+
+    emit(checked(run, str(model), num_prompts, max_new_tokens, batch_size, vllm, progress_printer(json_)), json_)
+
+
+@app.command("proxy")
+def bench_proxy(
+    model: Path = typer.Option(Path("models/tiny"), help="Model directory."),
+    clients: int = typer.Option(64, help="Concurrent clients."),
+    requests_per_client: int = typer.Option(20, help="Sequential 1-token requests per client."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Latency the LLMProxy adds over calling the engine directly (1-token generations)."""
+    from services.bench.proxy_bench import run
+
+    emit(run(str(model), clients, requests_per_client), json_)
+
+
+@app.command("gateway")
+def bench_gateway(
+    model: Path = typer.Option(Path("models/tiny"), help="Model directory (engine and chat template)."),
+    clients: int = typer.Option(200, help="Concurrent agents."),
+    duration_s: float = typer.Option(60.0, help="Seconds of load each way (straight to the proxy, via the gateway)."),
+    turns: int = typer.Option(3, help="Turns per session (each resends the history)."),
+    max_tokens: int = typer.Option(4, help="Tokens generated per turn."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Many agents' multi-turn sessions through the agent gateway vs straight to the LLMProxy: errors,
+    added latency, prompt tokens rendered vs reused by prefix aggregation."""
+    from services.bench.gateway_bench import run
+
+    emit(checked(run, str(model), clients, duration_s, turns, max_tokens, progress_printer(json_)), json_)
+
+
+@app.command("buffer")
+def bench_buffer(
+    groups: int = typer.Option(20_000, help="Groups to put and get."),
+    group_size: int = typer.Option(8, help="Trajectories per group."),
+    tokens: int = typer.Option(512, help="Tokens per trajectory."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Groups through the gRPC SampleBuffer backed by a local redis-server, vs raw Redis SET/GET."""
+    from services.bench.buffer_bench import run
+
+    emit(run(groups, group_size, tokens), json_)
+
+
+@app.command("trainer")
+def bench_trainer(
+    model: Path | None = typer.Option(None, help="Model directory; default: a random model of --shape."),
+    shape: str = typer.Option("tiny", help="Random model to build when no --model: tiny or qwen2-0.5b."),
+    steps: int = typer.Option(20, help="Optimizer steps to time."),
+    trajectories: int = typer.Option(256, help="Trajectories per step (groups of 8)."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    mixed_precision: bool = typer.Option(False, "--mixed-precision", help="bfloat16 compute, float32 master weights."),
+    activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Recompute activations."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """GRPO training steps, with and without sequence packing: tokens/s, MFU and peak memory on a GPU."""
+    from services.bench.trainer_bench import run
+
+    emit(checked(run, None if model is None else str(model), steps, trajectories, shape, device, mixed_precision,
+                   activation_checkpointing, progress_printer(json_)), json_)  # fmt: skip
+
+
+@app.command("async")
+def bench_async(
+    model: Path = typer.Option(Path("models/tiny"), help="Tokenizer directory (prompts are rendered with it)."),
+    steps: int = typer.Option(6, help="Measured training steps per scenario."),
+    warmup: int = typer.Option(2, help="Steps before measuring (the pipeline fills)."),
+    engines: int = typer.Option(2, help="Simulated engines (identical in every scenario)."),
+    time_scale: float = typer.Option(25.0, help="Simulated seconds per wall second."),
+    scenario: list[str] = typer.Option(
+        [], "--scenario", help="Run only these (repeatable; also of --tail and --providers); default all."
+    ),
+    agentic: bool = typer.Option(True, help="Also run the agentic variant (sync_batch and async_2)."),
+    keep: Path = typer.Option(None, help="Keep every scenario's config, logs and metrics.jsonl in this directory."),
+    suspend_mode: str = typer.Option("in_place", help="controller.suspend_mode of every scenario: in_place|continue."),
+    providers: bool = typer.Option(
+        False,
+        help="Instead: the agentic scenario with environments in provider processes, with and without "
+        "injected faults and redundant rollout (~8 min).",
+    ),
+    groups_per_step: int = typer.Option(
+        None, help="Groups (of 8) per training step; default 80, five times what the engines decode at once."
+    ),
+    tail: bool = typer.Option(
+        False, help="Instead: tail batching (RollPacker) against plain synchronous, on prompt-correlated lengths."
+    ),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Synchronous vs queue scheduling vs async_ratio 1/2/4 on the latency simulator (real services)."""
+    from services.bench.async_bench import DEFAULT_GROUPS_PER_STEP, run
+
+    gps = DEFAULT_GROUPS_PER_STEP if groups_per_step is None else groups_per_step
+    result = checked(run, str(model), steps, warmup, engines, time_scale, scenario or None, agentic,
+                      progress_printer(json_), keep, suspend_mode, gps, providers, tail)  # fmt: skip
+    emit(result, json_)
+
+
+@app.command("providers")
+def bench_providers(
+    providers: list[int] = typer.Option([], "--providers", help="Provider processes per cell (repeatable); 1 4 16."),
+    protocol: list[str] = typer.Option([], "--protocol", help=f"{', '.join(PROTOCOLS)} (repeatable); default all."),
+    concurrency: int = typer.Option(64, help="Episodes stepping at once."),
+    seconds: float = typer.Option(3.0, help="How long each cell steps."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Steps/s and step latency to environment providers, gRPC vs HTTP vs OpenEnv's WebSocket."""
+    from services.bench.providers_bench import run
+
+    emit(checked(run, providers or [1, 4, 16], protocol or list(PROTOCOLS), concurrency, seconds,
+                   progress_printer(json_)), json_)  # fmt: skip
+
+
+@app.command("reward")
+def bench_reward(
+    tasks: int = typer.Option(24, help="Code tasks."),
+    per_task: int = typer.Option(8, help="Answers per task (a group)."),
+    base_s: float = typer.Option(0.15, help="Typical run time of a task's right answer, s (tasks vary 0.3-1.7x)."),
+    hang_share: float = typer.Option(0.05, help="Share of answers that never end (they meet the fixed timeout)."),
+    fixed_s: float = typer.Option(3.0, help="The fixed timeout, s (RollPacker's 30 s, scaled down)."),
+    t_min_s: float = typer.Option(0.5, help="Adaptive timeout: T_min, s."),
+    lam: float = typer.Option(2.0, help="Adaptive timeout: lambda, the multiple of the anchor."),
+    concurrency: int = typer.Option(2, help="Sandboxed runs at once."),
+    seed: int = typer.Option(0, help="Seed of the workload."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Code sandbox seconds with a fixed vs the adaptive timeout; sandbox and math-verify throughput."""
+    from services.bench.reward_bench import run
+
+    emit(checked(run, tasks, per_task, base_s, hang_share, fixed_s, t_min_s, lam, concurrency, seed,
+                   progress_printer(json_)), json_)  # fmt: skip
+
+
+@app.command("ceiling")
+def bench_ceiling(
+    config: Path = typer.Option(None, help="Take the workload from this run config (a sim engine and trainer, sizes)."),
+    groups_per_step: list[int] = typer.Option(
+        [], "--groups-per-step", help="Step sizes (repeatable); default 16 32 48 64 80."
+    ),
+    async_ratio: list[int] = typer.Option([], "--async-ratio", help="Ratios to play (repeatable); default 1 2 4."),
+    engines: int = typer.Option(None, help="Engines (default: the config's run.num_engines, else 2)."),
+    target: float = typer.Option(0.85, help="Efficiency to find the smallest async_ratio for."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Which async_ratio does a workload need? The admission rules played with zero overhead."""
+    from services.bench.ceiling_bench import plan
+
+    cfg = load_or_exit(config, []) if config else None
+    emit(checked(plan, cfg, groups_per_step or [16, 32, 48, 64, 80], async_ratio or [1, 2, 4], engines, target,
+                   progress_printer(json_)), json_)  # fmt: skip
+
+
+@app.command("weights")
+def bench_weights(
+    hidden_size: int = typer.Option(1024, help="Width of the random model (0.4 GB at the default shape)."),
+    layers: int = typer.Option(8, help="Decoder layers of the random model."),
+    engines: int = typer.Option(2, help="Engine processes behind the proxy."),
+    repeats: int = typer.Option(3, help="Updates per transport (the median is reported)."),
+    bucket_mb: int = typer.Option(256, help="http_buckets, ipc and collective: largest bucket in MiB."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """One weight update through each CPU transport (disk, http_buckets, ipc, collective/gloo): seconds, GB/s."""
+    from services.bench.weights_bench import run
+
+    emit(checked(run, hidden_size, layers, engines, repeats, bucket_mb, progress_printer(json_)), json_)
+
+
+@app.command("chaos")
+def bench_chaos(
+    model: Path = typer.Option(Path("models/tiny"), help="Model directory (make model builds models/tiny)."),
+    service: list[str] = typer.Option(
+        [], "--service", help="Services to kill, in order (repeatable); default: all seven."
+    ),
+    steps_between: int = typer.Option(2, help="Training steps before each kill."),
+    seed: int = typer.Option(0, help="Seed of the kill moments."),
+    baseline: bool = typer.Option(True, help="Also time the same run undisturbed (the slowdown)."),
+    keep: Path = typer.Option(None, help="Keep both runs' output, logs and metrics in this (new) directory."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Kill each service once mid-run: seconds to the next step, groups lost and trained twice."""
+    from services.bench.chaos_bench import run
+
+    emit(checked(run, str(model), service, steps_between, seed, baseline, progress_printer(json_),
+                   str(keep) if keep else None), json_)  # fmt: skip
+
+
+@app.command("offpolicy")
+def bench_offpolicy(
+    model: Path = typer.Option(Path("models/tiny-digits"), help="The quickstart's model (make run builds it)."),
+    loss: list[str] = typer.Option([], "--loss", help="Losses to compare (repeatable); default: all six."),
+    ratio: list[int] = typer.Option([], "--ratio", help="Async ratios (repeatable); default: 0, 2 and 8."),
+    steps: int = typer.Option(100, help="Training steps of each run."),
+    seeds: int = typer.Option(1, help="Runs per combination, seeds 0..n-1 (the spread says what is noise)."),
+    out: Path = typer.Option(Path("runs/bench-offpolicy"), help="Where the plot and the full results go."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Each loss at each async ratio on the quickstart: reward, held-out accuracy, wall time, plot."""
+    from services.bench.offpolicy_bench import run
+
+    emit(checked(run, str(model), loss or None, ratio or None, steps, seeds, str(out), progress_printer(json_)), json_)
+
+
+@app.command("gpu")
+def bench_gpu(
+    steps: int = typer.Option(5, help="Training steps to time (packed and unpacked)."),
+    num_prompts: int = typer.Option(256, help="Prompts the engine and generate answer."),
+    max_new_tokens: int = typer.Option(128, help="Longest response, in tokens."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """The GPU path on a Qwen2-0.5B-shaped model (`make gpu-check`): a bf16 training step, the engine
+    on CUDA vs generate, CUDA-IPC and NCCL weight updates. Exits 2 without CUDA, 1 if a part failed."""
+    from services.bench.gpu_check import NoCuda, run
+
+    try:
+        result = checked(run, steps, num_prompts, max_new_tokens, progress_printer(json_))
+    except NoCuda as e:
+        typer.echo(f"gpu-check: {e}; run it on a machine with a CUDA GPU and torch's CUDA build", err=True)
+        raise typer.Exit(2) from None
+    emit(result, json_)
+    if result["failed_sections"]:
+        raise typer.Exit(1)

@@ -1,0 +1,25 @@
+"""Weight transports: how the trainer's new weights reach the engines (``train_loop.publisher.type``).
+
+Each module holds one transport: the trainer's side (a ``WeightPublisher``, the training loop's
+port: export, load, committed) and its config, and names the engine side it talks to. Adding one:
+a module here, one entry in ``TRANSPORTS``, the engine backends that receive it
+(``services/engine/backends.py``), tests.
+"""
+
+from __future__ import annotations
+
+from sample_buffer.registry import tagged_union
+from services.weight_transports.collective import CollectivePublisherConfig
+from services.weight_transports.disk import DiskPublisherConfig
+from services.weight_transports.http_buckets import BucketPublisherConfig
+from services.weight_transports.ipc import IpcPublisherConfig
+
+# type -> its config; each config's build(proxy, run_dir, keep_versions) makes the publisher.
+TRANSPORTS = {
+    "disk": DiskPublisherConfig,
+    "http_buckets": BucketPublisherConfig,
+    "collective": CollectivePublisherConfig,
+    "ipc": IpcPublisherConfig,
+}
+
+PublisherConfig = tagged_union(*TRANSPORTS.values(), default="disk")

@@ -1,0 +1,58 @@
+"""``disk`` (the default): every rank joins the export, rank 0 writes a Hugging Face directory
+under ``RUN_DIR/weights/v<version>``, and the LLMProxy has every engine load it
+(``/update_weights_from_disk``). The directory is also the restore point the controller rolls
+back to, what an engine that rejoins is brought up to, and what every other transport writes
+first (before generation is suspended).
+
+Engine side: ``EmbeddedEngine.load_weights_from_disk``; SGLang's and vLLM's own routes.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.convert import project_error
+from services.llm_proxy.client import ProxyClient
+from services.weight_transports.common import engine_failures
+from trainer.ports import PublishError
+
+
+class DiskPublisher:
+    def __init__(self, proxy: ProxyClient | None, run_dir: str | Path, keep_versions: int = 2) -> None:
+        self.proxy, self.weights_dir, self.keep = proxy, Path(run_dir) / "weights", keep_versions
+        self.path = ""  # the exported version's directory (rank 0)
+
+    def export(self, engine, version: int, state: dict | None = None) -> str:
+        out = engine.export(self.weights_dir / f"v{version}", state)  # every rank gathers, rank 0 writes
+        self.path = "" if out is None else str(out)
+        return self.path
+
+    async def load(self, version: int, timeout_s: float) -> None:
+        try:
+            res = await self.proxy.update_weights(self.path, version, timeout_s=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise PublishError(f"LLMProxy: {project_error(e)}") from None
+        if not res.success:
+            raise PublishError(engine_failures(res))
+
+    def committed(self, version: int) -> None:
+        dirs = sorted(self.weights_dir.glob("v*"), key=lambda p: int(p.name[1:].split(".")[0]))
+        for old in dirs[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class DiskPublisherConfig(BaseModel):
+    """``disk``: every engine loads the exported directory."""
+
+    model_config = ConfigDict(extra="forbid")
+    sends_tensors: ClassVar[bool] = False  # more than a directory: the trainer must hold real weights
+    colocates: ClassVar[bool] = True  # works with the trainer and an engine on one GPU
+    type: Literal["disk"] = Field("disk", description="Every engine loads the exported directory.")
+
+    def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> DiskPublisher:
+        return DiskPublisher(proxy, run_dir, keep_versions)

@@ -1,0 +1,79 @@
+"""``ipc``: the same restore directory, and buckets of handles to the trainer's memory (CUDA IPC, or
+shared memory on CPU) that engines on the same machine load from (``/update_weights_from_tensor``).
+
+Engine side: ``rollout/engines/tensor_handles.py`` (the handles, both ends) and
+``services/engine/rl_routes.py``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.llm_proxy.client import ProxyClient
+from services.weight_transports.http_buckets import BucketPublisher
+
+
+class IpcPublisher(BucketPublisher):
+    """``ipc``: buckets of handles, SGLang's ``/update_weights_from_tensor``: on a GPU CUDA IPC handles
+    to the trainer's own memory (an engine on the same machine copies the weights straight from the
+    trainer's GPU); on CPU references into shared-memory segments the weights were copied into. No
+    byte of them crosses a socket."""
+
+    format = "tensor_handles"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._shared: dict | None = None  # CUDA: the memory the handles point into, alive until the update ends
+        self._handles: list = []  # CPU: the shared-memory segments the weights were copied into
+
+    def _gather(self, engine) -> dict:
+        # On the GPU, where CUDA IPC hands it over. Without offload every rank gets the full
+        # weights: only rank 0 keeps them. On a GPU in one process they are the parameters
+        # themselves, copied per update so that the engine reads a version no optimizer step
+        # touches (FSDP2's gather makes fresh tensors already); on CPU the handles copy them.
+        state = engine.full_weights(on_device=True)
+        if getattr(engine, "rank", 0) != 0:
+            return {}
+        on_gpu = any(v.is_cuda for v in state.values())
+        self._shared = (
+            {k: v.clone() for k, v in state.items()} if on_gpu and getattr(engine, "world", 1) == 1 else state
+        )
+        return self._shared
+
+    def _serialize(self, bucket: dict) -> bytes:
+        from rollout.engines.tensor_handles import dumps
+
+        handles = dumps(list(bucket.items()))
+        self._handles.append(handles)
+        return handles.payload.encode("ascii")
+
+    async def load(self, version: int, timeout_s: float) -> None:
+        try:
+            await super().load(version, timeout_s)
+        finally:
+            self._free()
+
+    def _free(self) -> None:
+        handles, self._handles, self._shared = self._handles, [], None
+        for h in handles:
+            h.close()
+
+    def export(self, engine, version: int) -> str:
+        self._free()  # an export whose update never loaded leaves nothing behind
+        return super().export(engine, version)
+
+
+class IpcPublisherConfig(BaseModel):
+    """``ipc``: weights handed over by memory handle to engines on the trainer's machine (CUDA IPC
+    on a GPU: colocated engines; shared memory on CPU)."""
+
+    model_config = ConfigDict(extra="forbid")
+    sends_tensors: ClassVar[bool] = True  # more than a directory: the trainer must hold real weights
+    colocates: ClassVar[bool] = True  # works with the trainer and an engine on one GPU
+    type: Literal["ipc"] = Field("ipc", description="Engines on this machine map the trainer's weights directly.")
+    bucket_mb: int = Field(1024, ge=1, description="Weights handed over per LLMProxy call, in MiB.")
+
+    def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> IpcPublisher:
+        return IpcPublisher(proxy, run_dir, keep_versions, self.bucket_mb)
