@@ -60,7 +60,10 @@ class TrainerConfig(BaseModel):
     )  # fmt: skip
     seed: int = Field(0, description="Seed of torch's generators.")
     num_threads: int = Field(
-        0, ge=0, description="torch intra-op CPU threads; 0 keeps torch's default. Set 1 when sharing cores."
+        0,
+        ge=0,
+        description="torch intra-op CPU threads; 0: `rollmesh run` gives each torch process it starts an "
+        "equal share of the cores (torch's default elsewhere: every core, which a neighbour process slows down).",
     )
     lr: float = Field(1e-5, gt=0, description="Peak learning rate of AdamW.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")

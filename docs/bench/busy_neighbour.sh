@@ -7,6 +7,8 @@
 # Run from the checkout's root after `make setup model`; about 5 minutes on 2 cores.
 set -u
 declare -A result
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null' EXIT  # no neighbour outlives the script
 bench() {  # label, env assignments...
   local label=$1; shift
   local line; line=$(env "$@" .venv/bin/rollmesh bench engine --no-vllm --num-prompts 64 --json 2>/dev/null | tail -1)
@@ -20,15 +22,15 @@ a = torch.randn(256, 256)
 while True:
     for _ in range(50):
         a = torch.tanh(a @ a)
-    time.sleep(0.001)' & echo $!
+    time.sleep(0.001)' >/dev/null 2>&1 & echo $!  # its output not in \$(...), which would wait for it
 }
 bench quiet_default
 bench quiet_1thread OMP_NUM_THREADS=1
-python3 -c "while True: pass" & pid=$!
+python3 -c "while True: pass" & pid=$!; pids+=("$pid")  # one core kept busy
 bench spinning_default; bench spinning_1thread OMP_NUM_THREADS=1; kill $pid
-pid=$(neighbour); sleep 3
+pid=$(neighbour); pids+=("$pid"); sleep 3
 bench torch_default; bench torch_1thread OMP_NUM_THREADS=1; kill $pid
-pid=$(neighbour OMP_NUM_THREADS=1); sleep 3
+pid=$(neighbour OMP_NUM_THREADS=1); pids+=("$pid"); sleep 3
 bench torch1_default; bench torch1_1thread OMP_NUM_THREADS=1; kill $pid
 python3 - "$(declare -p result)" <<'PY'
 import json, re, sys

@@ -24,5 +24,10 @@ class EngineConfig(EngineServerConfig):
         4096, ge=1, description="Prompt tokens (padded) admitted into one prefill forward pass."
     )
     seed: int = Field(0, description="Seed of the engine's sampler for requests without sampling_seed.")
-    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default.")
+    num_threads: int = Field(
+        0,
+        ge=0,
+        description="torch intra-op threads; 0: `rollmesh run` gives each torch process it starts an equal share "
+        "of the cores (two with a thread per core each decoded 10x slower), torch's default elsewhere.",
+    )
     served_model_name: str | None = Field(None, description="Name reported by /model_info; default the path.")
