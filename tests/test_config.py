@@ -116,7 +116,10 @@ def test_the_proxy_speaks_the_api_of_the_engine_type():
     assert load_config(None, ["proxy.engine_api=vllm"]).proxy.engine_api == "vllm"
     with pytest.raises(ConfigError, match="proxy.engine_api: 'sglang' but engine.type 'vllm' speaks 'vllm'"):
         load_config(None, ["engine.type=vllm", "proxy.engine_api=sglang"])
-    with pytest.raises(ConfigError, match="train_loop.publisher: vLLM engines load weights from disk"):
+    with pytest.raises(
+        ConfigError,
+        match="train_loop.publisher: engine.type 'vllm' receives weights by collective or disk, not http_buckets",
+    ):
         load_config(None, ["engine.type=vllm", "train_loop.publisher.type=http_buckets"])
     with pytest.raises(ConfigError, match="max_running_requests"):  # a key of the embedded engine, not vLLM's
         load_config(None, ["engine.type=vllm", "engine.max_running_requests=8"])

@@ -119,7 +119,7 @@ def test_corrupt_groups_are_codec_errors(header, body, message):
 
 def test_a_groups_start_version_is_its_oldest_members():
     members = [
-        traj(trajectory_id="a", group_id="z", start_version=5),
-        traj(trajectory_id="b", group_id="z", start_version=3),
+        traj(trajectory_id="a", group_id="z", start_version=5, token_versions=[5, 5]),
+        traj(trajectory_id="b", group_id="z", start_version=3, token_versions=[3, 4]),
     ]
     assert Group("z", "p", members).start_version == 3  # a group is as stale as its stalest member
