@@ -34,8 +34,13 @@ class Budgets(BaseModel):
 class EpisodeClock:
     """The deadlines of one episode: each call's timeout, and which budget it is."""
 
-    def __init__(self, step_timeout_s: float, generation_timeout_s: float, budgets: Budgets | None = None,
-                 started: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        step_timeout_s: float,
+        generation_timeout_s: float,
+        budgets: Budgets | None = None,
+        started: float | None = None,
+    ) -> None:
         """``started``: the episode's start (``time.monotonic()``; default now)."""
         self.budgets = budgets or Budgets()
         self._step = _tighter(step_timeout_s, self.budgets.step_s)

@@ -99,5 +99,9 @@ class Conversation:
         key = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
         if key not in _warned:
             _warned.add(key)
-            log.warning("%s: chat template is not prefix-stable (%s); later turns are rendered on their own, "
-                        "so episodes are not token-exact against the template", key, error)  # fmt: skip
+            log.warning(
+                "%s: chat template is not prefix-stable (%s); later turns are rendered on their own, "
+                "so episodes are not token-exact against the template",
+                key,
+                error,
+            )

@@ -163,15 +163,18 @@ class RolloutConfig(TaskConfig):
     def _reward_fits_its_step(self) -> RolloutConfig:
         step_s = self.episode.step_timeout_s
         if not isinstance(self.reward, str) and self.reward.max_seconds() >= step_s:
-            raise ValueError(f"reward: a {self.reward.type} score can take {self.reward.max_seconds():g} s, not less "
-                             f"than episode.step_timeout_s ({step_s:g} s): the step would be cut before its score "
-                             "(lower the reward's timeout or raise the step's)")  # fmt: skip
+            raise ValueError(
+                f"reward: a {self.reward.type} score can take {self.reward.max_seconds():g} s, not less "
+                f"than episode.step_timeout_s ({step_s:g} s): the step would be cut before its score "
+                "(lower the reward's timeout or raise the step's)"
+            )
         return self
 
     @model_validator(mode="after")
     def _turns_for_every_try(self) -> RolloutConfig:
         tries = getattr(self.env, "tries", 1)
         if tries > self.episode.max_turns:
-            raise ValueError(f"env.tries: {tries} answers need episode.max_turns >= {tries}, "
-                             f"got {self.episode.max_turns}")  # fmt: skip
+            raise ValueError(
+                f"env.tries: {tries} answers need episode.max_turns >= {tries}, got {self.episode.max_turns}"
+            )
         return self

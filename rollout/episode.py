@@ -80,8 +80,9 @@ async def run_episode(
     try:
         t0 = time.monotonic()
         observer = observer or RolloutObserver()
-        traj = await _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id,
-                                  barrier, observer)  # fmt: skip
+        traj = await _run_episode(
+            env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier, observer
+        )
         _report(observer.episode_ended, traj, time.monotonic() - t0)
         return traj
     finally:
@@ -148,9 +149,19 @@ async def close_env(env, timeout_s: float) -> None:
 
 async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier, observer):
     def ended(finish, **why) -> Trajectory:  # before its first generation
-        return Trajectory(trajectory_id=trajectory_id, group_id=group_id, prompt_id=prompt_id, token_ids=[],
-                          loss_mask=[], behavior_logprobs=[], token_versions=[], reward=0.0, start_version=0,
-                          finish_reason=finish, metadata={"env": env.name, **why})  # fmt: skip
+        return Trajectory(
+            trajectory_id=trajectory_id,
+            group_id=group_id,
+            prompt_id=prompt_id,
+            token_ids=[],
+            loss_mask=[],
+            behavior_logprobs=[],
+            token_versions=[],
+            reward=0.0,
+            start_version=0,
+            finish_reason=finish,
+            metadata={"env": env.name, **why},
+        )
 
     started = time.monotonic()
     try:
@@ -215,8 +226,9 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         if result.done or result.observation is None:
             break
         try:
-            next_turn = chat.next_turn(gen.output_ids, gen.finish_reason == FinishReason.STOP, result.role,
-                                       result.observation)  # fmt: skip
+            next_turn = chat.next_turn(
+                gen.output_ids, gen.finish_reason == FinishReason.STOP, result.role, result.observation
+            )
         except Exception as e:  # a role the chat does not have, a template that refuses the turn
             finish, why = FinishReason.ENV_ERROR, _env_error(e)
             break
@@ -239,5 +251,5 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
             **why,
             **({} if chat.exact else {"chat_render": "alone"}),
             **({"turns_over_target": over_target} if penalty is not None else {}),
-        },  # fmt: skip
+        },
     )

@@ -105,8 +105,9 @@ class RolloutLoop:
         self.counters["prompts_drawn"] += 1
         return self._order[(self.first_prompt + n) % len(self._order)]
 
-    async def run_group(self, barrier: TurnBarrier | None = None, row: int | None = None,
-                        seats: Seats | None = None) -> GroupOutcome:  # fmt: skip
+    async def run_group(
+        self, barrier: TurnBarrier | None = None, row: int | None = None, seats: Seats | None = None
+    ) -> GroupOutcome:
         """One admitted group, start to end; returns what became of it. ``row``: the prompt (default:
         the next one); ``seats``: the group is put only if it gets one (tail batching's quota)."""
         n, t0 = self.counters["groups_started"], time.monotonic()
@@ -139,8 +140,9 @@ class RolloutLoop:
             return self._ended(GroupOutcome.FAILED, trajectories, t0)
         return self._ended(GroupOutcome.PUT if result.accepted else GroupOutcome.FILTERED, trajectories, t0)
 
-    async def run_admitted(self, num_groups: int, barrier: TurnBarrier | None = None,
-                           rows: list[int] | None = None) -> list[GroupOutcome]:  # fmt: skip
+    async def run_admitted(
+        self, num_groups: int, barrier: TurnBarrier | None = None, rows: list[int] | None = None
+    ) -> list[GroupOutcome]:
         """Run ``num_groups`` admitted groups at once (of ``rows``, default the next prompts) and hand
         their slots back: a group in the buffer keeps its slot as finished; any other returns it unused
         (a filtered group's slot must come back, or dynamic filtering would use up the staleness budget
@@ -203,9 +205,18 @@ class RolloutLoop:
         env = self.make_env(tid)
         self.running_episodes += 1
         try:
-            t = await run_episode(env, row, self.generate, self.tokenizer, self.config.episode,
-                                  trajectory_id=tid, group_id=gid, prompt_id=f"p{row}", barrier=barrier,
-                                  observer=self.observer)  # fmt: skip
+            t = await run_episode(
+                env,
+                row,
+                self.generate,
+                self.tokenizer,
+                self.config.episode,
+                trajectory_id=tid,
+                group_id=gid,
+                prompt_id=f"p{row}",
+                barrier=barrier,
+                observer=self.observer,
+            )
         finally:
             self.running_episodes -= 1
             state.running.discard(tid)
@@ -223,8 +234,9 @@ class RolloutLoop:
         deadline, delay = time.monotonic() + timeout_s, 0.1
         while True:
             try:
-                gen = await self.engine.generate(ids, sampling, request_id=tid, route=route,
-                                                 timeout_s=deadline - time.monotonic())  # fmt: skip
+                gen = await self.engine.generate(
+                    ids, sampling, request_id=tid, route=route, timeout_s=deadline - time.monotonic()
+                )
                 state = self._rolling.get(tid.rsplit("/", 1)[0])
                 if state is not None:  # what a member cancelled later will have cost
                     state.tokens[tid] = state.tokens.get(tid, 0) + len(gen.output_ids)
@@ -341,6 +353,10 @@ class RolloutLoop:
         for gid, state in list(self._rolling.items()):
             if not state.stale and group_is_stale(state.finished_starts, self.version, self.async_ratio):
                 state.stale = True
-                log.info("group %s is staler than the bound at v%d: aborting %d generations",
-                         gid, self.version, len(state.running))  # fmt: skip
+                log.info(
+                    "group %s is staler than the bound at v%d: aborting %d generations",
+                    gid,
+                    self.version,
+                    len(state.running),
+                )
                 await asyncio.gather(*(self.engine.abort(tid) for tid in state.running), return_exceptions=True)

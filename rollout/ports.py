@@ -17,8 +17,16 @@ from sample_buffer.buffer import PutResult
 from sample_buffer.errors import TransientError
 from sample_buffer.trajectory import FinishReason, Group, Trajectory
 
-__all__ = ["Admission", "Admitted", "Generate", "Generation", "Rewarder", "RolloutObserver", "SampleSink",
-           "TransientError"]  # fmt: skip
+__all__ = [
+    "Admission",
+    "Admitted",
+    "Generate",
+    "Generation",
+    "Rewarder",
+    "RolloutObserver",
+    "SampleSink",
+    "TransientError",
+]
 
 
 @dataclass(frozen=True)
@@ -58,9 +66,16 @@ class Generate(Protocol):
     """The LLMProxy as the rollout loop sees it."""
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str, route: str, timeout_s: float,
-        top_logprobs: int = 0, on_tokens: Callable[[list[int]], None] | None = None,
-    ) -> Generation:  # fmt: skip
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        route: str,
+        timeout_s: float,
+        top_logprobs: int = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Generation:
         """Generate for ``input_ids``; ``route`` keeps requests that share it on one engine.
         ``top_logprobs``: also the most likely tokens at each position; ``on_tokens``: stream the
         generation, handing new tokens over as they are made (the agent gateway's streams; the

@@ -100,8 +100,7 @@ class RewardPool:
         finally:
             self._idle.put(worker)
 
-    def _score(self, worker: _Worker, response: str, answer: str,
-               limit: float) -> tuple[float, str, _Worker | None]:  # fmt: skip
+    def _score(self, worker: _Worker, response: str, answer: str, limit: float) -> tuple[float, str, _Worker | None]:
         with self._lock:
             self.calls += 1
         try:
@@ -110,8 +109,9 @@ class RewardPool:
                 return self._failed("timeout", worker, f"no score within {limit:g} s: killed")
             status, value = worker.conn.recv()
         except (EOFError, OSError) as e:  # the worker died under the call
-            return self._failed("crashed", worker, f"the worker died ({type(e).__name__}; exit code "
-                                f"{worker.proc.exitcode})")  # fmt: skip
+            return self._failed(
+                "crashed", worker, f"the worker died ({type(e).__name__}; exit code {worker.proc.exitcode})"
+            )
         if status != "ok":
             with self._lock:
                 self.failures["raised"] += 1

@@ -141,7 +141,9 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
     # The buffer sorts and filters on the header alone: one that disagrees with the trajectories would
     # pass a stale group as fresh, or a group without learning signal through the filter.
     if validate and (head.start_version, head.rewards) != (group.start_version, tuple(group.rewards)):
-        raise CodecError(f"group {head.group_id!r}: header (start_version {head.start_version}, rewards "
-                         f"{list(head.rewards)}) disagrees with its trajectories ({group.start_version}, "
-                         f"{group.rewards})")  # fmt: skip
+        raise CodecError(
+            f"group {head.group_id!r}: header (start_version {head.start_version}, rewards "
+            f"{list(head.rewards)}) disagrees with its trajectories ({group.start_version}, "
+            f"{group.rewards})"
+        )
     return group

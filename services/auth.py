@@ -240,8 +240,9 @@ class BearerMiddleware:
                 await send({"type": "websocket.close", "code": 1008, "reason": _message(reason)[:120]})
                 return
             if reason is not None:
-                body = json.dumps({"object": "error", "code": 401, "field": "authorization",
-                                   "message": _message(reason)}).encode()  # fmt: skip
+                body = json.dumps(
+                    {"object": "error", "code": 401, "field": "authorization", "message": _message(reason)}
+                ).encode()
                 headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
                 await send({"type": "http.response.start", "status": 401, "headers": headers})
                 await send({"type": "http.response.body", "body": body})

@@ -138,8 +138,12 @@ class RollmeshConfig(BaseModel):
 
     @model_validator(mode="after")
     def _propagate_model_path(self) -> RollmeshConfig:
-        for section, key in (("engine", "model_path"), ("trainer", "model_path"),
-                             ("controller", "initial_model_path"), ("env_manager", "tokenizer_path")):  # fmt: skip
+        for section, key in (
+            ("engine", "model_path"),
+            ("trainer", "model_path"),
+            ("controller", "initial_model_path"),
+            ("env_manager", "tokenizer_path"),
+        ):
             part = getattr(self, section)
             if key in type(part).model_fields and getattr(part, key) is None:
                 setattr(part, key, self.model_path)
@@ -152,14 +156,19 @@ class RollmeshConfig(BaseModel):
         publisher, engine = self.train_loop.publisher, backend(self.engine)
         kind = publisher.type
         if publisher.sends_tensors and self.trainer.type == "sim":
-            raise ValueError(f"train_loop.publisher: {kind} sends real weights; the simulated trainer has "
-                             "none (use type: disk)")  # fmt: skip
+            raise ValueError(
+                f"train_loop.publisher: {kind} sends real weights; the simulated trainer has none (use type: disk)"
+            )
         if kind not in engine.transports:
-            raise ValueError(f"train_loop.publisher: engine.type {self.engine.type!r} receives weights by "
-                             f"{' or '.join(sorted(engine.transports))}, not {kind}")  # fmt: skip
+            raise ValueError(
+                f"train_loop.publisher: engine.type {self.engine.type!r} receives weights by "
+                f"{' or '.join(sorted(engine.transports))}, not {kind}"
+            )
         if self.devices.placement == "colocated" and not engine.releases_memory:
-            raise ValueError(f"devices.placement: colocated engines release their memory while the trainer trains; "
-                             f"engine.type {self.engine.type!r} does not")  # fmt: skip
+            raise ValueError(
+                f"devices.placement: colocated engines release their memory while the trainer trains; "
+                f"engine.type {self.engine.type!r} does not"
+            )
         return self
 
     @model_validator(mode="after")
@@ -170,8 +179,10 @@ class RollmeshConfig(BaseModel):
             return self
         api = backend(self.engine).api
         if "engine_api" in self.proxy.model_fields_set and self.proxy.engine_api != api:
-            raise ValueError(f"proxy.engine_api: {self.proxy.engine_api!r} but engine.type {self.engine.type!r} "
-                             f"speaks {api!r} (leave proxy.engine_api out)")  # fmt: skip
+            raise ValueError(
+                f"proxy.engine_api: {self.proxy.engine_api!r} but engine.type {self.engine.type!r} "
+                f"speaks {api!r} (leave proxy.engine_api out)"
+            )
         self.proxy.engine_api = api
         return self
 
@@ -182,9 +193,11 @@ class RollmeshConfig(BaseModel):
             raise ValueError(f"devices.placement: engine.type {self.engine.type!r} uses no GPU (use placement: none)")
         if self.devices.placement == "colocated":
             if not self.train_loop.publisher.colocates:
-                raise ValueError(f"train_loop.publisher: {self.train_loop.publisher.type} puts the trainer and an "
-                                 "engine on one GPU as two ranks, which NCCL refuses; colocated engines take ipc (or "
-                                 "disk)")  # fmt: skip
+                raise ValueError(
+                    f"train_loop.publisher: {self.train_loop.publisher.type} puts the trainer and an "
+                    "engine on one GPU as two ranks, which NCCL refuses; colocated engines take ipc (or "
+                    "disk)"
+                )
             for key, value in backend(self.engine).colocated_settings:  # e.g. SGLang's memory saver
                 setattr(self.engine, key, value)
         return self
@@ -195,25 +208,31 @@ class RollmeshConfig(BaseModel):
         if isinstance(reward, str) or reward.type != "service" or reward.address is not None:
             return self  # not the mesh's own service: its bound is not known here
         if service.timeout_s > reward.timeout_s:
-            raise ValueError(f"env_manager.reward.timeout_s ({reward.timeout_s:g} s) is shorter than a score of the "
-                             f"mesh's reward service may take (reward_service.timeout_s: {service.timeout_s:g} s), so "
-                             "scores it would still finish are cut: raise the first (within env_manager.episode."
-                             "step_timeout_s) or lower the second")  # fmt: skip
+            raise ValueError(
+                f"env_manager.reward.timeout_s ({reward.timeout_s:g} s) is shorter than a score of the "
+                f"mesh's reward service may take (reward_service.timeout_s: {service.timeout_s:g} s), so "
+                "scores it would still finish are cut: raise the first (within env_manager.episode."
+                "step_timeout_s) or lower the second"
+            )
         return self
 
     @model_validator(mode="after")
     def _heldout_episodes_need_seeds(self) -> RollmeshConfig:
         if self.run.heldout_episodes and self.env_manager.env.type != "remote":
-            raise ValueError("run.heldout_episodes: held-out seeds are a remote environment's (env_manager.env.type "
-                             "remote); a local task's held-out set is run.heldout_path")  # fmt: skip
+            raise ValueError(
+                "run.heldout_episodes: held-out seeds are a remote environment's (env_manager.env.type "
+                "remote); a local task's held-out set is run.heldout_path"
+            )
         return self
 
     @model_validator(mode="after")
     def _lease_outlasts_heartbeats(self) -> RollmeshConfig:
         # A lease of one heartbeat would expire a live EnvManager whose report was a moment late.
         if self.controller.holder_lease_s < 3 * self.env_manager.heartbeat_s:
-            raise ValueError(f"controller.holder_lease_s ({self.controller.holder_lease_s:g}) must be at least 3 x "
-                             f"env_manager.heartbeat_s ({self.env_manager.heartbeat_s:g})")  # fmt: skip
+            raise ValueError(
+                f"controller.holder_lease_s ({self.controller.holder_lease_s:g}) must be at least 3 x "
+                f"env_manager.heartbeat_s ({self.env_manager.heartbeat_s:g})"
+            )
         return self
 
 

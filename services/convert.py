@@ -39,8 +39,11 @@ def sampling_to_pb(sp: SamplingParams) -> proxy_pb.SamplingParams:
 def sampling_from_pb(sp: proxy_pb.SamplingParams) -> SamplingParams:
     """Unset optional fields take the model's defaults (SGLang's); a bad value raises
     ``RequestInvalid`` naming ``sampling_params.<field>``."""
-    fields = {"max_new_tokens": sp.max_new_tokens, "ignore_eos": sp.ignore_eos,
-              "stop_token_ids": list(sp.stop_token_ids)}  # fmt: skip
+    fields = {
+        "max_new_tokens": sp.max_new_tokens,
+        "ignore_eos": sp.ignore_eos,
+        "stop_token_ids": list(sp.stop_token_ids),
+    }
     fields |= {n: getattr(sp, n) for n in ("temperature", "top_p", "top_k", "sampling_seed") if sp.HasField(n)}
     try:
         return SamplingParams(**fields)

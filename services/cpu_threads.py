@@ -46,5 +46,7 @@ def thread_overrides(cfg, cores: int) -> tuple[list[str], str]:
             chosen.append(f"{section} {getattr(cfg, section).num_threads} (config)")
     if not chosen:
         return [], ""
-    return overrides, (f"torch threads per process: {', '.join(chosen)} ({cores} cores, {engines} engine(s) and "
-                       f"{ranks} trainer rank(s))")  # fmt: skip
+    return overrides, (
+        f"torch threads per process: {', '.join(chosen)} ({cores} cores, {engines} engine(s) and "
+        f"{ranks} trainer rank(s))"
+    )

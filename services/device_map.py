@@ -32,13 +32,15 @@ class DeviceMapConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     placement: Literal["none", "disaggregated", "colocated"] = Field(
-        "none", description="none: nothing pinned; disaggregated: engines and trainer on disjoint GPUs; colocated: "
+        "none",
+        description="none: nothing pinned; disaggregated: engines and trainer on disjoint GPUs; colocated: "
         "on the same GPUs, the engines releasing their memory while the trainer trains.",
-    )  # fmt: skip
+    )
     engine_gpus: list[int] = Field(
-        default_factory=list, description="GPU indices of the engines, in engine order: run.num_engines x the "
+        default_factory=list,
+        description="GPU indices of the engines, in engine order: run.num_engines x the "
         "engine's tensor_parallel_size of them, each engine taking the next consecutive ones.",
-    )  # fmt: skip
+    )
     trainer_gpus: list[int] = Field(
         default_factory=list, description="GPU indices of the trainer, one rank per GPU (run.trainer_procs of them)."
     )
@@ -47,8 +49,10 @@ class DeviceMapConfig(BaseModel):
     def _shape(self) -> DeviceMapConfig:
         if self.placement == "none":
             if self.engine_gpus or self.trainer_gpus:
-                raise ValueError("devices.placement: 'none' pins nothing; set disaggregated or colocated to use "
-                                 "engine_gpus and trainer_gpus")  # fmt: skip
+                raise ValueError(
+                    "devices.placement: 'none' pins nothing; set disaggregated or colocated to use "
+                    "engine_gpus and trainer_gpus"
+                )
             return self
         for name in ("engine_gpus", "trainer_gpus"):
             ids = getattr(self, name)
@@ -60,11 +64,15 @@ class DeviceMapConfig(BaseModel):
                 raise ValueError(f"devices.{name}: GPU {_first_repeat(ids)} is listed twice")
         shared = sorted(set(self.engine_gpus) & set(self.trainer_gpus))
         if self.placement == "disaggregated" and shared:
-            raise ValueError(f"devices: disaggregated engines and trainer share GPU(s) {shared}; give them disjoint "
-                             "GPUs, or use placement: colocated")  # fmt: skip
+            raise ValueError(
+                f"devices: disaggregated engines and trainer share GPU(s) {shared}; give them disjoint "
+                "GPUs, or use placement: colocated"
+            )
         if self.placement == "colocated" and set(self.engine_gpus) != set(self.trainer_gpus):
-            raise ValueError(f"devices: colocated engines ({sorted(self.engine_gpus)}) and trainer "
-                             f"({sorted(self.trainer_gpus)}) must use the same GPUs")  # fmt: skip
+            raise ValueError(
+                f"devices: colocated engines ({sorted(self.engine_gpus)}) and trainer "
+                f"({sorted(self.trainer_gpus)}) must use the same GPUs"
+            )
         return self
 
 
@@ -112,12 +120,15 @@ def check_shape(devices: DeviceMapConfig, num_engines: int, gpus_per_engine: int
             f"engines of {gpus_per_engine} GPU(s) each (engine.tensor_parallel_size); {need} needed"
         )
     if trainer_procs != len(devices.trainer_gpus):
-        raise ValueError(f"run.trainer_procs: {trainer_procs}, but devices.trainer_gpus lists "
-                         f"{len(devices.trainer_gpus)} GPU(s); the trainer runs one rank per GPU")  # fmt: skip
+        raise ValueError(
+            f"run.trainer_procs: {trainer_procs}, but devices.trainer_gpus lists "
+            f"{len(devices.trainer_gpus)} GPU(s); the trainer runs one rank per GPU"
+        )
 
 
-def place(devices: DeviceMapConfig, num_engines: int, gpus_per_engine: int, trainer_procs: int,
-          visible: list[str]) -> Placement:  # fmt: skip
+def place(
+    devices: DeviceMapConfig, num_engines: int, gpus_per_engine: int, trainer_procs: int, visible: list[str]
+) -> Placement:
     """Check the map against the run's shape and the GPUs ``visible`` here (``visible_gpus``) and
     give each process its GPUs; raise ``ValueError`` naming the field."""
     check_shape(devices, num_engines, gpus_per_engine, trainer_procs)

@@ -102,8 +102,18 @@ async def heldout_episodes(proxy_address: str, cfg) -> HeldOut:
     async def play(seed: int):
         tid = f"heldout-{seed}-{time.monotonic_ns()}"
         return await asyncio.wait_for(
-            run_episode(RemoteEnv(pool, tid), seed, generate, tok, greedy, trajectory_id=tid, group_id="heldout",
-                        prompt_id=f"s{seed}"), cfg.run.heldout_timeout_s)  # fmt: skip
+            run_episode(
+                RemoteEnv(pool, tid),
+                seed,
+                generate,
+                tok,
+                greedy,
+                trajectory_id=tid,
+                group_id="heldout",
+                prompt_id=f"s{seed}",
+            ),
+            cfg.run.heldout_timeout_s,
+        )
 
     seeds = range(env_config.num_seeds, env_config.num_seeds + cfg.run.heldout_episodes)
     try:

@@ -106,9 +106,13 @@ SERVER_OPTIONS = [
 
 
 async def start_server(
-    handler: grpc.GenericRpcHandler, service_name: str, host: str, port: int, options: list | None = None,
+    handler: grpc.GenericRpcHandler,
+    service_name: str,
+    host: str,
+    port: int,
+    options: list | None = None,
     auth: AuthConfig | None = None,
-) -> grpc.aio.Server:  # fmt: skip
+) -> grpc.aio.Server:
     """Start a grpc.aio server with health checking; returns it started (``port`` 0 picks one).
     Every call but health checks must carry ``auth``'s token (default: from the environment)."""
     auth = auth or AuthConfig()

@@ -21,8 +21,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
-                      auth: AuthConfig | None = None) -> None:  # fmt: skip
+def wait_http_healthy(
+    url: str, timeout_s: float, proc: subprocess.Popen | None = None, auth: AuthConfig | None = None
+) -> None:
     """Poll ``url`` until it answers 200; raise with the process's output if it dies first."""
     deadline = time.monotonic() + timeout_s
     verify = (auth.client_ssl() if auth else None) or True
@@ -38,8 +39,9 @@ def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None 
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
 
 
-def wait_grpc_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
-                      auth: AuthConfig | None = None) -> None:  # fmt: skip
+def wait_grpc_healthy(
+    address: str, timeout_s: float, proc: subprocess.Popen | None = None, auth: AuthConfig | None = None
+) -> None:
     """Poll the gRPC health service at ``address`` until it reports SERVING (health checks need no
     token; ``auth`` matters for its TLS)."""
     import grpc
@@ -78,9 +80,14 @@ def serve_command(service: str, section: str, overrides: list[str], config_path:
 
 
 def start_service_process(
-    service: str, section: str, overrides: list[str], timeout_s: float = 60.0, config_path: str | None = None,
-    log_path: Path | None = None, auth: AuthConfig | None = None,
-):  # fmt: skip
+    service: str,
+    section: str,
+    overrides: list[str],
+    timeout_s: float = 60.0,
+    config_path: str | None = None,
+    log_path: Path | None = None,
+    auth: AuthConfig | None = None,
+):
     """Run ``rollmesh serve SERVICE`` on a free port with ``SECTION.key=value`` overrides; returns
     (process, gRPC address) once its health check says SERVING."""
     port = free_port()
@@ -114,8 +121,9 @@ def start_engine_process(
     port = port or free_port()
     cmd = serve_command("engine", "engine", [f"model_path={model_path}", f"port={port}", *(extra or [])], config_path)
     out = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the process)
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    )
     url = f"{auth.scheme if auth else 'http'}://127.0.0.1:{port}"
     try:
         wait_http_healthy(url + "/health", timeout_s, proc, auth)
@@ -128,9 +136,13 @@ def start_engine_process(
 
 
 def start_gateway_process(
-    overrides: list[str], port: int, timeout_s: float = 60.0, config_path: str | None = None,
-    log_path: Path | None = None, auth: AuthConfig | None = None,
-) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    overrides: list[str],
+    port: int,
+    timeout_s: float = 60.0,
+    config_path: str | None = None,
+    log_path: Path | None = None,
+    auth: AuthConfig | None = None,
+) -> tuple[subprocess.Popen, str]:
     """Run ``rollmesh serve gateway`` on ``port`` (agents are told where); returns (process, base URL)
     once ``/health`` answers."""
     cmd = serve_command("gateway", "gateway", [f"port={port}", *overrides], config_path)
@@ -146,14 +158,19 @@ def start_gateway_process(
 
 
 def start_provider_process(
-    env: str, overrides: list[str] = (), grpc_port: int | None = None, http_port: int | None = None,
-    timeout_s: float = 60.0, log_path: Path | None = None,
-) -> tuple[subprocess.Popen, str, str]:  # fmt: skip
+    env: str,
+    overrides: list[str] = (),
+    grpc_port: int | None = None,
+    http_port: int | None = None,
+    timeout_s: float = 60.0,
+    log_path: Path | None = None,
+) -> tuple[subprocess.Popen, str, str]:
     """Run ``rollmesh serve env-provider --env ENV``; returns (process, gRPC address, HTTP base URL)
     once both answer. The same ports again start a provider in a killed one's place."""
     grpc_port, http_port = grpc_port or free_port(), http_port or free_port()
-    cmd = serve_command("env-provider", "env_provider", [f"grpc_port={grpc_port}", f"http_port={http_port}",
-                                                          *overrides])  # fmt: skip
+    cmd = serve_command(
+        "env-provider", "env_provider", [f"grpc_port={grpc_port}", f"http_port={http_port}", *overrides]
+    )
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives as long as the process)
     proc = subprocess.Popen([*cmd, "--env", env], stdout=out, stderr=subprocess.STDOUT if log_path else out)
     address, url = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"

@@ -148,42 +148,66 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path, placeme
     try:
 
         def engine(i):
-            return start_engine_process(cfg.engine.model_path, free_port(), overrides, cfg.run.startup_timeout_s,
-                                        str(config_path), cfg.auth, _gpus(placement.engines[i]))  # fmt: skip
+            return start_engine_process(
+                cfg.engine.model_path,
+                free_port(),
+                overrides,
+                cfg.run.startup_timeout_s,
+                str(config_path),
+                cfg.auth,
+                _gpus(placement.engines[i]),
+            )
 
         with ThreadPoolExecutor(cfg.run.num_engines) as pool:  # engines load in parallel
             futures = [pool.submit(engine, i) for i in range(cfg.run.num_engines)]
         started = [f.result() for f in futures if f.exception() is None]
-        mesh.services += [Supervised(f"engine-{i}", p, logs / f"engine-{i}.log", env=_gpus(placement.engines[i]))
-                          for i, (p, _) in enumerate(started)]  # fmt: skip
+        mesh.services += [
+            Supervised(f"engine-{i}", p, logs / f"engine-{i}.log", env=_gpus(placement.engines[i]))
+            for i, (p, _) in enumerate(started)
+        ]
         mesh.engine_urls += [u for _, u in started]
         mesh.metrics["engine"] = [u.split("://", 1)[1] for u in mesh.engine_urls]  # /metrics beside the API
         for f in futures:
             if f.exception() is not None:
                 raise f.exception()
         proc, mesh.proxy = start_service_process(
-            "llm-proxy", "proxy", [*overrides, f"proxy.engine_urls=[{','.join(mesh.engine_urls)}]",
-                                   f"proxy.metrics_port={mesh.metrics_port('llm-proxy')}"],
-            log_path=logs / "proxy.log", **up,
-        )  # fmt: skip
+            "llm-proxy",
+            "proxy",
+            [
+                *overrides,
+                f"proxy.engine_urls=[{','.join(mesh.engine_urls)}]",
+                f"proxy.metrics_port={mesh.metrics_port('llm-proxy')}",
+            ],
+            log_path=logs / "proxy.log",
+            **up,
+        )
         mesh.services.append(Supervised("llm-proxy", proc, logs / "proxy.log"))
         proc, mesh.buffer = start_service_process(
-            "sample-buffer", "buffer", [*overrides, f"buffer.metrics_port={mesh.metrics_port('sample-buffer')}"],
-            log_path=logs / "buffer.log", **up,
-        )  # fmt: skip
+            "sample-buffer",
+            "buffer",
+            [*overrides, f"buffer.metrics_port={mesh.metrics_port('sample-buffer')}"],
+            log_path=logs / "buffer.log",
+            **up,
+        )
         mesh.services.append(Supervised("sample-buffer", proc, logs / "buffer.log"))
-        ctl = [*overrides, f"mesh.proxy={mesh.proxy}", f"mesh.buffer={mesh.buffer}",
-               f"controller.metrics_port={mesh.metrics_port('controller')}"]  # fmt: skip
+        ctl = [
+            *overrides,
+            f"mesh.proxy={mesh.proxy}",
+            f"mesh.buffer={mesh.buffer}",
+            f"controller.metrics_port={mesh.metrics_port('controller')}",
+        ]
         proc, mesh.controller = start_service_process(
             "controller", "controller", ctl, log_path=logs / "controller.log", **up
         )
         mesh.services.append(Supervised("controller", proc, logs / "controller.log"))
         if needs_reward_service(cfg):
             proc, mesh.reward = start_service_process(
-                "reward", "reward_service",
+                "reward",
+                "reward_service",
                 [*overrides, *mesh.wiring, f"reward_service.metrics_port={mesh.metrics_port('reward')}"],
-                log_path=logs / "reward.log", **up,
-            )  # fmt: skip
+                log_path=logs / "reward.log",
+                **up,
+            )
             mesh.services.append(Supervised("reward", proc, logs / "reward.log"))
         if cfg.run.rollout == "gateway":  # external agents make the rollouts
             proc, mesh.gateway = start_gateway_process(
@@ -193,10 +217,12 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path, placeme
             mesh.services.append(Supervised("gateway", proc, logs / "gateway.log"))
         else:
             proc, _ = start_service_process(
-                "env-manager", "env_manager",
+                "env-manager",
+                "env_manager",
                 [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager')}"],
-                log_path=logs / "env_manager.log", **up,
-            )  # fmt: skip
+                log_path=logs / "env_manager.log",
+                **up,
+            )
             mesh.services.append(Supervised("env-manager", proc, logs / "env_manager.log"))
     except BaseException:
         mesh.stop()
@@ -204,8 +230,9 @@ def start_mesh(cfg, config_path: Path, overrides: list[str], logs: Path, placeme
     return mesh
 
 
-def start_trainer(config_path: Path, overrides: list[str], mesh: Mesh, log_path: Path, procs: int = 1,
-                  gpus: str | None = None):  # fmt: skip
+def start_trainer(
+    config_path: Path, overrides: list[str], mesh: Mesh, log_path: Path, procs: int = 1, gpus: str | None = None
+):
     """The trainer process; with ``procs`` > 1, ``procs`` ranks under torchrun (rank 0 serves /metrics);
     ``gpus``: its ``CUDA_VISIBLE_DEVICES``."""
     port = f"train_loop.metrics_port={mesh.metrics_port('trainer')}"
@@ -224,8 +251,13 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
     cfg = load_config(config_path, overrides)
     console = Console(soft_wrap=True)  # a log file gets whole lines, not lines wrapped at 80 columns
     try:  # before anything starts: a GPU the map names must be here
-        placement = place(cfg.devices, cfg.run.num_engines, gpus_per_engine(cfg.engine), cfg.run.trainer_procs,
-                          visible_gpus() if cfg.devices.placement != "none" else [])  # fmt: skip
+        placement = place(
+            cfg.devices,
+            cfg.run.num_engines,
+            gpus_per_engine(cfg.engine),
+            cfg.run.trainer_procs,
+            visible_gpus() if cfg.devices.placement != "none" else [],
+        )
     except ValueError as e:
         console.print(f"[red]config error: {e}[/]")
         return 2
@@ -259,10 +291,10 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
             acc0 = asyncio.run(evaluate(proxy_addr, cfg))
             console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {acc0}")
         earlier, seen = _tail_metrics(run_dir / "metrics.jsonl", 0)  # earlier runs' lines, when resuming
-        trainer_proc = start_trainer(config_path, overrides, mesh, logs / "trainer.log", placement.trainer_procs,
-                                     placement.trainer)  # fmt: skip
-        trainer = Supervised("trainer", trainer_proc, logs / "trainer.log", finishes=True,
-                             env=_gpus(placement.trainer))  # fmt: skip
+        trainer_proc = start_trainer(
+            config_path, overrides, mesh, logs / "trainer.log", placement.trainer_procs, placement.trainer
+        )
+        trainer = Supervised("trainer", trainer_proc, logs / "trainer.log", finishes=True, env=_gpus(placement.trainer))
         supervised = [*mesh.services, trainer]
         launcher_registry = CollectorRegistry()
         launcher_registry.register(RestartsCollector(supervised))

@@ -71,8 +71,13 @@ def continue_from(path: Path, step: int) -> int:
 class MetricsLog:
     """Appends each step's metrics to ``path`` (one JSON object per line) and to the trackers."""
 
-    def __init__(self, path: Path, tracking: TrackingConfig | None = None, run_name: str = "rollmesh",
-                 run_dir: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: Path,
+        tracking: TrackingConfig | None = None,
+        run_name: str = "rollmesh",
+        run_dir: Path | None = None,
+    ) -> None:
         self.path = path
         tracking = tracking or TrackingConfig()
         self._tb = self._wandb = None
@@ -84,9 +89,12 @@ class MetricsLog:
         if tracking.wandb_project:
             wandb = _require("wandb")
             self._wandb = wandb.init(
-                project=tracking.wandb_project, name=run_name, mode=tracking.wandb_mode,
-                dir=str(run_dir or path.parent), resume="allow",
-            )  # fmt: skip
+                project=tracking.wandb_project,
+                name=run_name,
+                mode=tracking.wandb_mode,
+                dir=str(run_dir or path.parent),
+                resume="allow",
+            )
 
     def write(self, metrics: dict) -> None:
         with open(self.path, "a") as f:

@@ -43,9 +43,14 @@ class RunProgress:
         self.live: Progress | None = None
         if console.is_terminal:
             self.live = Progress(
-                TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=24), TimeElapsedColumn(),
-                TextColumn("eta {task.fields[eta]}"), TextColumn("{task.fields[numbers]}"), console=console,
-            )  # fmt: skip
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(bar_width=24),
+                TimeElapsedColumn(),
+                TextColumn("eta {task.fields[eta]}"),
+                TextColumn("{task.fields[numbers]}"),
+                console=console,
+            )
             self.task = self.live.add_task("train", total=total, completed=first_step, eta="--:--", numbers="")
             self.live.start()
 
@@ -56,8 +61,9 @@ class RunProgress:
             self.live.update(self.task, completed=m["step"], eta=eta, numbers=step_summary(m))
         else:
             width = len(str(self.total))
-            self.console.print(f"step {m['step']:{width}d}/{self.total}  {step_summary(m)}  "
-                               f"elapsed {clock(elapsed)}  eta {eta}")  # fmt: skip
+            self.console.print(
+                f"step {m['step']:{width}d}/{self.total}  {step_summary(m)}  elapsed {clock(elapsed)}  eta {eta}"
+            )
 
     def close(self) -> None:
         if self.live is not None:

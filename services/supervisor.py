@@ -39,15 +39,21 @@ class Supervised:
             return
         if self._due is None:
             if self.restarts >= max_restarts:
-                raise GaveUp(f"{self.name} exited with code {self.proc.returncode} after {self.restarts} restarts"
-                             + (f"; see {self.log_path}" if self.log_path else ""))  # fmt: skip
+                raise GaveUp(
+                    f"{self.name} exited with code {self.proc.returncode} after {self.restarts} restarts"
+                    + (f"; see {self.log_path}" if self.log_path else "")
+                )
             delay = BACKOFF_S[min(self.restarts, len(BACKOFF_S) - 1)]
             report(f"{self.name} exited with code {self.proc.returncode}: restart {self.restarts + 1} in {delay:g} s")
             self._due = time.monotonic() + delay
         elif time.monotonic() >= self._due:
             out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 (the process's)
-            self.proc = subprocess.Popen(self.proc.args, stdout=out, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env))  # fmt: skip
+            self.proc = subprocess.Popen(
+                self.proc.args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
+            )
             self.restarts += 1
             self._due = None
 
@@ -59,8 +65,9 @@ class RestartsCollector:
         self.services = services
 
     def collect(self):
-        family = CounterMetricFamily("rollmesh_service_restarts", "Times `rollmesh run` restarted a service",
-                                     labels=["service"])  # fmt: skip
+        family = CounterMetricFamily(
+            "rollmesh_service_restarts", "Times `rollmesh run` restarted a service", labels=["service"]
+        )
         for s in self.services:
             family.add_metric([s.name], s.restarts)
         yield family

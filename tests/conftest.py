@@ -23,11 +23,18 @@ os.environ.setdefault(TOKEN_ENV, "test-" + secrets.token_urlsafe(16))
 # xdist's own `--dist loadgroup` marks them by rewriting `item._nodeid`, which pytest 9.2 no longer
 # reads (its ids live in `_id`), and the "grouped" tests had been spread over both workers.
 _GROUPS = {
-    "vllm": ("tests/services/test_vllm_engine.py", "tests/services/test_llm_proxy.py",
-             "::test_rollmesh_run_on_vllm_engines"),
-    "sandbox": ("tests/rollout/test_sandbox.py", "tests/services/test_reward_bench.py",
-                "tests/services/test_reward_service.py", "::test_the_smollm2_examples_run_a_few_steps"),
-}  # fmt: skip
+    "vllm": (
+        "tests/services/test_vllm_engine.py",
+        "tests/services/test_llm_proxy.py",
+        "::test_rollmesh_run_on_vllm_engines",
+    ),
+    "sandbox": (
+        "tests/rollout/test_sandbox.py",
+        "tests/services/test_reward_bench.py",
+        "tests/services/test_reward_service.py",
+        "::test_the_smollm2_examples_run_a_few_steps",
+    ),
+}
 # The slowest files first, so that two workers share them rather than one ending the run alone.
 _FIRST = ("tests/test_run_e2e.py", "tests/services/test_async_bench.py")
 # Marked `serial`: `make test` runs them after the two workers, alone on the machine. They time what a

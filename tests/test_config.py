@@ -15,8 +15,12 @@ def test_a_shared_value_is_written_once_and_propagated():
     cfg = load_config(None, ["model_path=m/policy", "env_manager.tokenizer_path=m/tok"])
     assert cfg.engine.model_path == cfg.trainer.model_path == cfg.controller.initial_model_path == "m/policy"
     assert cfg.env_manager.tokenizer_path == "m/tok"  # a section may still override it
-    for gone in ("run_name=x", "trainer.total_steps=10", "controller.proxy_address=a:1",
-                 "env_manager.proxy_address=a:1"):  # fmt: skip  # one owner: train_loop.steps, mesh.*
+    for gone in (
+        "run_name=x",
+        "trainer.total_steps=10",
+        "controller.proxy_address=a:1",
+        "env_manager.proxy_address=a:1",
+    ):  # one owner: train_loop.steps, mesh.*
         with pytest.raises(ConfigError, match="unknown key"):
             load_config(None, [gone])
 
@@ -88,8 +92,9 @@ def test_rollmesh_run_refuses_a_bad_variant_before_anything_starts(override, key
     from services.cli import app
 
     run_dir = tmp_path / "run"
-    res = CliRunner().invoke(app, ["run", "examples/quickstart.yaml", "--set", override,
-                                   "--set", f"train_loop.run_dir={run_dir}"])  # fmt: skip
+    res = CliRunner().invoke(
+        app, ["run", "examples/quickstart.yaml", "--set", override, "--set", f"train_loop.run_dir={run_dir}"]
+    )
     assert res.exit_code == 2, res.output
     assert key in res.output
     assert not run_dir.exists()  # nothing started: no run directory, no logs

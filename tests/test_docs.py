@@ -76,10 +76,19 @@ def test_the_readme_is_a_front_door():
 
 
 def test_config_show_prints_the_resolved_config_with_secrets_masked():
-    cmd = [sys.executable, "-m", "services.cli", "config", "--show", "examples/quickstart.yaml",
-           "--set", "engine.max_running_requests=7"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, ROLLMESH_TOKEN="s3cret-value"))  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "config",
+        "--show",
+        "examples/quickstart.yaml",
+        "--set",
+        "engine.max_running_requests=7",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=60, env=dict(os.environ, ROLLMESH_TOKEN="s3cret-value")
+    )
     assert proc.returncode == 0, proc.stderr
     shown = yaml.safe_load(proc.stdout)
     assert shown["engine"]["max_running_requests"] == 7  # the override
@@ -90,8 +99,16 @@ def test_config_show_prints_the_resolved_config_with_secrets_masked():
 
 
 def test_config_show_names_a_bad_key_and_exits_2():
-    cmd = [sys.executable, "-m", "services.cli", "config", "--show", "examples/quickstart.yaml",
-           "--set", "engine.max_runing_requests=7"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "config",
+        "--show",
+        "examples/quickstart.yaml",
+        "--set",
+        "engine.max_runing_requests=7",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown key 'engine.max_runing_requests'" in proc.stderr
 

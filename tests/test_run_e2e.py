@@ -40,16 +40,21 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     (`reward: {type: service}`; the quickstart's other runs score in the EnvManager)."""
     run_dir = tmp_path / "run"
     cmd = quickstart_cmd(
-        tiny_model, run_dir, "train_loop.steps=4", "controller.groups_per_step=2",
+        tiny_model,
+        run_dir,
+        "train_loop.steps=4",
+        "controller.groups_per_step=2",
         "buffer.filter_zero_variance=false",  # a random model's groups are mostly all-zero: keep them
-        "env_manager.reward={type: service}", "reward_service.reward=digit_answer",
-    )  # fmt: skip
+        "env_manager.reward={type: service}",
+        "reward_service.reward=digit_answer",
+    )
     # No token in the environment: rollmesh run makes one for the run and every service gets it.
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    final = re.search(r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accuracy=([\d.]+) wall_s=([\d.]+)$",
-                      proc.stdout, re.M)  # fmt: skip
+    final = re.search(
+        r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accuracy=([\d.]+) wall_s=([\d.]+)$", proc.stdout, re.M
+    )
     assert final and int(final.group(1)) == 4 and 0.0 <= float(final.group(3)) <= 1.0
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 4
@@ -76,8 +81,9 @@ def test_rollmesh_run_on_vllm_engines(tiny_model, tmp_path):
     cmd = quickstart_cmd(tiny_model, run_dir, "train_loop.steps=3", "controller.groups_per_step=2")
     cmd[cmd.index("examples/quickstart.yaml")] = str(path)
     mark = f"ROLLMESH_TEST_RUN={tmp_path.name}"  # inherited by every process the run starts, vLLM's too
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, ROLLMESH_TEST_RUN=tmp_path.name))  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, ROLLMESH_TEST_RUN=tmp_path.name)
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"^final: steps=3 .* heldout_accuracy=[\d.]+", proc.stdout, re.M), proc.stdout[-2000:]
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -99,8 +105,14 @@ def test_the_smollm2_examples_run_a_few_steps(smollm2, tmp_path, example):
     heldout.write_text("".join(Path(config["run"]["heldout_path"]).read_text().splitlines(keepends=True)[:8]))
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "services.cli", "run", example]
-    for o in (f"model_path={smollm2}", f"train_loop.run_dir={run_dir}", "train_loop.steps=2",
-              "controller.groups_per_step=1", "env_manager.group_size=4", f"run.heldout_path={heldout}"):  # fmt: skip
+    for o in (
+        f"model_path={smollm2}",
+        f"train_loop.run_dir={run_dir}",
+        "train_loop.steps=2",
+        "controller.groups_per_step=1",
+        "env_manager.group_size=4",
+        f"run.heldout_path={heldout}",
+    ):
         cmd += ["--set", o]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -118,8 +130,12 @@ def test_the_smollm2_examples_run_a_few_steps(smollm2, tmp_path, example):
         assert "skipping fork() handlers" not in logs
     # `rollmesh compare` reads the run back: the held-out scores it printed, the curve's two steps
     plot = tmp_path / "compare.png"
-    cmp = subprocess.run([sys.executable, "-m", "services.cli", "compare", str(run_dir), "--out", str(plot), "--json"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    cmp = subprocess.run(
+        [sys.executable, "-m", "services.cli", "compare", str(run_dir), "--out", str(plot), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cmp.returncode == 0, cmp.stderr[-2000:]
     row = json.loads(cmp.stdout.splitlines()[-1])[str(run_dir)]
     assert row["heldout_before"] == float(before.group(1)) and row["heldout_after"] == float(final.group(2))
@@ -130,9 +146,17 @@ def test_rollmesh_run_with_the_trainer_under_torchrun(tiny_model, tmp_path):
     """run.trainer_procs=2: two gloo ranks (FSDP2) train on whole groups; rank 0 publishes (over the
     http_buckets transport: both ranks gather, rank 0 sends) and logs."""
     run_dir = tmp_path / "run"
-    cmd = quickstart_cmd(tiny_model, run_dir, "run.heldout_path=null", "run.trainer_procs=2", "train_loop.steps=3",
-                         "train_loop.checkpoint_every=3", "controller.groups_per_step=4",
-                         "train_loop.publisher.type=http_buckets", "train_loop.publisher.bucket_mb=1")  # fmt: skip
+    cmd = quickstart_cmd(
+        tiny_model,
+        run_dir,
+        "run.heldout_path=null",
+        "run.trainer_procs=2",
+        "train_loop.steps=3",
+        "train_loop.checkpoint_every=3",
+        "controller.groups_per_step=4",
+        "train_loop.publisher.type=http_buckets",
+        "train_loop.publisher.bucket_mb=1",
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
@@ -172,8 +196,9 @@ def test_quickstart_learns_in_50_steps_and_resumes_where_it_stopped(tmp_path):
 
     model = str(build_tiny_model(tmp_path / "tiny-digits", TinyModelConfig(digit_prior_steps=100)))
     run_dir = tmp_path / "run"
-    cmd = quickstart_cmd(model, run_dir, "train_loop.steps=50", "train_loop.checkpoint_every=50",
-                         "controller.async_ratio=0")  # fmt: skip
+    cmd = quickstart_cmd(
+        model, run_dir, "train_loop.steps=50", "train_loop.checkpoint_every=50", "controller.async_ratio=0"
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     before = re.search(r"held-out accuracy before training: ([\d.]+)", proc.stdout)
@@ -185,8 +210,9 @@ def test_quickstart_learns_in_50_steps_and_resumes_where_it_stopped(tmp_path):
     assert re.search(r"^step 50/50  reward [\d.]+ .* elapsed [\d:]+  eta 0:00$", proc.stdout, re.M), proc.stdout[-1000:]
     assert f"reward curve: {run_dir / 'reward_curve.png'}" in proc.stdout
 
-    cmd = quickstart_cmd(model, run_dir, "train_loop.steps=53", "train_loop.checkpoint_every=50",
-                         "controller.async_ratio=0")  # fmt: skip
+    cmd = quickstart_cmd(
+        model, run_dir, "train_loop.steps=53", "train_loop.checkpoint_every=50", "controller.async_ratio=0"
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     at_resume = re.search(r"held-out accuracy at resume: ([\d.]+)", proc.stdout)
@@ -219,16 +245,24 @@ def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained
     assert all(n >= 1 for n in result["restarts_by_the_launcher"].values()), shown
     assert result["groups_lost"] == 0 and result["groups_trained_twice"] == 0, shown
     assert result["groups_trained"] == 2 * result["steps"], shown  # every step of the curve, 2 groups each
-    assert result["groups_consumed"] >= result["groups_trained"] + result[
-        "groups_trained_by_a_killed_trainer_before_its_checkpoint"]  # fmt: skip
+    assert (
+        result["groups_consumed"]
+        >= result["groups_trained"] + result["groups_trained_by_a_killed_trainer_before_its_checkpoint"]
+    )
 
 
-@pytest.mark.parametrize("example, env, provider_args", [
-    ("calculator", "calculator", ["dataset_path=examples/math/sum1_train.jsonl", "reward=math_verify"]),
-    ("guess_number", "gem", ["env.reward_on_loss=0"]),
-    ("digit_retry", "single_turn", ["env.tries=2", "dataset_path=examples/find_digit_train.jsonl",
-                                    "reward=digit_answer"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "example, env, provider_args",
+    [
+        ("calculator", "calculator", ["dataset_path=examples/math/sum1_train.jsonl", "reward=math_verify"]),
+        ("guess_number", "gem", ["env.reward_on_loss=0"]),
+        (
+            "digit_retry",
+            "single_turn",
+            ["env.tries=2", "dataset_path=examples/find_digit_train.jsonl", "reward=digit_answer"],
+        ),
+    ],
+)
 def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, example, env, provider_args):
     """The README's two commands for each agentic example: a provider process, then `rollmesh run`
     (cut to 2 steps of 2 groups on the tiny model). Multi-turn episodes reach the trainer."""
@@ -238,9 +272,17 @@ def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, examp
     address = grpc_address if example in ("calculator", "digit_retry") else url
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "services.cli", "run", f"examples/agentic/{example}.yaml"]
-    overrides = [f"model_path={tiny_model}", f"train_loop.run_dir={run_dir}", "train_loop.steps=2",
-                 "controller.groups_per_step=2", "env_manager.group_size=4", "env_manager.num_workers=4",
-                 "buffer.filter_zero_variance=false", "trainer.num_threads=1", "run.heldout_episodes=4"]  # fmt: skip
+    overrides = [
+        f"model_path={tiny_model}",
+        f"train_loop.run_dir={run_dir}",
+        "train_loop.steps=2",
+        "controller.groups_per_step=2",
+        "env_manager.group_size=4",
+        "env_manager.num_workers=4",
+        "buffer.filter_zero_variance=false",
+        "trainer.num_threads=1",
+        "run.heldout_episodes=4",
+    ]
     for o in [*overrides, f"env_manager.env.addresses=[{address}]"]:
         cmd += ["--set", o]
     try:
@@ -264,15 +306,32 @@ def test_the_external_agent_example_trains_on_the_agents_sessions(tiny_model, tm
 
     port, run_dir = free_port(), tmp_path / "run"
     cmd = [sys.executable, "-m", "services.cli", "run", "examples/agent/train_agent.yaml"]
-    for o in [f"model_path={tiny_model}", f"train_loop.run_dir={run_dir}", "train_loop.steps=2",
-              "controller.groups_per_step=2", f"gateway.port={port}"]:  # fmt: skip
+    for o in [
+        f"model_path={tiny_model}",
+        f"train_loop.run_dir={run_dir}",
+        "train_loop.steps=2",
+        "controller.groups_per_step=2",
+        f"gateway.port={port}",
+    ]:
         cmd += ["--set", o]
     run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_http_healthy(f"http://127.0.0.1:{port}/health", 300, run)
-        agent = subprocess.run([sys.executable, "examples/agent/digit_agent.py", "--url", f"http://127.0.0.1:{port}",
-                                "--concurrency", "2", "--group-size", "4"],
-                               capture_output=True, text=True, timeout=300)  # fmt: skip
+        agent = subprocess.run(
+            [
+                sys.executable,
+                "examples/agent/digit_agent.py",
+                "--url",
+                f"http://127.0.0.1:{port}",
+                "--concurrency",
+                "2",
+                "--group-size",
+                "4",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         out, _ = run.communicate(timeout=120)
     finally:
         if run.poll() is None:

@@ -44,8 +44,15 @@ class TrainBatch:
         width = max(len(seqs[r]) for r in rows)
         ids, offsets = _flat([seqs[r] for r in rows])
         versions = None if self.token_versions is None else self.token_versions[rows, :width]
-        return TrainBatch(ids, offsets, self.loss_mask[rows, :width], self.behavior_logprobs[rows, :width],
-                          self.rewards[rows], self.group_ids[rows], versions)  # fmt: skip
+        return TrainBatch(
+            ids,
+            offsets,
+            self.loss_mask[rows, :width],
+            self.behavior_logprobs[rows, :width],
+            self.rewards[rows],
+            self.group_ids[rows],
+            versions,
+        )
 
 
 def _offsets(lengths: list[int]) -> list[int]:
@@ -99,8 +106,11 @@ def episode_stats(groups: list[Group]) -> dict[str, float]:
     out = {"turns_mean": sum(turns) / len(turns)} if trajs else {}
     if sum(turns):  # how long the policy talks per turn: what a latency-aware policy shortens
         out["tokens_per_turn"] = float(sum(int(np.sum(t.loss_mask)) for t in trajs)) / sum(turns)
-    timed = [(t.metadata["turns_over_target"], n) for t, n in zip(trajs, turns, strict=True)
-             if "turns_over_target" in t.metadata]  # fmt: skip
+    timed = [
+        (t.metadata["turns_over_target"], n)
+        for t, n in zip(trajs, turns, strict=True)
+        if "turns_over_target" in t.metadata
+    ]
     if timed and sum(n for _, n in timed):
         out["turns_over_target_share"] = sum(o for o, _ in timed) / sum(n for _, n in timed)
     return out

@@ -80,8 +80,9 @@ def load_checkpoint(engine, path: str | Path) -> None:
         c_sd, co_sd = get_state_dict(engine.critic, engine.critic_optimizer)
         cstate = {"model": c_sd, "optim": co_sd}
         dcp.load(cstate, checkpoint_id=str(path / "critic"))
-        set_state_dict(engine.critic, engine.critic_optimizer, model_state_dict=cstate["model"],
-                       optim_state_dict=cstate["optim"])  # fmt: skip
+        set_state_dict(
+            engine.critic, engine.critic_optimizer, model_state_dict=cstate["model"], optim_state_dict=cstate["optim"]
+        )
     extra = torch.load(path / f"extra_rank{_rank()}.pt", weights_only=False)
     engine.step, engine.version = extra["step"], extra["version"]
     engine.scheduler.load_state_dict(extra["scheduler"])

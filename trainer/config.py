@@ -51,13 +51,15 @@ class TrainerConfig(BaseModel):
         "float32", description="Dtype of the parameters the optimizer updates (keep float32 with mixed_precision)."
     )
     mixed_precision: MixedPrecisionConfig | None = Field(
-        None, description="Train in bfloat16 (or float16) with float32 master weights and reductions; None: all in "
+        None,
+        description="Train in bfloat16 (or float16) with float32 master weights and reductions; None: all in "
         "`dtype`. On GPU: mixed_precision: {} (bfloat16 compute, float32 reduction).",
-    )  # fmt: skip
+    )
     activation_checkpointing: bool = Field(
-        False, description="Recompute each decoder layer's activations in the backward pass: less memory for "
+        False,
+        description="Recompute each decoder layer's activations in the backward pass: less memory for "
         "long sequences, about a third more compute.",
-    )  # fmt: skip
+    )
     seed: int = Field(0, description="Seed of torch's generators.")
     num_threads: int = Field(
         0,
@@ -111,11 +113,13 @@ class TrainerConfig(BaseModel):
         "so the ratio moves within a step and a clip can bind. The policy version still advances once per step.",
     )
     entropy_coef: float = Field(
-        0.0, ge=0, description="Entropy bonus coefficient (0 = off). Mind Adam: the bonus pushes up the logits of "
+        0.0,
+        ge=0,
+        description="Entropy bonus coefficient (0 = off). Mind Adam: the bonus pushes up the logits of "
         "tokens the policy never samples with gradients too small to matter, which Adam scales to full "
         "learning-rate steps; at 0.05 the quickstart's tiny model (tied embeddings) went uniform over its "
         "vocabulary within two steps in 3 runs of 6.",
-    )  # fmt: skip
+    )
     ref_model_path: str | None = Field(None, description="Frozen reference model for a KL term (None = no KL).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
@@ -139,8 +143,10 @@ class TrainerConfig(BaseModel):
     @model_validator(mode="after")
     def _master_weights_are_wider(self) -> TrainerConfig:
         if self.mixed_precision is not None and self.dtype != "float32":
-            raise ValueError(f"dtype: {self.dtype!r} with mixed_precision leaves no float32 master weights (keep "
-                             "dtype: float32; mixed_precision sets the compute dtype)")  # fmt: skip
+            raise ValueError(
+                f"dtype: {self.dtype!r} with mixed_precision leaves no float32 master weights (keep "
+                "dtype: float32; mixed_precision sets the compute dtype)"
+            )
         return self
 
     @model_validator(mode="after")

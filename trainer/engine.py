@@ -72,8 +72,11 @@ def _all_reduce_dict(stats: dict[str, float]) -> dict[str, float]:
         mean_sum = _all_reduce(stats.get(f"mismatch_{name}_mean", 0.0) * n)
         top = _all_reduce(stats.get(f"mismatch_{name}_max", 0.0), dist.ReduceOp.MAX)
         if total:
-            out |= {f"mismatch_{name}_mean": mean_sum / total, f"mismatch_{name}_max": top,
-                    f"mismatch_{name}_tokens": total}  # fmt: skip
+            out |= {
+                f"mismatch_{name}_mean": mean_sum / total,
+                f"mismatch_{name}_max": top,
+                f"mismatch_{name}_tokens": total,
+            }
     return out
 
 
@@ -122,8 +125,11 @@ class TrainEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        log.info("torch threads: %d (%s)", torch.get_num_threads(),
-                 "trainer.num_threads" if config.num_threads else "torch's default: every core")  # fmt: skip
+        log.info(
+            "torch threads: %d (%s)",
+            torch.get_num_threads(),
+            "trainer.num_threads" if config.num_threads else "torch's default: every core",
+        )
         torch.manual_seed(config.seed)
         dtype = getattr(torch, config.dtype)
         self.model = self._prepare(AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype))
@@ -158,8 +164,13 @@ class TrainEngine:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mp = self.config.mixed_precision
-            policy = MixedPrecisionPolicy() if mp is None else MixedPrecisionPolicy(
-                param_dtype=getattr(torch, mp.param_dtype), reduce_dtype=getattr(torch, mp.reduce_dtype))  # fmt: skip
+            policy = (
+                MixedPrecisionPolicy()
+                if mp is None
+                else MixedPrecisionPolicy(
+                    param_dtype=getattr(torch, mp.param_dtype), reduce_dtype=getattr(torch, mp.reduce_dtype)
+                )
+            )
             for layer in model.base_model.layers:
                 fully_shard(layer, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
@@ -270,8 +281,11 @@ class TrainEngine:
         values = self.values(batch) if self.critic is not None else None
         adv, returns = compute_advantages(cfg.advantages, rewards, mask, batch.group_ids.to(self.device), values)
         # Sampled by older weights than these (the engines served an earlier version).
-        stale = torch.zeros_like(mask, dtype=torch.bool) if batch.token_versions is None else (
-            (batch.token_versions.to(self.device) < self.version) & mask.bool())  # fmt: skip
+        stale = (
+            torch.zeros_like(mask, dtype=torch.bool)
+            if batch.token_versions is None
+            else ((batch.token_versions.to(self.device) < self.version) & mask.bool())
+        )
         weights = mismatch_weights(cfg.mismatch, prox, behav)
         norm_len = cfg.loss.norm_len or int(_all_reduce(float(mask.shape[1]), dist.ReduceOp.MAX))
         loss = cfg.loss.model_copy(update={"norm_len": norm_len})  # the longest row of any rank
@@ -311,8 +325,9 @@ class TrainEngine:
         if epoch:  # the first pass keeps the batch's order; later ones shuffle it (seeded: reproducible)
             random.Random(self.config.seed * 1_000_003 + self.step * 101 + epoch).shuffle(order)
         n = self.config.mini_batches
-        return [[r for g in order[i * len(order) // n : (i + 1) * len(order) // n] for r in groups[g]]
-                for i in range(n)]  # fmt: skip
+        return [
+            [r for g in order[i * len(order) // n : (i + 1) * len(order) // n] for r in groups[g]] for i in range(n)
+        ]
 
     def _update(self, batch: TrainBatch, rows: list[int], s: _Step) -> dict[str, float] | None:
         """One optimizer step on ``rows`` (micro-batched, gradients accumulated); its metrics, or
@@ -333,9 +348,16 @@ class TrainEngine:
                 continue
             m = mask[micro]
             pg, metrics = policy_loss(
-                lp, s.adv[micro], m, behavior_logprobs=s.behav[micro], proximal_logprobs=s.prox[micro], entropy=ent,
-                token_weights=None if s.weights is None else s.weights[micro], stale=s.stale[micro], config=s.loss,
-            )  # fmt: skip
+                lp,
+                s.adv[micro],
+                m,
+                behavior_logprobs=s.behav[micro],
+                proximal_logprobs=s.prox[micro],
+                entropy=ent,
+                token_weights=None if s.weights is None else s.weights[micro],
+                stale=s.stale[micro],
+                config=s.loss,
+            )
             tok_w, seq_w = float(m.sum()) / max(n_tok, 1), float((m.sum(-1) > 0).sum()) / max(n_seq, 1)
             weight = tok_w if token_mode else seq_w
             total = pg * weight

@@ -17,8 +17,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-_HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")  # fmt: skip
+_HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def full_state_dict(model: torch.nn.Module, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
@@ -47,8 +55,9 @@ def weight_buckets(state: dict[str, torch.Tensor], max_bytes: int) -> Iterator[d
         yield bucket
 
 
-def export_hf(model: torch.nn.Module, source_dir: str | Path, out_dir: str | Path,
-              state: dict[str, torch.Tensor] | None = None) -> Path | None:  # fmt: skip
+def export_hf(
+    model: torch.nn.Module, source_dir: str | Path, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None
+) -> Path | None:
     """Write a HF directory (safetensors + the source's config and tokenizer files); rank 0 writes.
     ``state``: the ``full_state_dict`` already gathered (else every rank gathers it here)."""
     from safetensors.torch import save_file

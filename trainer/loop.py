@@ -48,10 +48,21 @@ async def _retried(what: str, call, deadline: float):
 
 
 class TrainLoop:
-    def __init__(self, config: TrainLoopConfig, engine, *, source: SampleSource | None,
-                 control: VersionControl | None, publisher: WeightPublisher, groups_per_step: int,
-                 max_staleness: int, observer: TrainObserver | None = None, rank: int = 0,
-                 world: int = 1, memory: EngineMemory | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: TrainLoopConfig,
+        engine,
+        *,
+        source: SampleSource | None,
+        control: VersionControl | None,
+        publisher: WeightPublisher,
+        groups_per_step: int,
+        max_staleness: int,
+        observer: TrainObserver | None = None,
+        rank: int = 0,
+        world: int = 1,
+        memory: EngineMemory | None = None,
+    ) -> None:
         if groups_per_step < world:
             raise ValueError(f"controller.groups_per_step ({groups_per_step}) must be >= the {world} trainer ranks")
         self.config, self.engine, self.publisher = config, engine, publisher
@@ -102,12 +113,18 @@ class TrainLoop:
             if self.rank == 0:
                 staleness = [version - t.start_version for g in decoded for t in g.trajectories]
                 metrics |= {
-                    "step": self.engine.step, "version": self.engine.version, "published": published,
-                    "staleness_max": max(staleness), "staleness_mean": sum(staleness) / len(staleness),
-                    "time_get_s": t_get - t0, "time_train_s": t_train - t_get, "time_publish_s": t_pub - t_train,
-                    **self.publish_times, "wall": time.time(),
+                    "step": self.engine.step,
+                    "version": self.engine.version,
+                    "published": published,
+                    "staleness_max": max(staleness),
+                    "staleness_mean": sum(staleness) / len(staleness),
+                    "time_get_s": t_get - t0,
+                    "time_train_s": t_train - t_get,
+                    "time_publish_s": t_pub - t_train,
+                    **self.publish_times,
+                    "wall": time.time(),
                     "group_ids": [g.group_id for g in decoded],  # which groups this step consumed (audits, chaos)
-                } | episode_stats(decoded)  # fmt: skip
+                } | episode_stats(decoded)
                 # The step's line before its checkpoint: a trainer killed between the two leaves a line
                 # that a resume moves to lost_steps.jsonl; the other order would leave a checkpointed
                 # step with no line, its groups trained but missing from the curve.
@@ -154,8 +171,9 @@ class TrainLoop:
         try:
             # This process's first update supersedes any still in progress: only a trainer that died
             # mid-update (this one's predecessor) can have left one, and its watchdog takes minutes.
-            update_id = await self.control.begin_update(version, timeout_s=self.config.publish_timeout_s * 2,
-                                                        supersede=not self._begun)  # fmt: skip
+            update_id = await self.control.begin_update(
+                version, timeout_s=self.config.publish_timeout_s * 2, supersede=not self._begun
+            )
         except Exception as e:  # generation was not suspended (or the controller's watchdog resumes it)
             return self._failed("begin", version, e)
         self._begun = True
@@ -204,8 +222,13 @@ class TrainLoop:
         mine = self.engine.version
         self.served_version = theirs
         if theirs > mine:
-            log.warning("the controller is at version %d, this checkpoint at %d: going on from the checkpoint's "
-                        "weights as version %d", theirs, mine, theirs)  # fmt: skip
+            log.warning(
+                "the controller is at version %d, this checkpoint at %d: going on from the checkpoint's "
+                "weights as version %d",
+                theirs,
+                mine,
+                theirs,
+            )
             self.engine.version = theirs
         elif theirs < mine:
             log.info("the controller is at version %d: publishing this checkpoint's version %d", theirs, mine)
@@ -245,8 +268,9 @@ class TrainLoop:
                 batch_ids.append(batch.batch_id)
                 groups += batch.groups
         if len(groups) < self.groups_per_step:
-            log.warning("only %d of %d groups arrived in %.0fs", len(groups), self.groups_per_step,
-                        self.config.get_timeout_s)  # fmt: skip
+            log.warning(
+                "only %d of %d groups arrived in %.0fs", len(groups), self.groups_per_step, self.config.get_timeout_s
+            )
             return None  # the unacked ones are handed out again after the visibility timeout
         return groups, batch_ids
 

@@ -128,9 +128,16 @@ class CustomLossConfig(BaseLossConfig):
 
 
 PolicyLossConfig = tagged_union(
-    PPOLossConfig, GSPOLossConfig, DecoupledPPOLossConfig, TISLossConfig, CISPOLossConfig, TOPRLossConfig,
-    ReinforceLossConfig, CustomLossConfig, default="decoupled_ppo",
-)  # fmt: skip
+    PPOLossConfig,
+    GSPOLossConfig,
+    DecoupledPPOLossConfig,
+    TISLossConfig,
+    CISPOLossConfig,
+    TOPRLossConfig,
+    ReinforceLossConfig,
+    CustomLossConfig,
+    default="decoupled_ppo",
+)
 """One of the variants' configs, chosen by its ``type``; the key of ``trainer.losses.POLICY_LOSSES`` that runs it."""
 
 

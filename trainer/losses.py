@@ -195,8 +195,9 @@ def policy_loss(
         per_token = per_token * token_weights
     loss = aggregate(per_token, mask, config.agg_mode, config.norm_len)
     with torch.no_grad():
-        metrics = _ratio_metrics(logprobs, old_logprobs, behavior_logprobs, proximal_logprobs, ratio, clipped,
-                                 mask.bool())  # fmt: skip
+        metrics = _ratio_metrics(
+            logprobs, old_logprobs, behavior_logprobs, proximal_logprobs, ratio, clipped, mask.bool()
+        )
         if stale is not None and (m := mask.bool() & stale.bool()).any():
             sub = _ratio_metrics(logprobs, old_logprobs, behavior_logprobs, proximal_logprobs, ratio, clipped, m)
             metrics |= {f"{k}_stale": v for k, v in sub.items()} | {"stale_tokens": float(m.sum())}
@@ -211,8 +212,14 @@ RATIO_METRICS = ("clip_frac", "ratio_mean", "ratio_max", "approx_kl", "ratio_beh
 
 def _ratio_metrics(logprobs, old, behavior, proximal, ratio, clipped, m: torch.Tensor) -> dict[str, float]:
     if not m.any():
-        return {"clip_frac": 0.0, "ratio_mean": 1.0, "ratio_max": 1.0, "approx_kl": 0.0,
-                "ratio_behavior_mean": 1.0, "ratio_proximal_mean": 1.0}  # fmt: skip
+        return {
+            "clip_frac": 0.0,
+            "ratio_mean": 1.0,
+            "ratio_max": 1.0,
+            "approx_kl": 0.0,
+            "ratio_behavior_mean": 1.0,
+            "ratio_proximal_mean": 1.0,
+        }
     log_ratio = (logprobs - old)[m]
     return {
         "clip_frac": clipped[m].float().mean().item(),
@@ -238,8 +245,9 @@ def mismatch_weights(config: MismatchCorrection, proximal: torch.Tensor, behavio
     raise ValueError(f"mismatch.type: unknown {config.type!r}")
 
 
-def mismatch_stats(proximal: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
-                   stale: torch.Tensor) -> dict[str, float]:  # fmt: skip
+def mismatch_stats(
+    proximal: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor, stale: torch.Tensor
+) -> dict[str, float]:
     """|log μ − log π_prox| over the generated tokens: mean and max over those sampled by the
     trainer's current weights (``fresh``: the two should agree; what is left is the engine's and
     the trainer's numerics) and over the ``stale`` ones (numerics plus the versions between)."""
@@ -247,8 +255,11 @@ def mismatch_stats(proximal: torch.Tensor, behavior: torch.Tensor, mask: torch.T
     out = {}
     for name, m in (("fresh", mask.bool() & ~stale.bool()), ("stale", mask.bool() & stale.bool())):
         if m.any():
-            out |= {f"mismatch_{name}_mean": gap[m].mean().item(), f"mismatch_{name}_max": gap[m].max().item(),
-                    f"mismatch_{name}_tokens": float(m.sum())}  # fmt: skip
+            out |= {
+                f"mismatch_{name}_mean": gap[m].mean().item(),
+                f"mismatch_{name}_max": gap[m].max().item(),
+                f"mismatch_{name}_tokens": float(m.sum()),
+            }
     return out
 
 

@@ -86,8 +86,9 @@ def check_generates(path: Path, max_new_tokens: int = 24) -> str:
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": CHECK_QUESTION}], add_generation_prompt=True,
-                                        return_dict=True, return_tensors="pt")["input_ids"]  # fmt: skip
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": CHECK_QUESTION}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()

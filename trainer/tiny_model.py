@@ -37,9 +37,11 @@ class TinyModelConfig(BaseModel):
     num_key_value_heads: int = Field(2, ge=1, description="Key/value heads (GQA).")
     max_position_embeddings: int = Field(1024, ge=32, description="Context length in tokens.")
     vocab_size: int | None = Field(
-        None, ge=1, description="Rows of the embedding; default: the tokenizer's. Larger only shapes the model "
+        None,
+        ge=1,
+        description="Rows of the embedding; default: the tokenizer's. Larger only shapes the model "
         "like a real one (its tokens past the tokenizer's are never produced by it).",
-    )  # fmt: skip
+    )
     seed: int = Field(0, description="Seed of the random initialisation.")
     digit_prior_steps: int = Field(
         0, ge=0, description="Steps of format-only warm-up (answer with one digit; see trainer/format_prior.py)."
@@ -138,6 +140,13 @@ def count_parameters(model) -> int:
 # Shapes of real models, randomly initialised (nothing is downloaded): for benchmarks on a GPU.
 SHAPES = {
     "tiny": TinyModelConfig(),
-    "qwen2-0.5b": TinyModelConfig(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                                  num_key_value_heads=2, max_position_embeddings=32768, vocab_size=151936),
-}  # fmt: skip
+    "qwen2-0.5b": TinyModelConfig(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        vocab_size=151936,
+    ),
+}

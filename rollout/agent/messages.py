@@ -108,9 +108,12 @@ def parse_tool_calls(text: str) -> ParsedReply:
         arguments = call.get("arguments", call.get("parameters", {}))
         if not isinstance(arguments, str):  # the model may write them as a JSON string already
             arguments = json.dumps(arguments, ensure_ascii=False)
-        calls.append({
-            "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call["name"], "arguments": arguments},
-        })  # fmt: skip
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": arguments},
+            }
+        )
     kept.append(text[last:])
     return ParsedReply("".join(kept).strip() if calls else text, calls)

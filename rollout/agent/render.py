@@ -35,9 +35,12 @@ class TemplateRenderer:
 
     def text(self, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, chat_template=self.chat_template, tokenize=False,
+            messages,
+            tools=tools or None,
+            chat_template=self.chat_template,
+            tokenize=False,
             add_generation_prompt=generation_prompt,
-        )  # fmt: skip
+        )
 
     def encode(self, text: str) -> list[int]:
         """Text the template made: its special tokens are read as such, nothing is added."""
@@ -48,8 +51,9 @@ class TemplateRenderer:
         text = self.text(messages, tools, True)
         return Rendered(self.encode(text), text)
 
-    def after(self, prompt_text: str, generated_ids: list[int], messages: list[dict], assistant_index: int,
-              tools: list | None) -> Rendered:  # fmt: skip
+    def after(
+        self, prompt_text: str, generated_ids: list[int], messages: list[dict], assistant_index: int, tools: list | None
+    ) -> Rendered:
         """The tokens that follow a generated assistant turn (``messages[assistant_index]``, made
         of ``generated_ids`` for a prompt whose text was ``prompt_text``) up to the generation
         prompt after ``messages``; ``text`` is the template's text of the whole conversation.

@@ -67,8 +67,9 @@ class SessionError(Exception):
 
     status = 400
 
-    def __init__(self, message: str, param: str | None = None, *, status: int | None = None,
-                 code: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, message: str, param: str | None = None, *, status: int | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.param, self.code = param, code
         if status is not None:
@@ -140,8 +141,15 @@ class ChatResult:
 
 
 class AgentSessions:
-    def __init__(self, config: SessionsConfig, renderer: TemplateRenderer, engine: Generate, *,
-                 admission: Admission, sink: SampleSink) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: SessionsConfig,
+        renderer: TemplateRenderer,
+        engine: Generate,
+        *,
+        admission: Admission,
+        sink: SampleSink,
+    ) -> None:
         self.config, self.renderer, self.engine = config, renderer, engine
         self.admission, self.sink = admission, sink
         self.sessions: dict[str, Session] = {}
@@ -152,8 +160,9 @@ class AgentSessions:
     async def create(self, owner: str, group_id: str | None = None, group_size: int = 1) -> Session:
         """A new session in ``group_id`` (a new group of one when None)."""
         if not 1 <= group_size <= self.config.max_group_size:
-            raise SessionError(f"group_size: must be in [1, {self.config.max_group_size}], got {group_size}",
-                               "group_size")  # fmt: skip
+            raise SessionError(
+                f"group_size: must be in [1, {self.config.max_group_size}], got {group_size}", "group_size"
+            )
         group_id = group_id or f"agent-{uuid.uuid4().hex[:12]}"
         group = self.groups.get(group_id)
         if group is None:
@@ -188,8 +197,9 @@ class AgentSessions:
         if group.owner != owner:  # said as for a full group: another key's group ids are not disclosed
             raise Conflict(f"group: {group.group_id!r} cannot be joined", "group")
         if group.size != group_size:
-            raise Conflict(f"group_size: group {group.group_id!r} was created with {group.size}, got {group_size}",
-                           "group_size")  # fmt: skip
+            raise Conflict(
+                f"group_size: group {group.group_id!r} was created with {group.size}, got {group_size}", "group_size"
+            )
         if group.closed or len(group.sessions) >= group.size:
             raise Conflict(f"group: {group.group_id!r} already has its {group.size} sessions", "group")
 
@@ -227,8 +237,9 @@ class AgentSessions:
         if reward is not None:
             session.reward = float(reward)
         if session.reward is None:
-            raise SessionError("reward: a session ends with its reward (POST .../reward, or reward in this body)",
-                               "reward")  # fmt: skip
+            raise SessionError(
+                "reward: a session ends with its reward (POST .../reward, or reward in this body)", "reward"
+            )
         session.ended = True
         self.counters["sessions_ended"] += 1
         group = session.group
@@ -254,8 +265,9 @@ class AgentSessions:
             return outcome
         except Exception as e:  # a trajectory the codec refuses, the buffer away or too slow
             log.error("group %s not stored: %s: %s", group.group_id, type(e).__name__, e)
-            raise SessionError(f"session: the group could not be stored ({type(e).__name__}: {e}); it is lost",
-                               "session") from None  # fmt: skip
+            raise SessionError(
+                f"session: the group could not be stored ({type(e).__name__}: {e}); it is lost", "session"
+            ) from None
         finally:
             self.counters[f"groups_{outcome}"] += 1
             self.counters["trajectories_put"] += stored
@@ -292,14 +304,21 @@ class AgentSessions:
         out = []
         for i, tip in enumerate(session.tree.tips()):
             p = trajectory_path(tip)
-            out.append(Trajectory(
-                trajectory_id=f"{session.session_id}/{i}", group_id=session.group.group_id,
-                prompt_id=session.group.group_id, token_ids=p.token_ids, loss_mask=p.loss_mask,
-                behavior_logprobs=p.behavior_logprobs, token_versions=p.token_versions,
-                reward=session.reward or 0.0, start_version=p.token_versions[0] if p.token_versions else 0,
-                finish_reason=p.finish_reason,
-                metadata={"env": "agent", "session": session.session_id, "branch": i, "turn_starts": p.turn_starts},
-            ))  # fmt: skip
+            out.append(
+                Trajectory(
+                    trajectory_id=f"{session.session_id}/{i}",
+                    group_id=session.group.group_id,
+                    prompt_id=session.group.group_id,
+                    token_ids=p.token_ids,
+                    loss_mask=p.loss_mask,
+                    behavior_logprobs=p.behavior_logprobs,
+                    token_versions=p.token_versions,
+                    reward=session.reward or 0.0,
+                    start_version=p.token_versions[0] if p.token_versions else 0,
+                    finish_reason=p.finish_reason,
+                    metadata={"env": "agent", "session": session.session_id, "branch": i, "turn_starts": p.turn_starts},
+                )
+            )
         return out
 
     def prepare(self, session: Session | None, messages: list[dict], tools: list | None) -> Prepared:
@@ -330,9 +349,17 @@ class AgentSessions:
             raise Conflict(f"session: {session.session_id!r} has ended", "session")
         session.group.last_used = time.monotonic()
 
-    async def chat(self, session: Session | None, messages: list[dict] | None, tools: list | None, prepared: Prepared,
-                   sampling: list[SamplingParams], stop: list[str], top_logprobs: int = 0,
-                   on_tokens: Callable[[int, list[int]], None] | None = None) -> ChatResult:  # fmt: skip
+    async def chat(
+        self,
+        session: Session | None,
+        messages: list[dict] | None,
+        tools: list | None,
+        prepared: Prepared,
+        sampling: list[SamplingParams],
+        stop: list[str],
+        top_logprobs: int = 0,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+    ) -> ChatResult:
         """Generate one choice per ``sampling`` for ``prepared`` and record them in the session's
         tree. Tool calls are read out of the answers only where ``tools`` were offered. A
         generation cut by its deadline or an abort raises ``Cut``: nothing of the request is
@@ -342,9 +369,15 @@ class AgentSessions:
 
         async def one(i: int, params: SamplingParams) -> Generation:
             stream = None if on_tokens is None else functools.partial(on_tokens, i)
-            return await self.engine.generate(prepared.input_ids, params, request_id=uuid.uuid4().hex, route=route,
-                                              timeout_s=self.config.request_timeout_s, top_logprobs=top_logprobs,
-                                              on_tokens=stream)  # fmt: skip
+            return await self.engine.generate(
+                prepared.input_ids,
+                params,
+                request_id=uuid.uuid4().hex,
+                route=route,
+                timeout_s=self.config.request_timeout_s,
+                top_logprobs=top_logprobs,
+                on_tokens=stream,
+            )
 
         if session is not None:
             session.in_flight += 1
@@ -390,6 +423,7 @@ def cut_at_stop(tokenizer, gen: Generation, stop: list[str]) -> tuple[Generation
     for k in range(1, len(gen.output_ids) + 1):  # the shortest token prefix that completes the stop string
         if len(tokenizer.decode(gen.output_ids[:k], skip_special_tokens=True)) >= at + len(hit):
             break
-    cut = Generation(gen.output_ids[:k], gen.behavior_logprobs[:k], gen.token_versions[:k], FinishReason.STOP,
-                     gen.top_logprobs[:k])  # fmt: skip
+    cut = Generation(
+        gen.output_ids[:k], gen.behavior_logprobs[:k], gen.token_versions[:k], FinishReason.STOP, gen.top_logprobs[:k]
+    )
     return cut, text[:at], True

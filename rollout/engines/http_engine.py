@@ -84,8 +84,14 @@ KEEPALIVE_S = 4.0
 class HTTPEngineClient:
     """One engine server over HTTP. Every call has a timeout; none retries (the proxy decides that)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 60.0, max_connections: int = 0,
-                 headers: dict[str, str] | None = None, ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 60.0,
+        max_connections: int = 0,
+        headers: dict[str, str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         """``headers`` go with every request (``Authorization: Bearer ...``: SGLang's ``--api-key``
         and rollmesh engines check it); ``ssl_context``: the one that trusts an https engine."""
         self.base_url = base_url.rstrip("/")
@@ -98,8 +104,9 @@ class HTTPEngineClient:
     def _http(self) -> aiohttp.ClientSession:
         # Created on first use, inside the event loop that will run the requests.
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S,
-                                             ssl=self._ssl or True)  # fmt: skip
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections, keepalive_timeout=KEEPALIVE_S, ssl=self._ssl or True
+            )
             self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
         return self._session
 
@@ -107,8 +114,9 @@ class HTTPEngineClient:
         if self._session is not None:
             await self._session.close()
 
-    async def _request(self, method: str, path: str, timeout_s: float | None,
-                       session: aiohttp.ClientSession | None = None, **kwargs) -> dict:  # fmt: skip
+    async def _request(
+        self, method: str, path: str, timeout_s: float | None, session: aiohttp.ClientSession | None = None, **kwargs
+    ) -> dict:
         url = self.base_url + path
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:

@@ -31,13 +31,24 @@ import secrets
 import torch
 
 _ALLOWED = {
-    ("torch.multiprocessing.reductions", n) for n in (
-        "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage", "rebuild_storage_empty",
-        "rebuild_nested_tensor", "rebuild_sparse_coo_tensor",
+    ("torch.multiprocessing.reductions", n)
+    for n in (
+        "rebuild_tensor",
+        "rebuild_cuda_tensor",
+        "rebuild_typed_storage",
+        "rebuild_storage_empty",
+        "rebuild_nested_tensor",
+        "rebuild_sparse_coo_tensor",
     )
-} | {("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
-     ("torch.nn.parameter", "Parameter"), ("torch._utils", "_rebuild_tensor_v2"),
-     ("collections", "OrderedDict")}  # fmt: skip
+} | {
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("collections", "OrderedDict"),
+}
 
 SEGMENT_PREFIX = "rollmesh_w_"
 _SEGMENT = re.compile(rf"{SEGMENT_PREFIX}[0-9a-f]{{16}}")

@@ -67,22 +67,30 @@ def _group(name: str, backend: str, store, rank: int, world_size: int, timeout_s
     return WeightGroup(name, backend, rank, world_size, pg, store)
 
 
-def join(name: str, backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-         timeout_s: float) -> WeightGroup:  # fmt: skip
+def join(
+    name: str, backend: str, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float
+) -> WeightGroup:
     """An engine joins the group hosted at ``master_address:master_port``; returns once every rank
     has joined, raises after ``timeout_s``."""
     if rank == 0:
         raise ValueError("rank_offset: rank 0 is the trainer's; an engine's rank starts at 1")
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     return _group(name, backend, store, rank, world_size, timeout_s)
 
 
 def host_store(master_address: str, master_port: int, world_size: int, timeout_s: float):
     """Rank 0's rendezvous store, opened before the engines are told where it is (port 0 picks a
     free one: read ``.port``)."""
-    return dist.TCPStore(master_address, master_port, world_size, is_master=True,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)  # fmt: skip
+    return dist.TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def join_hosted(name: str, backend: str, store, world_size: int, timeout_s: float) -> WeightGroup:
@@ -116,8 +124,10 @@ def send(group: WeightGroup, tensors: dict[str, torch.Tensor]) -> None:
 def receive(group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict:
     """An engine: receive the tensors rank 0 broadcasts, in order; returns them on CPU by name."""
     if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(f"names, dtypes, shapes: {len(names)}, {len(dtypes)} and {len(shapes)} entries; "
-                         "each tensor needs one of each")  # fmt: skip
+        raise ValueError(
+            f"names, dtypes, shapes: {len(names)}, {len(dtypes)} and {len(shapes)} entries; "
+            "each tensor needs one of each"
+        )
     out = {}
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         t = torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=group.device)

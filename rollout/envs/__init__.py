@@ -11,5 +11,14 @@ from rollout.envs.config import CustomEnvConfig, EnvConfig, SingleTurnEnvConfig
 from rollout.envs.sim import SimEnv, SimEnvConfig
 from rollout.envs.single_turn import SingleTurnEnv, load_jsonl
 
-__all__ = ["CustomEnvConfig", "Env", "EnvConfig", "SimEnv", "SimEnvConfig", "SingleTurnEnv", "SingleTurnEnvConfig",
-           "StepResult", "load_jsonl"]  # fmt: skip
+__all__ = [
+    "CustomEnvConfig",
+    "Env",
+    "EnvConfig",
+    "SimEnv",
+    "SimEnvConfig",
+    "SingleTurnEnv",
+    "SingleTurnEnvConfig",
+    "StepResult",
+    "load_jsonl",
+]

@@ -28,8 +28,15 @@ INSTRUCTIONS = (
     "\n\nYou may use a calculator: write <calc>expression</calc> (for example <calc>12 * (3 + 4)</calc>) and its "
     "result comes back. When you know the answer, reply with the number alone."
 )
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}  # fmt: skip
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64  # 10 ** 10 ** 10 would hang the provider
@@ -89,8 +96,9 @@ class CalculatorEnvConfig(BaseModel):
 class CalculatorEnv:
     name = "calculator"
 
-    def __init__(self, rows: list[dict], reward_fn: Callable[[str, str], float],
-                 config: CalculatorEnvConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, rows: list[dict], reward_fn: Callable[[str, str], float], config: CalculatorEnvConfig | None = None
+    ) -> None:
         self.rows, self.reward_fn = rows, reward_fn
         self.config = config or CalculatorEnvConfig()
         self.budgets = self.config.budgets

@@ -18,17 +18,33 @@ TEMPLATES = [
     ("times_{k}", "x", "returns x times {k}", ["{n}(0) == 0", "{n}(2) == 2 * {k}", "{n}(-7) == -7 * {k}"]),
     ("minus_{k}", "x", "returns x minus {k}", ["{n}(0) == -{k}", "{n}(10) == 10 - {k}"]),
     ("square_plus_{k}", "x", "returns the square of x plus {k}", ["{n}(0) == {k}", "{n}(3) == 9 + {k}"]),
-    ("count_{c}", "s", "returns how many times the letter '{c}' appears in the string s",
-     ["{n}('') == 0", "{n}('{c}{c}x{c}') == 3", "{n}('xyz') == 0"]),
+    (
+        "count_{c}",
+        "s",
+        "returns how many times the letter '{c}' appears in the string s",
+        ["{n}('') == 0", "{n}('{c}{c}x{c}') == 3", "{n}('xyz') == 0"],
+    ),
     ("add_{w}", "s", "returns the string s followed by '{w}'", ["{n}('') == '{w}'", "{n}('ab') == 'ab{w}'"]),
-    ("larger_plus_{k}", "a, b", "returns the larger of a and b, plus {k}",
-     ["{n}(1, 2) == 2 + {k}", "{n}(9, -4) == 9 + {k}", "{n}(3, 3) == 3 + {k}"]),
-    ("sum_plus_{k}", "xs", "returns the sum of the numbers in the list xs, plus {k}",
-     ["{n}([]) == {k}", "{n}([1, 2, 3]) == 6 + {k}"]),
-    ("is_multiple_of_{k}", "x", "returns True if x is a multiple of {k}, else False",
-     ["{n}(0) is True", "{n}({k} * 3) is True", "{n}({k} * 3 + 1) is False"]),
+    (
+        "larger_plus_{k}",
+        "a, b",
+        "returns the larger of a and b, plus {k}",
+        ["{n}(1, 2) == 2 + {k}", "{n}(9, -4) == 9 + {k}", "{n}(3, 3) == 3 + {k}"],
+    ),
+    (
+        "sum_plus_{k}",
+        "xs",
+        "returns the sum of the numbers in the list xs, plus {k}",
+        ["{n}([]) == {k}", "{n}([1, 2, 3]) == 6 + {k}"],
+    ),
+    (
+        "is_multiple_of_{k}",
+        "x",
+        "returns True if x is a multiple of {k}, else False",
+        ["{n}(0) is True", "{n}({k} * 3) is True", "{n}({k} * 3 + 1) is False"],
+    ),
     ("repeat_{k}", "s", "returns the string s repeated {k} times", ["{n}('ab') == 'ab' * {k}", "{n}('') == ''"]),
-]  # fmt: skip
+]
 
 
 def code_task_rows(size: int, seed: int) -> list[dict]:

@@ -24,19 +24,31 @@ class SingleTurnEnvConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["single_turn"] = Field("single_turn", description="Selects this environment.")
-    tries: int = Field(1, ge=1, description="Answers the policy may give; each wrong one but the last gets "
-                       "retry_message as the next user turn (episode.max_turns must allow as many).")  # fmt: skip
+    tries: int = Field(
+        1,
+        ge=1,
+        description="Answers the policy may give; each wrong one but the last gets "
+        "retry_message as the next user turn (episode.max_turns must allow as many).",
+    )
     retry_message: str = Field("No. Try again.", min_length=1, description="The user's turn after a wrong answer.")
     retry_discount: float = Field(
-        0.5, ge=0, le=1,
+        0.5,
+        ge=0,
+        le=1,
         description="The answer that ends the episode at try k (from 0) earns its reward times this ** k: "
         "answering at once is worth more than after being told.",
-    )  # fmt: skip
+    )
     solved_at: float = Field(1.0, description="A reward at least this ends the episode as solved.")
 
     def build(self, rows: list[dict], reward_fn: Callable) -> Env:
-        return SingleTurnEnv(rows, reward_fn, tries=self.tries, retry_message=self.retry_message,
-                             retry_discount=self.retry_discount, solved_at=self.solved_at)  # fmt: skip
+        return SingleTurnEnv(
+            rows,
+            reward_fn,
+            tries=self.tries,
+            retry_message=self.retry_message,
+            retry_discount=self.retry_discount,
+            solved_at=self.solved_at,
+        )
 
 
 class CustomEnvConfig(BaseModel):

@@ -26,8 +26,11 @@ def humaneval_rows(with_solutions: bool = False) -> list[dict]:
         for line in f:
             p = json.loads(line)
             task = {"task_id": p["task_id"], "prompt": p["prompt"], "tests": p["test"], "entry_point": p["entry_point"]}
-            row = {"prompt": f"{INSTRUCTION}```python\n{p['prompt']}```", "answer": json.dumps(task),
-                   "task": "humaneval"}  # fmt: skip
+            row = {
+                "prompt": f"{INSTRUCTION}```python\n{p['prompt']}```",
+                "answer": json.dumps(task),
+                "task": "humaneval",
+            }
             if with_solutions:
                 row["canonical_solution"] = p["canonical_solution"]
             rows.append(row)

@@ -268,8 +268,9 @@ class RemoteEnv:
         if self._member is None:
             raise RuntimeError("step() before reset()")
         if len(action) > self.config.max_action_chars:
-            raise ProviderError("action", f"{len(action)} characters, more than max_action_chars "
-                                f"{self.config.max_action_chars}")  # fmt: skip
+            raise ProviderError(
+                "action", f"{len(action)} characters, more than max_action_chars {self.config.max_action_chars}"
+            )
         self._steps += 1
         request_id = f"{self.episode_id}/{self._steps}"
         deadline = time.monotonic() + (timeout_s or self.config.call_timeout_s)
@@ -313,8 +314,10 @@ class RemoteEnv:
         if not isinstance(obs.content, str):
             raise ProviderError("observation", f"not text ({type(obs.content).__name__})")
         if len(obs.content) > self.config.max_observation_chars:
-            raise ProviderError("observation", f"{len(obs.content)} characters, more than max_observation_chars "
-                                f"{self.config.max_observation_chars}")  # fmt: skip
+            raise ProviderError(
+                "observation",
+                f"{len(obs.content)} characters, more than max_observation_chars {self.config.max_observation_chars}",
+            )
         if not obs.done and not obs.content.strip():
             raise ProviderError("observation", "empty while the episode goes on")
         return obs

@@ -37,9 +37,16 @@ class SingleTurnEnv:
     that ends the episode at try k (from 0) earns its reward times ``retry_discount ** k``, solved
     or not: answering at once is worth more than after being told."""
 
-    def __init__(self, rows: list[dict], reward_fn: Callable[[str, str], float], name: str = "single_turn",
-                 tries: int = 1, retry_message: str = "No. Try again.", retry_discount: float = 0.5,
-                 solved_at: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rows: list[dict],
+        reward_fn: Callable[[str, str], float],
+        name: str = "single_turn",
+        tries: int = 1,
+        retry_message: str = "No. Try again.",
+        retry_discount: float = 0.5,
+        solved_at: float = 1.0,
+    ) -> None:
         if tries < 1:
             raise ValueError(f"tries: must be >= 1, got {tries}")
         self.rows, self.reward_fn, self.name = rows, reward_fn, name

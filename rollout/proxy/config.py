@@ -16,9 +16,10 @@ class ProxyConfig(BaseModel):
         default_factory=lambda: ["http://127.0.0.1:30000"], description="Base URLs of the engine servers."
     )
     engine_api: Literal["sglang", "vllm"] = Field(
-        "sglang", description="The HTTP API the engines speak: sglang (SGLang and the embedded engine) or vllm. "
+        "sglang",
+        description="The HTTP API the engines speak: sglang (SGLang and the embedded engine) or vllm. "
         "`rollmesh run` sets it from engine.type.",
-    )  # fmt: skip
+    )
     host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port.")
     metrics_port: int = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")
@@ -32,9 +33,11 @@ class ProxyConfig(BaseModel):
     health_check_interval_s: float = Field(1.0, gt=0, description="Period of the /health probe of every engine.")
     health_check_timeout_s: float = Field(2.0, gt=0, description="Timeout of one /health probe.")
     health_failures_to_remove: int = Field(
-        3, ge=1, description="/health probes missed in a row before an engine leaves rotation (a busy engine can miss "
+        3,
+        ge=1,
+        description="/health probes missed in a row before an engine leaves rotation (a busy engine can miss "
         "one); a failed request takes it out at once.",
-    )  # fmt: skip
+    )
     control_timeout_s: float = Field(10.0, gt=0, description="Timeout of pause/continue/abort calls to an engine.")
     update_weights_timeout_s: float = Field(
         120.0, gt=0, description="Timeout of one engine's weight update when the caller gives none."

@@ -144,8 +144,13 @@ _UPDATE_FAILURE_CAUSES = {
     TimeoutError: "timeout",
     ValueError: "bad_response",
 }
-_NO_ENGINE = {"engine": "", "success": False, "weight_version": -1, "message": "no engine in rotation",
-              "cause": "no_engine"}  # fmt: skip
+_NO_ENGINE = {
+    "engine": "",
+    "success": False,
+    "weight_version": -1,
+    "message": "no engine in rotation",
+    "cause": "no_engine",
+}
 UPDATE_FAILURE_CAUSES = ("unavailable", "rejected", "timeout", "bad_response", "version_mismatch", "no_engine")
 
 
@@ -301,8 +306,9 @@ class LLMProxy:
                 fl.on_tokens(new)
 
             extra["on_tokens"] = on_tokens
-        task = asyncio.ensure_future(client.generate(ids, params, rid=fl.engine_rid, timeout_s=remaining + grace,
-                                                     **extra))  # fmt: skip
+        task = asyncio.ensure_future(
+            client.generate(ids, params, rid=fl.engine_rid, timeout_s=remaining + grace, **extra)
+        )
         try:
             done, _ = await asyncio.wait([task], timeout=remaining)
             if not done:
@@ -411,8 +417,16 @@ class LLMProxy:
         results = await asyncio.gather(*(self._load_from_disk(s, model_path, version, timeout) for s in slots))
         return self._updated(slots, list(results), model_path, version)
 
-    async def update_weights_bucket(self, version: int, index: int, data: bytes, final: bool, restore_path: str,
-                                    timeout_s: float = 0.0, fmt: str = "") -> tuple[bool, list[dict]]:  # fmt: skip
+    async def update_weights_bucket(
+        self,
+        version: int,
+        index: int,
+        data: bytes,
+        final: bool,
+        restore_path: str,
+        timeout_s: float = 0.0,
+        fmt: str = "",
+    ) -> tuple[bool, list[dict]]:
         """Forward one bucket of an in-memory update (``http_buckets``) to every engine taking part.
 
         Bucket 0 starts the update: the engines in rotation then take part. The final bucket makes
@@ -431,8 +445,9 @@ class LLMProxy:
 
         return await self._bucket(version, index, final, restore_path, timeout_s, send, "")
 
-    async def init_weights_group(self, master_address: str, master_port: int, group_name: str, backend: str,
-                                 timeout_s: float = 0.0) -> tuple[int, list[str]]:  # fmt: skip
+    async def init_weights_group(
+        self, master_address: str, master_port: int, group_name: str, backend: str, timeout_s: float = 0.0
+    ) -> tuple[int, list[str]]:
         """Plan a weight-update group hosted by the trainer (rank 0) at ``master_address:master_port``
         over the engines in rotation, each taking as many ranks as its tensor-parallel size, and
         start their joins. Returns the group's world size (for the trainer's own join, which
@@ -452,20 +467,39 @@ class LLMProxy:
         slots = [s for s in self.router.engines if s.healthy]
         if not slots:
             raise RequestInvalid("engines", "no engine in rotation to join a weight-update group")
-        infos = await asyncio.gather(*(self.clients[s.name].server_info(self.config.control_timeout_s)
-                                       for s in slots), return_exceptions=True)  # fmt: skip
+        infos = await asyncio.gather(
+            *(self.clients[s.name].server_info(self.config.control_timeout_s) for s in slots), return_exceptions=True
+        )
         ranks = [_group_ranks(s, i) for s, i in zip(slots, infos)]
         offsets = list(itertools.accumulate([1, *ranks]))
         world = offsets[-1]
-        joins = [self._engine_update(s, -1, False, timeout, lambda c, off=off: c.init_weights_update_group(
-            master_address, master_port, off, world, group_name, backend, timeout_s=timeout))
-            for s, off in zip(slots, offsets)]  # fmt: skip
+        joins = [
+            self._engine_update(
+                s,
+                -1,
+                False,
+                timeout,
+                lambda c, off=off: c.init_weights_update_group(
+                    master_address, master_port, off, world, group_name, backend, timeout_s=timeout
+                ),
+            )
+            for s, off in zip(slots, offsets)
+        ]
         self._group = _GroupPlan(group_name, slots, asyncio.ensure_future(asyncio.gather(*joins)))
         return world, [s.name for s in slots]
 
-    async def update_weights_distributed(self, version: int, index: int, names: list[str], dtypes: list[str],
-                                         shapes: list[list[int]], final: bool, restore_path: str, checksum: str,
-                                         timeout_s: float = 0.0) -> tuple[bool, list[dict]]:  # fmt: skip
+    async def update_weights_distributed(
+        self,
+        version: int,
+        index: int,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        final: bool,
+        restore_path: str,
+        checksum: str,
+        timeout_s: float = 0.0,
+    ) -> tuple[bool, list[dict]]:
         """One bucket of a collective update (the ``collective`` transport): every engine of the
         group receives the tensors the trainer broadcasts. Like ``update_weights_bucket``, and
         each engine's ``checksum`` of what it received must match the trainer's where it reports one."""
@@ -482,21 +516,39 @@ class LLMProxy:
                     raise TimeoutError
                 joined = await asyncio.wait_for(asyncio.shield(group.joined), timeout)
             except TimeoutError:
-                joined = [{"engine": s.name, "success": False, "weight_version": s.weight_version, "cause": "timeout",
-                           "message": "did not join the weight-update group"} for s in group.slots]  # fmt: skip
+                joined = [
+                    {
+                        "engine": s.name,
+                        "success": False,
+                        "weight_version": s.weight_version,
+                        "cause": "timeout",
+                        "message": "did not join the weight-update group",
+                    }
+                    for s in group.slots
+                ]
             ok, results = self._outcome(group.slots, list(joined))
             if not ok:
                 self._group = None
                 return ok, results
 
         def send(c, timeout: float):
-            return c.update_weights_from_distributed(names, dtypes, shapes, group.name, version if final else None,
-                                                     timeout_s=timeout)  # fmt: skip
+            return c.update_weights_from_distributed(
+                names, dtypes, shapes, group.name, version if final else None, timeout_s=timeout
+            )
 
         return await self._bucket(version, index, final, restore_path, timeout_s, send, checksum, group.slots)
 
-    async def _bucket(self, version: int, index: int, final: bool, restore_path: str, timeout_s: float, send,
-                      checksum: str, members: list[EngineSlot] | None = None) -> tuple[bool, list[dict]]:  # fmt: skip
+    async def _bucket(
+        self,
+        version: int,
+        index: int,
+        final: bool,
+        restore_path: str,
+        timeout_s: float,
+        send,
+        checksum: str,
+        members: list[EngineSlot] | None = None,
+    ) -> tuple[bool, list[dict]]:
         """One bucket of an update that travels in pieces: ``send(client, timeout)`` forwards it to
         every engine taking part (``members``, default: those in rotation at bucket 0)."""
         _check_timeout(timeout_s)
@@ -505,8 +557,11 @@ class LLMProxy:
         update = self._bucket_update
         if update is None or update.version != version or update.next_index != index:
             expected = "0" if update is None else f"{update.next_index} of version {update.version}"
-            raise RequestInvalid("index", f"bucket {index} of version {version} does not continue the update under "
-                                 f"way (expected bucket {expected})")  # fmt: skip
+            raise RequestInvalid(
+                "index",
+                f"bucket {index} of version {version} does not continue the update under "
+                f"way (expected bucket {expected})",
+            )
         if final and not restore_path:
             raise RequestInvalid("restore_path", "the final bucket must name a directory holding the version")
         timeout = timeout_s or self.config.update_weights_timeout_s
@@ -527,8 +582,9 @@ class LLMProxy:
         results += await asyncio.gather(*(self._load_from_disk(s, restore_path, version, timeout) for s in late))
         return self._updated(update.slots + late, results, restore_path, version)
 
-    def _updated(self, slots: list[EngineSlot], results: list[dict], path: str,
-                 version: int) -> tuple[bool, list[dict]]:  # fmt: skip
+    def _updated(
+        self, slots: list[EngineSlot], results: list[dict], path: str, version: int
+    ) -> tuple[bool, list[dict]]:
         """The end of an update: ``version`` is the mesh's only if every engine confirmed it."""
         ok, results = self._outcome(slots, results)
         if ok:
@@ -545,8 +601,9 @@ class LLMProxy:
         return ok, (results if slots else [_NO_ENGINE])
 
     def _load_from_disk(self, slot: EngineSlot, path: str, version: int, timeout: float):
-        return self._engine_update(slot, version, True, timeout,
-                                   lambda c: c.update_weights_from_disk(path, version, timeout_s=timeout))  # fmt: skip
+        return self._engine_update(
+            slot, version, True, timeout, lambda c: c.update_weights_from_disk(path, version, timeout_s=timeout)
+        )
 
     async def _engine_update(self, slot: EngineSlot, version: int, applies: bool, timeout: float, call) -> dict:
         """One engine's part of an update; ``applies``: the call must leave it serving ``version``."""
@@ -558,8 +615,14 @@ class LLMProxy:
             msg = res.get("message", "") if ok else f"engine reports version {got}, expected {version}"
             cause = "" if ok else "version_mismatch"
             if ok and "received_checksum" in res:  # a collective bucket's, compared by ``_bucket``
-                return {"engine": slot.name, "success": ok, "weight_version": got, "message": msg, "cause": cause,
-                        "received_checksum": res["received_checksum"]}  # fmt: skip
+                return {
+                    "engine": slot.name,
+                    "success": ok,
+                    "weight_version": got,
+                    "message": msg,
+                    "cause": cause,
+                    "received_checksum": res["received_checksum"],
+                }
         except (EngineUnavailable, EngineRejected, TimeoutError, ValueError) as e:
             ok, got, msg = False, slot.weight_version, f"{type(e).__name__}: {e}"
             cause = _UPDATE_FAILURE_CAUSES.get(type(e), "error")

@@ -94,9 +94,11 @@ class JudgeRewardConfig(BaseModel):
     def build(self, judge=None, **_):
         """The reward; ``judge(config)`` builds it where a proxy can be reached (the EnvManager)."""
         if judge is None:
-            raise ValueError("reward.type judge needs an LLMProxy to reach the judge: it runs in the EnvManager "
-                             "or a reward service; elsewhere (an environment provider, a held-out evaluation) "
-                             "host it in `rollmesh serve reward` and name that with {type: service}")  # fmt: skip
+            raise ValueError(
+                "reward.type judge needs an LLMProxy to reach the judge: it runs in the EnvManager "
+                "or a reward service; elsewhere (an environment provider, a held-out evaluation) "
+                "host it in `rollmesh serve reward` and name that with {type: service}"
+            )
         return judge(self)
 
 
@@ -109,8 +111,9 @@ def parse_verdict(text: str, pattern: str, scores: dict[str, float]) -> float | 
 
 
 class JudgeReward:
-    def __init__(self, config: JudgeRewardConfig, generate: Generate, tokenizer,
-                 loop: asyncio.AbstractEventLoop) -> None:  # fmt: skip
+    def __init__(
+        self, config: JudgeRewardConfig, generate: Generate, tokenizer, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.config, self.generate, self.tokenizer, self.loop = config, generate, tokenizer, loop
         self.failures: Counter[str] = Counter(dict.fromkeys(FAILURE_CAUSES, 0))
         self.calls = 0

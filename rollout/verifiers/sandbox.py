@@ -169,9 +169,14 @@ class Sandbox:
                 os.chown(tmp, uid, uid)
             t0 = time.monotonic()
             proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                cwd=tmp, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
-            )  # fmt: skip
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=tmp,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                start_new_session=True,
+            )
             # The program comes on stdin, not as a file it could read back (the code reward's end
             # marker is in it). Python reads all of it before running any, so nothing is printed
             # before the write ends; a thread, so a sandbox that never reads cannot hold this one.
@@ -188,25 +193,73 @@ class Sandbox:
         mib = 1024 * 1024
         nproc = [f"--nproc={c.max_processes}"] if self._own_uids else []
         limits = [
-            self._tools["prlimit"], f"--cpu={math.ceil(timeout_s) + 1}", f"--as={c.memory_mb * mib}", *nproc,
-            f"--fsize={c.max_file_mb * mib}", f"--nofile={c.max_open_files}", "--core=0", "--",
-        ]  # fmt: skip
+            self._tools["prlimit"],
+            f"--cpu={math.ceil(timeout_s) + 1}",
+            f"--as={c.memory_mb * mib}",
+            *nproc,
+            f"--fsize={c.max_file_mb * mib}",
+            f"--nofile={c.max_open_files}",
+            "--core=0",
+            "--",
+        ]
         # Isolated (no site-packages, no user paths, no .pyc writes), the program from stdin.
         run = [c.python, "-I", "-S", "-B", "-"]
         if c.isolation == "none":
             return [*limits, *run]
         scratch = str(c.scratch_mb * mib)
         bwrap = [
-            self._tools["bwrap"], "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1",
-            "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-            "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev",
+            self._tools["bwrap"],
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--as-pid-1",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--symlink",
+            "usr/lib",
+            "/lib",
+            "--symlink",
+            "usr/lib64",
+            "/lib64",
+            "--symlink",
+            "usr/bin",
+            "/bin",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
             # bubblewrap's /dev is a tmpfs of no set size (half the RAM) with a writable /dev/shm
-            "--size", scratch, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-            "--size", scratch, "--tmpfs", "/tmp", "--size", scratch, "--tmpfs", "/box", "--chdir", "/box",
-            "--remount-ro", "/",  # the root is bubblewrap's own tmpfs: unbounded if left writable
-            "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "HOME", "/box", "--setenv", "LANG", "C.UTF-8",
+            "--size",
+            scratch,
+            "--tmpfs",
+            "/dev/shm",
+            "--remount-ro",
+            "/dev",
+            "--size",
+            scratch,
+            "--tmpfs",
+            "/tmp",
+            "--size",
+            scratch,
+            "--tmpfs",
+            "/box",
+            "--chdir",
+            "/box",
+            "--remount-ro",
+            "/",  # the root is bubblewrap's own tmpfs: unbounded if left writable
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/bin",
+            "--setenv",
+            "HOME",
+            "/box",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
             "--",
-        ]  # fmt: skip
+        ]
         return [*limits, *bwrap, *run]
 
 

@@ -46,6 +46,8 @@ class ServiceRewardConfig(BaseModel):
     def build(self, reward_service=None, **_):
         """The reward; ``reward_service(config)`` builds the client where the mesh provides one."""
         if reward_service is None:
-            raise ValueError("reward.type service needs a client of the reward service: it is built by rollmesh's "
-                             "services (EnvManager, environment provider, held-out evaluation)")  # fmt: skip
+            raise ValueError(
+                "reward.type service needs a client of the reward service: it is built by rollmesh's "
+                "services (EnvManager, environment provider, held-out evaluation)"
+            )
         return reward_service(self)

@@ -57,10 +57,22 @@ def agentic_groups(groups_per_step: int) -> int:
 
 
 def _config(
-    tmp: Path, name: str, scenario: dict, agentic: bool, *, engines: int, time_scale: float, steps: int,
-    tokenizer: str, suspend_mode: str = "in_place", groups_per_step: int = DEFAULT_GROUPS_PER_STEP,
-    providers: list[str] | None = None, redundant: int = 0, prompt_share: float = 0.0, tail_prompts: int = 0,
-) -> Path:  # fmt: skip
+    tmp: Path,
+    name: str,
+    scenario: dict,
+    agentic: bool,
+    *,
+    engines: int,
+    time_scale: float,
+    steps: int,
+    tokenizer: str,
+    suspend_mode: str = "in_place",
+    groups_per_step: int = DEFAULT_GROUPS_PER_STEP,
+    providers: list[str] | None = None,
+    redundant: int = 0,
+    prompt_share: float = 0.0,
+    tail_prompts: int = 0,
+) -> Path:
     """``providers``: the environments' provider URLs (REST): the episodes run there, not in the EnvManager."""
     dataset = _dataset(tmp)
     # By default a step's trajectories (80 x 8) are five times what the engines decode at once (2 x 64),
@@ -157,8 +169,9 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
     step_s = (measured[-1]["wall"] - rows[warmup - 1]["wall"]) * scale / len(measured)
     gen_tokens = sum(r["tokens"] for r in measured) / len(measured)
     train_s = sum(r["sim_train_s"] for r in measured) / len(measured)
-    ideal = ideal_step_s(gen_tokens, train_s, cfg.engine, engines=cfg.run.num_engines,
-                         max_running=cfg.engine.max_running_requests)  # fmt: skip
+    ideal = ideal_step_s(
+        gen_tokens, train_s, cfg.engine, engines=cfg.run.num_engines, max_running=cfg.engine.max_running_requests
+    )
     window = [n for t, n in occupancy if t >= rows[warmup - 1]["wall"]]
     single_turn = cfg.env_manager.episode.max_turns == 1
     rules = _rules_reference(cfg, warmup, len(measured)) if single_turn else None
@@ -194,11 +207,16 @@ def _rules_reference(cfg, warmup: int, steps: int) -> dict:
 
     def play(**kw) -> dict:
         return ceiling(
-            cfg.engine, cfg.trainer, engines=cfg.run.num_engines,
-            max_running=cfg.engine.max_running_requests, groups_per_step=cfg.controller.groups_per_step,
-            group_size=cfg.env_manager.group_size, async_ratio=cfg.controller.async_ratio,
-            max_new_tokens=cfg.env_manager.episode.sampling.max_new_tokens, **kw,
-        )  # fmt: skip
+            cfg.engine,
+            cfg.trainer,
+            engines=cfg.run.num_engines,
+            max_running=cfg.engine.max_running_requests,
+            groups_per_step=cfg.controller.groups_per_step,
+            group_size=cfg.env_manager.group_size,
+            async_ratio=cfg.controller.async_ratio,
+            max_new_tokens=cfg.env_manager.episode.sampling.max_new_tokens,
+            **kw,
+        )
 
     # A few measured steps early in a run are not steady state (the first long tails are still
     # running): compare like with like, and give the steady state too.
@@ -259,13 +277,17 @@ def _member_fates(env_manager_targets: list[str]) -> dict:
     generated = sums.get("rollmesh_env_generated_tokens_total:", 0.0)
     kept_n = sums.get("rollmesh_env_member_generated_tokens_count:kept", 0.0)
     return {
-        "redundant_token_share": round(sums.get("rollmesh_env_dropped_member_tokens_total:redundant", 0.0)
-                                       / generated, 3) if generated else None,
+        "redundant_token_share": round(
+            sums.get("rollmesh_env_dropped_member_tokens_total:redundant", 0.0) / generated, 3
+        )
+        if generated
+        else None,
         "members_cancelled": sums.get("rollmesh_env_members_dropped_total:redundant", 0.0),
         "members_timed_out": sums.get("rollmesh_env_members_dropped_total:timeout", 0.0),
         "kept_member_mean_tokens": round(sums.get("rollmesh_env_member_generated_tokens_sum:kept", 0.0) / kept_n, 1)
-        if kept_n else None,
-    }  # fmt: skip
+        if kept_n
+        else None,
+    }
 
 
 LENGTH_BUCKETS = (1024, 4096, 16384)  # kept members' generated tokens (edges of TOKEN_BUCKETS)
@@ -322,21 +344,50 @@ def _buffer_stats(address: str) -> dict:
 
 
 def run(
-    tokenizer: str, steps: int = 6, warmup: int = 2, engines: int = SHAPE["engines"], time_scale: float = 25.0,
-    scenarios: list[str] | None = None, agentic: bool = True, progress=print, keep: Path | None = None,
-    suspend_mode: str = "in_place", groups_per_step: int = DEFAULT_GROUPS_PER_STEP, providers: bool = False,
+    tokenizer: str,
+    steps: int = 6,
+    warmup: int = 2,
+    engines: int = SHAPE["engines"],
+    time_scale: float = 25.0,
+    scenarios: list[str] | None = None,
+    agentic: bool = True,
+    progress=print,
+    keep: Path | None = None,
+    suspend_mode: str = "in_place",
+    groups_per_step: int = DEFAULT_GROUPS_PER_STEP,
+    providers: bool = False,
     tail: bool = False,
-) -> dict:  # fmt: skip
+) -> dict:
     """Run the scenarios; returns the table rows and the summary the JSON line reports. ``providers``:
     only the agentic scenarios with provider processes, faults and redundancy (``PROVIDER_SCENARIOS``)."""
     if steps < 1 or warmup < 1 or groups_per_step < 1:
         raise BadOption("steps, warmup and groups_per_step: must be >= 1")
     if tail:
-        return run_tail(tokenizer, steps, warmup, engines, time_scale, progress, keep, suspend_mode, groups_per_step,
-                        _chosen(scenarios, TAIL_SCENARIOS))  # fmt: skip
+        return run_tail(
+            tokenizer,
+            steps,
+            warmup,
+            engines,
+            time_scale,
+            progress,
+            keep,
+            suspend_mode,
+            groups_per_step,
+            _chosen(scenarios, TAIL_SCENARIOS),
+        )
     if providers:
-        return run_providers(tokenizer, steps, warmup, engines, time_scale, progress, keep, suspend_mode,
-                             groups_per_step, _chosen(scenarios, PROVIDER_SCENARIOS))  # fmt: skip
+        return run_providers(
+            tokenizer,
+            steps,
+            warmup,
+            engines,
+            time_scale,
+            progress,
+            keep,
+            suspend_mode,
+            groups_per_step,
+            _chosen(scenarios, PROVIDER_SCENARIOS),
+        )
     names = _chosen(scenarios, SCENARIOS)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-async-") as d:
@@ -345,9 +396,18 @@ def run(
         plan = [(n, False) for n in names] + ([(n, True) for n in AGENTIC if n in names] if agentic else [])
         for name, is_agentic in plan:
             key = f"agentic_{name}" if is_agentic else name
-            path = _config(tmp, key, SCENARIOS[name], is_agentic, engines=engines, time_scale=time_scale,
-                           steps=warmup + steps, tokenizer=tokenizer, suspend_mode=suspend_mode,
-                           groups_per_step=groups_per_step)  # fmt: skip
+            path = _config(
+                tmp,
+                key,
+                SCENARIOS[name],
+                is_agentic,
+                engines=engines,
+                time_scale=time_scale,
+                steps=warmup + steps,
+                tokenizer=tokenizer,
+                suspend_mode=suspend_mode,
+                groups_per_step=groups_per_step,
+            )
             t0 = time.monotonic()
             results[key] = r = run_scenario(path, warmup)
             progress(
@@ -358,9 +418,13 @@ def run(
                 + (f"rules allow {r['rules_step_s']:.1f}  " if r["rules_step_s"] else "")
                 + f"[{time.monotonic() - t0:.0f} s wall]"
             )
-    return {"scenarios": results, "suspend_mode": suspend_mode, "groups_per_step": groups_per_step,
-            "agentic_groups_per_step": agentic_groups(groups_per_step),
-            **summarize(results)}  # fmt: skip
+    return {
+        "scenarios": results,
+        "suspend_mode": suspend_mode,
+        "groups_per_step": groups_per_step,
+        "agentic_groups_per_step": agentic_groups(groups_per_step),
+        **summarize(results),
+    }
 
 
 # Tail batching (RollPacker) against plain synchronous rollout, on lengths where a prompt's answers are
@@ -369,10 +433,16 @@ def run(
 # rounds at most. RollPacker over-provisions responses too: sync_tail_members launches half a group more
 # per prompt and keeps the first group_size to end (rollout.redundant_members), so a prompt is in once
 # most of its answers are; the cost is a bias toward shorter answers, reported by length bucket.
-TAIL_SCENARIOS = {"sync_batch": SCENARIOS["sync_batch"],
-                  "sync_tail": {"async_ratio": 0, "scheduling": "tail", "replicate": True},
-                  "sync_tail_members": {"async_ratio": 0, "scheduling": "tail", "replicate": True,
-                                        "redundant_members": SHAPE["group_size"] // 2}}  # fmt: skip
+TAIL_SCENARIOS = {
+    "sync_batch": SCENARIOS["sync_batch"],
+    "sync_tail": {"async_ratio": 0, "scheduling": "tail", "replicate": True},
+    "sync_tail_members": {
+        "async_ratio": 0,
+        "scheduling": "tail",
+        "replicate": True,
+        "redundant_members": SHAPE["group_size"] // 2,
+    },
+}
 TAIL_PROMPT_SHARE, TAIL_PROMPTS_SHARE = 0.5, 0.25
 
 
@@ -390,8 +460,18 @@ def _ratio(results: dict, a: str, b: str, what: str = "step_s") -> float | None:
     return round(results[a][what] / results[b][what], 3) if a in results and b in results else None
 
 
-def run_tail(tokenizer: str, steps: int, warmup: int, engines: int, time_scale: float, progress, keep,
-             suspend_mode: str, groups_per_step: int, names: list[str]) -> dict:  # fmt: skip
+def run_tail(
+    tokenizer: str,
+    steps: int,
+    warmup: int,
+    engines: int,
+    time_scale: float,
+    progress,
+    keep,
+    suspend_mode: str,
+    groups_per_step: int,
+    names: list[str],
+) -> dict:
     results: dict[str, dict] = {}
     tail_prompts = max(1, round(TAIL_PROMPTS_SHARE * groups_per_step))
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-tail-") as d:
@@ -399,27 +479,57 @@ def run_tail(tokenizer: str, steps: int, warmup: int, engines: int, time_scale: 
         tmp.mkdir(parents=True, exist_ok=True)
         for name in names:
             scenario = TAIL_SCENARIOS[name]
-            path = _config(tmp, name, scenario, False, engines=engines, time_scale=time_scale, steps=warmup + steps,
-                           tokenizer=tokenizer, suspend_mode=suspend_mode, groups_per_step=groups_per_step,
-                           prompt_share=TAIL_PROMPT_SHARE, tail_prompts=tail_prompts,
-                           redundant=scenario.get("redundant_members", 0))  # fmt: skip
+            path = _config(
+                tmp,
+                name,
+                scenario,
+                False,
+                engines=engines,
+                time_scale=time_scale,
+                steps=warmup + steps,
+                tokenizer=tokenizer,
+                suspend_mode=suspend_mode,
+                groups_per_step=groups_per_step,
+                prompt_share=TAIL_PROMPT_SHARE,
+                tail_prompts=tail_prompts,
+                redundant=scenario.get("redundant_members", 0),
+            )
             t0 = time.monotonic()
             results[name] = r = run_scenario(path, warmup)
-            progress(f"{name:12s} {r['step_s']:8.1f} s/step  trained {r['trained_tokens_per_step']:,.0f} tokens/step  "
-                     f"kept lengths {r['kept_member_length_share']}  [{time.monotonic() - t0:.0f} s wall]")  # fmt: skip
-    out = {"scenarios": results, "prompt_share": TAIL_PROMPT_SHARE, "redundant_prompts": tail_prompts,
-           "groups_per_step": groups_per_step}  # fmt: skip
+            progress(
+                f"{name:12s} {r['step_s']:8.1f} s/step  trained {r['trained_tokens_per_step']:,.0f} tokens/step  "
+                f"kept lengths {r['kept_member_length_share']}  [{time.monotonic() - t0:.0f} s wall]"
+            )
+    out = {
+        "scenarios": results,
+        "prompt_share": TAIL_PROMPT_SHARE,
+        "redundant_prompts": tail_prompts,
+        "groups_per_step": groups_per_step,
+    }
     for name, suffix in (("sync_tail", ""), ("sync_tail_members", "_members")):
         speedup = _ratio(results, "sync_batch", name)  # the target: >= 2.5x (RollPacker: 2.03-2.56x against veRL)
         tokens = _ratio(results, name, "sync_batch", "trained_tokens_per_step")
         per_s = None if tokens is None else round(tokens * speedup, 3)
-        out |= {f"tail{suffix}_speedup_vs_sync": speedup, f"trained_tokens_per_step_ratio{suffix}": tokens,
-                f"trained_tokens_per_s_ratio{suffix}": per_s}  # fmt: skip
+        out |= {
+            f"tail{suffix}_speedup_vs_sync": speedup,
+            f"trained_tokens_per_step_ratio{suffix}": tokens,
+            f"trained_tokens_per_s_ratio{suffix}": per_s,
+        }
     return out
 
 
-def run_providers(tokenizer: str, steps: int, warmup: int, engines: int, time_scale: float, progress, keep,
-                  suspend_mode: str, groups_per_step: int, names: list[str]) -> dict:  # fmt: skip
+def run_providers(
+    tokenizer: str,
+    steps: int,
+    warmup: int,
+    engines: int,
+    time_scale: float,
+    progress,
+    keep,
+    suspend_mode: str,
+    groups_per_step: int,
+    names: list[str],
+) -> dict:
     from services.launch import start_provider_process, stop_process
 
     results: dict[str, dict] = {}
@@ -429,26 +539,45 @@ def run_providers(tokenizer: str, steps: int, warmup: int, engines: int, time_sc
         dataset = _dataset(tmp)
         for name in names:
             spec = PROVIDER_SCENARIOS[name]
-            env = {"turns": 4, "latency_median_s": 5.0, "latency_sigma": 1.2, "time_scale": time_scale,
-                   **(FAULTS if spec["faults"] else {})}  # fmt: skip
+            env = {
+                "turns": 4,
+                "latency_median_s": 5.0,
+                "latency_sigma": 1.2,
+                "time_scale": time_scale,
+                **(FAULTS if spec["faults"] else {}),
+            }
             overrides = [f"dataset_path={dataset}", "max_sessions=8192", *(f"env.{k}={v}" for k, v in env.items())]
-            procs = [start_provider_process("sim", overrides, log_path=tmp / f"{name}-provider{i}.log")
-                     for i in range(NUM_PROVIDERS)]  # fmt: skip
+            procs = [
+                start_provider_process("sim", overrides, log_path=tmp / f"{name}-provider{i}.log")
+                for i in range(NUM_PROVIDERS)
+            ]
             try:
-                path = _config(tmp, name, SCENARIOS["async_2"], True, engines=engines, time_scale=time_scale,
-                               steps=warmup + steps, tokenizer=tokenizer, suspend_mode=suspend_mode,
-                               groups_per_step=groups_per_step, providers=[url for _, _, url in procs],
-                               redundant=spec["redundant"])  # fmt: skip
+                path = _config(
+                    tmp,
+                    name,
+                    SCENARIOS["async_2"],
+                    True,
+                    engines=engines,
+                    time_scale=time_scale,
+                    steps=warmup + steps,
+                    tokenizer=tokenizer,
+                    suspend_mode=suspend_mode,
+                    groups_per_step=groups_per_step,
+                    providers=[url for _, _, url in procs],
+                    redundant=spec["redundant"],
+                )
                 t0 = time.monotonic()
                 results[name] = r = run_scenario(path, warmup)
             finally:
                 for proc, _, _ in procs:
                     stop_process(proc)
-            progress(f"{name:28s} {r['step_s']:8.1f} s/step (ideal {r['ideal_step_s']:.1f}, efficiency "
-                     f"{r['ideal_step_s'] / r['step_s']:.2f})  members cancelled {r['members_cancelled']:.0f}, "
-                     f"timed out {r['members_timed_out']:.0f}  tokens lost to cancelled "
-                     f"{r['redundant_token_share'] or 0:.1%}  kept member {r['kept_member_mean_tokens']} tokens  "
-                     f"[{time.monotonic() - t0:.0f} s wall]")  # fmt: skip
+            progress(
+                f"{name:28s} {r['step_s']:8.1f} s/step (ideal {r['ideal_step_s']:.1f}, efficiency "
+                f"{r['ideal_step_s'] / r['step_s']:.2f})  members cancelled {r['members_cancelled']:.0f}, "
+                f"timed out {r['members_timed_out']:.0f}  tokens lost to cancelled "
+                f"{r['redundant_token_share'] or 0:.1%}  kept member {r['kept_member_mean_tokens']} tokens  "
+                f"[{time.monotonic() - t0:.0f} s wall]"
+            )
 
     def cost(faulty: str, clean: str) -> float | None:
         ratio = _ratio(results, faulty, clean)
@@ -456,16 +585,20 @@ def run_providers(tokenizer: str, steps: int, warmup: int, engines: int, time_sc
 
     both = results.get("providers_faults_redundant")
     return {
-        "scenarios": results, "faults": FAULTS, "providers": NUM_PROVIDERS,
-        "agentic_groups_per_step": agentic_groups(groups_per_step), "redundant_members": 2,
+        "scenarios": results,
+        "faults": FAULTS,
+        "providers": NUM_PROVIDERS,
+        "agentic_groups_per_step": agentic_groups(groups_per_step),
+        "redundant_members": 2,
         # The target: with redundancy, the faults cost <= 10% of step time against the same run without faults.
         "fault_cost_without_redundancy": cost("providers_faults", "providers"),
         "fault_cost_with_redundancy": cost("providers_faults_redundant", "providers_redundant"),
         "efficiency_faults_redundant": round(both["ideal_step_s"] / both["step_s"], 3) if both else None,
         # Bias toward episodes that end sooner: a kept member's mean length with redundancy against without.
-        "kept_length_ratio_redundant_vs_not": _ratio(results, "providers_redundant", "providers",
-                                                     "kept_member_mean_tokens"),  # fmt: skip
-    }  # fmt: skip
+        "kept_length_ratio_redundant_vs_not": _ratio(
+            results, "providers_redundant", "providers", "kept_member_mean_tokens"
+        ),
+    }
 
 
 def _dataset(tmp: Path) -> Path:

@@ -9,8 +9,14 @@ from services.bench import BadOption
 from trainer.sim import SimTrainerConfig
 
 
-def plan(cfg, groups_per_step: list[int], async_ratios: list[int], engines: int | None = None,
-         target: float = 0.85, progress=print) -> dict:  # fmt: skip
+def plan(
+    cfg,
+    groups_per_step: list[int],
+    async_ratios: list[int],
+    engines: int | None = None,
+    target: float = 0.85,
+    progress=print,
+) -> dict:
     """``rollmesh bench ceiling``: the sweep for a run config's workload (or the simulator's defaults,
     the shape ``bench async`` uses), and per step size the smallest async_ratio reaching ``target``."""
     if not groups_per_step or min(groups_per_step) < 1 or not async_ratios or min(async_ratios) < 0:
@@ -29,10 +35,12 @@ def plan(cfg, groups_per_step: list[int], async_ratios: list[int], engines: int 
         shape["engines"] = engines
 
     def show(r: dict) -> None:
-        progress(f"groups/step {r['groups_per_step']:4d} ({r['step_vs_slots']:.2g}x the engines' slots)  "
-                 f"async_ratio {r['async_ratio']}: {r['step_s']:7.1f} s/step  efficiency {r['efficiency']:.3f}  "
-                 f"engines {r['engine_occupancy']:.0%} full  speedup vs sync {r['speedup_vs_sync']:.2f}  "
-                 f"trained tokens vs sync {r['trained_tokens_vs_sync']:.2f}")  # fmt: skip
+        progress(
+            f"groups/step {r['groups_per_step']:4d} ({r['step_vs_slots']:.2g}x the engines' slots)  "
+            f"async_ratio {r['async_ratio']}: {r['step_s']:7.1f} s/step  efficiency {r['efficiency']:.3f}  "
+            f"engines {r['engine_occupancy']:.0%} full  speedup vs sync {r['speedup_vs_sync']:.2f}  "
+            f"trained tokens vs sync {r['trained_tokens_vs_sync']:.2f}"
+        )
 
     rows = sweep(sim, trainer, groups_per_step=groups_per_step, async_ratios=async_ratios, progress=show, **shape)
     out: dict = {"played": {f"gps{r['groups_per_step']}_async{r['async_ratio']}": r for r in rows}, **shape}

@@ -36,12 +36,19 @@ REDIS = "redis-server"
 
 def _command(model: str, run_dir: Path, redis_url: str, steps: int) -> list[str]:
     overrides = [
-        f"model_path={model}", f"train_loop.run_dir={run_dir}", f"train_loop.steps={steps}",
-        "run.heldout_path=null", "train_loop.checkpoint_every=2", "controller.groups_per_step=2",
+        f"model_path={model}",
+        f"train_loop.run_dir={run_dir}",
+        f"train_loop.steps={steps}",
+        "run.heldout_path=null",
+        "train_loop.checkpoint_every=2",
+        "controller.groups_per_step=2",
         "buffer.filter_zero_variance=false",  # a random model's groups mostly score all 0: keep them
-        "train_loop.get_timeout_s=20", "controller.update_timeout_s=30", "buffer.backend=redis",
-        f"buffer.redis_url={redis_url}", f"buffer.key_prefix=chaos-{run_dir.name}",
-    ]  # fmt: skip
+        "train_loop.get_timeout_s=20",
+        "controller.update_timeout_s=30",
+        "buffer.backend=redis",
+        f"buffer.redis_url={redis_url}",
+        f"buffer.key_prefix=chaos-{run_dir.name}",
+    ]
     cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
     return cmd + [a for o in overrides for a in ("--set", o)]
 
@@ -89,8 +96,9 @@ def _serving(service: str, run_dir: Path) -> float | None:
         return None
 
 
-def _run(model: str, run_dir: Path, redis, total: int, kills: list[str], steps_between: int, pause,
-         progress) -> tuple[dict, dict, float, str]:  # fmt: skip
+def _run(
+    model: str, run_dir: Path, redis, total: int, kills: list[str], steps_between: int, pause, progress
+) -> tuple[dict, dict, float, str]:
     """One run; kills ``kills`` in order, each once the last victim serves again and
     ``steps_between`` more steps were trained, ``pause()`` seconds after that step ends. Returns
     (seconds from kill to next step, seconds from kill to serving again, per service), wall, output."""
@@ -145,8 +153,11 @@ def _accounting(run_dir: Path, redis_url: str) -> dict:
 
     trained = Counter(g for s in _steps(run_dir) for g in s["group_ids"])
     lost_path = run_dir / "lost_steps.jsonl"
-    lost_with_trainer = [g for x in lost_path.read_text().splitlines() for g in json.loads(x)["group_ids"]] \
-        if lost_path.exists() else []  # fmt: skip
+    lost_with_trainer = (
+        [g for x in lost_path.read_text().splitlines() for g in json.loads(x)["group_ids"]]
+        if lost_path.exists()
+        else []
+    )
 
     async def stats() -> dict:
         buffer = make_buffer(BufferConfig(backend="redis", redis_url=redis_url, key_prefix=f"chaos-{run_dir.name}"))
@@ -158,19 +169,27 @@ def _accounting(run_dir: Path, redis_url: str) -> dict:
     s = asyncio.run(stats())
     accounted = s["consumed"] + s["dropped_stale"] + s["dropped_corrupt"] + s["depth"] + s["in_flight"]
     return {
-        "groups_stored": s["put"], "groups_consumed": s["consumed"],
+        "groups_stored": s["put"],
+        "groups_consumed": s["consumed"],
         "groups_dropped": {k: s[k] for k in s if k.startswith("dropped_")},
         "groups_left_in_buffer": s["depth"] + s["in_flight"],
         "groups_lost": s["put"] - accounted,
         "groups_trained": sum(trained.values()),
         "groups_trained_twice": sum(n - 1 for n in trained.values() if n > 1),
         "groups_trained_by_a_killed_trainer_before_its_checkpoint": len(lost_with_trainer),
-    }  # fmt: skip
+    }
 
 
-def run(model_path: str, services: list[str] | None = None, steps_between: int = 2, seed: int = 0,
-        baseline: bool = True, progress=print, keep: str | None = None,
-        kill_delay_s: float | None = None) -> dict:  # fmt: skip
+def run(
+    model_path: str,
+    services: list[str] | None = None,
+    steps_between: int = 2,
+    seed: int = 0,
+    baseline: bool = True,
+    progress=print,
+    keep: str | None = None,
+    kill_delay_s: float | None = None,
+) -> dict:
     """``kill_delay_s``: kill each service this long after a step ends (a fixed schedule, as the
     tests run it); default a random moment within 0.5 s, drawn from ``seed``."""
     from services.auth import AuthConfig, ensure_token
@@ -206,11 +225,13 @@ def run(model_path: str, services: list[str] | None = None, steps_between: int =
                 _, _, undisturbed, _ = _run(model_path, tmp / "calm", redis, steps, [], steps_between, pause, progress)
             progress(f"disturbed run: {steps} steps, killing {', '.join(services)}")
             run_dir = tmp / "chaos"
-            recovery, serving, disturbed, out = _run(model_path, run_dir, redis, steps, services, steps_between,
-                                                      pause, progress)  # fmt: skip
+            recovery, serving, disturbed, out = _run(
+                model_path, run_dir, redis, steps, services, steps_between, pause, progress
+            )
             restarts = {s: len(re.findall(rf"^{s}(-\d+)? exited with code", out, re.M)) for s in services}
             result = {
-                "steps": steps, "services_killed": services,
+                "steps": steps,
+                "services_killed": services,
                 "kill_to_next_step_s": recovery,
                 "kill_to_serving_again_s": serving,
                 "restarts_by_the_launcher": {s: n for s, n in restarts.items() if s != REDIS},
@@ -218,7 +239,7 @@ def run(model_path: str, services: list[str] | None = None, steps_between: int =
                 "undisturbed_wall_s": round(undisturbed, 1) if undisturbed else None,
                 "disturbed_wall_s": round(disturbed, 1),
                 "slowdown": round(disturbed / undisturbed, 2) if undisturbed else None,
-            }  # fmt: skip
+            }
         finally:
             redis.stop()
     return result

@@ -93,8 +93,16 @@ def _hf_run(model, prompts, lengths, batch_size: int) -> float:
     return time.perf_counter() - t0
 
 
-def run(model_path: str, num_prompts: int = 256, max_new_tokens: int = 128, batch_size: int = 64,
-        vllm: bool = True, progress=print, device: str = "cpu", dtype: str = "float32") -> dict:  # fmt: skip
+def run(
+    model_path: str,
+    num_prompts: int = 256,
+    max_new_tokens: int = 128,
+    batch_size: int = 64,
+    vllm: bool = True,
+    progress=print,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict:
     """``device``/``dtype``: of the embedded engine and of HF generate alike (vLLM keeps its own)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

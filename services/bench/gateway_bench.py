@@ -22,7 +22,7 @@ from services.launch import free_port, start_engine_process, start_gateway_proce
 
 SYSTEM = (
     "You are a careful assistant inside a benchmark. Answer briefly; the harness checks nothing you say. "
-) * 6  # fmt: skip  (about 600 characters every session shares)
+) * 6  # about 600 characters every session shares
 
 
 def _conversation(i: int, turns: int) -> list[str]:
@@ -84,8 +84,10 @@ async def _gateway(url: str, key: str, clients: int, turns: int, max_tokens: int
             for question in _conversation(c * 1000 + n, turns):
                 messages.append({"role": "user", "content": question})
                 t = time.perf_counter()
-                r = await http.post(f"/sessions/{sid}/v1/chat/completions", json={
-                    "model": "rollmesh-policy", "messages": messages, "max_tokens": max_tokens})  # fmt: skip
+                r = await http.post(
+                    f"/sessions/{sid}/v1/chat/completions",
+                    json={"model": "rollmesh-policy", "messages": messages, "max_tokens": max_tokens},
+                )
                 if r.status_code != 200:
                     errors += 1
                     break
@@ -106,8 +108,9 @@ async def _gateway(url: str, key: str, clients: int, turns: int, max_tokens: int
     return lat, errors, sessions, rendered, reused
 
 
-def run(model_path: str, clients: int = 200, duration_s: float = 60.0, turns: int = 3, max_tokens: int = 4,
-        progress=print) -> dict:  # fmt: skip
+def run(
+    model_path: str, clients: int = 200, duration_s: float = 60.0, turns: int = 3, max_tokens: int = 4, progress=print
+) -> dict:
     import os
 
     import uvloop
@@ -126,16 +129,30 @@ def run(model_path: str, clients: int = 200, duration_s: float = 60.0, turns: in
             "llm-proxy", "proxy", [f"engine_urls=[{engine_url}]", "metrics_port=0"]
         )
         procs.append(proxy)
-        buf, buf_addr = start_service_process("sample-buffer", "buffer", ["metrics_port=0", "backend=memory",
-                                                                          "capacity_groups=1000000"])  # fmt: skip
+        buf, buf_addr = start_service_process(
+            "sample-buffer", "buffer", ["metrics_port=0", "backend=memory", "capacity_groups=1000000"]
+        )
         procs.append(buf)
         # No trainer consumes: admission must never be the bottleneck being measured.
-        ctl, ctl_addr = start_service_process("controller", "controller", [
-            "metrics_port=0", f"mesh.proxy={proxy_addr}", f"mesh.buffer={buf_addr}",
-            "controller.groups_per_step=1000000", f"model_path={model_path}"])  # fmt: skip
+        ctl, ctl_addr = start_service_process(
+            "controller",
+            "controller",
+            [
+                "metrics_port=0",
+                f"mesh.proxy={proxy_addr}",
+                f"mesh.buffer={buf_addr}",
+                "controller.groups_per_step=1000000",
+                f"model_path={model_path}",
+            ],
+        )
         procs.append(ctl)
-        wiring = [f"mesh.proxy={proxy_addr}", f"mesh.buffer={buf_addr}", f"mesh.controller={ctl_addr}",
-                  f"model_path={model_path}", f"max_concurrent_requests={clients + 8}"]  # fmt: skip
+        wiring = [
+            f"mesh.proxy={proxy_addr}",
+            f"mesh.buffer={buf_addr}",
+            f"mesh.controller={ctl_addr}",
+            f"model_path={model_path}",
+            f"max_concurrent_requests={clients + 8}",
+        ]
         gw, gw_url = start_gateway_process(wiring, free_port(), auth=auth)
         procs.append(gw)
         progress(f"mesh up; {clients} agents x {turns} turns for {duration_s:g} s, straight to the LLMProxy")
@@ -145,7 +162,8 @@ def run(model_path: str, clients: int = 200, duration_s: float = 60.0, turns: in
         cpu0 = _cpu_s(gw.pid)
         t0 = time.monotonic()
         via, errors, sessions, rendered, reused = uvloop.run(
-            _gateway(gw_url, key, clients, turns, max_tokens, duration_s))  # fmt: skip
+            _gateway(gw_url, key, clients, turns, max_tokens, duration_s)
+        )
         wall = time.monotonic() - t0
         cpu_per_request = (_cpu_s(gw.pid) - cpu0) / max(1, len(via))
         progress("one agent, each way")
@@ -157,15 +175,24 @@ def run(model_path: str, clients: int = 200, duration_s: float = 60.0, turns: in
             stop_process(p)
     ms = 1000.0
     return {
-        "clients": clients, "duration_s": duration_s, "turns": turns, "max_tokens": max_tokens,
-        "errors": errors + direct_errors, "sessions": sessions, "requests": len(via), "direct_requests": len(direct),
+        "clients": clients,
+        "duration_s": duration_s,
+        "turns": turns,
+        "max_tokens": max_tokens,
+        "errors": errors + direct_errors,
+        "sessions": sessions,
+        "requests": len(via),
+        "direct_requests": len(direct),
         "requests_per_s": round(len(via) / wall, 1),
-        "direct_p50_ms": round(_pct(direct, 0.5) * ms, 2), "direct_p99_ms": round(_pct(direct, 0.99) * ms, 2),
-        "gateway_p50_ms": round(_pct(via, 0.5) * ms, 2), "gateway_p99_ms": round(_pct(via, 0.99) * ms, 2),
+        "direct_p50_ms": round(_pct(direct, 0.5) * ms, 2),
+        "direct_p99_ms": round(_pct(direct, 0.99) * ms, 2),
+        "gateway_p50_ms": round(_pct(via, 0.5) * ms, 2),
+        "gateway_p99_ms": round(_pct(via, 0.99) * ms, 2),
         "added_p50_ms": round((_pct(via, 0.5) - _pct(direct, 0.5)) * ms, 2),
         "added_p99_ms": round((_pct(via, 0.99) - _pct(direct, 0.99)) * ms, 2),
         "single_client_added_p50_ms": round((_pct(one_via, 0.5) - _pct(one_direct, 0.5)) * ms, 2),
         "gateway_cpu_ms_per_request": round(cpu_per_request * ms, 2),
-        "tokens_rendered": rendered, "tokens_reused": reused,
+        "tokens_rendered": rendered,
+        "tokens_reused": reused,
         "reused_share": round(reused / max(1, rendered + reused), 3),
-    }  # fmt: skip
+    }

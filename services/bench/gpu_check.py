@@ -56,8 +56,13 @@ def run(steps: int = 5, num_prompts: int = 256, max_new_tokens: int = 128, progr
             raise BadOption(f"--{name}: must be >= 1, got {value}")
     gpus = torch.cuda.device_count()
     t0 = time.perf_counter()
-    out: dict = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__,
-                 "cuda": torch.version.cuda, "shape": "qwen2-0.5b"}  # fmt: skip
+    out: dict = {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "shape": "qwen2-0.5b",
+    }
     with tempfile.TemporaryDirectory(prefix="rollmesh-gpu-check-") as tmp:
         progress("building a random qwen2-0.5b-shaped model")
         model = str(build_tiny_model(Path(tmp) / "model", SHAPES["qwen2-0.5b"]))
@@ -65,19 +70,37 @@ def run(steps: int = 5, num_prompts: int = 256, max_new_tokens: int = 128, progr
         def trainer() -> dict:
             r = trainer_bench.run(model, steps=steps, device="cuda", mixed_precision=True, progress=progress)
             torch.cuda.empty_cache()
-            keep = ("params_m", "device", "tokens_per_step", "packed_s_per_step", "train_tokens_per_s",
-                    "unpacked_tokens_per_s", "packing_speedup", "mfu", "peak_gpu_mem_gb")  # fmt: skip
+            keep = (
+                "params_m",
+                "device",
+                "tokens_per_step",
+                "packed_s_per_step",
+                "train_tokens_per_s",
+                "unpacked_tokens_per_s",
+                "packing_speedup",
+                "mfu",
+                "peak_gpu_mem_gb",
+            )
             return {"fsdp2_ranks": 1, "precision": "bf16 autocast, fp32 master weights", **{k: r[k] for k in keep}}
 
         def engine() -> dict:
-            return engine_bench.run(model, num_prompts, max_new_tokens, batch_size=64, vllm=False, progress=progress,
-                                    device="cuda", dtype="bfloat16")  # fmt: skip
+            return engine_bench.run(
+                model,
+                num_prompts,
+                max_new_tokens,
+                batch_size=64,
+                vllm=False,
+                progress=progress,
+                device="cuda",
+                dtype="bfloat16",
+            )
 
         def weights() -> dict:
             transports = ("disk", "ipc_cuda") + (("collective_nccl",) if gpus >= 2 else ())
             env = {"CUDA_VISIBLE_DEVICES": "1"} if gpus >= 2 else None  # the engine beside the trainer's GPU 0
-            r = weights_bench.run(model_path=model, engines=1, repeats=2, transports=transports, engine_env=env,
-                                  progress=progress)  # fmt: skip
+            r = weights_bench.run(
+                model_path=model, engines=1, repeats=2, transports=transports, engine_env=env, progress=progress
+            )
             if gpus < 2:
                 r["collective_nccl"] = "not run: NCCL needs the trainer and the engine on different GPUs (2+)"
             return r

@@ -37,10 +37,14 @@ FINAL = re.compile(r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accu
 
 def _command(model: str, run_dir: Path, loss: str, ratio: int, steps: int, seed: int) -> list[str]:
     sets = [
-        f"model_path={model}", f"train_loop.run_dir={run_dir}", f"train_loop.steps={steps}",
-        f"train_loop.checkpoint_every={steps}", f"controller.async_ratio={ratio}",
-        f"trainer.seed={seed}", f"env_manager.seed={seed}",
-    ] + [f"trainer.loss.{k}={v}" for k, v in LOSSES[loss].items()]  # fmt: skip
+        f"model_path={model}",
+        f"train_loop.run_dir={run_dir}",
+        f"train_loop.steps={steps}",
+        f"train_loop.checkpoint_every={steps}",
+        f"controller.async_ratio={ratio}",
+        f"trainer.seed={seed}",
+        f"env_manager.seed={seed}",
+    ] + [f"trainer.loss.{k}={v}" for k, v in LOSSES[loss].items()]
     cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml", "--fresh"]
     return cmd + [a for s in sets for a in ("--set", s)]
 
@@ -49,8 +53,13 @@ def _one(model: str, run_dir: Path, loss: str, ratio: int, steps: int, seed: int
     t0 = time.monotonic()
     # Its own session: on a timeout the whole mesh goes (SIGTERM, which the launcher passes on), not the
     # launcher alone with its services left running.
-    proc = subprocess.Popen(_command(model, run_dir, loss, ratio, steps, seed), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        _command(model, run_dir, loss, ratio, steps, seed),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -97,8 +106,15 @@ def _plot(results: dict, ratios: list[int], out: Path) -> None:
     plt.close(fig)
 
 
-def run(model_path: str, losses: list[str] | None = None, ratios: list[int] | None = None, steps: int = 100,
-        seeds: int = 1, out_dir: str = "runs/bench-offpolicy", progress=print) -> dict:  # fmt: skip
+def run(
+    model_path: str,
+    losses: list[str] | None = None,
+    ratios: list[int] | None = None,
+    steps: int = 100,
+    seeds: int = 1,
+    out_dir: str = "runs/bench-offpolicy",
+    progress=print,
+) -> dict:
     from services.auth import AuthConfig, ensure_token
 
     losses = losses or list(LOSSES)
@@ -121,8 +137,10 @@ def run(model_path: str, losses: list[str] | None = None, ratios: list[int] | No
                 runs = []
                 for seed in range(seeds):
                     r = _one(model_path, Path(tmp) / f"{loss}-{ratio}-{seed}", loss, ratio, steps, seed)
-                    progress(f"{loss:>13} async_ratio {ratio}: seed {seed} reward {r['reward_last']:.3f} "
-                             f"held-out {r['heldout_accuracy']:.3f} in {r['wall_s']:.0f} s")  # fmt: skip
+                    progress(
+                        f"{loss:>13} async_ratio {ratio}: seed {seed} reward {r['reward_last']:.3f} "
+                        f"held-out {r['heldout_accuracy']:.3f} in {r['wall_s']:.0f} s"
+                    )
                     runs.append(r)
                 results.setdefault(loss, {})[str(ratio)] = {
                     "reward_last": statistics.mean(r["reward_last"] for r in runs),
@@ -139,7 +157,14 @@ def run(model_path: str, losses: list[str] | None = None, ratios: list[int] | No
     summary = {
         f"{loss}@{ratio}": round(v["heldout_accuracy"], 3) for loss, per in results.items() for ratio, v in per.items()
     }
-    table = {loss: {ratio: {k: v for k, v in r.items() if k != "runs"} for ratio, r in per.items()}
-             for loss, per in results.items()}  # fmt: skip
-    return {"steps": steps, "seeds": seeds, "plot": str(plot), **{f"heldout {k}": v for k, v in summary.items()},
-            "by_loss_and_ratio": table}  # fmt: skip
+    table = {
+        loss: {ratio: {k: v for k, v in r.items() if k != "runs"} for ratio, r in per.items()}
+        for loss, per in results.items()
+    }
+    return {
+        "steps": steps,
+        "seeds": seeds,
+        "plot": str(plot),
+        **{f"heldout {k}": v for k, v in summary.items()},
+        "by_loss_and_ratio": table,
+    }

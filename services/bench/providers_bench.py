@@ -77,8 +77,10 @@ def run(providers: list[int], protocols: list[str], concurrency: int, seconds: f
             for n in providers:
                 addresses = [grpc if protocol == "grpc" else url for _, grpc, url in procs[:n]]
                 r = asyncio.run(_cell(protocol, addresses, concurrency, seconds))
-                progress(f"{protocol:8s} {n:3d} provider(s): {r['steps_per_s']:8.1f} steps/s  p50 {r['p50_ms']:.2f} ms"
-                         f"  p99 {r['p99_ms']:.2f} ms")  # fmt: skip
+                progress(
+                    f"{protocol:8s} {n:3d} provider(s): {r['steps_per_s']:8.1f} steps/s  p50 {r['p50_ms']:.2f} ms"
+                    f"  p99 {r['p99_ms']:.2f} ms"
+                )
                 for k in ("steps_per_s", "p50_ms", "p99_ms"):
                     out[f"{protocol}_{n}_{k}"] = r[k]
         for n in providers:

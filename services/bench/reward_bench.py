@@ -59,8 +59,18 @@ def _timeouts(fixed_s: float, adaptive: bool, t_min_s: float, lam: float):
     return AdaptiveTimeoutConfig(enabled=adaptive, t_min_s=min(t_min_s, fixed_s), t_max_s=fixed_s, lam=lam)
 
 
-def run(tasks: int, per_task: int, base_s: float, hang_share: float, fixed_s: float, t_min_s: float, lam: float,
-        concurrency: int, seed: int, progress) -> dict:  # fmt: skip
+def run(
+    tasks: int,
+    per_task: int,
+    base_s: float,
+    hang_share: float,
+    fixed_s: float,
+    t_min_s: float,
+    lam: float,
+    concurrency: int,
+    seed: int,
+    progress,
+) -> dict:
     from rollout.reward_pool import RewardPool
     from rollout.rewards import math_verify
     from rollout.verifiers.code import CodeReward, CodeRewardConfig
@@ -74,18 +84,30 @@ def run(tasks: int, per_task: int, base_s: float, hang_share: float, fixed_s: fl
         raise BadOption(f"--base-s must be in (0, --fixed-s / 3): a right answer must fit in time, got {base_s}")
     items = _workload(tasks, per_task, base_s, hang_share, seed)
     kinds = [k for k, _, _ in items]
-    out: dict = {"answers": len(items), "hanging": kinds.count("hang"), "right": kinds.count("right"),
-                 "fixed_timeout_s": fixed_s, "lam": lam, "t_min_s": t_min_s, "concurrency": concurrency}  # fmt: skip
+    out: dict = {
+        "answers": len(items),
+        "hanging": kinds.count("hang"),
+        "right": kinds.count("right"),
+        "fixed_timeout_s": fixed_s,
+        "lam": lam,
+        "t_min_s": t_min_s,
+        "concurrency": concurrency,
+    }
     results = {}
     for mode in ("fixed", "adaptive"):
         sandbox = SandboxConfig(max_concurrent=concurrency)
-        reward = CodeReward(CodeRewardConfig(sandbox=sandbox, timeout=_timeouts(fixed_s, mode == "adaptive", t_min_s,
-                                                                                lam)))  # fmt: skip
+        reward = CodeReward(
+            CodeRewardConfig(sandbox=sandbox, timeout=_timeouts(fixed_s, mode == "adaptive", t_min_s, lam))
+        )
         progress(f"code, {mode} timeout: {len(items)} answers, {out['hanging']} never end ...")
         scores, wall = _score_all(lambda it, reward=reward: reward(it[1], it[2]), items, concurrency)
         results[mode] = scores
-        out |= {f"{mode}_sandbox_s": round(reward.sandbox_seconds, 2), f"{mode}_wall_s": round(wall, 2),
-                f"{mode}_correct": int(sum(scores)), f"{mode}_timeouts": reward.failures["timeout"]}  # fmt: skip
+        out |= {
+            f"{mode}_sandbox_s": round(reward.sandbox_seconds, 2),
+            f"{mode}_wall_s": round(wall, 2),
+            f"{mode}_correct": int(sum(scores)),
+            f"{mode}_timeouts": reward.failures["timeout"],
+        }
         if mode == "adaptive":
             out["adaptive_cuts"] = reward.adaptive_cuts
         progress(f"  {wall:.1f} s wall, {reward.sandbox_seconds:.1f} sandbox s, {int(sum(scores))} correct")
@@ -131,8 +153,9 @@ def _through_the_service(answers: list[tuple[str, str]], progress) -> dict:
     from services.reward.client import RewardClient
 
     auth = ensure_token(load_config().auth)  # the service process inherits it
-    proc, address = start_service_process("reward", "reward_service", ["reward=math_verify", "workers=2",
-                                                                       "metrics_port=0"], auth=auth)  # fmt: skip
+    proc, address = start_service_process(
+        "reward", "reward_service", ["reward=math_verify", "workers=2", "metrics_port=0"], auth=auth
+    )
     pool = RewardPool("math_verify", workers=1, timeout_s=30)
     try:
         client = RewardClient(address, timeout_s=30, auth=auth)
@@ -153,7 +176,12 @@ def _through_the_service(answers: list[tuple[str, str]], progress) -> dict:
     finally:
         pool.close()
         stop_process(proc)
-    progress(f"math-verify in the reward service (2 workers, 4 callers): {len(answers) / wall:.1f} scores/s; "
-             f"one score {service_ms:.2f} ms vs {pool_ms:.2f} ms in a local worker")  # fmt: skip
-    return {"math_verify_per_s_service_2_workers": round(len(answers) / wall, 1),
-            "score_ms_p50_service": round(service_ms, 2), "score_ms_p50_local_worker": round(pool_ms, 2)}  # fmt: skip
+    progress(
+        f"math-verify in the reward service (2 workers, 4 callers): {len(answers) / wall:.1f} scores/s; "
+        f"one score {service_ms:.2f} ms vs {pool_ms:.2f} ms in a local worker"
+    )
+    return {
+        "math_verify_per_s_service_2_workers": round(len(answers) / wall, 1),
+        "score_ms_p50_service": round(service_ms, 2),
+        "score_ms_p50_local_worker": round(pool_ms, 2),
+    }

@@ -52,8 +52,9 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def _run(model_path: str, pack: bool, steps: int, trajectories: int, **trainer) -> tuple[float, int, TrainEngine]:
-    engine = TrainEngine(TrainerConfig(model_path=model_path, lr=1e-5, pack_sequences=pack, micro_batch_tokens=4096,
-                                       **trainer))  # fmt: skip
+    engine = TrainEngine(
+        TrainerConfig(model_path=model_path, lr=1e-5, pack_sequences=pack, micro_batch_tokens=4096, **trainer)
+    )
     vocab = engine.model.config.vocab_size
     batches = [make_batch(trajectories // 8, 8, vocab, seed) for seed in range(steps + 1)]
     engine.train_step(batches[-1])  # warm-up
@@ -70,8 +71,16 @@ def _run(model_path: str, pack: bool, steps: int, trajectories: int, **trainer) 
     return time.perf_counter() - t0, tokens, engine
 
 
-def run(model_path: str | None, steps: int = 20, trajectories: int = 256, shape: str = "tiny", device: str = "auto",
-        mixed_precision: bool = False, activation_checkpointing: bool = False, progress=print) -> dict:  # fmt: skip
+def run(
+    model_path: str | None,
+    steps: int = 20,
+    trajectories: int = 256,
+    shape: str = "tiny",
+    device: str = "auto",
+    mixed_precision: bool = False,
+    activation_checkpointing: bool = False,
+    progress=print,
+) -> dict:
     """Time ``steps`` steps unpacked and packed; ``model_path`` None builds a random model of ``shape``."""
     import tempfile
 
@@ -83,8 +92,11 @@ def run(model_path: str | None, steps: int = 20, trajectories: int = 256, shape:
     for name, value in (("steps", steps), ("trajectories", trajectories)):
         if value < 1:
             raise BadOption(f"--{name}: must be >= 1, got {value}")
-    trainer = {"device": device, "mixed_precision": {} if mixed_precision else None,
-               "activation_checkpointing": activation_checkpointing}  # fmt: skip
+    trainer = {
+        "device": device,
+        "mixed_precision": {} if mixed_precision else None,
+        "activation_checkpointing": activation_checkpointing,
+    }
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-trainer-") as tmp:
         if model_path is None:
             progress(f"building a random {shape}-shaped model")
@@ -101,7 +113,7 @@ def run(model_path: str | None, steps: int = 20, trajectories: int = 256, shape:
         "shape": shape,
         "params_m": round(params / 1e6, 1),
         "device": str(engine.device)
-        + (f" ({torch.cuda.get_device_name(engine.device)})" if engine.device.type == "cuda" else ""),  # fmt: skip
+        + (f" ({torch.cuda.get_device_name(engine.device)})" if engine.device.type == "cuda" else ""),
         "mixed_precision": mixed_precision,
         "activation_checkpointing": activation_checkpointing,
         "steps": steps,

@@ -36,8 +36,13 @@ def _model(out: Path, hidden_size: int, layers: int) -> Path:
 
     heads = max(1, hidden_size // 64)
     kv_heads = heads // 2 if heads % 2 == 0 else heads
-    cfg = TinyModelConfig(hidden_size=hidden_size, intermediate_size=3 * hidden_size, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=kv_heads)  # fmt: skip
+    cfg = TinyModelConfig(
+        hidden_size=hidden_size,
+        intermediate_size=3 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
     return build_tiny_model(out, cfg)
 
 
@@ -99,9 +104,17 @@ async def _updates(publisher, trainer, proxy_client, first_version: int, repeats
     return {"export_s": statistics.median(export_s), "load_s": statistics.median(load_s)}
 
 
-def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int = 3, bucket_mb: int = 256,
-        progress=print, model_path: str | None = None, transports: tuple[str, ...] = CPU_TRANSPORTS,
-        engine_env: dict[str, str] | None = None) -> dict:  # fmt: skip
+def run(
+    hidden_size: int = 1024,
+    layers: int = 8,
+    engines: int = 2,
+    repeats: int = 3,
+    bucket_mb: int = 256,
+    progress=print,
+    model_path: str | None = None,
+    transports: tuple[str, ...] = CPU_TRANSPORTS,
+    engine_env: dict[str, str] | None = None,
+) -> dict:
     """Time ``repeats`` updates through each of ``transports``; returns the medians. ``model_path``:
     serve and train that model instead of a random one of ``hidden_size`` x ``layers``;
     ``engine_env``: added to the engines' environment (``CUDA_VISIBLE_DEVICES``)."""
@@ -110,8 +123,13 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
     from trainer.config import TrainerConfig
     from trainer.engine import TrainEngine
 
-    for name, value, low in (("hidden-size", hidden_size, 64), ("layers", layers, 1), ("engines", engines, 1),
-                             ("repeats", repeats, 1), ("bucket-mb", bucket_mb, 1)):  # fmt: skip
+    for name, value, low in (
+        ("hidden-size", hidden_size, 64),
+        ("layers", layers, 1),
+        ("engines", engines, 1),
+        ("repeats", repeats, 1),
+        ("bucket-mb", bucket_mb, 1),
+    ):
         if value < low:
             raise BadOption(f"--{name}: must be >= {low}, got {value}")
     procs = []
@@ -127,8 +145,9 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
                 proc, url = start_engine_process(str(model), timeout_s=600, env=engine_env)
                 procs.append(proc)
                 urls.append(url)
-            proxy, address = start_service_process("llm-proxy", "proxy", [f"engine_urls=[{','.join(urls)}]",
-                                                                          "metrics_port=0"])  # fmt: skip
+            proxy, address = start_service_process(
+                "llm-proxy", "proxy", [f"engine_urls=[{','.join(urls)}]", "metrics_port=0"]
+            )
             procs.append(proxy)
 
             async def both() -> dict:
@@ -154,8 +173,11 @@ def run(hidden_size: int = 1024, layers: int = 8, engines: int = 2, repeats: int
     rounded = {
         f"{name}_{m}": v if isinstance(v, bool) else round(v, 3) for name, r in result.items() for m, v in r.items()
     }
-    speedups = {f"load_speedup_{name}_vs_disk": round(result["disk"]["load_s"] / r["load_s"], 2)
-                for name, r in result.items() if name != "disk" and "disk" in result}  # fmt: skip
+    speedups = {
+        f"load_speedup_{name}_vs_disk": round(result["disk"]["load_s"] / r["load_s"], 2)
+        for name, r in result.items()
+        if name != "disk" and "disk" in result
+    }
     return {
         "params_m": round(n_params / 1e6, 1),
         "model_gb": round(gb, 3),

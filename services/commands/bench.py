@@ -92,8 +92,20 @@ def bench_trainer(
     """GRPO training steps, with and without sequence packing: tokens/s, MFU and peak memory on a GPU."""
     from services.bench.trainer_bench import run
 
-    emit(checked(run, None if model is None else str(model), steps, trajectories, shape, device, mixed_precision,
-                   activation_checkpointing, progress_printer(json_)), json_)  # fmt: skip
+    emit(
+        checked(
+            run,
+            None if model is None else str(model),
+            steps,
+            trajectories,
+            shape,
+            device,
+            mixed_precision,
+            activation_checkpointing,
+            progress_printer(json_),
+        ),
+        json_,
+    )
 
 
 @app.command("async")
@@ -126,8 +138,22 @@ def bench_async(
     from services.bench.async_bench import DEFAULT_GROUPS_PER_STEP, run
 
     gps = DEFAULT_GROUPS_PER_STEP if groups_per_step is None else groups_per_step
-    result = checked(run, str(model), steps, warmup, engines, time_scale, scenario or None, agentic,
-                      progress_printer(json_), keep, suspend_mode, gps, providers, tail)  # fmt: skip
+    result = checked(
+        run,
+        str(model),
+        steps,
+        warmup,
+        engines,
+        time_scale,
+        scenario or None,
+        agentic,
+        progress_printer(json_),
+        keep,
+        suspend_mode,
+        gps,
+        providers,
+        tail,
+    )
     emit(result, json_)
 
 
@@ -142,8 +168,12 @@ def bench_providers(
     """Steps/s and step latency to environment providers, gRPC vs HTTP vs OpenEnv's WebSocket."""
     from services.bench.providers_bench import run
 
-    emit(checked(run, providers or [1, 4, 16], protocol or list(PROTOCOLS), concurrency, seconds,
-                   progress_printer(json_)), json_)  # fmt: skip
+    emit(
+        checked(
+            run, providers or [1, 4, 16], protocol or list(PROTOCOLS), concurrency, seconds, progress_printer(json_)
+        ),
+        json_,
+    )
 
 
 @app.command("reward")
@@ -162,8 +192,12 @@ def bench_reward(
     """Code sandbox seconds with a fixed vs the adaptive timeout; sandbox and math-verify throughput."""
     from services.bench.reward_bench import run
 
-    emit(checked(run, tasks, per_task, base_s, hang_share, fixed_s, t_min_s, lam, concurrency, seed,
-                   progress_printer(json_)), json_)  # fmt: skip
+    emit(
+        checked(
+            run, tasks, per_task, base_s, hang_share, fixed_s, t_min_s, lam, concurrency, seed, progress_printer(json_)
+        ),
+        json_,
+    )
 
 
 @app.command("ceiling")
@@ -181,8 +215,18 @@ def bench_ceiling(
     from services.bench.ceiling_bench import plan
 
     cfg = load_or_exit(config, []) if config else None
-    emit(checked(plan, cfg, groups_per_step or [16, 32, 48, 64, 80], async_ratio or [1, 2, 4], engines, target,
-                   progress_printer(json_)), json_)  # fmt: skip
+    emit(
+        checked(
+            plan,
+            cfg,
+            groups_per_step or [16, 32, 48, 64, 80],
+            async_ratio or [1, 2, 4],
+            engines,
+            target,
+            progress_printer(json_),
+        ),
+        json_,
+    )
 
 
 @app.command("weights")
@@ -215,8 +259,19 @@ def bench_chaos(
     """Kill each service once mid-run: seconds to the next step, groups lost and trained twice."""
     from services.bench.chaos_bench import run
 
-    emit(checked(run, str(model), service, steps_between, seed, baseline, progress_printer(json_),
-                   str(keep) if keep else None), json_)  # fmt: skip
+    emit(
+        checked(
+            run,
+            str(model),
+            service,
+            steps_between,
+            seed,
+            baseline,
+            progress_printer(json_),
+            str(keep) if keep else None,
+        ),
+        json_,
+    )
 
 
 @app.command("offpolicy")

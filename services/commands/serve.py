@@ -65,8 +65,14 @@ def serve_env_provider(
 ) -> None:
     """An environment provider: hosts an environment over gRPC and OpenEnv's HTTP (env_provider section)."""
     if env is not None:
-        set_ = [*([f"env_provider.env.type={env}"] if ":" not in env else
-                  ["env_provider.env.type=custom", f"env_provider.env.cls={env}"]), *set_]  # fmt: skip
+        set_ = [
+            *(
+                [f"env_provider.env.type={env}"]
+                if ":" not in env
+                else ["env_provider.env.type=custom", f"env_provider.env.cls={env}"]
+            ),
+            *set_,
+        ]
     cfg = service_config(config, set_)
     from services.env_provider.server import serve
 

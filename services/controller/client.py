@@ -22,8 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class ControllerClient:
-    def __init__(self, address: str, timeout_s: float = 30.0, auth: AuthConfig | None = None,
-                 holder: str = "") -> None:  # fmt: skip
+    def __init__(self, address: str, timeout_s: float = 30.0, auth: AuthConfig | None = None, holder: str = "") -> None:
         """``holder``: this admitter's name, the same after a restart (an EnvManager's host:port): it
         reports its groups in flight on every call, so restarts on either side lose no slot."""
         self.address, self.timeout_s = address, timeout_s
@@ -55,8 +54,9 @@ class ControllerClient:
         async with self._in_order:
             # Counted before the call: a release the controller never hears of is corrected by the next report.
             self.held = max(0, self.held - unused - finished)
-            req = pb.ReleaseRequest(num_groups=unused, num_finished=finished, num_dropped=dropped,
-                                    holder=self.holder, held=self.held)  # fmt: skip
+            req = pb.ReleaseRequest(
+                num_groups=unused, num_finished=finished, num_dropped=dropped, holder=self.holder, held=self.held
+            )
             await self._call(self.stub.Release, req)
 
     async def keep_lease(self, every_s: float) -> None:

@@ -117,8 +117,9 @@ class AsyncController:
                 self._expired.add(holder)
                 if lost := self.holders.pop(holder, 0):
                     self.counters["lease_expired"] += lost
-                    log.warning("%s has not reported for %.0f s: its %d admission slots return", holder,
-                                now - seen, lost)  # fmt: skip
+                    log.warning(
+                        "%s has not reported for %.0f s: its %d admission slots return", holder, now - seen, lost
+                    )
 
     def capacity(self) -> int:
         """Slots free under the bound. Groups consumed are ``version x groups_per_step`` (one step,
@@ -153,8 +154,13 @@ class AsyncController:
         then are gone. At most that many: some may have been consumed since the last question."""
         if self._stored_total is not None and count.stored_total < self._stored_total and self.buffered:
             self.counters["buffer_lost"] += self.buffered
-            log.warning("the SampleBuffer lost its state (stored %d in all, %d when last asked): the %d groups it "
-                        "held are gone", count.stored_total, self._stored_total, self.buffered)  # fmt: skip
+            log.warning(
+                "the SampleBuffer lost its state (stored %d in all, %d when last asked): the %d groups it "
+                "held are gone",
+                count.stored_total,
+                self._stored_total,
+                self.buffered,
+            )
         self._stored_total = count.stored_total
 
     def start(self) -> AsyncController:
@@ -184,8 +190,9 @@ class AsyncController:
             if self._update is not None:
                 return False
             log.warning("the engines do not all serve version %d: sending them %s", self.version, self.model_path)
-            await asyncio.wait_for(self.proxy.update_weights(self.model_path, self.version),
-                                   self.config.control_timeout_s)  # fmt: skip
+            await asyncio.wait_for(
+                self.proxy.update_weights(self.model_path, self.version), self.config.control_timeout_s
+            )
             self.counters["reconciles"] += 1
             return True
 
@@ -208,8 +215,9 @@ class AsyncController:
         """The bound admission runs under, and the current version."""
         return Limits(self.config.async_ratio, self.config.groups_per_step, self.version)
 
-    async def release(self, *, unused: int = 0, finished: int = 0, dropped: int = 0, holder: str = "",
-                      held: int = 0) -> None:  # fmt: skip
+    async def release(
+        self, *, unused: int = 0, finished: int = 0, dropped: int = 0, holder: str = "", held: int = 0
+    ) -> None:
         if unused < 0 or finished < 0 or dropped < 0:
             raise ValueError("num_groups, num_finished and num_dropped: must be >= 0")
         if not holder and unused + finished > self.anonymous:
@@ -246,8 +254,10 @@ class AsyncController:
             try:
                 await asyncio.wait_for(self.proxy.update_weights(model_path, version), self.config.control_timeout_s)
             except Exception as e:
-                raise RestoreError(f"{path}: cannot bring the engines to version {version} ({model_path}): {e}; "
-                                   "start over with `rollmesh run --fresh`") from None  # fmt: skip
+                raise RestoreError(
+                    f"{path}: cannot bring the engines to version {version} ({model_path}): {e}; "
+                    "start over with `rollmesh run --fresh`"
+                ) from None
         self.version, self.model_path = version, model_path
         if self.buffer is None:  # counting alone: the groups consumed to reach this version
             self._unpolled = version * self.config.groups_per_step
@@ -277,8 +287,9 @@ class AsyncController:
             if self._update is not None:
                 raise UpdateConflict(f"update {self._update.update_id} to v{self._update.new_version} is in progress")
             if not self.version < new_version <= MAX_VERSION:
-                raise ValueError(f"new_version: must be > current version {self.version} and <= {MAX_VERSION}, "
-                                 f"got {new_version}")  # fmt: skip
+                raise ValueError(
+                    f"new_version: must be > current version {self.version} and <= {MAX_VERSION}, got {new_version}"
+                )
             # The watchdog sleeps this long: NaN crashed it (uvloop) and infinity disabled it, and either way
             # generation stayed suspended for good if the trainer died mid-update.
             if not 0 <= timeout_s < math.inf:

@@ -57,42 +57,79 @@ class _ControllerCollector:
         ctl, c = self.ctl, self.ctl.counters
         for name, doc, value in [
             ("rollmesh_controller_policy_version", "Current policy version", ctl.version),
-            ("rollmesh_controller_async_ratio_versions", "Staleness bound: versions a sample may lag",
-             ctl.config.async_ratio),
-            ("rollmesh_controller_groups_per_step_groups", "Groups the trainer consumes per step",
-             ctl.config.groups_per_step),
+            (
+                "rollmesh_controller_async_ratio_versions",
+                "Staleness bound: versions a sample may lag",
+                ctl.config.async_ratio,
+            ),
+            (
+                "rollmesh_controller_groups_per_step_groups",
+                "Groups the trainer consumes per step",
+                ctl.config.groups_per_step,
+            ),
             ("rollmesh_controller_in_flight_groups", "Admitted groups not finished", ctl.in_flight),
             ("rollmesh_controller_buffered_groups", "Groups the SampleBuffer held when last asked", ctl.buffered),
             ("rollmesh_controller_admission_capacity_groups", "Slots free under the staleness bound", ctl.capacity()),
             ("rollmesh_controller_suspended", "1 during a weight update", float(ctl._update is not None)),
-        ]:  # fmt: skip
+        ]:
             yield GaugeMetricFamily(name, doc, value=value)
         for name, doc, value in [
             ("rollmesh_controller_admitted_groups", "Admission slots granted", c["admitted"]),
             ("rollmesh_controller_admit_refused_groups", "Admission slots asked for and refused", c["admit_refused"]),
             ("rollmesh_controller_finished_groups", "Admitted groups that ended in the buffer", ctl.finished),
-            ("rollmesh_controller_lease_expired_groups", "Admission slots of EnvManagers that stopped reporting "
-             "(controller.holder_lease_s), returned", c["lease_expired"]),
-            ("rollmesh_controller_lease_returned_groups", "Groups in flight reported by an EnvManager after its lease "
-             "expired (it was cut off, not dead: admission briefly ran over the bound)", c["lease_returned"]),
-            ("rollmesh_controller_buffer_lost_groups", "Groups the SampleBuffer held when it lost its state "
-             "(in-memory backend restarted)", c["buffer_lost"]),
-            ("rollmesh_controller_buffer_poll_failures", "Questions to the SampleBuffer that failed",
-             c["buffer_poll_failures"]),
-            ("rollmesh_controller_reconciles", "Times engines found at another version got the committed weights",
-             c["reconciles"]),
-            ("rollmesh_controller_released_unused_groups", "Admitted slots given back unused (failed, filtered)",
-             c["released"]),
-            ("rollmesh_controller_dropped_stale_groups", "Finished groups the buffer dropped as too stale",
-             c["dropped"]),
-            ("rollmesh_controller_weight_update_duration_seconds", "Time spent suspended in weight updates",
-             c["update_seconds_total"]),
-            ("rollmesh_controller_restore_failures", "Rollbacks that could not restore the previous weights",
-             c["restore_failures"]),
+            (
+                "rollmesh_controller_lease_expired_groups",
+                "Admission slots of EnvManagers that stopped reporting (controller.holder_lease_s), returned",
+                c["lease_expired"],
+            ),
+            (
+                "rollmesh_controller_lease_returned_groups",
+                "Groups in flight reported by an EnvManager after its lease "
+                "expired (it was cut off, not dead: admission briefly ran over the bound)",
+                c["lease_returned"],
+            ),
+            (
+                "rollmesh_controller_buffer_lost_groups",
+                "Groups the SampleBuffer held when it lost its state (in-memory backend restarted)",
+                c["buffer_lost"],
+            ),
+            (
+                "rollmesh_controller_buffer_poll_failures",
+                "Questions to the SampleBuffer that failed",
+                c["buffer_poll_failures"],
+            ),
+            (
+                "rollmesh_controller_reconciles",
+                "Times engines found at another version got the committed weights",
+                c["reconciles"],
+            ),
+            (
+                "rollmesh_controller_released_unused_groups",
+                "Admitted slots given back unused (failed, filtered)",
+                c["released"],
+            ),
+            (
+                "rollmesh_controller_dropped_stale_groups",
+                "Finished groups the buffer dropped as too stale",
+                c["dropped"],
+            ),
+            (
+                "rollmesh_controller_weight_update_duration_seconds",
+                "Time spent suspended in weight updates",
+                c["update_seconds_total"],
+            ),
+            (
+                "rollmesh_controller_restore_failures",
+                "Rollbacks that could not restore the previous weights",
+                c["restore_failures"],
+            ),
             ("rollmesh_controller_resume_failures", "Resumes of the LLMProxy that failed", c["resume_failures"]),
-            ("rollmesh_controller_holder_resyncs", "Holder reports that corrected the controller's count "
-             "(a restart on either side)", c["holder_resyncs"]),
-        ]:  # fmt: skip
+            (
+                "rollmesh_controller_holder_resyncs",
+                "Holder reports that corrected the controller's count (a restart on either side)",
+                c["holder_resyncs"],
+            ),
+        ]:
             yield CounterMetricFamily(name, doc, value=value)
         updates = CounterMetricFamily(
             "rollmesh_controller_weight_updates", "Weight updates, by result", labels=["result"]
@@ -123,12 +160,25 @@ def build_handler(ctl: AsyncController) -> grpc.GenericRpcHandler:
         a = await guarded(ctx, ctl.admit(req.num_groups, req.holder, req.held))
         # Without a buffer to ask, (async_ratio + version + 1) x groups_per_step - ... grows with the version:
         # past 2**31 - 1 it did not fit the int32 field, and every Admit failed with UNKNOWN.
-        return pb.AdmitResponse(num_admitted=a.num_groups, version=a.version, capacity=min(ctl.capacity(), INT32_MAX),
-                                async_ratio=a.async_ratio, groups_per_step=ctl.config.groups_per_step)  # fmt: skip
+        return pb.AdmitResponse(
+            num_admitted=a.num_groups,
+            version=a.version,
+            capacity=min(ctl.capacity(), INT32_MAX),
+            async_ratio=a.async_ratio,
+            groups_per_step=ctl.config.groups_per_step,
+        )
 
     async def release(req: pb.ReleaseRequest, ctx) -> pb.ReleaseResponse:
-        await guarded(ctx, ctl.release(unused=req.num_groups, finished=req.num_finished, dropped=req.num_dropped,
-                                       holder=req.holder, held=req.held))  # fmt: skip
+        await guarded(
+            ctx,
+            ctl.release(
+                unused=req.num_groups,
+                finished=req.num_finished,
+                dropped=req.num_dropped,
+                holder=req.holder,
+                held=req.held,
+            ),
+        )
         return pb.ReleaseResponse()
 
     async def begin(req: pb.BeginUpdateRequest, ctx) -> pb.BeginUpdateResponse:
@@ -181,8 +231,9 @@ class _Clients:
         await asyncio.gather(*(c.close() for c in self.clients))
 
 
-async def start_controller(config: ControllerConfig, proxy_address: str, auth: AuthConfig | None = None,
-                           buffer_address: str | None = None):  # fmt: skip
+async def start_controller(
+    config: ControllerConfig, proxy_address: str, auth: AuthConfig | None = None, buffer_address: str | None = None
+):
     """Start the controller and its gRPC server; returns (server, controller, its clients: ``close()``).
     Without ``buffer_address`` admission counts finished groups itself (tests of the protocol)."""
     proxy_client = ProxyClient(proxy_address, timeout_s=config.control_timeout_s, auth=auth)

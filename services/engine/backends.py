@@ -68,16 +68,26 @@ class Backend:
 _IN_PROCESS = "services.engine.server:serve"
 
 BACKENDS: dict[str, Backend] = {
-    "embedded": Backend(EngineConfig, "sglang", _IN_PROCESS, "rollout.engines.embedded.engine:EmbeddedEngine",
-                        torch_threads=True),
+    "embedded": Backend(
+        EngineConfig, "sglang", _IN_PROCESS, "rollout.engines.embedded.engine:EmbeddedEngine", torch_threads=True
+    ),
     # vLLM loads new weights from disk or over a group; it keeps its memory (no sleep mode wired).
-    "vllm": Backend(VLLMEngineConfig, "vllm", "services.engine.vllm_server:serve",
-                    transports=frozenset({"disk", "collective"}), releases_memory=False),
+    "vllm": Backend(
+        VLLMEngineConfig,
+        "vllm",
+        "services.engine.vllm_server:serve",
+        transports=frozenset({"disk", "collective"}),
+        releases_memory=False,
+    ),
     # SGLang frees GPU memory only with its memory saver.
-    "sglang": Backend(SGLangEngineConfig, "sglang", "services.engine.sglang_server:serve",
-                      colocated_settings=(("enable_memory_saver", True),)),
+    "sglang": Backend(
+        SGLangEngineConfig,
+        "sglang",
+        "services.engine.sglang_server:serve",
+        colocated_settings=(("enable_memory_saver", True),),
+    ),
     "sim": Backend(SimEngineConfig, "sglang", _IN_PROCESS, "rollout.engines.sim.engine:SimEngine", uses_gpu=False),
-}  # fmt: skip
+}
 
 # What `engine:` in a run config may be: one of the backends' configs, by `type` (default: embedded).
 EngineVariant = tagged_union(*(b.config for b in BACKENDS.values()), default="embedded")

@@ -106,8 +106,16 @@ def add_rl_routes(app: FastAPI, engine: EmbeddedEngine, parse_version) -> None:
             raise EngineError("rank_offset", f"{req.rank_offset} is outside a group of {req.world_size}")
         leave(req.group_name)  # a new group replaces the old one of that name
         try:
-            group = await asyncio.to_thread(wg.join, req.group_name, req.backend, req.master_address, req.master_port,
-                                            req.rank_offset, req.world_size, GROUP_TIMEOUT_S)  # fmt: skip
+            group = await asyncio.to_thread(
+                wg.join,
+                req.group_name,
+                req.backend,
+                req.master_address,
+                req.master_port,
+                req.rank_offset,
+                req.world_size,
+                GROUP_TIMEOUT_S,
+            )
         except Exception as e:  # torch raises DistStoreError, DistNetworkError or RuntimeError for a failed join
             return _failed(f"cannot join group {req.group_name!r} at {req.master_address}:{req.master_port}: {e}")
         groups[req.group_name] = (group, next(joins))
@@ -121,11 +129,16 @@ def add_rl_routes(app: FastAPI, engine: EmbeddedEngine, parse_version) -> None:
         group, join = groups[req.group_name]
         try:  # checked before receiving: a refusal closes the group, so the trainer stops at once
             if not len(req.names) == len(req.dtypes) == len(req.shapes):
-                raise EngineError("dtypes", f"names, dtypes and shapes have {len(req.names)}, {len(req.dtypes)} and "
-                                  f"{len(req.shapes)} entries; each tensor needs one of each")  # fmt: skip
+                raise EngineError(
+                    "dtypes",
+                    f"names, dtypes and shapes have {len(req.names)}, {len(req.dtypes)} and "
+                    f"{len(req.shapes)} entries; each tensor needs one of each",
+                )
             try:
-                meta = {n: torch.empty(s, dtype=wg.parse_dtype(d), device="meta")
-                        for n, d, s in zip(req.names, req.dtypes, req.shapes, strict=True)}  # fmt: skip
+                meta = {
+                    n: torch.empty(s, dtype=wg.parse_dtype(d), device="meta")
+                    for n, d, s in zip(req.names, req.dtypes, req.shapes, strict=True)
+                }
             except (ValueError, RuntimeError) as e:
                 raise EngineError("shapes" if "dtype" not in str(e) else "dtypes", str(e)) from None
             engine.check_tensors(meta)

@@ -89,8 +89,9 @@ def _version(value: str | int | None) -> int | None:
 class _Metrics:
     def __init__(self, engine: EmbeddedEngine) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("rollmesh_engine_requests", "Finished generate requests, by finish reason", ["finish"],
-                                registry=r)  # fmt: skip
+        self.requests = Counter(
+            "rollmesh_engine_requests", "Finished generate requests, by finish reason", ["finish"], registry=r
+        )
         init_labels(self.requests, "stop", "length", "abort")
         self.tokens = Counter("rollmesh_engine_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("rollmesh_engine_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -218,8 +219,9 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
         # (~1 us each), which made weight updates wait seconds behind aborted long generations.
         return Response(json.dumps(body if batched else body[0]), media_type="application/json")
 
-    def _stream(rid: str, prompt: list[int], params: SamplingParams, return_logprob: bool,
-                extra: dict) -> StreamingResponse:  # fmt: skip
+    def _stream(
+        rid: str, prompt: list[int], params: SamplingParams, return_logprob: bool, extra: dict
+    ) -> StreamingResponse:
         """SGLang's stream: an event per token with everything generated so far, the whole answer
         last, then ``[DONE]``. A client that goes away aborts the request."""
         loop = asyncio.get_running_loop()
@@ -243,8 +245,15 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
                         get.cancel()
                         continue
                     ids.append(get.result()[0])
-                    chunk = {"output_ids": list(ids), "meta_info": {"id": rid, "finish_reason": None,
-                             "prompt_tokens": len(prompt), "completion_tokens": len(ids)}}  # fmt: skip
+                    chunk = {
+                        "output_ids": list(ids),
+                        "meta_info": {
+                            "id": rid,
+                            "finish_reason": None,
+                            "prompt_tokens": len(prompt),
+                            "completion_tokens": len(ids),
+                        },
+                    }
                     if tokenizer is not None:
                         chunk["text"] = tokenizer.decode(ids, skip_special_tokens=True)
                     yield event(chunk)

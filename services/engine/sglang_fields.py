@@ -12,25 +12,70 @@ from __future__ import annotations
 
 from rollout.engines.contract import EngineError
 
-INERT_REQUEST = frozenset({
-    "session_id", "log_metrics", "priority", "routing_key", "conversation_id", "data_parallel_rank",
-    "routed_dp_rank", "disagg_prefill_dp_rank", "kv_router_hint", "custom_labels", "no_logs", "extra_key",
-    "cache_salt", "return_text_in_logprobs", "background", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-    "bootstrap_pair_key", "decode_tp_size", "received_time", "external_trace_header", "http_worker_ipc",
-})  # fmt: skip
+INERT_REQUEST = frozenset(
+    {
+        "session_id",
+        "log_metrics",
+        "priority",
+        "routing_key",
+        "conversation_id",
+        "data_parallel_rank",
+        "routed_dp_rank",
+        "disagg_prefill_dp_rank",
+        "kv_router_hint",
+        "custom_labels",
+        "no_logs",
+        "extra_key",
+        "cache_salt",
+        "return_text_in_logprobs",
+        "background",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "bootstrap_pair_key",
+        "decode_tp_size",
+        "received_time",
+        "external_trace_header",
+        "http_worker_ipc",
+    }
+)
 DEFAULT_ONLY_REQUEST = {
-    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "modalities": None,
-    "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
-    "logprob_start_len": -1, "token_ids_logprob": None, "return_hidden_states": False,
-    "return_routed_experts": False, "return_entropy": False, "return_prompt_token_ids": False,
-    "require_reasoning": False, "max_thinking_tokens": None, "positional_embed_overrides": None,
-}  # fmt: skip
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "modalities": None,
+    "session_params": None,
+    "lora_path": None,
+    "lora_id": None,
+    "custom_logit_processor": None,
+    "logprob_start_len": -1,
+    "token_ids_logprob": None,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "return_entropy": False,
+    "return_prompt_token_ids": False,
+    "require_reasoning": False,
+    "max_thinking_tokens": None,
+    "positional_embed_overrides": None,
+}
 INERT_SAMPLING = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"})
 DEFAULT_ONLY_SAMPLING = {
-    "stop": None, "stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
-    "structural_tag": None, "custom_params": None, "logit_bias": None,
-}  # fmt: skip
+    "stop": None,
+    "stop_regex": None,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "custom_params": None,
+    "logit_bias": None,
+}
 
 
 def _at_default(value, default) -> bool:
@@ -42,8 +87,10 @@ def _strip(fields: dict, inert: frozenset, default_only: dict, where: str) -> di
     out = {}
     for name, value in fields.items():
         if name in default_only and not _at_default(value, default_only[name]):
-            raise EngineError(f"{where}{name}", f"SGLang's {name} is not supported by the embedded engine; "
-                              f"leave it at {default_only[name]!r}")  # fmt: skip
+            raise EngineError(
+                f"{where}{name}",
+                f"SGLang's {name} is not supported by the embedded engine; leave it at {default_only[name]!r}",
+            )
         if name not in inert and name not in default_only:
             out[name] = value
     return out

@@ -46,16 +46,31 @@ def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str]
     model = local_model_dir(cfg)
     bearer = auth.bearer()  # raises when no token is set and auth is not disabled
     argv = [
-        interpreter(cfg), "-m", "sglang.launch_server",
-        "--model-path", str(model.resolve()), "--host", cfg.host, "--port", str(cfg.port),
-        "--dtype", cfg.dtype, "--tp-size", str(cfg.tensor_parallel_size),
-        "--random-seed", str(cfg.seed), "--weight-version", str(cfg.weight_version),
+        interpreter(cfg),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model.resolve()),
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--dtype",
+        cfg.dtype,
+        "--tp-size",
+        str(cfg.tensor_parallel_size),
+        "--random-seed",
+        str(cfg.seed),
+        "--weight-version",
+        str(cfg.weight_version),
         "--enable-metrics",
-    ]  # fmt: skip
-    for flag, value in (("--mem-fraction-static", cfg.mem_fraction_static),
-                        ("--max-running-requests", cfg.max_running_requests),
-                        ("--context-length", cfg.context_length),
-                        ("--served-model-name", cfg.served_model_name)):  # fmt: skip
+    ]
+    for flag, value in (
+        ("--mem-fraction-static", cfg.mem_fraction_static),
+        ("--max-running-requests", cfg.max_running_requests),
+        ("--context-length", cfg.context_length),
+        ("--served-model-name", cfg.served_model_name),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     if cfg.enable_memory_saver:

@@ -46,17 +46,34 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
     python = interpreter(cfg)
     memory = cfg.memory_utilization or (0.08 if is_cpu_build(python) else 0.9)
     argv = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model.resolve()), "--host", cfg.host, "--port", str(cfg.port),
-        "--dtype", cfg.dtype, "--max-num-seqs", str(cfg.max_num_seqs),
-        "--gpu-memory-utilization", str(memory), "--seed", str(cfg.seed),
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model.resolve()),
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--dtype",
+        cfg.dtype,
+        "--max-num-seqs",
+        str(cfg.max_num_seqs),
+        "--gpu-memory-utilization",
+        str(memory),
+        "--seed",
+        str(cfg.seed),
         "--enable-scale-out",
-        "--logprobs-mode", "processed_logprobs",  # log_softmax(logits / T), as SGLang's (default: T ignored)
-        "--max-logprobs", "21",  # OpenAI's top 20, plus the sampled token vLLM lists first (vllm_client)
-        "--worker-extension-cls", "rollmesh_vllm.RollmeshWorker",
-        "--middleware", "rollmesh_vllm.BearerCheck",
+        "--logprobs-mode",
+        "processed_logprobs",  # log_softmax(logits / T), as SGLang's (default: T ignored)
+        "--max-logprobs",
+        "21",  # OpenAI's top 20, plus the sampled token vLLM lists first (vllm_client)
+        "--worker-extension-cls",
+        "rollmesh_vllm.RollmeshWorker",
+        "--middleware",
+        "rollmesh_vllm.BearerCheck",
         "--disable-uvicorn-access-log",
-    ]  # fmt: skip
+    ]
     if cfg.max_model_len:
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.enforce_eager:

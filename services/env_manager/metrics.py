@@ -24,8 +24,9 @@ class EnvMetrics(RolloutObserver):
         self.env, self.pool = env, pool  # the providers of a remote environment
         self.reward_source = None  # a reward that counts its faults (reward workers, the code sandbox)
         self.registry = r = CollectorRegistry()
-        self.episodes = Counter("rollmesh_env_episodes", "Episodes ended, by env and finish reason",
-                                ["env", "finish"], registry=r)  # fmt: skip
+        self.episodes = Counter(
+            "rollmesh_env_episodes", "Episodes ended, by env and finish reason", ["env", "finish"], registry=r
+        )
         for finish in FINISH_REASONS:
             self.episodes.labels(env, finish)
         self.groups = Counter("rollmesh_env_groups", "Groups ended, by result", ["result"], registry=r)
@@ -38,42 +39,59 @@ class EnvMetrics(RolloutObserver):
         )
         self.stale_tokens = Counter(
             "rollmesh_env_stale_tokens",
-            "Generated tokens of groups stopped as staler than the bound (never trained)", ["env"], registry=r,
-        )  # fmt: skip
+            "Generated tokens of groups stopped as staler than the bound (never trained)",
+            ["env"],
+            registry=r,
+        )
         self.generate_retries = Counter(
-            "rollmesh_env_generate_retries", "Generation calls retried after a transient LLMProxy failure, by status",
-            ["code"], registry=r,
-        )  # fmt: skip
+            "rollmesh_env_generate_retries",
+            "Generation calls retried after a transient LLMProxy failure, by status",
+            ["code"],
+            registry=r,
+        )
         self.members_dropped = Counter(
-            "rollmesh_env_members_dropped", "Group members left out of their group (rollout.faulty_members), by cause",
-            ["cause"], registry=r,
-        )  # fmt: skip
+            "rollmesh_env_members_dropped",
+            "Group members left out of their group (rollout.faulty_members), by cause",
+            ["cause"],
+            registry=r,
+        )
         init_labels(self.members_dropped, *DROP_CAUSES)
         self.dropped_tokens = Counter(
-            "rollmesh_env_dropped_member_tokens", "Tokens the dropped members had generated (never trained), by cause",
-            ["cause"], registry=r,
-        )  # fmt: skip
+            "rollmesh_env_dropped_member_tokens",
+            "Tokens the dropped members had generated (never trained), by cause",
+            ["cause"],
+            registry=r,
+        )
         init_labels(self.dropped_tokens, *DROP_CAUSES)
         # Redundant rollout's bias toward short episodes, visible: kept members' lengths against what the
         # cancelled ones had generated when they were cancelled.
         self.member_tokens = histogram(
-            r, "rollmesh_env_member_generated_tokens", "Generated tokens per member: kept (put in the buffer) or "
-            "redundant (cancelled when its group was full; so far)", TOKEN_BUCKETS, labels=["fate"],
-        )  # fmt: skip
+            r,
+            "rollmesh_env_member_generated_tokens",
+            "Generated tokens per member: kept (put in the buffer) or "
+            "redundant (cancelled when its group was full; so far)",
+            TOKEN_BUCKETS,
+            labels=["fate"],
+        )
         init_labels(self.member_tokens, "kept", "redundant")
         self.timeouts = Counter(
-            "rollmesh_env_timeouts", "Episodes ended by a missed deadline, by the budget it was (step, generation, "
-            "episode, reset)", ["budget"], registry=r,
-        )  # fmt: skip
+            "rollmesh_env_timeouts",
+            "Episodes ended by a missed deadline, by the budget it was (step, generation, episode, reset)",
+            ["budget"],
+            registry=r,
+        )
         init_labels(self.timeouts, "step", "generation", "episode", "reset")
         self.turns = Counter("rollmesh_env_turns", "Turns of ended episodes", registry=r)
         self.turns_over_target = Counter(
             "rollmesh_env_turns_over_target", "Turns longer than episode.latency_penalty.target_s", registry=r
         )
         self.env_errors = Counter(
-            "rollmesh_env_errors", "Episodes ended as env_error, by kind (a provider's: unreachable, garbage, refused, "
-            "observation, action; a local environment's: raised)", ["kind"], registry=r,
-        )  # fmt: skip
+            "rollmesh_env_errors",
+            "Episodes ended as env_error, by kind (a provider's: unreachable, garbage, refused, "
+            "observation, action; a local environment's: raised)",
+            ["kind"],
+            registry=r,
+        )
         self.reward = Summary("rollmesh_env_trajectory_reward", "Reward of each ended episode", ["env"], registry=r)
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS_S):
@@ -102,8 +120,11 @@ class EnvMetrics(RolloutObserver):
         if self.pool is not None:
             up = sum(m.up for m in self.pool.members)
             yield GaugeMetricFamily("rollmesh_env_providers_up", "Environment providers in rotation", value=up)
-            events = CounterMetricFamily("rollmesh_env_provider_events", "Provider calls failed by kind "
-                                         "(failed_*), providers marked down and back up", labels=["event"])  # fmt: skip
+            events = CounterMetricFamily(
+                "rollmesh_env_provider_events",
+                "Provider calls failed by kind (failed_*), providers marked down and back up",
+                labels=["event"],
+            )
             for event, n in sorted(self.pool.counters.items()):
                 events.add_metric([event], n)
             yield events

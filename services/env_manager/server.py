@@ -30,8 +30,16 @@ log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.EnvManager"
 # One coroutine per worker, all created at once: 2**31 - 1 of them ate the service's memory and never started.
 MAX_WORKERS = 10_000
-_FAILURES = ("groups_failed", "groups_filtered", "groups_stale", "groups_too_few_members", "finish_timeout",
-             "finish_abort", "release_failures", *(f"members_dropped_{c}" for c in DROP_CAUSES))  # fmt: skip
+_FAILURES = (
+    "groups_failed",
+    "groups_filtered",
+    "groups_stale",
+    "groups_too_few_members",
+    "finish_timeout",
+    "finish_abort",
+    "release_failures",
+    *(f"members_dropped_{c}" for c in DROP_CAUSES),
+)
 
 
 def build_handler(loop: RolloutLoop) -> grpc.GenericRpcHandler:
@@ -66,8 +74,14 @@ def build_handler(loop: RolloutLoop) -> grpc.GenericRpcHandler:
     )
 
 
-def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClient, controller: ControllerClient,
-               auth: AuthConfig | None = None, reward_address: str | None = None) -> RolloutLoop:  # fmt: skip
+def build_loop(
+    config: EnvManagerConfig,
+    proxy: ProxyClient,
+    buffer: BufferClient,
+    controller: ControllerClient,
+    auth: AuthConfig | None = None,
+    reward_address: str | None = None,
+) -> RolloutLoop:
     """The rollout loop over the mesh's clients, reporting to Prometheus. A remote environment's
     episodes go to its providers through one pool of connections; ``reward_address``: the mesh's
     reward service (``reward: {type: service}`` naming none)."""
@@ -87,13 +101,18 @@ def build_loop(config: EnvManagerConfig, proxy: ProxyClient, buffer: BufferClien
     if hasattr(reward_fn, "failures"):  # reward workers, the sandbox, the judge, the service: faults by cause
         metrics.reward_source = reward_fn
     loop = RolloutLoop(
-        config, rows=rows, tokenizer=AutoTokenizer.from_pretrained(config.tokenizer_path),
-        reward_fn=reward_fn and metrics.timed_reward(reward_fn), admission=controller,
-        engine=ProxyGenerate(proxy), sink=PutBatcher(buffer, config.put_batch_max_groups, config.put_batch_delay_s),
-        observer=metrics, id_prefix=f"{uuid.uuid4().hex[:8]}-",  # group ids unique across restarts
+        config,
+        rows=rows,
+        tokenizer=AutoTokenizer.from_pretrained(config.tokenizer_path),
+        reward_fn=reward_fn and metrics.timed_reward(reward_fn),
+        admission=controller,
+        engine=ProxyGenerate(proxy),
+        sink=PutBatcher(buffer, config.put_batch_max_groups, config.put_batch_delay_s),
+        observer=metrics,
+        id_prefix=f"{uuid.uuid4().hex[:8]}-",  # group ids unique across restarts
         first_prompt=random.randrange(len(rows)),  # a restart goes on somewhere else, not at the same prompts
         make_env=make_env,
-    )  # fmt: skip
+    )
     metrics.stats = lambda: {"running_episodes": loop.running_episodes, "workers": loop.workers}
     return loop
 

@@ -78,11 +78,12 @@ class GrpcProviderClient:
             )
             if v
         }
-        return ProviderInfo(name=r.name, idempotent_steps=r.idempotent_steps, budgets=_budgets(declared))  # fmt: skip
+        return ProviderInfo(name=r.name, idempotent_steps=r.idempotent_steps, budgets=_budgets(declared))
 
     async def reset(self, episode_id: str, seed: int, timeout_s: float) -> Observation:
-        r = await self._call("Reset", pb.ResetRequest(env_name=self.config.env_name, seed=seed, episode_id=episode_id),
-                             timeout_s)  # fmt: skip
+        r = await self._call(
+            "Reset", pb.ResetRequest(env_name=self.config.env_name, seed=seed, episode_id=episode_id), timeout_s
+        )
         return Observation(r.observation, _role(r.role), info=_info(r.info_json))
 
     async def step(self, episode_id: str, action: str, request_id: str, timeout_s: float) -> Observation:
@@ -119,15 +120,18 @@ class _HttpBase:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:  # made lazily: it must be made on the running loop
-            self._session = aiohttp.ClientSession(headers=self._headers, connector=aiohttp.TCPConnector(
-                limit=0, ssl=self._ssl if self._ssl is not None else True))  # fmt: skip
+            self._session = aiohttp.ClientSession(
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(limit=0, ssl=self._ssl if self._ssl is not None else True),
+            )
         return self._session
 
     async def _json(self, method: str, path: str, timeout_s: float, body: dict | None = None, params=None) -> dict:
         url = self.address + path
         try:
-            async with self.session.request(method, url, json=body, params=params,
-                                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:  # fmt: skip
+            async with self.session.request(
+                method, url, json=body, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as r:
                 raw = await r.read()
         except TimeoutError:
             raise TimeoutError(f"{url}: no answer in {timeout_s:g} s") from None
@@ -158,8 +162,11 @@ class _HttpBase:
             raise ProviderError("garbage", f"{self.address}: 'done' or 'reward' has the wrong type")
         content = obs.get(self.config.observation_key)
         if content is None:
-            raise ProviderError("garbage", f"{self.address}: the observation has no {self.config.observation_key!r} "
-                                f"(it has {sorted(obs)}; set env.observation_key)")  # fmt: skip
+            raise ProviderError(
+                "garbage",
+                f"{self.address}: the observation has no {self.config.observation_key!r} "
+                f"(it has {sorted(obs)}; set env.observation_key)",
+            )
         role = obs.get("role") or "user"
         info = obs.get("info") if isinstance(obs.get("info"), dict) else {}
         return Observation(content, role, float(reward or 0.0), done, info)
@@ -197,16 +204,23 @@ class HttpProviderClient(_HttpBase):
 
     async def describe(self, timeout_s: float) -> ProviderInfo:
         data = await self._json("GET", "/metadata", timeout_s)
-        return ProviderInfo(name=str(data.get("name", "")), idempotent_steps=data.get("idempotent_steps") is True,
-                            budgets=_budgets(data.get("budgets")))  # fmt: skip
+        return ProviderInfo(
+            name=str(data.get("name", "")),
+            idempotent_steps=data.get("idempotent_steps") is True,
+            budgets=_budgets(data.get("budgets")),
+        )
 
     async def reset(self, episode_id: str, seed: int, timeout_s: float) -> Observation:
         body = {"seed": seed, "episode_id": episode_id}
         return self._observation(await self._json("POST", "/reset", timeout_s, body))
 
     async def step(self, episode_id: str, action: str, request_id: str, timeout_s: float) -> Observation:
-        body = {"action": {self.config.action_key: action}, "episode_id": episode_id, "request_id": request_id,
-                "timeout_s": timeout_s}  # fmt: skip
+        body = {
+            "action": {self.config.action_key: action},
+            "episode_id": episode_id,
+            "request_id": request_id,
+            "timeout_s": timeout_s,
+        }
         return self._observation(await self._json("POST", "/step", timeout_s, body))
 
     async def close_episode(self, episode_id: str, timeout_s: float) -> None:
@@ -292,8 +306,10 @@ class OpenEnvClient(_HttpBase):
         await self._drop(episode_id)
         try:
             ws = await self.session.ws_connect(
-                self.address + "/ws", timeout=aiohttp.ClientWSTimeout(ws_close=min(timeout_s, 5.0)),
-                max_msg_size=16 * 1024 * 1024)  # fmt: skip
+                self.address + "/ws",
+                timeout=aiohttp.ClientWSTimeout(ws_close=min(timeout_s, 5.0)),
+                max_msg_size=16 * 1024 * 1024,
+            )
             self._sockets[episode_id] = _Socket(ws)
         except aiohttp.WSServerHandshakeError as e:
             kind = "refused" if e.status in (401, 403) else "unreachable"

@@ -39,19 +39,29 @@ from services.reward.ports import reward_ports
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.EnvProvider"
-GRPC_STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
-               "busy": grpc.StatusCode.RESOURCE_EXHAUSTED, "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
-               "env": grpc.StatusCode.FAILED_PRECONDITION}  # fmt: skip
+GRPC_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "env": grpc.StatusCode.FAILED_PRECONDITION,
+}
 HTTP_STATUS = {"invalid": 400, "not_found": 404, "busy": 503, "timeout": 504, "env": 500}
 
 
-def build_sessions(config: EnvProviderConfig, auth: AuthConfig | None = None,
-                   reward_address: str | None = None) -> ProviderSessions:  # fmt: skip
+def build_sessions(
+    config: EnvProviderConfig, auth: AuthConfig | None = None, reward_address: str | None = None
+) -> ProviderSessions:
     """``reward_address``: the mesh's reward service, for ``reward: {type: service}`` naming none."""
     _, _, make_env = config.env_factory(**reward_ports(auth, reward_address=reward_address))
-    return ProviderSessions(make_env, config.env.type, max_sessions=config.max_sessions,
-                            step_timeout_s=config.step_timeout_s, session_idle_s=config.session_idle_s,
-                            max_action_chars=config.max_action_chars)  # fmt: skip
+    return ProviderSessions(
+        make_env,
+        config.env.type,
+        max_sessions=config.max_sessions,
+        step_timeout_s=config.step_timeout_s,
+        session_idle_s=config.session_idle_s,
+        max_action_chars=config.max_action_chars,
+    )
 
 
 def _timeout(value: float | None) -> float:
@@ -71,8 +81,9 @@ def grpc_handler(sessions: ProviderSessions) -> grpc.GenericRpcHandler:
     async def describe(req: pb.DescribeRequest, ctx) -> pb.DescribeResponse:
         info = sessions.describe()
         budgets = pb.Budgets(**{k: v for k, v in (info.budgets.model_dump() if info.budgets else {}).items() if v})
-        return pb.DescribeResponse(name=info.name, idempotent_steps=info.idempotent_steps,
-                                   max_sessions=sessions.max_sessions, budgets=budgets)  # fmt: skip
+        return pb.DescribeResponse(
+            name=info.name, idempotent_steps=info.idempotent_steps, max_sessions=sessions.max_sessions, budgets=budgets
+        )
 
     async def reset(req: pb.ResetRequest, ctx) -> pb.ResetResponse:
         obs = await call(ctx, sessions.reset(req.episode_id, req.seed))
@@ -83,17 +94,27 @@ def grpc_handler(sessions: ProviderSessions) -> grpc.GenericRpcHandler:
             return await sessions.step(req.episode_id, req.action, req.request_id, _timeout(req.timeout_s))
 
         obs = await call(ctx, run())
-        return pb.StepResponse(observation=obs.content, reward=obs.reward, done=obs.done, role=obs.role,
-                               info_json=json.dumps(obs.info, default=str))  # fmt: skip
+        return pb.StepResponse(
+            observation=obs.content,
+            reward=obs.reward,
+            done=obs.done,
+            role=obs.role,
+            info_json=json.dumps(obs.info, default=str),
+        )
 
     async def close(req: pb.CloseRequest, ctx) -> pb.CloseResponse:
         await sessions.close(req.episode_id)
         return pb.CloseResponse()
 
-    return unary_service(SERVICE, {
-        "Describe": (pb.DescribeRequest, describe), "Reset": (pb.ResetRequest, reset),
-        "Step": (pb.StepRequest, step), "Close": (pb.CloseRequest, close),
-    })  # fmt: skip
+    return unary_service(
+        SERVICE,
+        {
+            "Describe": (pb.DescribeRequest, describe),
+            "Reset": (pb.ResetRequest, reset),
+            "Step": (pb.StepRequest, step),
+            "Close": (pb.CloseRequest, close),
+        },
+    )
 
 
 # ---------------------------------------------------------------- HTTP (OpenEnv)
@@ -178,9 +199,13 @@ def create_app(sessions: ProviderSessions, auth: AuthConfig) -> FastAPI:
     @app.get("/metadata")
     async def metadata():
         info = sessions.describe()
-        return {"name": info.name, "description": f"rollmesh environment {info.name!r}",
-                "idempotent_steps": info.idempotent_steps, "max_sessions": sessions.max_sessions,
-                "budgets": info.budgets.model_dump(exclude_none=True) if info.budgets else {}}  # fmt: skip
+        return {
+            "name": info.name,
+            "description": f"rollmesh environment {info.name!r}",
+            "idempotent_steps": info.idempotent_steps,
+            "max_sessions": sessions.max_sessions,
+            "budgets": info.budgets.model_dump(exclude_none=True) if info.budgets else {},
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -257,12 +282,20 @@ def serve(config: EnvProviderConfig, auth: AuthConfig, reward_address: str | Non
     async def start():
         sessions = build_sessions(config, auth, reward_address)
         server = await start_server(grpc_handler(sessions), SERVICE, config.host, config.grpc_port, auth=auth)
-        http = uvicorn.Server(uvicorn.Config(
-            create_app(sessions, auth), host=config.host, port=config.http_port, log_level="warning",
-            access_log=False, ssl_certfile=auth.tls.cert_path if auth.tls else None,
-            ssl_keyfile=auth.tls.key_path if auth.tls else None, ws="websockets-sansio",
-            ws_ping_interval=config.ws_ping_interval_s, ws_ping_timeout=config.ws_ping_interval_s,
-        ))  # fmt: skip
+        http = uvicorn.Server(
+            uvicorn.Config(
+                create_app(sessions, auth),
+                host=config.host,
+                port=config.http_port,
+                log_level="warning",
+                access_log=False,
+                ssl_certfile=auth.tls.cert_path if auth.tls else None,
+                ssl_keyfile=auth.tls.key_path if auth.tls else None,
+                ws="websockets-sansio",
+                ws_ping_interval=config.ws_ping_interval_s,
+                ws_ping_timeout=config.ws_ping_interval_s,
+            )
+        )
         http.install_signal_handlers = lambda: None  # serve_until_signal owns SIGTERM
         http_task = asyncio.create_task(http.serve())
 
@@ -273,8 +306,14 @@ def serve(config: EnvProviderConfig, auth: AuthConfig, reward_address: str | Non
                     log.info("closed %d idle episode(s)", n)
 
         expiry = asyncio.create_task(expire())
-        log.info("environment provider %r: gRPC on %s:%d, HTTP on %s:%d", sessions.name, config.host,
-                 server.bound_port, config.host, config.http_port)  # fmt: skip
+        log.info(
+            "environment provider %r: gRPC on %s:%d, HTTP on %s:%d",
+            sessions.name,
+            config.host,
+            server.bound_port,
+            config.host,
+            config.http_port,
+        )
 
         async def cleanup() -> None:
             expiry.cancel()

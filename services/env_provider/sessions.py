@@ -51,8 +51,16 @@ class _Session:
 
 
 class ProviderSessions:
-    def __init__(self, make_env: Callable[[], Env], name: str, *, max_sessions: int, step_timeout_s: float,
-                 session_idle_s: float, max_action_chars: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        make_env: Callable[[], Env],
+        name: str,
+        *,
+        max_sessions: int,
+        step_timeout_s: float,
+        session_idle_s: float,
+        max_action_chars: int,
+    ) -> None:
         """``name``: the environment's, where it has no ``name`` of its own."""
         self.make_env = make_env
         probe = make_env()  # what the hosted environment says of itself: its name, its budgets
@@ -89,8 +97,9 @@ class ProviderSessions:
         if not isinstance(action, str):
             raise SessionError("invalid", "action", f"expected text, got {type(action).__name__}")
         if len(action) > self.max_action_chars:
-            raise SessionError("invalid", "action", f"{len(action)} characters, more than this provider's "
-                               f"{self.max_action_chars}")  # fmt: skip
+            raise SessionError(
+                "invalid", "action", f"{len(action)} characters, more than this provider's {self.max_action_chars}"
+            )
         if request_id and request_id == s.last_request and s.last_answer is not None:
             self._count("step_repeated")
             return await asyncio.shield(s.last_answer)
@@ -98,9 +107,13 @@ class ProviderSessions:
             s.last_request, s.last_answer = request_id, asyncio.get_running_loop().create_future()
             try:
                 result = await self._call(s.env, "step", action, timeout_s, episode_id)
-                obs = Observation(_text(result.observation, "step") if result.observation is not None else "",
-                                  getattr(result, "role", "user"), float(result.reward), bool(result.done),
-                                  dict(result.info or {}))  # fmt: skip
+                obs = Observation(
+                    _text(result.observation, "step") if result.observation is not None else "",
+                    getattr(result, "role", "user"),
+                    float(result.reward),
+                    bool(result.done),
+                    dict(result.info or {}),
+                )
             except BaseException as e:
                 s.last_answer.set_exception(e)
                 s.last_answer.exception()  # retrieved: a retry may never come
@@ -139,8 +152,11 @@ class ProviderSessions:
         _check_id(episode_id)
         s = self.sessions.get(episode_id)
         if s is None:
-            raise SessionError("not_found", "episode_id", f"no episode {episode_id!r} (never reset, closed, expired "
-                               "or lost with a restart)")  # fmt: skip
+            raise SessionError(
+                "not_found",
+                "episode_id",
+                f"no episode {episode_id!r} (never reset, closed, expired or lost with a restart)",
+            )
         s.used = time.monotonic()
         return s
 
@@ -152,8 +168,9 @@ class ProviderSessions:
             self._count(f"{method}_timeout")
             if episode_id is not None:  # the environment may still be inside that step: the episode is over
                 self.sessions.pop(episode_id, None)
-            raise SessionError("timeout", "timeout_s", f"the environment's {method} took longer than {limit:g} s; "
-                               "the episode is ended") from None  # fmt: skip
+            raise SessionError(
+                "timeout", "timeout_s", f"the environment's {method} took longer than {limit:g} s; the episode is ended"
+            ) from None
         except SessionError:
             raise
         except Exception as e:

@@ -66,11 +66,17 @@ def serve(cfg) -> None:
         )
         sessions = build_sessions(config, config.tokenizer_path or cfg.model_path, proxy, buffer, controller)
         app = create_app(sessions, config, key_ring(config, cfg.auth))
-        server = uvicorn.Server(uvicorn.Config(
-            app, host=config.host, port=config.port, log_level="warning", access_log=False,
-            ssl_certfile=cfg.auth.tls.cert_path if cfg.auth.tls else None,
-            ssl_keyfile=cfg.auth.tls.key_path if cfg.auth.tls else None,
-        ))  # fmt: skip
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_level="warning",
+                access_log=False,
+                ssl_certfile=cfg.auth.tls.cert_path if cfg.auth.tls else None,
+                ssl_keyfile=cfg.auth.tls.key_path if cfg.auth.tls else None,
+            )
+        )
         server.install_signal_handlers = lambda: None  # serve_until_signal owns SIGTERM
         task = asyncio.create_task(server.serve())
         lease = asyncio.create_task(controller.keep_lease(5.0))

@@ -17,15 +17,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rollout.agent.messages import text_of
 from rollout.agent.sessions import ChatResult, Choice
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "server_error", 504: "server_error"}  # fmt: skip
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+    504: "server_error",
+}
 
 
 def error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}  # fmt: skip
+    body = {
+        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
+    }
     # OpenAI's clients retry 409 (and 408, 429, 5xx) by themselves: the same request cannot succeed here.
     headers = {"x-should-retry": "false"} if 400 <= status < 500 and status not in (408, 429) else None
     return JSONResponse(status_code=status, content=body, headers=headers)
@@ -162,8 +171,11 @@ class EndRequest(BaseModel):
 # ---------------------------------------------------------------- answers
 def usage(result: ChatResult) -> dict:
     completion = sum(len(c.generation.output_ids) for c in result.choices)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": result.prompt_tokens + completion}  # fmt: skip
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
+    }
 
 
 def _entry(tokenizer, token_id: int, logprob: float) -> dict:
@@ -175,8 +187,10 @@ def token_logprobs(tokenizer, choice: Choice) -> list[dict]:
     """Chat's ``logprobs.content``: each token's log-prob and, when asked, its position's most likely tokens."""
     gen = choice.generation
     tops = gen.top_logprobs or [[] for _ in gen.output_ids]
-    return [_entry(tokenizer, tid, lp) | {"top_logprobs": [_entry(tokenizer, t, x) for t, x in top]}
-            for tid, lp, top in zip(gen.output_ids, gen.behavior_logprobs, tops, strict=True)]  # fmt: skip
+    return [
+        _entry(tokenizer, tid, lp) | {"top_logprobs": [_entry(tokenizer, t, x) for t, x in top]}
+        for tid, lp, top in zip(gen.output_ids, gen.behavior_logprobs, tops, strict=True)
+    ]
 
 
 def _message(choice: Choice) -> dict:
@@ -188,13 +202,23 @@ def _message(choice: Choice) -> dict:
 
 def chat_answer(req: ChatRequest, result: ChatResult, model: str, tokenizer, session_id: str | None) -> dict:
     choices = [
-        {"index": i, "message": _message(c), "finish_reason": c.finish_reason,
-         "logprobs": {"content": token_logprobs(tokenizer, c)} if req.logprobs else None}
+        {
+            "index": i,
+            "message": _message(c),
+            "finish_reason": c.finish_reason,
+            "logprobs": {"content": token_logprobs(tokenizer, c)} if req.logprobs else None,
+        }
         for i, c in enumerate(result.choices)
-    ]  # fmt: skip
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(result),
-            "rollmesh": _extra(result, session_id)}  # fmt: skip
+    ]
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(result),
+        "rollmesh": _extra(result, session_id),
+    }
 
 
 def completion_logprobs(tokenizer, choice: Choice, k: int) -> dict:
@@ -202,10 +226,17 @@ def completion_logprobs(tokenizer, choice: Choice, k: int) -> dict:
     (as ``{token: logprob}``) and where each token starts in the text."""
     gen = choice.generation
     tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in gen.output_ids]
-    tops = [{tokenizer.decode([t], skip_special_tokens=False): x for t, x in top} for top in gen.top_logprobs] \
-        if k else None  # fmt: skip
-    return {"tokens": tokens, "token_logprobs": list(gen.behavior_logprobs), "top_logprobs": tops,
-            "text_offset": _offsets(tokens)}  # fmt: skip
+    tops = (
+        [{tokenizer.decode([t], skip_special_tokens=False): x for t, x in top} for top in gen.top_logprobs]
+        if k
+        else None
+    )
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(gen.behavior_logprobs),
+        "top_logprobs": tops,
+        "text_offset": _offsets(tokens),
+    }
 
 
 def completion_answer(
@@ -215,9 +246,15 @@ def completion_answer(
     for i, c in enumerate(result.choices):
         logprobs = completion_logprobs(tokenizer, c, req.top_k()) if req.logprobs is not None else None
         choices.append({"index": i, "text": c.text, "finish_reason": completion_finish(c), "logprobs": logprobs})
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(result),
-            "rollmesh": _extra(result, session_id)}  # fmt: skip
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(result),
+        "rollmesh": _extra(result, session_id),
+    }
 
 
 def completion_finish(c: Choice) -> str:
@@ -234,5 +271,9 @@ def _offsets(tokens: list[str]) -> list[int]:
 
 def _extra(result: ChatResult, session_id: str | None) -> dict:
     """What rollmesh adds: the session, and how much of the prompt the prefix tree reused."""
-    return {"session": session_id, "rendered_tokens": result.rendered_tokens, "reused_tokens": result.reused_tokens,
-            "output_token_ids": [c.generation.output_ids for c in result.choices]}  # fmt: skip
+    return {
+        "session": session_id,
+        "rendered_tokens": result.rendered_tokens,
+        "reused_tokens": result.reused_tokens,
+        "output_token_ids": [c.generation.output_ids for c in result.choices],
+    }

@@ -106,15 +106,22 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
         owner = "anonymous" if keys is None else keys.owner(request.headers.get("authorization"))
         if owner is None:
             counts[("auth", "4xx")] += 1
-            return error(401, "authorization: a valid API key is required (Authorization: Bearer KEY)",
-                         "authorization", "invalid_api_key")  # fmt: skip
+            return error(
+                401,
+                "authorization: a valid API key is required (Authorization: Bearer KEY)",
+                "authorization",
+                "invalid_api_key",
+            )
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
             return error(413, f"body: {length} bytes is over the gateway's {config.max_request_bytes}", "body")
         if in_flight[owner] >= config.max_concurrent_requests:
             counts[("limit", "4xx")] += 1
-            return error(429, f"too many requests in flight for this key (max {config.max_concurrent_requests})",
-                         code="rate_limit_exceeded")  # fmt: skip
+            return error(
+                429,
+                f"too many requests in flight for this key (max {config.max_concurrent_requests})",
+                code="rate_limit_exceeded",
+            )
         request.state.owner = owner
         in_flight[owner] += 1
         try:
@@ -131,17 +138,28 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
     def sampling(req, n: int) -> list[SamplingParams]:
         wanted = req.requested_tokens() or config.default_max_tokens
         if wanted > config.max_completion_tokens:
-            raise SessionError(f"max_tokens: {wanted} is over the gateway's {config.max_completion_tokens}",
-                               "max_tokens")  # fmt: skip
+            raise SessionError(
+                f"max_tokens: {wanted} is over the gateway's {config.max_completion_tokens}", "max_tokens"
+            )
         if n > config.max_n:
             raise SessionError(f"n: {n} is over the gateway's {config.max_n}", "n")
-        return [SamplingParams(max_new_tokens=wanted, temperature=req.temperature, top_p=req.top_p,
-                               sampling_seed=None if req.seed is None else req.seed + i) for i in range(n)]  # fmt: skip
+        return [
+            SamplingParams(
+                max_new_tokens=wanted,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                sampling_seed=None if req.seed is None else req.seed + i,
+            )
+            for i in range(n)
+        ]
 
     def check_prompt(prepared) -> None:
         if len(prepared.input_ids) > config.max_prompt_tokens:
-            raise SessionError(f"messages: the prompt is {len(prepared.input_ids)} tokens, over the gateway's "
-                               f"{config.max_prompt_tokens}", "messages")  # fmt: skip
+            raise SessionError(
+                f"messages: the prompt is {len(prepared.input_ids)} tokens, over the gateway's "
+                f"{config.max_prompt_tokens}",
+                "messages",
+            )
 
     async def generate(session, messages, tools, prepared, params, stops, top_k, on_tokens=None):
         try:
@@ -158,14 +176,17 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
 
     # ------------------------------------------------------------------ OpenAI
     async def models(request: Request):
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(started),
-                                            "owned_by": "rollmesh"}]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [{"id": config.model_name, "object": "model", "created": int(started), "owned_by": "rollmesh"}],
+        }
 
     async def chat_completions(request: Request, body: ChatRequest, session_id: str | None = None):
         session = session_of(request, session_id)
         if len(body.messages) > config.max_messages:
-            raise SessionError(f"messages: {len(body.messages)} is over the gateway's {config.max_messages}",
-                           "messages")  # fmt: skip
+            raise SessionError(
+                f"messages: {len(body.messages)} is over the gateway's {config.max_messages}", "messages"
+            )
         params = sampling(body, body.n)
         messages, tools = body.rendered_messages(), body.template_tools()
         try:
@@ -177,8 +198,14 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
         check_prompt(prepared)
         args = (session, messages, tools, prepared, params, body.stops(), body.top_k())
         if body.stream:
-            events = await chat_stream(body, lambda on_tokens: generate(*args, on_tokens), config.model_name,
-                                       tokenizer, body.stops(), bool(tools))  # fmt: skip
+            events = await chat_stream(
+                body,
+                lambda on_tokens: generate(*args, on_tokens),
+                config.model_name,
+                tokenizer,
+                body.stops(),
+                bool(tools),
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         result = await generate(*args)
         return chat_answer(body, result, config.model_name, tokenizer, session.session_id if session else None)
@@ -190,8 +217,9 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
         check_prompt(prepared)
         args = (session, None, None, prepared, params, body.stops(), body.top_k())
         if body.stream:
-            events = await completion_stream(body, lambda on_tokens: generate(*args, on_tokens), config.model_name,
-                                             tokenizer, body.stops())  # fmt: skip
+            events = await completion_stream(
+                body, lambda on_tokens: generate(*args, on_tokens), config.model_name, tokenizer, body.stops()
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         result = await generate(*args)
         return completion_answer(body, result, config.model_name, tokenizer, session.session_id if session else None)
@@ -206,14 +234,25 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
     async def create_session(request: Request, body: SessionRequest | None = None):
         body = body or SessionRequest()
         session = await sessions.create(request.state.owner, body.group, body.group_size)
-        return {"id": session.session_id, "group": session.group.group_id, "group_size": session.group.size,
-                "base_url": f"{str(request.base_url).rstrip('/')}/sessions/{session.session_id}/v1"}  # fmt: skip
+        return {
+            "id": session.session_id,
+            "group": session.group.group_id,
+            "group_size": session.group.size,
+            "base_url": f"{str(request.base_url).rstrip('/')}/sessions/{session.session_id}/v1",
+        }
 
     @app.get("/v1/sessions/{session_id}")
     async def describe_session(request: Request, session_id: str):
         s = sessions.get(session_id, request.state.owner)
-        return {"id": s.session_id, "group": s.group.group_id, "requests": s.requests, "reward": s.reward,
-                "ended": s.ended, "branches": len(s.tree.tips()), "forks": s.tree.forks}  # fmt: skip
+        return {
+            "id": s.session_id,
+            "group": s.group.group_id,
+            "requests": s.requests,
+            "reward": s.reward,
+            "ended": s.ended,
+            "branches": len(s.tree.tips()),
+            "forks": s.tree.forks,
+        }
 
     @app.post("/v1/sessions/{session_id}/reward")
     async def reward_session(request: Request, session_id: str, body: RewardRequest):
@@ -246,8 +285,14 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
 
 def _route(path: str) -> str:
     """A metric label for a path: one per route, never a session id."""
-    for suffix, name in (("/chat/completions", "chat"), ("/completions", "completions"), ("/models", "models"),
-                         ("/reward", "reward"), ("/end", "end"), ("/v1/sessions", "create")):  # fmt: skip
+    for suffix, name in (
+        ("/chat/completions", "chat"),
+        ("/completions", "completions"),
+        ("/models", "models"),
+        ("/reward", "reward"),
+        ("/end", "end"),
+        ("/v1/sessions", "create"),
+    ):
         if path.endswith(suffix):
             return name
     return "session" if path.startswith("/v1/sessions/") else "other"
@@ -260,16 +305,26 @@ class _Collector:
     def collect(self):
         c = self.sessions.counters
         events = CounterMetricFamily("rollmesh_gateway_events", "Sessions and groups by event", labels=["event"])
-        for name in ("sessions_created", "sessions_ended", "groups_put", "groups_filtered", "groups_failed",
-                     "groups_empty", "groups_abandoned", "admit_refused", "trajectories_put"):  # fmt: skip
+        for name in (
+            "sessions_created",
+            "sessions_ended",
+            "groups_put",
+            "groups_filtered",
+            "groups_failed",
+            "groups_empty",
+            "groups_abandoned",
+            "admit_refused",
+            "trajectories_put",
+        ):
             events.add_metric([name], c[name])
         yield events
         tokens = CounterMetricFamily("rollmesh_gateway_prompt_tokens", "Prompt tokens by origin", labels=["origin"])
         tokens.add_metric(["rendered"], c["tokens_rendered"])
         tokens.add_metric(["reused"], c["tokens_reused"])
         yield tokens
-        requests = CounterMetricFamily("rollmesh_gateway_requests", "Requests by route and status",
-                                       labels=["route", "status"])  # fmt: skip
+        requests = CounterMetricFamily(
+            "rollmesh_gateway_requests", "Requests by route and status", labels=["route", "status"]
+        )
         for (route, status), n in self.counts.items():
             requests.add_metric([route, status], n)
         yield requests

@@ -107,8 +107,9 @@ async def chat_stream(req: ChatRequest, run: Run, model: str, tokenizer, stop: l
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [choice]})  # fmt: skip
+        return _sse(
+            {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+        )
 
     def end(result: ChatResult, streams: list[TextStream]):
         for i, c in enumerate(result.choices):
@@ -120,11 +121,27 @@ async def chat_stream(req: ChatRequest, run: Run, model: str, tokenizer, stop: l
                 yield chunk(i, {"tool_calls": [{"index": k, **call}]})
             yield chunk(i, {}, c.finish_reason)
         if req.include_usage():
-            yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [], "usage": usage(result)})  # fmt: skip
+            yield _sse(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage(result),
+                }
+            )
 
-    return _events(pieces, req.n, tokenizer, stop, tools, lambda i: chunk(i, {"role": "assistant", "content": ""}),
-                   lambda i, text: chunk(i, {"content": text}), end)  # fmt: skip
+    return _events(
+        pieces,
+        req.n,
+        tokenizer,
+        stop,
+        tools,
+        lambda i: chunk(i, {"role": "assistant", "content": ""}),
+        lambda i, text: chunk(i, {"content": text}),
+        end,
+    )
 
 
 async def completion_stream(req: CompletionRequest, run: Run, model: str, tokenizer, stop: list[str]):
@@ -141,7 +158,15 @@ async def completion_stream(req: CompletionRequest, run: Run, model: str, tokeni
             logprobs = completion_logprobs(tokenizer, c, req.top_k()) if req.logprobs is not None else None
             yield chunk(i, streams[i].rest(c.text), completion_finish(c), logprobs)
         if req.include_usage():
-            yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                        "usage": usage(result)})  # fmt: skip
+            yield _sse(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage(result),
+                }
+            )
 
     return _events(pieces, req.n, tokenizer, stop, False, lambda i: None, chunk, end)

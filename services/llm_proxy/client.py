@@ -15,11 +15,17 @@ from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2_grpc
 
 
-def generate_request(input_ids: list[int], sampling: SamplingParams, request_id: str, route: str,
-                     timeout_s: float, top_logprobs: int = 0) -> pb.GenerateRequest:  # fmt: skip
-    return pb.GenerateRequest(request_id=request_id, trajectory_id=route, input_ids=input_ids,
-                              sampling_params=sampling_to_pb(sampling), timeout_s=timeout_s,
-                              top_logprobs=top_logprobs)  # fmt: skip
+def generate_request(
+    input_ids: list[int], sampling: SamplingParams, request_id: str, route: str, timeout_s: float, top_logprobs: int = 0
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        trajectory_id=route,
+        input_ids=input_ids,
+        sampling_params=sampling_to_pb(sampling),
+        timeout_s=timeout_s,
+        top_logprobs=top_logprobs,
+    )
 
 
 class ProxyClient:
@@ -62,31 +68,64 @@ class ProxyClient:
         return await self.stub.UpdateWeights(req, timeout=timeout_s + 10)
 
     async def update_weights_bucket(
-        self, weight_version: int, index: int, data: bytes, final: bool, restore_path: str = "",
-        timeout_s: float = 120.0, fmt: str = "",
-    ) -> pb.UpdateWeightsResponse:  # fmt: skip
-        req = pb.WeightBucket(weight_version=weight_version, index=index, safetensors=data, final=final,
-                              restore_path=restore_path, timeout_s=timeout_s, format=fmt)  # fmt: skip
+        self,
+        weight_version: int,
+        index: int,
+        data: bytes,
+        final: bool,
+        restore_path: str = "",
+        timeout_s: float = 120.0,
+        fmt: str = "",
+    ) -> pb.UpdateWeightsResponse:
+        req = pb.WeightBucket(
+            weight_version=weight_version,
+            index=index,
+            safetensors=data,
+            final=final,
+            restore_path=restore_path,
+            timeout_s=timeout_s,
+            format=fmt,
+        )
         return await self.stub.UpdateWeightsBucket(req, timeout=timeout_s + 10)
 
-    async def init_weights_group(self, master_address: str, master_port: int, group_name: str, backend: str,
-                                 timeout_s: float = 120.0) -> pb.InitWeightsGroupResponse:  # fmt: skip
-        req = pb.InitWeightsGroupRequest(master_address=master_address, master_port=master_port,
-                                         group_name=group_name, backend=backend, timeout_s=timeout_s)  # fmt: skip
+    async def init_weights_group(
+        self, master_address: str, master_port: int, group_name: str, backend: str, timeout_s: float = 120.0
+    ) -> pb.InitWeightsGroupResponse:
+        req = pb.InitWeightsGroupRequest(
+            master_address=master_address,
+            master_port=master_port,
+            group_name=group_name,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
         return await self.stub.InitWeightsGroup(req, timeout=timeout_s + 10)
 
     async def update_weights_distributed(
-        self, weight_version: int, index: int, tensors: list[tuple[str, str, list[int]]], final: bool,
-        restore_path: str = "", checksum: str = "", timeout_s: float = 120.0,
-    ) -> pb.UpdateWeightsResponse:  # fmt: skip
+        self,
+        weight_version: int,
+        index: int,
+        tensors: list[tuple[str, str, list[int]]],
+        final: bool,
+        restore_path: str = "",
+        checksum: str = "",
+        timeout_s: float = 120.0,
+    ) -> pb.UpdateWeightsResponse:
         """``tensors``: (name, dtype, shape) of each tensor, in the order they are broadcast."""
         metas = [pb.TensorMeta(name=n, dtype=d, shape=s) for n, d, s in tensors]
-        req = pb.DistributedBucket(weight_version=weight_version, index=index, tensors=metas, final=final,
-                                   restore_path=restore_path, checksum=checksum, timeout_s=timeout_s)  # fmt: skip
+        req = pb.DistributedBucket(
+            weight_version=weight_version,
+            index=index,
+            tensors=metas,
+            final=final,
+            restore_path=restore_path,
+            checksum=checksum,
+            timeout_s=timeout_s,
+        )
         return await self.stub.UpdateWeightsDistributed(req, timeout=timeout_s + 10)
 
-    async def release_memory(self, lease_s: float, tags: list[str] | None = None,
-                             timeout_s: float = 60.0) -> pb.MemoryResponse:  # fmt: skip
+    async def release_memory(
+        self, lease_s: float, tags: list[str] | None = None, timeout_s: float = 60.0
+    ) -> pb.MemoryResponse:
         req = pb.MemoryRequest(tags=tags or [], lease_s=lease_s, timeout_s=timeout_s)
         return await self.stub.ReleaseMemory(req, timeout=2 * timeout_s + 10)  # a suspend, then the release
 
@@ -106,9 +145,16 @@ class ProxyGenerate:
         self.client = client
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *, request_id: str, route: str, timeout_s: float,
-        top_logprobs: int = 0, on_tokens: Callable[[list[int]], None] | None = None,
-    ) -> Generation:  # fmt: skip
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        route: str,
+        timeout_s: float,
+        top_logprobs: int = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Generation:
         req = generate_request(input_ids, sampling, request_id, route, timeout_s, top_logprobs)
         try:
             if on_tokens is None:
@@ -125,8 +171,13 @@ class ProxyGenerate:
         except grpc.aio.AioRpcError as e:  # our own cancellation arrives as CancelledError instead
             raise project_error(e) from None
         tops = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in res.top_logprobs]
-        return Generation(list(res.output_ids), list(res.behavior_logprobs), list(res.token_versions),
-                          finish_from_pb(res.finish_reason), tops)  # fmt: skip
+        return Generation(
+            list(res.output_ids),
+            list(res.behavior_logprobs),
+            list(res.token_versions),
+            finish_from_pb(res.finish_reason),
+            tops,
+        )
 
     async def abort(self, request_id: str) -> None:
         try:

@@ -58,7 +58,7 @@ class _EngineCollector:
                 "rollmesh_proxy_engine_outstanding_tokens",
                 "Prompt + max_new_tokens of calls in flight",
                 labels=["engine"],
-            ),  # fmt: skip
+            ),
             "failures": CounterMetricFamily(
                 "rollmesh_proxy_engine_failures", "Times the engine was taken out of rotation", labels=["engine"]
             ),
@@ -81,9 +81,10 @@ class _EngineCollector:
             "rollmesh_proxy_engines_configured", "Engines behind this proxy", value=len(p.router.engines)
         )
         yield GaugeMetricFamily(
-            "rollmesh_proxy_engines_in_rotation", "Engines answering health checks",
+            "rollmesh_proxy_engines_in_rotation",
+            "Engines answering health checks",
             value=sum(e.healthy for e in p.router.engines),
-        )  # fmt: skip
+        )
         yield CounterMetricFamily(
             "rollmesh_proxy_retries", "Requests retried on another engine", value=p.counters["retries"]
         )
@@ -116,9 +117,11 @@ class ProxyMetrics:
         self.updates = Counter("rollmesh_proxy_weight_updates", "Weight updates, by result", ["result"], registry=r)
         init_labels(self.updates, "ok", "failed")
         self.update_failures = Counter(
-            "rollmesh_proxy_weight_update_failures", "Engines that failed a weight update, by cause", ["cause"],
+            "rollmesh_proxy_weight_update_failures",
+            "Engines that failed a weight update, by cause",
+            ["cause"],
             registry=r,
-        )  # fmt: skip
+        )
         init_labels(self.update_failures, *UPDATE_FAILURE_CAUSES)
         self.update_seconds = histogram(
             r, "rollmesh_proxy_weight_update_duration_seconds", "Fan-out weight update duration", SLOW_BUCKETS_S
@@ -143,9 +146,14 @@ class ProxyMetrics:
 
 
 def _request(req: pb.GenerateRequest) -> ProxyRequest:
-    return ProxyRequest(input_ids=list(req.input_ids), sampling_params=sampling_from_pb(req.sampling_params),
-                        request_id=req.request_id, trajectory_id=req.trajectory_id, timeout_s=req.timeout_s,
-                        top_logprobs=req.top_logprobs)  # fmt: skip
+    return ProxyRequest(
+        input_ids=list(req.input_ids),
+        sampling_params=sampling_from_pb(req.sampling_params),
+        request_id=req.request_id,
+        trajectory_id=req.trajectory_id,
+        timeout_s=req.timeout_s,
+        top_logprobs=req.top_logprobs,
+    )
 
 
 def _response(res) -> pb.GenerateResponse:
@@ -162,7 +170,7 @@ def _response(res) -> pb.GenerateResponse:
         num_segments=res.num_segments,
         top_logprobs=[
             pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top]) for top in res.top_logprobs
-        ],  # fmt: skip
+        ],
     )
 
 
@@ -232,8 +240,9 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
 
     async def update_weights_bucket(req: pb.WeightBucket, ctx) -> pb.UpdateWeightsResponse:
         try:
-            ok, results = await proxy.update_weights_bucket(req.weight_version, req.index, req.safetensors, req.final,
-                                                            req.restore_path, req.timeout_s, req.format)  # fmt: skip
+            ok, results = await proxy.update_weights_bucket(
+                req.weight_version, req.index, req.safetensors, req.final, req.restore_path, req.timeout_s, req.format
+            )
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if req.final or not ok:  # the update ended
@@ -242,8 +251,9 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
 
     async def init_weights_group(req: pb.InitWeightsGroupRequest, ctx) -> pb.InitWeightsGroupResponse:
         try:
-            world, engines = await proxy.init_weights_group(req.master_address, req.master_port, req.group_name,
-                                                            req.backend, req.timeout_s)  # fmt: skip
+            world, engines = await proxy.init_weights_group(
+                req.master_address, req.master_port, req.group_name, req.backend, req.timeout_s
+            )
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.InitWeightsGroupResponse(world_size=world, engines=engines)
@@ -324,9 +334,14 @@ async def start_proxy(config: ProxyConfig, auth: AuthConfig | None = None) -> tu
     clients = functools.partial(engine_client, auth=auth, api=config.engine_api)
     proxy = await LLMProxy(config, client_factory=clients).start()
     metrics = ProxyMetrics(proxy)
-    server = await start_server(build_handler(proxy, metrics), SERVICE, config.host, config.port,
-                                [("grpc.max_receive_message_length", (MAX_WEIGHT_BUCKET_MB + 1) << 20)],
-                                auth=auth)  # fmt: skip
+    server = await start_server(
+        build_handler(proxy, metrics),
+        SERVICE,
+        config.host,
+        config.port,
+        [("grpc.max_receive_message_length", (MAX_WEIGHT_BUCKET_MB + 1) << 20)],
+        auth=auth,
+    )
     serve_metrics(metrics.registry, config.host, config.metrics_port, "LLMProxy")
     return server, proxy
 

@@ -49,15 +49,18 @@ class RewardClient:
     def from_config(cls, spec: ServiceRewardConfig, default_address: str | None, auth: AuthConfig | None):
         address = spec.address or default_address
         if not address:
-            raise ValueError("reward.address: where is the reward service? (host:port; `rollmesh run` fills in "
-                             "mesh.reward when it starts one)")  # fmt: skip
+            raise ValueError(
+                "reward.address: where is the reward service? (host:port; `rollmesh run` fills in "
+                "mesh.reward when it starts one)"
+            )
         return cls(address, spec.timeout_s, auth)
 
     def __call__(self, response: str, answer: str) -> float:
         with self._lock:
             self.calls += 1
-        request = pb.ScoreRequest(response=response, answer=str(answer), timeout_s=self.timeout_s,
-                                  request_id=uuid.uuid4().hex[:12])  # fmt: skip
+        request = pb.ScoreRequest(
+            response=response, answer=str(answer), timeout_s=self.timeout_s, request_id=uuid.uuid4().hex[:12]
+        )
         deadline = time.monotonic() + self.timeout_s + GRACE_S
         while True:
             left = deadline - time.monotonic()

@@ -49,8 +49,9 @@ class RewardServiceConfig(BaseModel):
         if isinstance(reward, str):
             resolve_reward(reward)  # a misspelled reward fails when the config is loaded
         elif reward.type == "service":
-            raise ValueError("a reward service scores with a reward of its own (a name, code or judge), not "
-                             "another service's")  # fmt: skip
+            raise ValueError(
+                "a reward service scores with a reward of its own (a name, code or judge), not another service's"
+            )
         return reward
 
     @model_validator(mode="after")

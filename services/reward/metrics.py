@@ -18,8 +18,11 @@ def reward_families(reward, prefix: str) -> list:
     sandbox: timeout, memory, output, killed, sandbox; the judge: timeout, error, unparsed; the
     service's client: timeout, unreachable, error) and, for the code reward, its runs.
     ``prefix``: the service's (``rollmesh_env`` in an EnvManager, ``rollmesh_reward`` in the service)."""
-    failures = CounterMetricFamily(f"{prefix}_reward_failures", "Scores cut to 0 by a fault of the verifier "
-                                   "or the program it ran, by cause", labels=["cause"])  # fmt: skip
+    failures = CounterMetricFamily(
+        f"{prefix}_reward_failures",
+        "Scores cut to 0 by a fault of the verifier or the program it ran, by cause",
+        labels=["cause"],
+    )
     for cause, n in sorted(reward.failures.items()):
         failures.add_metric([cause], n)
     families = [failures]
@@ -29,11 +32,15 @@ def reward_families(reward, prefix: str) -> list:
             runs.add_metric([outcome], n)
         families += [
             runs,
-            CounterMetricFamily(f"{prefix}_code_sandbox_seconds", "Wall seconds spent in the sandbox",
-                                value=reward.sandbox_seconds),
-            CounterMetricFamily(f"{prefix}_code_adaptive_cuts", "Runs stopped by the adaptive timeout below "
-                                "its fixed limit", value=reward.adaptive_cuts),
-        ]  # fmt: skip
+            CounterMetricFamily(
+                f"{prefix}_code_sandbox_seconds", "Wall seconds spent in the sandbox", value=reward.sandbox_seconds
+            ),
+            CounterMetricFamily(
+                f"{prefix}_code_adaptive_cuts",
+                "Runs stopped by the adaptive timeout below its fixed limit",
+                value=reward.adaptive_cuts,
+            ),
+        ]
     return families
 
 
@@ -43,12 +50,17 @@ class RewardMetrics:
 
     def __init__(self, reward) -> None:
         self.registry = r = CollectorRegistry()
-        self.scores = Counter("rollmesh_reward_scores", "Score calls answered, by outcome (all but ok score 0: "
-                              "timeout, raised, busy, or another fault the verifier contained)", ["outcome"],
-                              registry=r)  # fmt: skip
+        self.scores = Counter(
+            "rollmesh_reward_scores",
+            "Score calls answered, by outcome (all but ok score 0: "
+            "timeout, raised, busy, or another fault the verifier contained)",
+            ["outcome"],
+            registry=r,
+        )
         init_labels(self.scores, *SCORE_OUTCOMES)
-        self.seconds = histogram(r, "rollmesh_reward_score_seconds", "One score, the wait for a free slot included",
-                                 SLOW_BUCKETS_S)  # fmt: skip
+        self.seconds = histogram(
+            r, "rollmesh_reward_score_seconds", "One score, the wait for a free slot included", SLOW_BUCKETS_S
+        )
         self.in_flight = Gauge("rollmesh_reward_in_flight", "Score calls being worked on or waiting", registry=r)
         if hasattr(reward, "failures"):
             r.register(_Families(reward))

@@ -10,8 +10,9 @@ from rollout.verifiers.judge import JudgeReward, JudgeRewardConfig
 from services.auth import AuthConfig
 
 
-def reward_ports(auth: AuthConfig | None, *, reward_address: str | None = None, proxy=None,
-                 tokenizer_path: str | None = None) -> dict:  # fmt: skip
+def reward_ports(
+    auth: AuthConfig | None, *, reward_address: str | None = None, proxy=None, tokenizer_path: str | None = None
+) -> dict:
     """``reward_service``: always (``reward_address``: the mesh's service, for a spec naming none);
     ``judge``: where ``proxy`` (the mesh's ``ProxyClient``) is given, built on the running event loop."""
     from services.reward.client import RewardClient

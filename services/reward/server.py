@@ -46,8 +46,9 @@ class RewardService:
         self._threads = ThreadPoolExecutor(config.max_concurrent, thread_name_prefix="score")
         self.outcomes: Counter[str] = Counter()
 
-    async def score(self, response: str, answer: str, timeout_s: float,
-                    request_id: str = "") -> tuple[float, str, float]:  # fmt: skip
+    async def score(
+        self, response: str, answer: str, timeout_s: float, request_id: str = ""
+    ) -> tuple[float, str, float]:
         """(reward, failure cause or "", seconds) within ``timeout_s`` (0: the service's own)."""
         limit = min(timeout_s or self.config.timeout_s, self.config.timeout_s)
         t0 = time.monotonic()
@@ -101,8 +102,7 @@ def build_handler(service: RewardService) -> grpc.GenericRpcHandler:
         reward, failure, seconds = await service.score(req.response, req.answer, req.timeout_s, req.request_id)
         return pb.ScoreResponse(reward=reward, failure=failure, seconds=seconds)
 
-    return unary_service(SERVICE, {"Describe": (pb.RewardDescribeRequest, describe),
-                                   "Score": (pb.ScoreRequest, score)})  # fmt: skip
+    return unary_service(SERVICE, {"Describe": (pb.RewardDescribeRequest, describe), "Score": (pb.ScoreRequest, score)})
 
 
 def hosted_reward(config: RewardServiceConfig, ports: dict):

@@ -40,9 +40,11 @@ class BufferMetrics:
         self.got = Counter("rollmesh_buffer_handed_out_groups", "Groups handed out by Get", registry=r)
         self.get_seconds = histogram(r, "rollmesh_buffer_get_latency_seconds", "Get latency, waiting included")
         self.staleness = histogram(
-            r, "rollmesh_buffer_staleness_versions", "current_version - start_version of each group handed out",
+            r,
+            "rollmesh_buffer_staleness_versions",
+            "current_version - start_version of each group handed out",
             VERSION_BUCKETS,
-        )  # fmt: skip
+        )
         self.age = histogram(
             r, "rollmesh_buffer_age_seconds", "Time from encoding to hand-out of each group", AGE_BUCKETS_S
         )

@@ -19,9 +19,11 @@ class TrainerProcessConfig(TrainLoopConfig):
         "machine; CUDA IPC on a GPU) or collective (NCCL / gloo broadcast).",
     )
     colocated_lease_s: float = Field(
-        900.0, gt=0, description="devices.placement colocated: how long the engines may stay released while a step "
+        900.0,
+        gt=0,
+        description="devices.placement colocated: how long the engines may stay released while a step "
         "trains; past it the LLMProxy takes their memory back and resumes generation (a trainer that died).",
-    )  # fmt: skip
+    )
     metrics_host: str = Field("127.0.0.1", description="Address the Prometheus /metrics endpoint binds.")
     metrics_port: int = Field(9105, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")
     tracking: TrackingConfig = Field(

@@ -56,31 +56,43 @@ def serve(cfg) -> None:
             controller = ControllerClient(cfg.mesh.controller, auth=cfg.auth)
             run_dir = Path(lc.run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
-            observer = TrainerObserver(MetricsLog(run_dir / "metrics.jsonl", lc.tracking, run_dir.name, run_dir),
-                                       TrainerMetrics())  # fmt: skip
+            observer = TrainerObserver(
+                MetricsLog(run_dir / "metrics.jsonl", lc.tracking, run_dir.name, run_dir), TrainerMetrics()
+            )
         memory = None  # colocated engines give the GPUs back while a step trains
         if rank == 0 and cfg.devices.placement == "colocated":
             from services.trainer.colocation import ProxyMemory
 
             memory = ProxyMemory(proxy, lc.colocated_lease_s)
         loop = TrainLoop(
-            lc, build_trainer(cfg.trainer, lc.steps), source=buffer, control=controller,
-            publisher=lc.publisher.build(proxy, lc.run_dir, lc.keep_weight_versions), observer=observer,
-            groups_per_step=cfg.controller.groups_per_step, max_staleness=cfg.controller.async_ratio, rank=rank,
-            world=world, memory=memory,
-        )  # fmt: skip
+            lc,
+            build_trainer(cfg.trainer, lc.steps),
+            source=buffer,
+            control=controller,
+            publisher=lc.publisher.build(proxy, lc.run_dir, lc.keep_weight_versions),
+            observer=observer,
+            groups_per_step=cfg.controller.groups_per_step,
+            max_staleness=cfg.controller.async_ratio,
+            rank=rank,
+            world=world,
+            memory=memory,
+        )
         if loop.resume() and rank == 0:  # the curve goes on from the checkpoint
             moved = continue_from(observer.log.path, loop.engine.step)
             if moved:
-                log.warning("%d step(s) after the checkpoint were lost with the previous trainer: moved to %s",
-                            moved, LOST_STEPS)  # fmt: skip
+                log.warning(
+                    "%d step(s) after the checkpoint were lost with the previous trainer: moved to %s",
+                    moved,
+                    LOST_STEPS,
+                )
         try:
             await loop.join()
             if rank == 0:
                 observer.prom.version.set(loop.engine.version)
                 serve_metrics(observer.prom.registry, lc.metrics_host, lc.metrics_port, "trainer")
-                log.info("trainer: %d rank(s), from step %d, weights over %s", world, loop.engine.step,
-                         lc.publisher.type)  # fmt: skip
+                log.info(
+                    "trainer: %d rank(s), from step %d, weights over %s", world, loop.engine.step, lc.publisher.type
+                )
             while loop.engine.step < lc.steps:
                 metrics = await loop.step()
                 if metrics and rank == 0:

@@ -44,8 +44,11 @@ _GAUGES = {
 
 def loss_terms(metrics: dict) -> dict[str, float]:
     """The loss and its parts in a step's metrics: ``loss``, ``pg_loss``, ``kl_loss``, ..."""
-    return {("total" if k == "loss" else k.removesuffix("_loss")): float(v)
-            for k, v in metrics.items() if k == "loss" or k.endswith("_loss")}  # fmt: skip
+    return {
+        ("total" if k == "loss" else k.removesuffix("_loss")): float(v)
+        for k, v in metrics.items()
+        if k == "loss" or k.endswith("_loss")
+    }
 
 
 class TrainerMetrics:

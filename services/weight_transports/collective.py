@@ -43,9 +43,17 @@ def _wg():
 
 
 class CollectivePublisher:
-    def __init__(self, proxy: ProxyClient | None, run_dir: str | Path, keep_versions: int = 2, bucket_mb: int = 256,
-                 backend: str = "gloo", master_address: str = "127.0.0.1", master_port: int = 0,
-                 group_name: str = "weight_update_group") -> None:  # fmt: skip
+    def __init__(
+        self,
+        proxy: ProxyClient | None,
+        run_dir: str | Path,
+        keep_versions: int = 2,
+        bucket_mb: int = 256,
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        group_name: str = "weight_update_group",
+    ) -> None:
         self.proxy, self.max_bytes = proxy, bucket_mb << 20
         self.backend, self.address, self.port, self.group_name = backend, master_address, master_port, group_name
         self.restore = DiskPublisher(proxy, run_dir, keep_versions)
@@ -101,19 +109,25 @@ class CollectivePublisher:
         except grpc.aio.AioRpcError as e:
             raise PublishError(f"LLMProxy, weight-update group: {project_error(e)}") from None
         try:  # completes once every engine has joined too
-            self.group = await asyncio.to_thread(_wg().join_hosted, self.group_name, self.backend, store,
-                                                 plan.world_size, op_timeout_s)  # fmt: skip
+            self.group = await asyncio.to_thread(
+                _wg().join_hosted, self.group_name, self.backend, store, plan.world_size, op_timeout_s
+            )
         except Exception as e:  # torch's DistStoreError / RuntimeError: an engine never joined
-            raise PublishError(f"weight-update group of {plan.world_size} ranks ({', '.join(plan.engines)}): "
-                               f"{type(e).__name__}: {e}") from None  # fmt: skip
+            raise PublishError(
+                f"weight-update group of {plan.world_size} ranks ({', '.join(plan.engines)}): {type(e).__name__}: {e}"
+            ) from None
         self.groups_made += 1
 
-    async def _bucket(self, version: int, i: int, tensors: dict, checksum: str, final: bool, deadline: float,
-                      n: int) -> None:  # fmt: skip
+    async def _bucket(
+        self, version: int, i: int, tensors: dict, checksum: str, final: bool, deadline: float, n: int
+    ) -> None:
         left = self._left(deadline, f"bucket {i} of {n}")
         metas = [(name, _wg().dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()]
-        call = asyncio.ensure_future(self.proxy.update_weights_distributed(
-            version, i, metas, final, self.restore.path if final else "", checksum, left))  # fmt: skip
+        call = asyncio.ensure_future(
+            self.proxy.update_weights_distributed(
+                version, i, metas, final, self.restore.path if final else "", checksum, left
+            )
+        )
         send = asyncio.ensure_future(asyncio.to_thread(_wg().send, self.group, tensors))
         try:
             await self._both(call, send, i, n, left, deadline)
@@ -160,10 +174,12 @@ class CollectivePublisherConfig(BaseModel):
     )
     bucket_mb: int = Field(256, ge=1, description="Tensors broadcast per LLMProxy call, in MiB (a bigger one alone).")
     master_address: str = Field(
-        "127.0.0.1", min_length=1, description="The trainer's address as the engines reach it; it hosts the "
+        "127.0.0.1",
+        min_length=1,
+        description="The trainer's address as the engines reach it; it hosts the "
         "group's store there. Set it to the trainer's pod or host address when engines run elsewhere: the store "
         "takes no token, so keep that network private.",
-    )  # fmt: skip
+    )
     master_port: int = Field(0, ge=0, le=65535, description="The store's port; 0 picks a free one per group.")
     group_name: str = Field("weight_update_group", min_length=1, description="The group's name on the engines.")
 
@@ -171,5 +187,13 @@ class CollectivePublisherConfig(BaseModel):
         import torch
 
         backend = self.backend if self.backend != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
-        return CollectivePublisher(proxy, run_dir, keep_versions, self.bucket_mb, backend, self.master_address,
-                                   self.master_port, self.group_name)  # fmt: skip
+        return CollectivePublisher(
+            proxy,
+            run_dir,
+            keep_versions,
+            self.bucket_mb,
+            backend,
+            self.master_address,
+            self.master_port,
+            self.group_name,
+        )

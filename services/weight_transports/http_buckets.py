@@ -27,8 +27,9 @@ from trainer.ports import PublishError
 class BucketPublisher:
     format = "safetensors"  # what each bucket's bytes hold (WeightBucket.format)
 
-    def __init__(self, proxy: ProxyClient | None, run_dir: str | Path, keep_versions: int = 2,
-                 bucket_mb: int = 256) -> None:  # fmt: skip
+    def __init__(
+        self, proxy: ProxyClient | None, run_dir: str | Path, keep_versions: int = 2, bucket_mb: int = 256
+    ) -> None:
         self.proxy, self.max_bytes = proxy, bucket_mb << 20
         self.restore = DiskPublisher(proxy, run_dir, keep_versions)
         self._buckets: list[bytes] = []
@@ -61,8 +62,9 @@ class BucketPublisher:
                 raise PublishError(f"bucket {i} of {len(buckets)}: the {timeout_s:g} s deadline passed")
             final = i == len(buckets) - 1
             try:
-                res = await self.proxy.update_weights_bucket(version, i, data, final, self.restore.path, left,
-                                                             self.format)  # fmt: skip
+                res = await self.proxy.update_weights_bucket(
+                    version, i, data, final, self.restore.path, left, self.format
+                )
             except grpc.aio.AioRpcError as e:
                 raise PublishError(f"LLMProxy, bucket {i} of {len(buckets)}: {project_error(e)}") from None
             if not res.success:
@@ -82,9 +84,11 @@ class BucketPublisherConfig(BaseModel):
         "http_buckets", description="Weights travel in memory; the directory is only the restore point."
     )
     bucket_mb: int = Field(
-        256, ge=1, le=MAX_WEIGHT_BUCKET_MB,
+        256,
+        ge=1,
+        le=MAX_WEIGHT_BUCKET_MB,
         description="Largest bucket in MiB (a bigger tensor travels alone); the proxy holds one at a time.",
-    )  # fmt: skip
+    )
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> BucketPublisher:
         return BucketPublisher(proxy, run_dir, keep_versions, self.bucket_mb)

@@ -23,8 +23,14 @@ from services.engine.sglang_server import sglang_command
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "docker-compose.yaml"
 # compose service → (config section, whether it serves gRPC on `port`)
-SECTIONS = {"llm-proxy": "proxy", "sample-buffer": "buffer", "controller": "controller",
-            "env-manager": "env_manager", "engine-cpu": "engine", "gateway": "gateway"}  # fmt: skip
+SECTIONS = {
+    "llm-proxy": "proxy",
+    "sample-buffer": "buffer",
+    "controller": "controller",
+    "env-manager": "env_manager",
+    "engine-cpu": "engine",
+    "gateway": "gateway",
+}
 
 
 TOKEN = "compose-test-token"
@@ -33,8 +39,13 @@ TOKEN = "compose-test-token"
 def _compose(env: dict) -> subprocess.CompletedProcess:
     binary = shutil.which("docker-compose")
     assert binary, "docker-compose is not installed: `make test` installs it (Debian package docker-compose)"
-    return subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", **env})  # fmt: skip
+    return subprocess.run(
+        [binary, "-f", str(COMPOSE), "config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", **env},
+    )
 
 
 def compose_config() -> dict:
@@ -116,9 +127,15 @@ def test_prometheus_targets_are_compose_services_on_their_metrics_ports():
     for s in services.values():
         names |= set(((s.get("networks") or {}).get("default") or {}).get("aliases") or [])
     cfg = load_config(ROOT / "deploy" / "configs" / "compose.yaml")
-    ports = {"engine": cfg.engine.port, "llm-proxy": cfg.proxy.metrics_port, "sample-buffer": cfg.buffer.metrics_port,
-             "controller": cfg.controller.metrics_port, "env-manager": cfg.env_manager.metrics_port,
-             "trainer": cfg.train_loop.metrics_port, "reward": cfg.reward_service.metrics_port}  # fmt: skip
+    ports = {
+        "engine": cfg.engine.port,
+        "llm-proxy": cfg.proxy.metrics_port,
+        "sample-buffer": cfg.buffer.metrics_port,
+        "controller": cfg.controller.metrics_port,
+        "env-manager": cfg.env_manager.metrics_port,
+        "trainer": cfg.train_loop.metrics_port,
+        "reward": cfg.reward_service.metrics_port,
+    }
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     for job in prom["scrape_configs"]:
         for target in job["static_configs"][0]["targets"]:

@@ -54,10 +54,18 @@ def test_helm_lint_passes():
 def test_defaults_render_a_disaggregated_gpu_mesh(tmp_path):
     docs = render()
     objs = by_kind_name(docs)
-    for kind, name in [("Deployment", "llm-proxy"), ("Deployment", "sample-buffer"), ("Deployment", "controller"),
-                       ("Deployment", "env-manager"), ("StatefulSet", "engine"), ("StatefulSet", "trainer"),
-                       ("StatefulSet", "redis"), ("ConfigMap", "config"), ("PersistentVolumeClaim", "runs"),
-                       ("ServiceMonitor", "")]:  # fmt: skip
+    for kind, name in [
+        ("Deployment", "llm-proxy"),
+        ("Deployment", "sample-buffer"),
+        ("Deployment", "controller"),
+        ("Deployment", "env-manager"),
+        ("StatefulSet", "engine"),
+        ("StatefulSet", "trainer"),
+        ("StatefulSet", "redis"),
+        ("ConfigMap", "config"),
+        ("PersistentVolumeClaim", "runs"),
+        ("ServiceMonitor", ""),
+    ]:
         assert (kind, f"t-rollmesh-{name}".rstrip("-")) in objs, (kind, name)
     engine, trainer = pod(docs, "StatefulSet", "engine"), pod(docs, "StatefulSet", "trainer")
     assert engine["nodeSelector"] == {"rollmesh.io/pool": "inference"}
@@ -96,8 +104,12 @@ def test_defaults_render_a_disaggregated_gpu_mesh(tmp_path):
 
 def test_the_reward_service_renders_when_enabled_and_every_client_finds_it(tmp_path):
     assert ("Deployment", "t-rollmesh-reward") not in by_kind_name(render())  # off by default
-    docs = render("reward.enabled=true", "reward.replicas=2", "config.env_manager.reward.type=service",
-                  "config.reward_service.reward=math_verify")  # fmt: skip
+    docs = render(
+        "reward.enabled=true",
+        "reward.replicas=2",
+        "config.env_manager.reward.type=service",
+        "config.reward_service.reward=math_verify",
+    )
     objs = by_kind_name(docs)
     deployment = objs[("Deployment", "t-rollmesh-reward")]
     c = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -105,8 +117,11 @@ def test_the_reward_service_renders_when_enabled_and_every_client_finds_it(tmp_p
     assert c["readinessProbe"]["grpc"]["port"] == c["ports"][0]["containerPort"] == 50057
     cfg = load_config(_config_file(tmp_path, docs))
     assert cfg.mesh.reward == "t-rollmesh-reward:50057" and ("Service", "t-rollmesh-reward") in objs
-    assert (cfg.reward_service.host, cfg.reward_service.port, cfg.reward_service.reward) == ("0.0.0.0", 50057,
-                                                                                          "math_verify")  # fmt: skip
+    assert (cfg.reward_service.host, cfg.reward_service.port, cfg.reward_service.reward) == (
+        "0.0.0.0",
+        50057,
+        "math_verify",
+    )
     assert cfg.env_manager.reward.type == "service" and cfg.env_manager.reward.address is None  # → mesh.reward
 
 
@@ -131,12 +146,14 @@ def test_external_redis_and_bad_values_fail_clearly():
     assert ("StatefulSet", "t-rollmesh-redis") not in by_kind_name(docs)
     config = yaml.safe_load(by_kind_name(docs)[("ConfigMap", "t-rollmesh-config")]["data"]["config.yaml"])
     assert config["buffer"]["redis_url"] == "redis://cache:6379/2"
-    for sets, message in [(["redis.enabled=false"], "redis.externalUrl is required"),
-                          (["placement.mode=mixed"], "placement.mode must be"),
-                          (["engine.kind=vllm"], "engine.kind must be"),
-                          # the pods' GPUs must fit what runs in them (the device map's check, per pod)
-                          (["engine.tensorParallelSize=2"], "must equal engine.tensorParallelSize (2)"),
-                          (["trainer.nprocPerNode=4"], "must equal trainer.nprocPerNode (4)")]:  # fmt: skip
+    for sets, message in [
+        (["redis.enabled=false"], "redis.externalUrl is required"),
+        (["placement.mode=mixed"], "placement.mode must be"),
+        (["engine.kind=vllm"], "engine.kind must be"),
+        # the pods' GPUs must fit what runs in them (the device map's check, per pod)
+        (["engine.tensorParallelSize=2"], "must equal engine.tensorParallelSize (2)"),
+        (["trainer.nprocPerNode=4"], "must equal trainer.nprocPerNode (4)"),
+    ]:
         cmd = [_helm(), "template", "t", str(CHART)] + [a for s in sets for a in ("--set", s)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert res.returncode != 0 and message in res.stderr, (sets, res.stderr)
@@ -170,8 +187,11 @@ def test_every_pod_reads_the_run_token_from_one_secret():
 def test_tls_from_a_secret_reaches_every_service_and_the_probes_still_work(tiny_model):
     docs = render("auth.tls.secretName=mesh-tls")
     config = yaml.safe_load(by_kind_name(docs)[("ConfigMap", "t-rollmesh-config")]["data"]["config.yaml"])
-    assert config["auth"]["tls"] == {"cert_path": "/etc/rollmesh-tls/tls.crt", "key_path": "/etc/rollmesh-tls/tls.key",
-                                     "ca_path": "/etc/rollmesh-tls/ca.crt"}  # fmt: skip
+    assert config["auth"]["tls"] == {
+        "cert_path": "/etc/rollmesh-tls/tls.crt",
+        "key_path": "/etc/rollmesh-tls/tls.key",
+        "ca_path": "/etc/rollmesh-tls/ca.crt",
+    }
     assert all(u.startswith("https://") for u in config["proxy"]["engine_urls"])
     workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and "redis" not in d["metadata"]["name"]]
     for d in workloads:
@@ -228,8 +248,12 @@ def test_every_values_path_in_the_templates_is_defined_and_documented():
 
 @pytest.mark.parametrize("template", sorted(p.name for p in (CHART / "templates").glob("*.yaml")))
 def test_each_template_renders_alone_to_valid_yaml(template):
-    res = subprocess.run([_helm(), "template", "t", str(CHART), "--show-only", f"templates/{template}"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        [_helm(), "template", "t", str(CHART), "--show-only", f"templates/{template}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if res.returncode != 0 and "could not find template" in res.stderr:
         pytest.fail(f"{template} renders nothing with the default values")
     assert res.returncode == 0, res.stderr

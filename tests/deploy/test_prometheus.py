@@ -39,11 +39,16 @@ def live_mesh(tiny_model, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("prom-run")
     overrides = [
-        f"model_path={tiny_model}", "train_loop.steps=10000", f"train_loop.run_dir={run_dir}",
-        "controller.groups_per_step=2", "env_manager.num_workers=4", "env_manager.episode.sampling.max_new_tokens=4",
+        f"model_path={tiny_model}",
+        "train_loop.steps=10000",
+        f"train_loop.run_dir={run_dir}",
+        "controller.groups_per_step=2",
+        "env_manager.num_workers=4",
+        "env_manager.episode.sampling.max_new_tokens=4",
         "buffer.filter_zero_variance=false",
-        "env_manager.reward={type: service}", "reward_service.reward=digit_answer",  # the reward service too
-    ]  # fmt: skip
+        "env_manager.reward={type: service}",
+        "reward_service.reward=digit_answer",  # the reward service too
+    ]
     config = Path("examples/quickstart.yaml")
     cfg = load_config(config, overrides)
     (run_dir / "logs").mkdir()
@@ -76,10 +81,15 @@ def prometheus(live_mesh, tmp_path_factory):
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     proc = subprocess.Popen(
-        [_binary("prometheus"), f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=open(work / "prometheus.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-    )  # fmt: skip
+        [
+            _binary("prometheus"),
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={work / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=open(work / "prometheus.log", "wb"),  # noqa: SIM115 (the process owns it until it stops)
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -144,8 +154,15 @@ def test_promtool_accepts_the_config_and_the_rules():
 
 def test_every_service_metrics_pass_promtool_and_name_rules(live_mesh):
     promtool = _binary("promtool")
-    assert set(live_mesh.metrics) == {"engine", "llm-proxy", "sample-buffer", "controller", "env-manager", "trainer",
-                                      "reward"}  # fmt: skip
+    assert set(live_mesh.metrics) == {
+        "engine",
+        "llm-proxy",
+        "sample-buffer",
+        "controller",
+        "env-manager",
+        "trainer",
+        "reward",
+    }
     for job, targets in live_mesh.metrics.items():
         text = httpx.get(f"http://{targets[0]}/metrics", timeout=10).text
         res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
@@ -172,8 +189,14 @@ def test_every_dashboard_and_alert_expression_returns_data(prometheus):
 def test_prometheus_scrapes_every_service(prometheus):
     targets = httpx.get(f"{prometheus}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
     assert {t["labels"]["job"] for t in targets} == {
-        "engine", "llm-proxy", "sample-buffer", "controller", "env-manager", "trainer", "reward"
-    }  # fmt: skip
+        "engine",
+        "llm-proxy",
+        "sample-buffer",
+        "controller",
+        "env-manager",
+        "trainer",
+        "reward",
+    }
     deadline = time.monotonic() + 30
     while any(t["health"] != "up" for t in targets) and time.monotonic() < deadline:
         time.sleep(1)

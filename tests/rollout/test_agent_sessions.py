@@ -35,8 +35,16 @@ from services.controller.controller import AsyncController
 from tests.rollout.test_chat_turns import TEMPLATES, base_tokenizer, tokenizer_for  # noqa: F401 (a fixture)
 
 TOOLS_TEMPLATE = (Path(__file__).resolve().parents[2] / "examples" / "agent" / "chatml_tools.jinja").read_text()
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a + b",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+]
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>'
 
 
@@ -65,8 +73,10 @@ def test_the_key_reads_what_the_model_saw_not_how_the_client_spelled_it():
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
     respaced = {**call, "id": "other-id", "function": {"name": "add", "arguments": '{"b":2,"a":1}'}}
     a = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
-    b = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
-         {"role": "assistant", "content": "", "tool_calls": [respaced]}]  # fmt: skip
+    b = [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": "", "tool_calls": [respaced]},
+    ]
     assert conversation_keys(a) == conversation_keys(b)
     edited = [a[0], {**a[1], "tool_calls": [{**call, "function": {"name": "add", "arguments": '{"a": 1, "b": 3}'}}]}]
     assert (
@@ -171,9 +181,18 @@ def test_a_template_that_rewrites_history_starts_a_new_root(base_tokenizer):  # 
     )
     tree = SessionTree(TemplateRenderer(tok))
     user = [{"role": "user", "content": "2 + 2?"}]
-    play(tree, tok, end, [(user, "<think>easy</think>4"),
-                          ([*user, {"role": "assistant", "content": "<think>easy</think>4"},
-                            {"role": "user", "content": "Sure?"}], "Yes")])  # fmt: skip
+    play(
+        tree,
+        tok,
+        end,
+        [
+            (user, "<think>easy</think>4"),
+            (
+                [*user, {"role": "assistant", "content": "<think>easy</think>4"}, {"role": "user", "content": "Sure?"}],
+                "Yes",
+            ),
+        ],
+    )
     assert len(tree.roots) == 2 and tree.forks == 1  # rendered whole: exact for what the engine was given
 
 
@@ -387,8 +406,9 @@ def test_tool_calls_are_read_only_where_tools_were_offered(base_tokenizer):  # n
         s = await sessions.create("alice")
         user = [{"role": "user", "content": "17 + 25?"}]
         plain = await chat(sessions, s, user)
-        offered = await sessions.chat(s, user, TOOLS, sessions.prepare(s, user, TOOLS),
-                                      [SamplingParams(max_new_tokens=8)], [])  # fmt: skip
+        offered = await sessions.chat(
+            s, user, TOOLS, sessions.prepare(s, user, TOOLS), [SamplingParams(max_new_tokens=8)], []
+        )
         return plain, offered
 
     plain, offered = asyncio.run(main())

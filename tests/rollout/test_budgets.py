@@ -49,8 +49,9 @@ def scripted(calls: list, delay_s: float = 0.0):
 def episode(env, generate, **cfg):
     config = EpisodeConfig(max_turns=5, sampling=SamplingParams(max_new_tokens=32), **cfg)
     t0 = time.monotonic()
-    traj = asyncio.run(run_episode(env, 0, generate, CharTokenizer(), config, trajectory_id="t/0", group_id="t",
-                                   prompt_id="p0"))  # fmt: skip
+    traj = asyncio.run(
+        run_episode(env, 0, generate, CharTokenizer(), config, trajectory_id="t/0", group_id="t", prompt_id="p0")
+    )
     return traj, time.monotonic() - t0
 
 

@@ -23,8 +23,10 @@ def test_fixed_lengths_give_the_analytic_synchronous_step():
 
 
 def test_asynchrony_shortens_steps_and_fills_engines_under_the_long_tail():
-    runs = {a: ceiling(SimEngineConfig(), SimTrainerConfig(), async_ratio=a, steps=60, warmup=10, **SHAPE)
-            for a in (0, 1, 2, 4)}  # fmt: skip
+    runs = {
+        a: ceiling(SimEngineConfig(), SimTrainerConfig(), async_ratio=a, steps=60, warmup=10, **SHAPE)
+        for a in (0, 1, 2, 4)
+    }
     steps = [runs[a]["step_s"] for a in (0, 1, 2, 4)]
     occupancy = [runs[a]["engine_occupancy"] for a in (0, 1, 2, 4)]
     assert steps == sorted(steps, reverse=True) and steps[0] > 2.5 * steps[2]
@@ -50,8 +52,17 @@ def test_plan_reads_the_workload_from_a_run_config(tmp_path, tiny_model):
     from services.bench.async_bench import SCENARIOS, _config
     from services.config import load_config
 
-    path = _config(tmp_path, "w", SCENARIOS["async_2"], False, engines=3, time_scale=25, steps=3,
-                   tokenizer=tiny_model, groups_per_step=4)  # fmt: skip
+    path = _config(
+        tmp_path,
+        "w",
+        SCENARIOS["async_2"],
+        False,
+        engines=3,
+        time_scale=25,
+        steps=3,
+        tokenizer=tiny_model,
+        groups_per_step=4,
+    )
     lines: list[str] = []
     out = plan(load_config(path, []), [24], [2, 4], target=0.5, progress=lines.append)
     assert (out["engines"], out["max_running"], out["group_size"]) == (3, 64, 8)
@@ -66,6 +77,10 @@ def test_the_cli_names_a_bad_option_without_a_traceback():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "bench", "ceiling", "--groups-per-step", "0"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "bench", "ceiling", "--groups-per-step", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "groups_per_step" in proc.stderr and "Traceback" not in proc.stderr

@@ -44,11 +44,25 @@ MISTRAL_LIKE = (
     "{% elif m['role'] == 'tool' %}[TOOL_RESULTS] {{ m['content'] }} [/TOOL_RESULTS]"
     "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
 )
-SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "[INST]", "[/INST]",
-            "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "<s>", "</s>"]  # fmt: skip
+SPECIALS = [
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "[INST]",
+    "[/INST]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "<s>",
+    "</s>",
+]
 # (template, the token that ends an assistant turn); None: SmolLM2's own template
-TEMPLATES = {"smollm2": (None, "<|im_end|>"), "qwen2": (QWEN2_LIKE, "<|im_end|>"),
-             "llama3": (LLAMA3_LIKE, "<|eot_id|>"), "mistral": (MISTRAL_LIKE, "</s>")}  # fmt: skip
+TEMPLATES = {
+    "smollm2": (None, "<|im_end|>"),
+    "qwen2": (QWEN2_LIKE, "<|im_end|>"),
+    "llama3": (LLAMA3_LIKE, "<|eot_id|>"),
+    "mistral": (MISTRAL_LIKE, "</s>"),
+}
 ANSWERS = ["Let me add them: 17 + 25 = 42.", "It is 42, as the tool says.", "Done!"]
 OBSERVATIONS = [("tool", "calc(17 + 25) = 42"), ("user", "Are you sure? Check it again, please."), None]
 
@@ -128,8 +142,9 @@ def test_an_episode_is_the_template_of_the_whole_conversation(base_tokenizer, na
     assert traj.finish_reason == FinishReason.STOP and len(prompts) == 3
     assert "chat_render" not in traj.metadata
     messages = conversation(env, ANSWERS)
-    rendered = [tok.apply_chat_template(messages[: 2 * i + 1], add_generation_prompt=True, tokenize=False)
-                for i in range(3)]  # fmt: skip
+    rendered = [
+        tok.apply_chat_template(messages[: 2 * i + 1], add_generation_prompt=True, tokenize=False) for i in range(3)
+    ]
     generated = [tok.encode(a, add_special_tokens=False) + [end_id] for a in ANSWERS]
     # The first prompt is the template's own; each later one is the one before, the answer exactly
     # as generated, then the template's text for the new turn, tokenized on its own.
@@ -185,8 +200,9 @@ def test_after_a_length_stop_the_closing_is_appended_unmasked(base_tokenizer):
     generate, prompts = scripted_engine(tok, end_id, ANSWERS, stop=False)
     traj = run(tok, env, generate)
     messages = conversation(env, ANSWERS)
-    second = tok.encode(tok.apply_chat_template(messages[:3], add_generation_prompt=True, tokenize=False),
-                        add_special_tokens=False)  # fmt: skip
+    second = tok.encode(
+        tok.apply_chat_template(messages[:3], add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     assert prompts[1] == second  # the template's <|im_end|>\n closes the cut answer
     ids, mask = traj.token_ids.tolist(), traj.loss_mask.tolist()
     closes = [i for i, t in enumerate(ids) if t == end_id]

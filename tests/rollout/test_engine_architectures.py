@@ -30,8 +30,16 @@ from rollout.sampling import SamplingParams
 from tests.rollout.test_embedded_engine import teacher_forced_logprobs
 
 T = 60
-SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None)  # fmt: skip
+SIZE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=None,
+)
 ARCHS = {
     "llama": (LlamaConfig, {}),
     "qwen2-windowed": (Qwen2Config, dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),
@@ -84,7 +92,7 @@ def test_sampled_logprobs_equal_a_teacher_forced_forward_while_rows_leave_and_ab
     futs = [
         engine.submit(
             f"s{i}", p, SamplingParams(max_new_tokens=10 + 9 * i, temperature=0.8, ignore_eos=True, sampling_seed=i)
-        )  # fmt: skip
+        )
         for i, p in enumerate(PROMPTS)
     ]
     long = engine.submit("long", [5, 6, 7], SamplingParams(max_new_tokens=300, ignore_eos=True))
@@ -151,8 +159,10 @@ def test_smollm2_greedy_equals_generate_and_sampled_logprobs_equal_teacher_forci
     greedy = [
         engine.submit(f"sg{i}", p, SamplingParams(max_new_tokens=16, temperature=0)) for i, p in enumerate(prompts)
     ]
-    sampled = [engine.submit(f"ss{i}", p, SamplingParams(max_new_tokens=16, sampling_seed=i, ignore_eos=True))
-               for i, p in enumerate(prompts)]  # fmt: skip
+    sampled = [
+        engine.submit(f"ss{i}", p, SamplingParams(max_new_tokens=16, sampling_seed=i, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     for p, g, s in zip(prompts, greedy, sampled):
         out = g.result(T)
         ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :].tolist()

@@ -60,7 +60,13 @@ def test_the_calculator_evaluates_arithmetic_and_nothing_else():
     from rollout.envs.calculator import CalculatorError, calculate
 
     assert [calculate(e) for e in ("12 * (3 + 4)", "7 / 2", " -3 + 10 ", "9 // 2", "2 ** 10", "1/3")] == [
-        "84", "3.5", "7", "4", "1024", "0.333333"]  # fmt: skip
+        "84",
+        "3.5",
+        "7",
+        "4",
+        "1024",
+        "0.333333",
+    ]
     for bad in ("__import__('os').system('true')", "1 / 0", "2 ** 1000", "x + 1", "3 +", "1" * 300):
         with pytest.raises(CalculatorError):
             calculate(bad)
@@ -69,8 +75,11 @@ def test_the_calculator_evaluates_arithmetic_and_nothing_else():
 def test_calculator_env_answers_tool_calls_then_scores_the_answer():
     from rollout.envs.calculator import CalculatorEnv, CalculatorEnvConfig
 
-    env = CalculatorEnv([{"prompt": "Ann has 12 boxes of 7 pens. How many pens?", "answer": "84"}], exact_match,
-                        CalculatorEnvConfig(max_calls=2))  # fmt: skip
+    env = CalculatorEnv(
+        [{"prompt": "Ann has 12 boxes of 7 pens. How many pens?", "answer": "84"}],
+        exact_match,
+        CalculatorEnvConfig(max_calls=2),
+    )
     assert env.reset(0).startswith("Ann has 12 boxes") and "<calc>" in env.reset(0)
     call = env.step("Let me compute <calc>12*7</calc>")
     assert (call.observation, call.role, call.done, call.reward) == ("84", "tool", False, 0.0)

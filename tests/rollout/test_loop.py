@@ -44,8 +44,15 @@ class ScriptedEngine:
     """Answers ``reply(request_id)`` at the controller's current version. ``transient`` calls fail
     with a ``TransientError`` first; a request id in ``held`` waits until it is aborted."""
 
-    def __init__(self, controller: AsyncController, reply=lambda rid: "7", transient: int = 0, error=None,
-                 fails=lambda rid: False, hold=lambda rid: False):  # fmt: skip
+    def __init__(
+        self,
+        controller: AsyncController,
+        reply=lambda rid: "7",
+        transient: int = 0,
+        error=None,
+        fails=lambda rid: False,
+        hold=lambda rid: False,
+    ):
         self.controller, self.reply, self.transient, self.error = controller, reply, transient, error
         self.fails = fails  # request ids that raise a (non-transient) error
         self.hold = hold  # request ids that wait until they are aborted
@@ -101,8 +108,16 @@ def make_loop(engine_kw=None, *, async_ratio=0, groups_per_step=2, filter_zero_v
     engine = ScriptedEngine(controller, **(engine_kw or {}))
     cfg = {"group_size": 2, "num_workers": 4, "reward": "exact_match", "admit_poll_s": 0.005, **cfg}
     config = RolloutConfig(**cfg)
-    loop = RolloutLoop(config, rows=ROWS, tokenizer=CharTokenizer(), reward_fn=lambda r, a: float(r == a),
-                       admission=controller, engine=engine, sink=buffer, observer=Recorder())  # fmt: skip
+    loop = RolloutLoop(
+        config,
+        rows=ROWS,
+        tokenizer=CharTokenizer(),
+        reward_fn=lambda r, a: float(r == a),
+        admission=controller,
+        engine=engine,
+        sink=buffer,
+        observer=Recorder(),
+    )
     return loop, controller, buffer, engine
 
 
@@ -374,8 +389,9 @@ def test_redundant_members_fill_a_group_without_waiting_for_the_slowest():
 
     async def main():
         hold = lambda rid: rid[-1] in "13"  # noqa: E731
-        loop, ctl, buffer, engine = make_loop({"hold": hold, "reply": lambda rid: "7" if rid[-1] == "0" else "1"},
-                                              redundant_members=2, group_size=2)  # fmt: skip
+        loop, ctl, buffer, engine = make_loop(
+            {"hold": hold, "reply": lambda rid: "7" if rid[-1] == "0" else "1"}, redundant_members=2, group_size=2
+        )
         await loop.start()
         await until(lambda: loop.counters["groups_put"] >= 2)
         await loop.stop()
@@ -397,8 +413,9 @@ def test_redundant_members_cover_for_failed_ones():
     """A member whose generation fails does not count toward the group: the redundant one takes its place."""
 
     async def main():
-        loop, ctl, buffer, _ = make_loop({"fails": lambda rid: rid[-1] == "0"}, redundant_members=1, group_size=2,
-                                         filter_zero_variance=False)  # fmt: skip
+        loop, ctl, buffer, _ = make_loop(
+            {"fails": lambda rid: rid[-1] == "0"}, redundant_members=1, group_size=2, filter_zero_variance=False
+        )
         await loop.start()
         await until(lambda: loop.counters["groups_put"] >= 2)
         await loop.stop()
@@ -416,8 +433,9 @@ def test_redundant_members_under_batch_scheduling():
     short, the barrier opened for members 0 and 1, which filled their group without it)."""
 
     async def main():
-        loop, ctl, buffer, engine = make_loop({"hold": lambda rid: rid.endswith("/2")}, redundant_members=1,
-                                              group_size=2, scheduling="batch")  # fmt: skip
+        loop, ctl, buffer, engine = make_loop(
+            {"hold": lambda rid: rid.endswith("/2")}, redundant_members=1, group_size=2, scheduling="batch"
+        )
         await loop.start()
         await until(lambda: len(engine.held) >= 2)  # both groups of the step are waiting on member 2
         await asyncio.sleep(0.1)
@@ -443,8 +461,9 @@ def test_tail_batching_defers_the_long_tail_to_a_long_round_and_trains_it():
         return row in slow and first.setdefault(row, gid) == gid
 
     async def main():
-        loop, ctl, buffer, engine = make_loop({"hold": hold}, scheduling="tail", groups_per_step=2,
-                                              tail_batching={"redundant_prompts": 2})  # fmt: skip
+        loop, ctl, buffer, engine = make_loop(
+            {"hold": hold}, scheduling="tail", groups_per_step=2, tail_batching={"redundant_prompts": 2}
+        )
         loop._order = list(range(len(ROWS)))  # prompts in order: 3 and 7 come in the second and fourth rounds
         await loop.start()
         trained = []

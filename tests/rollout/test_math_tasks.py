@@ -46,8 +46,21 @@ def test_reasoning_gym_rows_are_seeded_and_verifiable():
 
 def test_make_dataset_cli_writes_jsonl_and_refuses_bad_options(tmp_path):
     out = tmp_path / "train.jsonl"
-    cmd = [sys.executable, "-m", "services.cli", "make-dataset", "basic_arithmetic", "--out", str(out), "--size", "5",
-           "--param", "max_terms=2", "--param", "max_digits=1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "make-dataset",
+        "basic_arithmetic",
+        "--out",
+        str(out),
+        "--size",
+        "5",
+        "--param",
+        "max_terms=2",
+        "--param",
+        "max_digits=1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(x) for x in out.read_text().splitlines()]
@@ -61,8 +74,9 @@ def test_make_dataset_exclude_keeps_a_held_out_set_apart(tmp_path):
     base = [sys.executable, "-m", "services.cli", "make-dataset", "chain_sum", "--size", "5", "--param", "max_digits=3"]
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     assert subprocess.run(base + ["--out", str(train), "--seed", "0"], capture_output=True, timeout=120).returncode == 0
-    proc = subprocess.run(base + ["--out", str(held), "--seed", "1", "--exclude", str(train)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        base + ["--out", str(held), "--seed", "1", "--exclude", str(train)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and "4 of 5 rows dropped" in proc.stdout, proc.stdout + proc.stderr
     train_prompts = {json.loads(x)["prompt"] for x in train.read_text().splitlines()}
     held_prompts = [json.loads(x)["prompt"] for x in held.read_text().splitlines()]

@@ -51,8 +51,9 @@ def test_a_caller_bound_covers_the_wait_for_a_worker():
     assert 0.45 < waited < 1.5 and cut < 2.5 and pool.failures["busy"] == 1
 
 
-@pytest.mark.parametrize(("fn", "bad", "cause"), [("hang", "hang", "timeout"), ("crash", "crash", "crashed"),
-                                                  ("raise_", "raise", "raised")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fn", "bad", "cause"), [("hang", "hang", "timeout"), ("crash", "crash", "crashed"), ("raise_", "raise", "raised")]
+)
 def test_a_verifier_that_misbehaves_costs_one_score_and_the_pool_goes_on(fn, bad, cause):
     pool = RewardPool(f"{FNS}:{fn}", workers=1, timeout_s=1.0)
     try:

@@ -124,11 +124,15 @@ def test_no_network(reward, listener):
         ("sleep forever", "import time\ntime.sleep(3600)", "timeout", 6),
         ("allocate 4 GiB", "x = bytearray(4 * 1024 ** 3)", "memory", 3),
         ("print gigabytes", "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", "output", 3),
-        ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-         "timeout", 6),
+        (
+            "fork bomb",
+            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            "timeout",
+            6,
+        ),
         ("segfault", "import ctypes\nctypes.string_at(0)", "killed", 3),
     ],
-)  # fmt: skip
+)
 def test_an_attack_is_contained_scored_0_and_counted(reward, name, body, outcome, within_s):
     before = dict(reward.failures)
     t0 = time.monotonic()

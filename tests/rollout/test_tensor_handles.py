@@ -22,8 +22,13 @@ def _payload(items) -> str:
 
 def test_cpu_tensors_round_trip_exactly_and_the_segment_goes_with_close():
     # float32, bfloat16, a scalar, an empty tensor and a non-contiguous view
-    named = [("w", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("s", torch.tensor(2.5)),
-             ("e", torch.empty(0, 4)), ("t", torch.randn(4, 6).t())]  # fmt: skip
+    named = [
+        ("w", torch.randn(3, 5)),
+        ("b", torch.randn(7).to(torch.bfloat16)),
+        ("s", torch.tensor(2.5)),
+        ("e", torch.empty(0, 4)),
+        ("t", torch.randn(4, 6).t()),
+    ]
     strategy = torch.multiprocessing.get_sharing_strategy()
     handles = th.dumps(named)
     segment = Path("/dev/shm") / handles.segment.name
@@ -39,14 +44,17 @@ def test_cpu_tensors_round_trip_exactly_and_the_segment_goes_with_close():
     assert torch.multiprocessing.get_sharing_strategy() == strategy  # nothing global changed, no manager forked
 
 
-@pytest.mark.parametrize("args, error", [
-    (("..//etc/passwd", 0, "float32", (1,)), "not a rollmesh weight segment"),
-    (("torch_12345_678", 0, "float32", (1,)), "not a rollmesh weight segment"),
-    ((None, 0, "int64", (1,)), "dtype 'int64'"),
-    ((None, 0, "float32", (10**6,)), "lie outside"),
-    ((None, -8, "float32", (1,)), "lie outside"),
-    ((None, 0, "float32", (2, -1)), "not a tuple of sizes"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (("..//etc/passwd", 0, "float32", (1,)), "not a rollmesh weight segment"),
+        (("torch_12345_678", 0, "float32", (1,)), "not a rollmesh weight segment"),
+        ((None, 0, "int64", (1,)), "dtype 'int64'"),
+        ((None, 0, "float32", (10**6,)), "lie outside"),
+        ((None, -8, "float32", (1,)), "lie outside"),
+        ((None, 0, "float32", (2, -1)), "not a tuple of sizes"),
+    ],
+)
 def test_a_reference_names_only_bytes_inside_a_rollmesh_segment(args, error):
     handles = th.dumps([("w", torch.ones(4))])
     try:

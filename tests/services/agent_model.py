@@ -48,8 +48,9 @@ def build_tool_agent_model(out: Path, tools: list[dict], steps: int = 100, seed:
     messages = script(3, 4)  # one script, learned by heart: the test needs the tool loop, not arithmetic
 
     def render(upto: int, prompt: bool) -> list[int]:
-        text = tok.apply_chat_template(messages[:upto], tools=tools, chat_template=TEMPLATE, tokenize=False,
-                                       add_generation_prompt=prompt)  # fmt: skip
+        text = tok.apply_chat_template(
+            messages[:upto], tools=tools, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=prompt
+        )
         return tok.encode(text if prompt else text.rstrip("\n"), add_special_tokens=False)
 
     ids = render(len(messages), False)

@@ -50,6 +50,11 @@ def digit_rollout(mesh, tokenizer_path: str):
     from services.env_manager.config import EnvManagerConfig
     from services.env_manager.server import build_loop
 
-    config = EnvManagerConfig(tokenizer_path=tokenizer_path, group_size=4, num_workers=3, reward="digit_answer",
-                              episode={"sampling": {"max_new_tokens": 2}})  # fmt: skip
+    config = EnvManagerConfig(
+        tokenizer_path=tokenizer_path,
+        group_size=4,
+        num_workers=3,
+        reward="digit_answer",
+        episode={"sampling": {"max_new_tokens": 2}},
+    )
     return build_loop(config, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)

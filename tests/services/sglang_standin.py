@@ -42,16 +42,27 @@ def create_standin(engine: EmbeddedEngine, weight_version: str = "default") -> F
 
     @app.get("/get_model_info")
     async def get_model_info():
-        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": state["weight_version"]}  # fmt: skip
+        return {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": state["weight_version"],
+        }
 
     @app.post("/generate")
     async def generate(req: dict):
         params = SamplingParams(**(req.get("sampling_params") or {}))
         out = await asyncio.wrap_future(engine.submit(req.get("rid") or f"r{time.time()}", req["input_ids"], params))
-        meta = {"id": out.rid, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
-                "completion_tokens": len(out.output_ids), "cached_tokens": 0, "weight_version": state["weight_version"],
-                "e2e_latency": out.e2e_latency_s}  # fmt: skip
+        meta = {
+            "id": out.rid,
+            "finish_reason": out.finish_reason,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": len(out.output_ids),
+            "cached_tokens": 0,
+            "weight_version": state["weight_version"],
+            "e2e_latency": out.e2e_latency_s,
+        }
         if req.get("return_logprob"):
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.behavior_logprobs, out.output_ids)]
         return {"text": "", "output_ids": out.output_ids, "meta_info": meta}
@@ -81,8 +92,10 @@ def create_standin(engine: EmbeddedEngine, weight_version: str = "default") -> F
             fut = await asyncio.to_thread(engine.load_weights_from_disk, req["model_path"], None)
             await asyncio.wrap_future(fut)
         except Exception as e:
-            return JSONResponse({"success": False, "message": f"Failed to update weights: {e}",
-                                 "num_paused_requests": 0}, status_code=400)  # fmt: skip
+            return JSONResponse(
+                {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0},
+                status_code=400,
+            )
         message = "Succeeded to update model weights."
         if req.get("weight_version") is not None:
             state["weight_version"] = req["weight_version"]

@@ -6,8 +6,23 @@ import sys
 
 
 def _bench(tiny_model, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "services.cli", "bench", "async", "--model", tiny_model, "--steps", "1",
-           "--warmup", "1", "--time-scale", "200", *args, "--json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "bench",
+        "async",
+        "--model",
+        tiny_model,
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--time-scale",
+        "200",
+        *args,
+        "--json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -18,8 +33,9 @@ def _bench(tiny_model, *args: str) -> dict:
 
 
 def test_async_and_sync_scenarios_train_every_step_within_the_staleness_bound(tiny_model):
-    out = _bench(tiny_model, "--scenario", "sync_batch", "--scenario", "async_2", "--no-agentic",
-                 "--groups-per-step", "12")  # fmt: skip
+    out = _bench(
+        tiny_model, "--scenario", "sync_batch", "--scenario", "async_2", "--no-agentic", "--groups-per-step", "12"
+    )
     sync, async2 = out["scenarios"]["sync_batch"], out["scenarios"]["async_2"]
     assert out["staleness_within_bound"] and async2["max_staleness"] <= 2 and sync["max_staleness"] == 0
     assert isinstance(out["rlvr_speedup_async2_vs_sync"], float) and out["efficiency_vs_ideal_async2"] > 0
@@ -55,7 +71,17 @@ def test_tail_batching_with_over_provisioned_members(tiny_model):
 
 
 def test_an_unknown_scenario_is_refused_by_name(tiny_model):
-    cmd = [sys.executable, "-m", "services.cli", "bench", "async", "--model", tiny_model, "--tail",
-           "--scenario", "async_2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "bench",
+        "async",
+        "--model",
+        tiny_model,
+        "--tail",
+        "--scenario",
+        "async_2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--scenario: unknown ['async_2']" in proc.stderr

@@ -60,10 +60,15 @@ def test_every_rpc_of_every_service_refuses_a_missing_or_wrong_token(engine_url,
                 sample_buffer_pb2.DESCRIPTOR.services_by_name["SampleBuffer"]: mesh.buffer_client.address,
                 controller_pb2.DESCRIPTOR.services_by_name["AsyncController"]: mesh.controller_client.address,
             }
-            wiring = [f"mesh.proxy={mesh.proxy_client.address}", f"mesh.buffer={mesh.buffer_client.address}",
-                      f"mesh.controller={mesh.controller_client.address}", f"model_path={tiny_model}",
-                      "env_manager.dataset_path=examples/find_digit_train.jsonl", "autostart=false",
-                      f"metrics_port={free_port()}"]  # fmt: skip
+            wiring = [
+                f"mesh.proxy={mesh.proxy_client.address}",
+                f"mesh.buffer={mesh.buffer_client.address}",
+                f"mesh.controller={mesh.controller_client.address}",
+                f"model_path={tiny_model}",
+                "env_manager.dataset_path=examples/find_digit_train.jsonl",
+                "autostart=false",
+                f"metrics_port={free_port()}",
+            ]
             env_proc, env_address = await asyncio.to_thread(start_service_process, "env-manager", "env_manager", wiring)
             try:
                 addresses[env_manager_pb2.DESCRIPTOR.services_by_name["EnvManager"]] = env_address
@@ -102,20 +107,34 @@ def test_every_engine_route_refuses_a_missing_or_wrong_token(engine_url):
     refused = 'rollmesh_auth_refused_requests_total{reason="missing"}'
     missing = next(line for line in metrics.splitlines() if line.startswith(refused))
     assert float(missing.split()[-1]) >= len(routes) + 1
-    ok = httpx.post(engine_url + "/generate", headers=token, timeout=60,
-                    json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})  # fmt: skip
+    ok = httpx.post(
+        engine_url + "/generate",
+        headers=token,
+        timeout=60,
+        json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+    )
     assert ok.status_code == 200 and ok.json()["output_ids"]
 
 
 def test_a_service_without_a_token_refuses_to_start_unless_auth_is_disabled():
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "sample-buffer", "--set", f"buffer.port={port}",
-           "--set", "buffer.metrics_port=0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "sample-buffer",
+        "--set",
+        f"buffer.port={port}",
+        "--set",
+        "buffer.metrics_port=0",
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and TOKEN_ENV in res.stderr and "auth.disabled" in res.stderr, res.stderr
-    open_ = subprocess.Popen([*cmd, "--set", "auth.disabled=true"], env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)  # fmt: skip
+    open_ = subprocess.Popen(
+        [*cmd, "--set", "auth.disabled=true"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:  # a closed network may say so: then no call needs a token
         wait_grpc_healthy(f"127.0.0.1:{port}", 60, open_)
 
@@ -159,8 +178,10 @@ def test_tls_from_client_to_buffer_and_through_the_proxy_to_an_https_engine(tls,
             assert direct.output_ids
             proxy_server, proxy = await start_proxy(ProxyConfig(engine_urls=[url], port=0, metrics_port=0), auth)
             buf_server, buf, refresh = await start_buffer_service(BufferConfig(port=0, metrics_port=0), auth)
-            clients = [ProxyClient(f"127.0.0.1:{proxy_server.bound_port}", auth=auth),
-                       BufferClient(f"127.0.0.1:{buf_server.bound_port}", auth=auth)]  # fmt: skip
+            clients = [
+                ProxyClient(f"127.0.0.1:{proxy_server.bound_port}", auth=auth),
+                BufferClient(f"127.0.0.1:{buf_server.bound_port}", auth=auth),
+            ]
             plain = BufferClient(f"127.0.0.1:{buf_server.bound_port}", auth=AuthConfig(), timeout_s=3)
             try:
                 out = await clients[0].generate([1, 2, 3], 3)

@@ -24,8 +24,9 @@ def _publisher(client, tmp_path) -> CollectivePublisher:
     return CollectivePublisher(client, tmp_path / "run", bucket_mb=1, backend="gloo")
 
 
-def test_collective_moves_every_engine_to_the_trainer_weights_and_keeps_its_group(make_engine_process, tiny_model,
-                                                                                  tmp_path):  # fmt: skip
+def test_collective_moves_every_engine_to_the_trainer_weights_and_keeps_its_group(
+    make_engine_process, tiny_model, tmp_path
+):
     urls = [make_engine_process()[1], make_engine_process()[1]]
 
     async def main():
@@ -68,8 +69,9 @@ class _KillingProxyClient:
         return await self.client.update_weights_distributed(version, index, *args, **kwargs)
 
 
-def test_an_engine_dying_mid_broadcast_fails_the_update_at_once_and_rolls_it_back(make_engine_process, tiny_model,
-                                                                                  tmp_path):  # fmt: skip
+def test_an_engine_dying_mid_broadcast_fails_the_update_at_once_and_rolls_it_back(
+    make_engine_process, tiny_model, tmp_path
+):
     survivor, (victim, victim_url) = make_engine_process()[1], make_engine_process()
     urls = [survivor, victim_url]
 
@@ -102,8 +104,9 @@ def test_bad_collective_input_is_refused_by_name_and_everything_keeps_serving(en
         async with httpx.AsyncClient(base_url=engine_url, timeout=10, headers=http_headers(AuthConfig())) as c:
             body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
             errors["nccl"] = (await c.post("/init_weights_update_group", json=body)).json()  # SGLang's default
-            errors["rank"] = (await c.post("/init_weights_update_group",
-                                           json={**body, "backend": "gloo", "rank_offset": 2})).json()  # fmt: skip
+            errors["rank"] = (
+                await c.post("/init_weights_update_group", json={**body, "backend": "gloo", "rank_offset": 2})
+            ).json()
             errors["no_group"] = (
                 await c.post(
                     "/update_weights_from_distributed", json={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}

@@ -31,8 +31,9 @@ def test_a_colocated_step_trains_while_the_engines_are_released(make_engine_proc
     seen = {}
 
     async def main():
-        async with local_mesh(urls, tiny_model, {"filter_zero_variance": False}, async_ratio=1,
-                              groups_per_step=2) as mesh:  # fmt: skip
+        async with local_mesh(
+            urls, tiny_model, {"filter_zero_variance": False}, async_ratio=1, groups_per_step=2
+        ) as mesh:
             env = digit_rollout(mesh, tiny_model)
             engine = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3))
             train_step = engine.train_step
@@ -44,9 +45,16 @@ def test_a_colocated_step_trains_while_the_engines_are_released(make_engine_proc
 
             engine.train_step = observed
             cfg = TrainLoopConfig(steps=1, run_dir=str(tmp_path / "run"), get_timeout_s=60)
-            loop = TrainLoop(cfg, engine, source=mesh.buffer_client, control=mesh.controller_client,
-                             publisher=DiskPublisher(mesh.proxy_client, cfg.run_dir), groups_per_step=2,
-                             max_staleness=1, memory=ProxyMemory(mesh.proxy_client, lease_s=120))  # fmt: skip
+            loop = TrainLoop(
+                cfg,
+                engine,
+                source=mesh.buffer_client,
+                control=mesh.controller_client,
+                publisher=DiskPublisher(mesh.proxy_client, cfg.run_dir),
+                groups_per_step=2,
+                max_staleness=1,
+                memory=ProxyMemory(mesh.proxy_client, lease_s=120),
+            )
             await env.start()
             await loop.join()
             metrics = await loop.step()

@@ -19,8 +19,9 @@ def _write_run(run_dir, rewards, t0=1000.0, step_s=10.0, summary=None):
 
 
 def test_windows_wall_time_and_held_out_per_run(tmp_path):
-    _write_run(tmp_path / "a", [0.0, 0.2, 0.4, 0.6, 0.8], summary={"heldout_before": 0.3, "heldout_after": 0.7,
-                                                                 "wall_s": 99.0})  # fmt: skip
+    _write_run(
+        tmp_path / "a", [0.0, 0.2, 0.4, 0.6, 0.8], summary={"heldout_before": 0.3, "heldout_after": 0.7, "wall_s": 99.0}
+    )
     _write_run(tmp_path / "b", [1.0, 1.0], step_s=3.0)  # no summary yet: a run still going
     out = tmp_path / "plot.png"
     rows = compare([tmp_path / "a", tmp_path / "b"], out, window=2)
@@ -40,6 +41,10 @@ def test_smooth_is_a_trailing_mean():
 
 def test_a_directory_without_a_run_exits_2_naming_it(tmp_path):
     (tmp_path / "empty").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "compare", str(tmp_path / "empty")],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "compare", str(tmp_path / "empty")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and f"{tmp_path / 'empty'}: no metrics.jsonl" in proc.stderr

@@ -175,8 +175,9 @@ def test_bad_requests(engine, tiny_model):
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 2 + [grpc.StatusCode.FAILED_PRECONDITION] * 2
 
 
-def test_a_restarted_controller_restores_its_version_and_the_engines_weights(engine, tiny_model, tiny_model_b,
-                                                                             tmp_path):  # fmt: skip
+def test_a_restarted_controller_restores_its_version_and_the_engines_weights(
+    engine, tiny_model, tiny_model_b, tmp_path
+):
     """The committed version survives the controller: a new one reads it, brings the engine
     (here restarted at the initial weights, as after a full stop) to its weights before serving,
     and admits under that version's bound."""

@@ -64,8 +64,10 @@ def test_a_map_that_does_not_fit_the_run_or_the_machine_is_refused_by_field():
 
 def test_the_run_config_checks_the_map_against_its_engines_and_trainer(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("run: {num_engines: 2}\nengine: {type: sglang, tensor_parallel_size: 2}\n"
-                    "devices: {placement: disaggregated, engine_gpus: [0, 1, 2, 3], trainer_gpus: [4]}\n")  # fmt: skip
+    path.write_text(
+        "run: {num_engines: 2}\nengine: {type: sglang, tensor_parallel_size: 2}\n"
+        "devices: {placement: disaggregated, engine_gpus: [0, 1, 2, 3], trainer_gpus: [4]}\n"
+    )
     assert load_config(path).devices.engine_gpus == [0, 1, 2, 3]
     with pytest.raises(Exception, match="devices.engine_gpus: 4 GPU"):
         load_config(path, ["engine.tensor_parallel_size=1"])
@@ -79,11 +81,18 @@ def test_the_run_config_checks_the_map_against_its_engines_and_trainer(tmp_path)
 
 def test_rollmesh_run_refuses_a_gpu_map_on_a_machine_without_those_gpus(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text(f"train_loop: {{run_dir: {tmp_path / 'run'}}}\n"
-                    "devices: {placement: disaggregated, engine_gpus: [0], trainer_gpus: [1]}\n")  # fmt: skip
+    path.write_text(
+        f"train_loop: {{run_dir: {tmp_path / 'run'}}}\n"
+        "devices: {placement: disaggregated, engine_gpus: [0], trainer_gpus: [1]}\n"
+    )
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "run", str(path)], capture_output=True, text=True,
-                          timeout=120, env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "0"})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "0"},
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "devices.trainer_gpus: GPU 1 is not on this machine: 1 visible (0) (CUDA_VISIBLE_DEVICES)" in proc.stdout
     assert not (tmp_path / "run" / "logs").exists() or not any((tmp_path / "run" / "logs").iterdir())
@@ -101,8 +110,9 @@ def test_a_restarted_process_keeps_its_gpus(tmp_path):
     log = tmp_path / "engine.log"
     code = "import os, sys; print('gpus', os.environ.get('CUDA_VISIBLE_DEVICES')); sys.exit(1)"
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-c", code], env={"CUDA_VISIBLE_DEVICES": "4,5"}, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], env={"CUDA_VISIBLE_DEVICES": "4,5"}, stdout=out, stderr=subprocess.STDOUT
+        )
     s = Supervised("engine-0", proc, log, env={"CUDA_VISIBLE_DEVICES": "4,5"})
     proc.wait(30)
     deadline = time.monotonic() + 30

@@ -204,27 +204,41 @@ def test_text_prompts_and_sglang_fields_it_accepts_or_names(engine_url, tiny_mod
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     inert = {"log_metrics": False, "routing_key": "k", "priority": 3, "lora_path": None, "logprob_start_len": -1}
-    params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0, "skip_special_tokens": True, "n": 1,
-              "frequency_penalty": 0.0, "stop": None}  # fmt: skip
+    params = {
+        "max_new_tokens": 6,
+        "ignore_eos": True,
+        "temperature": 0,
+        "skip_special_tokens": True,
+        "n": 1,
+        "frequency_penalty": 0.0,
+        "stop": None,
+    }
     r = post(engine_url, "/generate", json={"text": "kq7x", "sampling_params": params, **inert})
     assert r.status_code == 200, r.text
     by_ids = post(engine_url, "/generate", json={"input_ids": tok.encode("kq7x"), "sampling_params": params}).json()
     assert r.json()["output_ids"] == by_ids["output_ids"] and r.json()["text"] == tok.decode(by_ids["output_ids"])
     for body, field, says in [
-        ({"text": "a", "sampling_params": {**params, "frequency_penalty": 0.5}}, "sampling_params.frequency_penalty",
-         "not supported by the embedded engine"),
+        (
+            {"text": "a", "sampling_params": {**params, "frequency_penalty": 0.5}},
+            "sampling_params.frequency_penalty",
+            "not supported by the embedded engine",
+        ),
         ({"text": "a", "lora_path": "/adapters/x"}, "lora_path", "not supported"),
         ({"text": "a", "no_such_field": 1}, "no_such_field", "unknown field"),
         ({"text": "a", "input_ids": [1]}, "input_ids", "exactly one of input_ids and text"),
         ({"text": ["a", "b"], "stream": True}, "stream", "one prompt"),
-    ]:  # fmt: skip
+    ]:
         bad = post(engine_url, "/generate", json=body)
         assert bad.status_code == 400 and bad.json()["field"] == field and says in bad.json()["message"], bad.text
 
 
 def test_stream_sends_each_token_then_the_answer_and_a_dropped_stream_aborts(engine_url):
-    body = {"input_ids": [1, 4, 5], "stream": True, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": [1, 4, 5],
+        "stream": True,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+    }
     with httpx.stream("POST", engine_url + "/generate", json=body, headers=http_headers(AuthConfig()), timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
@@ -235,8 +249,12 @@ def test_stream_sends_each_token_then_the_answer_and_a_dropped_stream_aborts(eng
     assert final["output_ids"] == chunks[-2]["output_ids"] and final["meta_info"]["finish_reason"]["type"] == "length"
     assert len(final["meta_info"]["output_token_logprobs"]) == 5
 
-    long = {"input_ids": [1, 4, 6], "stream": True, "rid": "gone", "sampling_params": {"max_new_tokens": 900,
-            "ignore_eos": True}}  # fmt: skip
+    long = {
+        "input_ids": [1, 4, 6],
+        "stream": True,
+        "rid": "gone",
+        "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+    }
     with httpx.stream("POST", engine_url + "/generate", json=long, headers=http_headers(AuthConfig()), timeout=60) as r:
         for n, line in enumerate(r.iter_lines()):  # noqa: B007
             if n >= 4:
@@ -269,11 +287,21 @@ def test_a_streamed_answer_is_joined_from_cumulative_and_from_incremental_events
 
     def event(ids, done, lps, finish=None):
         triples = [[lp, t, None] for lp, t in zip(lps, ids)]
-        return {"output_ids": ids, "meta_info": {"completion_tokens": done, "finish_reason": finish,
-                                                 "output_token_logprobs": triples, "weight_version": "3"}}  # fmt: skip
+        return {
+            "output_ids": ids,
+            "meta_info": {
+                "completion_tokens": done,
+                "finish_reason": finish,
+                "output_token_logprobs": triples,
+                "weight_version": "3",
+            },
+        }
 
-    cumulative = [event([5], 1, [-0.1]), event([5, 6], 2, [-0.1, -0.2]), event([5, 6, 7], 3, [-0.1, -0.2, -0.3],
-                  {"type": "length"})]  # fmt: skip
+    cumulative = [
+        event([5], 1, [-0.1]),
+        event([5, 6], 2, [-0.1, -0.2]),
+        event([5, 6, 7], 3, [-0.1, -0.2, -0.3], {"type": "length"}),
+    ]
     incremental = [event([5], 1, [-0.1]), event([6], 2, [-0.2]), event([7], 3, [-0.3], {"type": "length"})]
     for events in (cumulative, incremental):
         res = parse_generate_response(join_events(events))

@@ -24,10 +24,15 @@ from tests.services.mesh import local_mesh
 
 def test_env_manager_fills_the_buffer_within_the_admission_bound(engine_url, tiny_model):
     async def main():
-        async with local_mesh(engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0,
-                              groups_per_step=3) as mesh:  # fmt: skip
-            cfg = EnvManagerConfig(tokenizer_path=tiny_model, group_size=4, num_workers=5,
-                                   episode={"sampling": {"max_new_tokens": 3, "temperature": 1.0}})  # fmt: skip
+        async with local_mesh(
+            engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0, groups_per_step=3
+        ) as mesh:
+            cfg = EnvManagerConfig(
+                tokenizer_path=tiny_model,
+                group_size=4,
+                num_workers=5,
+                episode={"sampling": {"max_new_tokens": 3, "temperature": 1.0}},
+            )
             manager = build_loop(cfg, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
             await manager.start()
             for _ in range(200):
@@ -68,10 +73,12 @@ async def two_groups_with(engine_url: str, tiny_model: str, **cfg):
     its /metrics text and the LLMProxy's request count."""
     from prometheus_client import generate_latest
 
-    async with local_mesh(engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0,
-                          groups_per_step=2) as mesh:  # fmt: skip
-        config = EnvManagerConfig(tokenizer_path=tiny_model, group_size=2, num_workers=2,
-                                  episode={"sampling": {"max_new_tokens": 3}}, **cfg)  # fmt: skip
+    async with local_mesh(
+        engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0, groups_per_step=2
+    ) as mesh:
+        config = EnvManagerConfig(
+            tokenizer_path=tiny_model, group_size=2, num_workers=2, episode={"sampling": {"max_new_tokens": 3}}, **cfg
+        )
         manager = build_loop(config, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
         await manager.start()
         for _ in range(400):
@@ -87,9 +94,14 @@ async def two_groups_with(engine_url: str, tiny_model: str, **cfg):
 def test_rewards_scored_in_worker_processes_count_their_failures(engine_url, tiny_model):
     """reward_workers: the verifier runs in worker processes; one that raises scores 0, the group is
     still put, and each failure is counted by cause on the EnvManager's /metrics."""
-    manager, groups, metrics, _ = asyncio.run(two_groups_with(
-        engine_url, tiny_model, reward="tests.rollout.reward_fns:always_raise",
-        reward_workers={"workers": 2, "timeout_s": 10}))  # fmt: skip
+    manager, groups, metrics, _ = asyncio.run(
+        two_groups_with(
+            engine_url,
+            tiny_model,
+            reward="tests.rollout.reward_fns:always_raise",
+            reward_workers={"workers": 2, "timeout_s": 10},
+        )
+    )
     manager.observer.reward_source.close()
     assert manager.counters["groups_put"] == 2 and all(t.reward == 0.0 for g in groups for t in g.trajectories)
     assert 'rollmesh_env_reward_failures_total{cause="raised"} 4.0' in metrics
@@ -101,8 +113,14 @@ def test_an_llm_judge_through_the_proxy_scores_and_stays_out_of_the_trajectories
     answer is scored by one judge generation through the proxy, and the trajectories hold only the
     task's prompt and the policy's answer. (The tiny model's verdicts are noise, so the pattern here
     takes any text as the verdict ''; parsing real verdicts: tests/rollout/test_judge.py.)"""
-    judge = {"type": "judge", "template": "Reference: {answer}\nAnswer: {response}\nVerdict:",
-             "verdict_pattern": "()", "scores": {"": 1.0}, "max_new_tokens": 4, "timeout_s": 20}  # fmt: skip
+    judge = {
+        "type": "judge",
+        "template": "Reference: {answer}\nAnswer: {response}\nVerdict:",
+        "verdict_pattern": "()",
+        "scores": {"": 1.0},
+        "max_new_tokens": 4,
+        "timeout_s": 20,
+    }
     manager, groups, metrics, proxy_requests = asyncio.run(two_groups_with(engine_url, tiny_model, reward=judge))
     judge = manager.observer.reward_source
     assert len(groups) == 2 and all(t.reward == 1.0 for g in groups for t in g.trajectories)
@@ -149,11 +167,16 @@ def test_a_group_that_outlives_the_bound_is_stopped_counted_and_its_slot_returne
 
     async def main():
         HeldEnv.held, HeldEnv.made = asyncio.Event(), 0
-        async with local_mesh(engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0,
-                              groups_per_step=1) as mesh:  # fmt: skip
-            cfg = EnvManagerConfig(tokenizer_path=tiny_model, group_size=2, num_workers=1,
-                                   env={"type": "custom", "cls": "tests.services.test_env_manager:HeldEnv"},
-                                   episode={"sampling": {"max_new_tokens": 3, "temperature": 1.0}})  # fmt: skip
+        async with local_mesh(
+            engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0, groups_per_step=1
+        ) as mesh:
+            cfg = EnvManagerConfig(
+                tokenizer_path=tiny_model,
+                group_size=2,
+                num_workers=1,
+                env={"type": "custom", "cls": "tests.services.test_env_manager:HeldEnv"},
+                episode={"sampling": {"max_new_tokens": 3, "temperature": 1.0}},
+            )
             manager = build_loop(cfg, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
             await manager.start()
             for _ in range(400):  # the first group: member 0 done at v0, member 1 held in its step
@@ -225,8 +248,9 @@ def test_proxy_generate_maps_grpc_errors_to_the_projects_own():
     async def main():
         client = ProxyClient(f"127.0.0.1:{free_port()}")
         try:
-            await ProxyGenerate(client).generate([1], SamplingParams(max_new_tokens=1), request_id="r", route="r",
-                                                 timeout_s=0.5)  # fmt: skip
+            await ProxyGenerate(client).generate(
+                [1], SamplingParams(max_new_tokens=1), request_id="r", route="r", timeout_s=0.5
+            )
         finally:
             await client.close()
 

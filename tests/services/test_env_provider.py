@@ -149,9 +149,11 @@ def test_bad_requests_are_named_and_the_provider_keeps_serving(provider):
 
         async with channel(provider["grpc"], auth=auth) as ch:
             stub, out = pb_grpc.EnvProviderStub(ch), []
-            for call in (stub.Reset(pb.ResetRequest(seed=1), timeout=5),
-                         stub.Step(pb.StepRequest(episode_id="bad-1", action="x" * 70_000), timeout=5),
-                         stub.Step(pb.StepRequest(episode_id="nobody", action="a"), timeout=5)):  # fmt: skip
+            for call in (
+                stub.Reset(pb.ResetRequest(seed=1), timeout=5),
+                stub.Step(pb.StepRequest(episode_id="bad-1", action="x" * 70_000), timeout=5),
+                stub.Step(pb.StepRequest(episode_id="nobody", action="a"), timeout=5),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await call
                 out.append((e.value.code(), e.value.details().split(":")[0]))
@@ -166,8 +168,12 @@ def test_bad_requests_are_named_and_the_provider_keeps_serving(provider):
     async def ws_errors():
         async with aiohttp.ClientSession(headers=h) as s, s.ws_connect(url + "/ws") as ws:
             out = []
-            for msg in ("{oops", json.dumps({"type": "jump"}), json.dumps({"type": "step", "data": {"content": 3}}),
-                        json.dumps({"type": "reset", "data": {"seed": 4}})):  # fmt: skip
+            for msg in (
+                "{oops",
+                json.dumps({"type": "jump"}),
+                json.dumps({"type": "step", "data": {"content": 3}}),
+                json.dumps({"type": "reset", "data": {"seed": 4}}),
+            ):
                 await ws.send_str(msg)
                 out.append(json.loads((await ws.receive(timeout=5)).data))
             return out
@@ -176,8 +182,10 @@ def test_bad_requests_are_named_and_the_provider_keeps_serving(provider):
     assert bad_json["type"] == "error" and bad_json["data"]["code"] == "INVALID_JSON"
     assert unknown["type"] == "error" and unknown["data"]["field"] == "type"
     assert bad_content["type"] == "error" and bad_content["data"]["field"] == "data.content"
-    assert reset == {"type": "observation", "data": {"observation": {"content": "start 4", "role": "user"},
-                                                     "reward": None, "done": False}}  # fmt: skip
+    assert reset == {
+        "type": "observation",
+        "data": {"observation": {"content": "start 4", "role": "user"}, "reward": None, "done": False},
+    }
     # still serving: the step the bad ones did not spoil
     r = step({"episode_id": "bad-1", "action": {"content": "ok"}, "request_id": "r1"})
     assert r.status_code == 200 and r.json()["observation"]["content"] == "echo ok"
@@ -308,8 +316,19 @@ def test_resets_go_to_the_providers_that_are_up(provider):
 def test_an_openenv_server_plugs_in_unchanged():
     """A server written with openenv-core alone (its own field names), driven over its WebSocket."""
     port = free_port()
-    cmd = [sys.executable, "-m", "uvicorn", "--factory", "tests.services.provider_envs:openenv_app",
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "tests.services.provider_envs:openenv_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -374,9 +393,17 @@ def test_the_rollout_loop_runs_multi_turn_episodes_on_a_provider(provider):
         env = {"type": "remote", "addresses": [provider["grpc"]], "num_seeds": 10}
         config = RolloutConfig(group_size=3, num_workers=2, env=env, episode={"max_turns": 4}, admit_poll_s=0.005)
         pool = build_pool(config.env, AuthConfig())
-        loop = RolloutLoop(config, rows=[{}] * 10, tokenizer=CharTokenizer(), reward_fn=None, admission=controller,
-                           engine=engine, sink=buffer, observer=Recorder(),
-                           make_env=functools.partial(RemoteEnv, pool))  # fmt: skip
+        loop = RolloutLoop(
+            config,
+            rows=[{}] * 10,
+            tokenizer=CharTokenizer(),
+            reward_fn=None,
+            admission=controller,
+            engine=engine,
+            sink=buffer,
+            observer=Recorder(),
+            make_env=functools.partial(RemoteEnv, pool),
+        )
         try:
             await loop.start()
             await until(lambda: loop.counters["groups_put"] >= 2, 20)

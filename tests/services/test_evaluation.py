@@ -16,8 +16,13 @@ def test_heldout_answers_that_time_out_count_as_wrong_and_are_reported(engine_ur
     rows.write_text("".join(json.dumps({"prompt": f"kq{d}x", "answer": str(d)}) + "\n" for d in range(6)))
 
     def cfg(timeout_s: float):
-        sets = [f"model_path={tiny_model}", f"run.heldout_path={rows}", "env_manager.reward=exact_match",
-                "env_manager.episode.sampling.max_new_tokens=200", f"run.heldout_timeout_s={timeout_s}"]  # fmt: skip
+        sets = [
+            f"model_path={tiny_model}",
+            f"run.heldout_path={rows}",
+            "env_manager.reward=exact_match",
+            "env_manager.episode.sampling.max_new_tokens=200",
+            f"run.heldout_timeout_s={timeout_s}",
+        ]
         return load_config(None, sets)
 
     async def go():

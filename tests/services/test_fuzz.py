@@ -65,8 +65,14 @@ OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
 # Answers a service may give to bad input. UNKNOWN / INTERNAL (an unhandled exception), UNAVAILABLE (an engine
 # or backend knocked out) and DEADLINE_EXCEEDED (a hang) all fail the test.
 # NOT_FOUND: an id that names nothing (an environment provider's episode).
-CLEAN = {OK, INVALID, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
-         grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND}  # fmt: skip
+CLEAN = {
+    OK,
+    INVALID,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.NOT_FOUND,
+}
 GRPC_DEFAULT_LIMIT = 4 << 20  # a server's receive limit unless it sets grpc.max_receive_message_length
 INT32 = st.integers(-(2**31), 2**31 - 1)
 INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -82,9 +88,13 @@ BAD_BUCKETS = [save({"model.embed_tokens.weight": torch.zeros(2)}), save({"no.su
 
 
 def fuzz(max_examples: int):
-    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.large_base_example])  # fmt: skip
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )
 
 
 def case(values: st.SearchStrategy, build=None, edges=()) -> tuple:
@@ -149,8 +159,13 @@ async def call(ch: grpc.aio.Channel, method: str, raw: bytes, timeout_s: float =
         return e.code(), e.details() or "", b""
 
 
-def check(code: grpc.StatusCode, details: str, field: str | tuple[str, ...] | None = None, what: object = "",
-          refuse: bool = False) -> None:  # fmt: skip
+def check(
+    code: grpc.StatusCode,
+    details: str,
+    field: str | tuple[str, ...] | None = None,
+    what: object = "",
+    refuse: bool = False,
+) -> None:
     """A clean answer; an INVALID_ARGUMENT says what is wrong and, where the input targeted one, names the field.
     ``refuse``: the value has no meaning there (NaN, a negative count, ...), so it must be an INVALID_ARGUMENT."""
     assert code in CLEAN, f"{what}: {code.name}: {details}"
@@ -278,8 +293,12 @@ def model_paths(tiny_model, tmp_path_factory) -> list[str]:
     """Directories an update may be pointed at: none, a file, empty, a config without weights, corrupt ones."""
     root = tmp_path_factory.mktemp("models")
     config = (Path(tiny_model) / "config.json").read_text()
-    paths = {"empty": root / "empty", "config_only": root / "config_only", "garbage": root / "garbage",
-             "bad_config": root / "bad_config"}  # fmt: skip
+    paths = {
+        "empty": root / "empty",
+        "config_only": root / "config_only",
+        "garbage": root / "garbage",
+        "bad_config": root / "bad_config",
+    }
     for p in paths.values():
         p.mkdir()
     (paths["config_only"] / "config.json").write_text(config)
@@ -305,8 +324,9 @@ def proxy(aio, engine):
         config = ProxyConfig(engine_urls=[engine.url], port=0, metrics_port=0, health_check_interval_s=0.2)
         server, core = await start_proxy(config)
         address = f"127.0.0.1:{server.bound_port}"
-        ns = SimpleNamespace(server=server, core=core, address=address, channel=channel(address),
-                             client=ProxyClient(address))  # fmt: skip
+        ns = SimpleNamespace(
+            server=server, core=core, address=address, channel=channel(address), client=ProxyClient(address)
+        )
         ns.reference = list((await greedy(ns.client)).output_ids)
         return ns
 
@@ -339,15 +359,16 @@ async def proxy_serves(px) -> None:
 
 
 PROXY_METHODS = {
-    "Generate": pb.GenerateRequest(input_ids=GREEDY_PROMPT, timeout_s=30,
-                                   sampling_params=pb.SamplingParams(max_new_tokens=2, temperature=0.0)),
+    "Generate": pb.GenerateRequest(
+        input_ids=GREEDY_PROMPT, timeout_s=30, sampling_params=pb.SamplingParams(max_new_tokens=2, temperature=0.0)
+    ),
     "Abort": pb.AbortRequest(request_id="nobody"),
     "Suspend": pb.SuspendRequest(mode=pb.SUSPEND_MODE_IN_PLACE, timeout_s=5),
     "Resume": pb.ResumeRequest(timeout_s=5),
     "UpdateWeights": pb.UpdateWeightsRequest(model_path="/nonexistent/model", weight_version=1, timeout_s=5),
     "UpdateWeightsBucket": pb.WeightBucket(weight_version=1, index=0, safetensors=b"\x07" * 8, timeout_s=5),
     "Stats": pb.StatsRequest(),
-}  # fmt: skip
+}
 
 
 def test_llm_proxy_answers_malformed_bytes_cleanly(aio, proxy):
@@ -363,8 +384,9 @@ def test_llm_proxy_answers_malformed_bytes_cleanly(aio, proxy):
 
 def generate_request(field: str, value, ids=GREEDY_PROMPT, max_new_tokens: int = 2) -> pb.GenerateRequest:
     """A valid small request with ``field`` set to ``value``."""
-    req = pb.GenerateRequest(input_ids=ids, timeout_s=30,
-                             sampling_params=pb.SamplingParams(max_new_tokens=max_new_tokens))  # fmt: skip
+    req = pb.GenerateRequest(
+        input_ids=ids, timeout_s=30, sampling_params=pb.SamplingParams(max_new_tokens=max_new_tokens)
+    )
     sp = req.sampling_params  # the request's own (a message given to a constructor is copied)
     if field == "input_ids":
         del req.input_ids[:]
@@ -382,13 +404,19 @@ def generate_cases(vocab: int, context: int) -> dict[str, tuple]:
     token = st.integers(0, vocab - 1)
     outside = st.one_of(st.integers(-(2**31), -1), st.integers(vocab, 2**31 - 1))
     hostile = {  # field: (drawn values, edges)
-        "input_ids": (st.one_of(
-            st.tuples(st.lists(token, max_size=4), outside, st.lists(INT32, max_size=4)).map(
-                lambda t: [*t[0], t[1], *t[2]]),
-            st.integers(context, 100_000).map(lambda n: [1] * n),  # more than the model's context
-        ), [[], [vocab], [-1], [2**31 - 1], [1] * context]),
-        "sampling_params.max_new_tokens": (st.one_of(st.integers(-(2**31), 0), st.integers(context, 2**31 - 1)),
-                                           [0, -1, -(2**31), context, 2**31 - 1]),
+        "input_ids": (
+            st.one_of(
+                st.tuples(st.lists(token, max_size=4), outside, st.lists(INT32, max_size=4)).map(
+                    lambda t: [*t[0], t[1], *t[2]]
+                ),
+                st.integers(context, 100_000).map(lambda n: [1] * n),  # more than the model's context
+            ),
+            [[], [vocab], [-1], [2**31 - 1], [1] * context],
+        ),
+        "sampling_params.max_new_tokens": (
+            st.one_of(st.integers(-(2**31), 0), st.integers(context, 2**31 - 1)),
+            [0, -1, -(2**31), context, 2**31 - 1],
+        ),
         "sampling_params.temperature": (FLOATS, FLOAT_EDGES),
         "sampling_params.top_p": (FLOATS, FLOAT_EDGES),
         "sampling_params.top_k": (INT32, INT32_EDGES),
@@ -397,13 +425,16 @@ def generate_cases(vocab: int, context: int) -> dict[str, tuple]:
         "timeout_s": (DOUBLES, DOUBLE_EDGES),
         "request_id": (st.text(max_size=200), ["\x00" * 1000]),
         "trajectory_id": (st.text(max_size=200), ["x" * 10_000]),
-    }  # fmt: skip
+    }
     base = st.tuples(st.lists(token, min_size=1, max_size=8), st.integers(1, 2))  # prompt, max_new_tokens
     return {
-        field: case(st.tuples(values, base), lambda v, f=field: generate_request(f, v[0], *v[1]),
-                    [(e, (GREEDY_PROMPT, 2)) for e in edges])
+        field: case(
+            st.tuples(values, base),
+            lambda v, f=field: generate_request(f, v[0], *v[1]),
+            [(e, (GREEDY_PROMPT, 2)) for e in edges],
+        )
         for field, (values, edges) in hostile.items()
-    }  # fmt: skip
+    }
 
 
 def must_refuse_generate(req: pb.GenerateRequest, field: str, vocab: int) -> bool:
@@ -421,8 +452,13 @@ def must_refuse_generate(req: pb.GenerateRequest, field: str, vocab: int) -> boo
 def test_llm_proxy_generate_with_hostile_values(aio, proxy, engine):
     async def one(req, field):
         code, details, out = await call(proxy.channel, "/rollmesh.v1.LLMProxy/Generate", req.SerializeToString())
-        check(code, details, field, what=f"{field}: {str(req)[:300]}",
-              refuse=must_refuse_generate(req, field, engine.vocab))  # fmt: skip
+        check(
+            code,
+            details,
+            field,
+            what=f"{field}: {str(req)[:300]}",
+            refuse=must_refuse_generate(req, field, engine.vocab),
+        )
         if code == OK:
             res = pb.GenerateResponse.FromString(out)
             assert len(res.output_ids) <= req.sampling_params.max_new_tokens
@@ -447,36 +483,56 @@ def proxy_control_cases(paths: list[str]) -> dict[str, tuple]:
     modes = sorted(pb.SuspendMode.values())
     return {
         "Suspend.mode": case(INT32, lambda m: pb.SuspendRequest(mode=m, timeout_s=5), [-1, len(modes), *INT32_EDGES]),
-        "Suspend.timeout_s": case(st.tuples(st.sampled_from(modes), DOUBLES),
-                                  lambda v: pb.SuspendRequest(mode=v[0], timeout_s=v[1]),
-                                  [(pb.SUSPEND_MODE_CONTINUE, t) for t in DOUBLE_EDGES]),
+        "Suspend.timeout_s": case(
+            st.tuples(st.sampled_from(modes), DOUBLES),
+            lambda v: pb.SuspendRequest(mode=v[0], timeout_s=v[1]),
+            [(pb.SUSPEND_MODE_CONTINUE, t) for t in DOUBLE_EDGES],
+        ),
         "Resume.timeout_s": case(DOUBLES, lambda t: pb.ResumeRequest(timeout_s=t), DOUBLE_EDGES),
-        "Abort.request_id": case(st.tuples(st.text(max_size=50), st.booleans()),
-                                 lambda v: pb.AbortRequest(request_id=v[0], abort_all=v[1]), [("", False), ("", True)]),
+        "Abort.request_id": case(
+            st.tuples(st.text(max_size=50), st.booleans()),
+            lambda v: pb.AbortRequest(request_id=v[0], abort_all=v[1]),
+            [("", False), ("", True)],
+        ),
         "UpdateWeights.model_path": case(
-            model_path_values(paths), lambda p: pb.UpdateWeightsRequest(model_path=p, weight_version=7, timeout_s=30),
-            paths),
+            model_path_values(paths),
+            lambda p: pb.UpdateWeightsRequest(model_path=p, weight_version=7, timeout_s=30),
+            paths,
+        ),
         "UpdateWeights.weight_version": case(
-            INT64, lambda v: pb.UpdateWeightsRequest(model_path=valid_model, weight_version=v, timeout_s=30),
-            INT64_EDGES),
+            INT64,
+            lambda v: pb.UpdateWeightsRequest(model_path=valid_model, weight_version=v, timeout_s=30),
+            INT64_EDGES,
+        ),
         "UpdateWeights.timeout_s": case(
-            DOUBLES, lambda t: pb.UpdateWeightsRequest(model_path="/nonexistent", weight_version=7, timeout_s=t),
-            DOUBLE_EDGES),
+            DOUBLES,
+            lambda t: pb.UpdateWeightsRequest(model_path="/nonexistent", weight_version=7, timeout_s=t),
+            DOUBLE_EDGES,
+        ),
         "UpdateWeightsBucket.index": case(
-            st.tuples(INT32, bucket), lambda v: pb.WeightBucket(weight_version=7, index=v[0], safetensors=v[1],
-                                                                timeout_s=30), [(i, b"") for i in INT32_EDGES]),
+            st.tuples(INT32, bucket),
+            lambda v: pb.WeightBucket(weight_version=7, index=v[0], safetensors=v[1], timeout_s=30),
+            [(i, b"") for i in INT32_EDGES],
+        ),
         "UpdateWeightsBucket.safetensors": case(
             st.tuples(bucket, st.booleans()),
-            lambda v: pb.WeightBucket(weight_version=7, safetensors=v[0], final=v[1], restore_path=valid_model,
-                                      timeout_s=30), [(b, True) for b in BAD_BUCKETS]),
+            lambda v: pb.WeightBucket(
+                weight_version=7, safetensors=v[0], final=v[1], restore_path=valid_model, timeout_s=30
+            ),
+            [(b, True) for b in BAD_BUCKETS],
+        ),
         "UpdateWeightsBucket.restore_path": case(
-            model_path_values(paths), lambda p: pb.WeightBucket(weight_version=7, final=True, restore_path=p,
-                                                                timeout_s=30), ["", "\x00"]),
-        "UpdateWeightsBucket.weight_version": case(INT64, lambda v: pb.WeightBucket(weight_version=v, timeout_s=30),
-                                                   INT64_EDGES),
-        "UpdateWeightsBucket.timeout_s": case(DOUBLES, lambda t: pb.WeightBucket(weight_version=7, timeout_s=t),
-                                              DOUBLE_EDGES),
-    }  # fmt: skip
+            model_path_values(paths),
+            lambda p: pb.WeightBucket(weight_version=7, final=True, restore_path=p, timeout_s=30),
+            ["", "\x00"],
+        ),
+        "UpdateWeightsBucket.weight_version": case(
+            INT64, lambda v: pb.WeightBucket(weight_version=v, timeout_s=30), INT64_EDGES
+        ),
+        "UpdateWeightsBucket.timeout_s": case(
+            DOUBLES, lambda t: pb.WeightBucket(weight_version=7, timeout_s=t), DOUBLE_EDGES
+        ),
+    }
 
 
 def must_refuse_control(method: str, req, field: str, under_way) -> bool:
@@ -484,8 +540,9 @@ def must_refuse_control(method: str, req, field: str, under_way) -> bool:
     if field == "timeout_s":
         return bad_timeout(req.timeout_s)
     if field == "index":  # bucket 0 starts an update; any other must continue the one under way
-        return req.index != 0 and not (under_way and (under_way.version, under_way.next_index) ==
-                                       (req.weight_version, req.index))  # fmt: skip
+        return req.index != 0 and not (
+            under_way and (under_way.version, under_way.next_index) == (req.weight_version, req.index)
+        )
     return {
         "mode": method == "Suspend" and req.mode not in pb.SuspendMode.values(),
         "request_id": method == "Abort" and not req.request_id and not req.abort_all,
@@ -527,8 +584,9 @@ def buffer(request, aio):
     async def start():
         server, core, refresh = await start_buffer_service(config)
         address = f"127.0.0.1:{server.bound_port}"
-        ns = SimpleNamespace(server=server, core=core, refresh=refresh, channel=channel(address),
-                             client=BufferClient(address))  # fmt: skip
+        ns = SimpleNamespace(
+            server=server, core=core, refresh=refresh, channel=channel(address), client=BufferClient(address)
+        )
         ns.kept = {f"kept-{i}": encode_group(make_group(f"kept-{i}", version=KEPT_VERSION)) for i in range(3)}
         assert all(r.accepted for r in await ns.client.put_many(list(ns.kept.values())))
         return ns
@@ -579,10 +637,15 @@ def test_sample_buffer_answers_malformed_bytes_cleanly(aio, buffer):
 
 # msgpack values of every kind, out-of-range and non-finite numbers included.
 MSGPACK_VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=8),
-    st.binary(max_size=8), st.lists(st.integers(-3, 3), max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    st.lists(st.integers(-3, 3), max_size=3),
     st.dictionaries(st.text(max_size=2), st.integers(-3, 3), max_size=2),
-)  # fmt: skip
+)
 HEADER_KEYS = ["g", "p", "v", "r", "n", "t"]
 
 
@@ -597,8 +660,20 @@ def _pack(header, body, flags: int = 0) -> bytes:
 
 
 # How a group's bytes get damaged; the damage of the ``ALWAYS_INVALID`` kinds never leaves a valid group.
-CORRUPTIONS = ["random", "truncated", "flipped", "tail", "prefix", "header", "header_number", "body", "body_number",
-               "disagree", "not_zlib", "empty"]  # fmt: skip
+CORRUPTIONS = [
+    "random",
+    "truncated",
+    "flipped",
+    "tail",
+    "prefix",
+    "header",
+    "header_number",
+    "body",
+    "body_number",
+    "disagree",
+    "not_zlib",
+    "empty",
+]
 ALWAYS_INVALID = {"truncated", "header_number", "body_number", "disagree", "not_zlib", "empty"}
 
 
@@ -739,8 +814,14 @@ def controller(aio, proxy, tiny_model):
         config = ControllerConfig(port=0, metrics_port=0, initial_model_path=tiny_model, update_timeout_s=30)
         server, core, proxy_client = await start_controller(config, proxy.address)
         address = f"127.0.0.1:{server.bound_port}"
-        return SimpleNamespace(server=server, core=core, proxy_client=proxy_client, channel=channel(address),
-                               client=ControllerClient(address), model=tiny_model)  # fmt: skip
+        return SimpleNamespace(
+            server=server,
+            core=core,
+            proxy_client=proxy_client,
+            channel=channel(address),
+            client=ControllerClient(address),
+            model=tiny_model,
+        )
 
     async def stop(ns):
         await ns.client.close()
@@ -825,8 +906,11 @@ def test_async_controller_answers_malformed_bytes_cleanly(aio, controller):
         def undo(out):
             return end_update(controller, cpb.BeginUpdateResponse.FromString(out).update_id)
 
-        aio.run(raw_call(controller.channel, "AsyncController", method, raw, expect,
-                         undo if method == "BeginUpdate" else None))  # fmt: skip
+        aio.run(
+            raw_call(
+                controller.channel, "AsyncController", method, raw, expect, undo if method == "BeginUpdate" else None
+            )
+        )
 
     run()
     aio.run(assert_oversized_refused(controller.channel, "AsyncController", "AbortUpdate", GRPC_DEFAULT_LIMIT, 2))
@@ -899,20 +983,28 @@ def controller_cases() -> dict[str, tuple]:
     text = st.text(max_size=40)
     return {
         "Admit.num_groups": case(INT32, lambda n: lambda ctl: admit(ctl, n), INT32_EDGES),
-        "Release": case(st.tuples(INT32, INT32, INT32), lambda t: lambda ctl: release(ctl, *t),
-                        [(-1, 0, 0), (0, -1, 0), (0, 0, -1), (2**31 - 1, 0, 0), (0, 0, 2**31 - 1)]),
+        "Release": case(
+            st.tuples(INT32, INT32, INT32),
+            lambda t: lambda ctl: release(ctl, *t),
+            [(-1, 0, 0), (0, -1, 0), (0, 0, -1), (2**31 - 1, 0, 0), (0, 0, 2**31 - 1)],
+        ),
         # committed at that version or aborted (the last version there is is kept for the end of the test)
-        "BeginUpdate.new_version": case(st.tuples(INT64, st.booleans()),
-                                        lambda t: lambda ctl: begin(ctl, t[0], 5, t[1]),
-                                        [(v, False) for v in [*INT64_EDGES, MAX_VERSION + 1]]),
-        "BeginUpdate.timeout_s": case(st.tuples(st.one_of(DOUBLES, st.floats(0.01, 0.3)), st.booleans()),
-                                      lambda t: lambda ctl: begin(ctl, None, *t), [(t, False) for t in DOUBLE_EDGES]),
+        "BeginUpdate.new_version": case(
+            st.tuples(INT64, st.booleans()),
+            lambda t: lambda ctl: begin(ctl, t[0], 5, t[1]),
+            [(v, False) for v in [*INT64_EDGES, MAX_VERSION + 1]],
+        ),
+        "BeginUpdate.timeout_s": case(
+            st.tuples(st.one_of(DOUBLES, st.floats(0.01, 0.3)), st.booleans()),
+            lambda t: lambda ctl: begin(ctl, None, *t),
+            [(t, False) for t in DOUBLE_EDGES],
+        ),
         "CommitUpdate.version": case(INT64, lambda v: lambda ctl: commit(ctl, v, None, None), INT64_EDGES),
         "CommitUpdate.model_path": case(text, lambda p: lambda ctl: commit(ctl, None, p, None), ["\x00"]),
         "CommitUpdate.update_id": case(text, lambda u: lambda ctl: commit(ctl, None, None, u), ["", "x" * 1000]),
         "AbortUpdate.reason": case(text, lambda r: lambda ctl: abort(ctl, r, None), [""]),
         "AbortUpdate.update_id": case(text, lambda u: lambda ctl: abort(ctl, "fuzz", u), [""]),
-    }  # fmt: skip
+    }
 
 
 def test_async_controller_with_hostile_values(aio, controller):
@@ -936,12 +1028,12 @@ def env_manager(aio, engine, tiny_model):
 
     async def start():
         mesh = await mesh_cm.__aenter__()
-        config = EnvManagerConfig(tokenizer_path=tiny_model, group_size=2, num_workers=2,
-                                  episode={"sampling": {"max_new_tokens": 2}})  # fmt: skip
+        config = EnvManagerConfig(
+            tokenizer_path=tiny_model, group_size=2, num_workers=2, episode={"sampling": {"max_new_tokens": 2}}
+        )
         loop = env_server.build_loop(config, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
         server = await start_server(env_server.build_handler(loop), env_server.SERVICE, "127.0.0.1", 0)
-        return SimpleNamespace(mesh=mesh, loop=loop, server=server,
-                               channel=channel(f"127.0.0.1:{server.bound_port}"))  # fmt: skip
+        return SimpleNamespace(mesh=mesh, loop=loop, server=server, channel=channel(f"127.0.0.1:{server.bound_port}"))
 
     async def stop(ns):
         await ns.loop.stop()
@@ -1021,11 +1113,17 @@ def test_env_manager_with_hostile_values(aio, env_manager):
     too_many = st.integers(env_server.MAX_WORKERS + 1, 2**31 - 1)
     timeouts = st.one_of(NON_FINITE, st.floats(max_value=-1e-300), st.floats(0, 0.2))
     cases = {
-        "Start.num_workers": case(st.one_of(st.integers(-(2**31), -1), st.integers(0, 2), too_many), start,
-                                  [-(2**31), -1, 0, env_server.MAX_WORKERS + 1, 2**31 - 1]),
-        "Stop.timeout_s": case(st.tuples(st.booleans(), timeouts, st.booleans()), lambda t: stop(*t),
-                               [(True, t, True) for t in [math.nan, math.inf, -math.inf, -1.0, 5e-324]]),
-    }  # fmt: skip
+        "Start.num_workers": case(
+            st.one_of(st.integers(-(2**31), -1), st.integers(0, 2), too_many),
+            start,
+            [-(2**31), -1, 0, env_server.MAX_WORKERS + 1, 2**31 - 1],
+        ),
+        "Stop.timeout_s": case(
+            st.tuples(st.booleans(), timeouts, st.booleans()),
+            lambda t: stop(*t),
+            [(True, t, True) for t in [math.nan, math.inf, -math.inf, -1.0, 5e-324]],
+        ),
+    }
     fuzz_each(cases, lambda name, coro: aio.run(coro), max_examples=8)
     aio.run(env_serves(env_manager))
 
@@ -1059,13 +1157,24 @@ JSON_VALUES = st.recursive(
 
 def http_bodies(model: str) -> dict[str, dict]:
     return {
-        "/generate": {"input_ids": [1, 40, 41], "return_logprob": True, "stream": False, "sampling_params": {
-            "max_new_tokens": 2, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [],
-            "ignore_eos": True, "sampling_seed": 1}},
+        "/generate": {
+            "input_ids": [1, 40, 41],
+            "return_logprob": True,
+            "stream": False,
+            "sampling_params": {
+                "max_new_tokens": 2,
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "top_k": -1,
+                "stop_token_ids": [],
+                "ignore_eos": True,
+                "sampling_seed": 1,
+            },
+        },
         "/abort_request": {"rid": "nobody", "abort_all": False},
         "/pause_generation": {"mode": "in_place"},
         "/update_weights_from_disk": {"model_path": model, "weight_version": "3", "abort_all_requests": False},
-    }  # fmt: skip
+    }
 
 
 def _is_json_object(data: bytes) -> bool:
@@ -1086,10 +1195,16 @@ def _paths(body: dict, prefix: str = "") -> list[str]:
 
 JSON_ROUTES = ["/generate", "/abort_request", "/pause_generation", "/update_weights_from_disk"]
 NUMBER_PATHS = {
-    "/generate": ["input_ids", "sampling_params.max_new_tokens", "sampling_params.temperature",
-                  "sampling_params.top_p", "sampling_params.top_k", "sampling_params.sampling_seed"],
+    "/generate": [
+        "input_ids",
+        "sampling_params.max_new_tokens",
+        "sampling_params.temperature",
+        "sampling_params.top_p",
+        "sampling_params.top_k",
+        "sampling_params.sampling_seed",
+    ],
     "/update_weights_from_disk": ["weight_version"],
-}  # fmt: skip
+}
 NUMBER_EDGES = [math.nan, math.inf, -math.inf, 2**70, -(2**70), FLOAT32_MIN, 1e308]
 
 
@@ -1123,8 +1238,11 @@ def http_requests(draw, route: str, kind: str, vocab: int, context: int, model_p
         text = json.dumps(body)
         return text[: draw(st.integers(0, len(text) - 1))].encode(), None, "body"
     if kind == "not_json":  # anything but a JSON object
-        data = st.one_of(st.binary(max_size=40), st.text(max_size=40).map(str.encode),
-                         JSON_VALUES.map(lambda v: json.dumps(v).encode()))  # fmt: skip
+        data = st.one_of(
+            st.binary(max_size=40),
+            st.text(max_size=40).map(str.encode),
+            JSON_VALUES.map(lambda v: json.dumps(v).encode()),
+        )
         return draw(data.filter(lambda b: not _is_json_object(b))), None, "body"
     if kind == "unknown":
         key = draw(st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True).filter(lambda k: k not in body))
@@ -1150,8 +1268,12 @@ def http_requests(draw, route: str, kind: str, vocab: int, context: int, model_p
 
 def test_engine_http_answers_bad_json_and_hostile_values_with_a_4xx_naming_the_field(engine, model_paths):
     def greedy_ids():
-        r = post(engine.url, "/generate", http_bodies("")["/generate"] | {"sampling_params": {
-            "max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}})  # fmt: skip
+        r = post(
+            engine.url,
+            "/generate",
+            http_bodies("")["/generate"]
+            | {"sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}},
+        )
         assert r.status_code == 200, r.text
         return r.json()["output_ids"]
 
@@ -1198,8 +1320,9 @@ def test_env_provider_answers_malformed_bytes_cleanly(aio):
     from services.pb.rollmesh.v1 import env_provider_pb2 as ppb
     from tests.services.provider_envs import ScriptEnv
 
-    sessions = ProviderSessions(ScriptEnv, "script", max_sessions=100_000, step_timeout_s=5.0, session_idle_s=600,
-                                max_action_chars=65_536)  # fmt: skip
+    sessions = ProviderSessions(
+        ScriptEnv, "script", max_sessions=100_000, step_timeout_s=5.0, session_idle_s=600, max_action_chars=65_536
+    )
 
     async def start():
         server = await start_server(provider_server.grpc_handler(sessions), provider_server.SERVICE, "127.0.0.1", 0)
@@ -1217,11 +1340,13 @@ def test_env_provider_answers_malformed_bytes_cleanly(aio):
         fuzz_unary_methods(aio, ch, "EnvProvider", methods, 30)
 
         async def episode():
-            code, out = await raw_call(ch, "EnvProvider", "Reset", ppb.ResetRequest(seed=4, episode_id="after")
-                                       .SerializeToString(), None)  # fmt: skip
+            code, out = await raw_call(
+                ch, "EnvProvider", "Reset", ppb.ResetRequest(seed=4, episode_id="after").SerializeToString(), None
+            )
             first = ppb.ResetResponse.FromString(out).observation
-            code, out = await raw_call(ch, "EnvProvider", "Step", ppb.StepRequest(episode_id="after", action="x")
-                                       .SerializeToString(), None)  # fmt: skip
+            code, out = await raw_call(
+                ch, "EnvProvider", "Step", ppb.StepRequest(episode_id="after", action="x").SerializeToString(), None
+            )
             return first, ppb.StepResponse.FromString(out)
 
         first, step = aio.run(episode())

@@ -28,8 +28,9 @@ TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "examples" / "agent" / "c
 
 
 @contextlib.asynccontextmanager
-async def gateway(engine_url: str, model: str, *, controller: dict | None = None, template: str | None = None,
-                  **config):  # fmt: skip
+async def gateway(
+    engine_url: str, model: str, *, controller: dict | None = None, template: str | None = None, **config
+):
     """The mesh, and the gateway in front of it on a free port: yields (base URL, mesh, sessions)."""
     import uvicorn
     from transformers import AutoTokenizer
@@ -38,10 +39,18 @@ async def gateway(engine_url: str, model: str, *, controller: dict | None = None
     async with local_mesh(engine_url, model, buffer={"filter_zero_variance": False}, **controller) as mesh:
         cfg = GatewayConfig(port=free_port(), **config)
         renderer = TemplateRenderer(AutoTokenizer.from_pretrained(model), template or TOOLS_TEMPLATE.read_text())
-        sessions = AgentSessions(cfg.sessions, renderer, ProxyGenerate(mesh.proxy_client),
-                                 admission=mesh.controller_client, sink=mesh.buffer_client)  # fmt: skip
-        server = uvicorn.Server(uvicorn.Config(create_app(sessions, cfg, KeyRing(KEYS)), host="127.0.0.1",
-                                               port=cfg.port, log_level="warning"))  # fmt: skip
+        sessions = AgentSessions(
+            cfg.sessions,
+            renderer,
+            ProxyGenerate(mesh.proxy_client),
+            admission=mesh.controller_client,
+            sink=mesh.buffer_client,
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(sessions, cfg, KeyRing(KEYS)), host="127.0.0.1", port=cfg.port, log_level="warning"
+            )
+        )
         task = asyncio.create_task(server.serve())
         while not server.started:
             await asyncio.sleep(0.02)
@@ -64,13 +73,21 @@ def test_the_openai_client_lists_chats_streams_and_completes(engine_url, tiny_mo
         async with gateway(engine_url, tiny_model) as (url, _, _):
             c = client(url)
             models = [m.id async for m in c.models.list()]
-            two = await c.chat.completions.create(model="rollmesh-policy", messages=USER, n=2, max_tokens=8,
-                                                  logprobs=True, seed=7)  # fmt: skip
-            greedy = await c.chat.completions.create(model="rollmesh-policy", messages=USER, max_tokens=8,
-                                                     temperature=0)  # fmt: skip
-            stream = await c.chat.completions.create(model="rollmesh-policy", messages=USER, max_tokens=8,
-                                                     temperature=0, stream=True, logprobs=True,
-                                                     stream_options={"include_usage": True})  # fmt: skip
+            two = await c.chat.completions.create(
+                model="rollmesh-policy", messages=USER, n=2, max_tokens=8, logprobs=True, seed=7
+            )
+            greedy = await c.chat.completions.create(
+                model="rollmesh-policy", messages=USER, max_tokens=8, temperature=0
+            )
+            stream = await c.chat.completions.create(
+                model="rollmesh-policy",
+                messages=USER,
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                logprobs=True,
+                stream_options={"include_usage": True},
+            )
             chunks = [ch async for ch in stream]
             text = await c.completions.create(model="rollmesh-policy", prompt="1 2 3", max_tokens=5, logprobs=1)
             ids = await c.completions.create(model="rollmesh-policy", prompt=[49, 50, 51], max_tokens=3)
@@ -105,8 +122,9 @@ def test_a_stream_sends_tokens_while_they_are_made(engine_url, tiny_model):
     async def main():
         async with gateway(engine_url, tiny_model) as (url, mesh, _):
             c = client(url)
-            stream = await c.chat.completions.create(model="m", messages=USER, max_tokens=256, stream=True,
-                                                     stream_options={"include_usage": True})  # fmt: skip
+            stream = await c.chat.completions.create(
+                model="m", messages=USER, max_tokens=256, stream=True, stream_options={"include_usage": True}
+            )
             chunks, in_flight = [], None
             async for ch in stream:
                 chunks.append(ch)
@@ -128,8 +146,9 @@ def test_top_logprobs_are_each_positions_most_likely_tokens(engine_url, tiny_mod
     async def main():
         async with gateway(engine_url, tiny_model) as (url, _, _):
             c = client(url)
-            chat = await c.chat.completions.create(model="m", messages=USER, max_tokens=6, temperature=0,
-                                                   logprobs=True, top_logprobs=3)  # fmt: skip
+            chat = await c.chat.completions.create(
+                model="m", messages=USER, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+            )
             text = await c.completions.create(model="m", prompt="1 2 3", max_tokens=4, temperature=0, logprobs=2)
             await c.close()
             return chat, text
@@ -157,15 +176,19 @@ def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_ur
                 "key": lambda: client(url, "wrong").chat.completions.create(model="m", messages=USER),
                 "temperature": lambda: c.chat.completions.create(model="m", messages=USER, temperature=5),
                 "top_logprobs": lambda: c.chat.completions.create(model="m", messages=USER, top_logprobs=3),
-                "tool_choice": lambda: c.chat.completions.create(model="m", messages=USER, tool_choice="required",
-                                                                 tools=[{"type": "function", "function": {
-                                                                     "name": "add", "parameters": {}}}]),
+                "tool_choice": lambda: c.chat.completions.create(
+                    model="m",
+                    messages=USER,
+                    tool_choice="required",
+                    tools=[{"type": "function", "function": {"name": "add", "parameters": {}}}],
+                ),
                 "max_tokens": lambda: c.chat.completions.create(model="m", messages=USER, max_tokens=10_000),
                 "role": lambda: c.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}]),
                 "messages": lambda: c.chat.completions.create(model="m", messages=[]),
-                "session": lambda: c.chat.completions.create(model="m", messages=USER,
-                                                             extra_headers={"x-rollmesh-session": "sess-nope"}),
-            }.items():  # fmt: skip
+                "session": lambda: c.chat.completions.create(
+                    model="m", messages=USER, extra_headers={"x-rollmesh-session": "sess-nope"}
+                ),
+            }.items():
                 try:
                     await call()
                 except openai.APIStatusError as e:
@@ -217,8 +240,9 @@ def test_sessions_become_token_exact_groups_and_forks_share_their_prefix(engine_
     async def main():
         async with gateway(engine_url, tiny_model) as (url, mesh, sessions):
             http = httpx.AsyncClient(headers={"authorization": "Bearer key-alice"}, timeout=30)
-            made = [(await http.post(url + "/v1/sessions", json={"group": "g-1", "group_size": 2})).json()
-                    for _ in range(2)]  # fmt: skip
+            made = [
+                (await http.post(url + "/v1/sessions", json={"group": "g-1", "group_size": 2})).json() for _ in range(2)
+            ]
             stranger = await http.get(f"{url}/v1/sessions/{made[0]['id']}", headers={"authorization": "Bearer key-bob"})
             answers = []
             for i, s in enumerate(made):  # an unmodified client: only its base_url names the session
@@ -234,8 +258,10 @@ def test_sessions_become_token_exact_groups_and_forks_share_their_prefix(engine_
                 if i == 1:  # the agent rewrites its last message: a branch beside the first
                     edited = [*turn[:-1], {"role": "user", "content": "Once more."}]
                     await c.chat.completions.create(model="m", messages=edited, max_tokens=6, seed=i)
-            ended = [(await http.post(f"{url}/v1/sessions/{s['id']}/end", json={"reward": float(i)})).json()
-                     for i, s in enumerate(made)]  # fmt: skip
+            ended = [
+                (await http.post(f"{url}/v1/sessions/{s['id']}/end", json={"reward": float(i)})).json()
+                for i, s in enumerate(made)
+            ]
             batch = await mesh.buffer_client.get(1, 0, 1, timeout_s=5.0)
             await http.aclose()
             return made, stranger, answers, ended, batch
@@ -266,8 +292,9 @@ def test_sessions_become_token_exact_groups_and_forks_share_their_prefix(engine_
 def test_a_group_waits_for_a_slot_under_the_staleness_bound(engine_url, tiny_model):
     async def main():
         controller = {"async_ratio": 0, "groups_per_step": 1}
-        async with gateway(engine_url, tiny_model, controller=controller,
-                           sessions=SessionsConfig(admit_timeout_s=0.5)) as (url, _, _):  # fmt: skip
+        async with gateway(
+            engine_url, tiny_model, controller=controller, sessions=SessionsConfig(admit_timeout_s=0.5)
+        ) as (url, _, _):
             http = httpx.AsyncClient(headers={"authorization": "Bearer key-alice"}, timeout=30)
             first = await http.post(url + "/v1/sessions", json={})
             refused = await http.post(url + "/v1/sessions", json={})
@@ -292,8 +319,9 @@ def test_tools_reach_the_template(engine_url, tiny_model):
             c = client(url)
             plain = await c.chat.completions.create(model="m", messages=USER, max_tokens=1)
             with_tools = await c.chat.completions.create(model="m", messages=USER, max_tokens=1, tools=tools)
-            hidden = await c.chat.completions.create(model="m", messages=USER, max_tokens=1, tools=tools,
-                                                     tool_choice="none")  # fmt: skip
+            hidden = await c.chat.completions.create(
+                model="m", messages=USER, max_tokens=1, tools=tools, tool_choice="none"
+            )
             return plain, with_tools, hidden
 
     plain, with_tools, hidden = asyncio.run(main())
@@ -340,8 +368,13 @@ def test_an_agents_sdk_agent_runs_its_tool_loop_and_its_session_is_trained_token
                 model="rollmesh-policy",
                 openai_client=openai.AsyncOpenAI(base_url=made["base_url"], api_key="key-alice", max_retries=0),
             )
-            agent = Agent(name="adder", instructions=INSTRUCTIONS, tools=[add], model=model,
-                          model_settings=ModelSettings(temperature=0.0, max_tokens=128))  # fmt: skip
+            agent = Agent(
+                name="adder",
+                instructions=INSTRUCTIONS,
+                tools=[add],
+                model=model,
+                model_settings=ModelSettings(temperature=0.0, max_tokens=128),
+            )
             result = await Runner.run(agent, "Add 3 and 4.", max_turns=4)
             state = (await http.get(f"{url}/v1/sessions/{made['id']}")).json()
             await http.post(f"{url}/v1/sessions/{made['id']}/end", json={"reward": 1.0})

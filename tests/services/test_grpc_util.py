@@ -17,11 +17,11 @@ def test_a_burst_of_2500_calls_on_one_channel_all_succeed():
         return req
 
     async def main() -> Counter:
-        server = await start_server(unary_service("t.Echo", {"Echo": (Empty, echo)}), "t.Echo",
-                                    "127.0.0.1", 0)  # fmt: skip
+        server = await start_server(unary_service("t.Echo", {"Echo": (Empty, echo)}), "t.Echo", "127.0.0.1", 0)
         channel = grpc_channel(f"127.0.0.1:{server.bound_port}")
-        call = channel.unary_unary("/t.Echo/Echo", request_serializer=lambda m: m.SerializeToString(),
-                                   response_deserializer=Empty.FromString)  # fmt: skip
+        call = channel.unary_unary(
+            "/t.Echo/Echo", request_serializer=lambda m: m.SerializeToString(), response_deserializer=Empty.FromString
+        )
         codes: Counter = Counter()
 
         async def one():

@@ -42,8 +42,14 @@ def run(scenario, urls, **cfg):
     """Start a proxy on a free port in this event loop, run ``scenario(client, proxy)``, stop everything."""
 
     async def main():
-        config = ProxyConfig(engine_urls=urls, engine_api=getattr(urls, "api", "sglang"), port=0, metrics_port=0,
-                             health_check_interval_s=0.2, **cfg)  # fmt: skip
+        config = ProxyConfig(
+            engine_urls=urls,
+            engine_api=getattr(urls, "api", "sglang"),
+            port=0,
+            metrics_port=0,
+            health_check_interval_s=0.2,
+            **cfg,
+        )
         server, proxy = await start_proxy(config)
         client = ProxyClient(f"127.0.0.1:{server.bound_port}")
         try:
@@ -199,8 +205,9 @@ def test_a_stream_hands_tokens_over_as_made_and_they_join_to_the_result(two_engi
     async def scenario(client, proxy):
         port, pieces = ProxyGenerate(client), []
         sampling = SamplingParams(max_new_tokens=24, **GREEDY)
-        streamed = await port.generate([1, 40, 41], sampling, request_id="s", route="s", timeout_s=60,
-                                       top_logprobs=3, on_tokens=pieces.append)  # fmt: skip
+        streamed = await port.generate(
+            [1, 40, 41], sampling, request_id="s", route="s", timeout_s=60, top_logprobs=3, on_tokens=pieces.append
+        )
         unary = await port.generate([1, 40, 41], sampling, request_id="u", route="u", timeout_s=60, top_logprobs=3)
         return pieces, streamed, unary
 
@@ -216,8 +223,12 @@ def test_a_stream_hands_tokens_over_as_made_and_they_join_to_the_result(two_engi
 
 def test_a_stream_whose_caller_goes_away_is_aborted(two_engines):
     async def scenario(client, proxy):
-        req = pb.GenerateRequest(request_id="gone", input_ids=[1, 8], timeout_s=60,
-                                 sampling_params=pb.SamplingParams(max_new_tokens=900, ignore_eos=True))  # fmt: skip
+        req = pb.GenerateRequest(
+            request_id="gone",
+            input_ids=[1, 8],
+            timeout_s=60,
+            sampling_params=pb.SamplingParams(max_new_tokens=900, ignore_eos=True),
+        )
         call = client.stub.GenerateStream(req, timeout=60)
         first = await call.read()
         call.cancel()

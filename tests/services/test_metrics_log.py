@@ -9,8 +9,10 @@ import pytest
 from services.metrics_log import MetricsLog, TrackingConfig, _require
 from services.trainer.metrics import TrainerMetrics, loss_terms
 
-STEPS = [{"step": 1, "loss": 0.5, "reward_mean": 0.25, "clip_frac": 0.1, "published": True},
-         {"step": 2, "loss": 0.25, "reward_mean": 0.5, "clip_frac": 0.0, "published": True}]  # fmt: skip
+STEPS = [
+    {"step": 1, "loss": 0.5, "reward_mean": 0.25, "clip_frac": 0.1, "published": True},
+    {"step": 2, "loss": 0.25, "reward_mean": 0.5, "clip_frac": 0.0, "published": True},
+]
 
 
 def test_jsonl_and_tensorboard_get_every_step(tmp_path):
@@ -28,8 +30,12 @@ def test_jsonl_and_tensorboard_get_every_step(tmp_path):
 
 def test_wandb_offline_run_records_every_step(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
-    log = MetricsLog(tmp_path / "metrics.jsonl", TrackingConfig(wandb_project="rollmesh-test", wandb_mode="offline"),
-                     run_name="t", run_dir=tmp_path)  # fmt: skip
+    log = MetricsLog(
+        tmp_path / "metrics.jsonl",
+        TrackingConfig(wandb_project="rollmesh-test", wandb_mode="offline"),
+        run_name="t",
+        run_dir=tmp_path,
+    )
     for m in STEPS:
         log.write(m)
     log.close()
@@ -60,13 +66,17 @@ def test_a_missing_tracker_fails_at_start_with_the_install_command():
 
 def test_loss_terms_and_trainer_gauges():
     assert loss_terms({"loss": 1.0, "pg_loss": 0.5, "kl_loss": 0.1, "reward_mean": 3}) == {
-        "total": 1.0, "pg": 0.5, "kl": 0.1
-    }  # fmt: skip
+        "total": 1.0,
+        "pg": 0.5,
+        "kl": 0.1,
+    }
     from prometheus_client import generate_latest
 
     m = TrainerMetrics()
-    m.observe_step({**STEPS[0], "version": 1, "tokens": 100, "time_get_s": 1.0, "time_train_s": 0.5,
-                    "time_publish_s": 0.25}, staleness=[0, 1, 1])  # fmt: skip
+    m.observe_step(
+        {**STEPS[0], "version": 1, "tokens": 100, "time_get_s": 1.0, "time_train_s": 0.5, "time_publish_s": 0.25},
+        staleness=[0, 1, 1],
+    )
     text = generate_latest(m.registry).decode()
     assert 'rollmesh_trainer_phase_seconds_total{phase="wait_data"} 1.0' in text
     assert 'rollmesh_trainer_loss{term="total"} 0.5' in text

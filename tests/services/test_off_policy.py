@@ -24,8 +24,13 @@ from trainer.loss_config import PolicyLossConfig
 # Each with knobs that let it clip within a tiny model's few steps. TIS clips at its cap only;
 # decoupled PPO clips π/π_prox, which moves only with the step's own updates (4 here), not with
 # staleness (its π_prox/μ weight handles that).
-VARIANTS = {"ppo": {}, "decoupled_ppo": {"clip_low": 0.05, "clip_high": 0.05}, "tis": {"tis_cap": 1.2},
-            "cispo": {}, "topr": {}}  # fmt: skip
+VARIANTS = {
+    "ppo": {},
+    "decoupled_ppo": {"clip_low": 0.05, "clip_high": 0.05},
+    "tis": {"tis_cap": 1.2},
+    "cispo": {},
+    "topr": {},
+}
 
 
 class EachVariantInTurn(TrainEngine):
@@ -44,19 +49,42 @@ def coin_reward(response: str, answer: str) -> float:
     return float(sum(map(ord, response)) % 2)
 
 
-async def _run(url: str, model: str, run_dir, *, async_ratio: int, steps: int, engine: TrainEngine,
-               filter_zero_variance: bool, reward: str, group_size: int = 4):  # fmt: skip
+async def _run(
+    url: str,
+    model: str,
+    run_dir,
+    *,
+    async_ratio: int,
+    steps: int,
+    engine: TrainEngine,
+    filter_zero_variance: bool,
+    reward: str,
+    group_size: int = 4,
+):
     buffer = {"filter_zero_variance": filter_zero_variance}
     async with local_mesh(url, model, buffer, async_ratio=async_ratio, groups_per_step=2) as mesh:
         env = build_loop(
-            EnvManagerConfig(tokenizer_path=model, group_size=group_size, num_workers=4, reward=reward,
-                             episode={"sampling": {"max_new_tokens": 4}}),
-            mesh.proxy_client, mesh.buffer_client, mesh.controller_client,
-        )  # fmt: skip
+            EnvManagerConfig(
+                tokenizer_path=model,
+                group_size=group_size,
+                num_workers=4,
+                reward=reward,
+                episode={"sampling": {"max_new_tokens": 4}},
+            ),
+            mesh.proxy_client,
+            mesh.buffer_client,
+            mesh.controller_client,
+        )
         cfg = TrainLoopConfig(steps=steps, run_dir=str(run_dir), checkpoint_every=0, get_timeout_s=60)
-        loop = TrainLoop(cfg, engine, source=mesh.buffer_client, control=mesh.controller_client,
-                         publisher=DiskPublisher(mesh.proxy_client, cfg.run_dir, cfg.keep_weight_versions),
-                         groups_per_step=2, max_staleness=async_ratio)  # fmt: skip
+        loop = TrainLoop(
+            cfg,
+            engine,
+            source=mesh.buffer_client,
+            control=mesh.controller_client,
+            publisher=DiskPublisher(mesh.proxy_client, cfg.run_dir, cfg.keep_weight_versions),
+            groups_per_step=2,
+            max_staleness=async_ratio,
+        )
         await env.start()
         try:
             await loop.join()
@@ -69,8 +97,16 @@ async def _run(url: str, model: str, run_dir, *, async_ratio: int, steps: int, e
 def test_stale_samples_move_every_variants_ratio_off_one_and_it_clips(make_engine_process, tiny_model, tmp_path):
     _, url = make_engine_process()
     engine = EachVariantInTurn(TrainerConfig(model_path=tiny_model, lr=1e-2, mini_batches=2, ppo_epochs=2))
-    run = _run(url, tiny_model, tmp_path / "run", async_ratio=2, steps=4 * len(VARIANTS), engine=engine,
-               filter_zero_variance=False, reward=f"{__name__}:coin_reward")  # fmt: skip
+    run = _run(
+        url,
+        tiny_model,
+        tmp_path / "run",
+        async_ratio=2,
+        steps=4 * len(VARIANTS),
+        engine=engine,
+        filter_zero_variance=False,
+        reward=f"{__name__}:coin_reward",
+    )
     metrics, *_ = asyncio.run(run)
     assert all(m is not None for m in metrics), "a step got no batch"
     assert max(m["staleness_max"] for m in metrics) >= 1  # samples of older versions reached the trainer
@@ -91,8 +127,17 @@ def test_dapo_filtering_returns_slots_and_does_not_starve_the_trainer(make_engin
     engine = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3))
     # Groups of 2: half of them all-equal. With groups of 4 (1 in 8 all-equal) a run of ~16 groups had
     # none to filter about one time in eight, and the test failed.
-    run = _run(url, tiny_model, tmp_path / "run", async_ratio=1, steps=6, engine=engine, filter_zero_variance=True,
-               reward=f"{__name__}:coin_reward", group_size=2)  # fmt: skip
+    run = _run(
+        url,
+        tiny_model,
+        tmp_path / "run",
+        async_ratio=1,
+        steps=6,
+        engine=engine,
+        filter_zero_variance=True,
+        reward=f"{__name__}:coin_reward",
+        group_size=2,
+    )
     metrics, stats, controller, counters = asyncio.run(run)
     assert all(m is not None for m in metrics) and [m["step"] for m in metrics] == list(range(1, 7))
     assert stats.dropped_by_reason["filtered"] > 0 and counters["groups_filtered"] > 0

@@ -9,8 +9,24 @@ import sys
 
 def test_bench_offpolicy_prints_its_table_and_writes_its_plot(tiny_model, tmp_path):
     out_dir = tmp_path / "out"
-    cmd = [sys.executable, "-m", "services.cli", "bench", "offpolicy", "--model", tiny_model, "--loss", "ppo_naive",
-           "--ratio", "2", "--steps", "10", "--out", str(out_dir), "--json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "bench",
+        "offpolicy",
+        "--model",
+        tiny_model,
+        "--loss",
+        "ppo_naive",
+        "--ratio",
+        "2",
+        "--steps",
+        "10",
+        "--out",
+        str(out_dir),
+        "--json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

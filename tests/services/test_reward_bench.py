@@ -9,14 +9,31 @@ from services.bench.reward_bench import run
 
 
 def test_the_adaptive_timeout_saves_sandbox_time_and_loses_no_correct_answer():
-    out = run(tasks=4, per_task=6, base_s=0.05, hang_share=0.2, fixed_s=2.0, t_min_s=0.3, lam=2.0, concurrency=2,
-              seed=1, progress=lambda _: None)  # fmt: skip
+    out = run(
+        tasks=4,
+        per_task=6,
+        base_s=0.05,
+        hang_share=0.2,
+        fixed_s=2.0,
+        t_min_s=0.3,
+        lam=2.0,
+        concurrency=2,
+        seed=1,
+        progress=lambda _: None,
+    )
     assert out["hanging"] >= 2 and out["fixed_timeouts"] == out["hanging"] == out["adaptive_timeouts"]
     assert out["correct_lost_by_adaptive"] == 0 and out["fixed_correct"] == out["adaptive_correct"] == out["right"]
     assert out["adaptive_cuts"] >= 1 and out["adaptive_sandbox_s"] < out["fixed_sandbox_s"]
-    for key in ("sandbox_runs_per_s_1", "sandbox_runs_per_s_2", "math_verify_per_s_inline",
-                "math_verify_per_s_workers_1", "math_verify_per_s_workers_2", "math_verify_per_s_service_2_workers",
-                "score_ms_p50_service", "score_ms_p50_local_worker"):  # fmt: skip
+    for key in (
+        "sandbox_runs_per_s_1",
+        "sandbox_runs_per_s_2",
+        "math_verify_per_s_inline",
+        "math_verify_per_s_workers_1",
+        "math_verify_per_s_workers_2",
+        "math_verify_per_s_service_2_workers",
+        "score_ms_p50_service",
+        "score_ms_p50_local_worker",
+    ):
         assert out[key] > 0, key
     with pytest.raises(BadOption, match="--base-s"):
         run(4, 6, 1.0, 0.05, 2.0, 0.3, 2.0, 2, 0, lambda _: None)

@@ -36,8 +36,11 @@ def call(address: str, method: str, request, token: str | None = None):
     token = os.environ["ROLLMESH_TOKEN"] if token is None else token
     reply = {"Describe": pb.RewardDescribeResponse, "Score": pb.ScoreResponse}[method]
     with grpc_sync_channel(address, AuthConfig(disabled=True)) as ch:
-        rpc = ch.unary_unary(f"/rollmesh.v1.RewardService/{method}", request_serializer=type(request).SerializeToString,
-                             response_deserializer=reply.FromString)  # fmt: skip
+        rpc = ch.unary_unary(
+            f"/rollmesh.v1.RewardService/{method}",
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=reply.FromString,
+        )
         return rpc(request, timeout=30, metadata=(("authorization", f"Bearer {token}"),) if token else None)
 
 
@@ -65,12 +68,15 @@ def test_math_verify_scores_free_form_answers_in_the_service(math_service):
     assert metric(metrics, 'rollmesh_reward_scores_total{outcome="ok"}') == 3.0
 
 
-@pytest.mark.parametrize("request_, field", [
-    (pb.ScoreRequest(response="1", answer="1", timeout_s=-1), "timeout_s"),
-    (pb.ScoreRequest(response="1", answer="1", timeout_s=float("nan")), "timeout_s"),
-    (pb.ScoreRequest(response="x" * 201, answer="1"), "response"),
-    (pb.ScoreRequest(response="1", answer="y" * 201), "answer"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "request_, field",
+    [
+        (pb.ScoreRequest(response="1", answer="1", timeout_s=-1), "timeout_s"),
+        (pb.ScoreRequest(response="1", answer="1", timeout_s=float("nan")), "timeout_s"),
+        (pb.ScoreRequest(response="x" * 201, answer="1"), "response"),
+        (pb.ScoreRequest(response="1", answer="y" * 201), "answer"),
+    ],
+)
 def test_bad_input_is_refused_by_field_and_the_service_keeps_scoring(math_service, request_, field):
     address, _ = math_service
     with pytest.raises(grpc.RpcError) as e:
@@ -91,8 +97,9 @@ def test_a_verifier_that_hangs_crashes_or_raises_costs_one_score_and_the_service
     worker killed, a crash kills its worker, a raise is caught; each scores 0 with its cause, at the
     client and on the service's /metrics, and the next right answer scores 1. (5 s: a replaced
     worker's start, a spawned Python, counts against its first score.)"""
-    proc, address, metrics = start_reward_service("reward=tests.rollout.reward_fns:misbehave", "workers=2",
-                                                  "timeout_s=5")  # fmt: skip
+    proc, address, metrics = start_reward_service(
+        "reward=tests.rollout.reward_fns:misbehave", "workers=2", "timeout_s=5"
+    )
     try:
         client = RewardClient(address, timeout_s=10)
         assert client("warm", "warm") == 1.0  # the workers start on first use
@@ -172,11 +179,20 @@ def test_a_judge_hosted_in_the_reward_service_scores_a_heldout_evaluation(engine
 
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text("".join(f'{{"prompt": "q{i}", "answer": "{i}"}}\n' for i in range(6)))
-    judge = '{type: judge, template: "{answer} {response} Verdict:", verdict_pattern: "()", scores: {"": 1.0}, ' \
-            'max_new_tokens: 2, timeout_s: 20}'  # fmt: skip
-    cfg = load_config(None, [f"model_path={tiny_model}", f"run.heldout_path={heldout}",
-                             f"reward_service.reward={judge}", "env_manager.reward={type: service, timeout_s: 25}",
-                             "env_manager.episode.sampling.max_new_tokens=2"])  # fmt: skip
+    judge = (
+        '{type: judge, template: "{answer} {response} Verdict:", verdict_pattern: "()", scores: {"": 1.0}, '
+        "max_new_tokens: 2, timeout_s: 20}"
+    )
+    cfg = load_config(
+        None,
+        [
+            f"model_path={tiny_model}",
+            f"run.heldout_path={heldout}",
+            f"reward_service.reward={judge}",
+            "env_manager.reward={type: service, timeout_s: 25}",
+            "env_manager.episode.sampling.max_new_tokens=2",
+        ],
+    )
     # A judge in the evaluation itself is refused, naming the way out.
     with pytest.raises(ValueError, match="rollmesh serve reward"):
         from rollout.rewards import build_reward

@@ -67,8 +67,9 @@ def test_buffer_process_serves_and_stops_on_sigterm(redis_server):
         from services.pb.rollmesh.v1 import sample_buffer_pb2_grpc
 
         with grpc.insecure_channel(address) as ch:
-            stats = sample_buffer_pb2_grpc.SampleBufferStub(ch).Stats(pb.BufferStatsRequest(), timeout=10,
-                                                                      metadata=TOKEN)  # fmt: skip
+            stats = sample_buffer_pb2_grpc.SampleBufferStub(ch).Stats(
+                pb.BufferStatsRequest(), timeout=10, metadata=TOKEN
+            )
         assert stats.depth == 0 and "stale" in stats.dropped_by_reason
         proc.terminate()
         assert proc.wait(15) == 0

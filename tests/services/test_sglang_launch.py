@@ -36,9 +36,16 @@ def _flags(argv: list[str]) -> dict[str, str]:
 
 
 def test_the_command_carries_the_flags_rl_needs(tiny_model):
-    cfg = SGLangEngineConfig(model_path=tiny_model, python=sys.executable, port=31234, tensor_parallel_size=2,
-                             mem_fraction_static=0.6, weight_version=7, seed=3,
-                             extra_args=["--chunked-prefill-size", "4096"])  # fmt: skip
+    cfg = SGLangEngineConfig(
+        model_path=tiny_model,
+        python=sys.executable,
+        port=31234,
+        tensor_parallel_size=2,
+        mem_fraction_static=0.6,
+        weight_version=7,
+        seed=3,
+        extra_args=["--chunked-prefill-size", "4096"],
+    )
     argv, env = sglang_command(cfg, AuthConfig(token="s3cret"))
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     flags = _flags(argv[3:])
@@ -62,9 +69,24 @@ def test_a_bad_sglang_config_is_refused_by_field(tiny_model, tmp_path):
     with pytest.raises(AuthError):  # no token, and auth not switched off
         sglang_command(SGLangEngineConfig(model_path=tiny_model, python=sys.executable), AuthConfig(token=""))
     # Through the CLI: exit 2 and the field, not a traceback.
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "engine", "--set", "engine.type=sglang",
-                           "--set", "engine.python=no-such-python3", "--set", f"engine.model_path={tiny_model}"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "engine",
+            "--set",
+            "engine.type=sglang",
+            "--set",
+            "engine.python=no-such-python3",
+            "--set",
+            f"engine.model_path={tiny_model}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "engine.python" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -73,8 +95,11 @@ def test_serve_engine_launches_sglang_and_the_proxy_drives_it(tiny_model, tmp_pa
     path = os.pathsep.join([str(STANDIN_PACKAGE), str(Path.cwd()), os.environ.get("PYTHONPATH", "")])
     monkeypatch.setenv("PYTHONPATH", path)
     monkeypatch.setenv("SGLANG_STANDIN_ARGV", str(argv_file))
-    proc, url = start_engine_process(tiny_model, extra=["type=sglang", f"python={sys.executable}", "dtype=float32",
-                                                        "weight_version=3"], timeout_s=120)  # fmt: skip
+    proc, url = start_engine_process(
+        tiny_model,
+        extra=["type=sglang", f"python={sys.executable}", "dtype=float32", "weight_version=3"],
+        timeout_s=120,
+    )
     try:
 
         async def main():

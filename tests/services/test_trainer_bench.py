@@ -38,9 +38,15 @@ def test_the_qwen2_half_billion_shape_has_its_parameter_count():
     from trainer.tiny_model import SHAPES, count_parameters
 
     s = SHAPES["qwen2-0.5b"]
-    cfg = Qwen2Config(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-                      num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
-                      num_key_value_heads=s.num_key_value_heads, tie_word_embeddings=True)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_hidden_layers,
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
     assert abs(count_parameters(model) / 1e6 - 494.0) < 1.0  # Qwen2-0.5B: 494 M with tied embeddings

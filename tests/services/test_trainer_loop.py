@@ -15,9 +15,16 @@ from trainer.loop import TrainLoop
 
 
 def trainer(mesh, cfg: TrainLoopConfig, engine, groups_per_step: int, observer=None) -> TrainLoop:
-    return TrainLoop(cfg, engine, source=mesh.buffer_client, control=mesh.controller_client,
-                     publisher=DiskPublisher(mesh.proxy_client, cfg.run_dir, cfg.keep_weight_versions),
-                     groups_per_step=groups_per_step, max_staleness=1, observer=observer)  # fmt: skip
+    return TrainLoop(
+        cfg,
+        engine,
+        source=mesh.buffer_client,
+        control=mesh.controller_client,
+        publisher=DiskPublisher(mesh.proxy_client, cfg.run_dir, cfg.keep_weight_versions),
+        groups_per_step=groups_per_step,
+        max_staleness=1,
+        observer=observer,
+    )
 
 
 def test_steps_publish_versions_and_resume(make_engine_process, tiny_model, tmp_path):
@@ -25,8 +32,9 @@ def test_steps_publish_versions_and_resume(make_engine_process, tiny_model, tmp_
     run_dir = tmp_path / "run"
 
     async def main():
-        async with local_mesh(url, tiny_model, {"filter_zero_variance": False}, async_ratio=1,
-                              groups_per_step=2) as mesh:  # fmt: skip
+        async with local_mesh(
+            url, tiny_model, {"filter_zero_variance": False}, async_ratio=1, groups_per_step=2
+        ) as mesh:
             env = digit_rollout(mesh, tiny_model)
 
             def loop():

@@ -45,43 +45,85 @@ def test_a_missing_environment_or_model_is_a_clear_error_not_a_hang(tiny_model, 
         vllm_command(VLLMEngineConfig(model_path=tiny_model, python="/nope/python"), AuthConfig(token="t"))
     with pytest.raises(ValueError, match="engine.model_path: .* is not a local model directory"):
         vllm_command(VLLMEngineConfig(model_path=str(tmp_path)), AuthConfig(token="t"))
-    cmd = [sys.executable, "-m", "services.cli", "serve", "engine", "--set", "engine.type=vllm",
-           "--set", "engine.python=/nope/python", "--set", f"model_path={tiny_model}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "engine",
+        "--set",
+        "engine.type=vllm",
+        "--set",
+        "engine.python=/nope/python",
+        "--set",
+        f"model_path={tiny_model}",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "engine.python: no vLLM environment" in out.stderr
 
 
 def test_an_answer_in_another_shape_takes_the_engine_out_not_the_proxy_down():
-    ok = {"choices": [{"token_ids": [5, 6], "finish_reason": "length",
-                       "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -1.0}]},
-                       "weight_versions": [{"version": "default", "start": 0, "end": 1},
-                                           {"version": "3", "start": 1, "end": 2}]}],
-          "usage": {"prompt_tokens": 4}}  # fmt: skip
+    ok = {
+        "choices": [
+            {
+                "token_ids": [5, 6],
+                "finish_reason": "length",
+                "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -1.0}]},
+                "weight_versions": [
+                    {"version": "default", "start": 0, "end": 1},
+                    {"version": "3", "start": 1, "end": 2},
+                ],
+            }
+        ],
+        "usage": {"prompt_tokens": 4},
+    }
     res = parse_vllm_response(ok, 0.1)
     assert res.output_ids == [5, 6] and res.token_versions == [0, 3] and res.weight_version == 3
     assert res.behavior_logprobs == [-0.5, -1.0] and res.finish_reason == "length" and res.prompt_tokens == 4
     span = [{"version": "1", "start": 0, "end": 2}]
-    for bad in ({}, {"choices": []}, {"choices": [{"token_ids": "abc"}]},
-                {"choices": [{"token_ids": [1, 2], "logprobs": {"content": [{"logprob": -1}]},
-                              "weight_versions": span}]},
-                {"choices": [{"token_ids": [1, 2], "weight_versions": span}]},  # no log-probs, though asked
-                {"choices": [{"token_ids": [1, 2], "logprobs": ok["choices"][0]["logprobs"],
-                              "weight_versions": [{"version": "1", "start": 0, "end": 1}]}]}):  # fmt: skip
+    for bad in (
+        {},
+        {"choices": []},
+        {"choices": [{"token_ids": "abc"}]},
+        {"choices": [{"token_ids": [1, 2], "logprobs": {"content": [{"logprob": -1}]}, "weight_versions": span}]},
+        {"choices": [{"token_ids": [1, 2], "weight_versions": span}]},  # no log-probs, though asked
+        {
+            "choices": [
+                {
+                    "token_ids": [1, 2],
+                    "logprobs": ok["choices"][0]["logprobs"],
+                    "weight_versions": [{"version": "1", "start": 0, "end": 1}],
+                }
+            ]
+        },
+    ):
         with pytest.raises(EngineUnavailable, match="vLLM answered"):
             parse_vllm_response(bad, 0.1)
     unasked = parse_vllm_response({"choices": [{"token_ids": [1, 2], "weight_versions": span}]}, 0.1, False)
     assert unasked.behavior_logprobs == [] and unasked.token_versions == [1, 1]
     assert vllm_sampling({"max_new_tokens": 3, "top_k": -1, "sampling_seed": 7}, True) == {
-        "max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [], "ignore_eos": False,
-        "detokenize": False, "seed": 7, "logprobs": 0,
-    }  # fmt: skip
+        "max_tokens": 3,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "stop_token_ids": [],
+        "ignore_eos": False,
+        "detokenize": False,
+        "seed": 7,
+        "logprobs": 0,
+    }
 
 
 def test_every_endpoint_but_health_wants_the_token(vllm_engines):
     url = vllm_engines[0]
     assert httpx.get(url + "/health", timeout=10).status_code == 200
-    for method, path in (("GET", "/weight_info"), ("POST", "/pause"), ("POST", "/collective_rpc"),
-                         ("POST", "/inference/v1/generate"), ("GET", "/v1/models")):  # fmt: skip
+    for method, path in (
+        ("GET", "/weight_info"),
+        ("POST", "/pause"),
+        ("POST", "/collective_rpc"),
+        ("POST", "/inference/v1/generate"),
+        ("GET", "/v1/models"),
+    ):
         r = httpx.request(method, url + path, timeout=10)
         assert r.status_code == 401 and "missing bearer token" in r.json()["message"], path
     r = httpx.get(url + "/weight_info", headers={"Authorization": "Bearer wrong"}, timeout=10)
@@ -116,8 +158,10 @@ def test_vllm_logprobs_equal_the_trainers_teacher_forced_ones(vllm_engines, tiny
         assert len(res.output_ids) == 48 == len(res.behavior_logprobs) and len(set(res.token_versions)) == 1
         ref = teacher_forced(tiny_model, prompt, res.output_ids, temperature)
         deltas += [abs(a - b) for a, b in zip(res.behavior_logprobs, ref)]
-    print(f"vLLM vs teacher-forced log-probs at T={temperature}: mean |d| {sum(deltas) / len(deltas):.2e}, "
-          f"max |d| {max(deltas):.2e}")  # fmt: skip
+    print(
+        f"vLLM vs teacher-forced log-probs at T={temperature}: mean |d| {sum(deltas) / len(deltas):.2e}, "
+        f"max |d| {max(deltas):.2e}"
+    )
     assert max(deltas) < 1e-4
 
 

@@ -34,8 +34,15 @@ def _perturbed_trainer(model_path: str) -> TrainEngine:
 
 def _loop(mesh, tmp_path, engine, publisher) -> TrainLoop:
     cfg = TrainLoopConfig(steps=1, run_dir=str(tmp_path / "run"), publish_timeout_s=20)
-    return TrainLoop(cfg, engine, source=mesh.buffer_client, control=mesh.controller_client, publisher=publisher,
-                     groups_per_step=1, max_staleness=1)  # fmt: skip
+    return TrainLoop(
+        cfg,
+        engine,
+        source=mesh.buffer_client,
+        control=mesh.controller_client,
+        publisher=publisher,
+        groups_per_step=1,
+        max_staleness=1,
+    )
 
 
 async def _engine_state(url: str) -> tuple[str, str]:
@@ -100,8 +107,9 @@ def test_an_engine_dying_mid_transfer_rolls_the_update_back(transport, make_engi
             out = await mesh.proxy_client.generate([1, 2, 3], 4, ignore_eos=True)  # generation goes on, at version 0
             # The next update goes through once the dead engine is out of rotation.
             mesh.proxy.router.engines[1].healthy = False
-            again = await _loop(mesh, tmp_path, engine, kind(mesh.proxy_client, tmp_path / "run",
-                                                             bucket_mb=1)).publish()  # fmt: skip
+            again = await _loop(
+                mesh, tmp_path, engine, kind(mesh.proxy_client, tmp_path / "run", bucket_mb=1)
+            ).publish()
             return ok, before, rolled_back, out, again, mesh, await _engine_state(survivor), killer.buckets
 
     ok, before, rolled_back, out, again, mesh, final, buckets = asyncio.run(main())

@@ -8,8 +8,24 @@ import sys
 
 
 def test_bench_weights_times_every_cpu_transport():
-    cmd = [sys.executable, "-m", "services.cli", "bench", "weights", "--hidden-size", "128", "--layers", "2",
-           "--engines", "2", "--repeats", "2", "--bucket-mb", "1", "--json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "bench",
+        "weights",
+        "--hidden-size",
+        "128",
+        "--layers",
+        "2",
+        "--engines",
+        "2",
+        "--repeats",
+        "2",
+        "--bucket-mb",
+        "1",
+        "--json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -38,8 +38,17 @@ def main() -> None:
     if rank == 0:
         same = all(torch.equal(reloaded[k], v) for k, v in state.items())
         master = {p.to_local().dtype if hasattr(p, "to_local") else p.dtype for p in engine.model.parameters()}
-        torch.save({"losses": losses, "state": state, "world": world, "ckpt": str(ckpt), "reload_equal": same,
-                    "master_dtypes": sorted(str(d) for d in master)}, out)  # fmt: skip
+        torch.save(
+            {
+                "losses": losses,
+                "state": state,
+                "world": world,
+                "ckpt": str(ckpt),
+                "reload_equal": same,
+                "master_dtypes": sorted(str(d) for d in master),
+            },
+            out,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

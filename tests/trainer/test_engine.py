@@ -132,8 +132,15 @@ def test_exported_weights_serve_identically(tiny_model, tmp_path):
 
 def test_reference_kl_and_critic_with_gae(tiny_model):
     batch = toy_batch()
-    eng = engine(tiny_model, ref_model_path=tiny_model, kl_coef=0.1, entropy_coef=0.01,
-                 critic=True, critic_lr=1e-3, advantages={"type": "gae", "gamma": 1.0, "lam": 1.0})  # fmt: skip
+    eng = engine(
+        tiny_model,
+        ref_model_path=tiny_model,
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        critic=True,
+        critic_lr=1e-3,
+        advantages={"type": "gae", "gamma": 1.0, "lam": 1.0},
+    )
     first = eng.train_step(batch)
     assert abs(first["kl"]) < 1e-6  # the policy starts as the reference
     # With gamma = lam = 1 the critic's targets are the rewards themselves: a fixed regression.

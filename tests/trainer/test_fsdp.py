@@ -19,16 +19,26 @@ STEPS = 2
 
 def _two_ranks(tiny_model, out, extra: str = "{}") -> dict:
     env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "tests/trainer/fsdp_worker.py", tiny_model, str(out), str(STEPS), extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "tests/trainer/fsdp_worker.py",
+        tiny_model,
+        str(out),
+        str(STEPS),
+        extra,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
 
 def _single(tiny_model, **extra) -> tuple[list[float], dict]:
-    single = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3, micro_batch_tokens=48, mini_batches=2,
-                                       **extra))  # fmt: skip
+    single = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3, micro_batch_tokens=48, mini_batches=2, **extra))
     on = any(getattr(m, "gradient_checkpointing", False) for m in single.model.modules())  # any transformers
     assert on == bool(extra.get("activation_checkpointing"))
     losses = [single.train_step(toy_batch(seed=s))["loss"] for s in range(STEPS)]

@@ -64,9 +64,16 @@ def make(tmp_path, *, fail=False, groups_per_step=2, async_ratio=1, engine_cls=S
     ctl = AsyncController(ControllerConfig(async_ratio=async_ratio, groups_per_step=groups_per_step))
     buf = MemoryBuffer(BufferConfig(filter_zero_variance=False, **buffer))
     cfg = TrainLoopConfig(steps=5, run_dir=str(tmp_path), checkpoint_every=0, get_timeout_s=0.2)
-    loop = TrainLoop(cfg, engine_cls(SimTrainerConfig(time_scale=1e6)), source=buf, control=ctl,
-                     publisher=Publisher(fail), groups_per_step=groups_per_step, max_staleness=async_ratio,
-                     observer=Recorder())  # fmt: skip
+    loop = TrainLoop(
+        cfg,
+        engine_cls(SimTrainerConfig(time_scale=1e6)),
+        source=buf,
+        control=ctl,
+        publisher=Publisher(fail),
+        groups_per_step=groups_per_step,
+        max_staleness=async_ratio,
+        observer=Recorder(),
+    )
     return loop, ctl, buf
 
 

@@ -168,8 +168,9 @@ def test_stale_token_metrics_cover_the_stale_tokens_alone():
     m = mask.bool() & stale
     assert metrics["stale_tokens"] == float(m.sum()) > 0
     assert metrics["ratio_mean_stale"] == pytest.approx(f((lp - behav)[m].exp().mean()), rel=1e-12)
-    _, fresh_only = policy_loss(lp, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg,
-                                stale=torch.zeros_like(stale))  # fmt: skip
+    _, fresh_only = policy_loss(
+        lp, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg, stale=torch.zeros_like(stale)
+    )
     assert "ratio_mean_stale" not in fresh_only and "stale_tokens" not in fresh_only
 
 
@@ -188,8 +189,9 @@ def test_mismatch_corrections_match_their_formulas(kind):
             want = min(r, 1.5) if kind == "truncate" else float(0.8 <= r <= 1.25)
             assert f(weights[b, t]) == pytest.approx(want, rel=1e-12), (b, t)
     cfg = CFG["reinforce"]
-    weighted, _ = policy_loss(lp, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg,
-                              token_weights=weights)  # fmt: skip
+    weighted, _ = policy_loss(
+        lp, adv, mask, behavior_logprobs=behav, proximal_logprobs=prox, config=cfg, token_weights=weights
+    )
     lit = lit_tokens(lambda b, t: -f(adv[b, t]) * f(lp[b, t]) * f(weights[b, t]), lp, mask)
     assert weighted.item() == pytest.approx(sum(map(sum, lit)) / float(mask.sum()), rel=1e-10)
     assert mismatch_weights(TypeAdapter(MismatchCorrection).validate_python({"type": "none"}), prox, behav) is None

@@ -31,8 +31,10 @@ class AttentionLayout:
     def of(cls, config, where: str) -> AttentionLayout:
         config = config.get_text_config()
         if getattr(config, "is_encoder_decoder", False):
-            raise UnsupportedModel(f"{where}: {config.model_type} is an encoder-decoder model; the embedded engine "
-                                   "serves decoder-only causal LMs")  # fmt: skip
+            raise UnsupportedModel(
+                f"{where}: {config.model_type} is an encoder-decoder model; the embedded engine "
+                "serves decoder-only causal LMs"
+            )
         window = getattr(config, "sliding_window", None)
         types = getattr(config, "layer_types", None)
         if types is None:  # older configs: a window set (and switched on) applies to every layer
@@ -40,8 +42,10 @@ class AttentionLayout:
             types = [SLIDING if on else FULL]
         unknown = sorted(set(types) - {FULL, SLIDING})
         if unknown:
-            raise UnsupportedModel(f"{where}: {config.model_type} has {', '.join(unknown)} layers; the embedded "
-                                   "engine serves full and sliding-window attention only")  # fmt: skip
+            raise UnsupportedModel(
+                f"{where}: {config.model_type} has {', '.join(unknown)} layers; the embedded "
+                "engine serves full and sliding-window attention only"
+            )
         if SLIDING in types and not window:
             raise UnsupportedModel(f"{where}: sliding-window layers without a sliding_window size")
         return cls(frozenset(types), int(window) if SLIDING in types else None)

@@ -74,8 +74,11 @@ class EmbeddedEngine(SchedulerCommands):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        log.info("torch threads: %d (%s)", torch.get_num_threads(),
-                 "engine.num_threads" if config.num_threads else "torch's default: every core")  # fmt: skip
+        log.info(
+            "torch threads: %d (%s)",
+            torch.get_num_threads(),
+            "engine.num_threads" if config.num_threads else "torch's default: every core",
+        )
         if config.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
@@ -157,8 +160,9 @@ class EmbeddedEngine(SchedulerCommands):
         if params.max_new_tokens <= 0:
             raise EngineError("sampling_params.max_new_tokens", f"must be >= 1, got {params.max_new_tokens}")
         if len(input_ids) >= self.max_context:  # no max_new_tokens would fit: the prompt is at fault
-            raise EngineError("input_ids", f"prompt of {len(input_ids)} tokens fills the model's context of "
-                              f"{self.max_context} tokens")  # fmt: skip
+            raise EngineError(
+                "input_ids", f"prompt of {len(input_ids)} tokens fills the model's context of {self.max_context} tokens"
+            )
         if len(input_ids) + params.max_new_tokens > self.max_context:
             raise EngineError(
                 "sampling_params.max_new_tokens",
@@ -174,9 +178,14 @@ class EmbeddedEngine(SchedulerCommands):
         if params.sampling_seed is not None and not -(1 << 63) <= params.sampling_seed < 1 << 64:
             raise EngineError("sampling_params.sampling_seed", f"must fit in 64 bits, got {params.sampling_seed}")
 
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams,
-               on_token: Callable[[int, float, int], None] | None = None,
-               top_logprobs_num: int = 0) -> Future:  # fmt: skip
+    def submit(
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        on_token: Callable[[int, float, int], None] | None = None,
+        top_logprobs_num: int = 0,
+    ) -> Future:
         """Queue a generation; the future resolves to a ``GenerateOutput``. ``on_token(token,
         logprob, version)`` is called for each token as it is generated (in the scheduler thread:
         it must only hand the token over). ``top_logprobs_num``: also report that many most likely
@@ -308,8 +317,14 @@ class EmbeddedEngine(SchedulerCommands):
             r.t_admit = r.t_admit or now  # a retracted request keeps its first admission
         try:
             ids, positions, masks = self._batch.prefill([r.context for r in group], self.dtype)
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=masks,
-                             past_key_values=self._batch.cache, use_cache=True, **self._keep_last)  # fmt: skip
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=masks,
+                past_key_values=self._batch.cache,
+                use_cache=True,
+                **self._keep_last,
+            )
             self.counters["prefill_tokens"] += sum(len(r.context) for r in group)
             self.counters["prefill_batches"] += 1
             tokens, logprobs = sample_next_tokens(
@@ -464,8 +479,11 @@ class EmbeddedEngine(SchedulerCommands):
         # A lost bucket must fail the update, not leave a model half old, half new.
         missing = [n for n, _ in self.model.named_parameters() if n not in staged]
         if missing:
-            raise EngineError("tensors", f"{len(missing)} parameters not sent for version {version} "
-                              f"(first: {missing[0]!r}); nothing was applied")  # fmt: skip
+            raise EngineError(
+                "tensors",
+                f"{len(missing)} parameters not sent for version {version} "
+                f"(first: {missing[0]!r}); nothing was applied",
+            )
         copy_named_tensors(self.model, staged)  # no_grad inside
         self.checksum = weights_checksum(self.model.state_dict())
         return self._bump_version(version)

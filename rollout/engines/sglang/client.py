@@ -160,16 +160,35 @@ class SGLangClient(HTTPEngineClient):
     async def server_info(self, timeout_s: float = 5.0) -> dict:
         return await self._get("/get_server_info", timeout_s)
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str,
-                                        timeout_s: float = 120.0) -> dict:  # fmt: skip
-        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-                "world_size": world_size, "group_name": group_name, "backend": backend}  # fmt: skip
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float = 120.0,
+    ) -> dict:
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
         return await self._post("/init_weights_update_group", timeout_s, json=body)
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, weight_version: int | None,
-                                              timeout_s: float = 120.0) -> dict:  # fmt: skip
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: int | None,
+        timeout_s: float = 120.0,
+    ) -> dict:
         """Receive one bucket that rank 0 broadcasts; ``weight_version`` (the last bucket only)
         makes the engine serve it. The answer's ``weight_version`` is an int (-1: none named)."""
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": True}
@@ -178,8 +197,9 @@ class SGLangClient(HTTPEngineClient):
         res = await self._post("/update_weights_from_distributed", timeout_s, json=body)
         return res if weight_version is None else await self._with_version(res, timeout_s)
 
-    async def update_weights_from_tensor(self, payload: str, weight_version: int | None,
-                                         timeout_s: float = 120.0) -> dict:  # fmt: skip
+    async def update_weights_from_tensor(
+        self, payload: str, weight_version: int | None, timeout_s: float = 120.0
+    ) -> dict:
         """Tensors passed by handle (``rollout/engines/tensor_handles.py``) from a process on the same
         machine; ``weight_version`` (the last bucket only) makes the engine serve them."""
         body = {"serialized_named_tensors": [payload], "flush_cache": True}

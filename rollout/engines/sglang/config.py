@@ -17,9 +17,10 @@ class SGLangEngineConfig(EngineServerConfig):
 
     type: Literal["sglang"] = Field("sglang", description="Serve the model with SGLang (GPU).")
     python: str = Field(
-        "python3", description="Interpreter with SGLang installed: a path (relative: from the rollmesh checkout) "
+        "python3",
+        description="Interpreter with SGLang installed: a path (relative: from the rollmesh checkout) "
         "or a command on PATH.",
-    )  # fmt: skip
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Weights and activations dtype (--dtype)."
     )
@@ -27,22 +28,28 @@ class SGLangEngineConfig(EngineServerConfig):
         1, ge=1, description="GPUs one engine shards the model over (--tp-size); each is a rank of a weight group."
     )
     mem_fraction_static: float | None = Field(
-        None, gt=0, lt=1, description="Share of GPU memory for weights and KV cache (--mem-fraction-static); "
+        None,
+        gt=0,
+        lt=1,
+        description="Share of GPU memory for weights and KV cache (--mem-fraction-static); "
         "default SGLang's. Lower it where the trainer shares the GPU.",
-    )  # fmt: skip
+    )
     max_running_requests: int | None = Field(None, ge=1, description="Requests decoded together (SGLang's default).")
     context_length: int | None = Field(None, ge=16, description="Longest prompt + response; default the model's.")
     seed: int = Field(0, description="Seed of the engine's sampler (--random-seed).")
     weight_version: int = Field(
-        0, ge=0, description="The weight version served at start (--weight-version): a restarted engine that "
+        0,
+        ge=0,
+        description="The weight version served at start (--weight-version): a restarted engine that "
         "loads a later checkpoint says so.",
-    )  # fmt: skip
+    )
     served_model_name: str | None = Field(None, description="Name in SGLang's API; default the path.")
     enable_memory_saver: bool = Field(
-        False, description="--enable-memory-saver: lets /release_memory_occupation free the GPU (devices.placement "
+        False,
+        description="--enable-memory-saver: lets /release_memory_occupation free the GPU (devices.placement "
         "colocated switches it on).",
-    )  # fmt: skip
+    )
     extra_args: list[str] = Field(
-        default_factory=list, description="Further sglang.launch_server flags, as given: [--chunked-prefill-size, "
-        "'4096'].",
-    )  # fmt: skip
+        default_factory=list,
+        description="Further sglang.launch_server flags, as given: [--chunked-prefill-size, '4096'].",
+    )

@@ -60,9 +60,19 @@ def _length(rng: random.Random, sim: SimEngineConfig, max_new_tokens: int) -> fl
 
 
 def ceiling(
-    sim: SimEngineConfig, trainer: SimTrainer, *, engines: int, max_running: int, groups_per_step: int,
-    group_size: int, async_ratio: int, max_new_tokens: int, steps: int = 40, warmup: int = 8, seed: int = 0,
-) -> dict:  # fmt: skip
+    sim: SimEngineConfig,
+    trainer: SimTrainer,
+    *,
+    engines: int,
+    max_running: int,
+    groups_per_step: int,
+    group_size: int,
+    async_ratio: int,
+    max_new_tokens: int,
+    steps: int = 40,
+    warmup: int = 8,
+    seed: int = 0,
+) -> dict:
     """Simulated seconds per step (after ``warmup``) and the engines' mean occupancy."""
     rng = random.Random(seed)
     t, version = 0.0, 0
@@ -171,8 +181,13 @@ def ceiling(
     measured = step_times[warmup:]
     step_s = (measured[-1] - step_times[warmup - 1]) / len(measured)
     tokens = sum(trained[warmup:]) / max(1, len(trained[warmup:]))
-    ideal = ideal_step_s(tokens, tokens / trainer.train_tokens_per_s + trainer.step_overhead_s, sim,
-                         engines=engines, max_running=max_running)  # fmt: skip
+    ideal = ideal_step_s(
+        tokens,
+        tokens / trainer.train_tokens_per_s + trainer.step_overhead_s,
+        sim,
+        engines=engines,
+        max_running=max_running,
+    )
     return {
         "step_s": step_s,
         "engine_occupancy": busy_slot_s / max(1e-9, measured_s) / (engines * max_running),
@@ -188,10 +203,19 @@ def ideal_step_s(tokens: float, train_s: float, sim: SimEngineConfig, *, engines
 
 
 def sweep(
-    sim: SimEngineConfig, trainer: SimTrainer, *, engines: int, max_running: int, group_size: int,
-    max_new_tokens: int, groups_per_step: list[int], async_ratios: list[int], steps: int = 60, warmup: int = 10,
+    sim: SimEngineConfig,
+    trainer: SimTrainer,
+    *,
+    engines: int,
+    max_running: int,
+    group_size: int,
+    max_new_tokens: int,
+    groups_per_step: list[int],
+    async_ratios: list[int],
+    steps: int = 60,
+    warmup: int = 10,
     progress=None,
-) -> list[dict]:  # fmt: skip
+) -> list[dict]:
     """Every (groups_per_step, async_ratio) played in steady state: its step time, efficiency against
     the ideal and speedup over synchronous (async_ratio 0) at the same step size. Which async_ratio a
     workload needs depends on how big a step is next to what the engines decode at once (ROLL
@@ -200,15 +224,29 @@ def sweep(
     for gps in groups_per_step:
         sync = None
         for ratio in sorted(set(async_ratios) | {0}):
-            r = ceiling(sim, trainer, engines=engines, max_running=max_running, groups_per_step=gps,
-                        group_size=group_size, async_ratio=ratio, max_new_tokens=max_new_tokens, steps=steps,
-                        warmup=warmup)  # fmt: skip
+            r = ceiling(
+                sim,
+                trainer,
+                engines=engines,
+                max_running=max_running,
+                groups_per_step=gps,
+                group_size=group_size,
+                async_ratio=ratio,
+                max_new_tokens=max_new_tokens,
+                steps=steps,
+                warmup=warmup,
+            )
             sync = sync or r
             # Groups that outlive the bound are never trained, and they are the ones with the longest
             # members: trained tokens per step below synchronous's measure that bias against length.
-            row = {"groups_per_step": gps, "step_vs_slots": gps * group_size / (engines * max_running),
-                   "async_ratio": ratio, **r, "speedup_vs_sync": sync["step_s"] / r["step_s"],
-                   "trained_tokens_vs_sync": r["tokens_per_step"] / sync["tokens_per_step"]}  # fmt: skip
+            row = {
+                "groups_per_step": gps,
+                "step_vs_slots": gps * group_size / (engines * max_running),
+                "async_ratio": ratio,
+                **r,
+                "speedup_vs_sync": sync["step_s"] / r["step_s"],
+                "trained_tokens_vs_sync": r["tokens_per_step"] / sync["tokens_per_step"],
+            }
             if ratio in async_ratios:
                 rows.append(row)
             if progress:

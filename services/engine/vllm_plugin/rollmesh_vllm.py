@@ -82,8 +82,16 @@ class RollmeshWorker:
         return len(loaded)
 
     # ---- the collective transport (rollmesh's weight_group.py, which this environment cannot import)
-    def rollmesh_join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                   group_name: str, backend: str, timeout_s: float) -> int:  # fmt: skip
+    def rollmesh_join_weight_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> int:
         """Join the trainer's weight-update group as rank ``rank_offset`` + this worker's rank."""
         import datetime
 
@@ -105,8 +113,9 @@ class RollmeshWorker:
         self._rollmesh_staged = {}
         return rank
 
-    def rollmesh_receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                 group_name: str, apply: bool) -> str:  # fmt: skip
+    def rollmesh_receive_weights(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, apply: bool
+    ) -> str:
         """Receive one bucket from rank 0; ``apply`` (the last bucket): load every staged tensor.
         Returns the bucket's checksum."""
         import hashlib
@@ -173,8 +182,14 @@ class BearerCheck:
                 return
             if not hmac.compare_digest(got, self.expected):
                 why = "wrong" if got else "missing"
-                body = json.dumps({"object": "error", "code": 401, "field": "authorization",
-                                   "message": f"authorization: {why} bearer token"}).encode()  # fmt: skip
+                body = json.dumps(
+                    {
+                        "object": "error",
+                        "code": 401,
+                        "field": "authorization",
+                        "message": f"authorization: {why} bearer token",
+                    }
+                ).encode()
                 headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
                 await send({"type": "http.response.start", "status": 401, "headers": headers})
                 await send({"type": "http.response.body", "body": body})

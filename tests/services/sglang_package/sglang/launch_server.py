@@ -33,8 +33,12 @@ if os.environ.get("SGLANG_STANDIN_ARGV"):
         json.dump(sys.argv[1:], f)
 
 dtype = "float32" if args.dtype == "auto" else args.dtype
-config = EngineConfig(model_path=args.model_path, dtype=dtype, seed=args.random_seed or 0,
-                      max_running_requests=args.max_running_requests or 8)  # fmt: skip
+config = EngineConfig(
+    model_path=args.model_path,
+    dtype=dtype,
+    seed=args.random_seed or 0,
+    max_running_requests=args.max_running_requests or 8,
+)
 engine = EmbeddedEngine(config).start()
 app = create_standin(engine, args.weight_version)
 
