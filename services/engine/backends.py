@@ -54,15 +54,19 @@ class Backend:
     colocated_settings: tuple[tuple[str, object], ...] = ()  # engine.<key> = value when colocated
 
     def serve_fn(self):
-        module, _, name = self.serve.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _attribute(self.serve)
 
     def build(self, config: EngineServerConfig):
         """The in-process engine of an embedded-style backend, not started."""
         if self.engine is None:
             raise ValueError(f"engine.type: {config.type!r} runs its own server; it has no in-process engine")
-        module, _, name = self.engine.partition(":")
-        return getattr(importlib.import_module(module), name)(config)
+        return _attribute(self.engine)(config)
+
+
+def _attribute(path: str):
+    """``"module:name"`` (a path written in this file, never one a caller gives), imported."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 _IN_PROCESS = "services.engine.server:serve"
