@@ -20,7 +20,7 @@ def admission_capacity(async_ratio: int, version: int, groups_per_step: int, fin
     return max(0, (async_ratio + version + 1) * groups_per_step - (finished + in_flight))
 
 
-def group_is_stale(finished_start_versions: list[int], current_version: int, async_ratio: int) -> bool:
+def group_is_stale(finished_start_versions: list[int], version: int, async_ratio: int) -> bool:
     """True once a group still being rolled out can never be trained on.
 
     A group's version is the smallest start version of its members; the trainer at version v takes
@@ -28,4 +28,4 @@ def group_is_stale(finished_start_versions: list[int], current_version: int, asy
     finished members' start versions are known: the group's version is at most their minimum, so
     a True here is never wrong (the group is doomed and its remaining generations are waste).
     """
-    return bool(finished_start_versions) and current_version - min(finished_start_versions) > async_ratio
+    return bool(finished_start_versions) and version - min(finished_start_versions) > async_ratio

@@ -134,7 +134,6 @@ class RolloutConfig(TaskConfig):
     seed: int = Field(0, description="Prompts are visited in a shuffled order drawn from this seed.")
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="Per-episode limits and sampling.")
     admit_poll_s: float = Field(0.05, gt=0, description="Wait before asking again when admission is refused.")
-    put_timeout_s: float = Field(60.0, gt=0, description="How long putting a group may wait on a full buffer.")
     faulty_members: Literal["drop", "keep_timeouts"] = Field(
         "drop",
         description="What becomes of a member that did not end normally. drop: members that timed out (a "

@@ -29,9 +29,9 @@ from rollout.admission import group_is_stale
 from rollout.config import RolloutConfig
 from rollout.envs.base import Env
 from rollout.episode import run_episode
-from rollout.ports import Admission, Generate, Generation, RolloutObserver, SampleSink, TransientError
+from rollout.ports import Admission, Generate, Generation, GroupOutcome, RolloutObserver, SampleSink, TransientError
 from rollout.sampling import SamplingParams
-from rollout.scheduling import GroupOutcome, Scheduling, Seats, make_scheduling
+from rollout.scheduling import Scheduling, Seats, make_scheduling
 from rollout.turn_barrier import TurnBarrier
 from sample_buffer.trajectory import FinishReason, Group, Trajectory
 
@@ -130,15 +130,15 @@ class RolloutLoop:
             return self._ended(GroupOutcome.SURPLUS, trajectories, t0)
         accepted = False
         try:
-            result = await self.sink.put(Group(gid, f"p{row}", trajectories), self.config.put_timeout_s)  # put
+            result = await self.sink.put(Group(gid, f"p{row}", trajectories))  # put
             accepted = result.accepted
         finally:
             if seats is not None:
                 await asyncio.shield(seats.done(accepted))
-        if not result.accepted and result.reason != "filtered":  # the buffer stayed full: not stored
+        outcome = GroupOutcome.of_put(result)
+        if outcome is GroupOutcome.FAILED:  # the buffer stayed full: not stored
             log.error("group %s not stored: %s", gid, result.reason)
-            return self._ended(GroupOutcome.FAILED, trajectories, t0)
-        return self._ended(GroupOutcome.PUT if result.accepted else GroupOutcome.FILTERED, trajectories, t0)
+        return self._ended(outcome, trajectories, t0)
 
     async def run_admitted(
         self, num_groups: int, barrier: TurnBarrier | None = None, rows: list[int] | None = None

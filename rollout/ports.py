@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 from rollout.sampling import SamplingParams
 from sample_buffer.buffer import PutResult
 from sample_buffer.errors import TransientError
-from sample_buffer.trajectory import FinishReason, Group, Trajectory
+from sample_buffer.trajectory import FinishReason, Group, PutRefusal, Trajectory
 
 __all__ = [
     "Admission",
@@ -47,6 +48,22 @@ class Generation:
     token_versions: list[int]  # the policy version that produced each output token
     finish_reason: FinishReason
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked: (id, lp)
+
+
+class GroupOutcome(StrEnum):
+    PUT = "put"  # in the buffer: its slot counts as finished
+    FILTERED = "filtered"  # the buffer kept it out (no learning signal): its slot goes back
+    STALE = "stale"  # stopped as staler than the bound: never put, its slot goes back
+    FAILED = "failed"  # an episode or the put raised: logged, counted, its slot goes back
+    SURPLUS = "surplus"  # tail batching: it ended after its round's quota was in; never put
+    EMPTY = "empty"  # an agent's group that ended with no trajectory (the gateway's): nothing to put
+
+    @classmethod
+    def of_put(cls, result: PutResult) -> GroupOutcome:
+        """What a put's answer makes of a group: stored, filtered, or failed (the buffer stayed full)."""
+        if result.accepted:
+            return cls.PUT
+        return cls.FILTERED if result.reason == PutRefusal.FILTERED else cls.FAILED
 
 
 class Admission(Protocol):
@@ -88,8 +105,9 @@ class Generate(Protocol):
 class SampleSink(Protocol):
     """The SampleBuffer as the rollout loop sees it."""
 
-    async def put(self, group: Group, timeout_s: float) -> PutResult:
-        """Store a finished group; the result says whether the buffer kept it (or filtered it)."""
+    async def put(self, group: Group) -> PutResult:
+        """Store a finished group; the result says whether the buffer kept it (or filtered it). How long
+        it may wait on a full buffer is the buffer's ``put_timeout_s``, not the caller's."""
 
 
 class Rewarder(Protocol):
@@ -116,7 +134,7 @@ class RolloutObserver:
         env_error, raised) or cancelled once its group was full (``redundant``), after it had
         generated ``tokens``."""
 
-    def group_ended(self, outcome: str, trajectories: list[Trajectory], seconds: float) -> None:
+    def group_ended(self, outcome: GroupOutcome, trajectories: list[Trajectory], seconds: float) -> None:
         """A group ended: ``put``, ``filtered``, ``stale`` or ``failed`` (then ``trajectories`` is empty)."""
 
     def generate_retried(self, code: str) -> None:

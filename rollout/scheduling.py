@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, deque
-from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
+from rollout.ports import GroupOutcome
 from rollout.turn_barrier import TurnBarrier
 
 if TYPE_CHECKING:
     from rollout.config import RolloutConfig, TailBatchingConfig
-
-
-class GroupOutcome(StrEnum):
-    PUT = "put"  # in the buffer: its slot counts as finished
-    FILTERED = "filtered"  # the buffer kept it out (no learning signal): its slot goes back
-    STALE = "stale"  # stopped as staler than the bound: never put, its slot goes back
-    FAILED = "failed"  # an episode or the put raised: logged, counted, its slot goes back
-    SURPLUS = "surplus"  # tail batching: it ended after its round's quota was in; never put
 
 
 class Groups(Protocol):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from sample_buffer.codec import GroupHeader, decode_group, encode_group, read_header
 from sample_buffer.config import BufferConfig
 from sample_buffer.filters import GroupFilter, zero_variance
-from sample_buffer.trajectory import Group
+from sample_buffer.trajectory import Group, PutRefusal
 
 COUNTERS = (
     "put",
@@ -52,20 +52,20 @@ class Batch:
         return [decode_group(g) for g in self.groups]
 
 
-FULL = "full"  # a put's reason when the buffer stayed at capacity for the whole put timeout
+FULL = PutRefusal.FULL
 
 
 @dataclass
 class PutResult:
     accepted: bool
-    reason: str = ""  # why not: filtered, or full
+    reason: str = ""  # a PutRefusal's value when not accepted
 
 
-def min_version(current_version: int, max_staleness: int) -> int:
+def min_version(version: int, max_staleness: int) -> int:
     """Oldest ``start_version`` still fresh enough: a group may lag ``max_staleness`` versions."""
     if max_staleness < 0:
         raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
-    return current_version - max_staleness
+    return version - max_staleness
 
 
 class SampleBuffer(ABC):
@@ -120,14 +120,14 @@ class SampleBuffer(ABC):
             delay = min(delay * 2, 0.1)
         return results
 
-    async def get(self, num_groups: int, current_version: int, max_staleness: int, timeout_s: float) -> Batch:
+    async def get(self, num_groups: int, version: int, max_staleness: int, timeout_s: float) -> Batch:
         """Up to ``num_groups`` fresh groups, oldest first; waits up to ``timeout_s`` for a full batch
         and returns what it has then (possibly nothing, with an empty ``batch_id``)."""
         if num_groups < 1:
             raise ValueError(f"num_groups: must be >= 1, got {num_groups}")
         if not math.isfinite(timeout_s):  # NaN was read as 0, infinity as forever (a negative one waits none)
             raise ValueError(f"timeout_s: must be a finite number, got {timeout_s}")
-        floor = min_version(current_version, max_staleness)
+        floor = min_version(version, max_staleness)
         batch_id = uuid.uuid4().hex
         deadline = time.monotonic() + max(0.0, timeout_s)
         got: list[bytes] = []

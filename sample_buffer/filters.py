@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sample_buffer.codec import GroupHeader
+from sample_buffer.trajectory import PutRefusal
 
 GroupFilter = Callable[[GroupHeader], str | None]
 
@@ -12,5 +13,5 @@ GroupFilter = Callable[[GroupHeader], str | None]
 def zero_variance(header: GroupHeader) -> str | None:
     """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage everywhere."""
     if len(header.rewards) > 1 and max(header.rewards) - min(header.rewards) == 0.0:
-        return "filtered"
+        return PutRefusal.FILTERED
     return None

@@ -25,8 +25,20 @@ class FinishReason(StrEnum):
     ERROR = "error"  # the engine failed
     ENV_ERROR = "env_error"  # the environment failed
 
+    @classmethod
+    def of_engine(cls, value: str | None) -> FinishReason:
+        """An engine's finish reason as ours; one we do not know (a newer engine's) is an ERROR."""
+        return cls(value) if value in cls._value2member_map_ else cls.ERROR
+
 
 FINISH_REASONS = frozenset(FinishReason)
+
+
+class PutRefusal(StrEnum):
+    """Why the buffer did not store a group (``PutResult.reason``; the same strings on the wire)."""
+
+    FILTERED = "filtered"  # a filter found no learning signal in it (zero variance)
+    FULL = "full"  # the buffer stayed at capacity for the whole put timeout
 
 
 class TrajectoryError(ValueError):

@@ -1,5 +1,5 @@
-"""The ``rollmesh`` command line: ``rollmesh run CONFIG`` starts the mesh (``services/launcher.py``:
-engines, LLMProxy, SampleBuffer, controller, EnvManagers, trainer); the other subcommands live in
+"""The ``rollmesh`` command line: ``rollmesh run CONFIG`` trains (``services/run.py`` reads top to
+bottom: config, mesh, evaluation, trainer, summary); the other subcommands live in
 ``services/commands/``. Each parses its options, then imports the heavy modules, then runs."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def run(
 ) -> None:
     """Start the whole mesh locally, train, evaluate, shut down; prints a final summary line."""
     load_or_exit(config, set_)  # fail fast on a bad config, before any process starts
-    from services.launcher import run_mesh
+    from services.run import run_mesh
 
     raise typer.Exit(run_mesh(config, set_, fresh))
 

@@ -303,6 +303,27 @@ def format_validation_error(err: ValidationError, data=None) -> str:
     return "; ".join(lines)
 
 
+# Keys renamed for one spelling per concept across engines and sections. An old key is refused with
+# its new name (not the bare "extra field" every misspelling gets): a config that used it still runs
+# after one edit, and never silently loses the value.
+RENAMED = {
+    "engine.max_num_seqs": "engine.max_running_requests",
+    "engine.max_model_len": "engine.context_length",
+    "env_manager.put_timeout_s": "buffer.put_timeout_s",
+    "gateway.sessions.put_timeout_s": "buffer.put_timeout_s",
+}
+
+
+def _refuse_renamed(data: dict, where: str) -> None:
+    for old, new in RENAMED.items():
+        *parents, key = old.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and key in node:
+            raise ConfigError(f"{where}: {old} was renamed: write {new}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls=RollmeshConfig) -> Any:
     """Load ``cls`` from a YAML file (or defaults when ``path`` is None) plus overrides."""
     data: dict = {}
@@ -316,6 +337,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = loaded
     for o in overrides or []:
         apply_override(data, o)
+    _refuse_renamed(data, str(path or "config"))
     try:
         return cls.model_validate(data)
     except ValidationError as e:

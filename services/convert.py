@@ -9,7 +9,7 @@ from rollout.ports import TransientError
 from rollout.proxy.proxy import RequestInvalid
 from rollout.sampling import SamplingParams
 from sample_buffer.trajectory import FinishReason
-from services.controller.controller import UpdateConflict
+from services.controller.errors import UpdateConflict
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as proxy_pb
 

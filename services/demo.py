@@ -8,9 +8,9 @@ from rich.console import Console
 
 from rollout.chat_turns import render_prompt
 from rollout.proxy import ProxyConfig
-from services.launch import start_engine_process, stop_process
 from services.llm_proxy.client import ProxyClient
 from services.llm_proxy.server import start_proxy
+from services.processes import start_engine_process, stop_process
 
 PROMPTS = ["What is 2+3?", "Name a color.", "Count to five.", "Say hello."]
 
@@ -33,7 +33,7 @@ async def run_demo(model_path: str) -> None:
         calls = []
         for i, text in enumerate(PROMPTS):
             ids = render_prompt(tok, text)
-            calls.append(client.generate(ids, 24, trajectory_id=f"demo-{i}", temperature=1.0, sampling_seed=i))
+            calls.append(client.generate(ids, 24, route=f"demo-{i}", temperature=1.0, sampling_seed=i))
         outs = await asyncio.gather(*calls)
         for text, out in zip(PROMPTS, outs):
             mean_lp = sum(out.behavior_logprobs) / max(1, len(out.behavior_logprobs))

@@ -30,6 +30,7 @@ class Supervised:
     log_path: Path | None = None
     finishes: bool = False  # exit code 0 means its work is done (the trainer), not that it died
     env: dict[str, str] = field(default_factory=dict)  # what it was started with beyond ours (its GPUs)
+    restart_args: list[str] | None = None  # the command a restart runs; default: the first one's
     restarts: int = 0
     _due: float | None = field(default=None, repr=False)  # when the pending restart starts
 
@@ -49,7 +50,7 @@ class Supervised:
         elif time.monotonic() >= self._due:
             out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 (the process's)
             self.proc = subprocess.Popen(
-                self.proc.args,
+                self.restart_args or self.proc.args,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),

@@ -8,7 +8,7 @@ import secrets
 import pytest
 
 from services.auth import TOKEN_ENV
-from services.launch import start_engine_process, stop_process
+from services.processes import start_engine_process, stop_process
 from tests.engines import start_vllm_engines
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
@@ -127,7 +127,7 @@ def make_engine_process(tiny_model):
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    from services.launch import RedisServer
+    from services.processes import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.launch import start_engine_process
+from services.processes import start_engine_process
 
 
 class Engines(list):
@@ -15,7 +15,7 @@ class Engines(list):
 
 # vLLM without torch.compile: it starts in about half the time, and the tests measure behaviour,
 # not speed. Two cores: the engines start one after the other.
-VLLM_TEST_ENGINE = ["type=vllm", "enforce_eager=true", "max_model_len=1024", "max_num_seqs=32"]
+VLLM_TEST_ENGINE = ["type=vllm", "enforce_eager=true", "context_length=1024", "max_running_requests=32"]
 
 
 def start_vllm_engines(model: str, n: int) -> Engines:

@@ -34,6 +34,25 @@ def test_unknown_key_is_an_error_naming_it(tmp_path):
         load_config(None, ["proxy.nope=1"])
 
 
+@pytest.mark.parametrize(
+    "override, old, new",
+    [
+        ("engine={type: vllm, max_num_seqs: 8}", "engine.max_num_seqs", "engine.max_running_requests"),
+        ("engine={type: vllm, max_model_len: null}", "engine.max_model_len", "engine.context_length"),
+        ("env_manager.put_timeout_s=5", "env_manager.put_timeout_s", "buffer.put_timeout_s"),
+        ("gateway.sessions.put_timeout_s=5", "gateway.sessions.put_timeout_s", "buffer.put_timeout_s"),
+    ],
+)
+def test_a_renamed_key_is_refused_with_its_new_name(override, old, new):
+    with pytest.raises(ConfigError, match=rf"{old} was renamed: write {new}"):
+        load_config(None, [override])
+
+
+def test_the_vllm_knobs_have_the_names_of_the_other_engines():
+    cfg = load_config(None, ["engine={type: vllm, max_running_requests: 8, context_length: 256}"])
+    assert (cfg.engine.max_running_requests, cfg.engine.context_length) == (8, 256)
+
+
 def test_bad_values_name_the_field():
     with pytest.raises(ConfigError, match="engine.max_running_requests"):
         load_config(None, ["engine.max_running_requests=0"])
@@ -126,5 +145,5 @@ def test_the_proxy_speaks_the_api_of_the_engine_type():
         match="train_loop.publisher: engine.type 'vllm' receives weights by collective or disk, not http_buckets",
     ):
         load_config(None, ["engine.type=vllm", "train_loop.publisher.type=http_buckets"])
-    with pytest.raises(ConfigError, match="max_running_requests"):  # a key of the embedded engine, not vLLM's
-        load_config(None, ["engine.type=vllm", "engine.max_running_requests=8"])
+    with pytest.raises(ConfigError, match="max_prefill_tokens"):  # a key of the embedded engine, not vLLM's
+        load_config(None, ["engine.type=vllm", "engine.max_prefill_tokens=8"])

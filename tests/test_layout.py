@@ -194,3 +194,18 @@ def test_the_formatter_is_configured_not_fought():
         if "fmt: skip" in line or "fmt: off" in line
     ]
     assert len(skips) < 20, f"{len(skips)} formatter exceptions: {skips[:5]}"
+
+
+def test_clients_and_shared_modules_import_no_server():
+    """A client needs its server's wire limits and errors, not its server: those live in modules
+    both sides import (``services/wire_limits.py``, ``services/<service>/errors.py``)."""
+    import ast
+
+    mods = _product_modules()
+    sides = [m for m in mods if m.endswith(".client") or m.startswith("services.weight_transports")]
+    sides += ["services.convert"]
+    wrong = {
+        m: sorted({t for t in _imports(ast.parse(mods[m].read_text())) if t.rsplit(".", 1)[-1] == "server"})
+        for m in sides
+    }
+    assert not {m: t for m, t in wrong.items() if t}, wrong

@@ -59,6 +59,11 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 4
     assert (run_dir / "checkpoints" / "step_4" / "COMPLETE").exists()
+    # The EnvManager's workers started after the first evaluation and were stopped before the last;
+    # its Stats went into the summary: at least the 4 x 2 groups trained were put.
+    rollouts = json.loads((run_dir / "summary.json").read_text())["rollouts"]
+    assert rollouts["running"] is False and rollouts["groups_put"] >= 4 * 2, rollouts
+    assert re.search(rf"^rollouts: {rollouts['groups_put']} groups put, failures: ", proc.stdout, re.M)
     leftovers = subprocess.run(["pgrep", "-f", f"train_loop.run_dir={run_dir}"], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", "services still running after rollmesh run returned"
     # Every trained episode (4 steps x 2 groups x 8) and the held-out answers, before and after, were scored there.
@@ -74,7 +79,7 @@ def test_rollmesh_run_on_vllm_engines(tiny_model, tmp_path):
     import yaml
 
     config = yaml.safe_load((Path("examples") / "quickstart.yaml").read_text())
-    config["engine"] = {"type": "vllm", "enforce_eager": True, "max_num_seqs": 128}
+    config["engine"] = {"type": "vllm", "enforce_eager": True, "max_running_requests": 128}
     path = tmp_path / "vllm.yaml"
     path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
@@ -266,7 +271,7 @@ def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained
 def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, example, env, provider_args):
     """The README's two commands for each agentic example: a provider process, then `rollmesh run`
     (cut to 2 steps of 2 groups on the tiny model). Multi-turn episodes reach the trainer."""
-    from services.launch import start_provider_process, stop_process
+    from services.processes import start_provider_process, stop_process
 
     provider, grpc_address, url = start_provider_process(env, provider_args)
     address = grpc_address if example in ("calculator", "digit_retry") else url
@@ -302,7 +307,7 @@ def test_the_external_agent_example_trains_on_the_agents_sessions(tiny_model, tm
     """The README's two commands for training an external agent: `rollmesh run` with the gateway in
     place of the EnvManager (cut to 2 steps of 2 groups on the tiny model), and the agent script
     against it until the run ends and the gateway goes away."""
-    from services.launch import free_port, wait_http_healthy
+    from services.processes import free_port, wait_http_healthy
 
     port, run_dir = free_port(), tmp_path / "run"
     cmd = [sys.executable, "-m", "services.cli", "run", "examples/agent/train_agent.yaml"]

@@ -28,8 +28,8 @@ __all__ = [
 class SampleSource(Protocol):
     """The SampleBuffer as the trainer sees it."""
 
-    async def get(self, num_groups: int, current_version: int, max_staleness: int, timeout_s: float) -> Batch:
-        """Up to ``num_groups`` groups no older than ``current_version - max_staleness``."""
+    async def get(self, num_groups: int, version: int, max_staleness: int, timeout_s: float) -> Batch:
+        """Up to ``num_groups`` groups no older than ``version - max_staleness``."""
 
     async def ack(self, batch_id: str) -> int:
         """The batch was trained on: it is never handed out again."""

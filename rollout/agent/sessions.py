@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollout.agent.messages import ParsedReply, conversation_keys, parse_tool_calls
 from rollout.agent.prefix_tree import Prepared, PromptNode, SessionTree, trajectory_path
 from rollout.agent.render import TemplateRenderer
-from rollout.ports import Admission, Generate, Generation, SampleSink
+from rollout.ports import Admission, Generate, Generation, GroupOutcome, SampleSink
 from rollout.sampling import SamplingParams
 from sample_buffer.trajectory import FinishReason, Group, Trajectory
 
@@ -58,7 +58,6 @@ class SessionsConfig(BaseModel):
         256, ge=1, description="Groups one key may hold open (each holds an admission slot); more are refused (429)."
     )
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one generation (suspension included).")
-    put_timeout_s: float = Field(30.0, gt=0, description="Deadline of putting an ended group into the SampleBuffer.")
 
 
 class SessionError(Exception):
@@ -248,19 +247,19 @@ class AgentSessions:
             return "waiting"
         return await self._finish(group)
 
-    async def _finish(self, group: _Group) -> str:
+    async def _finish(self, group: _Group) -> GroupOutcome:
         """Put the ended group; its slot is released exactly once whatever happens (finished if the
         buffer kept it, else unused). A group that cannot be stored is lost, and counted."""
         group.closed = True
         self._forget(group)
-        outcome, stored = "failed", 0
+        outcome, stored = GroupOutcome.FAILED, 0
         try:
             trajectories = [t for s in group.sessions for t in self.trajectories(s)]
             if not trajectories:
-                outcome = "empty"
+                outcome = GroupOutcome.EMPTY
                 return outcome
-            result = await self.sink.put(Group(group.group_id, group.group_id, trajectories), self.config.put_timeout_s)
-            outcome = "put" if result.accepted else "filtered" if result.reason == "filtered" else "failed"
+            result = await self.sink.put(Group(group.group_id, group.group_id, trajectories))
+            outcome = GroupOutcome.of_put(result)
             stored = len(trajectories) if result.accepted else 0
             return outcome
         except Exception as e:  # a trajectory the codec refuses, the buffer away or too slow
@@ -271,7 +270,7 @@ class AgentSessions:
         finally:
             self.counters[f"groups_{outcome}"] += 1
             self.counters["trajectories_put"] += stored
-            await asyncio.shield(self._release(**({"finished": 1} if outcome == "put" else {"unused": 1})))
+            await asyncio.shield(self._release(**({"finished": 1} if outcome is GroupOutcome.PUT else {"unused": 1})))
 
     def _forget(self, group: _Group) -> None:
         self.groups.pop(group.group_id, None)

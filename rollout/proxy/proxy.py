@@ -56,7 +56,7 @@ class ProxyRequest:
     input_ids: list[int]
     sampling_params: SamplingParams
     request_id: str = ""
-    trajectory_id: str = ""
+    route: str = ""  # affinity key: requests that share it go to one engine (an episode's turns, a group)
     timeout_s: float = 0.0
     top_logprobs: int = 0  # the most likely tokens to report at each position (0: none)
 
@@ -223,7 +223,7 @@ class LLMProxy:
             if not await self._wait_open(fl, deadline):
                 res.finish_reason = FinishReason.ABORT if fl.aborted.is_set() else FinishReason.TIMEOUT
                 return
-            slot = self.router.pick(req.trajectory_id, frozenset(failed))
+            slot = self.router.pick(req.route, frozenset(failed))
             if slot is None:
                 if res.output_ids:  # keep what was generated; the caller decides
                     res.finish_reason = FinishReason.ABORT

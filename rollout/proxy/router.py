@@ -1,6 +1,6 @@
 """Which engine serves a request: least outstanding tokens, with trajectory affinity.
 
-Affinity sends every turn of one episode (same ``trajectory_id``) to the engine that served the
+Affinity sends every turn of one episode (same ``route``) to the engine that served the
 previous turn, so a prefix cache there (SGLang's radix cache) can reuse the shared prefix. It is
 a preference, not a rule: an engine out of rotation loses its affinity.
 """

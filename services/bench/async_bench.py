@@ -138,8 +138,8 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
     """Start the mesh, train until the trainer exits, return per-step timings (simulated seconds)."""
     from rollout.engines.sim.ceiling import ideal_step_s
     from services.config import load_config
-    from services.launch import stop_process
-    from services.launcher import start_mesh, start_trainer
+    from services.mesh import start_mesh, start_trainer
+    from services.processes import stop_process
 
     cfg = load_config(config_path, [])
     run_dir = Path(cfg.train_loop.run_dir)
@@ -530,7 +530,7 @@ def run_providers(
     groups_per_step: int,
     names: list[str],
 ) -> dict:
-    from services.launch import start_provider_process, stop_process
+    from services.processes import start_provider_process, stop_process
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-providers-") as d:

@@ -19,7 +19,7 @@ import numpy as np
 
 from sample_buffer.codec import encode_group
 from sample_buffer.trajectory import Group, Trajectory
-from services.launch import RedisServer, start_service_process, stop_process
+from services.processes import RedisServer, start_service_process, stop_process
 
 PRODUCERS = 64  # concurrent episode workers putting groups
 GET_BATCH = 32
@@ -74,7 +74,7 @@ async def _through_service(address: str, payloads: list[bytes], total: int) -> t
         done = 0
         while done < total:
             t = time.perf_counter()
-            batch = await client.get(GET_BATCH, current_version=0, max_staleness=0, timeout_s=1.0)
+            batch = await client.get(GET_BATCH, version=0, max_staleness=0, timeout_s=1.0)
             latencies.append(time.perf_counter() - t)
             if batch.batch_id:
                 done += await client.ack(batch.batch_id)

@@ -193,7 +193,7 @@ def run(
     """``kill_delay_s``: kill each service this long after a step ends (a fixed schedule, as the
     tests run it); default a random moment within 0.5 s, drawn from ``seed``."""
     from services.auth import AuthConfig, ensure_token
-    from services.launch import RedisServer
+    from services.processes import RedisServer
 
     services = list(services or SERVICES)
     unknown = [s for s in services if s not in SERVICES]

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from services.launch import start_engine_process, stop_process
+from services.processes import start_engine_process, stop_process
 
 
 def workload(num_prompts: int, max_new_tokens: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -124,7 +124,7 @@ def run(
     walls["embedded"], outs["embedded"] = _served(model_path, embedded, prompts, lengths)
     if vllm:
         progress("vLLM (starting takes a minute or two)")
-        extra = ["type=vllm", f"max_num_seqs={batch_size}", f"max_model_len={48 + max_new_tokens + 16}"]
+        extra = ["type=vllm", f"max_running_requests={batch_size}", f"context_length={48 + max_new_tokens + 16}"]
         walls["vllm"], outs["vllm"] = _served(model_path, extra, prompts, lengths, "vllm")
     progress("HF generate")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()

@@ -18,7 +18,13 @@ import asyncio
 import time
 
 from services.bench.proxy_bench import _cpu_s, _pct
-from services.launch import free_port, start_engine_process, start_gateway_process, start_service_process, stop_process
+from services.processes import (
+    free_port,
+    start_engine_process,
+    start_gateway_process,
+    start_service_process,
+    stop_process,
+)
 
 SYSTEM = (
     "You are a careful assistant inside a benchmark. Answer briefly; the harness checks nothing you say. "

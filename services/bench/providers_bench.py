@@ -20,7 +20,7 @@ from rollout.envs.remote import PROTOCOLS, RemoteEnv, RemoteEnvConfig
 from services.auth import AuthConfig
 from services.bench import BadOption
 from services.env_provider.clients import build_pool
-from services.launch import start_provider_process, stop_process
+from services.processes import start_provider_process, stop_process
 
 
 def _trivial_env() -> list[str]:

@@ -16,7 +16,7 @@ import os
 import subprocess
 import time
 
-from services.launch import start_engine_process, start_service_process, stop_process
+from services.processes import start_engine_process, start_service_process, stop_process
 
 PROMPT = [1, 20, 21, 22, 23, 24, 25, 26]
 

@@ -149,7 +149,7 @@ def _through_the_service(answers: list[tuple[str, str]], progress) -> dict:
     from rollout.reward_pool import RewardPool
     from services.auth import ensure_token
     from services.config import load_config
-    from services.launch import start_service_process, stop_process
+    from services.processes import start_service_process, stop_process
     from services.reward.client import RewardClient
 
     auth = ensure_token(load_config().auth)  # the service process inherits it

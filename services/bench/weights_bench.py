@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from services.bench import BadOption
-from services.launch import start_engine_process, start_service_process, stop_process
+from services.processes import start_engine_process, start_service_process, stop_process
 
 
 def _model(out: Path, hidden_size: int, layers: int) -> Path:

@@ -25,6 +25,7 @@ from pathlib import Path
 from rollout.admission import admission_capacity
 from rollout.ports import Admitted
 from services.controller.config import ControllerConfig
+from services.controller.errors import UpdateConflict
 from trainer.ports import Limits
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,6 @@ MAX_VERSION = (1 << 31) - 1
 
 class RestoreError(RuntimeError):
     """The saved state cannot be restored (unreadable, or the engines cannot load its weights)."""
-
-
-class UpdateConflict(RuntimeError):
-    """An update is already in progress, or the update id is not the current one."""
 
 
 @dataclass(frozen=True)

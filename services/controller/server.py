@@ -11,7 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.auth import AuthConfig
 from services.controller.config import ControllerConfig
-from services.controller.controller import AsyncController, BufferCount, RestoreError, UpdateConflict
+from services.controller.controller import AsyncController, BufferCount, RestoreError
+from services.controller.errors import UpdateConflict
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.llm_proxy.client import ProxyClient
 from services.metrics import serve_metrics

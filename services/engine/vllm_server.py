@@ -58,7 +58,7 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
         "--dtype",
         cfg.dtype,
         "--max-num-seqs",
-        str(cfg.max_num_seqs),
+        str(cfg.max_running_requests),
         "--gpu-memory-utilization",
         str(memory),
         "--seed",
@@ -74,8 +74,8 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
         "rollmesh_vllm.BearerCheck",
         "--disable-uvicorn-access-log",
     ]
-    if cfg.max_model_len:
-        argv += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.context_length:
+        argv += ["--max-model-len", str(cfg.context_length)]
     if cfg.enforce_eager:
         argv.append("--enforce-eager")
     if cfg.served_model_name:

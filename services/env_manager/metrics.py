@@ -10,8 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rollout.envs.remote import ProviderPool
 from rollout.loop import DROP_CAUSES
-from rollout.ports import RolloutObserver
-from rollout.scheduling import GroupOutcome
+from rollout.ports import GroupOutcome, RolloutObserver
 from sample_buffer.trajectory import FINISH_REASONS, FinishReason, Trajectory
 from services.metrics import LATENCY_BUCKETS_S, SLOW_BUCKETS_S, TOKEN_BUCKETS, histogram, init_labels
 from services.reward.metrics import reward_families

@@ -121,7 +121,8 @@ def serve(cfg) -> None:
     """``cfg``: the whole run config (the EnvManager's section and the mesh's addresses)."""
 
     async def start():
-        proxy, buffer = ProxyClient(cfg.mesh.proxy, auth=cfg.auth), BufferClient(cfg.mesh.buffer, auth=cfg.auth)
+        proxy = ProxyClient(cfg.mesh.proxy, auth=cfg.auth)
+        buffer = BufferClient(cfg.mesh.buffer, auth=cfg.auth, put_timeout_s=cfg.buffer.put_timeout_s)
         config = cfg.env_manager
         # Named by where it serves, which a restart keeps: its successor's first report frees the slots
         # of the groups this process had in flight when it died.

@@ -57,7 +57,8 @@ def serve(cfg) -> None:
     config = cfg.gateway
 
     async def start():
-        proxy, buffer = ProxyClient(cfg.mesh.proxy, auth=cfg.auth), BufferClient(cfg.mesh.buffer, auth=cfg.auth)
+        proxy = ProxyClient(cfg.mesh.proxy, auth=cfg.auth)
+        buffer = BufferClient(cfg.mesh.buffer, auth=cfg.auth, put_timeout_s=cfg.buffer.put_timeout_s)
         # Named by where it serves, which a restart keeps: its successor's first report frees the slots
         # of the groups this process had in flight when it died (on port 0 the name is this process's own).
         where = config.port or f"pid{os.getpid()}"

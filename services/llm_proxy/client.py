@@ -20,7 +20,7 @@ def generate_request(
 ) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id,
-        trajectory_id=route,
+        route=route,
         input_ids=input_ids,
         sampling_params=sampling_to_pb(sampling),
         timeout_s=timeout_s,
@@ -44,12 +44,12 @@ class ProxyClient:
         max_new_tokens: int,
         *,
         request_id: str = "",
-        trajectory_id: str = "",
+        route: str = "",
         timeout_s: float = 0.0,
         **sampling,
     ) -> pb.GenerateResponse:
         sp = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
-        req = generate_request(input_ids, sp, request_id, trajectory_id, timeout_s)
+        req = generate_request(input_ids, sp, request_id, route, timeout_s)
         return await self.stub.Generate(req, timeout=(timeout_s or self.timeout_s) + 5.0)
 
     async def suspend(self, mode: int = pb.SUSPEND_MODE_CONTINUE, timeout_s: float = 30.0) -> pb.SuspendResponse:

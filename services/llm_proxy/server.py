@@ -23,12 +23,10 @@ from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import SLOW_BUCKETS_S, histogram, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.streams import until_done
+from services.wire_limits import MAX_WEIGHT_BUCKET_MB
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.LLMProxy"
-# The largest bucket of an in-memory weight update (``UpdateWeightsBucket``); gRPC's default
-# limit on a received message is 4 MiB.
-MAX_WEIGHT_BUCKET_MB = 1024
 
 _MODES = {
     pb.SUSPEND_MODE_UNSPECIFIED: "continue",
@@ -150,7 +148,7 @@ def _request(req: pb.GenerateRequest) -> ProxyRequest:
         input_ids=list(req.input_ids),
         sampling_params=sampling_from_pb(req.sampling_params),
         request_id=req.request_id,
-        trajectory_id=req.trajectory_id,
+        route=req.route,
         timeout_s=req.timeout_s,
         top_logprobs=req.top_logprobs,
     )

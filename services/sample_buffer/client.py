@@ -9,23 +9,32 @@ import grpc
 
 from sample_buffer.buffer import Batch, PutResult
 from sample_buffer.codec import encode_group
+from sample_buffer.config import BufferConfig
 from sample_buffer.trajectory import Group
 from services.auth import AuthConfig
 from services.convert import project_error
 from services.grpc_util import channel
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
 from services.pb.rollmesh.v1 import sample_buffer_pb2_grpc
-from services.sample_buffer.server import MAX_MESSAGE_BYTES
+from services.wire_limits import SAMPLE_BUFFER_MAX_MESSAGE_BYTES
 
 
 class BufferClient:
-    def __init__(self, address: str, timeout_s: float = 60.0, auth: AuthConfig | None = None) -> None:
-        self.address, self.timeout_s = address, timeout_s
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 60.0,
+        auth: AuthConfig | None = None,
+        put_timeout_s: float = BufferConfig.model_fields["put_timeout_s"].default,
+    ) -> None:
+        """``timeout_s``: of a call, beyond what the call itself may wait; ``put_timeout_s``: how long a put
+        may wait on a full buffer (the run config's ``buffer.put_timeout_s``, its one owner)."""
+        self.address, self.timeout_s, self.put_timeout_s = address, timeout_s, put_timeout_s
         self._channel = channel(
             address,
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", SAMPLE_BUFFER_MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", SAMPLE_BUFFER_MAX_MESSAGE_BYTES),
             ],
             auth=auth,
         )
@@ -34,7 +43,7 @@ class BufferClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def put(self, group: Group | bytes, timeout_s: float = 0.0) -> PutResult:
+    async def put(self, group: Group | bytes, timeout_s: float | None = None) -> PutResult:
         return (await self.put_many([group], timeout_s))[0]
 
     async def _call(self, method, request, timeout_s: float):
@@ -43,17 +52,16 @@ class BufferClient:
         except grpc.aio.AioRpcError as e:
             raise project_error(e) from None
 
-    async def put_many(self, groups: list[Group | bytes], timeout_s: float = 0.0) -> list[PutResult]:
+    async def put_many(self, groups: list[Group | bytes], timeout_s: float | None = None) -> list[PutResult]:
+        timeout_s = self.put_timeout_s if timeout_s is None else timeout_s
         datas = [encode_group(g) if isinstance(g, Group) else g for g in groups]
         res = await self._call(
             self.stub.Put, pb.PutRequest(groups=datas, timeout_s=timeout_s), timeout_s + self.timeout_s
         )
         return [PutResult(r.accepted, r.reason) for r in res.results]
 
-    async def get(self, num_groups: int, current_version: int, max_staleness: int, timeout_s: float) -> Batch:
-        req = pb.GetRequest(
-            num_groups=num_groups, current_version=current_version, max_staleness=max_staleness, timeout_s=timeout_s
-        )
+    async def get(self, num_groups: int, version: int, max_staleness: int, timeout_s: float) -> Batch:
+        req = pb.GetRequest(num_groups=num_groups, version=version, max_staleness=max_staleness, timeout_s=timeout_s)
         res = await self._call(self.stub.Get, req, timeout_s + self.timeout_s)
         return Batch(res.batch_id, list(res.groups), res.num_dropped_stale)
 
@@ -77,7 +85,7 @@ class PutBatcher:
         self._flusher: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task] = set()  # held: the event loop keeps only weak references
 
-    async def put(self, group: Group | bytes, timeout_s: float = 0.0) -> PutResult:
+    async def put(self, group: Group | bytes, timeout_s: float | None = None) -> PutResult:
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((encode_group(group) if isinstance(group, Group) else group, fut))
         if len(self._pending) >= self.max_groups:
@@ -86,7 +94,7 @@ class PutBatcher:
             self._flusher = asyncio.get_running_loop().call_later(self.max_delay_s, self._flush, timeout_s)
         return await fut
 
-    def _flush(self, timeout_s: float) -> None:
+    def _flush(self, timeout_s: float | None) -> None:
         if self._flusher is not None:
             self._flusher.cancel()
             self._flusher = None
@@ -98,7 +106,7 @@ class PutBatcher:
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
-    async def _send(self, batch: list[tuple[bytes, asyncio.Future]], timeout_s: float) -> None:
+    async def _send(self, batch: list[tuple[bytes, asyncio.Future]], timeout_s: float | None) -> None:
         try:
             results = await self.client.put_many([d for d, _ in batch], timeout_s)
         except Exception as e:  # every waiting caller gets the error of its batch

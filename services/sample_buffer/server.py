@@ -19,11 +19,11 @@ from services.auth import AuthConfig
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import AGE_BUCKETS_S, VERSION_BUCKETS, histogram, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
+from services.wire_limits import SAMPLE_BUFFER_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.SampleBuffer"
 DROP_REASONS = ("stale", "filtered", "capacity", "corrupt")
-MAX_MESSAGE_BYTES = 256 << 20
 
 
 class BufferMetrics:
@@ -42,7 +42,7 @@ class BufferMetrics:
         self.staleness = histogram(
             r,
             "rollmesh_buffer_staleness_versions",
-            "current_version - start_version of each group handed out",
+            "the trainer's version - start_version of each group handed out",
             VERSION_BUCKETS,
         )
         self.age = histogram(
@@ -97,7 +97,7 @@ def build_handler(buffer: SampleBuffer, metrics: BufferMetrics) -> grpc.GenericR
     async def get(req: pb.GetRequest, ctx) -> pb.GetResponse:
         t0 = time.perf_counter()
         try:
-            batch = await buffer.get(req.num_groups, req.current_version, req.max_staleness, req.timeout_s)
+            batch = await buffer.get(req.num_groups, req.version, req.max_staleness, req.timeout_s)
         except ValueError as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except BufferBackendError as e:
@@ -107,7 +107,7 @@ def build_handler(buffer: SampleBuffer, metrics: BufferMetrics) -> grpc.GenericR
         now = time.time()
         for data in batch.groups:
             h = read_header(data)
-            metrics.staleness.observe(max(0, req.current_version - h.start_version))
+            metrics.staleness.observe(max(0, req.version - h.start_version))
             metrics.age.observe(max(0.0, now - h.created_unix_s))
         return pb.GetResponse(batch_id=batch.batch_id, groups=batch.groups, num_dropped_stale=batch.dropped_stale)
 
@@ -164,8 +164,8 @@ async def start_buffer_service(config: BufferConfig, auth: AuthConfig | None = N
         config.host,
         config.port,
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", SAMPLE_BUFFER_MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", SAMPLE_BUFFER_MAX_MESSAGE_BYTES),
         ],
         auth=auth,
     )

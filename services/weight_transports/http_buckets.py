@@ -18,9 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
-from services.llm_proxy.server import MAX_WEIGHT_BUCKET_MB
 from services.weight_transports.common import engine_failures
 from services.weight_transports.disk import DiskPublisher
+from services.wire_limits import MAX_WEIGHT_BUCKET_MB
 from trainer.ports import PublishError
 
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from services.config import load_config
-from services.launch import free_port, stop_process
+from services.processes import free_port, stop_process
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
@@ -35,7 +35,7 @@ def _binary(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def live_mesh(tiny_model, tmp_path_factory):
-    from services.launcher import start_mesh, start_trainer
+    from services.mesh import start_mesh, start_trainer
 
     run_dir = tmp_path_factory.mktemp("prom-run")
     overrides = [

@@ -21,7 +21,7 @@ def test_bad_parameters():
 
 
 def test_a_group_is_stale_once_a_finished_member_is_older_than_the_bound():
-    assert not group_is_stale([], current_version=9, async_ratio=0)  # nothing finished: unknown, keep it
-    assert not group_is_stale([3, 4], current_version=5, async_ratio=2)  # trained at v5 if put now
-    assert group_is_stale([3, 4], current_version=6, async_ratio=2)  # v6 takes versions >= 4 only
-    assert group_is_stale([5], current_version=6, async_ratio=0)
+    assert not group_is_stale([], version=9, async_ratio=0)  # nothing finished: unknown, keep it
+    assert not group_is_stale([3, 4], version=5, async_ratio=2)  # trained at v5 if put now
+    assert group_is_stale([3, 4], version=6, async_ratio=2)  # v6 takes versions >= 4 only
+    assert group_is_stale([5], version=6, async_ratio=0)

@@ -253,7 +253,7 @@ def test_sessions_of_one_group_go_to_the_buffer_once_all_ended(base_tokenizer): 
         first = await sessions.end(a)
         waiting = (await buf.stats())["depth"]
         second = await sessions.end(b, reward=0.0)
-        got = await buf.get(1, current_version=0, max_staleness=0, timeout_s=1.0)
+        got = await buf.get(1, version=0, max_staleness=0, timeout_s=1.0)
         return first, waiting, second, got, ctl, sessions, engine_routes(sessions)
 
     def engine_routes(sessions):
@@ -382,7 +382,7 @@ def test_a_group_the_buffer_refuses_is_counted_and_its_slot_released(base_tokeni
     tok, end = tokenizer_for(base_tokenizer, "qwen2")
 
     class Broken:
-        async def put(self, group, timeout_s):
+        async def put(self, group):
             raise TimeoutError("the buffer did not answer")
 
     async def main():

@@ -102,9 +102,20 @@ class Recorder(RolloutObserver):
         self.dropped_tokens.append(tokens)
 
 
-def make_loop(engine_kw=None, *, async_ratio=0, groups_per_step=2, filter_zero_variance=False, capacity=4096, **cfg):
+def make_loop(
+    engine_kw=None,
+    *,
+    async_ratio=0,
+    groups_per_step=2,
+    filter_zero_variance=False,
+    capacity=4096,
+    put_timeout_s=30.0,
+    **cfg,
+):
     controller = AsyncController(ControllerConfig(async_ratio=async_ratio, groups_per_step=groups_per_step))
-    buffer = MemoryBuffer(BufferConfig(filter_zero_variance=filter_zero_variance, capacity_groups=capacity))
+    buffer = MemoryBuffer(
+        BufferConfig(filter_zero_variance=filter_zero_variance, capacity_groups=capacity, put_timeout_s=put_timeout_s)
+    )
     engine = ScriptedEngine(controller, **(engine_kw or {}))
     cfg = {"group_size": 2, "num_workers": 4, "reward": "exact_match", "admit_poll_s": 0.005, **cfg}
     config = RolloutConfig(**cfg)
@@ -136,7 +147,7 @@ def test_admission_stops_at_the_bound_and_every_slot_is_accounted(scheduling):
         await until(lambda: loop.counters["groups_put"] >= 2)
         await asyncio.sleep(0.05)  # room for a (wrong) third group
         await loop.stop()
-        batch = await buffer.get(10, current_version=0, max_staleness=0, timeout_s=0)
+        batch = await buffer.get(10, version=0, max_staleness=0, timeout_s=0)
         return loop, ctl, batch.decode()
 
     loop, ctl, groups = asyncio.run(main())
@@ -209,7 +220,7 @@ def test_a_group_that_outlives_the_bound_is_aborted_never_put_and_its_slot_retur
         await ctl.commit_update(update, 1)
         await until(lambda: loop.counters["groups_put"] >= 1)  # the slot came back: a fresh group at v1
         await loop.stop()
-        batch = await buffer.get(10, current_version=1, max_staleness=0, timeout_s=0)
+        batch = await buffer.get(10, version=1, max_staleness=0, timeout_s=0)
         return loop, engine, batch.decode()
 
     loop, engine, groups = asyncio.run(main())
@@ -254,7 +265,7 @@ def test_a_loop_started_elsewhere_in_the_order_does_not_replay_its_predecessors_
         loop.first_prompt = first_prompt
         for _ in range(3):
             await loop.run_group()
-        batch = await buffer.get(3, current_version=0, max_staleness=1, timeout_s=0)
+        batch = await buffer.get(3, version=0, max_staleness=1, timeout_s=0)
         return [g.prompt_id for g in batch.decode()]
 
     first, restarted = asyncio.run(prompts(0)), asyncio.run(prompts(3))
@@ -309,7 +320,7 @@ def test_one_failing_member_never_sinks_its_group():
         loop, ctl, buffer, _ = make_loop({"fails": lambda rid: rid.endswith("/0")}, async_ratio=3, group_size=3)
         assert await loop.admit(4) == 4
         outcomes = await loop.run_admitted(4)
-        batch = await buffer.get(4, current_version=0, max_staleness=3, timeout_s=0)
+        batch = await buffer.get(4, version=0, max_staleness=3, timeout_s=0)
         return outcomes, batch.decode(), loop, ctl
 
     outcomes, groups, loop, ctl = asyncio.run(main())
@@ -329,7 +340,7 @@ def test_hung_env_steps_time_out_without_starving_the_others():
         t0 = time.monotonic()
         outcomes = await loop.run_admitted(16)
         seconds = time.monotonic() - t0
-        batch = await buffer.get(16, current_version=0, max_staleness=20, timeout_s=0)
+        batch = await buffer.get(16, version=0, max_staleness=20, timeout_s=0)
         return outcomes, seconds, batch.decode(), loop
 
     try:
@@ -371,7 +382,7 @@ def test_a_timed_out_member_is_dropped_or_kept_as_configured(policy, kept):
         loop, _, buffer, _ = _faulty_loop({"0": "hang"}, faulty_members=policy)
         assert await loop.admit(1) == 1
         await loop.run_admitted(1)
-        return (await buffer.get(1, current_version=0, max_staleness=20, timeout_s=0)).decode()
+        return (await buffer.get(1, version=0, max_staleness=20, timeout_s=0)).decode()
 
     try:
         (group,) = asyncio.run(main())
@@ -395,7 +406,7 @@ def test_redundant_members_fill_a_group_without_waiting_for_the_slowest():
         await loop.start()
         await until(lambda: loop.counters["groups_put"] >= 2)
         await loop.stop()
-        batch = await buffer.get(10, current_version=0, max_staleness=0, timeout_s=0)
+        batch = await buffer.get(10, version=0, max_staleness=0, timeout_s=0)
         return loop, ctl, engine, batch.decode()
 
     loop, ctl, engine, groups = asyncio.run(main())
@@ -419,7 +430,7 @@ def test_redundant_members_cover_for_failed_ones():
         await loop.start()
         await until(lambda: loop.counters["groups_put"] >= 2)
         await loop.stop()
-        batch = await buffer.get(10, current_version=0, max_staleness=0, timeout_s=0)
+        batch = await buffer.get(10, version=0, max_staleness=0, timeout_s=0)
         return loop, batch.decode()
 
     loop, groups = asyncio.run(main())
@@ -468,7 +479,7 @@ def test_tail_batching_defers_the_long_tail_to_a_long_round_and_trains_it():
         await loop.start()
         trained = []
         for version in range(5):  # the trainer: a step of 2 groups, then a new version
-            batch = await buffer.get(2, current_version=version, max_staleness=0, timeout_s=2)
+            batch = await buffer.get(2, version=version, max_staleness=0, timeout_s=2)
             trained.append([g.prompt_id for g in batch.decode()])
             await buffer.ack(batch.batch_id)
             update = await ctl.begin_update(version + 1)

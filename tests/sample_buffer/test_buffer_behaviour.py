@@ -53,10 +53,10 @@ def test_put_get_ack_round_trip_oldest_first(buffer_factory):
         buf = buffer_factory()
         for i in range(5):
             assert (await buf.put(make_group(f"g{i}", version=1))).accepted
-        batch = await buf.get(3, current_version=1, max_staleness=0, timeout_s=2)
+        batch = await buf.get(3, version=1, max_staleness=0, timeout_s=2)
         mid = await buf.stats()
         assert await buf.ack(batch.batch_id) == 3
-        rest = await buf.get(3, current_version=1, max_staleness=0, timeout_s=0.2)
+        rest = await buf.get(3, version=1, max_staleness=0, timeout_s=0.2)
         return batch, mid, rest, await buf.stats()
 
     batch, mid, rest, stats = run(go())
@@ -71,11 +71,11 @@ def test_freshness_at_the_boundary_versions(buffer_factory):
         buf = buffer_factory()
         for v in (1, 2, 3, 4, 5, 6):
             await buf.put(make_group(f"v{v}", version=v))
-        fresh = await buf.get(10, current_version=5, max_staleness=2, timeout_s=0.2)
+        fresh = await buf.get(10, version=5, max_staleness=2, timeout_s=0.2)
         on_policy_buf = buffer_factory()
         for v in (4, 5):
             await on_policy_buf.put(make_group(f"w{v}", version=v))
-        on_policy = await on_policy_buf.get(10, current_version=5, max_staleness=0, timeout_s=0.2)
+        on_policy = await on_policy_buf.get(10, version=5, max_staleness=0, timeout_s=0.2)
         return fresh, await buf.stats(), on_policy, await on_policy_buf.stats()
 
     fresh, stats, on_policy, stats0 = run(go())
@@ -198,9 +198,9 @@ def test_every_group_ends_in_exactly_one_state(buffer_factory):
                 )
             except BufferFull:
                 pass
-        batch = await buf.get(2, current_version=3, max_staleness=1, timeout_s=0.5)
+        batch = await buf.get(2, version=3, max_staleness=1, timeout_s=0.5)
         await buf.ack(batch.batch_id)
-        await buf.get(1, current_version=3, max_staleness=1, timeout_s=0.5)  # left in flight
+        await buf.get(1, version=3, max_staleness=1, timeout_s=0.5)  # left in flight
         return attempts, await buf.stats()
 
     attempts, s = run(go())

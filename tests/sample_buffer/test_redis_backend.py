@@ -11,7 +11,7 @@ import redis
 from sample_buffer.buffer import BufferBackendError
 from sample_buffer.config import BufferConfig
 from sample_buffer.redis_buffer import RedisBuffer
-from services.launch import RedisServer
+from services.processes import RedisServer
 from tests.sample_buffer.helpers import make_group
 
 
@@ -36,7 +36,7 @@ def test_acknowledged_puts_survive_kill_9_with_aof(tmp_path):
 
         async def get_all():
             buf = RedisBuffer(cfg)
-            batch = await buf.get(100, current_version=1, max_staleness=0, timeout_s=1)
+            batch = await buf.get(100, version=1, max_staleness=0, timeout_s=1)
             n = await buf.ack(batch.batch_id)
             stats = await buf.stats()
             await buf.close()

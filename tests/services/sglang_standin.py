@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.engine import EmbeddedEngine
 from rollout.sampling import SamplingParams
-from services.launch import free_port
+from services.processes import free_port
 
 
 def create_standin(engine: EmbeddedEngine, weight_version: str = "default") -> FastAPI:

@@ -15,10 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollout.proxy import ProxyConfig
 from sample_buffer.config import BufferConfig
 from services.auth import REFUSED, TOKEN_ENV, AuthConfig, TlsConfig, http_headers
-from services.launch import free_port, start_engine_process, start_service_process, stop_process, wait_grpc_healthy
 from services.llm_proxy.client import ProxyClient
 from services.llm_proxy.server import engine_client, start_proxy
 from services.pb.rollmesh.v1 import controller_pb2, env_manager_pb2, llm_proxy_pb2, sample_buffer_pb2
+from services.processes import free_port, start_engine_process, start_service_process, stop_process, wait_grpc_healthy
 from services.sample_buffer.client import BufferClient
 from services.sample_buffer.server import start_buffer_service
 from tests.sample_buffer.helpers import make_group

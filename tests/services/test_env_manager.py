@@ -16,9 +16,9 @@ from rollout.proxy import ProxyConfig
 from rollout.sampling import SamplingParams
 from services.env_manager.config import EnvManagerConfig
 from services.env_manager.server import build_loop
-from services.launch import free_port
 from services.llm_proxy.client import ProxyClient, ProxyGenerate
 from services.llm_proxy.server import start_proxy
+from services.processes import free_port
 from tests.services.mesh import local_mesh
 
 
@@ -41,7 +41,7 @@ def test_env_manager_fills_the_buffer_within_the_admission_bound(engine_url, tin
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)  # room for a (wrong) fourth group to show up
             stats = dict(manager.counters)
-            batch = await mesh.buffer_client.get(10, current_version=0, max_staleness=0, timeout_s=1)
+            batch = await mesh.buffer_client.get(10, version=0, max_staleness=0, timeout_s=1)
             in_flight = mesh.controller.in_flight
             await manager.stop()
             return stats, batch.decode(), in_flight, mesh.controller.finished
@@ -86,7 +86,7 @@ async def two_groups_with(engine_url: str, tiny_model: str, **cfg):
                 break
             await asyncio.sleep(0.05)
         await manager.stop()
-        batch = await mesh.buffer_client.get(10, current_version=0, max_staleness=0, timeout_s=1)
+        batch = await mesh.buffer_client.get(10, version=0, max_staleness=0, timeout_s=1)
         text = generate_latest(manager.observer.registry).decode()
         return manager, batch.decode(), text, mesh.proxy.counters["requests"]
 
@@ -197,7 +197,7 @@ def test_a_group_that_outlives_the_bound_is_stopped_counted_and_its_slot_returne
                     break
                 await asyncio.sleep(0.025)
             await manager.stop()
-            batch = await mesh.buffer_client.get(10, current_version=1, max_staleness=0, timeout_s=1)
+            batch = await mesh.buffer_client.get(10, version=1, max_staleness=0, timeout_s=1)
             return manager, stale_gid, batch.decode(), generate_latest(manager.observer.registry).decode()
 
     manager, stale_gid, groups, text = asyncio.run(main())

@@ -26,9 +26,9 @@ from rollout.budgets import Budgets
 from rollout.envs.remote import PROTOCOLS, ProviderError, ProviderTimeout, RemoteEnv, RemoteEnvConfig
 from services.auth import AuthConfig
 from services.env_provider.clients import build_pool
-from services.launch import free_port, start_provider_process, stop_process, wait_http_healthy
 from services.pb.rollmesh.v1 import env_provider_pb2 as pb
 from services.pb.rollmesh.v1 import env_provider_pb2_grpc as pb_grpc
+from services.processes import free_port, start_provider_process, stop_process, wait_http_healthy
 
 SCRIPT = "tests.services.provider_envs:ScriptEnv"
 FAST = ["step_timeout_s=1.0"]  # a hanging step is answered as a timeout after 1 s
@@ -410,7 +410,7 @@ def test_the_rollout_loop_runs_multi_turn_episodes_on_a_provider(provider):
             await loop.stop()
         finally:
             await pool.aclose()
-        batch = await buffer.get(10, current_version=0, max_staleness=0, timeout_s=0)
+        batch = await buffer.get(10, version=0, max_staleness=0, timeout_s=0)
         return loop, controller, batch.decode()
 
     loop, controller, groups = asyncio.run(main())

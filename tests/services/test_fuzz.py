@@ -48,16 +48,17 @@ from services.controller.server import start_controller
 from services.env_manager import server as env_server
 from services.env_manager.config import EnvManagerConfig
 from services.grpc_util import channel, start_server
-from services.launch import start_engine_process, stop_process
 from services.llm_proxy.client import ProxyClient
-from services.llm_proxy.server import MAX_WEIGHT_BUCKET_MB, start_proxy
+from services.llm_proxy.server import start_proxy
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import controller_pb2 as cpb
 from services.pb.rollmesh.v1 import env_manager_pb2 as epb
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as bpb
+from services.processes import start_engine_process, stop_process
 from services.sample_buffer.client import BufferClient
-from services.sample_buffer.server import MAX_MESSAGE_BYTES, start_buffer_service
+from services.sample_buffer.server import start_buffer_service
+from services.wire_limits import MAX_WEIGHT_BUCKET_MB, SAMPLE_BUFFER_MAX_MESSAGE_BYTES
 from tests.sample_buffer.helpers import make_group
 from tests.services.mesh import local_mesh
 
@@ -424,7 +425,7 @@ def generate_cases(vocab: int, context: int) -> dict[str, tuple]:
         "sampling_params.sampling_seed": (INT64, INT64_EDGES),
         "timeout_s": (DOUBLES, DOUBLE_EDGES),
         "request_id": (st.text(max_size=200), ["\x00" * 1000]),
-        "trajectory_id": (st.text(max_size=200), ["x" * 10_000]),
+        "route": (st.text(max_size=200), ["x" * 10_000]),
     }
     base = st.tuples(st.lists(token, min_size=1, max_size=8), st.integers(1, 2))  # prompt, max_new_tokens
     return {
@@ -608,7 +609,7 @@ async def kept_groups_intact(buf) -> None:
     await asyncio.sleep(VISIBILITY_S)
     found: dict[str, bytes] = {}
     for _ in range(20):
-        batch = await buf.client.get(100_000, current_version=KEPT_VERSION, max_staleness=2**62, timeout_s=0.5)
+        batch = await buf.client.get(100_000, version=KEPT_VERSION, max_staleness=2**62, timeout_s=0.5)
         found |= {read_header(d).group_id: d for d in batch.groups}
         if buf.kept.keys() <= found.keys():
             break
@@ -619,7 +620,7 @@ async def kept_groups_intact(buf) -> None:
 
 BUFFER_METHODS = {
     "Put": bpb.PutRequest(groups=[encode_group(make_group("raw", version=3))], timeout_s=1),
-    "Get": bpb.GetRequest(num_groups=1, current_version=3, max_staleness=1, timeout_s=0.01),
+    "Get": bpb.GetRequest(num_groups=1, version=3, max_staleness=1, timeout_s=0.01),
     "Ack": bpb.AckRequest(batch_id="nobody"),
     "Stats": bpb.BufferStatsRequest(),
 }
@@ -631,7 +632,9 @@ def test_sample_buffer_answers_malformed_bytes_cleanly(aio, buffer):
             assert bpb.AckResponse.FromString(out).num_acked == 0  # no batch of that id was handed out
 
     fuzz_unary_methods(aio, buffer.channel, "SampleBuffer", BUFFER_METHODS, 30, after=after)
-    aio.run(assert_oversized_refused(buffer.channel, "SampleBuffer", "Put", MAX_MESSAGE_BYTES, field_number=1))
+    aio.run(
+        assert_oversized_refused(buffer.channel, "SampleBuffer", "Put", SAMPLE_BUFFER_MAX_MESSAGE_BYTES, field_number=1)
+    )
     aio.run(kept_groups_intact(buffer))
 
 
@@ -743,12 +746,12 @@ def put_with(draw, kind: str) -> tuple[bpb.PutRequest, bool]:
 def buffer_cases() -> dict[str, tuple]:
     """Each case makes (request, whether it must be refused)."""
     valid = encode_group(make_group("ok-timeout", version=2))
-    small = {"num_groups": 2, "current_version": 3, "max_staleness": 1, "timeout_s": 0.01}
-    # current_version: no trainer is at a version newer than a token can record (see KEPT_VERSION). timeout_s: a
+    small = {"num_groups": 2, "version": 3, "max_staleness": 1, "timeout_s": 0.01}
+    # version: no trainer is at a version newer than a token can record (see KEPT_VERSION). timeout_s: a
     # long one is a valid request to wait.
     hostile = {
         "num_groups": (INT32, INT32_EDGES),
-        "current_version": (st.integers(-(2**63), KEPT_VERSION), [-(2**63), -1, KEPT_VERSION]),
+        "version": (st.integers(-(2**63), KEPT_VERSION), [-(2**63), -1, KEPT_VERSION]),
         "max_staleness": (INT64, INT64_EDGES),
         "timeout_s": (st.one_of(NON_FINITE, st.floats(max_value=0.05)), [t for t in DOUBLE_EDGES if t != 1e308]),
     }

@@ -19,8 +19,8 @@ from rollout.agent.sessions import AgentSessions, SessionsConfig
 from sample_buffer.codec import decode_group
 from services.gateway.config import GatewayConfig
 from services.gateway.server import KeyRing, create_app
-from services.launch import free_port
 from services.llm_proxy.client import ProxyGenerate
+from services.processes import free_port
 from tests.services.mesh import local_mesh
 
 KEYS = {"alice": "key-alice", "bob": "key-bob"}
@@ -353,7 +353,7 @@ def agent_model(tmp_path_factory, agent_tools):
 def test_an_agents_sdk_agent_runs_its_tool_loop_and_its_session_is_trained_token_exact(agent_model, agent_tools):
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
 
-    from services.launch import start_engine_process, stop_process
+    from services.processes import start_engine_process, stop_process
     from tests.services.agent_model import INSTRUCTIONS, TEMPLATE
 
     set_tracing_disabled(True)  # tracing would export to OpenAI's servers

@@ -13,18 +13,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from rollout.proxy import ProxyConfig
-from services.launch import free_port, stop_process
 from services.llm_proxy.client import ProxyClient
 from services.llm_proxy.server import engine_client, start_proxy
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
+from services.processes import free_port, stop_process
 from tests.engines import Engines
 from tests.services.proxy_waits import decoding
 
 
 @pytest.fixture(scope="module")
 def embedded_engines(tiny_model):
-    from services.launch import start_engine_process
+    from services.processes import start_engine_process
 
     procs = [start_engine_process(tiny_model) for _ in range(2)]
     yield Engines([url for _, url in procs])
@@ -73,10 +73,10 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 def test_generate_and_routing(two_engines, tiny_model):
     async def scenario(client, proxy):
-        one = await client.generate([1, 40, 41], 16, trajectory_id="t", **GREEDY)
-        same = {(await client.generate([1, 40, 41, 9], 4, trajectory_id="t")).engine for _ in range(5)}
+        one = await client.generate([1, 40, 41], 16, route="t", **GREEDY)
+        same = {(await client.generate([1, 40, 41, 9], 4, route="t")).engine for _ in range(5)}
         spread = await asyncio.gather(
-            *(client.generate([1, 2, 3], 60, trajectory_id=f"s{i}", ignore_eos=True) for i in range(8))
+            *(client.generate([1, 2, 3], 60, route=f"s{i}", ignore_eos=True) for i in range(8))
         )
         return one, same, {r.engine for r in spread}, await client.stats()
 
@@ -263,9 +263,7 @@ def test_dead_engine_leaves_rotation_and_comes_back(make_engine_process, tiny_mo
     async def scenario(client, proxy):
         os.kill(proc_a.pid, signal.SIGKILL)
         proc_a.wait(10)
-        outs = await asyncio.gather(
-            *(client.generate([1, 2, 3], 4, trajectory_id=f"k{i}", ignore_eos=True) for i in range(6))
-        )
+        outs = await asyncio.gather(*(client.generate([1, 2, 3], 4, route=f"k{i}", ignore_eos=True) for i in range(6)))
         down = await client.stats()
         make_engine_process(port)  # same address: the health loop must notice it again
         for _ in range(100):

@@ -11,8 +11,8 @@ import pytest
 
 from rollout.ports import TransientError
 from sample_buffer.config import BufferConfig
-from services.launch import free_port
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
+from services.processes import free_port
 from services.sample_buffer.client import BufferClient, PutBatcher
 from services.sample_buffer.server import start_buffer_service
 from tests.sample_buffer.helpers import make_group
@@ -47,7 +47,7 @@ def test_put_get_ack_stats_over_grpc(redis_server):
         results = await asyncio.gather(*(batcher.put(make_group(f"s{i}", version=2)) for i in range(6)))
         flat = await client.put(make_group("flat", rewards=(1.0, 1.0)))
         stale = await client.put(make_group("old", version=0))
-        batch = await client.get(10, current_version=3, max_staleness=1, timeout_s=1)
+        batch = await client.get(10, version=3, max_staleness=1, timeout_s=1)
         acked = await client.ack(batch.batch_id)
         return results, flat, stale, batch, acked, await client.stats()
 
@@ -94,7 +94,7 @@ def test_metrics_report_depth_drops_and_staleness(redis_server):
     async def scenario(client):
         await client.put(make_group("x", version=4))
         await client.put(make_group("y", rewards=(0.0, 0.0)))
-        batch = await client.get(1, current_version=6, max_staleness=3, timeout_s=1)
+        batch = await client.get(1, version=6, max_staleness=3, timeout_s=1)
         await client.stats()  # refreshes the exported counters
         text = await asyncio.to_thread(lambda: httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text)
         return batch, text

@@ -9,7 +9,7 @@ import grpc
 import httpx
 
 from services.auth import AuthConfig
-from services.launch import free_port, wait_grpc_healthy
+from services.processes import free_port, wait_grpc_healthy
 
 TOKEN = [("authorization", AuthConfig().bearer())]
 
@@ -55,7 +55,7 @@ def test_engine_process_stops_on_sigterm(make_engine_process):
 
 
 def test_buffer_process_serves_and_stops_on_sigterm(redis_server):
-    from services.launch import start_service_process
+    from services.processes import start_service_process
 
     proc, address = start_service_process(
         "sample-buffer",

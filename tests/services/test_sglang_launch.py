@@ -17,7 +17,7 @@ import pytest
 from rollout.engines.sglang.config import SGLangEngineConfig
 from services.auth import AuthConfig, AuthError
 from services.engine.sglang_server import SGLangNotInstalled, sglang_command
-from services.launch import start_engine_process, stop_process
+from services.processes import start_engine_process, stop_process
 from tests.services.mesh import local_mesh
 
 STANDIN_PACKAGE = Path(__file__).parent / "sglang_package"

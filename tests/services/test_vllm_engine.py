@@ -176,7 +176,7 @@ def test_vllm_frozen_engine_leaves_rotation_and_comes_back(vllm_engines):
                     break
                 await asyncio.sleep(0.1)
             outs = await asyncio.gather(
-                *(client.generate([1, 2, 3], 4, trajectory_id=f"f{i}", ignore_eos=True) for i in range(4))
+                *(client.generate([1, 2, 3], 4, route=f"f{i}", ignore_eos=True) for i in range(4))
             )
             down = await client.stats()
         finally:

@@ -174,7 +174,7 @@ def test_a_batch_that_cannot_be_trained_is_not_acked(tmp_path):
         with pytest.raises(ValueError, match="groups"):
             await loop.step()
         await asyncio.sleep(0.1)  # past the visibility timeout: handed out again
-        again = await buf.get(2, current_version=0, max_staleness=1, timeout_s=0.5)
+        again = await buf.get(2, version=0, max_staleness=1, timeout_s=0.5)
         return again, await buf.stats()
 
     again, stats = asyncio.run(main())
@@ -221,7 +221,7 @@ def test_a_restarted_trainer_supersedes_the_update_its_predecessor_left_in_progr
     """The trainer died between BeginUpdate and CommitUpdate (chaos run: its successor was refused
     "update ... is in progress" for the 240 s of the dead one's watchdog). The successor's first
     update rolls that one back and goes through at once; a second concurrent begin is still refused."""
-    from services.controller.controller import UpdateConflict
+    from services.controller.errors import UpdateConflict
 
     async def main():
         loop, ctl, buf = make(tmp_path)

@@ -21,11 +21,7 @@ from rollout.engines.http_engine import (  # noqa: F401 (the errors are part of 
     int_version,
 )
 from rollout.sampling import SamplingParams
-from sample_buffer.trajectory import FINISH_REASONS, FinishReason
-
-
-def _finish_reason(value: str) -> FinishReason:
-    return FinishReason(value) if value in FINISH_REASONS else FinishReason.ERROR
+from sample_buffer.trajectory import FinishReason
 
 
 def parse_generate_response(body: dict) -> EngineResult:
@@ -39,7 +35,7 @@ def parse_generate_response(body: dict) -> EngineResult:
         output_ids=ids,
         behavior_logprobs=[float(t[0]) for t in triples],
         token_versions=[int(v) for v in versions],
-        finish_reason=_finish_reason(finish.get("type", "abort") if isinstance(finish, dict) else str(finish)),
+        finish_reason=FinishReason.of_engine(finish.get("type", "abort") if isinstance(finish, dict) else str(finish)),
         weight_version=version,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         e2e_latency_s=float(meta.get("e2e_latency", 0.0)),

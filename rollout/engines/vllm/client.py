@@ -34,7 +34,7 @@ from rollout.engines.http_engine import (
     int_version,
 )
 from rollout.sampling import SamplingParams
-from sample_buffer.trajectory import FINISH_REASONS, FinishReason
+from sample_buffer.trajectory import FinishReason
 
 # The proxy names pause modes as SGLang does; vLLM's "keep" freezes requests where they are.
 _PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
@@ -109,7 +109,7 @@ def parse_vllm_response(
         output_ids=ids,
         behavior_logprobs=logprobs,
         token_versions=versions,
-        finish_reason=FinishReason(finish) if finish in FINISH_REASONS else FinishReason.ERROR,
+        finish_reason=FinishReason.of_engine(finish),
         weight_version=versions[-1] if versions else -1,  # no token: the client asks the server
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         e2e_latency_s=e2e_latency_s,

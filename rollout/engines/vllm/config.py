@@ -22,10 +22,15 @@ class VLLMEngineConfig(EngineServerConfig):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "float32", description="Weights and activations dtype; float32 keeps log-probs comparable with the trainer's."
     )
-    max_model_len: int | None = Field(
-        None, ge=16, description="Longest prompt + response in tokens (sizes the KV cache); default: the model's."
+    context_length: int | None = Field(
+        None,
+        ge=16,
+        description="Longest prompt + response in tokens (vLLM's --max-model-len; sizes the KV cache); "
+        "default: the model's.",
     )
-    max_num_seqs: int = Field(64, ge=1, description="Requests decoded together in one batch.")
+    max_running_requests: int = Field(
+        64, ge=1, description="Requests decoded together in one batch (vLLM's --max-num-seqs)."
+    )
     memory_utilization: float | None = Field(
         None,
         gt=0,

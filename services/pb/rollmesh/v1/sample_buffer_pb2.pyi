@@ -29,16 +29,16 @@ class PutResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("num_groups", "current_version", "max_staleness", "timeout_s")
+    __slots__ = ("num_groups", "version", "max_staleness", "timeout_s")
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
-    CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     num_groups: int
-    current_version: int
+    version: int
     max_staleness: int
     timeout_s: float
-    def __init__(self, num_groups: _Optional[int] = ..., current_version: _Optional[int] = ..., max_staleness: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, num_groups: _Optional[int] = ..., version: _Optional[int] = ..., max_staleness: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("batch_id", "groups", "num_dropped_stale")

@@ -1,0 +1,189 @@
+"""The mesh `rollmesh run` starts: every service as its own local process on loopback.
+
+Order: engines → LLMProxy → SampleBuffer → AsyncController → (reward service) → EnvManager or
+agent gateway; the trainer last. Each is waited on for health before the next starts; on a
+failure everything started so far is stopped. Logs go to ``RUN_DIR/logs/<service>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.device_map import Placement
+from services.processes import (
+    free_port,
+    serve_command,
+    start_engine_process,
+    start_gateway_process,
+    start_service_process,
+    stop_process,
+)
+from services.supervisor import Supervised
+
+
+@dataclass
+class Mesh:
+    """The services of a running mesh (the trainer is started separately)."""
+
+    services: list[Supervised]
+    engine_urls: list[str]
+    proxy: str
+    buffer: str
+    controller: str
+    metrics: dict[str, list[str]] = field(default_factory=dict)  # Prometheus job → host:port targets
+    gateway: str = ""  # the agent gateway's base URL, where run.rollout is gateway
+    reward: str = ""  # the reward service's address, where the run starts one
+    env_manager: str = ""  # the EnvManager's gRPC address, where the run starts one
+
+    def metrics_port(self, job: str) -> str:
+        """A free loopback port for ``job``'s /metrics, recorded as a scrape target."""
+        port = free_port()
+        self.metrics.setdefault(job, []).append(f"127.0.0.1:{port}")
+        return str(port)
+
+    def write_scrape_targets(self, path: Path) -> None:
+        """Prometheus file_sd targets of this mesh (what `deploy/prometheus` scrapes in a cluster)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([{"targets": t, "labels": {"job": job}} for job, t in self.metrics.items()]))
+
+    @property
+    def wiring(self) -> list[str]:
+        """``--set`` overrides that point a client (EnvManager, trainer) at this mesh."""
+        wiring = [f"mesh.proxy={self.proxy}", f"mesh.buffer={self.buffer}", f"mesh.controller={self.controller}"]
+        return wiring + ([f"mesh.reward={self.reward}"] if self.reward else [])
+
+    def stop(self) -> None:
+        for s in reversed(self.services):
+            stop_process(s.proc)
+
+
+def cuda_env(name: str | None) -> dict[str, str]:
+    return {} if name is None else {"CUDA_VISIBLE_DEVICES": name}
+
+
+def needs_reward_service(cfg) -> bool:
+    """The task's reward is the mesh's reward service (``{type: service}``, no address of its own): the
+    EnvManager's episodes and the held-out evaluation score there."""
+    reward = cfg.env_manager.reward
+    return not isinstance(reward, str) and reward.type == "service" and reward.address is None
+
+
+def start_mesh(
+    cfg,
+    config_path: Path,
+    overrides: list[str],
+    logs: Path,
+    placement: Placement | None = None,
+    hold_rollouts: bool = False,
+) -> Mesh:
+    """Engines → LLMProxy → SampleBuffer → AsyncController → (reward service) → EnvManager, each
+    healthy before the next (engines on the GPUs ``placement`` gives them). On any failure
+    everything started so far is stopped. ``hold_rollouts``: the EnvManager waits for ``Start``."""
+    placement = placement or Placement([None] * cfg.run.num_engines, None, cfg.run.trainer_procs)
+    mesh = Mesh([], [], "", "", "")
+    up = dict(config_path=str(config_path), timeout_s=cfg.run.startup_timeout_s, auth=cfg.auth)
+    try:
+
+        def engine(i):
+            return start_engine_process(
+                cfg.engine.model_path,
+                free_port(),
+                overrides,
+                cfg.run.startup_timeout_s,
+                str(config_path),
+                cfg.auth,
+                cuda_env(placement.engines[i]),
+            )
+
+        with ThreadPoolExecutor(cfg.run.num_engines) as pool:  # engines load in parallel
+            futures = [pool.submit(engine, i) for i in range(cfg.run.num_engines)]
+        started = [f.result() for f in futures if f.exception() is None]
+        mesh.services += [
+            Supervised(f"engine-{i}", p, logs / f"engine-{i}.log", env=cuda_env(placement.engines[i]))
+            for i, (p, _) in enumerate(started)
+        ]
+        mesh.engine_urls += [u for _, u in started]
+        mesh.metrics["engine"] = [u.split("://", 1)[1] for u in mesh.engine_urls]  # /metrics beside the API
+        for f in futures:
+            if f.exception() is not None:
+                raise f.exception()
+        proc, mesh.proxy = start_service_process(
+            "llm-proxy",
+            "proxy",
+            [
+                *overrides,
+                f"proxy.engine_urls=[{','.join(mesh.engine_urls)}]",
+                f"proxy.metrics_port={mesh.metrics_port('llm-proxy')}",
+            ],
+            log_path=logs / "proxy.log",
+            **up,
+        )
+        mesh.services.append(Supervised("llm-proxy", proc, logs / "proxy.log"))
+        proc, mesh.buffer = start_service_process(
+            "sample-buffer",
+            "buffer",
+            [*overrides, f"buffer.metrics_port={mesh.metrics_port('sample-buffer')}"],
+            log_path=logs / "buffer.log",
+            **up,
+        )
+        mesh.services.append(Supervised("sample-buffer", proc, logs / "buffer.log"))
+        ctl = [
+            *overrides,
+            f"mesh.proxy={mesh.proxy}",
+            f"mesh.buffer={mesh.buffer}",
+            f"controller.metrics_port={mesh.metrics_port('controller')}",
+        ]
+        proc, mesh.controller = start_service_process(
+            "controller", "controller", ctl, log_path=logs / "controller.log", **up
+        )
+        mesh.services.append(Supervised("controller", proc, logs / "controller.log"))
+        if needs_reward_service(cfg):
+            proc, mesh.reward = start_service_process(
+                "reward",
+                "reward_service",
+                [*overrides, *mesh.wiring, f"reward_service.metrics_port={mesh.metrics_port('reward')}"],
+                log_path=logs / "reward.log",
+                **up,
+            )
+            mesh.services.append(Supervised("reward", proc, logs / "reward.log"))
+        if cfg.run.rollout == "gateway":  # external agents make the rollouts
+            proc, mesh.gateway = start_gateway_process(
+                [*overrides, *mesh.wiring], cfg.gateway.port or free_port(), log_path=logs / "gateway.log", **up
+            )
+            mesh.metrics["gateway"] = [mesh.gateway.split("://", 1)[1]]  # /metrics beside the API
+            mesh.services.append(Supervised("gateway", proc, logs / "gateway.log"))
+        else:
+            env = [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager')}"]
+            held = ["env_manager.autostart=false"] if hold_rollouts else []
+            proc, mesh.env_manager = start_service_process(
+                "env-manager", "env_manager", [*env, *held], log_path=logs / "env_manager.log", **up
+            )
+            # A restarted EnvManager starts its workers itself: nobody is there to call Start again.
+            restart = [*proc.args, "--set", "env_manager.autostart=true"] if hold_rollouts else None
+            mesh.services.append(Supervised("env-manager", proc, logs / "env_manager.log", restart_args=restart))
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh
+
+
+def start_trainer(
+    config_path: Path, overrides: list[str], mesh: Mesh, log_path: Path, procs: int = 1, gpus: str | None = None
+):
+    """The trainer process; with ``procs`` > 1, ``procs`` ranks under torchrun (rank 0 serves /metrics);
+    ``gpus``: its ``CUDA_VISIBLE_DEVICES``."""
+    port = f"train_loop.metrics_port={mesh.metrics_port('trainer')}"
+    cmd = serve_command("trainer", "trainer", [*overrides, *mesh.wiring, port], str(config_path))
+    if procs > 1:  # python -m torch.distributed.run ... -m services.cli serve trainer ...
+        cmd = [cmd[0], "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs), *cmd[1:]]
+    return subprocess.Popen(
+        cmd,
+        stdout=open(log_path, "ab"),  # noqa: SIM115 (closed with the process)
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, **cuda_env(gpus)),
+    )
