@@ -89,9 +89,11 @@ class SampleBuffer(ABC):
         ``full`` (counted as ``dropped_capacity``), the earlier ones of the call stored: each caller
         learns what became of its own group."""
         datas = [encode_group(g) if isinstance(g, Group) else bytes(g) for g in groups]
-        for g, d in zip(groups, datas, strict=True):
-            if not isinstance(g, Group):  # a Group object was checked when it was built
-                decode_group(d)
+        # A Group object was checked when it was built; bytes are checked here, off the event loop (a
+        # large put decodes for a while, and the buffer goes on serving the other calls meanwhile).
+        received = [d for g, d in zip(groups, datas, strict=True) if not isinstance(g, Group)]
+        if received:
+            await asyncio.to_thread(lambda: [decode_group(d) for d in received])
         headers = [read_header(d) for d in datas]
         results = [PutResult(True) for _ in datas]
         todo = []

@@ -22,6 +22,11 @@ from sample_buffer.trajectory import Group, Trajectory, TrajectoryError
 FORMAT_VERSION = 1
 _FLAG_ZLIB = 1
 _PREFIX = struct.Struct("<BBI")
+# A compressed body inflates at most this much, and never beyond MAX_BODY_BYTES: token ids, masks
+# and log-probs compress 2-5x at level 1, while a zlib bomb does 1000x (611 KB on the wire took the
+# buffer to 2.7 GB before this bound).
+MAX_INFLATION = 64
+MAX_BODY_BYTES = 256 << 20
 
 
 class CodecError(ValueError):
@@ -102,13 +107,26 @@ def read_header(data: bytes) -> GroupHeader:
         raise CodecError(f"corrupt group header: {type(e).__name__}: {e}") from None
 
 
+def _inflate(body: memoryview) -> bytes:
+    """The body decompressed, refused as soon as it grows past its bound (never inflated in full)."""
+    limit = min(MAX_INFLATION * len(body), MAX_BODY_BYTES)
+    inflater = zlib.decompressobj()
+    raw = inflater.decompress(body, limit)
+    if inflater.unconsumed_tail or not inflater.eof:
+        raise CodecError(
+            f"compressed body of {len(body)} bytes inflates past {limit} bytes ({MAX_INFLATION}x, at most "
+            f"{MAX_BODY_BYTES >> 20} MiB) or is truncated: refused"
+        )
+    return raw
+
+
 def decode_group(data: bytes, validate: bool = True) -> Group:
     """The group back; ``validate=False`` skips the trajectories' checks (the buffer checked these
     bytes when they were put, so the trainer does not again)."""
     flags, _, body = _split(data)
     head = read_header(data)
     try:
-        raw = zlib.decompress(body) if flags & _FLAG_ZLIB else body
+        raw = _inflate(body) if flags & _FLAG_ZLIB else body
         rows = msgpack.unpackb(raw)
         trajs = [
             Trajectory(
@@ -128,6 +146,8 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
             )
             for r in rows
         ]
+    except CodecError:
+        raise
     except TrajectoryError as e:
         raise CodecError(f"decoded group {head.group_id!r} is invalid: {e}") from None
     except (ValueError, TypeError, IndexError, OverflowError, zlib.error, msgpack.UnpackException) as e:

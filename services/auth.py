@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import secrets
 import ssl
@@ -24,10 +25,14 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+log = logging.getLogger(__name__)
 TOKEN_ENV = "ROLLMESH_TOKEN"
+# Set by an engine process started with auth disabled: the vLLM plugin otherwise refuses to serve
+# without a token (an empty one must not mean "open").
+AUTH_DISABLED_ENV = "ROLLMESH_AUTH_DISABLED"
 EXEMPT_GRPC_PREFIX = "/grpc.health.v1.Health/"
 EXEMPT_HTTP_PATHS = frozenset({"/health", "/metrics"})
 
@@ -116,14 +121,29 @@ def ensure_token(auth: AuthConfig) -> AuthConfig:
     return auth
 
 
+def server_bearer(auth: AuthConfig, server: str) -> str | None:
+    """The bearer a server checks. With ``auth.disabled``: None, a warning in the log, and
+    ``rollmesh_auth_disabled 1`` on the process's /metrics, so an open service is never a quiet one."""
+    bearer = auth.bearer()
+    if bearer is None:
+        SERVING_OPEN.add(server)
+        log.warning("%s: auth.disabled: serving WITHOUT a token; anyone who reaches its port may call it", server)
+    return bearer
+
+
 # ---------------------------------------------------------------- refused calls, per process
 REFUSED: Counter[str] = Counter({"missing": 0, "wrong": 0})
+SERVING_OPEN: set[str] = set()  # this process's servers that check no token (auth.disabled)
 
 
 class RefusedCollector:
-    """``rollmesh_auth_refused_requests_total{reason}`` for a service's registry."""
+    """``rollmesh_auth_refused_requests_total{reason}`` and ``rollmesh_auth_disabled`` for a
+    service's registry."""
 
     def collect(self):
+        yield GaugeMetricFamily(
+            "rollmesh_auth_disabled", "1: this process serves without a token (auth.disabled)", value=bool(SERVING_OPEN)
+        )
         family = CounterMetricFamily(
             "rollmesh_auth_refused_requests", "Calls refused for a missing or wrong bearer token", labels=["reason"]
         )
@@ -163,10 +183,14 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         if reason is None:
             return handler
 
-        async def refuse(request, context):
+        async def refuse(requests, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _message(reason))
 
-        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.unary_unary_rpc_method_handler
+        # A streaming-request handler that never reads: the refused call's message is not received (a
+        # unary handler gets the whole message before it runs, up to the server's receive limit: one
+        # 200 MiB call without a token took the buffer to 700 MB). HTTP/2 flow control stops the
+        # sender after a window's worth; the stream is reset with the status.
+        make = grpc.stream_stream_rpc_method_handler if handler.unary_stream else grpc.stream_unary_rpc_method_handler
         return make(refuse, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
@@ -199,8 +223,8 @@ def grpc_server_credentials(auth: AuthConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(auth.tls.read("key_path"), auth.tls.read("cert_path"))])
 
 
-def grpc_server_interceptors(auth: AuthConfig) -> list[grpc.aio.ServerInterceptor]:
-    bearer = auth.bearer()
+def grpc_server_interceptors(auth: AuthConfig, server: str = "gRPC server") -> list[grpc.aio.ServerInterceptor]:
+    bearer = server_bearer(auth, server)
     return [TokenCheck(bearer)] if bearer else []
 
 

@@ -149,6 +149,8 @@ class RollmeshConfig(BaseModel):
                 setattr(part, key, self.model_path)
         if self.controller.state_path is None:  # the run directory has one owner: train_loop
             self.controller.state_path = str(Path(self.train_loop.run_dir) / CONTROLLER_STATE)
+        if "load_roots" in type(self.engine).model_fields and not self.engine.load_roots:  # where disk exports go
+            self.engine.load_roots = [str(Path(self.train_loop.run_dir) / "weights")]
         return self
 
     @model_validator(mode="after")
@@ -336,6 +338,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         data = loaded
     for o in overrides or []:
+        if o.replace(" ", "").startswith(("auth.token=", "auth={")) and "token" in o:
+            # Copied onto every child's command line, where every user of the host reads it (ps).
+            raise ConfigError(
+                "auth.token: not on the command line (every process's argv is visible in ps); "
+                "set $ROLLMESH_TOKEN or write it in the config file"
+            )
         apply_override(data, o)
     _refuse_renamed(data, str(path or "config"))
     try:

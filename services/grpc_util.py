@@ -118,7 +118,7 @@ async def start_server(
     auth = auth or AuthConfig()
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS, *(options or [])],
-        interceptors=grpc_server_interceptors(auth),
+        interceptors=grpc_server_interceptors(auth, service_name),
     )
     server.add_generic_rpc_handlers((handler,))
     health_servicer = health.aio.HealthServicer()

@@ -50,4 +50,8 @@ def install_error_handlers(app: FastAPI) -> None:
         # FastAPI's own 400 for a body json.loads cannot even decode (not UTF-8): {"detail": ...}, no field.
         if exc.status_code == 400 and exc.__cause__ is not None:
             return bad_request("body", f"malformed JSON ({exc.__cause__})")
+        if exc.status_code == 413:  # BodyLimit: its detail names the body
+            response = bad_request("body", str(exc.detail).removeprefix("body: "))
+            response.status_code = 413
+            return response
         return await http_exception_handler(request, exc)

@@ -9,7 +9,7 @@ import pytest
 
 from services.auth import TOKEN_ENV
 from services.processes import start_engine_process, stop_process
-from tests.engines import start_vllm_engines
+from tests.engines import TEST_LOAD_ROOTS, start_vllm_engines
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 # Every service a test starts, in this process or as a child, checks this token; every client sends it.
@@ -95,7 +95,7 @@ def tiny_model_b(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def engine_url(tiny_model):
-    proc, url = start_engine_process(tiny_model)
+    proc, url = start_engine_process(tiny_model, extra=TEST_LOAD_ROOTS)
     yield url
     stop_process(proc)
 
@@ -116,7 +116,7 @@ def make_engine_process(tiny_model):
     procs = []
 
     def start(port: int | None = None, model: str | None = None):
-        proc, url = start_engine_process(model or tiny_model, port)
+        proc, url = start_engine_process(model or tiny_model, port, extra=TEST_LOAD_ROOTS)
         procs.append(proc)
         return proc, url
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import tempfile
+
 from services.processes import start_engine_process
+
+# The tests' embedded engines load weights the tests export under their temporary directories.
+TEST_LOAD_ROOTS = [f"load_roots=[{tempfile.gettempdir()}]"]
 
 
 class Engines(list):

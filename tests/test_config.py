@@ -53,6 +53,13 @@ def test_the_vllm_knobs_have_the_names_of_the_other_engines():
     assert (cfg.engine.max_running_requests, cfg.engine.context_length) == (8, 256)
 
 
+def test_a_token_on_the_command_line_is_refused():
+    for override in ("auth.token=s3cret", "auth={token: s3cret}"):
+        with pytest.raises(ConfigError, match=r"auth.token: not on the command line .*ROLLMESH_TOKEN"):
+            load_config(None, [override])
+    assert load_config(None, ["auth.disabled=true"]).auth.disabled
+
+
 def test_bad_values_name_the_field():
     with pytest.raises(ConfigError, match="engine.max_running_requests"):
         load_config(None, ["engine.max_running_requests=0"])

@@ -2,7 +2,8 @@
 
 A checkpoint is written into ``step_N.partial`` and renamed to ``step_N`` only after every rank
 finished and rank 0 wrote the ``COMPLETE`` marker, so a crash mid-write never leaves something
-``latest`` would pick. Works single-process and under FSDP2 (each rank writes its shards).
+``latest`` would pick; it is flushed to the device before the rename (``trainer/durable.py``).
+Works single-process and under FSDP2 (each rank writes its shards).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer.durable import REPLACED, swap_in
 
 MARKER = "COMPLETE"
 
@@ -30,8 +33,15 @@ def _rank() -> int:
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint under ``root`` (None when there is none)."""
     root = Path(root)
-    done = [p for p in root.glob("step_*") if p.is_dir() and (p / MARKER).exists() and p.name[5:].isdigit()]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
+    done: dict[int, Path] = {}
+    for p in root.glob("step_*"):
+        step = p.name[5:].removesuffix(REPLACED)
+        if not (step.isdigit() and p.is_dir() and (p / MARKER).exists()):
+            continue
+        if p.name.endswith(REPLACED) and int(step) in done:  # its successor is in: the successor
+            continue
+        done[int(step)] = p
+    return done[max(done)] if done else None
 
 
 def save_checkpoint(engine, root: str | Path, keep_last: int | None = None) -> Path:
@@ -58,10 +68,10 @@ def save_checkpoint(engine, root: str | Path, keep_last: int | None = None) -> P
     _barrier()
     if _rank() == 0:
         (tmp / MARKER).write_text(f"step {engine.step}\n")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        swap_in(tmp, final)  # flushed, and a complete checkpoint of this step at every moment
         if keep_last:
-            done = sorted((p for p in root.glob("step_*") if (p / MARKER).exists()), key=lambda p: int(p.name[5:]))
+            done = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / MARKER).exists()]
+            done.sort(key=lambda p: int(p.name[5:]))
             for old in done[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
     _barrier()
@@ -83,7 +93,9 @@ def load_checkpoint(engine, path: str | Path) -> None:
         set_state_dict(
             engine.critic, engine.critic_optimizer, model_state_dict=cstate["model"], optim_state_dict=cstate["optim"]
         )
-    extra = torch.load(path / f"extra_rank{_rank()}.pt", weights_only=False)
+    # weights_only: tensors and plain values, never objects: a file another process could write (a
+    # shared runs volume) must not run code in the trainer at resume.
+    extra = torch.load(path / f"extra_rank{_rank()}.pt", weights_only=True)
     engine.step, engine.version = extra["step"], extra["version"]
     engine.scheduler.load_state_dict(extra["scheduler"])
     torch.set_rng_state(extra["rng_cpu"])

@@ -13,5 +13,10 @@ class EngineServerConfig(BaseModel):
     model_path: str | None = Field(
         None, description="Local Hugging Face model directory to serve; default: the run's model_path."
     )
+    load_roots: list[str] = Field(
+        default_factory=list,
+        description="Directories /update_weights_from_disk may load from (and anything below them); the served "
+        "model's own directory always. Empty: the run's exported weights (train_loop.run_dir/weights).",
+    )
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(30000, ge=0, le=65535, description="HTTP port (SGLang's default is 30000).")

@@ -14,8 +14,12 @@ in the child under load ("no response from torch_shm_manager", a child's segment
 full test run). Creating a segment forks nothing.
 
 Unpickling runs whatever a payload names, so the receiver's unpickler admits only what torch's
-reductions of CUDA tensors need and rollmesh's segment references; anything else is refused. A
-reference may name only a rollmesh segment, and only bytes inside it.
+reductions of dense CUDA tensors need and rollmesh's segment references; anything else is refused.
+It is pickle's Python unpickler with the opcodes that set or build objects' state (BUILD, INST,
+OBJ, NEWOBJ) removed: with them an allowed class could be changed for the whole process (BUILD on
+``UntypedStorage`` replaced its methods). Sparse and nested tensors are refused (their indices
+were not checked against their shape). A reference may name only a rollmesh segment, and only
+bytes inside it.
 """
 
 from __future__ import annotations
@@ -31,23 +35,11 @@ import secrets
 import torch
 
 _ALLOWED = {
-    ("torch.multiprocessing.reductions", n)
-    for n in (
-        "rebuild_tensor",
-        "rebuild_cuda_tensor",
-        "rebuild_typed_storage",
-        "rebuild_storage_empty",
-        "rebuild_nested_tensor",
-        "rebuild_sparse_coo_tensor",
-    )
-} | {
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),  # a dense CUDA tensor's IPC handle
     ("torch", "Tensor"),
     ("torch", "Size"),
     ("torch.storage", "UntypedStorage"),
-    ("torch.storage", "TypedStorage"),
     ("torch.nn.parameter", "Parameter"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("collections", "OrderedDict"),
 }
 
 SEGMENT_PREFIX = "rollmesh_w_"
@@ -133,7 +125,18 @@ def _create_segment(size: int):
     return shared_memory.SharedMemory(name=SEGMENT_PREFIX + secrets.token_hex(8), create=True, size=size)
 
 
-class _TensorsOnly(pickle.Unpickler):
+def _refuse_opcode(name: str):
+    def refuse(self):
+        raise pickle.UnpicklingError(f"opcode {name} (building an object's state) is not part of a tensor handle")
+
+    return refuse
+
+
+class _TensorsOnly(pickle._Unpickler):  # the Python unpickler: its opcode table can be narrowed
+    dispatch = dict(pickle._Unpickler.dispatch)
+    for _op in ("BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX"):
+        dispatch[getattr(pickle, _op)[0]] = _refuse_opcode(_op)
+
     def find_class(self, module: str, name: str):
         if (module, name) == (__name__, "_shm_tensor"):
             return _shm_tensor
@@ -160,4 +163,7 @@ def loads(payload: str | bytes) -> dict[str, torch.Tensor]:
         isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor) for p in named
     ):
         raise ValueError("a tensor-handle payload is a list of (name, tensor) pairs")
+    for name, t in named:
+        if t.layout != torch.strided:
+            raise ValueError(f"tensor {name!r}: layout {t.layout}: a weight is a dense tensor")
     return dict(named)

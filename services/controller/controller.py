@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 import uuid
 from collections import Counter
@@ -26,6 +25,7 @@ from rollout.admission import admission_capacity
 from rollout.ports import Admitted
 from services.controller.config import ControllerConfig
 from services.controller.errors import UpdateConflict
+from trainer.durable import write_durably
 from trainer.ports import Limits
 
 log = logging.getLogger(__name__)
@@ -269,9 +269,7 @@ class AsyncController:
             return
         path = Path(self.config.state_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"version": self.version, "model_path": self.model_path}))
-        os.replace(tmp, path)
+        write_durably(path, json.dumps({"version": self.version, "model_path": self.model_path}))
 
     # ------------------------------------------------------------------ weight updates
     async def begin_update(self, new_version: int, timeout_s: float = 0.0, supersede: bool = False) -> str:

@@ -20,6 +20,7 @@ import inspect
 import json
 import sys
 import time
+from pathlib import Path
 
 from fastapi import Body, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rollout.engines.contract import EngineError, GenerateOutput
 from rollout.engines.embedded.engine import EmbeddedEngine
 from rollout.sampling import SamplingParams
-from services.auth import AuthConfig, BearerMiddleware, RefusedCollector
+from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, server_bearer
 from services.engine.rl_routes import add_rl_routes
 from services.engine.sglang_fields import strip_request
 from services.http_errors import bad_request, install_error_handlers
@@ -143,17 +144,32 @@ def _tokenizer(path: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError):
         return None
 
 
-def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAPI:
+def loadable(path: str, roots: list[str]) -> Path:
+    """``path`` resolved, if it lies in one of ``roots`` (symbolic links followed first); else the
+    refusal naming the field. A caller's path is never handed to ``from_pretrained`` as it came: a
+    name that is not a local directory would be fetched from a hub, any other directory loaded."""
+    resolved = Path(path).resolve()
+    if not any(resolved.is_relative_to(Path(r).resolve()) for r in roots):
+        raise EngineError(
+            "model_path", f"{path} is outside the directories this engine loads from ({', '.join(roots)})"
+        )
+    if not resolved.is_dir():
+        raise EngineError("model_path", f"{path} is not a directory")
+    return resolved
+
+
+def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_roots: list[str] | None = None) -> FastAPI:
     """The engine's API; every route but /health and /metrics needs ``auth``'s token (default:
-    from the environment), as SGLang's ``--api-key`` does."""
+    from the environment), as SGLang's ``--api-key`` does. ``load_roots``: where
+    ``/update_weights_from_disk`` may load from (default: nowhere)."""
     app = FastAPI(title="rollmesh embedded engine")
     install_error_handlers(app)
-    bearer = (auth or AuthConfig()).bearer()
+    bearer = server_bearer(auth or AuthConfig(), "engine")
     if bearer:
         app.add_middleware(BearerMiddleware, bearer=bearer)
     metrics = _Metrics(engine)
@@ -291,7 +307,8 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None) -> FastAP
             await asyncio.wrap_future(engine.abort(abort_all=True))
         t0 = time.perf_counter()
         try:
-            fut = await asyncio.to_thread(engine.load_weights_from_disk, req.model_path, version)
+            path = str(loadable(req.model_path, load_roots or []))
+            fut = await asyncio.to_thread(engine.load_weights_from_disk, path, version)
         except EngineError:
             raise
         except Exception as e:  # transformers and safetensors raise several types for what they cannot load
@@ -402,7 +419,7 @@ def serve(engine_config, auth: AuthConfig) -> None:
     gc.freeze()
     try:
         config = uvicorn.Config(
-            create_app(engine, auth),
+            create_app(engine, auth, [engine_config.model_path, *engine_config.load_roots]),
             host=engine_config.host,
             port=engine_config.port,
             log_level="warning",

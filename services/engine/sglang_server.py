@@ -2,8 +2,9 @@
 needs. The same flags are in the Helm chart's engine template and the compose file's ``gpu``
 profile (``tests/deploy`` checks they agree).
 
-What RL needs of it: a local model only (``HF_HUB_OFFLINE``), the run's token (``--api-key``:
-SGLang then wants it on every route but /health and /metrics), the version it starts at
+What RL needs of it: a local model only (``HF_HUB_OFFLINE``), the run's token (SGLang's
+``api-key``, in a private ``--config`` file: on the command line every user of the host would
+read it in ``ps``; SGLang then wants it on every route but /health and /metrics), the version it starts at
 (``--weight-version``, which the LLMProxy reads before letting it serve), metrics for the
 dashboards, and TLS where the run has it. Weight updates come later over HTTP: from disk, or
 over a weight-update group the trainer hosts (``/init_weights_update_group``), which needs no
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
+
+import yaml
 
 from rollout.engines.sglang.config import SGLangEngineConfig
 from services.auth import AuthConfig
@@ -39,6 +43,15 @@ def interpreter(cfg: SGLangEngineConfig) -> str:
             "(`pip install sglang` on a GPU machine; the GPU image has one)"
         )
     return found
+
+
+def secret_config(values: dict[str, str]) -> str:
+    """SGLang ``--config`` file of secret flags, readable by this user only (a directory of mode
+    0700 holding a file of 0600): what the environment is to a process, without the argv."""
+    path = Path(tempfile.mkdtemp(prefix="rollmesh-sglang-")) / "secrets.yaml"
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        yaml.safe_dump(values, f)
+    return str(path)
 
 
 def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str], dict[str, str]]:
@@ -76,7 +89,7 @@ def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str]
     if cfg.enable_memory_saver:
         argv.append("--enable-memory-saver")
     if bearer:
-        argv += ["--api-key", bearer.removeprefix("Bearer ")]
+        argv += ["--config", secret_config({"api-key": bearer.removeprefix("Bearer ")})]
     if auth.tls and auth.tls.cert_path and auth.tls.key_path:
         argv += ["--ssl-certfile", auth.tls.cert_path, "--ssl-keyfile", auth.tls.key_path]
     argv += cfg.extra_args

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from rollout.engines.vllm.config import VLLMEngineConfig
-from services.auth import AuthConfig
+from services.auth import AUTH_DISABLED_ENV, AuthConfig
 from services.engine.external import exec_server, local_model_dir
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,8 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
     env.update(
         VLLM_SERVER_DEV_MODE="1",
         PYTHONPATH=os.pathsep.join(p for p in (str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")) if p),
-        ROLLMESH_TOKEN=bearer.removeprefix("Bearer ") if bearer else "",  # "": the check is off
+        ROLLMESH_TOKEN=bearer.removeprefix("Bearer ") if bearer else "",
+        **({AUTH_DISABLED_ENV: "1"} if bearer is None else {}),  # the plugin serves open only when told
         PYTHONUNBUFFERED="1",
         HF_HUB_OFFLINE="1",  # models load from local paths only, never from a hub
     )

@@ -29,7 +29,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.envs.remote import Observation
-from services.auth import AuthConfig, BearerMiddleware, RefusedCollector
+from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, server_bearer
+from services.body_limit import BodyLimit
 from services.env_provider.config import EnvProviderConfig
 from services.env_provider.sessions import ProviderSessions, SessionError
 from services.grpc_util import serve_until_signal, start_server, unary_service
@@ -164,8 +165,10 @@ def create_app(sessions: ProviderSessions, auth: AuthConfig) -> FastAPI:
     registry = CollectorRegistry()
     registry.register(_Collector(sessions))
     registry.register(RefusedCollector())
-    bearer = auth.bearer()
-    if bearer:
+    # An action's characters escaped in JSON (at most 6 bytes each) and the request's other fields.
+    app.add_middleware(BodyLimit, max_bytes=6 * sessions.max_action_chars + 65_536)
+    bearer = server_bearer(auth, "environment provider")
+    if bearer:  # added last: runs first, so a caller without the token is refused before any body
         app.add_middleware(BearerMiddleware, bearer=bearer)
 
     @app.exception_handler(SessionError)

@@ -9,7 +9,7 @@ import socket
 
 from rollout.agent.render import TemplateRenderer
 from rollout.agent.sessions import AgentSessions
-from services.auth import AuthConfig
+from services.auth import AuthConfig, server_bearer
 from services.controller.client import ControllerClient
 from services.gateway.config import GatewayConfig
 from services.gateway.server import KeyRing, create_app, expire_forever
@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 def key_ring(config: GatewayConfig, auth: AuthConfig) -> KeyRing | None:
     """The keys the gateway takes: its key file's and the mesh token (named ``mesh``); None where
     ``auth.disabled`` says nobody else can reach the network."""
-    if auth.disabled:
+    bearer = server_bearer(auth, "agent gateway")
+    if bearer is None:
         return None
-    bearer = auth.bearer()
     return KeyRing({**config.keys(), "mesh": bearer.removeprefix("Bearer ")})
 
 

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rollout.agent.sessions import AgentSessions, Session, SessionError
 from rollout.sampling import SamplingParams
 from sample_buffer.errors import TransientError
+from services.body_limit import BodyLimit
 from services.gateway.config import GatewayConfig
 from services.gateway.openai_api import (
     ChatRequest,
@@ -72,6 +73,7 @@ class KeyRing:
 def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | None) -> FastAPI:
     """``keys`` None: no key is asked for (``auth.disabled``; every caller is ``anonymous``)."""
     app = FastAPI(title="rollmesh agent gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)  # chunked bodies too
     tokenizer = sessions.renderer.tokenizer
     in_flight: Counter[str] = Counter()
     counts: Counter[tuple[str, str]] = Counter()  # (route, status class)

@@ -62,13 +62,14 @@ def test_every_service_gets_the_token_and_compose_refuses_to_start_without_one(t
     assert len(ours) == 10
     for name in ours:
         assert services[name]["environment"]["ROLLMESH_TOKEN"] == TOKEN, name
-    # The GPU engine execs SGLang with the token it got, which SGLang then checks (--api-key).
+    # The GPU engine execs SGLang with the token it got (api-key, in a private --config file), which SGLang checks.
     cmd = services["engine-gpu"]["command"]
     assert cmd[:3] == ["rollmesh", "serve", "engine"]
     engine = load_config(ROOT / cmd[cmd.index("--config") + 1]).engine
     engine.python, engine.model_path = sys.executable, tiny_model
     argv, _ = sglang_command(engine, AuthConfig(token=services["engine-gpu"]["environment"]["ROLLMESH_TOKEN"]))
-    assert argv[argv.index("--api-key") + 1] == TOKEN and argv[argv.index("--port") + 1] == "30000"
+    secrets = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+    assert secrets == {"api-key": TOKEN} and argv[argv.index("--port") + 1] == "30000"
 
 
 def _source(volume) -> str:

@@ -177,7 +177,7 @@ def test_every_pod_reads_the_run_token_from_one_secret():
     ours = {"name": "t-rollmesh-token", "key": "token"}
     for d in workloads:
         assert _token_env(d["spec"]["template"]["spec"]["containers"][0]) == ours, d["metadata"]["name"]
-    # The engine pod's `rollmesh serve engine` hands that token to SGLang (--api-key): test_sglang_launch.
+    # The engine pod's `rollmesh serve engine` hands that token to SGLang (a private --config file): test_sglang_launch.
     # a Secret managed elsewhere: nothing made, every pod points at it
     docs = render("auth.existingSecret=team-token", "auth.secretKey=t")
     assert not [d for d in docs if d["kind"] == "Secret"]

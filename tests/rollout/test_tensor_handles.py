@@ -72,3 +72,22 @@ def test_a_payload_of_anything_but_tensor_pairs_is_refused():
         th.loads(_payload({"w": 1}))
     with pytest.raises(ValueError, match="not a tensor-handle payload"):
         th.loads("not base64!")
+
+
+class _SetsStorageState:
+    """Pickles as BUILD on torch's storage class: setting its attributes for the whole process."""
+
+    def __reduce__(self):
+        return (torch.Size, ((),), {"tolist": torch.Size})
+
+
+def test_a_payload_cannot_change_torch_classes_or_bring_sparse_tensors():
+    # BUILD with a state: what replaced UntypedStorage.tolist with torch.Size, process-wide.
+    build = pickle.dumps([("w", _SetsStorageState())], protocol=pickle.HIGHEST_PROTOCOL)
+    with pytest.raises(ValueError, match="opcode BUILD"):
+        th.loads(base64.b64encode(build).decode())
+    assert torch.UntypedStorage.tolist is not torch.Size
+    # A sparse tensor whose index lies past its shape: never built.
+    sparse = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([1.0]), (4,))
+    with pytest.raises(ValueError, match="not part of a tensor handle"):
+        th.loads(_payload([("w", sparse)]))

@@ -116,9 +116,9 @@ def test_every_engine_route_refuses_a_missing_or_wrong_token(engine_url):
     assert ok.status_code == 200 and ok.json()["output_ids"]
 
 
-def test_a_service_without_a_token_refuses_to_start_unless_auth_is_disabled():
+def test_a_service_without_a_token_refuses_to_start_unless_auth_is_disabled(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -132,11 +132,19 @@ def test_a_service_without_a_token_refuses_to_start_unless_auth_is_disabled():
     ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and TOKEN_ENV in res.stderr and "auth.disabled" in res.stderr, res.stderr
-    open_ = subprocess.Popen(
-        [*cmd, "--set", "auth.disabled=true"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:  # a closed network may say so: then no call needs a token
+    log = tmp_path / "open.log"
+    with open(log, "wb") as out:
+        open_ = subprocess.Popen(
+            [*cmd, "--set", "auth.disabled=true", "--set", f"buffer.metrics_port={metrics_port}"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:  # a closed network may say so: then no call needs a token, and the service says it loudly
         wait_grpc_healthy(f"127.0.0.1:{port}", 60, open_)
+        assert "serving WITHOUT a token" in log.read_text()
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        assert "rollmesh_auth_disabled 1.0" in metrics
 
         async def stats():
             client = BufferClient(f"127.0.0.1:{port}", auth=AuthConfig(disabled=True))
@@ -203,3 +211,20 @@ def test_tls_from_client_to_buffer_and_through_the_proxy_to_an_https_engine(tls,
         asyncio.run(main())
     finally:
         stop_process(engine)
+
+
+def test_the_vllm_plugin_refuses_to_serve_on_an_empty_token(monkeypatch):
+    """An empty ROLLMESH_TOKEN used to leave vLLM open; now only an explicit opt-out does."""
+    from services.engine.vllm_server import PLUGIN_DIR
+
+    monkeypatch.syspath_prepend(str(PLUGIN_DIR))
+    import rollmesh_vllm
+
+    monkeypatch.setenv("ROLLMESH_TOKEN", "")
+    monkeypatch.delenv("ROLLMESH_AUTH_DISABLED", raising=False)
+    with pytest.raises(RuntimeError, match="ROLLMESH_TOKEN is empty"):
+        rollmesh_vllm.BearerCheck(app=None)
+    monkeypatch.setenv("ROLLMESH_AUTH_DISABLED", "1")
+    assert rollmesh_vllm.BearerCheck(app=None).expected is None
+    monkeypatch.setenv("ROLLMESH_TOKEN", "t")
+    assert rollmesh_vllm.BearerCheck(app=None).expected == b"Bearer t"

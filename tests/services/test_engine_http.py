@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import httpx
 import pytest
@@ -181,6 +182,30 @@ def test_weight_updates_over_http(make_engine_process, tiny_model_b):
     assert bad.status_code == 400 and bad.json()["field"] == "body"
     bad = post(url, "/update_weights_from_safetensors", content=save({"nope": torch.zeros(1)}))
     assert bad.status_code == 400 and "nope" in bad.json()["message"]
+
+
+def test_weights_load_only_from_the_engines_own_directories(tmp_path, tiny_model_b):
+    """A caller's model_path used to reach from_pretrained as it came: a hub name was fetched, any
+    directory loaded. Now only the model's directory and ``engine.load_roots`` are loadable."""
+    from services.processes import start_engine_process, stop_process
+
+    root, elsewhere = tmp_path / "exports", tmp_path / "elsewhere"
+    root.mkdir()
+    (elsewhere / "v1").mkdir(parents=True)
+    (root / "escape").symlink_to(elsewhere / "v1")
+    proc, url = start_engine_process(tiny_model_b, extra=[f"load_roots=[{root}]"])
+    try:
+        refusals = {
+            path: post(url, "/update_weights_from_disk", json={"model_path": path, "weight_version": "1"}).json()
+            for path in ("HuggingFaceTB/SmolLM2-135M", str(elsewhere / "v1"), str(root / "escape"), "/etc")
+        }
+        shutil.copytree(tiny_model_b, root / "v2")  # inside a root: loaded
+        ok = post(url, "/update_weights_from_disk", json={"model_path": str(root / "v2"), "weight_version": "2"})
+    finally:
+        stop_process(proc)
+    for path, body in refusals.items():
+        assert body["field"] == "model_path" and "outside the directories" in body["message"], (path, body)
+    assert ok.status_code == 200 and ok.json()["weight_version"] == 2
 
 
 def test_the_client_drops_idle_connections_before_the_server_does(engine_url):

@@ -59,6 +59,7 @@ from services.processes import start_engine_process, stop_process
 from services.sample_buffer.client import BufferClient
 from services.sample_buffer.server import start_buffer_service
 from services.wire_limits import MAX_WEIGHT_BUCKET_MB, SAMPLE_BUFFER_MAX_MESSAGE_BYTES
+from tests.engines import TEST_LOAD_ROOTS
 from tests.sample_buffer.helpers import make_group
 from tests.services.mesh import local_mesh
 
@@ -281,7 +282,7 @@ def fuzz_unary_methods(aio, ch, service: str, methods: dict, max_examples: int, 
 def engine(tiny_model):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
-        proc, url = start_engine_process(tiny_model)
+        proc, url = start_engine_process(tiny_model, extra=TEST_LOAD_ROOTS)
     info = get(url, "/model_info").json()
     yield SimpleNamespace(url=url, vocab=info["vocab_size"], context=info["max_context_length"])
     stop_process(proc)

@@ -166,7 +166,8 @@ def test_top_logprobs_are_each_positions_most_likely_tokens(engine_url, tiny_mod
 
 def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_url, tiny_model):
     async def main():
-        async with gateway(engine_url, tiny_model, max_completion_tokens=64, max_concurrent_requests=1) as (
+        limits = dict(max_completion_tokens=64, max_concurrent_requests=1, max_request_bytes=65_536)
+        async with gateway(engine_url, tiny_model, **limits) as (
             url,
             mesh,
             _,
@@ -211,6 +212,13 @@ def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_ur
                 await http.post(f"{url}/v1/sessions/{sid}/end", json={"reward": 0.0})
                 again = await http.post(f"{url}/v1/sessions/{sid}/end", json={"reward": 0.0})
                 errors["ended"] = (again.status_code, again.headers.get("x-should-retry"))
+
+                async def chunks():  # no Content-Length: the old check let 40 MiB like this be read in full
+                    for _ in range(16):
+                        yield b" " * 8192
+
+                big = await http.post(url + "/v1/chat/completions", content=chunks())
+                errors["chunked"] = (big.status_code, big.json())
             return errors, after, other
 
     errors, after, other = asyncio.run(main())
@@ -223,6 +231,8 @@ def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_ur
     assert errors["limit"][0] == 429
     assert errors["route"]["error"]["type"] == "invalid_request_error"  # an unknown route: OpenAI's shape too
     assert errors["ended"] == (404, "false")  # an ended session is gone; OpenAI's client must not retry
+    status, body = errors["chunked"]
+    assert status == 413 and "over this route's 65536 bytes" in body["error"]["message"], body
     assert after.choices[0].message is not None and other.data[0].id == "rollmesh-policy"
 
 

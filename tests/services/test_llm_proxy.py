@@ -18,7 +18,7 @@ from services.llm_proxy.server import engine_client, start_proxy
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.processes import free_port, stop_process
-from tests.engines import Engines
+from tests.engines import TEST_LOAD_ROOTS, Engines
 from tests.services.proxy_waits import decoding
 
 
@@ -26,7 +26,7 @@ from tests.services.proxy_waits import decoding
 def embedded_engines(tiny_model):
     from services.processes import start_engine_process
 
-    procs = [start_engine_process(tiny_model) for _ in range(2)]
+    procs = [start_engine_process(tiny_model, extra=TEST_LOAD_ROOTS) for _ in range(2)]
     yield Engines([url for _, url in procs])
     for p, _ in procs:
         stop_process(p)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rollout.engines.sglang.config import SGLangEngineConfig
 from services.auth import AuthConfig, AuthError
@@ -52,7 +53,12 @@ def test_the_command_carries_the_flags_rl_needs(tiny_model):
     assert flags["--model-path"] == str(Path(tiny_model).resolve()) and flags["--port"] == "31234"
     assert flags["--tp-size"] == "2" and flags["--mem-fraction-static"] == "0.6" and flags["--dtype"] == "bfloat16"
     assert flags["--weight-version"] == "7" and flags["--random-seed"] == "3" and "--enable-metrics" in flags
-    assert flags["--api-key"] == "s3cret" and flags["--chunked-prefill-size"] == "4096"
+    assert flags["--chunked-prefill-size"] == "4096"
+    # The token is in a file only this user reads, never on the command line (ps shows it to all).
+    secrets = Path(flags["--config"])
+    assert "s3cret" not in " ".join(argv) and "--api-key" not in flags
+    assert yaml.safe_load(secrets.read_text()) == {"api-key": "s3cret"}
+    assert secrets.stat().st_mode & 0o777 == 0o600 and secrets.parent.stat().st_mode & 0o777 == 0o700
     assert "--max-running-requests" not in flags and "--enable-memory-saver" not in flags  # SGLang's defaults
     memory_saver = _flags(
         sglang_command(cfg.model_copy(update={"enable_memory_saver": True}), AuthConfig(token="t"))[0]
@@ -114,7 +120,7 @@ def test_serve_engine_launches_sglang_and_the_proxy_drives_it(tiny_model, tmp_pa
     finally:
         stop_process(proc)
     argv = json.loads(argv_file.read_text())
-    assert _flags(argv)["--weight-version"] == "3" and "--api-key" in argv
+    assert _flags(argv)["--weight-version"] == "3" and "--config" in argv and "--api-key" not in argv
     assert len(out.output_ids) == 4 and out.weight_version == 3  # the version it was launched at
     assert stats.engines[0].healthy and stats.engines[0].weight_version == 3
     assert refused == 401

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import pickle
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -87,6 +90,22 @@ def test_checkpoint_resume_is_bit_for_bit(tiny_model, tmp_path):
     assert resumed.train_step(batches[2])["loss"] == losses[2]  # exactly, not approximately
     with pytest.raises(FileNotFoundError, match=MARKER):
         load_checkpoint(resumed, tmp_path / "ckpt" / "step_8")
+    # A checkpoint's extras rewritten by someone else with a pickled object: refused, never run.
+    planted = tmp_path / "ran"
+    torch.save({"step": 2, "version": 2, "x": _Planted(str(planted))}, path / "extra_rank0.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_checkpoint(engine(tiny_model, **cfg), path)
+    assert not planted.exists()
+
+
+class _Planted:
+    """Unpickling this writes a file: what a hostile checkpoint would do instead."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
 
 
 def test_exported_weights_serve_identically(tiny_model, tmp_path):

@@ -85,7 +85,7 @@ class EmbeddedEngine(SchedulerCommands):
             self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         try:
-            self.hf_config = AutoConfig.from_pretrained(config.model_path)
+            self.hf_config = AutoConfig.from_pretrained(config.model_path, local_files_only=True)
         except (OSError, ValueError) as e:
             raise UnsupportedModel(f"{config.model_path}: no model config transformers can read: {e}") from None
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -125,11 +125,15 @@ class EmbeddedEngine(SchedulerCommands):
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, attn_implementation="sdpa", local_files_only=True
+            )
         except ValueError as e:
             if "attention implementation" not in str(e):  # no SDPA for this architecture: eager is slower, works
                 raise UnsupportedModel(f"{path}: not a causal LM transformers can load ({e})") from None
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="eager")
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=self.dtype, attn_implementation="eager", local_files_only=True
+            )
         return model.to(self.device).eval()
 
     def _new_batch(self) -> KVSlots:
@@ -141,11 +145,11 @@ class EmbeddedEngine(SchedulerCommands):
         from transformers import GenerationConfig
 
         try:
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
+            eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
         except OSError:  # no generation_config.json: fall back to the model config
             from transformers import AutoConfig
 
-            eos = AutoConfig.from_pretrained(path).eos_token_id
+            eos = AutoConfig.from_pretrained(path, local_files_only=True).eos_token_id
         if eos is None:
             return frozenset()
         return frozenset([eos] if isinstance(eos, int) else eos)
@@ -206,7 +210,7 @@ class EmbeddedEngine(SchedulerCommands):
         """Load a HF directory (in the caller's thread) and swap it in between two steps."""
         from transformers import AutoConfig
 
-        other = AutoConfig.from_pretrained(path)
+        other = AutoConfig.from_pretrained(path, local_files_only=True)
         if other.vocab_size != self.vocab_size or type(other) is not type(self.hf_config):
             raise EngineError("model_path", f"{path} is a different architecture or vocabulary")
         model = self._load(path)

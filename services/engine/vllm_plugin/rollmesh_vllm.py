@@ -167,11 +167,16 @@ def _abort(pg) -> None:
 
 
 class BearerCheck:
-    """ASGI middleware: 401 without ``Authorization: Bearer $ROLLMESH_TOKEN`` (no token set: open)."""
+    """ASGI middleware: 401 without ``Authorization: Bearer $ROLLMESH_TOKEN``. No token refuses to
+    start, unless ``ROLLMESH_AUTH_DISABLED=1`` says auth is off on purpose (an empty token is not)."""
 
     def __init__(self, app) -> None:
         self.app = app
         token = os.environ.get("ROLLMESH_TOKEN", "")
+        if not token and os.environ.get("ROLLMESH_AUTH_DISABLED") != "1":
+            raise RuntimeError(
+                "rollmesh_vllm: ROLLMESH_TOKEN is empty; set it, or ROLLMESH_AUTH_DISABLED=1 on a closed network"
+            )
         self.expected = f"Bearer {token}".encode() if token else None
 
     async def __call__(self, scope, receive, send):

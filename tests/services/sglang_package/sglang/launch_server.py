@@ -2,7 +2,9 @@
 SGLang's own flag names, and only those rollmesh sends (an unknown or misspelt one fails the
 start, as it would in SGLang's parser), records the argv it got (``SGLANG_STANDIN_ARGV``), and
 serves the SGLang stand-in (``tests/services/sglang_standin.py``) as the flags say: model, port,
-dtype, seed, starting weight version, and ``--api-key`` on every route but /health and /metrics."""
+dtype, seed, starting weight version, and ``api-key`` on every route but /health and /metrics.
+As SGLang's, ``--config FILE`` reads flags from YAML (long names without dashes in front); the
+command line wins; an unknown key fails the start."""
 
 import argparse
 import json
@@ -10,6 +12,7 @@ import os
 import sys
 
 import uvicorn
+import yaml
 from fastapi.responses import JSONResponse
 
 from rollout.engines.embedded.config import EngineConfig
@@ -27,6 +30,15 @@ p.add_argument("--mem-fraction-static", type=float)
 p.add_argument("--weight-version", default="default")
 p.add_argument("--enable-metrics", action="store_true")
 p.add_argument("--enable-memory-saver", action="store_true")
+p.add_argument("--config")
+config_file = p.parse_known_args()[0].config
+if config_file:
+    with open(config_file) as f:
+        values = {k.replace("-", "_"): v for k, v in (yaml.safe_load(f) or {}).items()}
+    unknown = sorted(set(values) - {a.dest for a in p._actions})
+    if unknown:
+        p.error(f"--config {config_file}: unknown keys {unknown}")
+    p.set_defaults(**values)
 args = p.parse_args()
 if os.environ.get("SGLANG_STANDIN_ARGV"):
     with open(os.environ["SGLANG_STANDIN_ARGV"], "w") as f:

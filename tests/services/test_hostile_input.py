@@ -1,0 +1,121 @@
+"""Attacks from issue 34, reproduced against real service processes: each is refused with a clear
+status, in bounded memory, and the service goes on serving."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import grpc
+import msgpack
+import pytest
+
+from sample_buffer.codec import _PREFIX, FORMAT_VERSION, MAX_INFLATION, CodecError, decode_group, encode_group
+from services.auth import AuthConfig, grpc_sync_channel
+from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
+from services.pb.rollmesh.v1 import sample_buffer_pb2_grpc
+from services.processes import start_service_process, stop_process
+from tests.sample_buffer.helpers import make_group
+
+MiB = 1 << 20
+TOKEN = [("authorization", AuthConfig().bearer())]
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+def raw_put(size: int) -> bytes:
+    """A serialized PutRequest holding one ``size``-byte group (field 1, length-delimited)."""
+    prefix, n = b"\x0a", size
+    while True:
+        prefix += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+        n >>= 7
+        if not n:
+            return prefix + bytes(size)
+
+
+@pytest.fixture(scope="module")
+def buffer_process():
+    proc, address = start_service_process("sample-buffer", "buffer", ["backend=memory", "metrics_port=0"])
+    yield proc, address
+    stop_process(proc)
+
+
+def test_a_huge_message_without_a_token_is_refused_before_it_is_received(buffer_process):
+    """One 200 MiB Put took the buffer from 90 MB to 709 MB before UNAUTHENTICATED, four at once to
+    1.9 GB. Now the refusal comes from the metadata and the message is never read."""
+    proc, address = buffer_process
+    body = raw_put(200 * MiB)
+    before = peak_rss_mb(proc.pid)
+
+    def unauthenticated_put() -> grpc.StatusCode:
+        with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 256 * MiB)]) as ch:
+            try:
+                ch.unary_unary("/rollmesh.v1.SampleBuffer/Put")(body, timeout=60)
+            except grpc.RpcError as e:
+                return e.code()
+        return grpc.StatusCode.OK
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda _: unauthenticated_put(), range(4)))
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4
+    grown = peak_rss_mb(proc.pid) - before
+    assert grown < 50, f"the buffer's peak memory grew {grown:.0f} MiB for refused calls"
+    with grpc_sync_channel(address, AuthConfig()) as ch:  # and it goes on serving
+        stats = sample_buffer_pb2_grpc.SampleBufferStub(ch).Stats(pb.BufferStatsRequest(), timeout=10, metadata=TOKEN)
+        assert stats.depth == 0
+
+
+def zlib_bomb(inflated: int) -> bytes:
+    """An encoded group whose compressed body inflates to ``inflated`` zero bytes."""
+    header = msgpack.packb({"g": "bomb", "p": "p", "v": 0, "r": [0.0, 1.0], "n": 2, "t": 0.0})
+    body = zlib.compress(bytes(inflated), 9)
+    return _PREFIX.pack(FORMAT_VERSION, 1, len(header)) + header + body
+
+
+def test_a_zlib_bomb_is_refused_without_inflating_it():
+    """611 KB on the wire took the buffer to 2.7 GB and blocked it 14 s: decompression is bounded."""
+    code = (
+        "import resource, sys\n"
+        "from tests.services.test_hostile_input import zlib_bomb\n"
+        "from sample_buffer.codec import CodecError, decode_group\n"
+        "bomb = zlib_bomb(2 << 30)\n"
+        "start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "try:\n"
+        "    decode_group(bomb)\n"
+        "except CodecError as e:\n"
+        "    print(len(bomb), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start, e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    size, grown_kb, message = out.stdout.split(" ", 2)
+    assert int(size) < 3 * MiB and "inflates past" in message, out.stdout + out.stderr
+    assert int(grown_kb) < 50 * 1024, f"decoding the bomb grew memory by {int(grown_kb) >> 10} MiB"
+
+
+def test_a_compressed_group_within_the_bound_still_decodes():
+    group = make_group("g", rewards=(0.0, 1.0, 0.5, 0.25), gen_len=512)
+    data = encode_group(group, compress=True)
+    assert decode_group(data).trajectories[3].token_ids.tolist() == group.trajectories[3].token_ids.tolist()
+    with pytest.raises(CodecError, match=f"{MAX_INFLATION}x"):
+        decode_group(zlib_bomb(64 * MiB))
+
+
+def test_the_buffer_refuses_a_bomb_naming_the_field_and_keeps_serving(buffer_process):
+    _, address = buffer_process
+    with grpc_sync_channel(address, AuthConfig()) as ch:
+        stub = sample_buffer_pb2_grpc.SampleBufferStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Put(pb.PutRequest(groups=[zlib_bomb(512 * MiB)]), timeout=30, metadata=TOKEN)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "groups" in err.value.details()
+        assert "inflates past" in err.value.details()
+        fine = encode_group(make_group("fine"), compress=True)
+        ok = stub.Put(pb.PutRequest(groups=[fine]), timeout=30, metadata=TOKEN)
+        assert ok.results[0].accepted
