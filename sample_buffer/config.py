@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class BufferConfig(BaseModel):
@@ -17,7 +18,15 @@ class BufferConfig(BaseModel):
         description="'memory' (the embedded default) keeps groups in the service's process; 'redis' is durable "
         "and what deployments use.",
     )
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server (redis backend).")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis server (redis backend); rediss:// for TLS. No password here: a URL is printed and logged.",
+    )
+    redis_username: str | None = Field(None, description="Redis ACL user (none: the default user).")
+    redis_password_env: str = Field(
+        "ROLLMESH_REDIS_PASSWORD",
+        description="Environment variable holding Redis's password (requirepass, or the ACL user's); unset: none.",
+    )
     key_prefix: str = Field("rollmesh:default", description="Prefix of every Redis key: one per run shares a Redis.")
     capacity_groups: int = Field(
         4096, ge=1, description="Groups held at most, handed-out-but-unacked included; put waits beyond it."
@@ -35,3 +44,13 @@ class BufferConfig(BaseModel):
     host: str = Field("127.0.0.1", description="Address the gRPC service binds.")
     port: int = Field(50052, ge=0, le=65535, description="gRPC port of the service.")
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _no_password_in_the_url(cls, url: str) -> str:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"scheme {parsed.scheme!r}: expected redis://, rediss:// (TLS) or unix://")
+        if parsed.password:
+            raise ValueError("carries a password: put it in the environment variable redis_password_env names")
+        return url

@@ -18,9 +18,10 @@ deploy configs do) so an acknowledged put survives ``kill -9``.
 from __future__ import annotations
 
 import logging
+import os
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 from sample_buffer.buffer import COUNTERS, BufferBackendError, SampleBuffer
 from sample_buffer.codec import CodecError, GroupHeader, read_header
@@ -60,6 +61,8 @@ class RedisBuffer(SampleBuffer):
         self.stats_key = f"{config.key_prefix}:stats"
         self.redis = aioredis.from_url(
             config.redis_url,
+            username=config.redis_username,
+            password=os.environ.get(config.redis_password_env) or None,
             socket_timeout=config.redis_timeout_s,
             socket_connect_timeout=config.redis_timeout_s,
             decode_responses=False,
@@ -86,6 +89,11 @@ class RedisBuffer(SampleBuffer):
             return BufferBackendError(
                 f"Redis key {self.stream!r} or {self.stats_key!r} exists with another type: is another program "
                 f"using the key prefix {self.config.key_prefix!r}? ({e})"
+            )
+        if isinstance(e, AuthenticationError) or any(s in str(e) for s in ("NOAUTH", "WRONGPASS")):
+            return BufferBackendError(
+                f"Redis on {self.config.redis_url} refused the buffer ({e}): set its password in "
+                f"${self.config.redis_password_env} (buffer.redis_password_env)"
             )
         return BufferBackendError(f"Redis error on {self.config.redis_url}: {type(e).__name__}: {e}")
 

@@ -197,13 +197,14 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 class RedisServer:
     """A redis-server on a free loopback port with AOF; tests kill -9 and restart it."""
 
-    def __init__(self, data_dir: Path, appendfsync: str = "always") -> None:
+    def __init__(self, data_dir: Path, appendfsync: str = "always", password: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed: `make test` installs it (apt-get install redis-server)")
         self.binary, self.dir, self.port = binary, data_dir, free_port()
         self.appendfsync = appendfsync  # "always": an acknowledged write survives kill -9 and power loss
         self.proc: subprocess.Popen | None = None
+        self.password = password  # given on stdin as configuration, never on the command line
 
     @property
     def url(self) -> str:
@@ -211,12 +212,15 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         """Start (or restart, same port and directory) with AOF fsynced on every write."""
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir)]
+        args = [self.binary, "-", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir)]
         args += ["--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "", "--protected-mode", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self.password:
+            self.proc.stdin.write(f"requirepass {self.password}\n".encode())
+        self.proc.stdin.close()
         import redis
 
-        client = redis.Redis(port=self.port, socket_timeout=1)
+        client = redis.Redis(port=self.port, socket_timeout=1, password=self.password)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:

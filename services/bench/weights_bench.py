@@ -142,7 +142,8 @@ def run(
         try:
             urls = []
             for _ in range(engines):
-                proc, url = start_engine_process(str(model), timeout_s=600, env=engine_env)
+                roots = [f"load_roots=[{Path(tmp) / 'run' / 'weights'}]"]  # where the disk transport exports
+                proc, url = start_engine_process(str(model), extra=roots, timeout_s=600, env=engine_env)
                 procs.append(proc)
                 urls.append(url)
             proxy, address = start_service_process(

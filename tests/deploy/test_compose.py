@@ -34,6 +34,7 @@ SECTIONS = {
 
 
 TOKEN = "compose-test-token"
+REDIS_PASSWORD = "compose-test-redis-password"
 
 
 def _compose(env: dict) -> subprocess.CompletedProcess:
@@ -49,14 +50,16 @@ def _compose(env: dict) -> subprocess.CompletedProcess:
 
 
 def compose_config() -> dict:
-    res = _compose({"ROLLMESH_TOKEN": TOKEN})
+    res = _compose({"ROLLMESH_TOKEN": TOKEN, "ROLLMESH_REDIS_PASSWORD": REDIS_PASSWORD})
     assert res.returncode == 0, res.stderr
     return yaml.safe_load(res.stdout)
 
 
 def test_every_service_gets_the_token_and_compose_refuses_to_start_without_one(tiny_model):
-    res = _compose({})
+    res = _compose({"ROLLMESH_REDIS_PASSWORD": REDIS_PASSWORD})
     assert res.returncode != 0 and "ROLLMESH_TOKEN" in res.stderr, res.stderr
+    res = _compose({"ROLLMESH_TOKEN": TOKEN})
+    assert res.returncode != 0 and "ROLLMESH_REDIS_PASSWORD" in res.stderr, res.stderr
     services = compose_config()["services"]
     ours = [n for n, s in services.items() if "build" in s]
     assert len(ours) == 10
@@ -161,3 +164,18 @@ def test_dashboards_are_what_make_dashboards_writes(tmp_path):
     for path in (ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"):
         assert (tmp_path / path.name).read_text() == path.read_text(), f"{path.name}: run make_dashboards.py"
     assert {p.name for p in tmp_path.iterdir()} == {"overview.json", "staleness.json", "health.json"}
+
+
+def test_redis_asks_for_a_password_publishes_no_port_and_fsyncs_every_write():
+    """Redis used to run open, published on the host: anyone reaching it could inject or flush
+    training groups past the token. Only the buffer gets its password; it is never on a command line."""
+    services = compose_config()["services"]
+    redis = services["redis"]
+    assert "ports" not in redis
+    script = redis["command"][-1]
+    assert "redis-server -" in script and "requirepass" in script and REDIS_PASSWORD not in script
+    assert "--appendfsync always" in script
+    assert redis["environment"]["ROLLMESH_REDIS_PASSWORD"] == REDIS_PASSWORD
+    knows = {n for n, s in services.items() if "ROLLMESH_REDIS_PASSWORD" in (s.get("environment") or {})}
+    assert knows == {"redis", "sample-buffer"}
+

@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
+import base64
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -259,3 +261,79 @@ def test_each_template_renders_alone_to_valid_yaml(template):
     assert res.returncode == 0, res.stderr
     docs = [d for d in yaml.safe_load_all(res.stdout) if d]
     assert docs and all("apiVersion" in d and "kind" in d and d["metadata"]["name"] for d in docs)
+
+
+def _non_loopback_ip() -> str:
+    """An address of this machine that is not loopback: what another pod's connection comes from."""
+    out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout.split()
+    ips = [ip for ip in out if "." in ip and not ip.startswith("127.")]
+    assert ips, f"no non-loopback IPv4 address on this machine (hostname -I: {out})"
+    return ips[0]
+
+
+def _secret_env(container: dict, secret: dict) -> dict[str, str]:
+    """A container's environment taken from the rendered Secret, decoded."""
+    key = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in container["env"] if "valueFrom" in e}
+    return {name: base64.b64decode(secret[k]).decode() for name, k in key.items() if k in secret}
+
+
+def _wait_for_redis(client, timeout_s: float = 10.0) -> None:
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if client.ping():
+                return
+        except redis.RedisError:
+            time.sleep(0.05)
+    raise TimeoutError("the rendered Redis did not answer")
+
+
+def test_the_bundled_redis_starts_as_rendered_and_takes_the_buffer_from_another_host(tmp_path, monkeypatch):
+    """The rendered Redis command, run by a real redis-server: a client from another address (the
+    buffer pod) is refused without the Secret's password (before, protected mode refused it with
+    no way in) and served with it, which the buffer pod's environment carries."""
+    import asyncio
+
+    import redis
+
+    from sample_buffer.buffer import BufferBackendError
+    from sample_buffer.config import BufferConfig
+    from sample_buffer.redis_buffer import RedisBuffer
+    from services.processes import free_port
+    from tests.sample_buffer.helpers import make_group
+
+    docs = render()
+    secret = by_kind_name(docs)[("Secret", "t-rollmesh-token")]["data"]
+    password = base64.b64decode(secret["redis-password"]).decode()
+    redis_pod = pod(docs, "StatefulSet", "redis")["containers"][0]
+    buffer_pod = pod(docs, "Deployment", "sample-buffer")["containers"][0]
+    assert _secret_env(buffer_pod, secret)["ROLLMESH_REDIS_PASSWORD"] == password
+    port, ip = free_port(), _non_loopback_ip()
+    *shell, script = redis_pod["command"]
+    script = script.replace("--dir /data", f"--dir {tmp_path} --port {port}")
+    assert "redis-server -" in script and password not in script
+    env = {"PATH": "/usr/bin:/bin", **_secret_env(redis_pod, secret)}
+    proc = subprocess.Popen([*shell, script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(host=ip, port=port, password=password, socket_timeout=1)
+        _wait_for_redis(client)
+        cfg = BufferConfig(backend="redis", redis_url=f"redis://{ip}:{port}/0")
+
+        async def put():
+            buf = RedisBuffer(cfg)
+            try:
+                return (await buf.put(make_group("from-the-buffer-pod"))).accepted
+            finally:
+                await buf.close()
+
+        monkeypatch.delenv("ROLLMESH_REDIS_PASSWORD", raising=False)
+        with pytest.raises(BufferBackendError, match="ROLLMESH_REDIS_PASSWORD"):
+            asyncio.run(put())
+        monkeypatch.setenv("ROLLMESH_REDIS_PASSWORD", password)
+        assert asyncio.run(put())
+        assert client.config_get("appendfsync") == {"appendfsync": "always"}
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
@@ -114,3 +115,38 @@ def test_a_get_with_under_a_millisecond_left_does_not_block_forever(redis_server
 
     batch, took = asyncio.run(go())
     assert batch.batch_id == "" and batch.groups == [] and took < 1.0
+
+
+def test_a_redis_with_a_password_takes_the_buffer_only_with_it(tmp_path, monkeypatch):
+    """The deployments' Redis asks for a password (compose and Helm); the buffer reads it from the
+    environment, never from its URL or a command line, and says where to put it when it lacks it."""
+    server = RedisServer(tmp_path, password="s3cret-redis").start()
+    cfg = config(server.url)
+
+    async def put_and_get():
+        buf = RedisBuffer(cfg)
+        try:
+            assert (await buf.put(make_group("g", version=1))).accepted
+            return len((await buf.get(1, version=1, max_staleness=0, timeout_s=1)).groups)
+        finally:
+            await buf.close()
+
+    try:
+        assert "s3cret-redis" not in Path(f"/proc/{server.proc.pid}/cmdline").read_text()
+        monkeypatch.delenv("ROLLMESH_REDIS_PASSWORD", raising=False)
+        with pytest.raises(BufferBackendError, match=r"refused the buffer .*\$ROLLMESH_REDIS_PASSWORD"):
+            asyncio.run(put_and_get())
+        monkeypatch.setenv("ROLLMESH_REDIS_PASSWORD", "s3cret-redis")
+        assert asyncio.run(put_and_get()) == 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "url, error",
+    [("redis://:pw@127.0.0.1:6379/0", "carries a password"), ("http://127.0.0.1:6379", "scheme 'http'")],
+)
+def test_a_redis_url_with_a_password_or_another_scheme_is_refused(url, error):
+    with pytest.raises(ValueError, match=error):
+        BufferConfig(backend="redis", redis_url=url)
+    assert BufferConfig(redis_url="rediss://127.0.0.1:6380/0").redis_url.startswith("rediss://")

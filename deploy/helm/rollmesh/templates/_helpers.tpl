@@ -97,6 +97,18 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
       key: {{ .Values.auth.secretKey }}
 {{- end -}}
 
+{{/* Redis's password, for Redis itself and the SampleBuffer (sample_buffer/config.py reads
+ROLLMESH_REDIS_PASSWORD; redis-cli, the probes', REDISCLI_AUTH). */}}
+{{- define "rollmesh.redisPasswordEnv" -}}
+{{- range $name := list "ROLLMESH_REDIS_PASSWORD" "REDISCLI_AUTH" }}
+- name: {{ $name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $.Values.auth.existingSecret | default (printf "%s-token" (include "rollmesh.fullname" $)) }}
+      key: {{ $.Values.redis.passwordKey }}
+{{- end }}
+{{- end -}}
+
 {{/* Where the auth.tls Secret is mounted (not under /etc/rollmesh: that is the config's volume). */}}
 {{- define "rollmesh.tlsDir" -}}/etc/rollmesh-tls{{- end -}}
 
@@ -177,6 +189,9 @@ spec:
           command: ["rollmesh", "serve", {{ .serve | quote }}, "--config", "/etc/rollmesh/config.yaml"]
           env:
             {{- include "rollmesh.tokenEnv" $root | nindent 12 }}
+            {{- if eq .component "sample-buffer" }}
+            {{- include "rollmesh.redisPasswordEnv" $root | nindent 12 }}
+            {{- end }}
           ports:
             - {name: grpc, containerPort: {{ $v.port }}}
             - {name: metrics, containerPort: {{ $v.metricsPort }}}
