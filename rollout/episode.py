@@ -50,7 +50,7 @@ class EpisodeConfig(BaseModel):
 
     max_turns: int = Field(1, ge=1, description="Generations per episode at most.")
     sampling: SamplingParams = Field(
-        default_factory=lambda: SamplingParams(max_new_tokens=8), description="How every turn's generation samples."
+        default_factory=SamplingParams, description="How every turn's generation samples (SamplingParams' defaults)."
     )
     generation_timeout_s: float = Field(60.0, gt=0, description="Deadline of one generation (suspension included).")
     step_timeout_s: float = Field(30.0, gt=0, description="Deadline of one environment step (reward included).")
