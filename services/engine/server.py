@@ -5,11 +5,10 @@ Field names and semantics follow SGLang so the same client (``rollout.engines.sg
 drives a real SGLang server on GPU and this engine on CPU: ``/generate`` with ``input_ids`` or
 ``text``, batched or streamed (SSE), SGLang's other request fields accepted as far as the engine
 can honour them (``sglang_fields.py``), ``/flush_cache``, ``/health_generate``,
-``/get_server_info`` and ``/get_model_info``. Two rollmesh extensions are marked:
-``/update_weights_from_safetensors`` (bucketed weights from the trainer as safetensors bytes) and
-``meta_info.output_token_weight_versions``. SGLang's collective weight update
-(``/init_weights_update_group`` and its kin), by-handle updates and memory release are in
-``rl_routes.py``.
+``/get_server_info`` and ``/get_model_info``, and SGLang's memory release for colocation
+(``/release_memory_occupation``, ``/resume_memory_occupation``). ``meta_info.output_token_weight_versions``
+is a rollmesh extension. Each weight transport adds its own receiving routes
+(``services/weight_transports/<name>.py``, ``add_engine_routes``).
 """
 
 from __future__ import annotations
@@ -19,10 +18,8 @@ import gc
 import inspect
 import json
 import sys
-import time
-from pathlib import Path
 
-from fastapi import Body, FastAPI, Query, Request, Response
+from fastapi import Body, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
@@ -32,10 +29,11 @@ from rollout.engines.contract import EngineError, GenerateOutput
 from rollout.engines.embedded.engine import EmbeddedEngine
 from rollout.sampling import SamplingParams
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, server_bearer
-from services.engine.rl_routes import add_rl_routes
 from services.engine.sglang_fields import strip_request
 from services.http_errors import bad_request, install_error_handlers
 from services.metrics import histogram, init_labels
+from services.weight_transports import ENGINE_ROUTES
+from services.weight_transports.common import INT64_MAX, INT64_MIN, EngineSide
 
 
 class GenerateReq(BaseModel):
@@ -63,16 +61,9 @@ class PauseReq(BaseModel):
     mode: str = "abort"
 
 
-class UpdateFromDiskReq(BaseModel):
+class MemoryReq(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model_path: str
-    load_format: str | None = None
-    weight_version: str | int | None = None
-    abort_all_requests: bool = False
-
-
-# Versions travel as int64 (the LLMProxy's protobuf messages): a larger one made every later response fail.
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+    tags: list[str] | None = Field(None, description="weights and/or kv_cache; default both.")
 
 
 def _version(value: str | int | None) -> int | None:
@@ -147,20 +138,6 @@ def _tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError):
         return None
-
-
-def loadable(path: str, roots: list[str]) -> Path:
-    """``path`` resolved, if it lies in one of ``roots`` (symbolic links followed first); else the
-    refusal naming the field. A caller's path is never handed to ``from_pretrained`` as it came: a
-    name that is not a local directory would be fetched from a hub, any other directory loaded."""
-    resolved = Path(path).resolve()
-    if not any(resolved.is_relative_to(Path(r).resolve()) for r in roots):
-        raise EngineError(
-            "model_path", f"{path} is outside the directories this engine loads from ({', '.join(roots)})"
-        )
-    if not resolved.is_dir():
-        raise EngineError("model_path", f"{path} is not a directory")
-    return resolved
 
 
 def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_roots: list[str] | None = None) -> FastAPI:
@@ -300,47 +277,19 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
         await asyncio.wrap_future(engine.resume())
         return {"success": True, "message": "continued"}
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(req: UpdateFromDiskReq):
-        version = _version(req.weight_version)
-        if req.abort_all_requests:
-            await asyncio.wrap_future(engine.abort(abort_all=True))
-        t0 = time.perf_counter()
-        try:
-            path = str(loadable(req.model_path, load_roots or []))
-            fut = await asyncio.to_thread(engine.load_weights_from_disk, path, version)
-        except EngineError:
-            raise
-        except Exception as e:  # transformers and safetensors raise several types for what they cannot load
-            raise EngineError("model_path", f"cannot load {req.model_path}: {e}") from None
-        res = await asyncio.wrap_future(fut)
-        return {"success": True, "message": f"loaded in {time.perf_counter() - t0:.3f}s", **res}
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(req: MemoryReq | None = None):
+        res = await asyncio.wrap_future(engine.release_memory(req.tags if req else None))
+        return {"success": True, "message": "released", **res}
 
-    @app.post("/update_weights_from_safetensors")  # rollmesh extension
-    async def update_weights_from_safetensors(
-        request: Request,
-        weight_version: int | None = Query(
-            None,
-            ge=INT64_MIN,
-            le=INT64_MAX,
-            description="The version the bucket belongs to (the same on every bucket of one update).",
-        ),
-        final: bool = Query(True, description="Apply everything staged for this version after this bucket."),
-    ):
-        from safetensors.torch import load as load_safetensors
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(req: MemoryReq | None = None):
+        res = await asyncio.wrap_future(engine.resume_memory(req.tags if req else None))
+        return {"success": True, "message": "resumed", **res}
 
-        body = await request.body()
-        try:
-            tensors = load_safetensors(body) if body else {}
-        except Exception as e:  # safetensors raises several types for bad bytes
-            raise EngineError("body", f"not a safetensors payload ({e})") from None
-        staged = await asyncio.to_thread(engine.stage_tensors, tensors, weight_version) if tensors else 0
-        if not final:
-            return {"success": True, "staged_tensors": staged}
-        res = await asyncio.wrap_future(engine.commit_staged(weight_version))
-        return {"success": True, "message": "updated", **res}
-
-    add_rl_routes(app, engine, _version)
+    side = EngineSide(engine, _version, load_roots or [])
+    for add_routes in ENGINE_ROUTES.values():  # each weight transport's receiving side
+        add_routes(app, side)
 
     @app.get("/model_info")
     @app.get("/get_model_info")

@@ -9,8 +9,16 @@ the checksum of what it received, which must equal the trainer's. The group is m
 update and kept; any failure closes it (an engine blocked in a broadcast then fails at once) and
 the next update makes a new one over the engines then in rotation.
 
-Engine side: ``rollout/engines/weight_group.py`` (joining the group, receiving, checksums) and
-``services/engine/rl_routes.py``; vLLM's in ``services/engine/vllm_plugin``.
+Engine side: ``rollout/engines/weight_group.py`` (joining the group, receiving, checksums) and, in
+``add_engine_routes``, the embedded engine's routes with SGLang's fields: ``/init_weights_update_group``
+joins the trainer's group (the trainer is rank 0 and hosts it), ``/update_weights_from_distributed``
+receives what rank 0 broadcasts, ``/destroy_weights_update_group`` leaves. ``weight_version`` comes
+only on an update's last bucket: the engine stages the earlier ones and applies every bucket at once
+there (SGLang loads each as it arrives; generation is suspended either way). The answer adds
+``received_checksum`` (a rollmesh extension), which the LLMProxy compares with the trainer's. A
+bucket that cannot be received, or names a tensor the model has no slot for, closes the group (the
+trainer's broadcast then fails at once instead of at its timeout). vLLM's side is in
+``services/engine/vllm_plugin``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
-from services.weight_transports.common import engine_failures
+from services.weight_transports.common import EngineSide, engine_failures, failed
 from services.weight_transports.disk import DiskPublisher
 from trainer.ports import PublishError
 
@@ -197,3 +205,124 @@ class CollectivePublisherConfig(BaseModel):
             self.master_port,
             self.group_name,
         )
+
+
+# How long joining a group, and one broadcast within it, may wait for the other ranks.
+GROUP_TIMEOUT_S = 120.0
+
+
+def _default_group() -> str:
+    return _wg().DEFAULT_GROUP
+
+
+class InitGroupReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    master_address: str = Field(min_length=1, description="Where rank 0 (the trainer) hosts the group.")
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1, description="This engine's rank (rank 0 is the trainer's).")
+    world_size: int = Field(ge=2, description="The trainer's rank plus every engine's.")
+    group_name: str = Field(default_factory=_default_group, min_length=1)
+    backend: str = Field("nccl", description="gloo (CPU) or nccl (CUDA); SGLang's default is nccl.")
+
+
+class DistributedUpdateReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = Field(default_factory=_default_group)
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | int | None = Field(None, description="Given on an update's last bucket: apply them all.")
+    load_format: str | None = None
+
+
+class DestroyGroupReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group_name: str = Field(default_factory=_default_group)
+
+
+def add_engine_routes(app, side: EngineSide) -> None:
+    import itertools
+
+    import torch
+
+    from rollout.engines.contract import EngineError
+
+    wg, engine = _wg(), side.engine
+    groups: dict[str, tuple[WeightGroup, int]] = {}  # name -> (group, the join's number: its staging key)
+    joins = itertools.count(1)
+
+    def leave(name: str) -> None:
+        old = groups.pop(name, None)
+        if old is not None:
+            old[0].close()
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(req: InitGroupReq):
+        if req.backend not in wg.BACKENDS:
+            raise EngineError("backend", f"must be one of {list(wg.BACKENDS)}, got {req.backend!r}")
+        if req.backend == "nccl" and engine.device.type != "cuda":
+            raise EngineError("backend", f"nccl needs a CUDA engine; this one runs on {engine.device} (use gloo)")
+        if req.rank_offset >= req.world_size:
+            raise EngineError("rank_offset", f"{req.rank_offset} is outside a group of {req.world_size}")
+        leave(req.group_name)  # a new group replaces the old one of that name
+        try:
+            group = await asyncio.to_thread(
+                wg.join,
+                req.group_name,
+                req.backend,
+                req.master_address,
+                req.master_port,
+                req.rank_offset,
+                req.world_size,
+                GROUP_TIMEOUT_S,
+            )
+        except Exception as e:  # torch raises DistStoreError, DistNetworkError or RuntimeError for a failed join
+            return failed(f"cannot join group {req.group_name!r} at {req.master_address}:{req.master_port}: {e}")
+        groups[req.group_name] = (group, next(joins))
+        return {"success": True, "message": f"rank {req.rank_offset} of {req.world_size} in {req.group_name!r}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(req: DistributedUpdateReq):
+        version = side.parse_version(req.weight_version)
+        if req.group_name not in groups:
+            raise EngineError("group_name", f"no group {req.group_name!r}: call /init_weights_update_group first")
+        group, join = groups[req.group_name]
+        try:  # checked before receiving: a refusal closes the group, so the trainer stops at once
+            if not len(req.names) == len(req.dtypes) == len(req.shapes):
+                raise EngineError(
+                    "dtypes",
+                    f"names, dtypes and shapes have {len(req.names)}, {len(req.dtypes)} and "
+                    f"{len(req.shapes)} entries; each tensor needs one of each",
+                )
+            try:
+                meta = {
+                    n: torch.empty(s, dtype=wg.parse_dtype(d), device="meta")
+                    for n, d, s in zip(req.names, req.dtypes, req.shapes, strict=True)
+                }
+            except (ValueError, RuntimeError) as e:
+                raise EngineError("shapes" if "dtype" not in str(e) else "dtypes", str(e)) from None
+            engine.check_tensors(meta)
+        except EngineError:
+            leave(req.group_name)
+            raise
+        key = ("group", req.group_name, join)
+        try:
+            tensors = await asyncio.to_thread(wg.receive, group, req.names, req.dtypes, req.shapes)
+            checksum = await asyncio.to_thread(wg.bucket_checksum, tensors)
+            staged = await asyncio.to_thread(engine.stage_tensors, tensors, key)
+        except Exception as e:  # a rank that died or timed out: this group is over
+            leave(req.group_name)
+            return failed(f"receiving {len(req.names)} tensors from group {req.group_name!r} failed: {e}")
+        if version is None:
+            return {"success": True, "message": f"staged {staged} tensors", "received_checksum": checksum}
+        res = await asyncio.wrap_future(engine.commit_staged(version, key))
+        return {"success": True, "message": "updated", **res, "received_checksum": checksum}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(req: DestroyGroupReq):
+        if req.group_name not in groups:
+            raise EngineError("group_name", f"no group {req.group_name!r}")
+        leave(req.group_name)
+        return {"success": True, "message": f"left {req.group_name!r}"}

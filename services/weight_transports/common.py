@@ -1,8 +1,33 @@
-"""What every weight transport shares."""
+"""What every weight transport shares: reading the engines' replies (the trainer's side) and what
+the embedded engine's server hands each transport's receiving routes (the engine's side)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 
 def engine_failures(res) -> str:
     """The engines' errors of an UpdateWeights* reply, one clause each."""
     return "; ".join(f"{e.engine or 'proxy'}: {e.message}" for e in res.engines if not e.success)
+
+
+# Versions travel as int64 (the LLMProxy's protobuf messages): a larger one made every later response fail.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+@dataclass
+class EngineSide:
+    """What a transport's receiving routes need of the embedded engine's server."""
+
+    engine: Any  # the EmbeddedEngine (or the latency simulator)
+    parse_version: Callable[[str | int | None], int | None]  # a request's weight_version, checked
+    load_roots: list[str] = field(default_factory=list)  # where /update_weights_from_disk may load from
+
+
+def failed(message: str):
+    """A receive that failed on the engine's side (a peer, a file): 500, SGLang's shape."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(status_code=500, content={"success": False, "message": message})

@@ -4,7 +4,8 @@ under ``RUN_DIR/weights/v<version>``, and the LLMProxy has every engine load it
 back to, what an engine that rejoins is brought up to, and what every other transport writes
 first (before generation is suspended).
 
-Engine side: ``EmbeddedEngine.load_weights_from_disk``; SGLang's and vLLM's own routes.
+Engine side (``add_engine_routes``): the embedded engine's ``/update_weights_from_disk``, which loads
+only below the model's directory and ``engine.load_roots``; SGLang's and vLLM's own routes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
-from services.weight_transports.common import engine_failures
+from services.weight_transports.common import EngineSide, engine_failures
 from trainer.ports import PublishError
 
 
@@ -56,3 +57,52 @@ class DiskPublisherConfig(BaseModel):
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> DiskPublisher:
         return DiskPublisher(proxy, run_dir, keep_versions)
+
+
+class UpdateFromDiskReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | int | None = None
+    abort_all_requests: bool = False
+
+
+def loadable(path: str, roots: list[str]) -> Path:
+    """``path`` resolved, if it lies in one of ``roots`` (symbolic links followed first); else the
+    refusal naming the field. A caller's path is never handed to ``from_pretrained`` as it came: a
+    name that is not a local directory would be fetched from a hub, any other directory loaded."""
+    from rollout.engines.contract import EngineError
+
+    resolved = Path(path).resolve()
+    if not any(resolved.is_relative_to(Path(r).resolve()) for r in roots):
+        raise EngineError(
+            "model_path", f"{path} is outside the directories this engine loads from ({', '.join(roots)})"
+        )
+    if not resolved.is_dir():
+        raise EngineError("model_path", f"{path} is not a directory")
+    return resolved
+
+
+def add_engine_routes(app, side: EngineSide) -> None:
+    import asyncio
+    import time
+
+    from rollout.engines.contract import EngineError
+
+    engine = side.engine
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateFromDiskReq):
+        version = side.parse_version(req.weight_version)
+        if req.abort_all_requests:
+            await asyncio.wrap_future(engine.abort(abort_all=True))
+        t0 = time.perf_counter()
+        try:
+            path = str(loadable(req.model_path, side.load_roots))
+            fut = await asyncio.to_thread(engine.load_weights_from_disk, path, version)
+        except EngineError:
+            raise
+        except Exception as e:  # transformers and safetensors raise several types for what they cannot load
+            raise EngineError("model_path", f"cannot load {req.model_path}: {e}") from None
+        res = await asyncio.wrap_future(fut)
+        return {"success": True, "message": f"loaded in {time.perf_counter() - t0:.3f}s", **res}

@@ -4,7 +4,8 @@ sent one at a time through the LLMProxy, which forwards each to every engine as 
 (``/update_weights_from_safetensors``). While generation is suspended no engine reads a file,
 which matters where the run directory is a slow shared filesystem.
 
-Engine side: ``services/engine/rl_routes.py`` (stages each bucket, commits with the last).
+Engine side (``add_engine_routes``): the embedded engine's ``/update_weights_from_safetensors`` (a
+rollmesh extension) stages each bucket and commits with the last.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import grpc
+from fastapi import Query, Request  # the route's annotations are resolved in this module
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
-from services.weight_transports.common import engine_failures
+from services.weight_transports.common import INT64_MAX, INT64_MIN, EngineSide, engine_failures
 from services.weight_transports.disk import DiskPublisher
 from services.wire_limits import MAX_WEIGHT_BUCKET_MB
 from trainer.ports import PublishError
@@ -92,3 +94,35 @@ class BucketPublisherConfig(BaseModel):
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> BucketPublisher:
         return BucketPublisher(proxy, run_dir, keep_versions, self.bucket_mb)
+
+
+def add_engine_routes(app, side: EngineSide) -> None:
+    import asyncio
+
+    from safetensors.torch import load as load_safetensors
+
+    from rollout.engines.contract import EngineError
+
+    engine = side.engine
+
+    @app.post("/update_weights_from_safetensors")  # rollmesh extension
+    async def update_weights_from_safetensors(
+        request: Request,
+        weight_version: int | None = Query(
+            None,
+            ge=INT64_MIN,
+            le=INT64_MAX,
+            description="The version the bucket belongs to (the same on every bucket of one update).",
+        ),
+        final: bool = Query(True, description="Apply everything staged for this version after this bucket."),
+    ):
+        body = await request.body()
+        try:
+            tensors = load_safetensors(body) if body else {}
+        except Exception as e:  # safetensors raises several types for bad bytes
+            raise EngineError("body", f"not a safetensors payload ({e})") from None
+        staged = await asyncio.to_thread(engine.stage_tensors, tensors, weight_version) if tensors else 0
+        if not final:
+            return {"success": True, "staged_tensors": staged}
+        res = await asyncio.wrap_future(engine.commit_staged(weight_version))
+        return {"success": True, "message": "updated", **res}

@@ -1,8 +1,9 @@
 """``ipc``: the same restore directory, and buckets of handles to the trainer's memory (CUDA IPC, or
 shared memory on CPU) that engines on the same machine load from (``/update_weights_from_tensor``).
 
-Engine side: ``rollout/engines/tensor_handles.py`` (the handles, both ends) and
-``services/engine/rl_routes.py``.
+Engine side: ``rollout/engines/tensor_handles.py`` (the handles, both ends) and, in
+``add_engine_routes``, the embedded engine's ``/update_weights_from_tensor`` (SGLang's), which copies
+the tensors out of the sender's memory, stages them, and commits with the last bucket.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.llm_proxy.client import ProxyClient
+from services.weight_transports.common import EngineSide
 from services.weight_transports.http_buckets import BucketPublisher
 
 
@@ -77,3 +79,41 @@ class IpcPublisherConfig(BaseModel):
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> IpcPublisher:
         return IpcPublisher(proxy, run_dir, keep_versions, self.bucket_mb)
+
+
+class TensorUpdateReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    serialized_named_tensors: list[str] = Field(min_length=1, description="One payload per tensor-parallel rank.")
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | int | None = Field(None, description="Given on an update's last bucket: apply them all.")
+
+
+def add_engine_routes(app, side: EngineSide) -> None:
+    import asyncio
+
+    from rollout.engines import tensor_handles
+    from rollout.engines.contract import EngineError
+
+    engine = side.engine
+
+    def own_copy(tensors):
+        return {n: t.to(engine.device, copy=True) for n, t in tensors.items()}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(req: TensorUpdateReq):
+        version = side.parse_version(req.weight_version)
+        try:  # one rank here: the first payload is this engine's
+            shared = await asyncio.to_thread(tensor_handles.loads, req.serialized_named_tensors[0])
+        except ValueError as e:
+            raise EngineError("serialized_named_tensors", str(e)) from None
+        engine.check_tensors(shared)
+        # Copied out of the sender's memory now: it may reuse that memory once this call returns.
+        mine = await asyncio.to_thread(own_copy, shared)
+        del shared
+        staged = await asyncio.to_thread(engine.stage_tensors, mine, ("tensor",))
+        if version is None:
+            return {"success": True, "message": f"staged {staged} tensors"}
+        res = await asyncio.wrap_future(engine.commit_staged(version, ("tensor",)))
+        return {"success": True, "message": "updated", **res}
