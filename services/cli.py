@@ -80,6 +80,28 @@ def compare(
         typer.echo(f"{name}: " + "  ".join(f"{k} {v}" for k, v in row.items()))
 
 
+@app.command("gateway-key")
+def gateway_key(
+    file: Path = typer.Argument(..., help="The gateway's key file (gateway.api_keys_path); made if absent."),
+    name: str = typer.Argument(..., help="Whose key: an agent or tenant (its sessions are its own)."),
+    revoke: bool = typer.Option(False, "--revoke", help="Delete NAME's key instead of issuing one."),
+) -> None:
+    """Issue an agent a gateway key (printed once; the file keeps only its hash), or revoke one."""
+    import json
+
+    from services.gateway.keys import issue_key, read_key_file
+
+    if revoke:
+        keys = read_key_file(file) if file.exists() else {}
+        if keys.pop(name, None) is None:
+            typer.echo(f"gateway-key: no key named {name!r} in {file}", err=True)
+            raise typer.Exit(2)
+        file.write_text(json.dumps(keys, indent=1))
+        typer.echo(f"revoked {name!r}: the gateway refuses it within a second")
+        return
+    print(issue_key(file, name))
+
+
 @app.command()
 def demo(model: Path = typer.Option(Path("models/tiny"), help="Model directory.")) -> None:
     """Inference demo: an embedded engine behind the LLMProxy answering a few chat prompts."""

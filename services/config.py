@@ -42,7 +42,7 @@ class RunConfig(BaseModel):
     rollout: Literal["env_manager", "gateway"] = Field(
         "env_manager",
         description="Who makes the rollouts: the EnvManager running episodes, or external agents through the "
-        "agent gateway (started on gateway.port; its keys: gateway.api_keys_path and the run's token).",
+        "agent gateway (on gateway.port; its keys: gateway.api_keys_path, else one issued to RUN_DIR/agent.key).",
     )
     heldout_path: str | None = Field(None, description="JSONL evaluated greedily at the end (accuracy).")
     heldout_episodes: int = Field(

@@ -39,6 +39,7 @@ class Mesh:
     gateway: str = ""  # the agent gateway's base URL, where run.rollout is gateway
     reward: str = ""  # the reward service's address, where the run starts one
     env_manager: str = ""  # the EnvManager's gRPC address, where the run starts one
+    agent_key: str = ""  # the file holding the key `rollmesh run` issued its agents (no key file given)
 
     def metrics_port(self, job: str) -> str:
         """A free loopback port for ``job``'s /metrics, recorded as a scrape target."""
@@ -152,8 +153,9 @@ def start_mesh(
             )
             mesh.services.append(Supervised("reward", proc, logs / "reward.log"))
         if cfg.run.rollout == "gateway":  # external agents make the rollouts
+            keys = [] if cfg.gateway.api_keys_path else [f"gateway.api_keys_path={agent_key(logs.parent, mesh)}"]
             proc, mesh.gateway = start_gateway_process(
-                [*overrides, *mesh.wiring], cfg.gateway.port or free_port(), log_path=logs / "gateway.log", **up
+                [*overrides, *mesh.wiring, *keys], cfg.gateway.port or free_port(), log_path=logs / "gateway.log", **up
             )
             mesh.metrics["gateway"] = [mesh.gateway.split("://", 1)[1]]  # /metrics beside the API
             mesh.services.append(Supervised("gateway", proc, logs / "gateway.log"))
@@ -170,6 +172,20 @@ def start_mesh(
         mesh.stop()
         raise
     return mesh
+
+
+def agent_key(run_dir: Path, mesh: Mesh) -> Path:
+    """A gateway key for this run's agents (never the mesh token): its hash in
+    ``RUN_DIR/gateway_keys.json``, the key in ``RUN_DIR/agent.key`` (readable by this user only)."""
+    from services.gateway.keys import issue_key
+
+    key = issue_key(run_dir / "gateway_keys.json", "agent")
+    path = run_dir / "agent.key"
+    path.unlink(missing_ok=True)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(key + "\n")
+    mesh.agent_key = str(path)
+    return run_dir / "gateway_keys.json"
 
 
 def start_trainer(

@@ -96,7 +96,8 @@ def _announce(mesh: Mesh, console: Console) -> None:
     console.print(f"[green]engines[/] {', '.join(mesh.engine_urls)}")
     console.print(f"[green]mesh up[/] proxy {mesh.proxy}, buffer {mesh.buffer}, controller {mesh.controller}")
     if mesh.gateway:
-        console.print(f"[green]agent gateway[/] {mesh.gateway}/v1 (key: $ROLLMESH_TOKEN); waiting for agents")
+        key = f"the key in {mesh.agent_key}" if mesh.agent_key else "a key of gateway.api_keys_path"
+        console.print(f"[green]agent gateway[/] {mesh.gateway}/v1 ({key}); waiting for agents")
 
 
 async def _env_manager(mesh: Mesh, cfg, what: str) -> dict | None:

@@ -173,10 +173,10 @@ def test_every_registered_variant_has_its_implementation():
     from rollout.envs.remote import PROTOCOLS
     from services.engine.backends import ALL_TRANSPORTS, BACKENDS, ENGINE_APIS
     from services.env_provider.clients import CLIENTS
-    from services.weight_transports import TRANSPORTS
+    from services.weight_transports import ENGINE_ROUTES, TRANSPORTS
 
     assert set(CLIENTS) == set(PROTOCOLS)
-    assert set(TRANSPORTS) == ALL_TRANSPORTS
+    assert set(TRANSPORTS) == ALL_TRANSPORTS == set(ENGINE_ROUTES)  # both sides of each transport
     for name, b in BACKENDS.items():
         assert get_args(b.config.model_fields["type"].annotation) == (name,)
         assert b.api in ENGINE_APIS and b.transports <= ALL_TRANSPORTS

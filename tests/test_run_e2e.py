@@ -332,6 +332,8 @@ def test_the_external_agent_example_trains_on_the_agents_sessions(tiny_model, tm
                 "2",
                 "--group-size",
                 "4",
+                "--key-file",
+                str(run_dir / "agent.key"),
             ],
             capture_output=True,
             text=True,

@@ -6,9 +6,8 @@ Each conversation is a session of the agent gateway; the 8 sessions of one promp
 each session ends with the agent's reward (1 right at once, 0.5 right on the second try, 0.1 a
 wrong digit, 0 anything else). rollmesh trains on them and the agent's reward rises.
 
-    export ROLLMESH_TOKEN=$(openssl rand -hex 16)
-    rollmesh run examples/agent/train_agent.yaml &
-    python examples/agent/digit_agent.py --url http://127.0.0.1:8070
+    rollmesh run examples/agent/train_agent.yaml &      # issues this run's agent key: RUN_DIR/agent.key
+    python examples/agent/digit_agent.py --url http://127.0.0.1:8070 --key-file runs/agent/agent.key
 
 It stops when the gateway goes away (the run ended) or after --groups groups, and prints its
 mean reward per 50 groups as it goes (JSON lines).
@@ -76,11 +75,16 @@ async def group(http: httpx.AsyncClient, key: str, row: dict, size: int) -> list
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8070", help="The agent gateway.")
-    ap.add_argument("--key", default=os.environ.get("ROLLMESH_TOKEN"), help="API key (default: $ROLLMESH_TOKEN).")
+    ap.add_argument("--key-file", type=Path, help="File holding the gateway key (what `rollmesh run` writes).")
+    ap.add_argument("--key", default=os.environ.get("ROLLMESH_AGENT_KEY"), help="The key ($ROLLMESH_AGENT_KEY).")
     ap.add_argument("--concurrency", type=int, default=16, help="Groups played at once.")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--groups", type=int, default=0, help="Stop after this many groups (0: when the run ends).")
     args = ap.parse_args()
+    if args.key_file:
+        args.key = args.key_file.read_text().strip()
+    if not args.key:
+        ap.error("give the gateway key: --key-file RUN_DIR/agent.key, --key or $ROLLMESH_AGENT_KEY")
     rows = [json.loads(line) for line in TRAIN.read_text().splitlines() if line.strip()]
     http = httpx.AsyncClient(base_url=args.url, headers={"authorization": f"Bearer {args.key}"}, timeout=120)
     done, window, stop = 0, [], asyncio.Event()

@@ -15,9 +15,12 @@ the prompt tokens the gateway rendered against those it reused from the sessions
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
+from pathlib import Path
 
 from services.bench.proxy_bench import _cpu_s, _pct
+from services.gateway.keys import issue_key
 from services.processes import (
     free_port,
     start_engine_process,
@@ -117,7 +120,6 @@ async def _gateway(url: str, key: str, clients: int, turns: int, max_tokens: int
 def run(
     model_path: str, clients: int = 200, duration_s: float = 60.0, turns: int = 3, max_tokens: int = 4, progress=print
 ) -> dict:
-    import os
 
     import uvloop
     from transformers import AutoTokenizer
@@ -125,7 +127,6 @@ def run(
     from services.auth import AuthConfig, ensure_token
 
     auth = ensure_token(AuthConfig())
-    key = os.environ["ROLLMESH_TOKEN"]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     procs = []
     try:
@@ -159,7 +160,9 @@ def run(
             f"model_path={model_path}",
             f"max_concurrent_requests={clients + 8}",
         ]
-        gw, gw_url = start_gateway_process(wiring, free_port(), auth=auth)
+        keys = Path(tempfile.mkdtemp(prefix="rollmesh-bench-gateway-")) / "keys.json"
+        key = issue_key(keys, "bench")  # an agent's key of its own, as a deployment issues it
+        gw, gw_url = start_gateway_process([*wiring, f"api_keys_path={keys}"], free_port(), auth=auth)
         procs.append(gw)
         progress(f"mesh up; {clients} agents x {turns} turns for {duration_s:g} s, straight to the LLMProxy")
         uvloop.run(_direct(proxy_addr, tokenizer, clients, turns, max_tokens, 2.0))  # warm-up

@@ -44,8 +44,14 @@ def _register_serve(name: str, module: str, section: str | None, doc: str) -> No
         cfg = service_config(config, set_)
         import importlib
 
+        from services.auth import AuthError
+
         service = importlib.import_module(module)
-        service.serve(getattr(cfg, section), cfg.auth) if section else service.serve(cfg)
+        try:
+            service.serve(getattr(cfg, section), cfg.auth) if section else service.serve(cfg)
+        except AuthError as e:  # a credential it needs is missing (the gateway's key file): say so, exit 2
+            typer.echo(f"config error: {e}", err=True)
+            raise typer.Exit(2) from None
 
     command.__doc__ = doc
     app.command(name)(command)

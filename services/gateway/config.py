@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout.agent.sessions import SessionsConfig
+from services.gateway.keys import read_key_file
 
 
 class GatewayConfig(BaseModel):
@@ -24,8 +24,9 @@ class GatewayConfig(BaseModel):
     )
     api_keys_path: str | None = Field(
         None,
-        description='JSON file {"name": "key", ...}: each key\'s sessions are its own. The mesh token is always '
-        'a key too (named "mesh").',
+        description='JSON file {"name": "sha256:<hex>", ...} of key hashes (`rollmesh gateway-key FILE NAME` issues '
+        "one); each key's sessions are its own. Read again when it changes: a deleted key stops working. "
+        "The mesh token is never a key.",
     )
     max_concurrent_requests: int = Field(64, ge=1, description="Requests in flight per key; more get 429.")
     max_messages: int = Field(512, ge=1, description="Messages in one request at most (400 beyond).")
@@ -43,13 +44,9 @@ class GatewayConfig(BaseModel):
             raise ValueError(f"no file {path}")
         return path
 
-    def keys(self) -> dict[str, str]:
-        """{name: key} from ``api_keys_path``."""
-        if self.api_keys_path is None:
-            return {}
-        data = json.loads(Path(self.api_keys_path).read_text())
-        if not isinstance(data, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and v for k, v in data.items()
-        ):
-            raise ValueError(f"api_keys_path: {self.api_keys_path} must hold a JSON object of names to non-empty keys")
-        return data
+    @field_validator("api_keys_path")
+    @classmethod
+    def _hashed_keys(cls, path: str | None) -> str | None:
+        if path is not None:
+            read_key_file(path)  # refused at load: a file of plain keys, or not a mapping
+        return path

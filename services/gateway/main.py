@@ -9,10 +9,11 @@ import socket
 
 from rollout.agent.render import TemplateRenderer
 from rollout.agent.sessions import AgentSessions
-from services.auth import AuthConfig, server_bearer
+from services.auth import AuthConfig, AuthError, server_bearer
 from services.controller.client import ControllerClient
 from services.gateway.config import GatewayConfig
-from services.gateway.server import KeyRing, create_app, expire_forever
+from services.gateway.keys import KeyRing
+from services.gateway.server import create_app, expire_forever
 from services.grpc_util import serve_until_signal
 from services.llm_proxy.client import ProxyClient, ProxyGenerate
 from services.sample_buffer.client import BufferClient
@@ -21,12 +22,16 @@ log = logging.getLogger(__name__)
 
 
 def key_ring(config: GatewayConfig, auth: AuthConfig) -> KeyRing | None:
-    """The keys the gateway takes: its key file's and the mesh token (named ``mesh``); None where
-    ``auth.disabled`` says nobody else can reach the network."""
-    bearer = server_bearer(auth, "agent gateway")
-    if bearer is None:
+    """The keys the gateway takes: its key file's, never the mesh token (which also updates weights);
+    None where ``auth.disabled`` says nobody else can reach the network."""
+    if server_bearer(auth, "agent gateway") is None:
         return None
-    return KeyRing({**config.keys(), "mesh": bearer.removeprefix("Bearer ")})
+    if config.api_keys_path is None:
+        raise AuthError(
+            "gateway.api_keys_path: no key file; agents need keys of their own, never the mesh token: "
+            "issue one with `rollmesh gateway-key FILE NAME`"
+        )
+    return KeyRing(path=config.api_keys_path)
 
 
 def build_sessions(config: GatewayConfig, tokenizer_path: str, proxy, buffer, controller) -> AgentSessions:
@@ -55,6 +60,7 @@ def serve(cfg) -> None:
     import uvicorn
 
     config = cfg.gateway
+    keys = key_ring(config, cfg.auth)  # before anything starts: no key file, no gateway
 
     async def start():
         proxy = ProxyClient(cfg.mesh.proxy, auth=cfg.auth)
@@ -66,7 +72,7 @@ def serve(cfg) -> None:
             cfg.mesh.controller, auth=cfg.auth, holder=f"{socket.gethostname()}:gateway:{where}"
         )
         sessions = build_sessions(config, config.tokenizer_path or cfg.model_path, proxy, buffer, controller)
-        app = create_app(sessions, config, key_ring(config, cfg.auth))
+        app = create_app(sessions, config, keys)
         server = uvicorn.Server(
             uvicorn.Config(
                 app,

@@ -20,7 +20,6 @@ A request outside any session is served and not recorded. Every route but ``/hea
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections import Counter
@@ -37,6 +36,7 @@ from rollout.sampling import SamplingParams
 from sample_buffer.errors import TransientError
 from services.body_limit import BodyLimit
 from services.gateway.config import GatewayConfig
+from services.gateway.keys import KeyRing
 from services.gateway.openai_api import (
     ChatRequest,
     CompletionRequest,
@@ -52,22 +52,6 @@ from services.http_errors import field_name
 
 log = logging.getLogger(__name__)
 SESSION_HEADER = "x-rollmesh-session"
-
-
-class KeyRing:
-    """API keys by value, compared in constant time; each names its owner."""
-
-    def __init__(self, keys: dict[str, str]) -> None:
-        self._keys = [(k.encode(), name) for name, k in keys.items()]
-
-    def owner(self, authorization: str | None) -> str | None:
-        if not authorization or not authorization.startswith("Bearer "):
-            return None
-        got, found = authorization[len("Bearer ") :].strip().encode(), None
-        for key, name in self._keys:  # every key is compared: the time does not say which matched
-            if hmac.compare_digest(got, key):
-                found = name
-        return found
 
 
 def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | None) -> FastAPI:

@@ -178,4 +178,3 @@ def test_redis_asks_for_a_password_publishes_no_port_and_fsyncs_every_write():
     assert redis["environment"]["ROLLMESH_REDIS_PASSWORD"] == REDIS_PASSWORD
     knows = {n for n, s in services.items() if "ROLLMESH_REDIS_PASSWORD" in (s.get("environment") or {})}
     assert knows == {"redis", "sample-buffer"}
-

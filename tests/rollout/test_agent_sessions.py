@@ -327,20 +327,6 @@ def test_sessions_joining_a_group_that_waits_for_its_slot_wait_with_it(base_toke
     assert ctl.counters["admitted"] == 2  # the blocker's and g's: one slot per group, not per session
 
 
-def test_a_key_file_names_each_key_and_a_bad_one_is_refused(tmp_path):
-    from services.gateway.config import GatewayConfig
-
-    good = tmp_path / "keys.json"
-    good.write_text('{"alice": "k1", "bob": "k2"}')
-    assert GatewayConfig(api_keys_path=str(good)).keys() == {"alice": "k1", "bob": "k2"}
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"alice": ""}')
-    with pytest.raises(ValueError, match="api_keys_path"):
-        GatewayConfig(api_keys_path=str(bad)).keys()
-    with pytest.raises(ValueError, match="no file"):
-        GatewayConfig(api_keys_path=str(tmp_path / "missing.json"))
-
-
 def test_a_cut_generation_is_neither_answered_nor_trained(base_tokenizer):  # noqa: F811
     tok, end = tokenizer_for(base_tokenizer, "qwen2")
 

@@ -18,7 +18,8 @@ from rollout.agent.render import TemplateRenderer
 from rollout.agent.sessions import AgentSessions, SessionsConfig
 from sample_buffer.codec import decode_group
 from services.gateway.config import GatewayConfig
-from services.gateway.server import KeyRing, create_app
+from services.gateway.keys import KeyRing
+from services.gateway.server import create_app
 from services.llm_proxy.client import ProxyGenerate
 from services.processes import free_port
 from tests.services.mesh import local_mesh
@@ -48,7 +49,7 @@ async def gateway(
         )
         server = uvicorn.Server(
             uvicorn.Config(
-                create_app(sessions, cfg, KeyRing(KEYS)), host="127.0.0.1", port=cfg.port, log_level="warning"
+                create_app(sessions, cfg, KeyRing.of_keys(KEYS)), host="127.0.0.1", port=cfg.port, log_level="warning"
             )
         )
         task = asyncio.create_task(server.serve())
