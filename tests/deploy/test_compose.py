@@ -7,6 +7,7 @@ loads, and the published ports are the ports those configs serve on.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -178,3 +179,17 @@ def test_redis_asks_for_a_password_publishes_no_port_and_fsyncs_every_write():
     assert redis["environment"]["ROLLMESH_REDIS_PASSWORD"] == REDIS_PASSWORD
     knows = {n for n, s in services.items() if "ROLLMESH_REDIS_PASSWORD" in (s.get("environment") or {})}
     assert knows == {"redis", "sample-buffer"}
+
+
+def test_the_gateway_takes_agent_keys_from_a_file_that_ships_empty():
+    gateway = compose_config()["services"]["gateway"]
+    key_path = gateway["command"][-1].split("=", 1)[1]
+    mounts = {}  # target -> (source, read-only), in the long or the short syntax
+    for v in gateway["volumes"]:
+        if isinstance(v, dict):
+            mounts[v["target"]] = (v["source"], v.get("read_only", False))
+        else:
+            src, dst, *mode = v.split(":")
+            mounts[dst] = (src, mode == ["ro"])
+    assert mounts[key_path] == (str(ROOT / "deploy" / "gateway_keys.json"), True) and "/runs" in mounts
+    assert json.loads((ROOT / "deploy" / "gateway_keys.json").read_text()) == {}  # no agent gets in by default

@@ -182,7 +182,7 @@ def test_every_pod_reads_the_run_token_from_one_secret():
     # The engine pod's `rollmesh serve engine` hands that token to SGLang (a private --config file): test_sglang_launch.
     # a Secret managed elsewhere: nothing made, every pod points at it
     docs = render("auth.existingSecret=team-token", "auth.secretKey=t")
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["t-rollmesh-gateway-keys"]
     assert _token_env(pod(docs, "Deployment", "controller")["containers"][0]) == {"name": "team-token", "key": "t"}
 
 
@@ -337,3 +337,31 @@ def test_the_bundled_redis_starts_as_rendered_and_takes_the_buffer_from_another_
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_the_gateway_reads_agent_keys_from_a_secret_that_starts_empty(tmp_path):
+    """Agents' keys are never the run's token: the gateway reads hashed keys from a mounted Secret,
+    empty until an operator adds keys (the gateway rereads it when Kubernetes updates it)."""
+    import base64
+
+    from services.gateway.keys import KeyRing, issue_key
+
+    docs = render()
+    gateway = pod(docs, "Deployment", "gateway")
+    path = gateway["containers"][0]["command"][-1].split("=", 1)[1]
+    mount = next(m for m in gateway["containers"][0]["volumeMounts"] if m["name"] == "gateway-keys")
+    volume = next(v for v in gateway["volumes"] if v["name"] == "gateway-keys")
+    assert path == mount["mountPath"] + "/keys.json" and volume["secret"]["secretName"] == "t-rollmesh-gateway-keys"
+    shipped = base64.b64decode(by_kind_name(docs)[("Secret", "t-rollmesh-gateway-keys")]["data"]["keys.json"])
+    (tmp_path / "keys.json").write_bytes(shipped)
+    ring = KeyRing(path=tmp_path / "keys.json", recheck_s=0.0)
+    token = base64.b64decode(by_kind_name(docs)[("Secret", "t-rollmesh-token")]["data"]["token"]).decode()
+    assert ring.owner(f"Bearer {token}") is None  # nobody gets in, the run's token least of all
+    key = issue_key(tmp_path / "keys.json", "alice")  # what an operator adds
+    assert ring.owner(f"Bearer {key}") == "alice"
+    theirs = render("gateway.keysSecret=agents")
+    assert ("Secret", "t-rollmesh-gateway-keys") not in by_kind_name(theirs)
+    assert next(v for v in pod(theirs, "Deployment", "gateway")["volumes"] if v["name"] == "gateway-keys") == {
+        "name": "gateway-keys",
+        "secret": {"secretName": "agents"},
+    }
