@@ -8,7 +8,10 @@ down), its own pid, ipc and uts namespaces, a filesystem holding only ``/usr`` r
 a small tmpfs as scratch (``/box``, also ``/tmp``), the program on stdin; no ``/etc``, ``/home``,
 ``/root``, nor the project. Outside, ``prlimit`` sets the rlimits before bubblewrap starts, so they
 hold for everything inside: CPU seconds, address space, open files, file size and processes. The
-process limit counts per uid, so each concurrent run gets a uid of its own (``uid_base + slot``).
+process limit counts per uid, so each concurrent run gets a uid of its own (``uid_base + slot``),
+held machine-wide by a lock file while it runs (another process's sandbox waits for it); after
+the run every process of that uid is killed, so nothing the program detached outlives it. setpriv
+sets no-new-privs: nothing it execs gains privileges.
 The wall-clock deadline and the output cap are enforced here: the whole process group is killed,
 and bubblewrap's ``--die-with-parent`` takes the pid namespace down with it. The program runs as
 the namespace's pid 1 (``--as-pid-1``): bubblewrap's own init would be left a zombie of the
@@ -24,6 +27,7 @@ and said so in a warning.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import math
 import os
@@ -138,6 +142,14 @@ class Sandbox:
                 self.counts["busy"] += 1
                 return result
             slot = self._slots.pop()
+        held = _hold_uid(self.config.uid_base + slot, deadline) if self._own_uids else -1
+        if held is None:
+            with self._free:
+                self._slots.append(slot)
+                self._free.notify()
+                self.counts["busy"] += 1
+            why = f"uid {self.config.uid_base + slot} stayed in use by another process for {timeout_s:g} s"
+            return RunResult("busy", None, timeout_s, "", why)
         try:
             for attempt in range(_START_TRIES):
                 result = self._run(program, max(0.01, deadline - time.monotonic()), slot)
@@ -149,6 +161,8 @@ class Sandbox:
             if result.outcome == "sandbox":
                 log.warning("sandbox: could not start: %s", result.stderr.strip()[-300:])
         finally:
+            if held >= 0:
+                os.close(held)  # the uid is free for any process again
             with self._free:
                 self._slots.append(slot)
                 self._free.notify()
@@ -163,7 +177,8 @@ class Sandbox:
         # handlers log a line for every run) and ties the run to its caller: if the caller dies,
         # the run is killed, and bubblewrap takes its namespace down with it.
         who = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
-        argv = [self._tools["setpriv"], "--pdeathsig=KILL", *who, "--", *self._argv(timeout_s)]
+        # --no-new-privs: nothing the program execs (a setuid binary in /usr) gains privileges.
+        argv = [self._tools["setpriv"], "--pdeathsig=KILL", "--no-new-privs", *who, "--", *self._argv(timeout_s)]
         with tempfile.TemporaryDirectory(prefix="rollmesh-sbx-") as tmp:  # the cwd (isolation none: scratch)
             if uid is not None:
                 os.chown(tmp, uid, uid)
@@ -183,7 +198,11 @@ class Sandbox:
             threading.Thread(target=_feed, args=(proc.stdin, program.encode()), daemon=True).start()
             out, err, cut = _collect(proc, t0 + timeout_s, c.max_output_bytes)
             seconds = time.monotonic() - t0
-            if cut and uid is not None:  # the slot's next run must not inherit its dying processes
+            if uid is not None:
+                # Every process of the slot's uid goes, not only the run's group: a program that
+                # detached (setsid, then a double fork) outlived its run and could watch and signal
+                # the next answer's run in this slot. The uid is the slot's alone.
+                _kill_uid(uid)
                 _wait_gone(uid, timeout_s=5.0)
         stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
         return RunResult(_outcome(proc.returncode, cut, stderr), proc.returncode, seconds, stdout, stderr)
@@ -309,20 +328,52 @@ def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, 
     return out, err, cut
 
 
+# One lock file per uid, in a directory only root writes: a slot's uid is held by one run on the whole
+# machine, whatever process runs it (two reward workers' sandboxes share uid_base). So killing every
+# process of the uid after a run kills nothing of anyone else's, and no two runs share a process limit.
+UID_LOCKS = "/run/rollmesh-sandbox"
+
+
+def _hold_uid(uid: int, deadline: float) -> int | None:
+    """A descriptor holding ``uid`` exclusively (closing it lets go); None if still held at ``deadline``."""
+    os.makedirs(UID_LOCKS, mode=0o700, exist_ok=True)
+    fd = os.open(f"{UID_LOCKS}/{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.01)
+
+
+def _pids_of(uid: int) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    pids.append(int(pid))
+            except FileNotFoundError:
+                continue
+    return pids
+
+
+def _kill_uid(uid: int) -> None:
+    for pid in _pids_of(uid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _wait_gone(uid: int, timeout_s: float) -> None:
     """Until no process of ``uid`` is left: a killed pid namespace empties asynchronously."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        left = False
-        for pid in os.listdir("/proc"):
-            if pid.isdigit():
-                try:
-                    left = os.stat(f"/proc/{pid}").st_uid == uid
-                except FileNotFoundError:
-                    continue
-                if left:
-                    break
-        if not left:
+        if not _pids_of(uid):
             return
         time.sleep(0.02)
     log.warning("sandbox: processes of uid %d outlived their run by %g s", uid, timeout_s)

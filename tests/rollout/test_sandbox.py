@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -218,3 +219,59 @@ def test_the_code_reward_is_a_typed_variant_of_the_config():
         RolloutConfig(reward={"type": "code"}, reward_workers={"workers": 2})
     with pytest.raises(ValidationError, match="memory_gb"):
         RolloutConfig(reward={"type": "code", "sandbox": {"memory_gb": 1}})
+
+
+DETACH = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:  # a grandchild in a session of its own: outside the run's process group
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):  # and off the run's pipes, so the run ends without it
+            os.dup2(null, fd)
+        time.sleep(60)
+    os._exit(0)
+print(os.getuid())
+"""
+
+
+@pytest.mark.parametrize("isolation", ["none", "bwrap"])
+def test_a_detached_process_does_not_outlive_its_run(isolation):
+    """With isolation none a program that detached (setsid + double fork) used to live on under the
+    slot's uid, able to watch and signal the next answer's run there. Every process of the uid goes."""
+    box = Sandbox(SandboxConfig(isolation=isolation, max_concurrent=1))
+    r = box.run(DETACH, timeout_s=10)
+    assert r.outcome == "ok", r
+    uid = int(r.stdout.split()[-1])
+    assert uid == box.config.uid_base  # the slot's own uid, not root
+    lingering = subprocess.run(["pgrep", "-u", str(uid)], capture_output=True, text=True).stdout.split()
+    assert lingering == []
+    check = box.run("import os; print(open('/proc/self/status').read())", timeout_s=10)
+    assert "NoNewPrivs:\t1" in check.stdout  # and nothing it execs gains privileges
+
+
+def test_a_slots_uid_is_held_by_one_process_of_the_machine_at_a_time():
+    """Two processes' sandboxes share uid_base: a run holds its uid through a lock file, so another
+    process's run waits (and is never killed by this one's sweep of the uid)."""
+    box = Sandbox(SandboxConfig(max_concurrent=1))
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from rollout.verifiers.sandbox import Sandbox, SandboxConfig;"
+            "box = Sandbox(SandboxConfig(max_concurrent=1)); print('ready', flush=True);"
+            "r = box.run('import time; time.sleep(3); print(1)', 10);"
+            "print(r.outcome, r.stdout.strip())",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert other.stdout.readline().strip() == "ready"  # its start-up check is over: what runs next is the sleep
+    deadline = time.monotonic() + 30
+    while not subprocess.run(["pgrep", "-u", str(box.config.uid_base)], capture_output=True).stdout:
+        assert time.monotonic() < deadline and other.poll() is None, "the other process's run never started"
+        time.sleep(0.02)
+    mine = box.run("print(2)", timeout_s=0.5)  # its run holds the uid for 3 s
+    assert mine.outcome == "busy" and "in use by another process" in mine.stderr
+    assert other.communicate(timeout=30)[0].split() == ["ok", "1"]  # and was left alone (its run, its output)
+    assert box.run("print(2)", timeout_s=5).stdout.strip() == "2"
