@@ -51,6 +51,6 @@ class BufferConfig(BaseModel):
         parsed = urlparse(url)
         if parsed.scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"scheme {parsed.scheme!r}: expected redis://, rediss:// (TLS) or unix://")
-        if parsed.password:
+        if parsed.password or "password=" in parsed.query:
             raise ValueError("carries a password: put it in the environment variable redis_password_env names")
         return url

@@ -87,16 +87,12 @@ def gateway_key(
     revoke: bool = typer.Option(False, "--revoke", help="Delete NAME's key instead of issuing one."),
 ) -> None:
     """Issue an agent a gateway key (printed once; the file keeps only its hash), or revoke one."""
-    import json
-
-    from services.gateway.keys import issue_key, read_key_file
+    from services.gateway.keys import issue_key, revoke_key
 
     if revoke:
-        keys = read_key_file(file) if file.exists() else {}
-        if keys.pop(name, None) is None:
+        if not revoke_key(file, name):
             typer.echo(f"gateway-key: no key named {name!r} in {file}", err=True)
             raise typer.Exit(2)
-        file.write_text(json.dumps(keys, indent=1))
         typer.echo(f"revoked {name!r}: the gateway refuses it within a second")
         return
     print(issue_key(file, name))

@@ -338,7 +338,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
         data = loaded
     for o in overrides or []:
-        if o.replace(" ", "").startswith(("auth.token=", "auth={")) and "token" in o:
+        alone: dict = {}
+        apply_override(alone, o)  # what this override sets, however it is spelt
+        if isinstance(alone.get("auth"), dict) and "token" in alone["auth"]:
             # Copied onto every child's command line, where every user of the host reads it (ps).
             raise ConfigError(
                 "auth.token: not on the command line (every process's argv is visible in ps); "

@@ -54,7 +54,7 @@ def test_the_vllm_knobs_have_the_names_of_the_other_engines():
 
 
 def test_a_token_on_the_command_line_is_refused():
-    for override in ("auth.token=s3cret", "auth={token: s3cret}"):
+    for override in ("auth.token=s3cret", "auth={token: s3cret}", "auth=token: s3cret", "auth.token\t=s3cret"):
         with pytest.raises(ConfigError, match=r"auth.token: not on the command line .*ROLLMESH_TOKEN"):
             load_config(None, [override])
     assert load_config(None, ["auth.disabled=true"]).auth.disabled

@@ -38,6 +38,7 @@ _ALLOWED = {
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),  # a dense CUDA tensor's IPC handle
     ("torch", "Tensor"),
     ("torch", "Size"),
+    ("torch.storage", "TypedStorage"),  # what reduce_tensor names as a CUDA tensor's storage class
     ("torch.storage", "UntypedStorage"),
     ("torch.nn.parameter", "Parameter"),
 }
@@ -137,12 +138,29 @@ class _TensorsOnly(pickle._Unpickler):  # the Python unpickler: its opcode table
     for _op in ("BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX"):
         dispatch[getattr(pickle, _op)[0]] = _refuse_opcode(_op)
 
+    def _reduce(self):
+        # Only these may be called: a class named above (UntypedStorage(10**12)) would allocate at will.
+        if self.stack[-2] not in _CALLABLE:
+            raise pickle.UnpicklingError(f"calling {self.stack[-2]!r} is not part of a tensor handle")
+        pickle._Unpickler.load_reduce(self)
+
+    dispatch[pickle.REDUCE[0]] = _reduce
+
     def find_class(self, module: str, name: str):
         if (module, name) == (__name__, "_shm_tensor"):
             return _shm_tensor
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor handle")
+
+
+def _rebuild_cuda_tensor():
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor
+
+
+_CALLABLE = (_shm_tensor, torch.Size, _rebuild_cuda_tensor())
 
 
 def dumps(named: list[tuple[str, torch.Tensor]]) -> Handles:

@@ -142,13 +142,17 @@ class Sandbox:
                 self.counts["busy"] += 1
                 return result
             slot = self._slots.pop()
-        held = _hold_uid(self.config.uid_base + slot, deadline) if self._own_uids else -1
+        try:
+            held = _hold_uid(self.config.uid_base + slot, deadline) if self._own_uids else -1
+        except OSError as e:  # /run not writable (a read-only container root): the run cannot be held
+            held, why = None, f"cannot hold uid {self.config.uid_base + slot}: {e}"
+        else:
+            why = f"uid {self.config.uid_base + slot} stayed in use by another process for {timeout_s:g} s"
         if held is None:
             with self._free:
                 self._slots.append(slot)
                 self._free.notify()
                 self.counts["busy"] += 1
-            why = f"uid {self.config.uid_base + slot} stayed in use by another process for {timeout_s:g} s"
             return RunResult("busy", None, timeout_s, "", why)
         try:
             for attempt in range(_START_TRIES):
@@ -350,14 +354,18 @@ def _hold_uid(uid: int, deadline: float) -> int | None:
 
 
 def _pids_of(uid: int) -> list[int]:
+    """Processes whose real or effective uid is ``uid``, read from their status: the owner of
+    ``/proc/<pid>`` is root for a process that made itself non-dumpable."""
     pids = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                if os.stat(f"/proc/{pid}").st_uid == uid:
-                    pids.append(int(pid))
-            except FileNotFoundError:
+                with open(f"/proc/{pid}/status") as f:
+                    line = next(x for x in f if x.startswith("Uid:"))
+            except (OSError, StopIteration):
                 continue
+            if str(uid) in line.split()[1:3]:
+                pids.append(int(pid))
     return pids
 
 

@@ -12,11 +12,14 @@ that needs only completions must not hold it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
 import os
 import secrets
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,17 +47,32 @@ def read_key_file(path: str | Path) -> dict[str, str]:
     return data
 
 
+@contextlib.contextmanager
+def _editing(path: Path):
+    """The file's keys to change, under a lock (two editors at once would lose one's change); written
+    whole to a private temporary file renamed over it (a reader never sees half a file)."""
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        keys = read_key_file(path) if path.exists() else {}
+        yield keys
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")  # mode 0600
+        with os.fdopen(fd, "w") as f:
+            json.dump(keys, f, indent=1)
+        os.replace(tmp, path)
+
+
 def issue_key(path: str | Path, name: str) -> str:
     """A new key for ``name`` (replacing its old one), its hash written to ``path``; returns the key."""
-    path = Path(path)
-    keys = read_key_file(path) if path.exists() else {}
     key = "rk-" + secrets.token_urlsafe(32)
-    keys[name] = hash_key(key)
-    tmp = path.with_name(path.name + ".tmp")
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        json.dump(keys, f, indent=1)
-    os.replace(tmp, path)
+    with _editing(Path(path)) as keys:
+        keys[name] = hash_key(key)
     return key
+
+
+def revoke_key(path: str | Path, name: str) -> bool:
+    """Delete ``name``'s key; False when it has none."""
+    with _editing(Path(path)) as keys:
+        return keys.pop(name, None) is not None
 
 
 class KeyRing:
@@ -64,7 +82,7 @@ class KeyRing:
     def __init__(
         self, hashes: dict[str, str] | None = None, path: str | Path | None = None, recheck_s: float = 1.0
     ) -> None:
-        self.path, self.recheck_s, self._mtime, self._checked = (Path(path) if path else None), recheck_s, None, 0.0
+        self.path, self.recheck_s, self._seen, self._checked = (Path(path) if path else None), recheck_s, None, 0.0
         self._set(hashes or {})
         if self.path is not None:
             self._reload()
@@ -78,10 +96,11 @@ class KeyRing:
         self._hashes = [(h.encode(), name) for name, h in hashes.items()]
 
     def _reload(self) -> None:
-        mtime = self.path.stat().st_mtime_ns
-        if mtime != self._mtime:
+        st = self.path.stat()  # a rename gives a new inode; two writes within a clock tick, another size
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if seen != self._seen:
             self._set(read_key_file(self.path))
-            self._mtime = mtime
+            self._seen = seen
 
     def owner(self, authorization: str | None) -> str | None:
         if self.path is not None and time.monotonic() - self._checked >= self.recheck_s:

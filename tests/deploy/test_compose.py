@@ -191,5 +191,8 @@ def test_the_gateway_takes_agent_keys_from_a_file_that_ships_empty():
         else:
             src, dst, *mode = v.split(":")
             mounts[dst] = (src, mode == ["ro"])
-    assert mounts[key_path] == (str(ROOT / "deploy" / "gateway_keys.json"), True) and "/runs" in mounts
-    assert json.loads((ROOT / "deploy" / "gateway_keys.json").read_text()) == {}  # no agent gets in by default
+    # the directory, not the file: a key file replaced by `rollmesh gateway-key` is seen in the container
+    key_dir = str(Path(key_path).parent)
+    assert mounts[key_dir] == (str(ROOT / "deploy" / "gateway_keys"), True) and "/runs" in mounts
+    shipped = ROOT / "deploy" / "gateway_keys" / Path(key_path).name
+    assert json.loads(shipped.read_text()) == {}  # no agent gets in by default

@@ -91,3 +91,31 @@ def test_a_payload_cannot_change_torch_classes_or_bring_sparse_tensors():
     sparse = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([1.0]), (4,))
     with pytest.raises(ValueError, match="not part of a tensor handle"):
         th.loads(_payload([("w", sparse)]))
+
+
+class _CallsAClass:
+    def __reduce__(self):
+        return (torch.UntypedStorage, (10**12,))  # a terabyte, if it were called
+
+
+def test_only_the_rebuild_functions_may_be_called():
+    with pytest.raises(ValueError, match="is not part of a tensor handle"):
+        th.loads(_payload([("w", _CallsAClass())]))
+
+
+def test_a_cuda_tensors_reduction_names_only_what_is_allowed():
+    """What torch's ForkingPickler writes for a CUDA tensor (its rebuild function, the storage class,
+    Size, dtype) must all pass find_class; run here without a GPU by reading the reduction's names."""
+    from torch.multiprocessing import reductions
+
+    src = Path(reductions.__file__).read_text()
+    body = src[src.index("def reduce_tensor") : src.index("def rebuild_nested_tensor")]
+    assert "rebuild_cuda_tensor" in body and "_typed_storage()" in body and "type(storage)," in body
+    for module, name in [
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        ("torch.storage", "TypedStorage"),
+        ("torch", "Size"),
+        ("torch", "float32"),
+        ("torch.nn.parameter", "Parameter"),
+    ]:
+        th._TensorsOnly(io.BytesIO(b"")).find_class(module, name)
