@@ -12,14 +12,13 @@ from starlette.exceptions import HTTPException
 
 
 class BodyLimit:
-    def __init__(self, app, max_bytes: int, routes: dict[str, int] | None = None) -> None:
-        """``max_bytes``: every route's limit; ``routes``: larger (or smaller) ones by exact path."""
-        self.app, self.max_bytes, self.routes = app, max_bytes, routes or {}
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.routes.get(scope["path"], self.max_bytes)
+        limit = self.max_bytes
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self.app(scope, _refuse(f"body: {int(declared)} bytes is over this route's {limit}"), send)
