@@ -71,7 +71,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         )
         trainer = Supervised("trainer", proc, logs / "trainer.log", finishes=True, env=cuda_env(placement.trainer))
         _supervise(cfg, mesh, trainer, console, run_dir, seen, earlier[-1]["step"] if earlier else 0)
-        rollouts = asyncio.run(_env_manager(mesh, cfg, "stop")) if mesh.env_manager else None
+        rollouts = _stop_rollouts(mesh, cfg, console) if mesh.env_manager else None
         after = asyncio.run(evaluate(mesh.proxy, cfg)) if evaluate is not None else None
         _finish(cfg, run_dir, console, before if not resumed else None, after, rollouts, time.time() - t0)
         return 0
@@ -112,6 +112,16 @@ async def _env_manager(mesh: Mesh, cfg, what: str) -> dict | None:
         return {**await client.stats(), "episodes_abandoned": abandoned}
     finally:
         await client.close()
+
+
+def _stop_rollouts(mesh: Mesh, cfg, console: Console) -> dict | None:
+    """The EnvManager's workers stopped and their Stats; training is done, so a failure here (the
+    EnvManager restarting at that moment) is reported and the run still ends with its summary."""
+    try:
+        return asyncio.run(_env_manager(mesh, cfg, "stop"))
+    except Exception as e:  # a gRPC failure of any kind: the summary says "rollouts": null
+        console.print(f"[yellow]could not stop the EnvManager's workers: {type(e).__name__}: {e}[/]")
+        return None
 
 
 def _supervise(cfg, mesh: Mesh, trainer: Supervised, console: Console, run_dir: Path, seen: int, step0: int) -> None:
