@@ -52,9 +52,6 @@ class Batch:
         return [decode_group(g) for g in self.groups]
 
 
-FULL = PutRefusal.FULL
-
-
 @dataclass
 class PutResult:
     accepted: bool
@@ -83,7 +80,7 @@ class SampleBuffer(ABC):
     async def put(self, group: Group | bytes, timeout_s: float | None = None) -> PutResult:
         """Store a complete group; waits while the buffer is full, ``BufferFull`` after the timeout."""
         [result] = await self.put_many([group], timeout_s)
-        if result.reason == FULL:
+        if result.reason == PutRefusal.FULL:
             raise BufferFull(f"buffer full ({self.config.capacity_groups} groups) for the whole put timeout")
         return result
 
@@ -122,7 +119,7 @@ class SampleBuffer(ABC):
             if time.monotonic() >= deadline:
                 await self._count("dropped_capacity", len(todo))
                 for i in todo:
-                    results[i] = PutResult(False, FULL)
+                    results[i] = PutResult(False, PutRefusal.FULL)
                 break
             await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.1)

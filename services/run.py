@@ -64,7 +64,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
             before = asyncio.run(evaluate(mesh.proxy, cfg))
             console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {before}")
         if mesh.env_manager:
-            asyncio.run(_env_manager(mesh, cfg, "start"))
+            asyncio.run(_start_rollouts(mesh, cfg))
         earlier, seen = rundir.tail_metrics(run_dir, 0)  # earlier runs' lines, when resuming
         proc = start_trainer(
             config_path, overrides, mesh, logs / "trainer.log", placement.trainer_procs, placement.trainer
@@ -100,14 +100,19 @@ def _announce(mesh: Mesh, console: Console) -> None:
         console.print(f"[green]agent gateway[/] {mesh.gateway}/v1 ({key}); waiting for agents")
 
 
-async def _env_manager(mesh: Mesh, cfg, what: str) -> dict | None:
-    """``start``: its workers begin; ``stop``: they stop (the groups in flight are abandoned: training
-    is over) so that the final evaluation has the engines to itself; returns what they did."""
+async def _start_rollouts(mesh: Mesh, cfg) -> None:
     client = EnvManagerClient(mesh.env_manager, auth=cfg.auth)
     try:
-        if what == "start":
-            await client.start()
-            return None
+        await client.start()
+    finally:
+        await client.close()
+
+
+async def _stopped_rollouts(mesh: Mesh, cfg) -> dict:
+    """The workers stopped (the groups in flight are abandoned: training is over), so that the final
+    evaluation has the engines to itself; what they did."""
+    client = EnvManagerClient(mesh.env_manager, auth=cfg.auth)
+    try:
         abandoned = await client.stop(drain=False)
         return {**await client.stats(), "episodes_abandoned": abandoned}
     finally:
@@ -115,10 +120,10 @@ async def _env_manager(mesh: Mesh, cfg, what: str) -> dict | None:
 
 
 def _stop_rollouts(mesh: Mesh, cfg, console: Console) -> dict | None:
-    """The EnvManager's workers stopped and their Stats; training is done, so a failure here (the
-    EnvManager restarting at that moment) is reported and the run still ends with its summary."""
+    """Training is done, so a failure here (the EnvManager restarting at that moment) is reported
+    and the run still ends with its summary."""
     try:
-        return asyncio.run(_env_manager(mesh, cfg, "stop"))
+        return asyncio.run(_stopped_rollouts(mesh, cfg))
     except Exception as e:  # a gRPC failure of any kind: the summary says "rollouts": null
         console.print(f"[yellow]could not stop the EnvManager's workers: {type(e).__name__}: {e}[/]")
         return None

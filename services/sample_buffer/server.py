@@ -12,9 +12,10 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sample_buffer.backends import make_buffer
-from sample_buffer.buffer import FULL, BufferBackendError, SampleBuffer
+from sample_buffer.buffer import BufferBackendError, SampleBuffer
 from sample_buffer.codec import CodecError, read_header
 from sample_buffer.config import BufferConfig
+from sample_buffer.trajectory import PutRefusal
 from services.auth import AuthConfig
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import AGE_BUCKETS_S, VERSION_BUCKETS, histogram, init_labels, serve_metrics
@@ -86,8 +87,8 @@ def build_handler(buffer: SampleBuffer, metrics: BufferMetrics) -> grpc.GenericR
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"groups: {e}")
         except BufferBackendError as e:
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        if all(r.reason == FULL for r in results):  # nothing stored: the whole call failed, retry it
-            metrics.puts.labels(FULL).inc(len(results))
+        if all(r.reason == PutRefusal.FULL for r in results):  # nothing stored: the whole call failed, retry it
+            metrics.puts.labels(PutRefusal.FULL).inc(len(results))
             waited = req.timeout_s or buffer.config.put_timeout_s
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"buffer full for {waited:.1f}s: nothing stored")
         for r in results:
