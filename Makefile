@@ -76,7 +76,7 @@ examples: $(STAMP) servers models/tiny-digits/config.json $(SMOLLM2)/config.json
 	.venv/bin/rollmesh run examples/agentic/answer_in_time.yaml --fresh
 	.venv/bin/rollmesh run examples/smollm2-math.yaml --fresh
 	.venv/bin/rollmesh run examples/code/smollm2-code.yaml --fresh
-	export ROLLMESH_TOKEN=$$(.venv/bin/python -c "import secrets; print(secrets.token_hex(16))"); \
+	export ROLLMESH_PROVIDER_TOKEN=$$(.venv/bin/python -c "import secrets; print(secrets.token_hex(16))"); \
 	.venv/bin/rollmesh serve env-provider --env single_turn --set env_provider.env.tries=2 \
 	  --set env_provider.dataset_path=examples/find_digit_train.jsonl --set env_provider.reward=digit_answer & \
 	provider=$$!; .venv/bin/rollmesh run examples/agentic/digit_retry.yaml --fresh; rc=$$?; kill $$provider; exit $$rc

@@ -37,6 +37,12 @@ class BufferConfig(BaseModel):
     put_timeout_s: float = Field(
         30.0, ge=0, description="How long put waits on a full buffer when the caller gives none."
     )
+    max_concurrent_puts: int = Field(
+        8,
+        ge=1,
+        description="Puts received at once (each at most 64 MiB on the wire); more wait for a slot within their "
+        "deadline: what a burst of puts holds in memory is bounded.",
+    )
     filter_zero_variance: bool = Field(
         True, description="Drop groups whose rewards are all equal (DAPO dynamic sampling: no learning signal)."
     )

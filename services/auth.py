@@ -1,9 +1,23 @@
-"""Who may call a rollmesh service: a shared bearer token on every gRPC call and HTTP request, TLS optional.
+"""Who may call a rollmesh service: a bearer token per role on every gRPC call and HTTP request, TLS optional.
 
-The token comes from ``auth.token`` or the ``ROLLMESH_TOKEN`` environment variable. `rollmesh run`
-makes a fresh one per run and hands it to its processes through the environment (a command line
-would show it in ``ps``); a cluster mounts it from a Secret. A service refuses to start without
-one unless ``auth.disabled`` says the network is closed to everyone else.
+Two roles (``Role``), two tokens, so that whoever makes rollouts cannot change the policy:
+
+- **data** (``auth.token``, ``ROLLMESH_TOKEN``): generation, buffer puts and gets, admission,
+  rewards, EnvManager control. Held by every process of the mesh.
+- **control** (``auth.control_token``, ``ROLLMESH_CONTROL_TOKEN``): weights, suspend/resume, memory,
+  weight-update begin/commit/abort, collective groups, and everything on an engine's HTTP API.
+  Held by the trainer, the AsyncController, the LLMProxy and the engines only; `rollmesh run` and the
+  deployments give it to no other process.
+
+Each gRPC method has one role (``role_of``: the control ones are listed, the rest are data), and a
+call carries that role's token: a data token on a control method is refused (PERMISSION_DENIED).
+Environment providers check a token of their own (``env.token_env``), gateway agents API keys of
+their own (``services/gateway/keys.py``); neither is ever one of these.
+
+The tokens come from the config or the environment. `rollmesh run` makes fresh ones per run and
+hands them to its processes through the environment (a command line would show them in ``ps``); a
+cluster mounts them from Secrets. A service refuses to start without the tokens its methods need
+unless ``auth.disabled`` says the network is closed to everyone else.
 
 Not checked: health checks (gRPC ``grpc.health.v1.Health``, HTTP ``/health``) and ``/metrics``.
 Kubernetes probes and Prometheus scrapes carry no secret, and these answer with liveness and
@@ -22,6 +36,7 @@ import os
 import secrets
 import ssl
 from collections import Counter
+from enum import StrEnum
 from pathlib import Path
 
 import grpc
@@ -30,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 log = logging.getLogger(__name__)
 TOKEN_ENV = "ROLLMESH_TOKEN"
+CONTROL_TOKEN_ENV = "ROLLMESH_CONTROL_TOKEN"
 # Set by an engine process started with auth disabled: the vLLM plugin otherwise refuses to serve
 # without a token (an empty one must not mean "open").
 AUTH_DISABLED_ENV = "ROLLMESH_AUTH_DISABLED"
@@ -39,6 +55,44 @@ EXEMPT_HTTP_PATHS = frozenset({"/health", "/metrics"})
 
 class AuthError(RuntimeError):
     """No token where one is required: the process cannot serve or call safely."""
+
+
+class Role(StrEnum):
+    DATA = "data"
+    CONTROL = "control"
+
+
+TOKEN_ENVS = {Role.DATA: TOKEN_ENV, Role.CONTROL: CONTROL_TOKEN_ENV}
+PROVIDER_TOKEN_ENV = "ROLLMESH_PROVIDER_TOKEN"  # environment providers' own (provider_auth)
+
+# The control methods, per gRPC service; every other method of the mesh's services is data. A test
+# checks each name against the protos, so a renamed method cannot silently become data.
+CONTROL_METHODS = {
+    "rollmesh.v1.LLMProxy": frozenset(
+        {
+            "Suspend",
+            "Resume",
+            "UpdateWeights",
+            "UpdateWeightsBucket",
+            "InitWeightsGroup",
+            "UpdateWeightsDistributed",
+            "ReleaseMemory",
+            "ResumeMemory",
+        }
+    ),
+    "rollmesh.v1.AsyncController": frozenset({"BeginUpdate", "CommitUpdate", "AbortUpdate"}),
+}
+
+
+def role_of(method: str) -> Role:
+    """The role of a gRPC method, given as ``/package.Service/Method``."""
+    service, _, name = method.lstrip("/").partition("/")
+    return Role.CONTROL if name in CONTROL_METHODS.get(service, ()) else Role.DATA
+
+
+def roles_served(service: str) -> set[Role]:
+    """The roles whose tokens a gRPC service checks."""
+    return {Role.DATA, Role.CONTROL} if service in CONTROL_METHODS else {Role.DATA}
 
 
 class TlsConfig(BaseModel):
@@ -68,36 +122,55 @@ class TlsConfig(BaseModel):
         return Path(path).read_bytes() if path else None
 
 
-def _token_from_env() -> SecretStr | None:
-    value = os.environ.get(TOKEN_ENV)
-    return SecretStr(value) if value else None
+def _from_env(name: str):
+    def read() -> SecretStr | None:
+        value = os.environ.get(name)
+        return SecretStr(value) if value else None
+
+    return read
 
 
 class AuthConfig(BaseModel):
-    """The run's shared secret and transport security; every service and client of a mesh reads
-    the same section."""
+    """The run's secrets and transport security; every service and client of a mesh reads the same
+    section, and each process holds the tokens of its roles only."""
 
     model_config = ConfigDict(extra="forbid")
 
     token: SecretStr | None = Field(
-        default_factory=_token_from_env,
-        description=f"The bearer token every call must carry; default: ${TOKEN_ENV}. `rollmesh run` makes one per run.",
+        default_factory=_from_env(TOKEN_ENV),
+        description=f"The data token (rollouts, buffer, rewards); default: ${TOKEN_ENV}. "
+        "`rollmesh run` makes one per run.",
+    )
+    control_token: SecretStr | None = Field(
+        default_factory=_from_env(CONTROL_TOKEN_ENV),
+        description=f"The control token (weights, suspend/resume, updates, engines' HTTP API); default: "
+        f"${CONTROL_TOKEN_ENV}. `rollmesh run` makes one per run and gives it to the trainer, controller, "
+        "LLMProxy and engines only.",
     )
     disabled: bool = Field(
         False, description="Serve and call without a token: only on a network nobody else can reach."
     )
     tls: TlsConfig | None = Field(None, description="TLS for gRPC and HTTP (certificate paths); none: plaintext.")
 
-    def bearer(self) -> str | None:
-        """``Bearer <token>``, or None when auth is disabled; ``AuthError`` when no token is set."""
+    def secret(self, role: Role) -> SecretStr | None:
+        return self.token if role is Role.DATA else self.control_token
+
+    def holds(self, role: Role) -> bool:
+        secret = self.secret(role)
+        return self.disabled or (secret is not None and bool(secret.get_secret_value()))
+
+    def bearer(self, role: Role = Role.DATA) -> str | None:
+        """``Bearer <token>`` of ``role``, or None when auth is disabled; ``AuthError`` when this
+        process holds no such token."""
         if self.disabled:
             return None
-        if self.token is None or not self.token.get_secret_value():
+        if not self.holds(role):
+            field = "token" if role is Role.DATA else "control_token"
             raise AuthError(
-                f"auth.token: no token; set {TOKEN_ENV} (every service and client of the mesh the same) "
-                "or auth.token, or auth.disabled: true on a closed network"
+                f"auth.{field}: no {role} token; set {TOKEN_ENVS[role]} (the same in every process of the mesh "
+                f"that holds the {role} role) or auth.disabled: true on a closed network"
             )
-        return "Bearer " + self.token.get_secret_value()
+        return "Bearer " + self.secret(role).get_secret_value()
 
     @property
     def scheme(self) -> str:
@@ -112,19 +185,48 @@ class AuthConfig(BaseModel):
 
 
 def ensure_token(auth: AuthConfig) -> AuthConfig:
-    """Give ``auth`` a fresh random token if it has none (and is not disabled), exported through
-    ``ROLLMESH_TOKEN`` so the processes this one starts share it."""
-    if not auth.disabled and auth.token is None:
-        token = secrets.token_urlsafe(32)
-        os.environ[TOKEN_ENV] = token
-        auth.token = SecretStr(token)
+    """Give ``auth`` fresh random data and control tokens where it has none (and is not disabled),
+    exported through the environment so the processes this one starts share them."""
+    if not auth.disabled:
+        for role, name in TOKEN_ENVS.items():
+            if auth.secret(role) is None:
+                token = secrets.token_urlsafe(32)
+                os.environ[name] = token
+                setattr(auth, "token" if role is Role.DATA else "control_token", SecretStr(token))
     return auth
 
 
-def server_bearer(auth: AuthConfig, server: str) -> str | None:
-    """The bearer a server checks. With ``auth.disabled``: None, a warning in the log, and
-    ``rollmesh_auth_disabled 1`` on the process's /metrics, so an open service is never a quiet one."""
-    bearer = auth.bearer()
+def ensure_provider_token() -> None:
+    """A fresh ``ROLLMESH_PROVIDER_TOKEN`` for providers this process starts and calls (benches,
+    tests); `rollmesh run` makes none: an external provider's token is its operator's to give."""
+    os.environ.setdefault(PROVIDER_TOKEN_ENV, secrets.token_urlsafe(32))
+
+
+def provider_auth(auth: AuthConfig, token_env: str | None) -> AuthConfig:
+    """The auth of an environment provider's API, both sides: the provider's own token from
+    ``$token_env`` (never a mesh token: a provider is someone else's code), the mesh's TLS.
+    ``token_env`` None: no token (a provider on a closed network that checks none)."""
+    if auth.disabled or token_env is None:
+        return AuthConfig(token=None, control_token=None, disabled=True, tls=auth.tls)
+    token = os.environ.get(token_env)
+    if not token:
+        raise AuthError(
+            f"env.token_env: ${token_env} is not set; an environment provider and its callers share a token of "
+            "their own (never the mesh's): export the same value on both sides"
+        )
+    return AuthConfig(token=SecretStr(token), control_token=None, tls=auth.tls)
+
+
+def environment_of(roles: set[Role]) -> dict[str, str]:
+    """This process's environment without the tokens of roles a child does not hold."""
+    dropped = {TOKEN_ENVS[r] for r in Role if r not in roles}
+    return {k: v for k, v in os.environ.items() if k not in dropped}
+
+
+def server_bearer(auth: AuthConfig, server: str, role: Role = Role.DATA) -> str | None:
+    """The bearer of ``role`` a server checks. With ``auth.disabled``: None, a warning in the log,
+    and ``rollmesh_auth_disabled 1`` on the process's /metrics, so an open service is never a quiet one."""
+    bearer = auth.bearer(role)
     if bearer is None:
         SERVING_OPEN.add(server)
         log.warning("%s: auth.disabled: serving WITHOUT a token; anyone who reaches its port may call it", server)
@@ -132,7 +234,7 @@ def server_bearer(auth: AuthConfig, server: str) -> str | None:
 
 
 # ---------------------------------------------------------------- refused calls, per process
-REFUSED: Counter[str] = Counter({"missing": 0, "wrong": 0})
+REFUSED: Counter[str] = Counter({"missing": 0, "wrong": 0, "role": 0})
 SERVING_OPEN: set[str] = set()  # this process's servers that check no token (auth.disabled)
 
 
@@ -152,39 +254,50 @@ class RefusedCollector:
         yield family
 
 
-def _refusal(got: bytes | str | None, expected: str) -> str | None:
-    """None when ``got`` is the expected header; else why not ("missing" or "wrong"), counted."""
+def _refusal(got: bytes | str | None, expected: str, other: str | None = None) -> str | None:
+    """None when ``got`` is the expected header; else why not, counted: "missing", "wrong", or
+    "role" (it is ``other``, the token of a role this method does not take)."""
     if got is not None:
         got = got.encode() if isinstance(got, str) else got
         if hmac.compare_digest(got, expected.encode()):
             return None
     reason = "missing" if got is None else "wrong"
+    if other is not None and got is not None and hmac.compare_digest(got, other.encode()):
+        reason = "role"
     REFUSED[reason] += 1
     return reason
 
 
-def _message(reason: str) -> str:
-    return f"authorization: {reason} bearer token (send 'authorization: Bearer <token>', the run's {TOKEN_ENV})"
+def _message(reason: str, role: Role = Role.DATA, what: str = "") -> str:
+    if reason == "role":
+        return f"authorization: {what or 'this call'} takes the {role} token ({TOKEN_ENVS[role]}), not another role's"
+    send = f"send 'authorization: Bearer <token>', the {role} token {TOKEN_ENVS[role]}"
+    return f"authorization: {reason} bearer token ({send})"
 
 
 # ---------------------------------------------------------------- gRPC
 class TokenCheck(grpc.aio.ServerInterceptor):
-    """Server side: every RPC but health checks carries ``authorization: Bearer <token>``."""
+    """Server side: every RPC but health checks carries ``authorization: Bearer <token>`` of its
+    method's role (``bearers``: role → the bearer this server checks; a role it does not serve has none)."""
 
-    def __init__(self, bearer: str) -> None:
-        self.bearer = bearer
+    def __init__(self, bearers: dict[Role, str]) -> None:
+        self.bearers = bearers
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(EXEMPT_GRPC_PREFIX):
             return handler
         got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
-        reason = _refusal(got, self.bearer)
+        role = role_of(details.method)
+        other = self.bearers.get(Role.CONTROL if role is Role.DATA else Role.DATA)
+        reason = _refusal(got, self.bearers.get(role, ""), other) if role in self.bearers else "missing"
         if reason is None:
             return handler
+        code = grpc.StatusCode.PERMISSION_DENIED if reason == "role" else grpc.StatusCode.UNAUTHENTICATED
+        message = _message(reason, role, details.method.rsplit("/", 1)[-1])
 
         async def refuse(requests, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _message(reason))
+            await context.abort(code, message)
 
         # A streaming-request handler that never reads: the refused call's message is not received (a
         # unary handler gets the whole message before it runs, up to the server's receive limit: one
@@ -195,13 +308,16 @@ class TokenCheck(grpc.aio.ServerInterceptor):
 
 
 class _AddToken:
-    """Client side: the token goes with every call of the channel."""
+    """Client side: each call carries the token of its method's role; a process that holds no such
+    token fails the call with ``AuthError`` before anything is sent."""
 
-    def __init__(self, bearer: str) -> None:
-        self.pair = ("authorization", bearer)
+    def __init__(self, auth: AuthConfig) -> None:
+        self.auth = auth
 
     def _details(self, d):
-        return d._replace(metadata=grpc.aio.Metadata(*(d.metadata or ()), self.pair))
+        method = d.method.decode() if isinstance(d.method, bytes) else d.method
+        pair = ("authorization", self.auth.bearer(role_of(method)))
+        return d._replace(metadata=grpc.aio.Metadata(*(d.metadata or ()), pair))
 
 
 # grpc.aio files an interceptor under the first call kind it implements: one class per kind.
@@ -215,6 +331,11 @@ class _AddTokenStream(_AddToken, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._details(details), request)
 
 
+class _AddTokenStreamUnary(_AddToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
 def grpc_server_credentials(auth: AuthConfig) -> grpc.ServerCredentials | None:
     if auth.tls is None:
         return None
@@ -223,15 +344,19 @@ def grpc_server_credentials(auth: AuthConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(auth.tls.read("key_path"), auth.tls.read("cert_path"))])
 
 
-def grpc_server_interceptors(auth: AuthConfig, server: str = "gRPC server") -> list[grpc.aio.ServerInterceptor]:
-    bearer = server_bearer(auth, server)
-    return [TokenCheck(bearer)] if bearer else []
+def grpc_server_interceptors(auth: AuthConfig, service: str) -> list[grpc.aio.ServerInterceptor]:
+    """The token check of gRPC service ``service`` (``package.Service``): ``AuthError`` when this
+    process lacks a token of a role the service's methods take."""
+    if auth.disabled:
+        server_bearer(auth, service)  # the warning and the gauge
+        return []
+    return [TokenCheck({role: auth.bearer(role) for role in roles_served(service)})]
 
 
 def grpc_channel(address: str, auth: AuthConfig, options: list) -> grpc.aio.Channel:
-    """An aio channel that carries the token (and speaks TLS when configured)."""
-    bearer = auth.bearer()
-    interceptors = [_AddTokenUnary(bearer), _AddTokenStream(bearer)] if bearer else None
+    """An aio channel that carries the tokens (and speaks TLS when configured)."""
+    kinds = (_AddTokenUnary, _AddTokenStream, _AddTokenStreamUnary)
+    interceptors = None if auth.disabled else [kind(auth) for kind in kinds]
     if auth.tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     creds = grpc.ssl_channel_credentials(root_certificates=auth.tls.read("ca_path"))
@@ -240,7 +365,7 @@ def grpc_channel(address: str, auth: AuthConfig, options: list) -> grpc.aio.Chan
 
 def grpc_sync_channel(address: str, auth: AuthConfig, options: list | None = None) -> grpc.Channel:
     """A blocking channel (TLS when configured). It adds no token: health checks need none, and a
-    blocking caller passes ``auth.bearer()`` as the call's ``authorization`` metadata."""
+    blocking caller passes ``auth.bearer(role)`` as the call's ``authorization`` metadata."""
     if auth.tls is None:
         return grpc.insecure_channel(address, options=options)
     creds = grpc.ssl_channel_credentials(root_certificates=auth.tls.read("ca_path"))
@@ -274,7 +399,8 @@ class BearerMiddleware:
         await self.app(scope, receive, send)
 
 
-def http_headers(auth: AuthConfig) -> dict[str, str]:
-    """Headers an HTTP client sends to an engine."""
-    bearer = auth.bearer()
+def http_headers(auth: AuthConfig, role: Role = Role.CONTROL) -> dict[str, str]:
+    """Headers an HTTP client sends: to an engine, the control token (its whole API is control:
+    only the LLMProxy and the trainer's side of a weight update call it)."""
+    bearer = auth.bearer(role)
     return {"Authorization": bearer} if bearer else {}

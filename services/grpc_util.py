@@ -56,13 +56,35 @@ def channel(address: str, options: list | None = None, auth: AuthConfig | None =
 Handler = Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]
 
 
+async def _acquire(slots: asyncio.Semaphore, method: str, context: grpc.aio.ServicerContext) -> None:
+    """A receive slot of ``method`` within 90% of the call's time left (the caller hears why before
+    its own deadline passes; a minute without one), else RESOURCE_EXHAUSTED."""
+    remaining = context.time_remaining()
+    try:
+        await asyncio.wait_for(slots.acquire(), 60.0 if remaining is None else 0.9 * remaining)
+    except TimeoutError:
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: every receive slot stayed busy until the call's deadline"
+        )
+
+
 def unary_service(
     service_name: str,
     methods: dict[str, tuple[type[Message], Handler]],
     streams: dict[str, tuple[type[Message], Callable]] | None = None,
+    client_streams: dict[str, tuple[type[Message], Callable]] | None = None,
+    slots: dict[str, asyncio.Semaphore] | None = None,
 ) -> grpc.GenericRpcHandler:
     """A generic handler: ``{"Generate": (GenerateRequest, handler)}`` → strict-decoding RPCs;
-    ``streams`` maps server-streaming methods to async generator functions."""
+    ``streams`` maps server-streaming methods to async generator functions, ``client_streams``
+    client-streaming ones to functions of an async iterator of decoded messages.
+
+    ``slots``: methods whose messages are received only under one of a bounded number of slots, held
+    until the handler returns: what a burst of large calls holds in memory is bounded, the rest wait
+    (within their deadlines). gRPC reads a unary handler's message before any code of ours runs, so
+    such a method is served as client-streaming (a unary call is a stream of one message on the wire)
+    and reads its one message after taking a slot."""
+    slots = slots or {}
 
     def wrap(req_cls: type[Message], fn: Handler):
         async def call(raw: bytes, context: grpc.aio.ServicerContext):
@@ -89,8 +111,52 @@ def unary_service(
             call, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
         )
 
-    handlers = {name: wrap(cls, fn) for name, (cls, fn) in methods.items()}
+    def wrap_gated(name: str, req_cls: type[Message], fn: Handler):
+        async def call(requests, context: grpc.aio.ServicerContext):
+            await _acquire(slots[name], name, context)
+            try:
+                raw = await anext(aiter(requests), None)
+                if raw is None or await anext(aiter(requests), None) is not None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: exactly one message per call")
+                try:
+                    request = decode(req_cls, raw)
+                except ValueError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                return await fn(request, context)
+            finally:
+                slots[name].release()
+
+        return grpc.stream_unary_rpc_method_handler(
+            call, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
+        )
+
+    def wrap_client_stream(name: str, req_cls: type[Message], fn):
+        async def call(requests, context: grpc.aio.ServicerContext):
+            async def decoded():
+                async for raw in requests:
+                    try:
+                        yield decode(req_cls, raw)
+                    except ValueError as e:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+            gate = slots.get(name)
+            if gate is None:
+                return await fn(decoded(), context)
+            await _acquire(gate, name, context)
+            try:
+                return await fn(decoded(), context)
+            finally:
+                gate.release()
+
+        return grpc.stream_unary_rpc_method_handler(
+            call, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
+        )
+
+    handlers = {
+        name: wrap_gated(name, cls, fn) if name in slots else wrap(cls, fn) for name, (cls, fn) in methods.items()
+    }
     handlers |= {name: wrap_stream(cls, fn) for name, (cls, fn) in (streams or {}).items()}
+    handlers |= {name: wrap_client_stream(name, cls, fn) for name, (cls, fn) in (client_streams or {}).items()}
     return grpc.method_handlers_generic_handler(service_name, handlers)
 
 

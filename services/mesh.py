@@ -14,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.auth import Role
 from services.device_map import Placement
 from services.processes import (
+    DATA_ONLY,
     free_port,
     serve_command,
     start_engine_process,
@@ -63,6 +65,11 @@ class Mesh:
             stop_process(s.proc)
 
 
+# The processes that hold the control token (services/auth.py): the LLMProxy, the AsyncController
+# and the trainer hold both; engines the control token only; every other service the data token only.
+ENGINE_ROLES = frozenset({Role.CONTROL})
+
+
 def cuda_env(name: str | None) -> dict[str, str]:
     return {} if name is None else {"CUDA_VISIBLE_DEVICES": name}
 
@@ -105,7 +112,9 @@ def start_mesh(
             futures = [pool.submit(engine, i) for i in range(cfg.run.num_engines)]
         started = [f.result() for f in futures if f.exception() is None]
         mesh.services += [
-            Supervised(f"engine-{i}", p, logs / f"engine-{i}.log", env=cuda_env(placement.engines[i]))
+            Supervised(
+                f"engine-{i}", p, logs / f"engine-{i}.log", env=cuda_env(placement.engines[i]), roles=ENGINE_ROLES
+            )
             for i, (p, _) in enumerate(started)
         ]
         mesh.engine_urls += [u for _, u in started]
@@ -130,9 +139,10 @@ def start_mesh(
             "buffer",
             [*overrides, f"buffer.metrics_port={mesh.metrics_port('sample-buffer')}"],
             log_path=logs / "buffer.log",
+            roles=DATA_ONLY,
             **up,
         )
-        mesh.services.append(Supervised("sample-buffer", proc, logs / "buffer.log"))
+        mesh.services.append(Supervised("sample-buffer", proc, logs / "buffer.log", roles=DATA_ONLY))
         ctl = [
             *overrides,
             f"mesh.proxy={mesh.proxy}",
@@ -149,25 +159,28 @@ def start_mesh(
                 "reward_service",
                 [*overrides, *mesh.wiring, f"reward_service.metrics_port={mesh.metrics_port('reward')}"],
                 log_path=logs / "reward.log",
+                roles=DATA_ONLY,
                 **up,
             )
-            mesh.services.append(Supervised("reward", proc, logs / "reward.log"))
+            mesh.services.append(Supervised("reward", proc, logs / "reward.log", roles=DATA_ONLY))
         if cfg.run.rollout == "gateway":  # external agents make the rollouts
             keys = [] if cfg.gateway.api_keys_path else [f"gateway.api_keys_path={agent_key(logs.parent, mesh)}"]
             proc, mesh.gateway = start_gateway_process(
                 [*overrides, *mesh.wiring, *keys], cfg.gateway.port or free_port(), log_path=logs / "gateway.log", **up
             )
             mesh.metrics["gateway"] = [mesh.gateway.split("://", 1)[1]]  # /metrics beside the API
-            mesh.services.append(Supervised("gateway", proc, logs / "gateway.log"))
+            mesh.services.append(Supervised("gateway", proc, logs / "gateway.log", roles=DATA_ONLY))
         else:
             env = [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager')}"]
             held = ["env_manager.autostart=false"] if hold_rollouts else []
             proc, mesh.env_manager = start_service_process(
-                "env-manager", "env_manager", [*env, *held], log_path=logs / "env_manager.log", **up
+                "env-manager", "env_manager", [*env, *held], log_path=logs / "env_manager.log", roles=DATA_ONLY, **up
             )
             # A restarted EnvManager starts its workers itself: nobody is there to call Start again.
             restart = [*proc.args, "--set", "env_manager.autostart=true"] if hold_rollouts else None
-            mesh.services.append(Supervised("env-manager", proc, logs / "env_manager.log", restart_args=restart))
+            mesh.services.append(
+                Supervised("env-manager", proc, logs / "env_manager.log", restart_args=restart, roles=DATA_ONLY)
+            )
     except BaseException:
         mesh.stop()
         raise
@@ -201,5 +214,5 @@ def start_trainer(
         cmd,
         stdout=open(log_path, "ab"),  # noqa: SIM115 (closed with the process)
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, **cuda_env(gpus)),
+        env=dict(os.environ, **cuda_env(gpus)),  # both tokens: it reads the buffer and updates weights
     )

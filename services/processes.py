@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -12,7 +11,9 @@ from pathlib import Path
 
 import httpx
 
-from services.auth import AuthConfig, grpc_sync_channel
+from services.auth import AuthConfig, Role, ensure_provider_token, environment_of, grpc_sync_channel
+
+DATA_ONLY = frozenset({Role.DATA})
 
 
 def free_port() -> int:
@@ -87,13 +88,15 @@ def start_service_process(
     config_path: str | None = None,
     log_path: Path | None = None,
     auth: AuthConfig | None = None,
+    roles: frozenset[Role] = frozenset(Role),
 ):
-    """Run ``rollmesh serve SERVICE`` on a free port with ``SECTION.key=value`` overrides; returns
-    (process, gRPC address) once its health check says SERVING."""
+    """Run ``rollmesh serve SERVICE`` on a free port with ``SECTION.key=value`` overrides, holding the
+    tokens of ``roles`` only; returns (process, gRPC address) once its health check says SERVING."""
     port = free_port()
     cmd = serve_command(service, section, [f"port={port}", *overrides], config_path)
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives as long as the process)
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL)
+    stderr = subprocess.STDOUT if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=stderr, env=environment_of(roles))
     address = f"127.0.0.1:{port}"
     try:
         wait_grpc_healthy(address, timeout_s, proc, auth)
@@ -101,6 +104,10 @@ def start_service_process(
         stop_process(proc)
         raise
     return proc, address
+
+
+def engine_environment() -> dict[str, str]:
+    return environment_of(frozenset({Role.CONTROL}))
 
 
 def start_engine_process(
@@ -112,8 +119,9 @@ def start_engine_process(
     auth: AuthConfig | None = None,
     env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """Run ``rollmesh serve engine`` as its own process (``env``: added to this one's); returns
-    (process, base URL) once healthy (``https://`` when ``auth`` has TLS).
+    """Run ``rollmesh serve engine`` as its own process (``env``: added to this one's, whose data
+    token it does not get: an engine's API is control); returns (process, base URL) once healthy
+    (``https://`` when ``auth`` has TLS).
     Its output goes to an unnamed temporary file (a pipe nobody reads would block it) and is shown
     if it fails to start."""
     import tempfile
@@ -122,7 +130,7 @@ def start_engine_process(
     cmd = serve_command("engine", "engine", [f"model_path={model_path}", f"port={port}", *(extra or [])], config_path)
     out = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the process)
     proc = subprocess.Popen(
-        cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(engine_environment(), PYTHONUNBUFFERED="1", **(env or {}))
     )
     url = f"{auth.scheme if auth else 'http'}://127.0.0.1:{port}"
     try:
@@ -143,11 +151,12 @@ def start_gateway_process(
     log_path: Path | None = None,
     auth: AuthConfig | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """Run ``rollmesh serve gateway`` on ``port`` (agents are told where); returns (process, base URL)
-    once ``/health`` answers."""
+    """Run ``rollmesh serve gateway`` on ``port`` (agents are told where), holding the data token only;
+    returns (process, base URL) once ``/health`` answers."""
     cmd = serve_command("gateway", "gateway", [f"port={port}", *overrides], config_path)
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives as long as the process)
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL)
+    stderr = subprocess.STDOUT if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=stderr, env=environment_of(DATA_ONLY))
     url = f"{auth.scheme if auth else 'http'}://127.0.0.1:{port}"
     try:
         wait_http_healthy(url + "/health", timeout_s, proc, auth)
@@ -166,7 +175,9 @@ def start_provider_process(
     log_path: Path | None = None,
 ) -> tuple[subprocess.Popen, str, str]:
     """Run ``rollmesh serve env-provider --env ENV``; returns (process, gRPC address, HTTP base URL)
-    once both answer. The same ports again start a provider in a killed one's place."""
+    once both answer. The same ports again start a provider in a killed one's place. It checks
+    ``ROLLMESH_PROVIDER_TOKEN``, made here if this process has none (its clients read it too)."""
+    ensure_provider_token()
     grpc_port, http_port = grpc_port or free_port(), http_port or free_port()
     cmd = serve_command(
         "env-provider", "env_provider", [f"grpc_port={grpc_port}", f"http_port={http_port}", *overrides]

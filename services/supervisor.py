@@ -7,7 +7,6 @@ service holds after a restart is in docs/architecture.md ("Restarts").
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -15,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily
+
+from services.auth import Role, environment_of
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # before the 1st, 2nd, ... restart; the last repeats
 
@@ -30,6 +31,7 @@ class Supervised:
     log_path: Path | None = None
     finishes: bool = False  # exit code 0 means its work is done (the trainer), not that it died
     env: dict[str, str] = field(default_factory=dict)  # what it was started with beyond ours (its GPUs)
+    roles: frozenset[Role] = frozenset(Role)  # whose tokens it holds (services/auth.py); the others' are not passed on
     restart_args: list[str] | None = None  # the command a restart runs; default: the first one's
     restarts: int = 0
     _due: float | None = field(default=None, repr=False)  # when the pending restart starts
@@ -53,7 +55,7 @@ class Supervised:
                 self.restart_args or self.proc.args,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
+                env=dict(environment_of(self.roles), PYTHONUNBUFFERED="1", **self.env),
             )
             self.restarts += 1
             self._due = None

@@ -3,5 +3,12 @@ server would fail calls the server takes. gRPC's own default for a received mess
 
 # The largest bucket of an in-memory weight update (the LLMProxy's ``UpdateWeightsBucket``).
 MAX_WEIGHT_BUCKET_MB = 1024
-# The largest SampleBuffer message: a ``Put`` of groups, or a ``Get``'s batch.
+# A bucket travels in pieces of this size: every message the LLMProxy receives stays small, whoever
+# sends it (a Generate's prompt is a few hundred KiB at 128k tokens).
+WEIGHT_CHUNK_BYTES = 4 << 20
+PROXY_MAX_MESSAGE_BYTES = 8 << 20
+# The largest SampleBuffer message received: a ``Put`` of groups (``PutBatcher`` sends a batch
+# before it reaches PUT_BATCH_BYTES). A ``Get``'s batch, sent, may be larger.
+SAMPLE_BUFFER_MAX_PUT_BYTES = 64 << 20
+PUT_BATCH_BYTES = 16 << 20
 SAMPLE_BUFFER_MAX_MESSAGE_BYTES = 256 << 20

@@ -7,13 +7,15 @@ import secrets
 
 import pytest
 
-from services.auth import TOKEN_ENV
+from services.auth import CONTROL_TOKEN_ENV, PROVIDER_TOKEN_ENV, TOKEN_ENV
 from services.processes import start_engine_process, stop_process
 from tests.engines import TEST_LOAD_ROOTS, start_vllm_engines
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
-# Every service a test starts, in this process or as a child, checks this token; every client sends it.
-os.environ.setdefault(TOKEN_ENV, "test-" + secrets.token_urlsafe(16))
+# Every service a test starts, in this process or as a child, checks these tokens (each its roles');
+# every client sends them. Environment providers check a token of their own.
+for _name in (TOKEN_ENV, CONTROL_TOKEN_ENV, PROVIDER_TOKEN_ENV):
+    os.environ.setdefault(_name, f"test-{_name.lower()}-" + secrets.token_urlsafe(16))
 
 
 # `make test` runs two workers (pytest-xdist). Tests that share something machine-wide run on one

@@ -147,7 +147,9 @@ class RemoteEnvConfig(BaseModel):
         "content", description="openenv: the observation field that carries the text the model sees."
     )
     token_env: str | None = Field(
-        None, description="Environment variable with the providers' token; default: the run's own token (auth)."
+        "ROLLMESH_PROVIDER_TOKEN",
+        description="Environment variable with the providers' token, their own (never the mesh's); "
+        "null: send none (a provider on a closed network that checks none).",
     )
 
     @field_validator("addresses")

@@ -25,14 +25,18 @@ SERVICES = {
 }
 
 
-def service_config(config: Path | None, overrides: list[str]):
-    """The run config of a service about to start; exit 2 if it has no token to check calls against."""
+def service_config(config: Path | None, overrides: list[str], provider: bool = False):
+    """The run config of a service about to start; exit 2 if it has no token to check calls against
+    (an environment provider: its own, ``env_provider.token_env``)."""
     cfg = load_or_exit(config, overrides)
     setup_logging()
-    from services.auth import AuthError
+    from services.auth import AuthError, Role, provider_auth
 
-    try:
-        cfg.auth.bearer()  # no token: refuse before anything starts listening
+    try:  # no token: refuse before anything starts listening
+        if provider:
+            provider_auth(cfg.auth, cfg.env_provider.token_env)
+        elif not (cfg.auth.holds(Role.DATA) or cfg.auth.holds(Role.CONTROL)):
+            cfg.auth.bearer()  # raises, naming the variable to set
     except AuthError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -79,7 +83,7 @@ def serve_env_provider(
             ),
             *set_,
         ]
-    cfg = service_config(config, set_)
+    cfg = service_config(config, set_, provider=True)
     from services.env_provider.server import serve
 
     try:

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rollout.engines.contract import EngineError, GenerateOutput
 from rollout.engines.embedded.engine import EmbeddedEngine
 from rollout.sampling import SamplingParams
-from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, server_bearer
+from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, Role, server_bearer
 from services.engine.sglang_fields import strip_request
 from services.http_errors import bad_request, install_error_handlers
 from services.metrics import histogram, init_labels
@@ -146,7 +146,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
     ``/update_weights_from_disk`` may load from (default: nowhere)."""
     app = FastAPI(title="rollmesh embedded engine")
     install_error_handlers(app)
-    bearer = server_bearer(auth or AuthConfig(), "engine")
+    bearer = server_bearer(auth or AuthConfig(), "engine", Role.CONTROL)
     if bearer:
         app.add_middleware(BearerMiddleware, bearer=bearer)
     metrics = _Metrics(engine)

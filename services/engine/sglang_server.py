@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from rollout.engines.sglang.config import SGLangEngineConfig
-from services.auth import AuthConfig
+from services.auth import AuthConfig, Role, environment_of
 from services.engine.external import exec_server, local_model_dir
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def secret_config(values: dict[str, str]) -> str:
 def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of the SGLang server ``cfg`` describes."""
     model = local_model_dir(cfg)
-    bearer = auth.bearer()  # raises when no token is set and auth is not disabled
+    bearer = auth.bearer(Role.CONTROL)  # an engine's API is control; raises when this process has no control token
     argv = [
         interpreter(cfg),
         "-m",
@@ -93,7 +93,7 @@ def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str]
     if auth.tls and auth.tls.cert_path and auth.tls.key_path:
         argv += ["--ssl-certfile", auth.tls.cert_path, "--ssl-keyfile", auth.tls.key_path]
     argv += cfg.extra_args
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    env = dict(environment_of({Role.CONTROL}), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     return argv, env
 
 

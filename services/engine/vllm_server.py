@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from rollout.engines.vllm.config import VLLMEngineConfig
-from services.auth import AUTH_DISABLED_ENV, AuthConfig
+from services.auth import AUTH_DISABLED_ENV, AuthConfig, Role, environment_of
 from services.engine.external import exec_server, local_model_dir
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -83,12 +83,12 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
     if auth.tls and auth.tls.cert_path and auth.tls.key_path:  # (a CA alone is for clients)
         argv += ["--ssl-certfile", auth.tls.cert_path, "--ssl-keyfile", auth.tls.key_path]
     argv += cfg.extra_args
-    bearer = auth.bearer()  # raises when no token is set and auth is not disabled
-    env = dict(os.environ)
+    bearer = auth.bearer(Role.CONTROL)  # an engine's API is control; raises when this process has no control token
+    env = environment_of({Role.CONTROL})
     env.update(
         VLLM_SERVER_DEV_MODE="1",
         PYTHONPATH=os.pathsep.join(p for p in (str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")) if p),
-        ROLLMESH_TOKEN=bearer.removeprefix("Bearer ") if bearer else "",
+        ROLLMESH_CONTROL_TOKEN=bearer.removeprefix("Bearer ") if bearer else "",
         **({AUTH_DISABLED_ENV: "1"} if bearer is None else {}),  # the plugin serves open only when told
         PYTHONUNBUFFERED="1",
         HF_HUB_OFFLINE="1",  # models load from local paths only, never from a hub

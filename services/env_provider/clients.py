@@ -19,7 +19,7 @@ import grpc
 
 from rollout.budgets import Budgets
 from rollout.envs.remote import Observation, ProviderError, ProviderInfo, ProviderTimeout, RemoteEnvConfig
-from services.auth import AuthConfig, http_headers
+from services.auth import AuthConfig, AuthError, Role, http_headers, provider_auth
 from services.grpc_util import channel
 from services.pb.rollmesh.v1 import env_provider_pb2 as pb
 from services.pb.rollmesh.v1 import env_provider_pb2_grpc as pb_grpc
@@ -114,7 +114,7 @@ class _HttpBase:
 
     def __init__(self, address: str, config: RemoteEnvConfig, auth: AuthConfig) -> None:
         self.address, self.config = address.rstrip("/"), config
-        self._headers, self._ssl = http_headers(auth), auth.client_ssl()
+        self._headers, self._ssl = http_headers(auth, Role.DATA), auth.client_ssl()
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -347,22 +347,12 @@ class OpenEnvClient(_HttpBase):
 CLIENTS = {"grpc": GrpcProviderClient, "http": HttpProviderClient, "openenv": OpenEnvClient}
 
 
-def provider_auth(config: RemoteEnvConfig, auth: AuthConfig) -> AuthConfig:
-    """The run's auth, with the providers' own token where ``token_env`` names one."""
-    if config.token_env is None:
-        return auth
-    import os
-
-    from pydantic import SecretStr
-
-    token = os.environ.get(config.token_env)
-    if not token:
-        raise ValueError(f"env.token_env: ${config.token_env} is not set")
-    return auth.model_copy(update={"token": SecretStr(token), "disabled": False})
-
-
 def build_pool(config: RemoteEnvConfig, auth: AuthConfig):
+    """The providers of ``config``, called with their own token (``env.token_env``), never the mesh's."""
     from rollout.envs.remote import ProviderPool
 
-    auth = provider_auth(config, auth)
+    try:
+        auth = provider_auth(auth, config.token_env)
+    except AuthError as e:
+        raise ValueError(str(e)) from None
     return ProviderPool([CLIENTS[config.protocol](a, config, auth) for a in config.addresses], config)

@@ -28,6 +28,11 @@ class EnvProviderConfig(TaskConfig):
         "within as long again is disconnected (uvicorn's defaults).",
     )
     max_action_chars: int = Field(65_536, ge=1, description="A longer action is refused (INVALID_ARGUMENT / 400).")
+    token_env: str = Field(
+        "ROLLMESH_PROVIDER_TOKEN",
+        description="Environment variable with the token callers must send: the provider's own, never the "
+        "mesh's (which this process holds only to score at the mesh's reward service).",
+    )
 
     @model_validator(mode="after")
     def _hosts_a_local_env(self) -> EnvProviderConfig:

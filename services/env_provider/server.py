@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.envs.remote import Observation
-from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, server_bearer
+from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, provider_auth, server_bearer
 from services.body_limit import BodyLimit
 from services.env_provider.config import EnvProviderConfig
 from services.env_provider.sessions import ProviderSessions, SessionError
@@ -282,8 +282,10 @@ def serve(config: EnvProviderConfig, auth: AuthConfig, reward_address: str | Non
     """Serve gRPC on ``grpc_port`` and HTTP on ``http_port`` until SIGTERM or SIGINT."""
     import uvicorn
 
+    mesh_auth, auth = auth, provider_auth(auth, config.token_env)  # callers send the provider's own token
+
     async def start():
-        sessions = build_sessions(config, auth, reward_address)
+        sessions = build_sessions(config, mesh_auth, reward_address)
         server = await start_server(grpc_handler(sessions), SERVICE, config.host, config.grpc_port, auth=auth)
         http = uvicorn.Server(
             uvicorn.Config(

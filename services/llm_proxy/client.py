@@ -13,6 +13,7 @@ from services.convert import finish_from_pb, project_error, sampling_to_pb
 from services.grpc_util import channel
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2_grpc
+from services.wire_limits import WEIGHT_CHUNK_BYTES
 
 
 def generate_request(
@@ -77,16 +78,17 @@ class ProxyClient:
         timeout_s: float = 120.0,
         fmt: str = "",
     ) -> pb.UpdateWeightsResponse:
-        req = pb.WeightBucket(
-            weight_version=weight_version,
-            index=index,
-            safetensors=data,
-            final=final,
-            restore_path=restore_path,
-            timeout_s=timeout_s,
-            format=fmt,
+        first = dict(
+            weight_version=weight_version, index=index, final=final, restore_path=restore_path, timeout_s=timeout_s
         )
-        return await self.stub.UpdateWeightsBucket(req, timeout=timeout_s + 10)
+
+        async def pieces():  # the first carries every field, the later ones only more bytes
+            view = memoryview(data)
+            yield pb.WeightBucket(**first, format=fmt, safetensors=bytes(view[:WEIGHT_CHUNK_BYTES]))
+            for start in range(WEIGHT_CHUNK_BYTES, len(data), WEIGHT_CHUNK_BYTES):
+                yield pb.WeightBucket(safetensors=bytes(view[start : start + WEIGHT_CHUNK_BYTES]))
+
+        return await self.stub.UpdateWeightsBucket(pieces(), timeout=timeout_s + 10)
 
     async def init_weights_group(
         self, master_address: str, master_port: int, group_name: str, backend: str, timeout_s: float = 120.0

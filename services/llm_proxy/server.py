@@ -23,7 +23,7 @@ from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import SLOW_BUCKETS_S, histogram, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.streams import until_done
-from services.wire_limits import MAX_WEIGHT_BUCKET_MB
+from services.wire_limits import MAX_WEIGHT_BUCKET_MB, PROXY_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.LLMProxy"
@@ -236,7 +236,8 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
         metrics.observe_update(ok, results)
         return pb.UpdateWeightsResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
 
-    async def update_weights_bucket(req: pb.WeightBucket, ctx) -> pb.UpdateWeightsResponse:
+    async def update_weights_bucket(pieces, ctx) -> pb.UpdateWeightsResponse:
+        req = await receive_bucket(pieces, ctx)
         try:
             ok, results = await proxy.update_weights_bucket(
                 req.weight_version, req.index, req.safetensors, req.final, req.restore_path, req.timeout_s, req.format
@@ -314,7 +315,6 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
             "Suspend": (pb.SuspendRequest, suspend),
             "Resume": (pb.ResumeRequest, resume),
             "UpdateWeights": (pb.UpdateWeightsRequest, update_weights),
-            "UpdateWeightsBucket": (pb.WeightBucket, update_weights_bucket),
             "InitWeightsGroup": (pb.InitWeightsGroupRequest, init_weights_group),
             "UpdateWeightsDistributed": (pb.DistributedBucket, update_weights_distributed),
             "ReleaseMemory": (pb.MemoryRequest, release_memory),
@@ -322,7 +322,34 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
             "Stats": (pb.StatsRequest, stats),
         },
         streams={"GenerateStream": (pb.GenerateRequest, generate_stream)},
+        client_streams={"UpdateWeightsBucket": (pb.WeightBucket, update_weights_bucket)},
+        # One bucket in memory at a time (updates apply one after another anyway); a second waits.
+        slots={"UpdateWeightsBucket": asyncio.Semaphore(1)},
     )
+
+
+async def receive_bucket(pieces, ctx) -> pb.WeightBucket:
+    """A bucket's pieces as one message: the first carries every field, the later ones only more
+    ``safetensors`` bytes; refused as soon as they pass MAX_WEIGHT_BUCKET_MB."""
+    first, parts, size = None, [], 0
+    async for piece in pieces:
+        if first is None:
+            first = piece
+        elif any(field.name != "safetensors" for field, _ in piece.ListFields()):
+            await ctx.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "WeightBucket: a later piece carries more than safetensors"
+            )
+        size += len(piece.safetensors)
+        if size > MAX_WEIGHT_BUCKET_MB << 20:
+            await ctx.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"safetensors: a bucket is at most {MAX_WEIGHT_BUCKET_MB} MiB"
+            )
+        parts.append(piece.safetensors)
+    if first is None:
+        await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "WeightBucket: no message")
+    if len(parts) > 1:
+        first.safetensors = b"".join(parts)
+    return first
 
 
 async def start_proxy(config: ProxyConfig, auth: AuthConfig | None = None) -> tuple[grpc.aio.Server, LLMProxy]:
@@ -337,7 +364,7 @@ async def start_proxy(config: ProxyConfig, auth: AuthConfig | None = None) -> tu
         SERVICE,
         config.host,
         config.port,
-        [("grpc.max_receive_message_length", (MAX_WEIGHT_BUCKET_MB + 1) << 20)],
+        [("grpc.max_receive_message_length", PROXY_MAX_MESSAGE_BYTES)],
         auth=auth,
     )
     serve_metrics(metrics.registry, config.host, config.metrics_port, "LLMProxy")

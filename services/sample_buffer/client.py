@@ -16,7 +16,7 @@ from services.convert import project_error
 from services.grpc_util import channel
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
 from services.pb.rollmesh.v1 import sample_buffer_pb2_grpc
-from services.wire_limits import SAMPLE_BUFFER_MAX_MESSAGE_BYTES
+from services.wire_limits import PUT_BATCH_BYTES, SAMPLE_BUFFER_MAX_MESSAGE_BYTES, SAMPLE_BUFFER_MAX_PUT_BYTES
 
 
 class BufferClient:
@@ -34,7 +34,7 @@ class BufferClient:
             address,
             options=[
                 ("grpc.max_receive_message_length", SAMPLE_BUFFER_MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", SAMPLE_BUFFER_MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", SAMPLE_BUFFER_MAX_PUT_BYTES),
             ],
             auth=auth,
         )
@@ -82,13 +82,16 @@ class PutBatcher:
     def __init__(self, client: BufferClient, max_groups: int = 32, max_delay_s: float = 0.005) -> None:
         self.client, self.max_groups, self.max_delay_s = client, max_groups, max_delay_s
         self._pending: list[tuple[bytes, asyncio.Future]] = []
+        self._bytes = 0  # encoded bytes pending
         self._flusher: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task] = set()  # held: the event loop keeps only weak references
 
     async def put(self, group: Group | bytes, timeout_s: float | None = None) -> PutResult:
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((encode_group(group) if isinstance(group, Group) else group, fut))
-        if len(self._pending) >= self.max_groups:
+        self._bytes += len(self._pending[-1][0])
+        # Sent at max_groups, or before the batch could pass the buffer's receive limit.
+        if len(self._pending) >= self.max_groups or self._bytes >= PUT_BATCH_BYTES:
             self._flush(timeout_s)
         elif self._flusher is None:
             self._flusher = asyncio.get_running_loop().call_later(self.max_delay_s, self._flush, timeout_s)
@@ -100,7 +103,7 @@ class PutBatcher:
             self._flusher = None
         # A caller cancelled while waiting (its worker stopped) has given its slot back: its group must
         # not be stored behind its back.
-        batch, self._pending = [(d, f) for d, f in self._pending if not f.cancelled()], []
+        batch, self._pending, self._bytes = [(d, f) for d, f in self._pending if not f.cancelled()], [], 0
         if batch:
             task = asyncio.ensure_future(self._send(batch, timeout_s))
             self._sending.add(task)

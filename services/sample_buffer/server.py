@@ -20,7 +20,7 @@ from services.auth import AuthConfig
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import AGE_BUCKETS_S, VERSION_BUCKETS, histogram, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
-from services.wire_limits import SAMPLE_BUFFER_MAX_MESSAGE_BYTES
+from services.wire_limits import SAMPLE_BUFFER_MAX_MESSAGE_BYTES, SAMPLE_BUFFER_MAX_PUT_BYTES
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.SampleBuffer"
@@ -73,7 +73,7 @@ class BufferMetrics:
         yield dropped
 
 
-def build_handler(buffer: SampleBuffer, metrics: BufferMetrics) -> grpc.GenericRpcHandler:
+def build_handler(buffer: SampleBuffer, metrics: BufferMetrics, max_concurrent_puts: int = 8) -> grpc.GenericRpcHandler:
     async def put(req: pb.PutRequest, ctx) -> pb.PutResponse:
         if not req.groups:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "groups: at least one encoded group is needed")
@@ -143,6 +143,7 @@ def build_handler(buffer: SampleBuffer, metrics: BufferMetrics) -> grpc.GenericR
             "Ack": (pb.AckRequest, ack),
             "Stats": (pb.BufferStatsRequest, stats),
         },
+        slots={"Put": asyncio.Semaphore(max_concurrent_puts)},
     )
 
 
@@ -160,12 +161,12 @@ async def start_buffer_service(config: BufferConfig, auth: AuthConfig | None = N
     buffer = make_buffer(config)
     metrics = BufferMetrics(config.capacity_groups)
     server = await start_server(
-        build_handler(buffer, metrics),
+        build_handler(buffer, metrics, config.max_concurrent_puts),
         SERVICE,
         config.host,
         config.port,
         options=[
-            ("grpc.max_receive_message_length", SAMPLE_BUFFER_MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", SAMPLE_BUFFER_MAX_PUT_BYTES),
             ("grpc.max_send_message_length", SAMPLE_BUFFER_MAX_MESSAGE_BYTES),
         ],
         auth=auth,

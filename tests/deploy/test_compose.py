@@ -35,6 +35,7 @@ SECTIONS = {
 
 
 TOKEN = "compose-test-token"
+CONTROL_TOKEN = "compose-test-control-token"
 REDIS_PASSWORD = "compose-test-redis-password"
 
 
@@ -51,29 +52,41 @@ def _compose(env: dict) -> subprocess.CompletedProcess:
 
 
 def compose_config() -> dict:
-    res = _compose({"ROLLMESH_TOKEN": TOKEN, "ROLLMESH_REDIS_PASSWORD": REDIS_PASSWORD})
+    res = _compose(
+        {"ROLLMESH_TOKEN": TOKEN, "ROLLMESH_CONTROL_TOKEN": CONTROL_TOKEN, "ROLLMESH_REDIS_PASSWORD": REDIS_PASSWORD}
+    )
     assert res.returncode == 0, res.stderr
     return yaml.safe_load(res.stdout)
 
 
-def test_every_service_gets_the_token_and_compose_refuses_to_start_without_one(tiny_model):
-    res = _compose({"ROLLMESH_REDIS_PASSWORD": REDIS_PASSWORD})
-    assert res.returncode != 0 and "ROLLMESH_TOKEN" in res.stderr, res.stderr
-    res = _compose({"ROLLMESH_TOKEN": TOKEN})
-    assert res.returncode != 0 and "ROLLMESH_REDIS_PASSWORD" in res.stderr, res.stderr
+def test_each_service_gets_the_tokens_of_its_roles_and_compose_refuses_to_start_without_them(tiny_model):
+    everything = {"ROLLMESH_TOKEN": TOKEN, "ROLLMESH_CONTROL_TOKEN": CONTROL_TOKEN, "ROLLMESH_REDIS_PASSWORD": "p"}
+    for missing in everything:
+        res = _compose({k: v for k, v in everything.items() if k != missing})
+        assert res.returncode != 0 and missing in res.stderr, (missing, res.stderr)
     services = compose_config()["services"]
     ours = [n for n, s in services.items() if "build" in s]
     assert len(ours) == 10
+    held = {
+        name: {k for k in ("ROLLMESH_TOKEN", "ROLLMESH_CONTROL_TOKEN") if k in services[name]["environment"]}
+        for name in ours
+    }
+    control_holders = {"llm-proxy", "controller", "trainer-cpu", "trainer-gpu", "engine-cpu", "engine-gpu"}
     for name in ours:
-        assert services[name]["environment"]["ROLLMESH_TOKEN"] == TOKEN, name
-    # The GPU engine execs SGLang with the token it got (api-key, in a private --config file), which SGLang checks.
+        assert ("ROLLMESH_CONTROL_TOKEN" in held[name]) == (name in control_holders), (name, held[name])
+        assert ("ROLLMESH_TOKEN" in held[name]) == (not name.startswith("engine")), (name, held[name])
+        for key, value in (("ROLLMESH_TOKEN", TOKEN), ("ROLLMESH_CONTROL_TOKEN", CONTROL_TOKEN)):
+            assert services[name]["environment"].get(key, value) == value
+    # The GPU engine execs SGLang with the control token it got (api-key, in a private --config
+    # file), which SGLang checks.
     cmd = services["engine-gpu"]["command"]
     assert cmd[:3] == ["rollmesh", "serve", "engine"]
     engine = load_config(ROOT / cmd[cmd.index("--config") + 1]).engine
     engine.python, engine.model_path = sys.executable, tiny_model
-    argv, _ = sglang_command(engine, AuthConfig(token=services["engine-gpu"]["environment"]["ROLLMESH_TOKEN"]))
+    auth = AuthConfig(token=None, control_token=services["engine-gpu"]["environment"]["ROLLMESH_CONTROL_TOKEN"])
+    argv, _ = sglang_command(engine, auth)
     secrets = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
-    assert secrets == {"api-key": TOKEN} and argv[argv.index("--port") + 1] == "30000"
+    assert secrets == {"api-key": CONTROL_TOKEN} and argv[argv.index("--port") + 1] == "30000"
 
 
 def _source(volume) -> str:

@@ -162,28 +162,47 @@ def test_external_redis_and_bad_values_fail_clearly():
 
 
 def _token_env(container: dict) -> dict:
+    """Token variable → where it comes from (secret name, key)."""
     env = {e["name"]: e for e in container.get("env", [])}
-    assert "ROLLMESH_TOKEN" in env, container["name"]
-    return env["ROLLMESH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    return {
+        name: env[name]["valueFrom"]["secretKeyRef"]
+        for name in ("ROLLMESH_TOKEN", "ROLLMESH_CONTROL_TOKEN")
+        if name in env
+    }
 
 
-def test_every_pod_reads_the_run_token_from_one_secret():
+def test_every_pod_reads_the_tokens_of_its_roles_only_from_one_secret():
     import base64
 
     docs = render()
     objs = by_kind_name(docs)
-    token = base64.b64decode(objs[("Secret", "t-rollmesh-token")]["data"]["token"]).decode()
-    assert len(token) == 48 and token.isalnum()
+    data = objs[("Secret", "t-rollmesh-token")]["data"]
+    token, control = (base64.b64decode(data[k]).decode() for k in ("token", "control-token"))
+    assert len(token) == len(control) == 48 and token.isalnum() and control.isalnum() and token != control
     workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and "redis" not in d["metadata"]["name"]]
     assert len(workloads) == 7  # proxy, buffer, controller, EnvManager, gateway, engines, trainer
-    ours = {"name": "t-rollmesh-token", "key": "token"}
-    for d in workloads:
-        assert _token_env(d["spec"]["template"]["spec"]["containers"][0]) == ours, d["metadata"]["name"]
-    # The engine pod's `rollmesh serve engine` hands that token to SGLang (a private --config file): test_sglang_launch.
+    data_ref = {"name": "t-rollmesh-token", "key": "token"}
+    control_ref = {"name": "t-rollmesh-token", "key": "control-token"}
+    held = {d["metadata"]["name"]: _token_env(d["spec"]["template"]["spec"]["containers"][0]) for d in workloads}
+    both = {"ROLLMESH_TOKEN": data_ref, "ROLLMESH_CONTROL_TOKEN": control_ref}
+    assert held == {
+        "t-rollmesh-llm-proxy": both,
+        "t-rollmesh-controller": both,
+        "t-rollmesh-trainer": both,
+        "t-rollmesh-engine": {"ROLLMESH_CONTROL_TOKEN": control_ref},
+        "t-rollmesh-sample-buffer": {"ROLLMESH_TOKEN": data_ref},
+        "t-rollmesh-env-manager": {"ROLLMESH_TOKEN": data_ref},
+        "t-rollmesh-gateway": {"ROLLMESH_TOKEN": data_ref},
+    }, held
+    # The engine pod's `rollmesh serve engine` hands the control token to SGLang (a private --config
+    # file): test_sglang_launch.
     # a Secret managed elsewhere: nothing made, every pod points at it
-    docs = render("auth.existingSecret=team-token", "auth.secretKey=t")
+    docs = render("auth.existingSecret=team-token", "auth.secretKey=t", "auth.controlSecretKey=c")
     assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["t-rollmesh-gateway-keys"]
-    assert _token_env(pod(docs, "Deployment", "controller")["containers"][0]) == {"name": "team-token", "key": "t"}
+    assert _token_env(pod(docs, "Deployment", "controller")["containers"][0]) == {
+        "ROLLMESH_TOKEN": {"name": "team-token", "key": "t"},
+        "ROLLMESH_CONTROL_TOKEN": {"name": "team-token", "key": "c"},
+    }
 
 
 def test_tls_from_a_secret_reaches_every_service_and_the_probes_still_work(tiny_model):

@@ -67,6 +67,30 @@ def live_mesh(tiny_model, tmp_path_factory):
         mesh.stop()
 
 
+def test_each_process_of_the_mesh_holds_the_tokens_of_its_roles_only(live_mesh):
+    """`rollmesh run` gives the control token (weights, suspend, commit) to the LLMProxy and the
+    controller (and the trainer), never to the buffer, the reward service or the EnvManager; engines
+    get the control token only."""
+    from services.auth import CONTROL_TOKEN_ENV, TOKEN_ENV
+
+    held = {}
+    for s in live_mesh.services:
+        environ = Path(f"/proc/{s.proc.pid}/environ").read_bytes().split(b"\0")
+        names = {e.split(b"=", 1)[0].decode() for e in environ if e}
+        held[s.name.split("-")[0] if s.name.startswith("engine") else s.name] = {
+            n for n in (TOKEN_ENV, CONTROL_TOKEN_ENV) if n in names
+        }
+    both = {TOKEN_ENV, CONTROL_TOKEN_ENV}
+    assert held == {
+        "engine": {CONTROL_TOKEN_ENV},
+        "llm-proxy": both,
+        "controller": both,
+        "sample-buffer": {TOKEN_ENV},
+        "reward": {TOKEN_ENV},
+        "env-manager": {TOKEN_ENV},
+    }, held
+
+
 @pytest.fixture(scope="module")
 def prometheus(live_mesh, tmp_path_factory):
     """Prometheus scraping the live mesh with deploy/'s job names and alert rules."""

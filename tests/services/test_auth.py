@@ -14,7 +14,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout.proxy import ProxyConfig
 from sample_buffer.config import BufferConfig
-from services.auth import REFUSED, TOKEN_ENV, AuthConfig, TlsConfig, http_headers
+from services.auth import (
+    CONTROL_METHODS,
+    REFUSED,
+    TOKEN_ENV,
+    AuthConfig,
+    AuthError,
+    Role,
+    TlsConfig,
+    http_headers,
+    role_of,
+)
 from services.llm_proxy.client import ProxyClient
 from services.llm_proxy.server import engine_client, start_proxy
 from services.pb.rollmesh.v1 import controller_pb2, env_manager_pb2, llm_proxy_pb2, sample_buffer_pb2
@@ -91,14 +101,79 @@ def test_every_rpc_of_every_service_refuses_a_missing_or_wrong_token(engine_url,
     asyncio.run(main())
 
 
+def test_the_control_methods_are_methods_of_the_protos():
+    """A renamed RPC must not fall out of the control list and quietly take the data token."""
+    from services.pb.rollmesh.v1 import reward_pb2
+
+    services = {
+        s.full_name: s
+        for module in (llm_proxy_pb2, sample_buffer_pb2, controller_pb2, env_manager_pb2, reward_pb2)
+        for s in module.DESCRIPTOR.services_by_name.values()
+    }
+    for service, methods in CONTROL_METHODS.items():
+        assert methods <= {m.name for m in services[service].methods_by_name.values()}, service
+    assert role_of("/rollmesh.v1.LLMProxy/UpdateWeightsBucket") is Role.CONTROL
+    assert role_of("/rollmesh.v1.LLMProxy/Generate") is Role.DATA
+    assert role_of("/rollmesh.v1.SampleBuffer/Put") is Role.DATA
+    assert role_of("/rollmesh.v1.AsyncController/CommitUpdate") is Role.CONTROL
+    assert role_of("/rollmesh.v1.AsyncController/Admit") is Role.DATA
+
+
+def test_a_call_takes_its_methods_role_token_and_no_other(engine_url, tiny_model):
+    """The data token (what EnvManagers, gateways and reward services hold) cannot suspend the
+    engines, update weights or commit a version; the control token is not a data token either."""
+    data, control = AuthConfig().bearer(Role.DATA), AuthConfig().bearer(Role.CONTROL)
+
+    async def call(address: str, path: str, bearer: str):
+        async with grpc.aio.insecure_channel(address) as ch:
+            try:
+                await ch.unary_unary(path)(b"", timeout=10, metadata=[("authorization", bearer)])
+                return grpc.StatusCode.OK, ""
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details()
+
+    async def main():
+        async with local_mesh(engine_url, tiny_model) as mesh:
+            proxy, ctl = mesh.proxy_client.address, mesh.controller_client.address
+            before = REFUSED["role"]
+            for address, path in (
+                (proxy, "/rollmesh.v1.LLMProxy/Suspend"),
+                (proxy, "/rollmesh.v1.LLMProxy/UpdateWeightsBucket"),
+                (proxy, "/rollmesh.v1.LLMProxy/InitWeightsGroup"),
+                (ctl, "/rollmesh.v1.AsyncController/CommitUpdate"),
+            ):
+                code, details = await call(address, path, data)
+                assert code == grpc.StatusCode.PERMISSION_DENIED, (path, code)
+                assert "takes the control token (ROLLMESH_CONTROL_TOKEN)" in details, details
+            code, details = await call(proxy, "/rollmesh.v1.LLMProxy/Stats", control)
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "takes the data token" in details
+            assert REFUSED["role"] - before == 5  # counted apart from missing and wrong tokens
+            # The right token passes: Stats with data, Resume with control (an empty message is valid).
+            assert (await call(proxy, "/rollmesh.v1.LLMProxy/Stats", data))[0] == grpc.StatusCode.OK
+            assert (await call(proxy, "/rollmesh.v1.LLMProxy/Resume", control))[0] == grpc.StatusCode.OK
+
+            # A process that holds the data token only fails a control call before sending anything.
+            data_only = AuthConfig(control_token=None)
+            client = ProxyClient(proxy, auth=data_only)
+            try:
+                assert (await client.stats()).engines[0].healthy
+                with pytest.raises(AuthError, match="ROLLMESH_CONTROL_TOKEN"):
+                    await client.suspend()
+            finally:
+                await client.close()
+
+    asyncio.run(main())
+
+
 def test_every_engine_route_refuses_a_missing_or_wrong_token(engine_url):
     token = http_headers(AuthConfig())
     paths = httpx.get(engine_url + "/openapi.json", headers=token, timeout=10).json()["paths"]
     assert httpx.get(engine_url + "/openapi.json", timeout=10).status_code == 401
     routes = [(m.upper(), p) for p, ops in paths.items() for m in ops if p not in ("/health", "/metrics")]
     assert len(routes) >= 10
+    data = AuthConfig().bearer(Role.DATA)  # the engines' API is control: the data token is a wrong one there
     for method, path in routes:
-        for headers in ({}, {"Authorization": "Bearer not-the-token"}, {"Authorization": token["Authorization"] + "x"}):
+        for headers in ({}, {"Authorization": data}, {"Authorization": token["Authorization"] + "x"}):
             r = httpx.request(method, engine_url + path, headers=headers, json={}, timeout=10)
             assert r.status_code == 401, (method, path, r.status_code)
             assert r.json()["field"] == "authorization" and r.headers["www-authenticate"] == "Bearer"
@@ -214,17 +289,17 @@ def test_tls_from_client_to_buffer_and_through_the_proxy_to_an_https_engine(tls,
 
 
 def test_the_vllm_plugin_refuses_to_serve_on_an_empty_token(monkeypatch):
-    """An empty ROLLMESH_TOKEN used to leave vLLM open; now only an explicit opt-out does."""
+    """An empty ROLLMESH_CONTROL_TOKEN used to leave vLLM open; now only an explicit opt-out does."""
     from services.engine.vllm_server import PLUGIN_DIR
 
     monkeypatch.syspath_prepend(str(PLUGIN_DIR))
     import rollmesh_vllm
 
-    monkeypatch.setenv("ROLLMESH_TOKEN", "")
+    monkeypatch.setenv("ROLLMESH_CONTROL_TOKEN", "")
     monkeypatch.delenv("ROLLMESH_AUTH_DISABLED", raising=False)
-    with pytest.raises(RuntimeError, match="ROLLMESH_TOKEN is empty"):
+    with pytest.raises(RuntimeError, match="ROLLMESH_CONTROL_TOKEN is empty"):
         rollmesh_vllm.BearerCheck(app=None)
     monkeypatch.setenv("ROLLMESH_AUTH_DISABLED", "1")
     assert rollmesh_vllm.BearerCheck(app=None).expected is None
-    monkeypatch.setenv("ROLLMESH_TOKEN", "t")
+    monkeypatch.setenv("ROLLMESH_CONTROL_TOKEN", "t")
     assert rollmesh_vllm.BearerCheck(app=None).expected == b"Bearer t"

@@ -35,7 +35,7 @@ FAST = ["step_timeout_s=1.0"]  # a hanging step is answered as a timeout after 1
 
 
 def headers(token: str | None = None) -> dict:
-    token = token or os.environ["ROLLMESH_TOKEN"]
+    token = token or os.environ["ROLLMESH_PROVIDER_TOKEN"]
     return {"authorization": f"Bearer {token}"}
 
 
@@ -79,11 +79,13 @@ def test_a_multi_turn_episode_over_each_protocol(provider, protocol):
     assert open_during >= 1 and sessions_open(provider["http"]) == 0  # closed with the episode
 
 
-def test_every_route_but_health_needs_the_token(provider):
+def test_every_route_but_health_needs_the_token(provider, monkeypatch):
+    """The provider's own token: no token, a wrong one and the mesh's own (data or control) are refused."""
     url = provider["http"]
     assert httpx.get(url + "/health").status_code == 200
-    for token in (None, "wrong"):
-        h = headers("wrong") if token else {}
+    mesh_tokens = [os.environ["ROLLMESH_TOKEN"], os.environ["ROLLMESH_CONTROL_TOKEN"]]
+    for token in (None, "wrong", *mesh_tokens):
+        h = headers(token) if token else {}
         r = httpx.post(url + "/reset", json={"seed": 1}, headers=h)
         assert r.status_code == 401 and r.json()["field"] == "authorization"
         assert httpx.get(url + "/metadata", headers=h).status_code == 401
@@ -104,9 +106,11 @@ def test_every_route_but_health_needs_the_token(provider):
 
     assert asyncio.run(grpc_without_token()) == grpc.StatusCode.UNAUTHENTICATED
 
+    monkeypatch.setenv("WRONG_PROVIDER_TOKEN", os.environ["ROLLMESH_TOKEN"])  # the mesh's data token
+
     async def client_with_a_wrong_token(protocol):
-        config = RemoteEnvConfig(protocol=protocol, addresses=[provider[protocol]])
-        pool = build_pool(config, AuthConfig(token="wrong"))
+        config = RemoteEnvConfig(protocol=protocol, addresses=[provider[protocol]], token_env="WRONG_PROVIDER_TOKEN")
+        pool = build_pool(config, AuthConfig())
         try:
             with pytest.raises(ProviderError) as e:
                 await asyncio.wait_for(RemoteEnv(pool, "e").reset(0, timeout_s=5), 10)
@@ -144,8 +148,10 @@ def test_bad_requests_are_named_and_the_provider_keeps_serving(provider):
         assert response.json()["message"].startswith(field + ":")
 
     async def grpc_errors():
-        auth = AuthConfig()
+        from services.auth import PROVIDER_TOKEN_ENV, provider_auth
         from services.grpc_util import channel
+
+        auth = provider_auth(AuthConfig(), PROVIDER_TOKEN_ENV)
 
         async with channel(provider["grpc"], auth=auth) as ch:
             stub, out = pb_grpc.EnvProviderStub(ch), []

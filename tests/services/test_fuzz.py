@@ -58,7 +58,7 @@ from services.pb.rollmesh.v1 import sample_buffer_pb2 as bpb
 from services.processes import start_engine_process, stop_process
 from services.sample_buffer.client import BufferClient
 from services.sample_buffer.server import start_buffer_service
-from services.wire_limits import MAX_WEIGHT_BUCKET_MB, SAMPLE_BUFFER_MAX_MESSAGE_BYTES
+from services.wire_limits import PROXY_MAX_MESSAGE_BYTES, SAMPLE_BUFFER_MAX_PUT_BYTES
 from tests.engines import TEST_LOAD_ROOTS
 from tests.sample_buffer.helpers import make_group
 from tests.services.mesh import local_mesh
@@ -378,8 +378,8 @@ def test_llm_proxy_answers_malformed_bytes_cleanly(aio, proxy):
         return (lambda out: proxy.client.resume(timeout_s=10)) if method == "Suspend" else None
 
     fuzz_unary_methods(aio, proxy.channel, "LLMProxy", PROXY_METHODS, 40, undo)
-    # The proxy takes 1 GiB weight buckets; one byte more is refused before it is decoded.
-    limit = (MAX_WEIGHT_BUCKET_MB + 1) << 20
+    # Weight buckets arrive in pieces: no message to the proxy is larger than PROXY_MAX_MESSAGE_BYTES.
+    limit = PROXY_MAX_MESSAGE_BYTES
     aio.run(assert_oversized_refused(proxy.channel, "LLMProxy", "UpdateWeightsBucket", limit, field_number=3))
     aio.run(proxy_serves(proxy))
 
@@ -634,7 +634,7 @@ def test_sample_buffer_answers_malformed_bytes_cleanly(aio, buffer):
 
     fuzz_unary_methods(aio, buffer.channel, "SampleBuffer", BUFFER_METHODS, 30, after=after)
     aio.run(
-        assert_oversized_refused(buffer.channel, "SampleBuffer", "Put", SAMPLE_BUFFER_MAX_MESSAGE_BYTES, field_number=1)
+        assert_oversized_refused(buffer.channel, "SampleBuffer", "Put", SAMPLE_BUFFER_MAX_PUT_BYTES, field_number=1)
     )
     aio.run(kept_groups_intact(buffer))
 

@@ -74,6 +74,53 @@ def test_a_huge_message_without_a_token_is_refused_before_it_is_received(buffer_
         assert stats.depth == 0
 
 
+def test_authenticated_puts_are_received_a_bounded_number_at_a_time():
+    """A token holder's burst of large Puts: one is received at a time here (max_concurrent_puts 1),
+    the others are not read while they wait, and give up with RESOURCE_EXHAUSTED at their deadline."""
+    proc, address = start_service_process(
+        "sample-buffer",
+        "buffer",
+        [
+            "backend=memory",
+            "metrics_port=0",
+            "capacity_groups=1",
+            "max_concurrent_puts=1",
+            "filter_zero_variance=false",
+        ],
+    )
+    try:
+        with grpc_sync_channel(address, AuthConfig()) as ch:
+            stub = sample_buffer_pb2_grpc.SampleBufferStub(ch)
+            group = encode_group(make_group("full"))
+            assert stub.Put(pb.PutRequest(groups=[group]), timeout=10, metadata=TOKEN).results[0].accepted
+            # The buffer is full: this put holds the one slot while it waits for room.
+            holding = stub.Put.future(pb.PutRequest(groups=[group], timeout_s=30), timeout=40, metadata=TOKEN)
+            body = raw_put(50 * MiB)
+            before = peak_rss_mb(proc.pid)
+
+            def big_put() -> tuple:
+                with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 * MiB)]) as c:
+                    try:
+                        c.unary_unary("/rollmesh.v1.SampleBuffer/Put")(body, timeout=3, metadata=TOKEN)
+                    except grpc.RpcError as e:
+                        return e.code(), e.details()
+                return grpc.StatusCode.OK, ""
+
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                results = list(pool.map(lambda _: big_put(), range(6)))
+            grown = peak_rss_mb(proc.pid) - before
+            for code, details in results:
+                assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED), details
+            assert any("receive slot" in d for _, d in results), results
+            assert grown < 50, f"the buffer's peak memory grew {grown:.0f} MiB for puts it never read"
+            # The holder gets its answer once there is room; the buffer goes on serving.
+            batch = stub.Get(pb.GetRequest(num_groups=1, timeout_s=5), timeout=10, metadata=TOKEN)
+            stub.Ack(pb.AckRequest(batch_id=batch.batch_id), timeout=10, metadata=TOKEN)
+            assert holding.result(timeout=40).results[0].accepted
+    finally:
+        stop_process(proc)
+
+
 def zlib_bomb(inflated: int) -> bytes:
     """An encoded group whose compressed body inflates to ``inflated`` zero bytes."""
     header = msgpack.packb({"g": "bomb", "p": "p", "v": 0, "r": [0.0, 1.0], "n": 2, "t": 0.0})

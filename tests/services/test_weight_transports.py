@@ -51,7 +51,9 @@ async def _engine_state(url: str) -> tuple[str, str]:
     return body["weight_version"], body["checksum"]
 
 
-def test_http_buckets_move_every_engine_to_the_trainer_weights(make_engine_process, tiny_model, tmp_path):
+def test_http_buckets_move_every_engine_to_the_trainer_weights(make_engine_process, tiny_model, tmp_path, monkeypatch):
+    # Pieces of 64 KiB: each 1 MiB bucket reaches the proxy as 16 messages, joined there.
+    monkeypatch.setattr("services.llm_proxy.client.WEIGHT_CHUNK_BYTES", 64 << 10)
     urls = [make_engine_process()[1], make_engine_process()[1]]
 
     async def main():
@@ -136,6 +138,44 @@ def test_buckets_out_of_order_are_refused_and_the_proxy_keeps_serving(engine_url
     assert errors[0][0] == grpc.StatusCode.INVALID_ARGUMENT and errors[0][1].startswith("index:")
     assert errors[1][0] == grpc.StatusCode.INVALID_ARGUMENT and errors[1][1].startswith("restore_path:")
     assert len(out.output_ids) == 2
+
+
+def test_a_bucket_over_the_limit_is_refused_as_its_pieces_pass_it(engine_url, tiny_model, monkeypatch):
+    """Every message the proxy receives is small (PROXY_MAX_MESSAGE_BYTES); a bucket's pieces are
+    counted as they arrive and refused once past MAX_WEIGHT_BUCKET_MB, before the rest is read."""
+    from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
+    from services.wire_limits import PROXY_MAX_MESSAGE_BYTES
+
+    monkeypatch.setattr("services.llm_proxy.server.MAX_WEIGHT_BUCKET_MB", 2)
+    monkeypatch.setattr("services.llm_proxy.client.WEIGHT_CHUNK_BYTES", 1 << 20)
+
+    async def main():
+        async with local_mesh(engine_url, tiny_model) as mesh:
+            errors = []
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await mesh.proxy_client.update_weights_bucket(3, 0, bytes(3 << 20), False)
+            errors.append(e.value)
+
+            async def pieces():  # a later piece that carries a field of its own
+                yield pb.WeightBucket(weight_version=3, index=0, safetensors=b"x")
+                yield pb.WeightBucket(final=True, safetensors=b"y")
+
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await mesh.proxy_client.stub.UpdateWeightsBucket(pieces(), timeout=10)
+            errors.append(e.value)
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # one message over the proxy's receive limit
+                await mesh.proxy_client.stub.Generate(
+                    pb.GenerateRequest(input_ids=[1] * PROXY_MAX_MESSAGE_BYTES), timeout=10
+                )
+            errors.append(e.value)
+            out = await mesh.proxy_client.generate([1, 2, 3], 2, ignore_eos=True)
+            return [(e.code(), e.details()) for e in errors], out
+
+    errors, out = asyncio.run(main())
+    assert errors[0] == (grpc.StatusCode.RESOURCE_EXHAUSTED, "safetensors: a bucket is at most 2 MiB")
+    assert errors[1][0] == grpc.StatusCode.INVALID_ARGUMENT and "a later piece carries more" in errors[1][1], errors[1]
+    assert errors[2][0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in errors[2][1], errors[2]
+    assert len(out.output_ids) == 2  # and the proxy goes on serving
 
 
 def test_an_engine_applies_only_a_whole_version(make_engine_process, tiny_model):

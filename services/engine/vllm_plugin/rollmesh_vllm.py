@@ -23,7 +23,7 @@ vLLM environment has no rollmesh installed.
   ``load_weights`` at the last bucket.
 - **A token on every endpoint.** vLLM's ``--api-key`` guards only ``/v1``, ``/inference`` and
   similar; its RL control endpoints (``/pause``, ``/collective_rpc``, ``/update_weight_version``)
-  stay open. ``BearerCheck`` asks for ``Authorization: Bearer $ROLLMESH_TOKEN`` everywhere but
+  stay open. ``BearerCheck`` asks for ``Authorization: Bearer $ROLLMESH_CONTROL_TOKEN`` everywhere but
   ``/health`` and ``/metrics``, as every rollmesh service does.
 """
 
@@ -167,15 +167,16 @@ def _abort(pg) -> None:
 
 
 class BearerCheck:
-    """ASGI middleware: 401 without ``Authorization: Bearer $ROLLMESH_TOKEN``. No token refuses to
+    """ASGI middleware: 401 without ``Authorization: Bearer $ROLLMESH_CONTROL_TOKEN``. No token refuses to
     start, unless ``ROLLMESH_AUTH_DISABLED=1`` says auth is off on purpose (an empty token is not)."""
 
     def __init__(self, app) -> None:
         self.app = app
-        token = os.environ.get("ROLLMESH_TOKEN", "")
+        token = os.environ.get("ROLLMESH_CONTROL_TOKEN", "")
         if not token and os.environ.get("ROLLMESH_AUTH_DISABLED") != "1":
             raise RuntimeError(
-                "rollmesh_vllm: ROLLMESH_TOKEN is empty; set it, or ROLLMESH_AUTH_DISABLED=1 on a closed network"
+                "rollmesh_vllm: ROLLMESH_CONTROL_TOKEN is empty; set it, "
+                "or ROLLMESH_AUTH_DISABLED=1 on a closed network"
             )
         self.expected = f"Bearer {token}".encode() if token else None
 

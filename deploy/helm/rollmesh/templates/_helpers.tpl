@@ -88,13 +88,23 @@ redis://{{ include "rollmesh.fullname" . }}-redis:6379/0
 {{- toYaml (mergeOverwrite (deepCopy .Values.config) $mesh) -}}
 {{- end -}}
 
-{{/* The run's token in every rollmesh container's environment (services/auth.py reads ROLLMESH_TOKEN). */}}
+{{/* The data token, in every rollmesh container but the engines' (services/auth.py reads ROLLMESH_TOKEN). */}}
 {{- define "rollmesh.tokenEnv" -}}
 - name: ROLLMESH_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ .Values.auth.existingSecret | default (printf "%s-token" (include "rollmesh.fullname" .)) }}
       key: {{ .Values.auth.secretKey }}
+{{- end -}}
+
+{{/* The control token (weights, suspend/resume, commits, the engines' API): the engines, the LLMProxy,
+the controller and the trainer only (ROLLMESH_CONTROL_TOKEN). */}}
+{{- define "rollmesh.controlTokenEnv" -}}
+- name: ROLLMESH_CONTROL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.auth.existingSecret | default (printf "%s-token" (include "rollmesh.fullname" .)) }}
+      key: {{ .Values.auth.controlSecretKey }}
 {{- end -}}
 
 {{/* Redis's password, for Redis itself and the SampleBuffer (sample_buffer/config.py reads
@@ -189,6 +199,9 @@ spec:
           command: ["rollmesh", "serve", {{ .serve | quote }}, "--config", "/etc/rollmesh/config.yaml"]
           env:
             {{- include "rollmesh.tokenEnv" $root | nindent 12 }}
+            {{- if has .component (list "llm-proxy" "controller") }}
+            {{- include "rollmesh.controlTokenEnv" $root | nindent 12 }}
+            {{- end }}
             {{- if eq .component "sample-buffer" }}
             {{- include "rollmesh.redisPasswordEnv" $root | nindent 12 }}
             {{- end }}

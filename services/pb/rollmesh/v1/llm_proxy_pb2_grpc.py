@@ -65,7 +65,7 @@ class LLMProxyStub:
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
-        self.UpdateWeightsBucket = channel.unary_unary(
+        self.UpdateWeightsBucket = channel.stream_unary(
                 '/rollmesh.v1.LLMProxy/UpdateWeightsBucket',
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.WeightBucket.SerializeToString,
                 response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.FromString,
@@ -138,8 +138,11 @@ class LLMProxyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def UpdateWeightsBucket(self, request, context):
-        """One bucket of a weight update that travels in memory (the `http_buckets` transport).
+    def UpdateWeightsBucket(self, request_iterator, context):
+        """One bucket of a weight update that travels in memory (the `http_buckets` transport), sent in
+        pieces (services/wire_limits.py WEIGHT_CHUNK_BYTES): the first message carries every field, each
+        later one only more `safetensors` bytes. Pieces keep every message small: the proxy receives
+        nothing larger than PROXY_MAX_MESSAGE_BYTES, and one bucket at a time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -213,7 +216,7 @@ def add_LLMProxyServicer_to_server(servicer, server):
                     request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.SerializeToString,
             ),
-            'UpdateWeightsBucket': grpc.unary_unary_rpc_method_handler(
+            'UpdateWeightsBucket': grpc.stream_unary_rpc_method_handler(
                     servicer.UpdateWeightsBucket,
                     request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.WeightBucket.FromString,
                     response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.UpdateWeightsResponse.SerializeToString,
@@ -418,7 +421,7 @@ class LLMProxy:
             _registered_method=True)
 
     @staticmethod
-    def UpdateWeightsBucket(request,
+    def UpdateWeightsBucket(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -428,8 +431,8 @@ class LLMProxy:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/rollmesh.v1.LLMProxy/UpdateWeightsBucket',
             rollmesh_dot_v1_dot_llm__proxy__pb2.WeightBucket.SerializeToString,
