@@ -12,13 +12,15 @@ from starlette.exceptions import HTTPException
 
 
 class BodyLimit:
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    """``max_bytes`` for every route; ``routes``: path → a larger (or smaller) limit of its own."""
+
+    def __init__(self, app, max_bytes: int, routes: dict[str, int] | None = None) -> None:
+        self.app, self.max_bytes, self.routes = app, max_bytes, routes or {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.max_bytes
+        limit = self.routes.get(scope["path"], self.max_bytes)
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self.app(scope, _refuse(f"body: {int(declared)} bytes is over this route's {limit}"), send)

