@@ -23,6 +23,11 @@ class BufferConfig(BaseModel):
         description="Redis server (redis backend); rediss:// for TLS. No password here: a URL is printed and logged.",
     )
     redis_username: str | None = Field(None, description="Redis ACL user (none: the default user).")
+    redis_ca_path: str | None = Field(
+        None,
+        description="rediss://: the CA certificate (PEM) Redis's certificate must chain to, its host name checked "
+        "(none: the system's roots).",
+    )
     redis_password_env: str = Field(
         "ROLLMESH_REDIS_PASSWORD",
         description="Environment variable holding Redis's password (requirepass, or the ACL user's); unset: none.",

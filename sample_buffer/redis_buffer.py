@@ -59,8 +59,15 @@ class RedisBuffer(SampleBuffer):
         super().__init__(config)
         self.stream = f"{config.key_prefix}:groups"
         self.stats_key = f"{config.key_prefix}:stats"
+        # rediss://: the certificate is verified (redis-py's default for rediss) and so is its host name.
+        tls = (
+            {"ssl_ca_certs": config.redis_ca_path, "ssl_check_hostname": True}
+            if config.redis_url.startswith("rediss")
+            else {}
+        )
         self.redis = aioredis.from_url(
             config.redis_url,
+            **tls,
             username=config.redis_username,
             password=os.environ.get(config.redis_password_env) or None,
             socket_timeout=config.redis_timeout_s,

@@ -208,7 +208,7 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 class RedisServer:
     """A redis-server on a free loopback port with AOF; tests kill -9 and restart it."""
 
-    def __init__(self, data_dir: Path, appendfsync: str = "always", password: str | None = None) -> None:
+    def __init__(self, data_dir: Path, appendfsync: str = "always", password: str | None = None, tls=None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed: `make test` installs it (apt-get install redis-server)")
@@ -216,14 +216,19 @@ class RedisServer:
         self.appendfsync = appendfsync  # "always": an acknowledged write survives kill -9 and power loss
         self.proc: subprocess.Popen | None = None
         self.password = password  # given on stdin as configuration, never on the command line
+        self.tls = tls  # a TlsConfig (cert, key, CA): TLS only, on the same port
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
         """Start (or restart, same port and directory) with AOF fsynced on every write."""
         args = [self.binary, "-", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir)]
+        if self.tls:  # clients need no certificate of their own: the password is the credential
+            args[2:4] = ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"]
+            args += ["--tls-cert-file", self.tls.cert_path, "--tls-key-file", self.tls.key_path]
+            args += ["--tls-ca-cert-file", self.tls.ca_path]
         args += ["--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "", "--protected-mode", "no"]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if self.password:
@@ -231,7 +236,8 @@ class RedisServer:
         self.proc.stdin.close()
         import redis
 
-        client = redis.Redis(port=self.port, socket_timeout=1, password=self.password)
+        tls = dict(ssl=True, ssl_ca_certs=self.tls.ca_path) if self.tls else {}
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1, password=self.password, **tls)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:

@@ -150,3 +150,44 @@ def test_a_redis_url_with_a_password_or_another_scheme_is_refused(url, error):
     with pytest.raises(ValueError, match=error):
         BufferConfig(backend="redis", redis_url=url)
     assert BufferConfig(redis_url="rediss://127.0.0.1:6380/0").redis_url.startswith("rediss://")
+
+
+def test_the_buffer_speaks_tls_to_redis_and_checks_its_certificate(tmp_path, monkeypatch):
+    """rediss://: Redis serving TLS only, the buffer trusting the CA that signed it (and checking the
+    host name). Without that CA the buffer refuses the connection; plain redis:// gets nothing."""
+    import trustme
+
+    from services.auth import TlsConfig
+
+    ca, other = trustme.CA(), trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    other.cert_pem.write_to_path(str(tmp_path / "other.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    tls = TlsConfig(
+        cert_path=str(tmp_path / "cert.pem"), key_path=str(tmp_path / "key.pem"), ca_path=str(tmp_path / "ca.pem")
+    )
+    monkeypatch.setenv("ROLLMESH_REDIS_PASSWORD", "s3cret-tls")
+    server = RedisServer(tmp_path / "data", password="s3cret-tls", tls=tls)
+    (tmp_path / "data").mkdir()
+    server.start()
+
+    async def put_and_get(cfg):
+        buf = RedisBuffer(cfg)
+        try:
+            assert (await buf.put(make_group("g", version=1))).accepted
+            return len((await buf.get(1, version=1, max_staleness=0, timeout_s=1)).groups)
+        finally:
+            await buf.close()
+
+    try:
+        assert server.url.startswith("rediss://")
+        assert asyncio.run(put_and_get(config(server.url).model_copy(update={"redis_ca_path": tls.ca_path}))) == 1
+        untrusted = config(server.url).model_copy(update={"redis_ca_path": str(tmp_path / "other.pem")})
+        with pytest.raises(BufferBackendError, match="certificate verify failed"):
+            asyncio.run(put_and_get(untrusted))
+        with pytest.raises(BufferBackendError):  # plaintext to a TLS port: no answer it could read
+            asyncio.run(put_and_get(config(server.url.replace("rediss://", "redis://"))))
+    finally:
+        server.stop()
