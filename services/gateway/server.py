@@ -78,6 +78,10 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, wrong method
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's: a body that is not even UTF-8
+            return error(400, f"body: malformed JSON ({exc.__cause__})", "body")
+        if exc.status_code == 413:  # BodyLimit's detail names the body
+            return error(413, str(exc.detail), "body")
         return error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
