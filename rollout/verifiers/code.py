@@ -26,11 +26,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.verifiers.adaptive_timeout import AdaptiveTimeoutConfig, TimeoutAnchors
+from rollout.verifiers.equality import PRELUDE, strict_asserts
 from rollout.verifiers.sandbox import Sandbox, SandboxConfig
 
 # Contained faults, counted as reward failures; ``error`` (the program raised or a test failed)
 # is a wrong answer, not a fault.
 FAULTS = ("timeout", "memory", "output", "killed", "sandbox", "busy")
+_FUTURE = re.compile(r"^from __future__ import [^\n]*\n", re.M)
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
 
 
@@ -59,15 +61,22 @@ def extract_program(response: str) -> str:
     return blocks[-1] if blocks else response
 
 
-def program_for(response: str, task: dict) -> str:
+def program_for(response: str, task: dict, equality: str | None = None) -> str:
+    """The program a run executes: the answer, then the task's tests. ``equality``: the name of this
+    run's equality helper (``equality.py``): defined first, and the tests' ``==`` asserts use it."""
     code = extract_program(response)
     entry = task.get("entry_point")
     if task.get("prompt") and not (entry and re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.M)):
         code = task["prompt"] + code  # the answer continues the given signature
-    program = f"{code}\n\n{task['tests']}\n"
+    tests = task["tests"] if equality is None else strict_asserts(task["tests"], equality)
+    program = f"{code}\n\n{tests}\n"
     if entry and re.search(r"^def\s+check\s*\(", task["tests"], re.M):
         program += f"\ncheck({entry})\n"
-    return program
+    if equality is None:
+        return program
+    # `from __future__` must open a file: such lines of the answer go above the helper.
+    future = "".join(_FUTURE.findall(program))
+    return future + PRELUDE.format(name=equality) + _FUTURE.sub("", program)
 
 
 def parse_task(answer: str | dict) -> dict:
@@ -101,8 +110,10 @@ class CodeReward:
         # early with 0 (sys.exit(0), os._exit(0): a known reward hack of code RL) never prints it.
         # The marker is new each run and the program comes on stdin, so the answer cannot read it
         # from a file (only from its own code object in memory, which this does not stop).
+        # The tests compare with a helper of a name new each run (equality.py): an object whose
+        # __eq__ is always true is equal to nothing there.
         marker = secrets.token_hex(16)
-        program = f"{program_for(response, task)}\nprint({marker!r})\n"
+        program = f"{program_for(response, task, '_rollmesh_eq_' + secrets.token_hex(8))}\nprint({marker!r})\n"
         result = self.sandbox.run(program, timeout_s=limit)
         with self._lock:
             self.sandbox_seconds += result.seconds

@@ -275,3 +275,32 @@ def test_a_slots_uid_is_held_by_one_process_of_the_machine_at_a_time():
     assert mine.outcome == "busy" and "in use by another process" in mine.stderr
     assert other.communicate(timeout=30)[0].split() == ["ok", "1"]  # and was left alone (its run, its output)
     assert box.run("print(2)", timeout_s=5).stdout.strip() == "2"
+
+
+EQUAL_TO_EVERYTHING = [
+    "class E:\n    def __eq__(self, other):\n        return True\ndef square(x):\n    return E()",
+    "class E(int):\n    __eq__ = lambda self, other: True\ndef square(x):\n    return E(0)",
+    "class E:\n    __eq__ = bool\ndef square(x):\n    return E()",  # a builtin as __eq__: truthy for 9 and 4
+    "class E:\n    def __eq__(self, other):\n        return True\ndef square(x):\n    return [E()][0]",
+]
+
+
+@pytest.mark.parametrize("body", EQUAL_TO_EVERYTHING)
+def test_an_object_equal_to_everything_passes_no_test(reward, body):
+    """The equality trick: `assert square(3) == 9` passed for any object whose __eq__ says yes."""
+    assert reward(f"```python\n{body}\n```", SQUARE) == 0.0
+
+
+def test_values_of_the_standard_librarys_classes_still_compare_by_their_own_equality(reward):
+    tests = (
+        "assert f(1) == Fraction(1, 3)\nassert g() == (1, 2)\nassert h() == {'a': [1, (2, 3)]}\n"
+        "assert f(2) == Fraction(2, 3), 'with a message'"
+    )
+    task = json.dumps({"tests": "from fractions import Fraction\n" + tests})
+    answer = (
+        "from __future__ import annotations\nfrom fractions import Fraction\nfrom collections import namedtuple\n"
+        "P = namedtuple('P', 'x y')\ndef f(n):\n    return Fraction(n, 3)\ndef g():\n    return P(1, 2)\n"
+        "def h():\n    return {'a': [1, (2, 3)]}\n"
+    )
+    assert reward(answer, task) == 1.0
+    assert reward(answer.replace("Fraction(n, 3)", "Fraction(n, 4)"), task) == 0.0
