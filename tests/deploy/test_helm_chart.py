@@ -384,3 +384,20 @@ def test_the_gateway_reads_agent_keys_from_a_secret_that_starts_empty(tmp_path):
         "name": "gateway-keys",
         "secret": {"secretName": "agents"},
     }
+
+
+def test_every_rollmesh_pod_runs_as_the_images_unprivileged_user_with_the_sandbox_installed():
+    """The images make the user rollmesh (uid 10001) and install bubblewrap (the code sandbox); the
+    chart runs every rollmesh pod as that uid, non-root, its group owning the volumes."""
+    docs = render()
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and "redis" not in d["metadata"]["name"]]
+    assert len(workloads) == 7
+    for d in workloads:
+        context = d["spec"]["template"]["spec"]["securityContext"]
+        assert context == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001}, d
+    root = Path(__file__).resolve().parents[2] / "deploy" / "docker"
+    for dockerfile in ("Dockerfile.cpu", "Dockerfile.gpu"):
+        text = (root / dockerfile).read_text()
+        assert "bubblewrap util-linux" in text and "useradd --uid 10001" in text, dockerfile
+        users = [line for line in text.splitlines() if line.startswith("USER ")]
+        assert users and users[-1] == "USER 10001", dockerfile  # what the services run as
