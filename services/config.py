@@ -168,6 +168,8 @@ class RollmeshConfig(BaseModel):
             )
         if kind == "ipc" and self.engine.type == "sglang":  # SGLang reads its own (pickled) handles
             publisher.encoding = "sglang"
+        if kind == "collective" and publisher.master_address not in self.proxy.weight_group_hosts:
+            self.proxy.weight_group_hosts.append(publisher.master_address)  # the one place it is said
         if self.devices.placement == "colocated" and not engine.releases_memory:
             raise ValueError(
                 f"devices.placement: colocated engines release their memory while the trainer trains; "

@@ -154,3 +154,9 @@ def test_the_proxy_speaks_the_api_of_the_engine_type():
         load_config(None, ["engine.type=vllm", "train_loop.publisher.type=http_buckets"])
     with pytest.raises(ConfigError, match="max_prefill_tokens"):  # a key of the embedded engine, not vLLM's
         load_config(None, ["engine.type=vllm", "engine.max_prefill_tokens=8"])
+
+
+def test_a_collective_publishers_master_address_is_where_the_proxy_lets_a_group_be_hosted():
+    cfg = load_config(None, ["train_loop.publisher={type: collective, master_address: trainer.mesh.svc}"])
+    assert cfg.proxy.weight_group_hosts == ["127.0.0.1", "localhost", "::1", "trainer.mesh.svc"]
+    assert load_config(None, []).proxy.weight_group_hosts == ["127.0.0.1", "localhost", "::1"]

@@ -42,6 +42,12 @@ class ProxyConfig(BaseModel):
     update_weights_timeout_s: float = Field(
         120.0, gt=0, description="Timeout of one engine's weight update when the caller gives none."
     )
+    weight_group_hosts: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1", "localhost", "::1"],
+        description="Where a collective weight-update group may be hosted: an InitWeightsGroup naming any other "
+        "master_address is refused, so no caller can aim the engines at a host:port of its choosing. A run "
+        "config adds its train_loop.publisher.master_address itself.",
+    )
     affinity_capacity: int = Field(
         100_000, ge=0, description="Trajectory→engine affinity entries kept (LRU); 0 disables affinity."
     )

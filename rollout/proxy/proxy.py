@@ -454,6 +454,11 @@ class LLMProxy:
         completes the group) and its engines."""
         if not master_address:
             raise RequestInvalid("master_address", "must not be empty")
+        if master_address not in self.config.weight_group_hosts:  # the group's store is not authenticated
+            raise RequestInvalid(
+                "master_address",
+                f"{master_address!r} is not one of proxy.weight_group_hosts {self.config.weight_group_hosts}",
+            )
         if not 1 <= master_port <= 65535:
             raise RequestInvalid("master_port", f"must be in [1, 65535], got {master_port}")
         if not group_name:

@@ -117,6 +117,10 @@ def test_bad_collective_input_is_refused_by_name_and_everything_keeps_serving(en
                 await mesh.proxy_client.update_weights_distributed(1, 0, [("x", "float32", [1])], True, "r")
             with pytest.raises(grpc.aio.AioRpcError) as bad_backend:
                 await mesh.proxy_client.init_weights_group("127.0.0.1", 1234, "g", "mpi")
+            # A host the config does not allow: the engines are never pointed at it.
+            with pytest.raises(grpc.aio.AioRpcError) as elsewhere:
+                await mesh.proxy_client.init_weights_group("203.0.113.7", 1234, "g", "gloo")
+            errors["elsewhere"] = (elsewhere.value.code(), elsewhere.value.details())
             # A bucket naming a tensor the model lacks: refused by the engine, the update fails, the
             # trainer's broadcast is not left waiting.
             publisher = _publisher(mesh.proxy_client, tmp_path)
@@ -133,6 +137,8 @@ def test_bad_collective_input_is_refused_by_name_and_everything_keeps_serving(en
 
     errors, no_group, bad_backend, refused, took, out, publisher = asyncio.run(main())
     assert errors["nccl"]["field"] == "backend" and "gloo" in errors["nccl"]["message"]
+    code, details = errors["elsewhere"]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("master_address: '203.0.113.7' is not")
     assert errors["rank"]["field"] == "rank_offset"
     assert errors["no_group"]["field"] == "group_name"
     assert no_group.code() == grpc.StatusCode.INVALID_ARGUMENT and no_group.details().startswith("group_name:")
