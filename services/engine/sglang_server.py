@@ -46,12 +46,18 @@ def interpreter(cfg: SGLangEngineConfig) -> str:
 
 
 def secret_config(values: dict[str, str]) -> str:
-    """SGLang ``--config`` file of secret flags, readable by this user only (a directory of mode
-    0700 holding a file of 0600): what the environment is to a process, without the argv."""
-    path = Path(tempfile.mkdtemp(prefix="rollmesh-sglang-")) / "secrets.yaml"
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        yaml.safe_dump(values, f)
-    return str(path)
+    """SGLang ``--config`` file of secret flags, on no disk: an anonymous in-memory file (memfd,
+    mode 0600) this process keeps open across its exec of SGLang, named by a symlink
+    ``secrets.yaml`` → ``/proc/self/fd/N`` in a directory of mode 0700 (SGLang wants a .yaml name).
+    Only SGLang's process can read it through the link (``/proc/self`` is the reader's own), and it
+    is gone with that process: what the environment is to a process, without the argv."""
+    fd = os.memfd_create("rollmesh-sglang-secrets", 0)  # no MFD_CLOEXEC: it must survive the exec
+    os.set_inheritable(fd, True)
+    os.fchmod(fd, 0o600)
+    os.write(fd, yaml.safe_dump(values).encode())
+    link = Path(tempfile.mkdtemp(prefix="rollmesh-sglang-")) / "secrets.yaml"
+    link.symlink_to(f"/proc/self/fd/{fd}")
+    return str(link)
 
 
 def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str], dict[str, str]]:

@@ -59,6 +59,8 @@ def test_the_command_carries_the_flags_rl_needs(tiny_model):
     assert "s3cret" not in " ".join(argv) and "--api-key" not in flags
     assert yaml.safe_load(secrets.read_text()) == {"api-key": "s3cret"}
     assert secrets.stat().st_mode & 0o777 == 0o600 and secrets.parent.stat().st_mode & 0o777 == 0o700
+    # ... and in no file on disk: a link to a memory file of the process that execs SGLang.
+    assert os.readlink(secrets).startswith("/proc/self/fd/") and "memfd:" in os.readlink(os.readlink(secrets))
     assert "--max-running-requests" not in flags and "--enable-memory-saver" not in flags  # SGLang's defaults
     memory_saver = _flags(
         sglang_command(cfg.model_copy(update={"enable_memory_saver": True}), AuthConfig(token="t"))[0]
@@ -121,6 +123,8 @@ def test_serve_engine_launches_sglang_and_the_proxy_drives_it(tiny_model, tmp_pa
         stop_process(proc)
     argv = json.loads(argv_file.read_text())
     assert _flags(argv)["--weight-version"] == "3" and "--config" in argv and "--api-key" not in argv
+    link = Path(_flags(argv)["--config"])  # SGLang read its key through it; the key is on no disk
+    assert link.is_symlink() and os.readlink(link).startswith("/proc/self/fd/")
     assert len(out.output_ids) == 4 and out.weight_version == 3  # the version it was launched at
     assert stats.engines[0].healthy and stats.engines[0].weight_version == 3
     assert refused == 401

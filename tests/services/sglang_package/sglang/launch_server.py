@@ -32,6 +32,8 @@ p.add_argument("--enable-metrics", action="store_true")
 p.add_argument("--enable-memory-saver", action="store_true")
 p.add_argument("--config")
 config_file = p.parse_known_args()[0].config
+if config_file and not config_file.endswith((".yaml", ".yml")):  # as SGLang's ConfigArgumentMerger
+    p.error(f"Config file must be YAML format, got: {config_file}")
 if config_file:
     with open(config_file) as f:
         values = {k.replace("-", "_"): v for k, v in (yaml.safe_load(f) or {}).items()}
