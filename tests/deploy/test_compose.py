@@ -74,6 +74,9 @@ def test_each_service_gets_the_tokens_of_its_roles_and_compose_refuses_to_start_
     control_holders = {"llm-proxy", "controller", "trainer-cpu", "trainer-gpu", "engine-cpu", "engine-gpu"}
     for name in ours:
         assert ("ROLLMESH_CONTROL_TOKEN" in held[name]) == (name in control_holders), (name, held[name])
+        # The runs volume (checkpoints the trainer reads back at resume) is the control role's only.
+        runs = any(_source(v) == "runs" for v in services[name].get("volumes", []))
+        assert runs == (name in control_holders), (name, services[name].get("volumes"))
         assert ("ROLLMESH_TOKEN" in held[name]) == (not name.startswith("engine")), (name, held[name])
         for key, value in (("ROLLMESH_TOKEN", TOKEN), ("ROLLMESH_CONTROL_TOKEN", CONTROL_TOKEN)):
             assert services[name]["environment"].get(key, value) == value
@@ -206,6 +209,6 @@ def test_the_gateway_takes_agent_keys_from_a_file_that_ships_empty():
             mounts[dst] = (src, mode == ["ro"])
     # the directory, not the file: a key file replaced by `rollmesh gateway-key` is seen in the container
     key_dir = str(Path(key_path).parent)
-    assert mounts[key_dir] == (str(ROOT / "deploy" / "gateway_keys"), True) and "/runs" in mounts
+    assert mounts[key_dir] == (str(ROOT / "deploy" / "gateway_keys"), True) and "/runs" not in mounts
     shipped = ROOT / "deploy" / "gateway_keys" / Path(key_path).name
     assert json.loads(shipped.read_text()) == {}  # no agent gets in by default

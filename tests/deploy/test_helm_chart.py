@@ -194,6 +194,9 @@ def test_every_pod_reads_the_tokens_of_its_roles_only_from_one_secret():
         "t-rollmesh-env-manager": {"ROLLMESH_TOKEN": data_ref},
         "t-rollmesh-gateway": {"ROLLMESH_TOKEN": data_ref},
     }, held
+    for d in workloads:  # the runs volume (checkpoints read back at resume): the control role's pods only
+        volumes = {v["name"] for v in d["spec"]["template"]["spec"]["volumes"]}
+        assert ("runs" in volumes) == ("ROLLMESH_CONTROL_TOKEN" in held[d["metadata"]["name"]]), d["metadata"]["name"]
     # The engine pod's `rollmesh serve engine` hands the control token to SGLang (a private --config
     # file): test_sglang_launch.
     # a Secret managed elsewhere: nothing made, every pod points at it

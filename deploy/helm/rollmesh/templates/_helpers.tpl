@@ -122,41 +122,49 @@ ROLLMESH_REDIS_PASSWORD; redis-cli, the probes', REDISCLI_AUTH). */}}
 {{/* Where the auth.tls Secret is mounted (not under /etc/rollmesh: that is the config's volume). */}}
 {{- define "rollmesh.tlsDir" -}}/etc/rollmesh-tls{{- end -}}
 
-{{/* Volumes and mounts every rollmesh pod has: the config, the model, the data, the runs volume,
-     and the TLS Secret when there is one. */}}
+{{/* Volumes and mounts of a rollmesh pod: the config, the model, the data, the TLS Secret when there
+     is one, and the runs volume where "runs" says (the control role's pods only: the trainer's
+     checkpoints and the controller's state are read back at resume, so no pod holding just the data
+     token may write there). Call with (dict "root" $ "runs" true|false). */}}
 {{- define "rollmesh.volumes" -}}
+{{- $root := .root -}}
 - name: config
   configMap:
-    name: {{ include "rollmesh.fullname" . }}-config
+    name: {{ include "rollmesh.fullname" $root }}-config
 - name: model
-  {{- toYaml .Values.model.volume | nindent 2 }}
+  {{- toYaml $root.Values.model.volume | nindent 2 }}
 - name: data
-  {{- toYaml .Values.data.volume | nindent 2 }}
+  {{- toYaml $root.Values.data.volume | nindent 2 }}
+{{- if .runs }}
 - name: runs
   persistentVolumeClaim:
-    claimName: {{ .Values.runs.existingClaim | default (printf "%s-runs" (include "rollmesh.fullname" .)) }}
-{{- if .Values.auth.tls.secretName }}
+    claimName: {{ $root.Values.runs.existingClaim | default (printf "%s-runs" (include "rollmesh.fullname" $root)) }}
+{{- end }}
+{{- if $root.Values.auth.tls.secretName }}
 - name: tls
   secret:
-    secretName: {{ .Values.auth.tls.secretName }}
+    secretName: {{ $root.Values.auth.tls.secretName }}
 {{- end }}
 {{- end -}}
 
 {{- define "rollmesh.volumeMounts" -}}
+{{- $root := .root -}}
 - name: config
   mountPath: /etc/rollmesh
   readOnly: true
 - name: model
-  mountPath: {{ .Values.model.mountPath }}
+  mountPath: {{ $root.Values.model.mountPath }}
   readOnly: true
 - name: data
-  mountPath: {{ .Values.data.mountPath }}
+  mountPath: {{ $root.Values.data.mountPath }}
   readOnly: true
+{{- if .runs }}
 - name: runs
-  mountPath: {{ .Values.runs.mountPath }}
-{{- if .Values.auth.tls.secretName }}
+  mountPath: {{ $root.Values.runs.mountPath }}
+{{- end }}
+{{- if $root.Values.auth.tls.secretName }}
 - name: tls
-  mountPath: {{ include "rollmesh.tlsDir" . }}
+  mountPath: {{ include "rollmesh.tlsDir" $root }}
   readOnly: true
 {{- end }}
 {{- end -}}
@@ -167,6 +175,7 @@ Call with (dict "root" $ "component" "llm-proxy" "serve" "llm-proxy" "values" .V
 */}}
 {{- define "rollmesh.grpcService" -}}
 {{- $root := .root -}}
+{{- $runs := has .component (list "llm-proxy" "controller") -}}
 {{- $v := .values -}}
 {{- $ctx := dict "root" $root "component" .component -}}
 apiVersion: apps/v1
@@ -224,13 +233,13 @@ spec:
           resources:
             {{- toYaml $v.resources | nindent 12 }}
           volumeMounts:
-            {{- include "rollmesh.volumeMounts" $root | nindent 12 }}
+            {{- include "rollmesh.volumeMounts" (dict "root" $root "runs" $runs) | nindent 12 }}
       {{- with $v.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
       {{- end }}
       volumes:
-        {{- include "rollmesh.volumes" $root | nindent 8 }}
+        {{- include "rollmesh.volumes" (dict "root" $root "runs" $runs) | nindent 8 }}
 ---
 apiVersion: v1
 kind: Service
