@@ -19,7 +19,12 @@ DOCS = [Path("README.md"), *sorted(Path("docs").glob("*.md")), *sorted(Path("exa
 DOTTED = re.compile(r"`([a-z_][a-z_0-9]*(?:\.[a-z_][a-z_0-9]*)+)(?:\s*[=:][^`]*)?`")
 FILE_SUFFIXES = {"py", "json", "jsonl", "yaml", "md", "png", "jinja", "proto", "txt", "toml"}
 # Named in the docs, and not config keys: fields of a trajectory's metadata, and SGLang's launcher.
-NOT_CONFIG = {"metadata.timeout", "metadata.error_kind", "sglang.launch_server"}
+NOT_CONFIG = {
+    "metadata.timeout",
+    "metadata.error_kind",
+    "sglang.launch_server",
+    "kernel.unprivileged_userns_clone",
+}  # (a sysctl)
 
 
 def _helm_keys() -> set[str]:
