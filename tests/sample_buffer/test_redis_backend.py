@@ -117,27 +117,29 @@ def test_a_get_with_under_a_millisecond_left_does_not_block_forever(redis_server
     assert batch.batch_id == "" and batch.groups == [] and took < 1.0
 
 
+async def put_and_get(cfg: BufferConfig) -> int:
+    """Put one group into a Redis buffer and get it back: how many came."""
+    buf = RedisBuffer(cfg)
+    try:
+        assert (await buf.put(make_group("g", version=1))).accepted
+        return len((await buf.get(1, version=1, max_staleness=0, timeout_s=1)).groups)
+    finally:
+        await buf.close()
+
+
 def test_a_redis_with_a_password_takes_the_buffer_only_with_it(tmp_path, monkeypatch):
     """The deployments' Redis asks for a password (compose and Helm); the buffer reads it from the
     environment, never from its URL or a command line, and says where to put it when it lacks it."""
     server = RedisServer(tmp_path, password="s3cret-redis").start()
     cfg = config(server.url)
 
-    async def put_and_get():
-        buf = RedisBuffer(cfg)
-        try:
-            assert (await buf.put(make_group("g", version=1))).accepted
-            return len((await buf.get(1, version=1, max_staleness=0, timeout_s=1)).groups)
-        finally:
-            await buf.close()
-
     try:
         assert "s3cret-redis" not in Path(f"/proc/{server.proc.pid}/cmdline").read_text()
         monkeypatch.delenv("ROLLMESH_REDIS_PASSWORD", raising=False)
         with pytest.raises(BufferBackendError, match=r"refused the buffer .*\$ROLLMESH_REDIS_PASSWORD"):
-            asyncio.run(put_and_get())
+            asyncio.run(put_and_get(cfg))
         monkeypatch.setenv("ROLLMESH_REDIS_PASSWORD", "s3cret-redis")
-        assert asyncio.run(put_and_get()) == 1
+        assert asyncio.run(put_and_get(cfg)) == 1
     finally:
         server.stop()
 
@@ -172,14 +174,6 @@ def test_the_buffer_speaks_tls_to_redis_and_checks_its_certificate(tmp_path, mon
     server = RedisServer(tmp_path / "data", password="s3cret-tls", tls=tls)
     (tmp_path / "data").mkdir()
     server.start()
-
-    async def put_and_get(cfg):
-        buf = RedisBuffer(cfg)
-        try:
-            assert (await buf.put(make_group("g", version=1))).accepted
-            return len((await buf.get(1, version=1, max_staleness=0, timeout_s=1)).groups)
-        finally:
-            await buf.close()
 
     try:
         assert server.url.startswith("rediss://")
