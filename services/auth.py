@@ -290,7 +290,8 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
         role = role_of(details.method)
         other = self.bearers.get(Role.CONTROL if role is Role.DATA else Role.DATA)
-        reason = _refusal(got, self.bearers.get(role, ""), other) if role in self.bearers else "missing"
+        # (A role this server does not serve: no header can match "\0", and the refusal is counted.)
+        reason = _refusal(got, self.bearers.get(role) or "\0", other)
         if reason is None:
             return handler
         code = grpc.StatusCode.PERMISSION_DENIED if reason == "role" else grpc.StatusCode.UNAUTHENTICATED

@@ -183,7 +183,9 @@ def start_provider_process(
         "env-provider", "env_provider", [f"grpc_port={grpc_port}", f"http_port={http_port}", *overrides]
     )
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives as long as the process)
-    proc = subprocess.Popen([*cmd, "--env", env], stdout=out, stderr=subprocess.STDOUT if log_path else out)
+    stderr = subprocess.STDOUT if log_path else out
+    # The data token at most (for the mesh's reward service): a provider is no part of the control role.
+    proc = subprocess.Popen([*cmd, "--env", env], stdout=out, stderr=stderr, env=environment_of(DATA_ONLY))
     address, url = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
     try:
         wait_grpc_healthy(address, timeout_s, proc)

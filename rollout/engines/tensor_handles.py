@@ -29,6 +29,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +42,13 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloa
 _ALIGN = 64  # each tensor starts on a cache line of the segment
 _CUDA_FIELDS = ("device", "handle", "size", "offset", "ref_counter", "ref_counter_offset", "event", "event_sync")
 _BYTES_FIELDS = ("handle", "ref_counter", "event")
+# What torch's CUDA IPC takes as it is (torch/csrc/StorageSharing.cpp, CudaIPCTypes.h): handles of
+# CUDA_IPC_HANDLE_SIZE bytes, a reference-counter file of CUDA_IPC_REF_COUNTER_FILE_SIZE int64 slots
+# that its deleter decrements at ``ref_counter_offset`` unchecked, a counter named /torch_<...>.
+# ``size`` and ``offset`` cannot be checked here: they are the sender's word for its allocation.
+_CUDA_IPC_HANDLE_SIZE = 64
+_CUDA_REF_COUNTER_SLOTS = 10_000
+_REF_COUNTER = re.compile(rb"/torch_[0-9A-Za-z_]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -202,6 +210,15 @@ def _entry(i: int, e) -> TensorRef:
         else:
             _int(v, f"{where}.cuda.{k}")
         fields.append(v)
+    device, handle, _, _, counter, counter_offset, event, _ = fields
+    if len(handle) != _CUDA_IPC_HANDLE_SIZE or len(event) != _CUDA_IPC_HANDLE_SIZE:
+        raise ValueError(f"{where}.cuda: handle and event are {_CUDA_IPC_HANDLE_SIZE} bytes each")
+    if not _REF_COUNTER.fullmatch(counter):
+        raise ValueError(f"{where}.cuda.ref_counter: not a torch reference-counter name")
+    if counter_offset >= _CUDA_REF_COUNTER_SLOTS:
+        raise ValueError(f"{where}.cuda.ref_counter_offset: at most {_CUDA_REF_COUNTER_SLOTS - 1}")
+    if device >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        raise ValueError(f"{where}.cuda.device: no CUDA device {device} here")
     return TensorRef(**ref, cuda=tuple(fields))
 
 
@@ -224,12 +241,15 @@ def _open_shm(ref: TensorRef) -> torch.Tensor:
     """The tensor ``ref`` names in its segment, mapped copy-on-write (the sender's bytes never change)."""
     segment, offset = ref.shm
     need = ref.nbytes_spanned()
-    try:
-        fd = os.open(f"/dev/shm/{segment}", os.O_RDONLY)
+    try:  # the segment itself, not where a link of that name might point
+        fd = os.open(f"/dev/shm/{segment}", os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise ValueError(f"tensor {ref.name!r}: shared memory {segment}: {e.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise ValueError(f"tensor {ref.name!r}: {segment} is not a segment of this user's")
+        size = st.st_size
         if offset + need > size:
             raise ValueError(
                 f"tensor {ref.name!r}: bytes {offset}..{offset}+{need} lie outside {segment} ({size} bytes)"
@@ -260,9 +280,9 @@ def loads(
     ``check`` sees them first as tensors on the meta device (names, dtypes, shapes: the receiver's
     parameters), before any memory is mapped."""
     refs = describe(payload)
-    if check is not None:
-        check({r.name: torch.empty(r.shape, dtype=r.dtype, device="meta") for r in refs})
     try:
+        if check is not None:
+            check({r.name: torch.empty(r.shape, dtype=r.dtype, device="meta") for r in refs})
         return {r.name: _open_cuda(r) if r.cuda else _open_shm(r) for r in refs}
-    except RuntimeError as e:  # CUDA: a handle that maps nothing here
+    except RuntimeError as e:  # a shape torch refuses; CUDA: a handle that maps nothing here
         raise ValueError(f"tensor handle: {e}"[:300]) from None

@@ -26,7 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.verifiers.adaptive_timeout import AdaptiveTimeoutConfig, TimeoutAnchors
-from rollout.verifiers.equality import PRELUDE, strict_asserts
+from rollout.verifiers.equality import PRELUDE, run_tests, strict_asserts
 from rollout.verifiers.sandbox import Sandbox, SandboxConfig
 
 # Contained faults, counted as reward failures; ``error`` (the program raised or a test failed)
@@ -62,21 +62,24 @@ def extract_program(response: str) -> str:
 
 
 def program_for(response: str, task: dict, equality: str | None = None) -> str:
-    """The program a run executes: the answer, then the task's tests. ``equality``: the name of this
-    run's equality helper (``equality.py``): defined first, and the tests' ``==`` asserts use it."""
+    """The program a run executes: the answer, then the task's tests. ``equality``: a name new each
+    run for the equality helper (``equality.py``): defined first, the tests' ``==`` asserts use it,
+    and the tests are compiled as ``<tests-NAME>``."""
     code = extract_program(response)
     entry = task.get("entry_point")
     if task.get("prompt") and not (entry and re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.M)):
         code = task["prompt"] + code  # the answer continues the given signature
-    tests = task["tests"] if equality is None else strict_asserts(task["tests"], equality)
-    program = f"{code}\n\n{tests}\n"
+    if equality is None:
+        program = f"{code}\n\n{task['tests']}\n"
+    else:
+        program = f"{code}\n\n" + run_tests(strict_asserts(task["tests"], equality), f"<tests-{equality}>")
     if entry and re.search(r"^def\s+check\s*\(", task["tests"], re.M):
         program += f"\ncheck({entry})\n"
     if equality is None:
         return program
     # `from __future__` must open a file: such lines of the answer go above the helper.
     future = "".join(_FUTURE.findall(program))
-    return future + PRELUDE.format(name=equality) + _FUTURE.sub("", program)
+    return future + PRELUDE.format(name=equality, tests=f"<tests-{equality}>") + _FUTURE.sub("", program)
 
 
 def parse_task(answer: str | dict) -> dict:

@@ -99,7 +99,8 @@ def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str]
     if auth.tls and auth.tls.cert_path and auth.tls.key_path:
         argv += ["--ssl-certfile", auth.tls.cert_path, "--ssl-keyfile", auth.tls.key_path]
     argv += cfg.extra_args
-    env = dict(environment_of({Role.CONTROL}), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    # No token in SGLang's environment: it reads its key from the --config memory file only.
+    env = dict(environment_of(set()), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     return argv, env
 
 

@@ -282,6 +282,12 @@ EQUAL_TO_EVERYTHING = [
     "class E(int):\n    __eq__ = lambda self, other: True\ndef square(x):\n    return E(0)",
     "class E:\n    __eq__ = bool\ndef square(x):\n    return E()",  # a builtin as __eq__: truthy for 9 and 4
     "class E:\n    def __eq__(self, other):\n        return True\ndef square(x):\n    return [E()][0]",
+    "from unittest.mock import ANY\ndef square(x):\n    return ANY",  # a library's object equal to all
+    "class E:\n    __eq__ = id\ndef square(x):\n    return E()",
+    "ns = {}\nexec('def eq(s, o): return True', ns)\nclass E:\n    __eq__ = ns['eq']\ndef square(x):\n    return E()",
+    "from fractions import Fraction\nFraction.__eq__ = lambda s, o: True\ndef square(x):\n    return Fraction(0)",
+    "from collections import namedtuple\nP = namedtuple('P', 'a')\nP.__eq__ = lambda s, o: True\n"
+    "def square(x):\n    return P(0)",
 ]
 
 
@@ -304,3 +310,15 @@ def test_values_of_the_standard_librarys_classes_still_compare_by_their_own_equa
     )
     assert reward(answer, task) == 1.0
     assert reward(answer.replace("Fraction(n, 3)", "Fraction(n, 4)"), task) == 0.0
+
+
+def test_a_class_the_tests_define_compares_by_its_own_equality(reward):
+    """A ListNode the task's tests bring (with their __eq__) is the tests' word, not the answer's."""
+    tests = (
+        "class Node:\n    def __init__(self, v, nxt=None):\n        self.v, self.nxt = v, nxt\n"
+        "    def __eq__(self, o):\n        return isinstance(o, Node) and (self.v, self.nxt) == (o.v, o.nxt)\n"
+        "assert rev(Node(1, Node(2))) == Node(2, Node(1))\n"
+    )
+    answer = "def rev(n):\n    out = None\n    while n:\n        out, n = Node(n.v, out), n.nxt\n    return out\n"
+    assert reward(answer, json.dumps({"tests": tests})) == 1.0
+    assert reward(answer.replace("Node(n.v, out)", "Node(n.v + 1, out)"), json.dumps({"tests": tests})) == 0.0

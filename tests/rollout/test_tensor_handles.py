@@ -118,24 +118,34 @@ def test_the_receiver_checks_names_and_shapes_before_mapping_anything():
         handles.close()
 
 
-def test_cuda_entries_are_read_field_by_field():
-    """A CUDA IPC entry (the fields of UntypedStorage._share_cuda_), parsed without a GPU: what the
-    receiver would map is checked first; mapping it is `make gpu-check`'s ipc part."""
+def test_cuda_entries_are_read_field_by_field(monkeypatch):
+    """A CUDA IPC entry (the fields of UntypedStorage._share_cuda_), parsed without a GPU (one is
+    pretended): what torch would take unchecked is checked first; mapping it is `make gpu-check`'s
+    ipc part."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cuda = {
         "device": 0,
         "handle": base64.b64encode(b"h" * 64).decode(),
         "size": 16,
         "offset": 0,
-        "ref_counter": base64.b64encode(b"/torch_ref").decode(),
+        "ref_counter": base64.b64encode(b"/torch_123_456_0").decode(),
         "ref_counter_offset": 0,
         "event": base64.b64encode(b"e" * 64).decode(),
         "event_sync": True,
     }
     entry = {"name": "w", "dtype": "float32", "shape": [4], "stride": [1], "storage_offset": 0, "cuda": cuda}
     (ref,) = th.describe(_payload({"format": th.FORMAT, "tensors": [entry]}))
-    assert ref.cuda == (0, b"h" * 64, 16, 0, b"/torch_ref", 0, b"e" * 64, True) and ref.nbytes_spanned() == 16
+    assert ref.cuda == (0, b"h" * 64, 16, 0, b"/torch_123_456_0", 0, b"e" * 64, True)
+    assert ref.nbytes_spanned() == 16
+    b64 = base64.b64encode
     for field, value, error in [
         ("handle", "!!", "cuda.handle: expected base64"),
+        ("handle", b64(b"h" * 63).decode(), "handle and event are 64 bytes each"),
+        ("event", b64(b"e" * 65).decode(), "handle and event are 64 bytes each"),
+        ("ref_counter", b64(b"/etc/passwd").decode(), "not a torch reference-counter name"),
+        ("ref_counter_offset", 10_000, "ref_counter_offset: at most 9999"),  # torch decrements it unchecked
+        ("device", 1, "no CUDA device 1 here"),
         ("device", -1, "cuda.device: expected an integer >= 0"),
         ("event_sync", 1, "cuda.event_sync: expected true or false"),
         ("extra", 1, "cuda: expected the fields"),
@@ -143,6 +153,24 @@ def test_cuda_entries_are_read_field_by_field():
         bad = {**entry, "cuda": {**cuda, field: value}}
         with pytest.raises(ValueError, match=error):
             th.describe(_payload({"format": th.FORMAT, "tensors": [bad]}))
+
+
+def test_a_segment_name_that_is_a_link_or_a_huge_shape_is_refused_cleanly(tmp_path):
+    handles = th.dumps([("w", torch.ones(4))])
+    link = Path("/dev/shm/rollmesh_w_" + "a" * 16)
+    try:
+        link.symlink_to(Path("/dev/shm") / handles.segment.name)
+        doc = _doc(handles.payload)
+        doc["tensors"][0]["shm"]["segment"] = link.name
+        with pytest.raises(ValueError, match="Too many levels of symbolic links"):
+            th.loads(_payload(doc))
+        doc = _doc(handles.payload)
+        doc["tensors"][0] |= {"shape": [2**62, 2**62], "stride": [1, 1]}  # checked against the model as meta
+        with pytest.raises(ValueError, match="tensor handle"):
+            th.loads(_payload(doc), check=lambda tensors: None)
+    finally:
+        link.unlink(missing_ok=True)
+        handles.close()
 
 
 def test_sglangs_encoding_is_for_cuda_tensors_only():

@@ -66,7 +66,7 @@ def test_the_command_carries_the_flags_rl_needs(tiny_model):
         sglang_command(cfg.model_copy(update={"enable_memory_saver": True}), AuthConfig(token="t"))[0]
     )
     assert "--enable-memory-saver" in memory_saver
-    assert env["HF_HUB_OFFLINE"] == "1" and "ROLLMESH_TOKEN" not in env  # the control token only
+    assert env["HF_HUB_OFFLINE"] == "1" and "ROLLMESH_TOKEN" not in env and "ROLLMESH_CONTROL_TOKEN" not in env
 
 
 def test_a_bad_sglang_config_is_refused_by_field(tiny_model, tmp_path):
