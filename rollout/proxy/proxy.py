@@ -421,7 +421,7 @@ class LLMProxy:
         self,
         version: int,
         index: int,
-        data: bytes,
+        data: bytes | bytearray,
         final: bool,
         restore_path: str,
         timeout_s: float = 0.0,

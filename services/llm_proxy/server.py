@@ -237,10 +237,10 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
         return pb.UpdateWeightsResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
 
     async def update_weights_bucket(pieces, ctx) -> pb.UpdateWeightsResponse:
-        req = await receive_bucket(pieces, ctx)
+        req, data = await receive_bucket(pieces, ctx)
         try:
             ok, results = await proxy.update_weights_bucket(
-                req.weight_version, req.index, req.safetensors, req.final, req.restore_path, req.timeout_s, req.format
+                req.weight_version, req.index, data, req.final, req.restore_path, req.timeout_s, req.format
             )
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -328,10 +328,11 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
     )
 
 
-async def receive_bucket(pieces, ctx) -> pb.WeightBucket:
-    """A bucket's pieces as one message: the first carries every field, the later ones only more
-    ``safetensors`` bytes; refused as soon as they pass MAX_WEIGHT_BUCKET_MB."""
-    first, parts, size = None, [], 0
+async def receive_bucket(pieces, ctx) -> tuple[pb.WeightBucket, bytearray]:
+    """A bucket's pieces: the first's fields and all their ``safetensors`` bytes, grown in place (a
+    large bytearray grows by remapping, not copying: about one bucket in memory, not two); refused
+    as soon as they pass MAX_WEIGHT_BUCKET_MB."""
+    first, data = None, bytearray()
     async for piece in pieces:
         if first is None:
             first = piece
@@ -339,17 +340,15 @@ async def receive_bucket(pieces, ctx) -> pb.WeightBucket:
             await ctx.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "WeightBucket: a later piece carries more than safetensors"
             )
-        size += len(piece.safetensors)
-        if size > MAX_WEIGHT_BUCKET_MB << 20:
+        if len(data) + len(piece.safetensors) > MAX_WEIGHT_BUCKET_MB << 20:
             await ctx.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"safetensors: a bucket is at most {MAX_WEIGHT_BUCKET_MB} MiB"
             )
-        parts.append(piece.safetensors)
+        data += piece.safetensors
     if first is None:
         await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "WeightBucket: no message")
-    if len(parts) > 1:
-        first.safetensors = b"".join(parts)
-    return first
+    first.ClearField("safetensors")
+    return first, data
 
 
 async def start_proxy(config: ProxyConfig, auth: AuthConfig | None = None) -> tuple[grpc.aio.Server, LLMProxy]:
