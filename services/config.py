@@ -166,9 +166,10 @@ class RollmeshConfig(BaseModel):
                 f"train_loop.publisher: engine.type {self.engine.type!r} receives weights by "
                 f"{' or '.join(sorted(engine.transports))}, not {kind}"
             )
-        if kind == "ipc" and self.engine.type == "sglang":  # SGLang reads its own (pickled) handles
-            publisher.encoding = "sglang"
-        if kind == "collective" and publisher.master_address not in self.proxy.weight_group_hosts:
+        fields = type(publisher).model_fields
+        if "encoding" in fields:  # tensor handles (ipc), written as this engine reads them
+            publisher.encoding = engine.handle_encoding
+        if "master_address" in fields and publisher.master_address not in self.proxy.weight_group_hosts:
             self.proxy.weight_group_hosts.append(publisher.master_address)  # the one place it is said
         if self.devices.placement == "colocated" and not engine.releases_memory:
             raise ValueError(

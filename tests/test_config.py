@@ -160,3 +160,10 @@ def test_a_collective_publishers_master_address_is_where_the_proxy_lets_a_group_
     cfg = load_config(None, ["train_loop.publisher={type: collective, master_address: trainer.mesh.svc}"])
     assert cfg.proxy.weight_group_hosts == ["127.0.0.1", "localhost", "::1", "trainer.mesh.svc"]
     assert load_config(None, []).proxy.weight_group_hosts == ["127.0.0.1", "localhost", "::1"]
+
+
+def test_ipc_handles_are_written_as_the_engine_reads_them():
+    ipc = "train_loop.publisher={type: ipc}"
+    assert load_config(None, [ipc]).train_loop.publisher.encoding == "rollmesh"  # the embedded engine
+    sglang = load_config(None, [ipc, "engine={type: sglang}"])
+    assert sglang.train_loop.publisher.encoding == "sglang"

@@ -52,6 +52,9 @@ class Backend:
     uses_gpu: bool = True
     torch_threads: bool = False  # a torch process in rollmesh's hands: `rollmesh run` sets its num_threads
     colocated_settings: tuple[tuple[str, object], ...] = ()  # engine.<key> = value when colocated
+    # How the ``ipc`` transport writes tensor handles for it (rollout/engines/tensor_handles.py):
+    # rollmesh's own format, read by code, or SGLang's pickled one, which SGLang reads itself.
+    handle_encoding: Literal["rollmesh", "sglang"] = "rollmesh"
 
     def serve_fn(self):
         return _attribute(self.serve)
@@ -89,6 +92,7 @@ BACKENDS: dict[str, Backend] = {
         "sglang",
         "services.engine.sglang_server:serve",
         colocated_settings=(("enable_memory_saver", True),),
+        handle_encoding="sglang",
     ),
     "sim": Backend(SimEngineConfig, "sglang", _IN_PROCESS, "rollout.engines.sim.engine:SimEngine", uses_gpu=False),
 }

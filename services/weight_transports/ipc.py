@@ -80,7 +80,7 @@ class IpcPublisherConfig(BaseModel):
     encoding: Literal["rollmesh", "sglang"] = Field(
         "rollmesh",
         description="How the handles are written: rollmesh's own format, read by code (the embedded engine), "
-        "or SGLang's pickled one, which SGLang reads itself (set for you where engine.type is sglang).",
+        "or SGLang's pickled one, which SGLang reads itself; set from the engine (services/engine/backends.py).",
     )
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> IpcPublisher:
