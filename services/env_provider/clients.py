@@ -160,12 +160,16 @@ class _HttpBase:
             raise ProviderError("garbage", f"{self.address}: 'observation' is not an object: {str(obs)[:80]!r}")
         if not isinstance(done, bool) or not (reward is None or isinstance(reward, int | float)):
             raise ProviderError("garbage", f"{self.address}: 'done' or 'reward' has the wrong type")
-        content = obs.get(self.config.observation_key)
-        if content is None:
+        key = self.config.observation_key
+        content = obs.get(key)
+        if content is None and done:  # a last observation needs no text (OpenEnv's end their fields with null)
+            content = ""
+        elif not isinstance(content, str):
+            what = "missing" if key not in obs else "null" if content is None else f"a {type(content).__name__}"
             raise ProviderError(
                 "garbage",
-                f"{self.address}: the observation has no {self.config.observation_key!r} "
-                f"(it has {sorted(obs)}; set env.observation_key)",
+                f"{self.address}: the observation's {key!r} is {what}, not text "
+                f"(its fields: {sorted(obs)}; env.observation_key names the one to show)",
             )
         role = obs.get("role") or "user"
         info = obs.get("info") if isinstance(obs.get("info"), dict) else {}
@@ -273,8 +277,11 @@ class OpenEnvClient(_HttpBase):
 
     async def _send(self, episode_id: str, message: dict, timeout_s: float) -> dict:
         sock = self._sockets.get(episode_id)
-        if sock is None or sock.ws.closed:
+        if sock is None:
             raise ProviderError("refused", f"{self.address}: episode {episode_id!r} has no open session")
+        if sock.ws.closed:  # the server closed it: it died, or dropped the session
+            await self._drop(episode_id)
+            raise ProviderError("unreachable", f"{self.address}/ws: the session of {episode_id!r} was closed")
         try:
             await sock.ws.send_str(json.dumps(message))
             reply = await asyncio.wait_for(sock.replies.get(), timeout_s)
@@ -299,6 +306,9 @@ class OpenEnvClient(_HttpBase):
             if error.get("code") == "TIMEOUT":  # rollmesh's provider: its environment missed the deadline
                 await self._drop(episode_id)
                 raise ProviderTimeout(f"{self.address}/ws: {_message(error)}")
+            if error.get("code") == "CAPACITY_REACHED":  # OpenEnv's: every session taken; the episode waits
+                await self._drop(episode_id)
+                raise ProviderError("busy", f"{self.address}/ws: {_message(error)}", retryable=True)
             raise ProviderError("refused", f"{self.address}/ws: {_message(error)}")
         return data.get("data") if isinstance(data.get("data"), dict) else {}
 

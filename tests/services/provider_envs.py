@@ -81,3 +81,39 @@ def openenv_app():
             return self._state
 
     return create_app(GuessEnv, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=16)
+
+
+def openenv_one_session_app():
+    """OpenEnv's shapes from its repository's examples, written with openenv-core alone: one session
+    at a time (``max_concurrent_envs=1``: a second socket gets CAPACITY_REACHED), and a last
+    observation whose text field is null (reasoning_gym_env's ``question: null`` with ``done``)."""
+    from openenv.core.env_server import Environment, create_app
+    from openenv.core.env_server.types import Action, Observation, State
+
+    class AnswerAction(Action):
+        answer: str
+
+    class QuestionObservation(Observation):
+        question: str | None = None
+        score: float | None = None
+
+    class SumEnv(Environment):
+        def __init__(self) -> None:
+            super().__init__()
+            self._state, self.total = State(), 0
+
+        def reset(self, seed=None, episode_id=None, **kwargs) -> QuestionObservation:
+            self._state = State(episode_id=episode_id, step_count=0)
+            self.total = 2 + (seed or 0)
+            return QuestionObservation(question=f"What is 2 + {seed or 0}?")
+
+        def step(self, action: AnswerAction, timeout_s=None, **kwargs) -> QuestionObservation:
+            self._state.step_count += 1
+            score = float(action.answer.strip() == str(self.total))
+            return QuestionObservation(question=None, score=score, reward=score, done=True)
+
+        @property
+        def state(self) -> State:
+            return self._state
+
+    return create_app(SumEnv, AnswerAction, QuestionObservation, env_name="sum", max_concurrent_envs=1)

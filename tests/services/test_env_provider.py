@@ -359,6 +359,49 @@ def test_an_openenv_server_plugs_in_unchanged():
     assert (right.reward, right.done) == (1.0, True)
 
 
+def _uvicorn_factory(factory: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "uvicorn", "--factory", factory, "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--log-level", "warning"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_healthy(url + "/health", 60, proc)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, url
+
+
+def test_an_openenv_server_of_one_session_and_null_last_fields_serves_every_episode_in_turn():
+    """OpenEnv's own shapes: at capacity it answers CAPACITY_REACHED, and the episode waits for the
+    session (busy, not a failure); the last observation's text field is null with done."""
+    proc, url = _uvicorn_factory("tests.services.provider_envs:openenv_one_session_app")
+    try:
+
+        async def episode(pool, seed: int):
+            env = RemoteEnv(pool, f"sum-{seed}")
+            try:
+                question = await env.reset(seed, timeout_s=60)
+                return question, await env.step(str(2 + seed))
+            finally:
+                await env.close()
+
+        async def main():
+            pool = pool_for("openenv", [url], action_key="answer", observation_key="question")
+            try:
+                return await asyncio.gather(*(episode(pool, s) for s in range(3))), dict(pool.counters)
+            finally:
+                await pool.aclose()
+
+        results, counters = asyncio.run(main())
+    finally:
+        stop_process(proc)
+    assert [q for q, _ in results] == [f"What is 2 + {s}?" for s in range(3)]
+    assert all((r.observation, r.reward, r.done) == (None, 1.0, True) for _, r in results), results
+    assert counters.get("failed_busy", 0) >= 1, counters  # they queued for the one session
+    assert not {"marked_down", "failed_garbage", "failed_unreachable", "failed_refused"} & set(counters), counters
+
+
 def test_openenvs_own_client_drives_a_rollmesh_provider():
     """The other way round: OpenEnv's GenericEnvClient (it sends no token: auth off on this one)."""
     proc, _, url = start_provider_process(SCRIPT, ["auth.disabled=true"])
