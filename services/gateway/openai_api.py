@@ -3,7 +3,8 @@
 Requests accept fields this gateway does not act on (``user``, ``store``, ``parallel_tool_calls``,
 ``metadata``, ...) and ignore them, as OpenAI-compatible servers do, because agent frameworks
 send them; fields whose meaning it cannot honour are refused by name (``echo``; ``tool_choice``
-other than ``auto`` or ``none``: forcing a call needs constrained decoding, which no engine here does).
+other than ``auto`` or ``none`` and ``response_format`` other than ``text``: forcing a call, JSON
+mode and schemas need constrained decoding, which no engine here does).
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ class _Request(BaseModel):
     seed: int | None = Field(None)
     stream: bool = Field(False)
     stream_options: dict | None = Field(None)
+    response_format: dict | None = Field(None)
+
+    @field_validator("response_format")
+    @classmethod
+    def _format_we_can_honour(cls, fmt):
+        # Silently ignored, a JSON mode or schema got free text, which the agent failed to parse far
+        # from the cause (LangChain's with_structured_output): refused by name instead.
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise ValueError(
+                f"type {fmt.get('type')!r}: only text; JSON mode and schemas need constrained decoding, "
+                "which no engine here does"
+            )
+        return fmt
 
     @field_validator("stop")
     @classmethod

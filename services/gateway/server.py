@@ -61,7 +61,7 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
     tokenizer = sessions.renderer.tokenizer
     in_flight: Counter[str] = Counter()
     counts: Counter[tuple[str, str]] = Counter()  # (route, status class)
-    started = time.monotonic()
+    started = time.time()  # a Unix time: /v1/models answers it as OpenAI's "created"
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -73,7 +73,9 @@ def test_the_openai_client_lists_chats_streams_and_completes(engine_url, tiny_mo
     async def main():
         async with gateway(engine_url, tiny_model) as (url, _, _):
             c = client(url)
-            models = [m.id async for m in c.models.list()]
+            listed = [m async for m in c.models.list()]
+            models = [m.id for m in listed]
+            assert listed[0].created > 1_600_000_000, listed  # a Unix time (2020 on), not seconds since boot
             two = await c.chat.completions.create(
                 model="rollmesh-policy", messages=USER, n=2, max_tokens=8, logprobs=True, seed=7
             )
@@ -187,6 +189,9 @@ def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_ur
                 "max_tokens": lambda: c.chat.completions.create(model="m", messages=USER, max_tokens=10_000),
                 "role": lambda: c.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}]),
                 "messages": lambda: c.chat.completions.create(model="m", messages=[]),
+                "response_format": lambda: c.chat.completions.create(
+                    model="m", messages=USER, response_format={"type": "json_object"}
+                ),
                 "session": lambda: c.chat.completions.create(
                     model="m", messages=USER, extra_headers={"x-rollmesh-session": "sess-nope"}
                 ),
@@ -224,7 +229,7 @@ def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_ur
 
     errors, after, other = asyncio.run(main())
     assert errors["key"][0] == 401 and errors["key"][1]["code"] == "invalid_api_key"
-    for field in ("temperature", "top_logprobs", "tool_choice", "max_tokens", "messages"):
+    for field in ("temperature", "top_logprobs", "tool_choice", "max_tokens", "messages", "response_format"):
         status, body = errors[field]
         assert status == 400 and body["param"] == field and body["type"] == "invalid_request_error", (field, body)
     assert errors["role"][0] == 400 and "wizard" in errors["role"][1]["message"]
