@@ -52,6 +52,10 @@ class GenerateReq(BaseModel):
     stream: bool = Field(False, description="Server-sent events, one per token, then the whole answer (one prompt).")
 
 
+GENERATE_FIELDS = frozenset(GenerateReq.model_fields)
+COUNTED_IGNORED = frozenset({"model"})  # what sglang-router adds
+
+
 class AbortReq(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rid: str = ""
@@ -89,6 +93,12 @@ class _Metrics:
         init_labels(self.requests, "stop", "length", "abort")
         self.tokens = Counter("rollmesh_engine_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("rollmesh_engine_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.ignored = Counter(
+            "rollmesh_engine_ignored_fields",
+            "Top-level /generate fields SGLang does not define, ignored as SGLang ignores them",
+            ["field"],
+            registry=r,
+        )
         self.latency = histogram(r, "rollmesh_engine_generation_latency_seconds", "One generate request, end to end")
         self.ttft = histogram(r, "rollmesh_engine_time_to_first_token_seconds", "Submit to first generated token")
         self.queue = histogram(r, "rollmesh_engine_queue_time_seconds", "Submit to admission into the running batch")
@@ -179,7 +189,10 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
     @app.post("/generate")
     async def generate(body: dict = Body(...)):
         try:
-            req = GenerateReq.model_validate(strip_request(body))
+            ignored: list[str] = []
+            req = GenerateReq.model_validate(strip_request(body, GENERATE_FIELDS, ignored))
+            for name in ignored:  # a label per name SGLang's own tools send; the rest together
+                metrics.ignored.labels(name if name in COUNTED_IGNORED else "other").inc()
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
         prompts, batched = prompts_of(req)

@@ -4,8 +4,12 @@ SGLang's own tools send fields from its ``GenerateReqInput`` and ``SamplingParam
 ``io_struct.py`` and ``sampling_params.py`` in SGLang). A field SGLang defines is not unknown
 here: one that cannot change the tokens generated (routing hints, logging, detokenizer options)
 is accepted and ignored; one that would change them is accepted at SGLang's default and refused,
-named, at any other value, since silently ignoring it would return something else than asked. A
-field SGLang does not define stays an error ("unknown field").
+named, at any other value, since silently ignoring it would return something else than asked.
+
+A top-level field SGLang does not define is ignored, as SGLang's HTTP server ignores it (its request
+is a dataclass FastAPI reads leniently): SGLang's router adds ``model`` to every ``/generate`` it
+forwards. It is counted (``rollmesh_engine_ignored_fields_total``). Inside ``sampling_params`` an
+unknown name stays an error, as it is in SGLang's ``SamplingParams``.
 """
 
 from __future__ import annotations
@@ -96,9 +100,15 @@ def _strip(fields: dict, inert: frozenset, default_only: dict, where: str) -> di
     return out
 
 
-def strip_request(body: dict) -> dict:
-    """``body`` without the SGLang fields the engine accepts and ignores (in its sampling params too)."""
+def strip_request(body: dict, known: frozenset[str] = frozenset(), ignored: list[str] | None = None) -> dict:
+    """``body`` without the SGLang fields the engine accepts and ignores (in its sampling params too);
+    ``known``: the engine's own top-level fields: any other name is dropped and added to ``ignored``."""
     out = _strip(body, INERT_REQUEST, DEFAULT_ONLY_REQUEST, "")
+    if known:
+        for name in [n for n in out if n not in known]:
+            del out[name]
+            if ignored is not None:
+                ignored.append(name)
     params = out.get("sampling_params")
     if isinstance(params, dict):
         out["sampling_params"] = _strip(params, INERT_SAMPLING, DEFAULT_ONLY_SAMPLING, "sampling_params.")

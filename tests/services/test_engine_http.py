@@ -81,7 +81,6 @@ def test_batch_generate_and_logprobs_match_teacher_forcing(engine_url, tiny_mode
         ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
         ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
-        ({"input_ids": [1], "text_input": "hi"}, "text_input"),
         ({"input_ids": "abc"}, "input_ids"),
         ({"sampling_params": {}}, "input_ids"),
         ({"input_ids": [[1], [2]], "stream": True}, "stream"),  # a stream carries one prompt
@@ -249,12 +248,30 @@ def test_text_prompts_and_sglang_fields_it_accepts_or_names(engine_url, tiny_mod
             "not supported by the embedded engine",
         ),
         ({"text": "a", "lora_path": "/adapters/x"}, "lora_path", "not supported"),
-        ({"text": "a", "no_such_field": 1}, "no_such_field", "unknown field"),
+        ({"text": "a", "sampling_params": {"no_such_field": 1}}, "sampling_params.no_such_field", "unknown field"),
         ({"text": "a", "input_ids": [1]}, "input_ids", "exactly one of input_ids and text"),
         ({"text": ["a", "b"], "stream": True}, "stream", "one prompt"),
     ]:
         bad = post(engine_url, "/generate", json=body)
         assert bad.status_code == 400 and bad.json()["field"] == field and says in bad.json()["message"], bad.text
+
+
+def test_top_level_fields_sglang_does_not_define_are_ignored_and_counted(engine_url):
+    """SGLang's router adds `model` to every /generate it forwards; SGLang's server ignores such
+    fields, so the embedded engine does too (counted), and answers the same tokens."""
+
+    def ignored(field: str) -> float:
+        text = httpx.get(engine_url + "/metrics", timeout=10).text
+        line = f'rollmesh_engine_ignored_fields_total{{field="{field}"}}'
+        return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+    body = {"input_ids": [1, 4, 5], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    before = ignored("model"), ignored("other")
+    plain = post(engine_url, "/generate", json=body)
+    routed = post(engine_url, "/generate", json={**body, "model": "default", "x_router_hint": 3})
+    assert plain.status_code == routed.status_code == 200, routed.text
+    assert routed.json()["output_ids"] == plain.json()["output_ids"]
+    assert (ignored("model"), ignored("other")) == (before[0] + 1, before[1] + 1)
 
 
 def test_stream_sends_each_token_then_the_answer_and_a_dropped_stream_aborts(engine_url):

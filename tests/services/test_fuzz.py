@@ -1249,6 +1249,16 @@ def http_requests(draw, route: str, kind: str, vocab: int, context: int, model_p
         )
         return draw(data.filter(lambda b: not _is_json_object(b))), None, "body"
     if kind == "unknown":
+        if route == "/generate":  # at the top level ignored, as SGLang ignores it; not in sampling_params
+            from services.engine.sglang_fields import DEFAULT_ONLY_SAMPLING, INERT_SAMPLING
+
+            taken = {*body["sampling_params"], *INERT_SAMPLING, *DEFAULT_ONLY_SAMPLING}
+            key = draw(st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True).filter(lambda k: k not in taken))
+            return (
+                {**body, "sampling_params": {**body["sampling_params"], key: draw(JSON_VALUES)}},
+                None,
+                "sampling_params",
+            )
         key = draw(st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True).filter(lambda k: k not in body))
         return {**body, key: draw(JSON_VALUES)}, None, key
     if kind == "huge":  # token lists longer than the context, in and out of the vocabulary
