@@ -123,12 +123,16 @@ class ChatRequest(_Request):
 
     def rendered_messages(self) -> list[dict]:
         """Messages for the chat template: ``developer`` is OpenAI's new name for ``system``; content
-        given as a list of parts is its text, as the message's key reads it."""
+        given as a list of parts is its text, as the message's key reads it; content null or left out
+        (an assistant turn of tool calls, as LangChain sends it back) is empty text, since most
+        templates read ``message['content']`` unconditionally."""
         out = []
         for m in self.messages:
             m = {**m, "role": "system"} if m["role"] == "developer" else dict(m)
             if isinstance(m.get("content"), list):
                 m["content"] = text_of(m["content"])
+            elif m.get("content") is None:
+                m["content"] = ""
             out.append(m)
         return out
 

@@ -39,7 +39,8 @@ async def gateway(
     controller = controller or {"async_ratio": 1, "groups_per_step": 4}
     async with local_mesh(engine_url, model, buffer={"filter_zero_variance": False}, **controller) as mesh:
         cfg = GatewayConfig(port=free_port(), **config)
-        renderer = TemplateRenderer(AutoTokenizer.from_pretrained(model), template or TOOLS_TEMPLATE.read_text())
+        template = None if template == "own" else template or TOOLS_TEMPLATE.read_text()  # "own": the model's
+        renderer = TemplateRenderer(AutoTokenizer.from_pretrained(model), template)
         sessions = AgentSessions(
             cfg.sessions,
             renderer,
@@ -165,6 +166,27 @@ def test_top_logprobs_are_each_positions_most_likely_tokens(engine_url, tiny_mod
         assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
     tops = text.choices[0].logprobs.top_logprobs
     assert len(tops) == text.usage.completion_tokens and all(len(top) == 2 for top in tops)
+
+
+def test_a_tool_agents_second_turn_renders_with_the_models_own_template(engine_url, tiny_model):
+    """LangChain sends the assistant's tool-call turn back with content null (or none at all); the
+    model's own template reads message['content'] unconditionally and failed on it (a 400)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+    async def main():
+        async with gateway(engine_url, tiny_model, template="own") as (url, _, _):
+            c, answers = client(url), []
+            for assistant in (
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "assistant", "tool_calls": [call]},
+            ):
+                messages = [*USER, assistant, {"role": "tool", "tool_call_id": "c1", "content": "7"}]
+                answers.append(await c.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=3))
+            return answers
+
+    answers = asyncio.run(main())
+    assert [a.choices[0].finish_reason for a in answers] == ["length", "length"]
 
 
 def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_url, tiny_model):
