@@ -186,7 +186,15 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
             finish, why = FinishReason.TIMEOUT, {"timeout": budget}
             break
         t_gen = time.monotonic()
-        gen = await generate(tokens, sampling, trajectory_id, timeout_s)
+        try:
+            gen = await generate(tokens, sampling, trajectory_id, timeout_s)
+        except ValueError as e:
+            if not str(e).startswith("input_ids"):  # a request the config made wrong: not this episode's
+                raise
+            # The engine refused the prompt itself: the conversation outgrew the model's context.
+            log.warning("%s: generation refused: %s", trajectory_id, e)
+            finish, why = FinishReason.ENV_ERROR, {"error": str(e)[:500], "error_kind": "context"}
+            break
         generate_s = time.monotonic() - t_gen
         turns.append(len(tokens))
         tokens += gen.output_ids

@@ -87,7 +87,8 @@ class EnvMetrics(RolloutObserver):
         self.env_errors = Counter(
             "rollmesh_env_errors",
             "Episodes ended as env_error, by kind (a provider's: unreachable, garbage, refused, "
-            "observation, action; a local environment's: raised)",
+            "observation, action; a local environment's: raised; context: the conversation outgrew the "
+            "model's context and the engine refused the next turn)",
             ["kind"],
             registry=r,
         )

@@ -257,3 +257,45 @@ def test_proxy_generate_maps_grpc_errors_to_the_projects_own():
     with pytest.raises(TransientError) as e:
         asyncio.run(main())
     assert e.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def test_a_conversation_that_outgrows_the_context_ends_as_an_env_error_of_kind_context(engine_url, tiny_model):
+    """The engine refuses a prompt that fills the model's context: the episode ends as env_error,
+    kind ``context``, naming it (it was an exception in the log only)."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from rollout.episode import EpisodeConfig, run_episode
+    from rollout.ports import FinishReason
+    from rollout.sampling import SamplingParams
+    from services.llm_proxy.client import ProxyGenerate
+    from tests.services.mesh import local_mesh
+
+    class Chatty:  # the second turn's observation is longer than any context here
+        name = "chatty"
+
+        def reset(self, seed):
+            return "Say something."
+
+        def step(self, action):
+            from rollout.envs import StepResult
+
+            return StepResult("and more " * 4000, 0.0, False)
+
+    async def main():
+        async with local_mesh(engine_url, tiny_model) as mesh:
+            proxy = ProxyGenerate(mesh.proxy_client)
+
+            async def generate(ids, sampling, trajectory_id, timeout_s):
+                return await proxy.generate(
+                    ids, sampling, request_id=trajectory_id, route=trajectory_id, timeout_s=timeout_s
+                )
+
+            config = EpisodeConfig(max_turns=3, sampling=SamplingParams(max_new_tokens=2))
+            tok = AutoTokenizer.from_pretrained(tiny_model)
+            return await run_episode(Chatty(), 0, generate, tok, config, trajectory_id="t", group_id="g", prompt_id="p")
+
+    traj = asyncio.run(main())
+    assert traj.finish_reason == FinishReason.ENV_ERROR and traj.metadata["error_kind"] == "context", traj.metadata
+    assert "context" in traj.metadata["error"] and len(traj.behavior_logprobs) == 2  # the first turn stays
