@@ -143,8 +143,16 @@ class RemoteEnvConfig(BaseModel):
     )
     max_action_chars: int = Field(65_536, ge=1, description="A longer action is refused before it is sent.")
     action_key: str = Field("content", description="openenv: the action field that carries the model's text.")
-    observation_key: str = Field(
-        "content", description="openenv: the observation field that carries the text the model sees."
+    observation_key: str | list[str] = Field(
+        "content",
+        description="openenv: the observation field with the text the model sees, or several: the first that "
+        "holds any ([messages, prompt]: the feedback once there is some, the rules before). A field may hold "
+        "text or a list of messages (their contents, one per line).",
+    )
+    observation_format: str | None = Field(
+        None,
+        description="openenv: 'module:function' taking the observation (a dict) and returning the text the "
+        "model sees, for shapes observation_key cannot say; it replaces observation_key.",
     )
     token_env: str | None = Field(
         "ROLLMESH_PROVIDER_TOKEN",

@@ -115,6 +115,7 @@ class _HttpBase:
     def __init__(self, address: str, config: RemoteEnvConfig, auth: AuthConfig) -> None:
         self.address, self.config = address.rstrip("/"), config
         self._headers, self._ssl = http_headers(auth, Role.DATA), auth.client_ssl()
+        self._format = _formatter(config.observation_format) if config.observation_format else None
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -160,20 +161,34 @@ class _HttpBase:
             raise ProviderError("garbage", f"{self.address}: 'observation' is not an object: {str(obs)[:80]!r}")
         if not isinstance(done, bool) or not (reward is None or isinstance(reward, int | float)):
             raise ProviderError("garbage", f"{self.address}: 'done' or 'reward' has the wrong type")
-        key = self.config.observation_key
-        content = obs.get(key)
+        content = self._text(obs)
         if content is None and done:  # a last observation needs no text (OpenEnv's end their fields with null)
             content = ""
-        elif not isinstance(content, str):
-            what = "missing" if key not in obs else "null" if content is None else f"a {type(content).__name__}"
+        elif content is None:
+            keys = self.config.observation_key
             raise ProviderError(
                 "garbage",
-                f"{self.address}: the observation's {key!r} is {what}, not text "
-                f"(its fields: {sorted(obs)}; env.observation_key names the one to show)",
+                f"{self.address}: no text in the observation's {keys!r} "
+                f"(its fields: {sorted(obs)}; env.observation_key or env.observation_format says what to show)",
             )
         role = obs.get("role") or "user"
         info = obs.get("info") if isinstance(obs.get("info"), dict) else {}
         return Observation(content, role, float(reward or 0.0), done, info)
+
+    def _text(self, obs: dict) -> str | None:
+        """The text the model sees: the formatter's, or the first of the keys that holds any."""
+        if self._format is not None:
+            try:
+                text = self._format(obs)
+            except Exception as e:  # the formatter is the run's code: its failure is the episode's
+                raise ProviderError("observation", f"env.observation_format raised {type(e).__name__}: {e}") from None
+            return text if isinstance(text, str) else None
+        keys = self.config.observation_key
+        for key in [keys] if isinstance(keys, str) else keys:
+            text = _as_text(obs.get(key))
+            if text:
+                return text
+        return None
 
     async def healthy(self, timeout_s: float) -> bool:
         try:
@@ -253,6 +268,31 @@ class _Socket:
         self._reader.cancel()
         if not self.ws.closed:
             await self.ws.close()
+
+
+def _as_text(value) -> str | None:
+    """A field's text: a string, or a list of messages (dicts with ``content``, or strings)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = [m.get("content") if isinstance(m, dict) else m for m in value]
+        if parts and all(isinstance(p, str) for p in parts):
+            return "\n".join(parts)
+    return None
+
+
+def _formatter(path: str):
+    """``module:function`` of the run's config (never a caller's), imported once."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name) if name else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"env.observation_format: {path!r}: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"env.observation_format: {path!r} is not 'module:function'")
+    return fn
 
 
 class OpenEnvClient(_HttpBase):

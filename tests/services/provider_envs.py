@@ -117,3 +117,52 @@ def openenv_one_session_app():
             return self._state
 
     return create_app(SumEnv, AnswerAction, QuestionObservation, env_name="sum", max_concurrent_envs=1)
+
+
+def openenv_feedback_app():
+    """textarena_env's shape, written with openenv-core alone: the rules in ``prompt`` (every
+    observation), the game's feedback in ``messages`` (a list of messages, empty at first)."""
+    from openenv.core.env_server import Environment, create_app
+    from openenv.core.env_server.types import Action, Observation, State
+
+    class GuessAction(Action):
+        message: str
+
+    class ChatObservation(Observation):
+        prompt: str = ""
+        messages: list[dict] = []
+
+    class GuessEnv(Environment):
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._state, self.target = State(), 1
+
+        def reset(self, seed=None, episode_id=None, **kwargs) -> ChatObservation:
+            self._state, self.target = State(episode_id=episode_id, step_count=0), (seed or 0) % 4 + 1
+            return ChatObservation(prompt="Guess a number from 1 to 4 in [brackets].", messages=[])
+
+        def step(self, action: GuessAction, timeout_s=None, **kwargs) -> ChatObservation:
+            self._state.step_count += 1
+            guess = action.message.strip(" []")
+            won = guess == str(self.target)
+            hint = "You win." if won else "Higher." if guess.isdigit() and int(guess) < self.target else "Lower."
+            feedback = [{"role": "game", "content": f"You guessed {guess}."}, {"role": "game", "content": hint}]
+            return ChatObservation(
+                prompt="Guess a number from 1 to 4 in [brackets].",
+                messages=feedback,
+                reward=float(won),
+                done=won or self._state.step_count >= 4,
+            )
+
+        @property
+        def state(self) -> State:
+            return self._state
+
+    return create_app(GuessEnv, GuessAction, ChatObservation, env_name="feedback", max_concurrent_envs=8)
+
+
+def game_text(observation: dict) -> str:
+    """An ``env.observation_format``: the newest message only."""
+    return observation["messages"][-1]["content"] if observation["messages"] else observation["prompt"]

@@ -402,6 +402,36 @@ def test_an_openenv_server_of_one_session_and_null_last_fields_serves_every_epis
     assert not {"marked_down", "failed_garbage", "failed_unreachable", "failed_refused"} & set(counters), counters
 
 
+def test_an_openenv_servers_feedback_in_its_messages_reaches_the_model():
+    """textarena_env's shape: rules in `prompt`, feedback in `messages`. The first field that holds
+    text, of [messages, prompt], shows the rules first and the feedback after; a formatter
+    (`module:function`) can say it otherwise."""
+    proc, url = _uvicorn_factory("tests.services.provider_envs:openenv_feedback_app")
+    try:
+
+        async def play(**mapping):
+            pool = pool_for("openenv", [url], action_key="message", **mapping)
+            try:
+                env = RemoteEnv(pool, "feedback")
+                first = await env.reset(2)  # the target is 3
+                low, right = await env.step("[1]"), await env.step("[3]")
+                await env.close()
+                return first, low, right
+            finally:
+                await pool.aclose()
+
+        listed = asyncio.run(play(observation_key=["messages", "prompt"]))
+        formatted = asyncio.run(play(observation_format="tests.services.provider_envs:game_text"))
+        with pytest.raises(ValueError, match="env.observation_format: 'tests.services.provider_envs:nope'"):
+            pool_for("openenv", [url], observation_format="tests.services.provider_envs:nope")
+    finally:
+        stop_process(proc)
+    first, low, right = listed
+    assert first == "Guess a number from 1 to 4 in [brackets]."
+    assert low.observation == "You guessed 1.\nHigher." and (right.reward, right.done) == (1.0, True)
+    assert [formatted[0], formatted[1].observation] == ["Guess a number from 1 to 4 in [brackets].", "Higher."]
+
+
 def test_openenvs_own_client_drives_a_rollmesh_provider():
     """The other way round: OpenEnv's GenericEnvClient (it sends no token: auth off on this one)."""
     proc, _, url = start_provider_process(SCRIPT, ["auth.disabled=true"])
