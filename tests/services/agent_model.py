@@ -69,4 +69,6 @@ def build_tool_agent_model(out: Path, tools: list[dict], steps: int = 100, seed:
         opt.step()
     model.eval()
     model.save_pretrained(path)
+    tok.chat_template = TEMPLATE  # the template it learned is its own: a gateway needs no other
+    tok.save_pretrained(path)
     return str(path)

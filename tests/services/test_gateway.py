@@ -449,3 +449,67 @@ def test_an_agents_sdk_agent_runs_its_tool_loop_and_its_session_is_trained_token
     forced = teacher_forced_logprobs(agent_model, ids)
     generated = torch.tensor([forced[i - 1].item() for i in range(1, len(ids)) if mask[i]])
     assert torch.allclose(generated, torch.tensor(traj.behavior_logprobs, dtype=torch.float32), atol=2e-3)
+
+
+def test_a_langgraph_react_agent_runs_its_tool_loop_with_the_models_own_template(agent_model):
+    """LangGraph's ReAct agent over langchain-openai's ChatOpenAI, plain and streamed, with the
+    chat template the model itself ships; LangChain's structured output gets a 400 naming
+    response_format (it was silently ignored, and the free text failed to parse far away)."""
+    from langchain_core.messages import AIMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+    from pydantic import BaseModel
+
+    from services.processes import start_engine_process, stop_process
+    from tests.services.agent_model import INSTRUCTIONS
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    class Sum(BaseModel):
+        total: int
+
+    proc, url_engine = start_engine_process(agent_model)
+
+    async def main():
+        async with gateway(url_engine, agent_model, template="own") as (url, _, _):
+            http = httpx.AsyncClient(headers={"authorization": "Bearer key-alice"}, timeout=30)
+            runs = []
+            for streaming in (False, True):
+                made = (await http.post(url + "/v1/sessions", json={})).json()
+                llm = ChatOpenAI(
+                    model="rollmesh-policy",
+                    base_url=made["base_url"],
+                    api_key="key-alice",
+                    temperature=0.0,
+                    max_tokens=128,
+                    max_retries=0,
+                    streaming=streaming,
+                )
+                agent = create_react_agent(llm, [add], prompt=INSTRUCTIONS)
+                runs.append(await agent.ainvoke({"messages": [("user", "Add 3 and 4.")]}))
+                state = (await http.get(f"{url}/v1/sessions/{made['id']}")).json()
+                assert state["requests"] == 2 and state["branches"] == 1, state  # two turns, one conversation
+            refused = []
+            llm = ChatOpenAI(model="rollmesh-policy", base_url=url + "/v1", api_key="key-alice", max_retries=0)
+            for method in ("json_schema", "json_mode"):
+                try:
+                    await llm.with_structured_output(Sum, method=method).ainvoke("Add 3 and 4.")
+                except openai.BadRequestError as e:
+                    refused.append(e.body)
+            await http.aclose()
+            return runs, refused
+
+    try:
+        runs, refused = asyncio.run(main())
+    finally:
+        stop_process(proc)
+    for run in runs:
+        tools = [m for m in run["messages"] if isinstance(m, ToolMessage)]
+        assert [t.content for t in tools] == ["7"], run["messages"]  # the graph ran the tool the model asked for
+        final = run["messages"][-1]
+        assert isinstance(final, AIMessage) and final.content == "The sum is 7.", final
+    assert [r["param"] for r in refused] == ["response_format", "response_format"], refused
