@@ -300,6 +300,35 @@ def test_a_provider_killed_mid_episode_is_used_again_once_back(protocol):
     assert counters["failed_unreachable"] == 3  # the step, then its two retries (the provider dedupes steps)
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_step_in_flight_when_its_provider_dies_fails_as_unreachable_not_as_a_timeout(protocol):
+    """The provider killed while it works on a step: the connection's end is the answer, counted
+    as unreachable (an env error of the provider's), not waited out as the step's timeout."""
+    proc, address, url = start_provider_process(SCRIPT, FAST)
+
+    async def main():
+        pool = pool_for(protocol, [address if protocol == "grpc" else url], step_retries=0)
+        try:
+            env = RemoteEnv(pool, "dies")
+            await env.reset(1)
+            step = asyncio.create_task(env.step("hang", timeout_s=60))
+            await asyncio.sleep(0.5)  # the provider is in the step
+            os.kill(proc.pid, signal.SIGKILL)
+            with pytest.raises(ProviderError) as e:
+                await step
+            await env.close()
+            return e.value, dict(pool.counters)
+        finally:
+            await pool.aclose()
+
+    try:
+        error, counters = asyncio.run(main())
+    finally:
+        stop_process(proc)
+    assert error.kind == "unreachable" and not isinstance(error, TimeoutError), error
+    assert counters.get("failed_unreachable") == 1 and "failed_no_answer" not in counters, counters
+
+
 def test_resets_go_to_the_providers_that_are_up(provider):
     async def main():
         dead = f"127.0.0.1:{free_port()}"
