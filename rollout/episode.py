@@ -99,14 +99,20 @@ def _report(hook, *args) -> None:
         log.exception("reporting to the rollout observer failed")
 
 
+_TOLD_GRACE_S = 1.0
+
+
 async def env_call(fn, arg, timeout_s: float):
     """``fn(arg)`` within ``timeout_s``. A synchronous call runs in a daemon thread of its own: a
     Python thread cannot be stopped, so one that hangs is left behind with its env (each episode
     builds its own), instead of holding a slot of a shared pool that every other episode needs."""
     if inspect.iscoroutinefunction(fn):
-        # An environment that calls out (a remote provider) is told its deadline, to pass it on.
-        kwargs = {"timeout_s": timeout_s} if "timeout_s" in inspect.signature(fn).parameters else {}
-        return await asyncio.wait_for(fn(arg, **kwargs), timeout_s)
+        # An environment that calls out (a remote provider) is told its deadline, to pass it on, and
+        # is given a moment beyond it to say why it missed it (no provider up is the provider's
+        # fault, not a slow step): the outer bound is a backstop.
+        if "timeout_s" in inspect.signature(fn).parameters:
+            return await asyncio.wait_for(fn(arg, timeout_s=timeout_s), timeout_s + _TOLD_GRACE_S)
+        return await asyncio.wait_for(fn(arg), timeout_s)
     loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
 
     def settle(result, error) -> None:

@@ -329,6 +329,29 @@ def test_a_step_in_flight_when_its_provider_dies_fails_as_unreachable_not_as_a_t
     assert counters.get("failed_unreachable") == 1 and "failed_no_answer" not in counters, counters
 
 
+def test_an_episode_with_no_provider_up_is_the_providers_error_not_a_timeout():
+    """Every provider down for the whole reset deadline: the episode ends as env_error of kind
+    unreachable (counted among the environment's errors), not as the episode's own timeout."""
+    from rollout.episode import EpisodeConfig, run_episode
+    from rollout.ports import FinishReason
+    from rollout.sampling import SamplingParams
+
+    async def never(*args):
+        raise AssertionError("no generation without an episode")
+
+    async def main():
+        pool = pool_for("grpc", [f"127.0.0.1:{free_port()}"], health_interval_s=0.2)
+        try:
+            config = EpisodeConfig(step_timeout_s=1.0, sampling=SamplingParams(max_new_tokens=2))
+            env = RemoteEnv(pool, "nobody")
+            return await run_episode(env, 0, never, None, config, trajectory_id="t", group_id="g", prompt_id="p")
+        finally:
+            await pool.aclose()
+
+    traj = asyncio.run(main())
+    assert traj.finish_reason == FinishReason.ENV_ERROR and traj.metadata["error_kind"] == "unreachable", traj.metadata
+
+
 def test_resets_go_to_the_providers_that_are_up(provider):
     async def main():
         dead = f"127.0.0.1:{free_port()}"
