@@ -184,11 +184,9 @@ class _HttpBase:
                 raise ProviderError("observation", f"env.observation_format raised {type(e).__name__}: {e}") from None
             return text if isinstance(text, str) else None
         keys = self.config.observation_key
-        for key in [keys] if isinstance(keys, str) else keys:
-            text = _as_text(obs.get(key))
-            if text:
-                return text
-        return None
+        texts = [_as_text(obs.get(key)) for key in ([keys] if isinstance(keys, str) else keys)]
+        # The first that holds text; else an empty one, which the episode then refuses as empty.
+        return next((t for t in texts if t), next((t for t in texts if t is not None), None))
 
     async def healthy(self, timeout_s: float) -> bool:
         try:
