@@ -15,3 +15,8 @@ SAMPLE_BUFFER_MAX_MESSAGE_BYTES = 256 << 20
 
 # The largest body an engine's HTTP API takes but a weight bucket's (the embedded engine's BodyLimit).
 ENGINE_MAX_BODY_BYTES = 16 << 20
+
+# A stream waiting for a receive slot holds what HTTP/2 flow control let its sender send: with BDP
+# probing that window grows to 16 MiB a stream (six waiting 50 MiB Puts held 97 MiB). A fixed
+# window of 4 MiB a stream bounds it; loopback and LAN Puts still flow at full speed.
+BOUNDED_WINDOW_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4 << 20)]

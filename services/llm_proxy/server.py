@@ -23,7 +23,7 @@ from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import SLOW_BUCKETS_S, histogram, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.streams import until_done
-from services.wire_limits import MAX_WEIGHT_BUCKET_MB, PROXY_MAX_MESSAGE_BYTES
+from services.wire_limits import BOUNDED_WINDOW_OPTIONS, MAX_WEIGHT_BUCKET_MB, PROXY_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.LLMProxy"
@@ -363,7 +363,7 @@ async def start_proxy(config: ProxyConfig, auth: AuthConfig | None = None) -> tu
         SERVICE,
         config.host,
         config.port,
-        [("grpc.max_receive_message_length", PROXY_MAX_MESSAGE_BYTES)],
+        [*BOUNDED_WINDOW_OPTIONS, ("grpc.max_receive_message_length", PROXY_MAX_MESSAGE_BYTES)],
         auth=auth,
     )
     serve_metrics(metrics.registry, config.host, config.metrics_port, "LLMProxy")

@@ -20,7 +20,7 @@ from services.auth import AuthConfig
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import AGE_BUCKETS_S, VERSION_BUCKETS, histogram, init_labels, serve_metrics
 from services.pb.rollmesh.v1 import sample_buffer_pb2 as pb
-from services.wire_limits import SAMPLE_BUFFER_MAX_MESSAGE_BYTES, SAMPLE_BUFFER_MAX_PUT_BYTES
+from services.wire_limits import BOUNDED_WINDOW_OPTIONS, SAMPLE_BUFFER_MAX_MESSAGE_BYTES, SAMPLE_BUFFER_MAX_PUT_BYTES
 
 log = logging.getLogger(__name__)
 SERVICE = "rollmesh.v1.SampleBuffer"
@@ -166,6 +166,7 @@ async def start_buffer_service(config: BufferConfig, auth: AuthConfig | None = N
         config.host,
         config.port,
         options=[
+            *BOUNDED_WINDOW_OPTIONS,
             ("grpc.max_receive_message_length", SAMPLE_BUFFER_MAX_PUT_BYTES),
             ("grpc.max_send_message_length", SAMPLE_BUFFER_MAX_MESSAGE_BYTES),
         ],
