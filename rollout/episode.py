@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -100,6 +101,9 @@ def _report(hook, *args) -> None:
 
 
 _TOLD_GRACE_S = 1.0
+# How engines say a prompt (with the tokens asked for) does not fit: the embedded engine ("fills / exceeds
+# the model's context"), vLLM ("maximum context length"), SGLang ("longer than the model's context length").
+_CONTEXT_FULL = re.compile(r"model's context|context length", re.IGNORECASE)
 
 
 async def env_call(fn, arg, timeout_s: float):
@@ -195,9 +199,9 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         try:
             gen = await generate(tokens, sampling, trajectory_id, timeout_s)
         except ValueError as e:
-            if not str(e).startswith("input_ids"):  # a request the config made wrong: not this episode's
+            if not _CONTEXT_FULL.search(str(e)):  # a request the config made wrong: not this episode's
                 raise
-            # The engine refused the prompt itself: the conversation outgrew the model's context.
+            # The engine refused the turn: the conversation outgrew the model's context.
             log.warning("%s: generation refused: %s", trajectory_id, e)
             finish, why = FinishReason.ENV_ERROR, {"error": str(e)[:500], "error_kind": "context"}
             break

@@ -248,12 +248,15 @@ class RemoteEnv:
         healthy) until ``timeout_s`` runs out: a reset that failed changed nothing."""
         deadline = time.monotonic() + (timeout_s or self.config.call_timeout_s)
         tried: set[int] = set()  # providers that failed this reset: the others first
+        last: BaseException | None = None  # why the last try failed: what a reset out of time says
         while True:
+            if time.monotonic() >= deadline:  # no call after it: one with no time left would look like a fault
+                raise last if last is not None else TimeoutError("reset: no provider answered in time")
             try:
                 member = await self.pool.pick(exclude=tried)
-            except NoProviderUp:
-                if time.monotonic() >= deadline:
-                    raise
+            except NoProviderUp as e:
+                if not tried:  # none up (not merely all busy)
+                    last = e
                 # None is up: wait for a health check to be due; every one tried (busy): a moment.
                 wait_s = 0.1 if tried else self.config.health_interval_s
                 await asyncio.sleep(min(wait_s, max(0.0, deadline - time.monotonic())))
@@ -266,8 +269,9 @@ class RemoteEnv:
             except (ProviderError, TimeoutError) as e:
                 self._failed(member, e)
                 busy = isinstance(e, ProviderError) and e.kind == "busy"
-                if not (_at_fault(e) or busy) or time.monotonic() >= deadline:
+                if not (_at_fault(e) or busy):
                     raise
+                last = e
                 tried.add(self.pool.members.index(member))
                 continue
             member.episodes += 1
@@ -296,6 +300,8 @@ class RemoteEnv:
                 if not (_retryable(e) and idempotent) or attempt == self.config.step_retries:
                     raise
                 await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                if time.monotonic() >= deadline:  # no try with no time left: it would look like a fault
+                    raise
                 delay *= 2
         obs = self._checked(obs)
         return StepResult(None if obs.done else obs.content, obs.reward, obs.done, obs.info, obs.role)

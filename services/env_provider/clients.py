@@ -166,8 +166,12 @@ class _HttpBase:
             content = ""
         elif content is None:
             keys = self.config.observation_key
+            named = [keys] if isinstance(keys, str) else keys
+            # A field that is there but not text (or a formatter's answer) is the observation's fault;
+            # only a contract without the field at all is the provider's (out of rotation).
+            kind = "observation" if self._format is not None or any(k in obs for k in named) else "garbage"
             raise ProviderError(
-                "garbage",
+                kind,
                 f"{self.address}: no text in the observation's {keys!r} "
                 f"(its fields: {sorted(obs)}; env.observation_key or env.observation_format says what to show)",
             )

@@ -441,16 +441,25 @@ def test_an_openenv_server_of_one_session_and_null_last_fields_serves_every_epis
         async def main():
             pool = pool_for("openenv", [url], action_key="answer", observation_key="question")
             try:
-                return await asyncio.gather(*(episode(pool, s) for s in range(3))), dict(pool.counters)
+                results = await asyncio.gather(*(episode(pool, s) for s in range(3)))
+                # One holds the session past another's whole reset deadline: that one ends busy, and
+                # the provider (which answered every time) stays in rotation.
+                holder = RemoteEnv(pool, "holder")
+                await holder.reset(0, timeout_s=30)
+                with pytest.raises(ProviderError) as late:
+                    await RemoteEnv(pool, "late").reset(1, timeout_s=1.0)
+                await holder.close()
+                return results, dict(pool.counters), late.value.kind, pool.members[0].up
             finally:
                 await pool.aclose()
 
-        results, counters = asyncio.run(main())
+        results, counters, late, up = asyncio.run(main())
     finally:
         stop_process(proc)
     assert [q for q, _ in results] == [f"What is 2 + {s}?" for s in range(3)]
     assert all((r.observation, r.reward, r.done) == (None, 1.0, True) for _, r in results), results
     assert counters.get("failed_busy", 0) >= 1, counters  # they queued for the one session
+    assert late == "busy" and up, (late, counters)
     assert not {"marked_down", "failed_garbage", "failed_unreachable", "failed_refused"} & set(counters), counters
 
 
@@ -476,6 +485,17 @@ def test_an_openenv_servers_feedback_in_its_messages_reaches_the_model():
         formatted = asyncio.run(play(observation_format="tests.services.provider_envs:game_text"))
         with pytest.raises(ValueError, match="env.observation_format: 'tests.services.provider_envs:nope'"):
             pool_for("openenv", [url], observation_format="tests.services.provider_envs:nope")
+
+        async def not_text():  # a formatter answering something else: the episode's fault, not the provider's
+            pool = pool_for("openenv", [url], action_key="message", observation_format="builtins:len")
+            try:
+                with pytest.raises(ProviderError) as e:
+                    await RemoteEnv(pool, "len").reset(0, timeout_s=5)
+                return e.value.kind, pool.members[0].up
+            finally:
+                await pool.aclose()
+
+        assert asyncio.run(not_text()) == ("observation", True)
     finally:
         stop_process(proc)
     first, low, right = listed
