@@ -247,6 +247,7 @@ class RedisServer:
                     return self
             except redis.RedisError:
                 time.sleep(0.05)
+        self.kill9()  # not left running behind the error
         raise TimeoutError(f"redis-server on port {self.port} did not answer within 20s")
 
     def kill9(self) -> None:
