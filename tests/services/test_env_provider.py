@@ -371,26 +371,23 @@ def test_resets_go_to_the_providers_that_are_up(provider):
     assert loads == [0, 6] and not dead_up
 
 
-def test_an_openenv_server_plugs_in_unchanged():
-    """A server written with openenv-core alone (its own field names), driven over its WebSocket."""
+def _uvicorn_factory(factory: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "--factory",
-        "tests.services.provider_envs:openenv_app",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd)
+    cmd = [sys.executable, "-m", "uvicorn", "--factory", factory, "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_healthy(url + "/health", 60, proc)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, url
+
+
+def test_an_openenv_server_plugs_in_unchanged():
+    """A server written with openenv-core alone (its own field names), driven over its WebSocket."""
+    proc, url = _uvicorn_factory("tests.services.provider_envs:openenv_app")
+    try:
 
         async def main():
             pool = pool_for("openenv", [url], action_key="guess", observation_key="message")
@@ -409,19 +406,6 @@ def test_an_openenv_server_plugs_in_unchanged():
     assert first == "Guess a number from 1 to 4."
     assert (low.observation, low.reward, low.done) == ("No, higher.", 0.0, False)
     assert (right.reward, right.done) == (1.0, True)
-
-
-def _uvicorn_factory(factory: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "uvicorn", "--factory", factory, "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--log-level", "warning"])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_healthy(url + "/health", 60, proc)
-    except BaseException:
-        stop_process(proc)
-        raise
-    return proc, url
 
 
 def test_an_openenv_server_of_one_session_and_null_last_fields_serves_every_episode_in_turn():
