@@ -127,6 +127,15 @@ class TrainerConfig(BaseModel):
     critic: bool = Field(False, description="Train a value model (needed by the 'gae' estimator).")
     critic_lr: float = Field(1e-5, gt=0, description="Learning rate of the critic.")
     value_clip: float | None = Field(0.2, gt=0, description="Clip range of the critic's value loss.")
+    audit_versions: int = Field(
+        0,
+        ge=0,
+        description="Diagnostic (0 = off): keep CPU copies of the last N versions' weights and report each step "
+        "policy_kl_1..N, the full-vocabulary KL(π_v ‖ π_{v−k}) at the batch's generated positions (how far the "
+        "policy moved in k steps), and audit_mu_err_*, |log π_u(token) − μ| with the weights of the version u each "
+        "token is tagged with (is μ the policy it says). N copies of the weights, up to N + 1 extra forward passes "
+        "a step; single-process trainers only (trainer/audit.py).",
+    )
 
     @model_validator(mode="after")
     def _one_correction_per_ratio(self) -> TrainerConfig:

@@ -69,13 +69,16 @@ def _all_reduce_dict(stats: dict[str, float]) -> dict[str, float]:
     for name in ("fresh", "stale"):  # every rank takes part in every collective, with or without tokens
         n = stats.get(f"mismatch_{name}_tokens", 0.0)
         total = _all_reduce(n)
-        mean_sum = _all_reduce(stats.get(f"mismatch_{name}_mean", 0.0) * n)
+        mean_sum, kl_sum = _all_reduce_all(
+            [stats.get(f"mismatch_{name}_mean", 0.0) * n, stats.get(f"kl_behavior_{name}", 0.0) * n]
+        )
         top = _all_reduce(stats.get(f"mismatch_{name}_max", 0.0), dist.ReduceOp.MAX)
         if total:
             out |= {
                 f"mismatch_{name}_mean": mean_sum / total,
                 f"mismatch_{name}_max": top,
                 f"mismatch_{name}_tokens": total,
+                f"kl_behavior_{name}": kl_sum / total,
             }
     return out
 
@@ -148,6 +151,13 @@ class TrainEngine:
             self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config, total_steps))
+        self.audit = None
+        if config.audit_versions:
+            if self.world > 1:
+                raise ValueError("trainer.audit_versions: a diagnostic of single-process trainers (not under torchrun)")
+            from trainer.audit import PolicyAudit
+
+            self.audit = PolicyAudit(self.model, config.audit_versions)
         self.step = 0  # optimizer steps taken
         self.version = 0  # policy version: bumped by every step, published to the engines
 
@@ -290,6 +300,10 @@ class TrainEngine:
         norm_len = cfg.loss.norm_len or int(_all_reduce(float(mask.shape[1]), dist.ReduceOp.MAX))
         loss = cfg.loss.model_copy(update={"norm_len": norm_len})  # the longest row of any rank
         step = _Step(mask=mask, behav=behav, prox=prox, ref=ref, adv=adv, stale=stale, weights=weights, loss=loss)
+        audited, before = {}, None
+        if self.audit is not None:  # these weights are π_v: measured against older ones, then kept
+            audited = self.audit.measure(self.model, batch, self.version, mask, behav, self.device)
+            before = self.audit.snapshot(self.model)
 
         sums: dict[str, float] = defaultdict(float)
         updates = 0
@@ -300,13 +314,15 @@ class TrainEngine:
                         sums[k] += v
                     updates += 1
         self.scheduler.step()  # once per version: the schedule spans the run's steps
+        if before is not None:
+            self.audit.remember(self.version, before)
         self.step += 1
         self.version += 1
         out = {"loss": 0.0, "pg_loss": 0.0, "grad_norm": 0.0}  # what a step with no token to train on reports
         out |= {k: v / max(updates, 1) for k, v in sums.items() if not k.endswith(("_stale", "stale_tokens"))}
         if sums["stale_tokens"]:  # means over stale tokens, weighted by how many each update had
             out |= {k: v / sums["stale_tokens"] for k, v in sums.items() if k.endswith("_stale")}
-        out |= _all_reduce_dict(mismatch_stats(prox, behav, mask, stale))
+        out |= _all_reduce_dict(mismatch_stats(prox, behav, mask, stale)) | audited
         out |= {"lr": self.scheduler.get_last_lr()[0], "tokens": _all_reduce(float(mask.sum())), "updates": updates}
         out["reward_mean"] = _all_reduce(float(batch.rewards.sum())) / _all_reduce(float(len(batch.rewards)))
         if weights is not None:

@@ -77,6 +77,7 @@ class TrainLoop:
         self._begun = False  # this process has begun an update (its first supersedes a dead predecessor's)
         self.served_version: int | None = None  # what the engines serve, as of join and the last publish
         self._publish_failures = 0  # in a row: the wait before trying again doubles
+        self._dropped_stale = 0
 
     # ------------------------------------------------------------------ the loop
     async def step(self) -> dict | None:
@@ -124,6 +125,11 @@ class TrainLoop:
                     **self.publish_times,
                     "wall": time.time(),
                     "group_ids": [g.group_id for g in decoded],  # which groups this step consumed (audits, chaos)
+                    # what they were: which prompt, sampled at which version, scored how (data-bias audits)
+                    "group_prompts": [g.prompt_id for g in decoded],
+                    "group_versions": [g.start_version for g in decoded],
+                    "group_rewards": [round(sum(g.rewards) / len(g.rewards), 4) for g in decoded],
+                    "dropped_stale": self._dropped_stale,
                 } | episode_stats(decoded)
                 # The step's line before its checkpoint: a trainer killed between the two leaves a line
                 # that a resume moves to lost_steps.jsonl; the other order would leave a checkpointed
@@ -250,6 +256,7 @@ class TrainLoop:
         """Rank 0: encoded groups for one step and their batch ids; None when too few arrived."""
         deadline = time.monotonic() + self.config.get_timeout_s
         batch_ids, groups = [], []
+        self._dropped_stale = 0  # groups the buffer dropped as too stale while this step waited
         while len(groups) < self.groups_per_step and time.monotonic() < deadline:
 
             def get(want=self.groups_per_step - len(groups)):
@@ -259,6 +266,7 @@ class TrainLoop:
                 batch = await _retried("get", get, deadline)
             except TransientError:
                 break
+            self._dropped_stale += batch.dropped_stale
             if batch.dropped_stale:  # never trained: reported for the controller's counts
                 try:
                     await self.control.release(dropped=batch.dropped_stale)

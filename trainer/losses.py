@@ -250,8 +250,14 @@ def mismatch_stats(
 ) -> dict[str, float]:
     """|log μ − log π_prox| over the generated tokens: mean and max over those sampled by the
     trainer's current weights (``fresh``: the two should agree; what is left is the engine's and
-    the trainer's numerics) and over the ``stale`` ones (numerics plus the versions between)."""
+    the trainer's numerics) and over the ``stale`` ones (numerics plus the versions between).
+
+    ``kl_behavior_{fresh,stale}``: KL(μ ‖ π_prox) estimated from μ's own samples (k3, unbiased,
+    never negative): over stale tokens, how far the policy moved since they were sampled, the
+    distance every off-policy correction has to bridge."""
     gap = (behavior - proximal).abs()
+    log_r = proximal - behavior
+    k3 = log_r.exp() - 1 - log_r
     out = {}
     for name, m in (("fresh", mask.bool() & ~stale.bool()), ("stale", mask.bool() & stale.bool())):
         if m.any():
@@ -259,6 +265,7 @@ def mismatch_stats(
                 f"mismatch_{name}_mean": gap[m].mean().item(),
                 f"mismatch_{name}_max": gap[m].max().item(),
                 f"mismatch_{name}_tokens": float(m.sum()),
+                f"kl_behavior_{name}": k3[m].mean().item(),
             }
     return out
 

@@ -197,12 +197,14 @@ staleness = dashboard(
             title="Off-policy: ratio and log-prob mismatch",
             desc="π/μ, the current policy over the one that sampled the tokens (1 = on-policy); "
             "|log μ − log π_prox| on tokens sampled by the trainer's own weights (engine vs trainer numerics) "
-            "and on older ones (numerics plus staleness).",
+            "and on older ones (numerics plus staleness); KL(μ ‖ π_prox) on the older ones: how far the policy "
+            "moved since they were sampled (docs/losses.md: where it costs learning).",
             w=12,
             targets=[
                 ("max(rollmesh_trainer_behavior_ratio_mean)", "mean π/μ"),
                 ("max(rollmesh_trainer_logprob_mismatch_fresh_nats)", "mismatch, fresh tokens"),
                 ("max(rollmesh_trainer_logprob_mismatch_stale_nats)", "mismatch, stale tokens"),
+                ("max(rollmesh_trainer_stale_policy_kl_nats)", "KL(μ ‖ π_prox), stale tokens"),
             ],
         ),
         dict(

@@ -1,11 +1,15 @@
 """`rollmesh bench offpolicy`: does each loss hold up when samples get stale? (ROLL Flash, Figure 4.)
 
-The quickstart (find the digit; GRPO advantages, groups of 8) trained to the same step count with
-each policy loss at each async ratio, with the same seeds: per combination, the reward over the
-last steps, the held-out accuracy at the end and the wall time, and a plot of reward against step,
-one panel per async ratio. ``ppo_naive`` is PPO whose ratio is taken against π_prox (the trainer's
-weights at the start of the step): PPO that never sees the behaviour policy μ, the baseline the
-corrections are meant to beat once samples are versions old.
+An example (the quickstart: find the digit, GRPO, groups of 8; or the SmolLM2 math example)
+trained to the same step count with each policy loss at each async ratio and learning rate, with
+the same seeds: per combination, the reward over the last steps, the reward of the samples the
+policy generated after the same number of updates (``run_analysis``: a step's batch at ratio 2 was
+sampled two versions earlier), the held-out accuracy at the end, the wall time, how far the policy
+moved per step (with ``--audit``: ``trainer.audit_versions`` 2, which also checks μ against each
+token's version), which prompts were trained, and a plot of reward against step per async ratio.
+``ppo_naive`` is PPO whose ratio is taken against π_prox (the trainer's weights at the start of
+the step): PPO that never sees the behaviour policy μ, the baseline the corrections are meant to
+beat once samples are versions old.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.bench import BadOption
+from services.bench.run_analysis import data_bias, movement, reward_at_versions, reward_by_version
 
 # Each loss as a trainer.loss override. Every variant but ppo_naive takes μ into account.
 LOSSES = {
@@ -35,30 +41,48 @@ LOSSES = {
 FINAL = re.compile(r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accuracy=([\d.na]+) wall_s=([\d.]+)$", re.M)
 
 
-def _command(model: str, run_dir: Path, loss: str, ratio: int, steps: int, seed: int) -> list[str]:
+# What each example is run with: its config, its model and its length (steps) by default.
+EXAMPLES = {
+    "quickstart": ("examples/quickstart.yaml", "models/tiny-digits", 100),
+    "smollm2-math": ("examples/smollm2-math.yaml", "models/smollm2", 40),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One combination: every seed of it runs with these."""
+
+    loss: str
+    ratio: int
+    lr: float | None  # None: the example's own
+
+    @property
+    def label(self) -> str:
+        return f"{self.loss}@{self.ratio}" + ("" if self.lr is None else f" lr={self.lr:g}")
+
+
+def _command(example: str, model: str, run_dir: Path, v: Variant, steps: int, seed: int, audit: bool) -> list[str]:
     sets = [
         f"model_path={model}",
         f"train_loop.run_dir={run_dir}",
         f"train_loop.steps={steps}",
         f"train_loop.checkpoint_every={steps}",
-        f"controller.async_ratio={ratio}",
+        f"controller.async_ratio={v.ratio}",
         f"trainer.seed={seed}",
         f"env_manager.seed={seed}",
-    ] + [f"trainer.loss.{k}={v}" for k, v in LOSSES[loss].items()]
-    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml", "--fresh"]
+    ] + [f"trainer.loss.{k}={x}" for k, x in LOSSES[v.loss].items()]
+    sets += [f"trainer.lr={v.lr}"] if v.lr is not None else []
+    sets += ["trainer.audit_versions=2"] if audit else []
+    cmd = [sys.executable, "-m", "services.cli", "run", EXAMPLES[example][0], "--fresh"]
     return cmd + [a for s in sets for a in ("--set", s)]
 
 
-def _one(model: str, run_dir: Path, loss: str, ratio: int, steps: int, seed: int, timeout_s: float = 3600) -> dict:
+def _one(command: list[str], run_dir: Path, what: str, steps: int, timeout_s: float = 3600) -> dict:
     t0 = time.monotonic()
     # Its own session: on a timeout the whole mesh goes (SIGTERM, which the launcher passes on), not the
     # launcher alone with its services left running.
     proc = subprocess.Popen(
-        _command(model, run_dir, loss, ratio, steps, seed),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
@@ -69,22 +93,27 @@ def _one(model: str, run_dir: Path, loss: str, ratio: int, steps: int, seed: int
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
-        raise RuntimeError(f"{loss} at async_ratio {ratio}: not done within {timeout_s:.0f} s\n{out[-2000:]}") from None
+        raise RuntimeError(f"{what}: not done within {timeout_s:.0f} s\n{out[-2000:]}") from None
     m = FINAL.search(out)
     if proc.returncode != 0 or m is None:
-        raise RuntimeError(f"{loss} at async_ratio {ratio}: exit {proc.returncode}\n{out[-2000:]}")
+        raise RuntimeError(f"{what}: exit {proc.returncode}\n{out[-2000:]}")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.endswith("}")]
     tail = lines[-max(1, steps // 10) :]  # the last tenth of the run
     return {
         "reward_last": statistics.mean(x["reward_mean"] for x in tail),
+        # the same number of updates at every ratio: versions 80-89 % of the run (ratio 8 trains them all)
+        "reward_at_version": reward_at_versions(lines, int(0.8 * steps), int(0.9 * steps) - 1),
         "heldout_accuracy": float(m.group(3)),
         "wall_s": time.monotonic() - t0,
         "staleness_mean": statistics.mean(x["staleness_mean"] for x in lines),
         "curve": [x["reward_mean"] for x in lines],
+        "curve_by_version": reward_by_version(lines),
+        "bias": data_bias(lines),
+        "movement": movement(lines),
     }
 
 
-def _plot(results: dict, ratios: list[int], out: Path) -> None:
+def _plot(results: list[dict], ratios: list[int], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,10 +121,12 @@ def _plot(results: dict, ratios: list[int], out: Path) -> None:
 
     fig, axes = plt.subplots(1, len(ratios), figsize=(4.5 * len(ratios), 3.5), sharey=True, squeeze=False)
     for ax, ratio in zip(axes[0], ratios, strict=True):
-        for loss, per_ratio in results.items():
-            runs = per_ratio[str(ratio)]["runs"]
-            curve = [statistics.mean(c) for c in zip(*(r["curve"] for r in runs), strict=False)]
-            ax.plot(range(1, len(curve) + 1), curve, label=loss, linewidth=1)
+        for row in results:
+            if row["ratio"] != ratio:
+                continue
+            curve = [statistics.mean(c) for c in zip(*(r["curve"] for r in row["runs"]), strict=False)]
+            legend = row["loss"] + ("" if row["lr"] is None else f" lr={row['lr']:g}")
+            ax.plot(range(1, len(curve) + 1), curve, label=legend, linewidth=1)
         ax.set_title(f"async_ratio {ratio}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -106,65 +137,91 @@ def _plot(results: dict, ratios: list[int], out: Path) -> None:
     plt.close(fig)
 
 
+def _spread(values: list[float | None]) -> dict:
+    """Mean, lowest and highest over the seeds (None where no seed had the value)."""
+    xs = [x for x in values if x is not None]
+    if not xs:
+        return {"mean": None, "min": None, "max": None}
+    return {"mean": statistics.mean(xs), "min": min(xs), "max": max(xs)}
+
+
+def _summary(v: Variant, runs: list[dict]) -> dict:
+    keys = sorted({k for r in runs for k in r["movement"]})
+    return {
+        "label": v.label,
+        "loss": v.loss,
+        "ratio": v.ratio,
+        "lr": v.lr,
+        "reward_last": _spread([r["reward_last"] for r in runs]),
+        "reward_at_version": _spread([r["reward_at_version"] for r in runs]),
+        "heldout_accuracy": _spread([r["heldout_accuracy"] for r in runs]),
+        "wall_s": statistics.mean(r["wall_s"] for r in runs),
+        "staleness_mean": statistics.mean(r["staleness_mean"] for r in runs),
+        "movement": {k: statistics.mean(r["movement"][k] for r in runs if k in r["movement"]) for k in keys},
+        "bias": {k: statistics.mean(r["bias"][k] for r in runs) for k in runs[0]["bias"]},
+        "runs": runs,
+    }
+
+
 def run(
-    model_path: str,
+    model_path: str | None = None,
     losses: list[str] | None = None,
     ratios: list[int] | None = None,
-    steps: int = 100,
+    steps: int | None = None,
     seeds: int = 1,
     out_dir: str = "runs/bench-offpolicy",
     progress=print,
+    lrs: list[float] | None = None,
+    example: str = "quickstart",
+    audit: bool = False,
 ) -> dict:
     from services.auth import AuthConfig, ensure_token
 
+    if example not in EXAMPLES:
+        raise BadOption(f"--example: unknown {example!r}; choose from {list(EXAMPLES)}")
+    model_path = model_path or EXAMPLES[example][1]
+    steps = steps or EXAMPLES[example][2]
     losses = losses or list(LOSSES)
     ratios = [0, 2, 8] if ratios is None else ratios
     if unknown := [x for x in losses if x not in LOSSES]:
         raise BadOption(f"--loss: unknown {unknown}; choose from {list(LOSSES)}")
     if any(r < 0 for r in ratios):
         raise BadOption(f"--ratio: must be >= 0, got {ratios}")
+    if lrs and any(x <= 0 for x in lrs):
+        raise BadOption(f"--lr: must be > 0, got {lrs}")
     if steps < 10 or seeds < 1:
         raise BadOption(f"--steps must be >= 10 and --seeds >= 1, got {steps} and {seeds}")
     if not (Path(model_path) / "config.json").exists():
-        raise BadOption(f"--model: no model at {model_path} (make models/tiny-digits/config.json builds it)")
+        raise BadOption(f"--model: no model at {model_path} (make {model_path}/config.json builds it)")
     ensure_token(AuthConfig())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {}
+    variants = [Variant(loss, ratio, lr) for loss in losses for lr in (lrs or [None]) for ratio in ratios]
+    results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rollmesh-offpolicy-") as tmp:
-        for loss in losses:
-            for ratio in ratios:
-                runs = []
-                for seed in range(seeds):
-                    r = _one(model_path, Path(tmp) / f"{loss}-{ratio}-{seed}", loss, ratio, steps, seed)
-                    progress(
-                        f"{loss:>13} async_ratio {ratio}: seed {seed} reward {r['reward_last']:.3f} "
-                        f"held-out {r['heldout_accuracy']:.3f} in {r['wall_s']:.0f} s"
-                    )
-                    runs.append(r)
-                results.setdefault(loss, {})[str(ratio)] = {
-                    "reward_last": statistics.mean(r["reward_last"] for r in runs),
-                    "heldout_accuracy": statistics.mean(r["heldout_accuracy"] for r in runs),
-                    "heldout_accuracy_sd": statistics.stdev(r["heldout_accuracy"] for r in runs) if seeds > 1 else None,
-                    "wall_s": statistics.mean(r["wall_s"] for r in runs),
-                    "staleness_mean": statistics.mean(r["staleness_mean"] for r in runs),
-                    "runs": runs,
-                }
-                # written as it goes: a later failure keeps what was measured
-                (out / "offpolicy.json").write_text(json.dumps(results))
+        for v in variants:
+            runs = []
+            for seed in range(seeds):
+                run_dir = Path(tmp) / f"{v.loss}-{v.ratio}-{v.lr}-{seed}"
+                cmd = _command(example, model_path, run_dir, v, steps, seed, audit)
+                r = _one(cmd, run_dir, v.label, steps)
+                kl = r["movement"].get("policy_kl_1")
+                progress(
+                    f"{v.label:>24}: seed {seed} reward {r['reward_last']:.3f} held-out {r['heldout_accuracy']:.3f}"
+                    + ("" if kl is None else f" KL/step {kl:.4f}")
+                    + f" in {r['wall_s']:.0f} s"
+                )
+                runs.append(r)
+            results.append(_summary(v, runs))
+            # written as it goes: a later failure keeps what was measured
+            (out / "offpolicy.json").write_text(json.dumps(results))
     plot = out / "offpolicy.png"
     _plot(results, ratios, plot)
-    summary = {
-        f"{loss}@{ratio}": round(v["heldout_accuracy"], 3) for loss, per in results.items() for ratio, v in per.items()
-    }
-    table = {
-        loss: {ratio: {k: v for k, v in r.items() if k != "runs"} for ratio, r in per.items()}
-        for loss, per in results.items()
-    }
     return {
+        "example": example,
         "steps": steps,
         "seeds": seeds,
         "plot": str(plot),
-        **{f"heldout {k}": v for k, v in summary.items()},
-        "by_loss_and_ratio": table,
+        **{f"heldout {r['label']}": round(r["heldout_accuracy"]["mean"], 3) for r in results},
+        "by_variant": [{k: x for k, x in r.items() if k != "runs"} for r in results],
     }

@@ -276,18 +276,35 @@ def bench_chaos(
 
 @app.command("offpolicy")
 def bench_offpolicy(
-    model: Path = typer.Option(Path("models/tiny-digits"), help="The quickstart's model (make run builds it)."),
+    example: str = typer.Option("quickstart", help="quickstart (tiny model, 100 steps) or smollm2-math (40 steps)."),
+    model: Path = typer.Option(None, help="The example's model; default models/tiny-digits or models/smollm2."),
     loss: list[str] = typer.Option([], "--loss", help="Losses to compare (repeatable); default: all six."),
     ratio: list[int] = typer.Option([], "--ratio", help="Async ratios (repeatable); default: 0, 2 and 8."),
-    steps: int = typer.Option(100, help="Training steps of each run."),
+    lr: list[float] = typer.Option([], "--lr", help="Learning rates (repeatable); default: the example's."),
+    steps: int = typer.Option(None, help="Training steps of each run; default: the example's bench length."),
     seeds: int = typer.Option(1, help="Runs per combination, seeds 0..n-1 (the spread says what is noise)."),
+    audit: bool = typer.Option(False, help="Measure the per-step KL and check μ (trainer.audit_versions 2)."),
     out: Path = typer.Option(Path("runs/bench-offpolicy"), help="Where the plot and the full results go."),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
-    """Each loss at each async ratio on the quickstart: reward, held-out accuracy, wall time, plot."""
+    """Each loss at each async ratio (and learning rate): reward per step and per generating version,
+    held-out accuracy, per-step policy movement, which prompts were trained, wall time, plot."""
     from services.bench.offpolicy_bench import run
 
-    emit(checked(run, str(model), loss or None, ratio or None, steps, seeds, str(out), progress_printer(json_)), json_)
+    result = checked(
+        run,
+        str(model) if model else None,
+        loss or None,
+        ratio or None,
+        steps,
+        seeds,
+        str(out),
+        progress_printer(json_),
+        lr or None,
+        example,
+        audit,
+    )
+    emit(result, json_)
 
 
 @app.command("gpu")

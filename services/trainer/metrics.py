@@ -39,6 +39,11 @@ _GAUGES = {
         "rollmesh_trainer_logprob_mismatch_stale_nats",
         "Mean |log μ − log π_prox| over tokens sampled by older weights (numerics plus staleness)",
     ),
+    "kl_behavior_stale": (
+        "rollmesh_trainer_stale_policy_kl_nats",
+        "KL(μ ‖ π_prox) over tokens sampled by older weights, last step: how far the policy moved since they "
+        "were sampled (above about 0.03 nats staleness cost the quickstart learning per step; docs/losses.md)",
+    ),
 }
 
 

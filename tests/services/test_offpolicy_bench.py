@@ -23,6 +23,7 @@ def test_bench_offpolicy_prints_its_table_and_writes_its_plot(tiny_model, tmp_pa
         "2",
         "--steps",
         "10",
+        "--audit",
         "--out",
         str(out_dir),
         "--json",
@@ -30,11 +31,16 @@ def test_bench_offpolicy_prints_its_table_and_writes_its_plot(tiny_model, tmp_pa
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    row = out["by_loss_and_ratio"]["ppo_naive"]["2"]
-    assert 0 <= row["heldout_accuracy"] <= 1 and row["wall_s"] > 0 and 0 <= row["staleness_mean"] <= 2
-    assert out["heldout ppo_naive@2"] == round(row["heldout_accuracy"], 3)
+    (row,) = out["by_variant"]
+    assert row["label"] == "ppo_naive@2" and 0 <= row["heldout_accuracy"]["mean"] <= 1
+    assert row["wall_s"] > 0 and 0 <= row["staleness_mean"] <= 2
+    assert out["heldout ppo_naive@2"] == round(row["heldout_accuracy"]["mean"], 3)
+    # the audit ran: the policy moved, and μ is the tagged version's own log-prob (float noise)
+    assert row["movement"]["policy_kl_1"] > 0 and row["movement"]["audit_mu_err_max"] < 1e-3
+    assert 0 <= row["bias"]["repeat_from_previous_step"] <= 1 and row["bias"]["distinct_per_step"] > 0
     assert (out_dir / "offpolicy.png").stat().st_size > 0
-    assert len(json.loads((out_dir / "offpolicy.json").read_text())["ppo_naive"]["2"]["runs"][0]["curve"]) == 10
+    (full,) = json.loads((out_dir / "offpolicy.json").read_text())
+    assert len(full["runs"][0]["curve"]) == 10 and full["runs"][0]["curve_by_version"]
 
 
 def test_bench_offpolicy_refuses_a_bad_option():

@@ -207,3 +207,34 @@ def test_stale_tokens_are_told_apart_by_version_and_measured(tiny_model):
     assert (m["mismatch_fresh_tokens"], m["mismatch_stale_tokens"]) == (fresh_tokens, stale_tokens)
     assert m["mismatch_stale_mean"] > 0 and m["mismatch_stale_max"] >= m["mismatch_stale_mean"]
     assert "ratio_mean_stale" in m and "clip_frac_stale" in m and m["ratio_behavior_mean_stale"] > 0
+
+
+def test_the_audit_measures_policy_movement_and_checks_mu_against_each_tokens_version(tiny_model):
+    """μ set to the teacher-forced log-probs of the weights each token is tagged with passes the
+    audit (error ~ float noise); a token tagged with the wrong version shows up as an error the
+    size of the policy's movement. policy_kl_k grows with k as the policy keeps moving."""
+    eng = engine(tiny_model, loss={"type": "reinforce"}, audit_versions=2, grad_clip=None, lr=1e-2)
+    batches = [toy_batch(seed=s) for s in range(4)]
+    logprobs = []  # per version: each batch's log-probs under that version's weights
+    metrics = []
+    for step, batch in enumerate(batches):
+        logprobs.append([eng.logprobs(b) for b in batches])
+        # Rows of group 0 come from two versions ago (where there is one), the others are fresh.
+        age = torch.where(batch.group_ids == 0, min(step, 2), 0)
+        tag = (step - age)[:, None].expand_as(batch.loss_mask)
+        batch.token_versions = torch.where(batch.loss_mask > 0, tag, -1)
+        batch.behavior_logprobs = (
+            torch.stack([logprobs[v][step][i] for i, v in enumerate(step - age)]) * batch.loss_mask
+        )
+        metrics.append(eng.train_step(batch))
+    assert "policy_kl_1" not in metrics[0] and metrics[0]["audit_mu_err_max"] < 1e-4
+    assert "policy_kl_2" not in metrics[1] and metrics[1]["policy_kl_1"] > 0
+    last = metrics[-1]
+    assert last["policy_kl_2"] > last["policy_kl_1"] > 0
+    assert last["audit_stale_tokens"] == batches[-1].loss_mask[batches[-1].group_ids == 0].sum()
+    assert last["audit_mu_err_stale_max"] < 1e-4 and last["audit_missing_tokens"] == 0
+    # The same batch told it was sampled by the current weights: the audit sees the gap.
+    wrong = toy_batch(seed=3)
+    wrong.behavior_logprobs = logprobs[1][3] * wrong.loss_mask
+    wrong.token_versions = torch.where(wrong.loss_mask > 0, eng.version, -1)
+    assert eng.train_step(wrong)["audit_mu_err_mean"] > 1e-3
