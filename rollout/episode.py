@@ -266,6 +266,8 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         metadata={
             "env": env.name,
             "turn_starts": turns,
+            # the temperature each turn was sampled at: μ is at it, so the trainer's π must be too
+            "turn_temperatures": [sampling.temperature] * len(turns),
             **why,
             **({} if chat.exact else {"chat_render": "alone"}),
             **({"turns_over_target": over_target} if penalty is not None else {}),

@@ -112,6 +112,20 @@ class Trajectory:
             raise TrajectoryError(f"token_rewards: length {len(self.token_rewards)} != token_ids length {t}")
         if not np.isfinite(self.reward):
             raise TrajectoryError(f"reward: must be finite, got {self.reward}")
+        if "turn_temperatures" in self.metadata:
+            self._check_turns(t)
+
+    def _check_turns(self, t: int) -> None:
+        """The trainer reads each turn's tokens' temperature from these two (``trainer/batch.py``)."""
+        starts, temps = self.metadata.get("turn_starts"), self.metadata["turn_temperatures"]
+        if not isinstance(starts, list) or not all(type(s) is int and 0 <= s <= t for s in starts):
+            raise TrajectoryError(
+                f"metadata.turn_starts: a list of token positions in [0, {t}] must go with turn_temperatures"
+            )
+        if not isinstance(temps, list) or len(temps) != len(starts):
+            raise TrajectoryError(f"metadata.turn_temperatures: one per turn_starts ({len(starts)}) expected")
+        if not all(type(x) in (int, float) and 0 <= x < float("inf") for x in temps):
+            raise TrajectoryError("metadata.turn_temperatures: finite numbers >= 0 expected")
 
 
 @dataclass

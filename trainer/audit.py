@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 import torch
 
-from trainer.packing import padded_inputs
+from trainer.packing import padded_inputs, scale_by_temperature
 
 AUDIT_ROW_TOKENS = 1024  # padded tokens per audit forward: bounds the [rows, T, V] log-softmax held at once
 
@@ -35,12 +35,14 @@ def position_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return (logp.exp() * (logp - logq)).sum(-1)
 
 
-def _next_token_logprobs(model, seqs: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _next_token_logprobs(model, seqs: list, temps, device) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T, V] log-probs of each position's token given the tokens before it (position 0: zeros),
-    aligned to the tokens like ``gather_token_logprobs``; and the padded ids [B, T]."""
+    at its sampling temperature, aligned to the tokens like ``gather_token_logprobs``; and the
+    padded ids [B, T]."""
     ids, attn = padded_inputs(seqs, device)
-    logits = model(input_ids=ids, attention_mask=attn).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    logits = model(input_ids=ids, attention_mask=attn).logits
+    temps = None if temps is None else temps[:, : ids.shape[1]]
+    logp = torch.log_softmax(scale_by_temperature(logits, temps)[:, :-1], dim=-1)
     return torch.nn.functional.pad(logp, (0, 0, 1, 0)), ids
 
 
@@ -80,7 +82,8 @@ class PolicyAudit:
         try:
             for start in range(0, len(seqs), rows_per_pass):
                 rows = list(range(start, min(start + rows_per_pass, len(seqs))))
-                cur, ids = _next_token_logprobs(model, [seqs[r] for r in rows], device)
+                temps = None if batch.temperatures is None else batch.temperatures[rows]
+                cur, ids = _next_token_logprobs(model, [seqs[r] for r in rows], temps, device)
                 t = cur.shape[1]
                 m = mask[rows, :t].bool()
                 mu = behavior[rows, :t]
@@ -92,7 +95,7 @@ class PolicyAudit:
                     if not wanted_kl and not bool((m & (tag == u)).any()):
                         continue
                     self._spare.load_state_dict(weights)
-                    old, _ = _next_token_logprobs(self._spare, [seqs[r] for r in rows], device)
+                    old, _ = _next_token_logprobs(self._spare, [seqs[r] for r in rows], temps, device)
                     if wanted_kl:
                         kl_sum[version - u] += float(position_kl(cur, old)[m].sum())
                     picked[u] = old.gather(-1, ids[..., None]).squeeze(-1)

@@ -28,6 +28,9 @@ class TrainBatch:
     group_ids: torch.Tensor  # [B] long: trajectories of one prompt share an id
     # [B, T] long: the policy version that sampled each generated token, -1 elsewhere (None: unknown)
     token_versions: torch.Tensor | None = None
+    # [B, T] float: the temperature each token was sampled at (μ is at it; so must π be), 1 where
+    # nothing was sampled and for greedy turns (the engines report those at 1). None: all 1.
+    temperatures: torch.Tensor | None = None
 
     @cached_property
     def sequences(self) -> list[torch.Tensor]:
@@ -44,6 +47,7 @@ class TrainBatch:
         width = max(len(seqs[r]) for r in rows)
         ids, offsets = _flat([seqs[r] for r in rows])
         versions = None if self.token_versions is None else self.token_versions[rows, :width]
+        temps = None if self.temperatures is None else self.temperatures[rows, :width]
         return TrainBatch(
             ids,
             offsets,
@@ -52,6 +56,7 @@ class TrainBatch:
             self.rewards[rows],
             self.group_ids[rows],
             versions,
+            temps,
         )
 
 
@@ -74,11 +79,13 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
     mask = torch.zeros(len(trajs), width)
     behav = torch.zeros(len(trajs), width)
     versions = torch.full((len(trajs), width), -1, dtype=torch.long)
+    temps = torch.ones(len(trajs), width)
     for i, (_, t) in enumerate(trajs):
         m = torch.from_numpy(t.loss_mask.astype(np.float32))
         mask[i, : len(m)] = m
         behav[i, : len(m)][m > 0] = torch.from_numpy(t.behavior_logprobs.astype(np.float32))
         versions[i, : len(m)][m > 0] = torch.from_numpy(t.token_versions.astype(np.int64))
+        _fill_temperatures(temps[i, : len(m)], t.metadata)
     return TrainBatch(
         token_ids=torch.from_numpy(np.concatenate([t.token_ids for _, t in trajs]).astype(np.int64)),
         offsets=_offsets(lengths),
@@ -87,7 +94,24 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
         rewards=torch.tensor([t.reward for _, t in trajs], dtype=torch.float32),
         group_ids=torch.tensor([gi for gi, _ in trajs], dtype=torch.long),
         token_versions=versions,
+        temperatures=None if bool((temps == 1).all()) else temps,
     )
+
+
+GREEDY_BELOW = 1e-6  # as the engines: a temperature below it is greedy, its log-probs reported at 1
+
+
+def _fill_temperatures(row: torch.Tensor, metadata: dict) -> None:
+    """Each turn's sampling temperature over its tokens, from ``turn_starts`` and
+    ``turn_temperatures`` (a trajectory without them was sampled at 1)."""
+    starts, temps = metadata.get("turn_starts"), metadata.get("turn_temperatures")
+    if not starts or not temps:
+        return
+    if len(starts) != len(temps):
+        raise ValueError(f"metadata.turn_temperatures: {len(temps)} values for {len(starts)} turn_starts")
+    for k, (start, temp) in enumerate(zip(starts, temps, strict=True)):
+        end = starts[k + 1] if k + 1 < len(starts) else len(row)
+        row[start:end] = temp if temp >= GREEDY_BELOW else 1.0
 
 
 def batch_from_sequences(seqs: list, loss_mask, behavior_logprobs, rewards, group_ids) -> TrainBatch:

@@ -33,7 +33,14 @@ from trainer.losses import (
     policy_loss,
     value_loss,
 )
-from trainer.packing import gather_token_logprobs, pack_rows, packed_inputs, padded_inputs, plan_micro_batches
+from trainer.packing import (
+    gather_token_logprobs,
+    pack_rows,
+    packed_inputs,
+    padded_inputs,
+    plan_micro_batches,
+    scale_by_temperature,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,11 @@ def _all_reduce_dict(stats: dict[str, float]) -> dict[str, float]:
                 f"kl_behavior_{name}": kl_sum / total,
             }
     return out
+
+
+def _rows(batch: TrainBatch, rows: list[int]) -> torch.Tensor | None:
+    """The sampling temperatures of ``rows`` (None: all sampled at 1)."""
+    return None if batch.temperatures is None else batch.temperatures[rows]
 
 
 @dataclass
@@ -194,8 +206,9 @@ class TrainEngine:
         return torch.autocast(self.device.type, dtype=getattr(torch, mp.param_dtype))
 
     # ------------------------------------------------------------------ forward passes
-    def _forward(self, model, seqs: list[list[int]], width: int, entropy: bool = False):
-        """Per-token log-probs (and entropies) of ``seqs``: [b, width], aligned to the tokens.
+    def _forward(self, model, seqs: list[list[int]], width: int, entropy: bool = False, temps=None):
+        """Per-token log-probs (and entropies) of ``seqs``: [b, width], aligned to the tokens, each
+        at its sampling temperature (``temps`` [b, width]; None: 1), as the engines report μ.
         An empty ``seqs`` (a rank's filler micro-batch) runs one dummy token and returns [0, width]
         tensors still attached to the graph, so its backward joins the collectives."""
         if not seqs:
@@ -209,8 +222,17 @@ class TrainEngine:
             ids, positions, masks = packed_inputs([[seqs[i] for i in row] for row in rows], self.device)
             with self._compute_precision():
                 logits = model(input_ids=ids, position_ids=positions, attention_mask=masks).logits
-            row_lp = gather_token_logprobs(logits, ids)
-            row_ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0)) if entropy else None
+            row_temps = None
+            if temps is not None:  # laid out as the packed ids are
+                row_temps = torch.ones(ids.shape, device=self.device)
+                for r, row in enumerate(rows):
+                    row_temps[r, : sum(len(seqs[i]) for i in row)] = torch.cat([temps[i, : len(seqs[i])] for i in row])
+            row_lp = gather_token_logprobs(logits, ids, row_temps)
+            row_ent = (
+                torch.nn.functional.pad(entropy_from_logits(scale_by_temperature(logits, row_temps)[:, :-1]), (1, 0))
+                if entropy
+                else None
+            )
             lp = torch.zeros(len(seqs), width, device=self.device)
             ent = torch.zeros(len(seqs), width, device=self.device) if entropy else None
             for r, row in enumerate(rows):
@@ -226,8 +248,13 @@ class TrainEngine:
         ids, attn = padded_inputs(seqs, self.device)
         with self._compute_precision():
             logits = model(input_ids=ids, attention_mask=attn).logits
-        lp = gather_token_logprobs(logits, ids) * attn
-        ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0)) * attn if entropy else None
+        temps = None if temps is None else temps[:, : ids.shape[1]]
+        lp = gather_token_logprobs(logits, ids, temps) * attn
+        ent = (
+            torch.nn.functional.pad(entropy_from_logits(scale_by_temperature(logits, temps)[:, :-1]), (1, 0)) * attn
+            if entropy
+            else None
+        )
         pad = width - lp.shape[1]
         if pad:
             lp = torch.nn.functional.pad(lp, (0, pad))
@@ -262,7 +289,7 @@ class TrainEngine:
         out = torch.zeros(len(batch.sequences), width, device=self.device)
         ent = torch.zeros_like(out) if entropy else None
         for rows in self.micro_batches(batch):
-            lp, e = self._forward(model, [batch.sequences[r] for r in rows], width, entropy)
+            lp, e = self._forward(model, [batch.sequences[r] for r in rows], width, entropy, _rows(batch, rows))
             out[rows] = lp
             if entropy:
                 ent[rows] = e
@@ -358,7 +385,7 @@ class TrainEngine:
         sums: dict[str, float] = defaultdict(float)
         for micro in self.micro_batches(batch, rows):
             seqs = [batch.sequences[r] for r in micro]
-            lp, ent = self._forward(self.model, seqs, mask.shape[1], entropy=cfg.entropy_coef > 0)
+            lp, ent = self._forward(self.model, seqs, mask.shape[1], cfg.entropy_coef > 0, _rows(batch, micro))
             if not micro:  # filler micro-batch: a zero loss that still runs the backward collectives
                 (lp.sum() * 0.0).backward()
                 continue

@@ -68,11 +68,22 @@ def padded_inputs(seqs: list, device, pad_id: int = 0) -> tuple[torch.Tensor, to
     return ids, attn
 
 
-def gather_token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log p(ids[t] | ids[<t]) aligned to ids: position 0 gets 0 (nothing predicts it).
+def scale_by_temperature(logits: torch.Tensor, temps: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` [..., L, V] at the temperature of the token each position predicts: position t
+    predicts token t + 1, so it is divided by ``temps[..., t + 1]`` ([..., L], aligned to the
+    tokens; None: all 1). The last position predicts nothing and is left as it is."""
+    if temps is None:
+        return logits.float()
+    t = torch.nn.functional.pad(temps[..., 1:], (0, 1), value=1.0).to(logits.device)
+    return logits.float() / t[..., None]
+
+
+def gather_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(ids[t] | ids[<t]) aligned to ids: position 0 gets 0 (nothing predicts it); with
+    ``temps`` (aligned to ids) each at its token's sampling temperature, as the engine reported μ.
 
     logits: [..., L, V]; ids: [..., L] → [..., L].
     """
-    logp = torch.log_softmax(logits[..., :-1, :].float(), dim=-1)
+    logp = torch.log_softmax(scale_by_temperature(logits, temps)[..., :-1, :], dim=-1)
     picked = logp.gather(-1, ids[..., 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0))

@@ -44,6 +44,7 @@ class GenerationNode:
     key: str
     parent: PromptNode
     generation: Generation
+    temperature: float = 1.0  # what it was sampled at (its log-probs are at it)
     children: list[PromptNode] = field(default_factory=list)
 
 
@@ -105,11 +106,14 @@ class SessionTree:
         self._prompts[key] = node
         return Prepared(node, list(ids), len(ids), 0)
 
-    def record(self, prompt: PromptNode, generation: Generation, key: str | None = None) -> GenerationNode:
-        """What the engine generated for ``prompt``; ``key``: the conversation's key once the agent
-        appends the assistant message it was answered with (``conversation_keys``), so that a
-        request continuing it finds it. None: nothing continues it (a raw completion)."""
-        node = GenerationNode(key or "", prompt, generation)
+    def record(
+        self, prompt: PromptNode, generation: Generation, key: str | None = None, temperature: float = 1.0
+    ) -> GenerationNode:
+        """What the engine generated for ``prompt`` at ``temperature``; ``key``: the conversation's
+        key once the agent appends the assistant message it was answered with
+        (``conversation_keys``), so that a request continuing it finds it. None: nothing continues
+        it (a raw completion)."""
+        node = GenerationNode(key or "", prompt, generation, temperature)
         prompt.children.append(node)
         if key:
             self._generations.setdefault(key, node)  # n choices alike: the first one is continued
@@ -150,6 +154,7 @@ class Path:
     behavior_logprobs: list[float]
     token_versions: list[int]
     turn_starts: list[int]  # where each generation begins
+    turn_temperatures: list[float]  # what each was sampled at
     finish_reason: FinishReason
 
 
@@ -164,13 +169,15 @@ def trajectory_path(tip: GenerationNode) -> Path:
     logprobs: list[float] = []
     versions: list[int] = []
     starts: list[int] = []
+    temperatures: list[float] = []
     for g in reversed(chain):
         ids += g.parent.ids
         mask += [0] * len(g.parent.ids)
         starts.append(len(ids))
+        temperatures.append(g.temperature)
         out = g.generation
         ids += out.output_ids
         mask += [1] * len(out.output_ids)
         logprobs += out.behavior_logprobs
         versions += out.token_versions
-    return Path(ids, mask, logprobs, versions, starts, tip.generation.finish_reason)
+    return Path(ids, mask, logprobs, versions, starts, temperatures, tip.generation.finish_reason)

@@ -315,7 +315,13 @@ class AgentSessions:
                     reward=session.reward or 0.0,
                     start_version=p.token_versions[0] if p.token_versions else 0,
                     finish_reason=p.finish_reason,
-                    metadata={"env": "agent", "session": session.session_id, "branch": i, "turn_starts": p.turn_starts},
+                    metadata={
+                        "env": "agent",
+                        "session": session.session_id,
+                        "branch": i,
+                        "turn_starts": p.turn_starts,
+                        "turn_temperatures": p.turn_temperatures,
+                    },
                 )
             )
         return out
@@ -394,9 +400,9 @@ class AgentSessions:
         if session is not None:
             session.requests += 1
             session.group.last_used = time.monotonic()
-            for c in choices:
+            for c, params in zip(choices, sampling, strict=True):
                 key = None if messages is None else conversation_keys([*messages, c.message], tools)[-1]
-                session.tree.record(prepared.node, c.generation, key)
+                session.tree.record(prepared.node, c.generation, key, params.temperature)
         self.counters["tokens_rendered"] += prepared.rendered
         self.counters["tokens_reused"] += prepared.reused
         return ChatResult(choices, len(prepared.input_ids), prepared.rendered, prepared.reused)

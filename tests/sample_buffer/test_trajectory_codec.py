@@ -37,6 +37,11 @@ def traj(**kw):
         ({"token_rewards": [0.0]}, "token_rewards"),
         ({"reward": float("inf")}, "reward"),
         ({"finish_reason": "bored"}, "finish_reason"),
+        ({"metadata": {"turn_temperatures": [0.7]}}, "metadata.turn_starts"),
+        ({"metadata": {"turn_starts": [2, 9], "turn_temperatures": [0.7, 1.0]}}, "metadata.turn_starts"),
+        ({"metadata": {"turn_starts": [2], "turn_temperatures": [0.7, 1.0]}}, "metadata.turn_temperatures"),
+        ({"metadata": {"turn_starts": [2], "turn_temperatures": [float("nan")]}}, "metadata.turn_temperatures"),
+        ({"metadata": {"turn_starts": [2], "turn_temperatures": ["hot"]}}, "metadata.turn_temperatures"),
     ],
 )
 def test_invalid_trajectories_name_the_field(kw, field):

@@ -238,3 +238,39 @@ def test_the_audit_measures_policy_movement_and_checks_mu_against_each_tokens_ve
     wrong.behavior_logprobs = logprobs[1][3] * wrong.loss_mask
     wrong.token_versions = torch.where(wrong.loss_mask > 0, eng.version, -1)
     assert eng.train_step(wrong)["audit_mu_err_mean"] > 1e-3
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_trainers_log_probs_are_at_each_turns_sampling_temperature(tiny_model, pack):
+    """Two-turn trajectories sampled by the embedded engine at 0.7 then 1.3 (and greedy): the
+    trainer's log-probs of the generated tokens equal the engine's μ. Taken at temperature 1,
+    as before the turns carried their temperature, they do not: every ratio π/μ was off."""
+    from rollout.engines.embedded.config import EngineConfig
+    from rollout.engines.embedded.engine import EmbeddedEngine
+    from rollout.sampling import SamplingParams
+    from sample_buffer.trajectory import Group, Trajectory
+    from trainer.batch import batch_from_groups
+
+    gen = EmbeddedEngine(EngineConfig(model_path=tiny_model, max_running_requests=4)).start()
+    trajs = []
+    try:
+        for i, temps in enumerate([(0.7, 1.3), (0.0, 0.7), (1.0, 1.0)]):
+            ids, mask, mu, starts = [1, 20 + i, 21, 22], [0, 0, 0, 0], [], []
+            for k, temp in enumerate(temps):
+                params = SamplingParams(max_new_tokens=12, temperature=temp, ignore_eos=True, sampling_seed=i)
+                out = gen.submit(f"t{i}-{k}", ids, params).result(60)
+                starts.append(len(ids))
+                ids, mask, mu = ids + out.output_ids, mask + [1] * len(out.output_ids), mu + out.behavior_logprobs
+                ids, mask = ids + [5, 6], mask + [0, 0]  # the environment's answer between the turns
+            meta = {"turn_starts": starts, "turn_temperatures": list(temps)}
+            trajs.append(Trajectory(f"g/{i}", "g", "p", ids, mask, mu, [0] * len(mu), 1.0, 0, metadata=meta))
+    finally:
+        gen.shutdown()
+    batch = batch_from_groups([Group("g", "p", trajs)])
+    eng = engine(tiny_model, pack_sequences=pack, pack_row_tokens=64)
+    m = batch.loss_mask.bool()
+    gap = (eng.logprobs(batch) - batch.behavior_logprobs)[m].abs()
+    assert gap.max() < 1e-4, gap.max()
+    tempered = m & (batch.temperatures != 1)
+    batch.temperatures = None  # what the trainer computed before
+    assert (eng.logprobs(batch) - batch.behavior_logprobs)[tempered].abs().mean() > 0.05
