@@ -352,6 +352,9 @@ class TrainEngine:
         out |= _all_reduce_dict(mismatch_stats(prox, behav, mask, stale)) | audited
         out |= {"lr": self.scheduler.get_last_lr()[0], "tokens": _all_reduce(float(mask.sum())), "updates": updates}
         out["reward_mean"] = _all_reduce(float(batch.rewards.sum())) / _all_reduce(float(len(batch.rewards)))
+        if (cap := getattr(cfg.loss, "behavior_weight_cap", None)) is not None:  # decoupled PPO's sg(π_prox/μ)
+            capped = ((prox - behav).exp() > cap) & mask.bool()
+            out["behavior_weight_capped_frac"] = _all_reduce(float(capped.sum())) / max(out["tokens"], 1)
         if weights is not None:
             out["mismatch_weight_mean"] = _all_reduce(float((weights * mask).sum())) / max(out["tokens"], 1)
         if self.critic is not None:

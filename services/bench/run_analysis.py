@@ -63,6 +63,7 @@ MOVEMENT_KEYS = (
     "audit_mu_err_mean",
     "audit_mu_err_stale_mean",
     "clip_frac",
+    "behavior_weight_capped_frac",
     "grad_norm",
 )
 

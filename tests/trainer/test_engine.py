@@ -274,3 +274,11 @@ def test_the_trainers_log_probs_are_at_each_turns_sampling_temperature(tiny_mode
     tempered = m & (batch.temperatures != 1)
     batch.temperatures = None  # what the trainer computed before
     assert (eng.logprobs(batch) - batch.behavior_logprobs)[tempered].abs().mean() > 0.05
+
+
+def test_decoupled_ppo_reports_how_often_its_behaviour_weight_is_capped(tiny_model):
+    batch = toy_batch()
+    low = batch.loss_mask.bool() & (batch.group_ids[:, None] == 0)  # μ far below π_prox: π_prox/μ over the cap
+    batch.behavior_logprobs = torch.where(low, torch.tensor(-30.0), batch.behavior_logprobs)
+    m = engine(tiny_model, loss={"type": "decoupled_ppo", "behavior_weight_cap": 5.0}).train_step(batch)
+    assert m["behavior_weight_capped_frac"] == pytest.approx(float(low.sum() / batch.loss_mask.sum()))
