@@ -7,7 +7,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.advantage_config import AdvantageConfig, GRPOAdvantageConfig
-from trainer.loss_config import DecoupledPPOLossConfig, MismatchCorrection, NoMismatchCorrection, PolicyLossConfig
+from trainer.loss_config import (
+    DecoupledPPOLossConfig,
+    MismatchCorrection,
+    NoMismatchCorrection,
+    PolicyLossConfig,
+    sees_behavior,
+)
 
 
 class TrainLoopConfig(BaseModel):
@@ -141,8 +147,7 @@ class TrainerConfig(BaseModel):
     def _one_correction_per_ratio(self) -> TrainerConfig:
         # A ratio against μ already holds π_prox/μ (and decoupled PPO weights by it): a mismatch
         # weight on top would correct twice, and on stale tokens compound the drift as well.
-        against_mu = self.loss.type == "decoupled_ppo" or getattr(self.loss, "old_policy", None) == "behavior"
-        if self.mismatch.type != "none" and against_mu:
+        if self.mismatch.type != "none" and sees_behavior(self.loss):
             raise ValueError(
                 f"mismatch: {self.mismatch.type!r} corrects π_prox/μ, which loss {self.loss.type!r} already takes "
                 "into account; use it with old_policy: proximal (or reinforce / custom)"

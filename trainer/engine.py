@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.advantages import compute_advantages, masked_mean
+from trainer.advantages import compute_advantages, masked_mean, sequence_weights, weighted_group_mean
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
-from trainer.loss_config import PolicyLossConfig
+from trainer.loss_config import PolicyLossConfig, sees_behavior
 from trainer.losses import (
     RATIO_METRICS,
     aggregate,
@@ -316,7 +316,14 @@ class TrainEngine:
         if ref is not None and cfg.kl_in_reward:
             rewards = rewards - cfg.kl_coef * (kl_penalty(prox, ref, cfg.kl_estimator) * mask).sum(-1)
         values = self.values(batch) if self.critic is not None else None
-        adv, returns = compute_advantages(cfg.advantages, rewards, mask, batch.group_ids.to(self.device), values)
+        group_ids = batch.group_ids.to(self.device)
+        adv, returns = compute_advantages(cfg.advantages, rewards, mask, group_ids, values)
+        drift = None  # how far from 0 each group's π_prox/μ-weighted advantages sum (see weighted_group_mean)
+        if sees_behavior(cfg.loss) and cfg.advantages.type != "gae":
+            seq_w = sequence_weights(prox, behav, mask, getattr(cfg.loss, "behavior_weight_cap", None))
+            drift = weighted_group_mean(adv, mask, group_ids, seq_w)
+            if getattr(cfg.advantages, "weighted_baseline", False):
+                adv = (adv - drift[:, None]) * mask
         # Sampled by older weights than these (the engines served an earlier version).
         stale = (
             torch.zeros_like(mask, dtype=torch.bool)
@@ -352,6 +359,8 @@ class TrainEngine:
         out |= _all_reduce_dict(mismatch_stats(prox, behav, mask, stale)) | audited
         out |= {"lr": self.scheduler.get_last_lr()[0], "tokens": _all_reduce(float(mask.sum())), "updates": updates}
         out["reward_mean"] = _all_reduce(float(batch.rewards.sum())) / _all_reduce(float(len(batch.rewards)))
+        if drift is not None:  # mean over sequences of |the weighted group mean of the advantages|
+            out["weighted_adv_mean_abs"] = _all_reduce(float(drift.abs().sum())) / _all_reduce(float(len(drift)))
         if (cap := getattr(cfg.loss, "behavior_weight_cap", None)) is not None:  # decoupled PPO's sg(π_prox/μ)
             capped = ((prox - behav).exp() > cap) & mask.bool()
             out["behavior_weight_capped_frac"] = _all_reduce(float(capped.sum())) / max(out["tokens"], 1)

@@ -141,6 +141,11 @@ PolicyLossConfig = tagged_union(
 """One of the variants' configs, chosen by its ``type``; the key of ``trainer.losses.POLICY_LOSSES`` that runs it."""
 
 
+def sees_behavior(loss) -> bool:
+    """Does the loss weight samples by the behaviour policy μ (through its ratio or a weight)?"""
+    return loss.type == "decoupled_ppo" or getattr(loss, "old_policy", None) == "behavior"
+
+
 class NoMismatchCorrection(BaseModel):
     """No correction for the trainer and the engine computing different log-probs of one token.
     (A correction applies to losses whose ratio is against π_prox: one against μ holds π_prox/μ

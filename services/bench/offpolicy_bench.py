@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -29,14 +30,17 @@ from pathlib import Path
 from services.bench import BadOption
 from services.bench.run_analysis import data_bias, movement, reward_at_versions, reward_by_version
 
-# Each loss as a trainer.loss override. Every variant but ppo_naive takes μ into account.
+# Each loss as trainer overrides. Every variant but ppo_naive takes μ into account; the two
+# decoupled_ppo/* set the group baseline (trainer.advantages.weighted_baseline) either way.
 LOSSES = {
-    "ppo": {"type": "ppo"},
-    "ppo_naive": {"type": "ppo", "old_policy": "proximal"},
-    "decoupled_ppo": {"type": "decoupled_ppo"},
-    "tis": {"type": "tis"},
-    "cispo": {"type": "cispo"},
-    "topr": {"type": "topr"},
+    "ppo": {"loss.type": "ppo"},
+    "ppo_naive": {"loss.type": "ppo", "loss.old_policy": "proximal"},
+    "decoupled_ppo": {"loss.type": "decoupled_ppo"},
+    "decoupled_ppo/weighted": {"loss.type": "decoupled_ppo", "advantages.weighted_baseline": "true"},
+    "decoupled_ppo/sampled": {"loss.type": "decoupled_ppo", "advantages.weighted_baseline": "false"},
+    "tis": {"loss.type": "tis"},
+    "cispo": {"loss.type": "cispo"},
+    "topr": {"loss.type": "topr"},
 }
 FINAL = re.compile(r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accuracy=([\d.na]+) wall_s=([\d.]+)$", re.M)
 
@@ -70,7 +74,7 @@ def _command(example: str, model: str, run_dir: Path, v: Variant, steps: int, se
         f"controller.async_ratio={v.ratio}",
         f"trainer.seed={seed}",
         f"env_manager.seed={seed}",
-    ] + [f"trainer.loss.{k}={x}" for k, x in LOSSES[v.loss].items()]
+    ] + [f"trainer.{k}={x}" for k, x in LOSSES[v.loss].items()]
     sets += [f"trainer.lr={v.lr}"] if v.lr is not None else []
     sets += ["trainer.audit_versions=2"] if audit else []
     cmd = [sys.executable, "-m", "services.cli", "run", EXAMPLES[example][0], "--fresh"]
@@ -107,6 +111,7 @@ def _one(command: list[str], run_dir: Path, what: str, steps: int, timeout_s: fl
         "wall_s": time.monotonic() - t0,
         "staleness_mean": statistics.mean(x["staleness_mean"] for x in lines),
         "curve": [x["reward_mean"] for x in lines],
+        "kl_curve": [x.get("policy_kl_1") for x in lines],  # None before the audit has an older version
         "curve_by_version": reward_by_version(lines),
         "bias": data_bias(lines),
         "movement": movement(lines),
@@ -202,9 +207,12 @@ def run(
         for v in variants:
             runs = []
             for seed in range(seeds):
-                run_dir = Path(tmp) / f"{v.loss}-{v.ratio}-{v.lr}-{seed}"
+                run_dir = Path(tmp) / f"{v.loss.replace('/', '-')}-{v.ratio}-{v.lr}-{seed}"
                 cmd = _command(example, model_path, run_dir, v, steps, seed, audit)
                 r = _one(cmd, run_dir, v.label, steps)
+                kept = out / "runs" / f"{run_dir.name}.jsonl"  # every step's metrics, for a closer look
+                kept.parent.mkdir(exist_ok=True)
+                shutil.copyfile(run_dir / "metrics.jsonl", kept)
                 kl = r["movement"].get("policy_kl_1")
                 progress(
                     f"{v.label:>24}: seed {seed} reward {r['reward_last']:.3f} held-out {r['heldout_accuracy']:.3f}"

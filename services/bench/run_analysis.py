@@ -64,6 +64,7 @@ MOVEMENT_KEYS = (
     "audit_mu_err_stale_mean",
     "clip_frac",
     "behavior_weight_capped_frac",
+    "weighted_adv_mean_abs",
     "grad_norm",
 )
 

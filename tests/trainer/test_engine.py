@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.trainer.helpers import toy_batch
+from trainer.batch import batch_from_sequences
 from trainer.checkpoint import MARKER, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.engine import TrainEngine
@@ -282,3 +283,28 @@ def test_decoupled_ppo_reports_how_often_its_behaviour_weight_is_capped(tiny_mod
     batch.behavior_logprobs = torch.where(low, torch.tensor(-30.0), batch.behavior_logprobs)
     m = engine(tiny_model, loss={"type": "decoupled_ppo", "behavior_weight_cap": 5.0}).train_step(batch)
     assert m["behavior_weight_capped_frac"] == pytest.approx(float(low.sum() / batch.loss_mask.sum()))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_stale_weights_move_unsampled_tokens_unless_the_baseline_is_weighted(tiny_model, weighted):
+    """One prompt, eight one-token answers sampled by an older policy (μ ≠ π_prox): weighted by
+    π_prox/μ the group's advantages no longer sum to 0, every unsampled token's logit gets the same
+    tiny gradient, and Adam turns it into a full-size step on its output row. With the weighted
+    baseline the group's weighted advantages sum to 0 and those rows barely move (float rounding)."""
+    prompt, answers = [1, 20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37]
+    seqs = [prompt + [a] for a in answers]
+    mask = torch.tensor([[0.0] * 4 + [1.0]] * 8)
+    behav = torch.tensor([[0.0] * 4 + [x] for x in (-1.0, -6.0, -3.0, -7.0, -2.0, -5.0, -4.0, -6.5)])
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.1, 0.1, 0.0, 0.1])
+    batch = batch_from_sequences(seqs, mask, behav, rewards, torch.zeros(8, dtype=torch.long))
+    eng = engine(tiny_model, advantages={"type": "grpo", "weighted_baseline": weighted}, grad_clip=None)
+    rows = eng.model.get_output_embeddings().weight
+    before = rows.detach().clone()
+    m = eng.train_step(batch)
+    unsampled = [t for t in range(100, 200)]  # in no prompt, no answer
+    moved = (rows.detach()[unsampled] - before[unsampled]).abs().max().item()
+    assert m["weighted_adv_mean_abs"] > 0.05
+    if weighted:  # what is left is float rounding of the cancelling sum, which Adam's eps keeps small
+        assert moved < 1e-4
+    else:
+        assert moved > 0.5e-3  # a step the size of the learning rate (1e-3), from a gradient that only was noise
