@@ -24,32 +24,20 @@ class BaseAdvantageConfig(BaseModel):
     eps: float = Field(1e-6, gt=0, description="Added to standard deviations.")
 
 
-class _GroupBaselineConfig(BaseAdvantageConfig):
-    """The estimators whose baseline is the group's own rewards."""
-
-    weighted_baseline: bool = Field(
-        False,
-        description="With a loss that weights samples by π_prox/μ: shift each group's advantages so that their "
-        "weighted sum is 0, as it is unweighted on-policy. Otherwise stale groups' weighted advantages do not sum "
-        "to 0 and push every unsampled token's logit the same way, which Adam turns into full-size steps "
-        "(docs/losses.md#staleness). A no-op on fresh samples.",
-    )
-
-
-class GRPOAdvantageConfig(_GroupBaselineConfig):
+class GRPOAdvantageConfig(BaseAdvantageConfig):
     """GRPO: reward minus its group's mean, divided by the group's std."""
 
     type: Literal["grpo"] = Field("grpo", description="Selects GRPO.")
     norm_by_std: bool = Field(True, description="Divide by the group's reward std.")
 
 
-class DrGRPOAdvantageConfig(_GroupBaselineConfig):
+class DrGRPOAdvantageConfig(BaseAdvantageConfig):
     """Dr. GRPO: reward minus its group's mean, no std division."""
 
     type: Literal["dr_grpo"] = Field("dr_grpo", description="Selects Dr. GRPO.")
 
 
-class RLOOAdvantageConfig(_GroupBaselineConfig):
+class RLOOAdvantageConfig(BaseAdvantageConfig):
     """RLOO: reward minus the mean of the other members of its group."""
 
     type: Literal["rloo"] = Field("rloo", description="Selects RLOO.")

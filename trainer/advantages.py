@@ -95,31 +95,6 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return returns
 
 
-def weighted_group_mean(
-    adv: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """Σ_i w_i·A_i / Σ_i w_i over each sequence's group, per sequence [B] (``weights`` [B], one
-    per sequence; A_i a sequence's mean advantage).
-
-    On-policy (w = 1) a group-baselined advantage sums to 0, so the gradient the group gives the
-    logits of tokens nobody sampled cancels. Weighted by π_prox/μ (stale samples) it does not, and
-    every unsampled token's logit moves the same way: subtracting this mean (the importance-weighted
-    group mean as the baseline) restores the cancellation."""
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    k = int(inverse.max()) + 1
-    per_seq = masked_mean(adv, mask, dim=-1)
-    num = torch.zeros(k, dtype=adv.dtype, device=adv.device).index_add_(0, inverse, weights * per_seq)
-    den = torch.zeros(k, dtype=adv.dtype, device=adv.device).index_add_(0, inverse, weights)
-    return (num / den.clamp(min=1e-12))[inverse]
-
-
-def sequence_weights(proximal: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor, cap: float | None):
-    """π_prox/μ per sequence, length-normalised (the geometric mean of its tokens' ratios, as GSPO),
-    capped at ``cap``: [B]."""
-    w = torch.exp(masked_mean(proximal - behavior, mask, dim=-1))
-    return w if cap is None else w.clamp(max=cap)
-
-
 def reinforce_pp(rewards, mask, group_ids=None, *, gamma: float = 1.0, eps: float = 1e-6, **_) -> tuple:
     """REINFORCE++: discounted returns whitened over the whole batch (a global baseline). No returns
     for a critic: the baseline is the batch mean."""

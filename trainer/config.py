@@ -133,6 +133,14 @@ class TrainerConfig(BaseModel):
     critic: bool = Field(False, description="Train a value model (needed by the 'gae' estimator).")
     critic_lr: float = Field(1e-5, gt=0, description="Learning rate of the critic.")
     value_clip: float | None = Field(0.2, gt=0, description="Clip range of the critic's value loss.")
+    max_step_kl: float | None = Field(
+        None,
+        gt=0,
+        description="Trust region of a step (None = off): after its updates, if KL(π_prox ‖ π_new) over the batch's "
+        "generated tokens (k3 estimate) exceeds this, the weights are pulled back halfway to π_prox, up to "
+        "6 times. Bounds the rare steps that move the policy by nats at once (docs/losses.md#staleness); costs one "
+        "forward pass a step, one more per halving, and a copy of the weights.",
+    )
     audit_versions: int = Field(
         0,
         ge=0,

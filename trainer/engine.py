@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.advantages import compute_advantages, masked_mean, sequence_weights, weighted_group_mean
+from trainer.advantages import compute_advantages, masked_mean
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
-from trainer.loss_config import PolicyLossConfig, sees_behavior
+from trainer.loss_config import PolicyLossConfig
 from trainer.losses import (
     RATIO_METRICS,
     aggregate,
@@ -93,6 +93,9 @@ def _all_reduce_dict(stats: dict[str, float]) -> dict[str, float]:
 def _rows(batch: TrainBatch, rows: list[int]) -> torch.Tensor | None:
     """The sampling temperatures of ``rows`` (None: all sampled at 1)."""
     return None if batch.temperatures is None else batch.temperatures[rows]
+
+
+MAX_STEP_HALVINGS = 6  # the trust region pulls a step back to 1/64 of itself at most
 
 
 @dataclass
@@ -318,12 +321,6 @@ class TrainEngine:
         values = self.values(batch) if self.critic is not None else None
         group_ids = batch.group_ids.to(self.device)
         adv, returns = compute_advantages(cfg.advantages, rewards, mask, group_ids, values)
-        drift = None  # how far from 0 each group's π_prox/μ-weighted advantages sum (see weighted_group_mean)
-        if sees_behavior(cfg.loss) and cfg.advantages.type != "gae":
-            seq_w = sequence_weights(prox, behav, mask, getattr(cfg.loss, "behavior_weight_cap", None))
-            drift = weighted_group_mean(adv, mask, group_ids, seq_w)
-            if getattr(cfg.advantages, "weighted_baseline", False):
-                adv = (adv - drift[:, None]) * mask
         # Sampled by older weights than these (the engines served an earlier version).
         stale = (
             torch.zeros_like(mask, dtype=torch.bool)
@@ -341,12 +338,14 @@ class TrainEngine:
 
         sums: dict[str, float] = defaultdict(float)
         updates = 0
+        start = None if cfg.max_step_kl is None else [p.detach().clone() for p in self.model.parameters()]
         for epoch in range(cfg.ppo_epochs):
             for rows in self._mini_batches(batch, epoch):
                 if (got := self._update(batch, rows, step)) is not None:
                     for k, v in got.items():
                         sums[k] += v
                     updates += 1
+        bounded = {} if start is None else self._bound_step(batch, start, prox, mask)
         self.scheduler.step()  # once per version: the schedule spans the run's steps
         if before is not None:
             self.audit.remember(self.version, before)
@@ -356,11 +355,9 @@ class TrainEngine:
         out |= {k: v / max(updates, 1) for k, v in sums.items() if not k.endswith(("_stale", "stale_tokens"))}
         if sums["stale_tokens"]:  # means over stale tokens, weighted by how many each update had
             out |= {k: v / sums["stale_tokens"] for k, v in sums.items() if k.endswith("_stale")}
-        out |= _all_reduce_dict(mismatch_stats(prox, behav, mask, stale)) | audited
+        out |= _all_reduce_dict(mismatch_stats(prox, behav, mask, stale)) | audited | bounded
         out |= {"lr": self.scheduler.get_last_lr()[0], "tokens": _all_reduce(float(mask.sum())), "updates": updates}
         out["reward_mean"] = _all_reduce(float(batch.rewards.sum())) / _all_reduce(float(len(batch.rewards)))
-        if drift is not None:  # mean over sequences of |the weighted group mean of the advantages|
-            out["weighted_adv_mean_abs"] = _all_reduce(float(drift.abs().sum())) / _all_reduce(float(len(drift)))
         if (cap := getattr(cfg.loss, "behavior_weight_cap", None)) is not None:  # decoupled PPO's sg(π_prox/μ)
             capped = ((prox - behav).exp() > cap) & mask.bool()
             out["behavior_weight_capped_frac"] = _all_reduce(float(capped.sum())) / max(out["tokens"], 1)
@@ -369,6 +366,26 @@ class TrainEngine:
         if self.critic is not None:
             out["value_loss"] = self._critic_step(batch, values, returns, mask)
         return out
+
+    def _step_kl(self, batch: TrainBatch, prox: torch.Tensor, mask: torch.Tensor) -> float:
+        """KL(π_prox ‖ π) over the batch's generated tokens, k3 estimate, all ranks' tokens."""
+        log_r = (self.logprobs(batch) - prox) * mask
+        k3 = ((log_r.exp() - 1 - log_r) * mask).sum()
+        total, n = _all_reduce_all([float(k3), float(mask.sum())])
+        return total / max(n, 1.0)
+
+    def _bound_step(self, batch: TrainBatch, start: list[torch.Tensor], prox, mask) -> dict[str, float]:
+        """The step's trust region (``max_step_kl``): halve the step back towards π_prox while it
+        moved the policy further than the bound. Adam's moments keep the whole step's gradients."""
+        kl = first = self._step_kl(batch, prox, mask)
+        halvings = 0
+        while kl > self.config.max_step_kl and halvings < MAX_STEP_HALVINGS:
+            with torch.no_grad():
+                for p, p0 in zip(self.model.parameters(), start, strict=True):
+                    p.lerp_(p0, 0.5)
+            halvings += 1
+            kl = self._step_kl(batch, prox, mask)
+        return {"step_kl": kl, "step_kl_unbounded": first, "step_halvings": halvings}
 
     def _mini_batches(self, batch: TrainBatch, epoch: int) -> list[list[int]]:
         """This rank's rows in ``mini_batches`` slices of whole groups, in an order shuffled per

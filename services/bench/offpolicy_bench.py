@@ -30,14 +30,13 @@ from pathlib import Path
 from services.bench import BadOption
 from services.bench.run_analysis import data_bias, movement, reward_at_versions, reward_by_version
 
-# Each loss as trainer overrides. Every variant but ppo_naive takes μ into account; the two
-# decoupled_ppo/* set the group baseline (trainer.advantages.weighted_baseline) either way.
+# Each loss as trainer overrides. Every variant but ppo_naive takes μ into account;
+# decoupled_ppo/trust bounds each step's policy movement (trainer.max_step_kl).
 LOSSES = {
     "ppo": {"loss.type": "ppo"},
     "ppo_naive": {"loss.type": "ppo", "loss.old_policy": "proximal"},
     "decoupled_ppo": {"loss.type": "decoupled_ppo"},
-    "decoupled_ppo/weighted": {"loss.type": "decoupled_ppo", "advantages.weighted_baseline": "true"},
-    "decoupled_ppo/sampled": {"loss.type": "decoupled_ppo", "advantages.weighted_baseline": "false"},
+    "decoupled_ppo/trust": {"loss.type": "decoupled_ppo", "max_step_kl": "0.05"},
     "tis": {"loss.type": "tis"},
     "cispo": {"loss.type": "cispo"},
     "topr": {"loss.type": "topr"},

@@ -64,7 +64,8 @@ MOVEMENT_KEYS = (
     "audit_mu_err_stale_mean",
     "clip_frac",
     "behavior_weight_capped_frac",
-    "weighted_adv_mean_abs",
+    "step_kl_unbounded",
+    "step_halvings",
     "grad_norm",
 )
 
