@@ -28,6 +28,10 @@ from trainer.ports import EngineMemory, SampleSource, TrainObserver, TransientEr
 
 log = logging.getLogger(__name__)
 MAX_PUBLISH_RETRY_S = 8.0  # a failed publish is tried again after 0.5 s, doubling up to this
+# KL(μ ‖ π_prox) over stale tokens past which a step warns: on the quickstart it stayed under 0.3 nats
+# while runs learned and went to 1-13 nats after the one-step policy jumps that preceded every
+# collapse measured (docs/losses.md#staleness).
+STALE_KL_WARNING = 1.0
 
 
 class StalenessMismatch(ValueError):
@@ -78,6 +82,7 @@ class TrainLoop:
         self.served_version: int | None = None  # what the engines serve, as of join and the last publish
         self._publish_failures = 0  # in a row: the wait before trying again doubles
         self._dropped_stale = 0
+        self._warned_at = -(10**9)  # the step of the last staleness warning (one in 20 steps at most)
 
     # ------------------------------------------------------------------ the loop
     async def step(self) -> dict | None:
@@ -134,6 +139,7 @@ class TrainLoop:
                 # The step's line before its checkpoint: a trainer killed between the two leaves a line
                 # that a resume moves to lost_steps.jsonl; the other order would leave a checkpointed
                 # step with no line, its groups trained but missing from the curve.
+                self._warn_if_far(metrics)
                 self.observer.step_done(metrics, staleness)
         finally:  # every rank checkpoints, whatever rank 0's report did: the save is collective
             t_ckpt = time.perf_counter()
@@ -295,6 +301,19 @@ class TrainLoop:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def _warn_if_far(self, metrics: dict) -> None:
+        kl = metrics.get("kl_behavior_stale", 0.0)
+        if kl > STALE_KL_WARNING and metrics["step"] - self._warned_at >= 20:
+            self._warned_at = metrics["step"]
+            log.warning(
+                "step %d: stale samples are %.2f nats (KL(μ ‖ π_prox)) from the policy they train: it moved that far "
+                "in %.1f versions. Such jumps preceded every collapse measured under staleness; set "
+                "trainer.max_step_kl, or lower trainer.lr or controller.async_ratio (docs/losses.md#staleness)",
+                metrics["step"],
+                kl,
+                metrics["staleness_mean"],
+            )
 
     def _checkpoint_if_due(self) -> bool:
         every = self.config.checkpoint_every

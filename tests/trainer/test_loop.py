@@ -331,3 +331,30 @@ def test_a_commit_whose_reply_was_lost_does_not_stall_the_trainer(tmp_path):
     first, second, ctl = asyncio.run(main())
     assert first["published"] is False and ctl.version >= 1
     assert second is not None and second["step"] == 2 and second["published"] and ctl.version == 2
+
+
+class DriftingEngine(SimTrainEngine):
+    def train_step(self, batch):
+        return super().train_step(batch) | {"kl_behavior_stale": 2.5}
+
+
+def test_a_step_names_its_groups_and_warns_once_when_stale_samples_are_far_from_the_policy(tmp_path, caplog):
+    async def main():
+        loop, ctl, buf = make(tmp_path, engine_cls=DriftingEngine)
+        await loop.join()
+        lines = []
+        for step in range(2):
+            await ctl.admit(2)
+            for g in ("a", "b"):
+                await buf.put(make_group(f"{g}{step}"))
+            await ctl.release(finished=2)
+            lines.append(await loop.step())
+        return lines
+
+    with caplog.at_level("WARNING", logger="trainer.loop"):
+        first, second = asyncio.run(main())
+    assert first["group_ids"] == ["a0", "b0"] and len(first["group_prompts"]) == 2
+    assert first["group_versions"] == [0, 0] and all(0 <= r <= 1 for r in first["group_rewards"])
+    assert first["dropped_stale"] == 0 and second["group_ids"] == ["a1", "b1"]
+    warned = [r.getMessage() for r in caplog.records if "nats (KL(μ ‖ π_prox))" in r.getMessage()]
+    assert len(warned) == 1 and "step 1: stale samples are 2.50 nats" in warned[0]
