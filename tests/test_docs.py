@@ -22,6 +22,7 @@ FILE_SUFFIXES = {"py", "json", "jsonl", "yaml", "md", "png", "jinja", "proto", "
 NOT_CONFIG = {
     "metadata.timeout",
     "metadata.error_kind",
+    "metadata.turn_temperatures",
     "sglang.launch_server",
     "kernel.unprivileged_userns_clone",
 }  # (a sysctl)

@@ -139,9 +139,10 @@ def test_a_tool_using_session_is_token_exact_and_reuses_its_prefix(smollm2):
         p2.reused == len(p1.input_ids) + len(g1.output_ids) and p2.rendered < 30
     )  # the tool result and the generation prompt
     g2 = generated(tok, "It is 42.", end)
-    tree.record(p2.node, g2, conversation_keys([*m2, reply_of(tok, g2)], TOOLS)[-1])
+    tree.record(p2.node, g2, conversation_keys([*m2, reply_of(tok, g2)], TOOLS)[-1], temperature=0.7)
     [tip] = tree.tips()
     path = trajectory_path(tip)
+    assert path.turn_temperatures == [1.0, 0.7]  # each turn's own: the trainer takes its log-probs at it
     # What the template gives for the whole conversation, generated turns as generated (the template
     # renders the call exactly as the policy wrote it here).
     whole = renderer.text([*m2, {"role": "assistant", "content": "It is 42."}], TOOLS, False)
