@@ -42,7 +42,7 @@ _GAUGES = {
     "kl_behavior_stale": (
         "rollmesh_trainer_stale_policy_kl_nats",
         "KL(μ ‖ π_prox) over tokens sampled by older weights, last step: how far the policy moved since they "
-        "were sampled (above about 0.03 nats staleness cost the quickstart learning per step; docs/losses.md)",
+        "were sampled (the quickstart learned under about 0.3 nats; the trainer warns above 1; docs/losses.md)",
     ),
 }
 
