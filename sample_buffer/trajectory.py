@@ -112,15 +112,20 @@ class Trajectory:
             raise TrajectoryError(f"token_rewards: length {len(self.token_rewards)} != token_ids length {t}")
         if not np.isfinite(self.reward):
             raise TrajectoryError(f"reward: must be finite, got {self.reward}")
+        if not isinstance(self.metadata, dict):
+            raise TrajectoryError(f"metadata: a map expected, got {type(self.metadata).__name__}")
         if "turn_temperatures" in self.metadata:
             self._check_turns(t)
 
     def _check_turns(self, t: int) -> None:
         """The trainer reads each turn's tokens' temperature from these two (``trainer/batch.py``)."""
         starts, temps = self.metadata.get("turn_starts"), self.metadata["turn_temperatures"]
-        if not isinstance(starts, list) or not all(type(s) is int and 0 <= s <= t for s in starts):
+        ints = isinstance(starts, list) and all(
+            isinstance(s, int | np.integer) and not isinstance(s, bool) for s in starts
+        )
+        if not ints or not all(0 <= a <= b <= t for a, b in zip(starts, [*starts[1:], t], strict=True)):
             raise TrajectoryError(
-                f"metadata.turn_starts: a list of token positions in [0, {t}] must go with turn_temperatures"
+                f"metadata.turn_starts: token positions in [0, {t}], in order, must go with turn_temperatures"
             )
         if not isinstance(temps, list) or len(temps) != len(starts):
             raise TrajectoryError(f"metadata.turn_temperatures: one per turn_starts ({len(starts)}) expected")

@@ -28,8 +28,9 @@ class TrainBatch:
     group_ids: torch.Tensor  # [B] long: trajectories of one prompt share an id
     # [B, T] long: the policy version that sampled each generated token, -1 elsewhere (None: unknown)
     token_versions: torch.Tensor | None = None
-    # [B, T] float: the temperature each token was sampled at (μ is at it; so must π be), 1 where
-    # nothing was sampled and for greedy turns (the engines report those at 1). None: all 1.
+    # [B, T] float: the temperature each token was sampled at (μ is at it; so must π be): a turn's
+    # over its tokens (and the environment's after it, masked), 1 before the first turn and for
+    # greedy turns (the engines report those at 1). None: all 1.
     temperatures: torch.Tensor | None = None
 
     @cached_property

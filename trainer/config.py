@@ -136,10 +136,11 @@ class TrainerConfig(BaseModel):
     max_step_kl: float | None = Field(
         None,
         gt=0,
-        description="Trust region of a step (None = off): after its updates, if KL(π_prox ‖ π_new) over the batch's "
-        "generated tokens (k3 estimate) exceeds this, the weights are pulled back halfway to π_prox, up to "
-        "6 times. Bounds the rare steps that move the policy by nats at once (docs/losses.md#staleness); costs one "
-        "forward pass a step, one more per halving, and a copy of the weights.",
+        description="Trust region of a step (None = off): after its updates, if KL(π_prox ‖ π_new), estimated (k3) "
+        "over the batch's generated tokens (sampled by μ), exceeds this, the weights are pulled back halfway to "
+        "π_prox, up to 6 times. Bounds the rare steps that move the policy by nats at once "
+        "(docs/losses.md#staleness); costs one forward pass a step, one more per halving, and a copy of the "
+        "weights; single-process trainers only.",
     )
     audit_versions: int = Field(
         0,
@@ -148,7 +149,8 @@ class TrainerConfig(BaseModel):
         "policy_kl_1..N, the full-vocabulary KL(π_v ‖ π_{v−k}) at the batch's generated positions (how far the "
         "policy moved in k steps), and audit_mu_err_*, |log π_u(token) − μ| with the weights of the version u each "
         "token is tagged with (is μ the policy it says). N copies of the weights, up to N + 1 extra forward passes "
-        "a step; single-process trainers only (trainer/audit.py).",
+        "a step, and one more model on the trainer's device to run them; single-process trainers only "
+        "(trainer/audit.py).",
     )
 
     @model_validator(mode="after")

@@ -90,7 +90,7 @@ def _all_reduce_dict(stats: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _rows(batch: TrainBatch, rows: list[int]) -> torch.Tensor | None:
+def _temperatures(batch: TrainBatch, rows: list[int]) -> torch.Tensor | None:
     """The sampling temperatures of ``rows`` (None: all sampled at 1)."""
     return None if batch.temperatures is None else batch.temperatures[rows]
 
@@ -173,6 +173,10 @@ class TrainEngine:
             from trainer.audit import PolicyAudit
 
             self.audit = PolicyAudit(self.model, config.audit_versions)
+        if config.max_step_kl is not None and self.world > 1:
+            # FSDP2 keeps the root's parameters gathered between a forward and the next backward: a
+            # halving there would move the gathered copy, not the weights. Not built (nor tested) yet.
+            raise ValueError("trainer.max_step_kl: single-process trainers only for now (not under torchrun)")
         self.step = 0  # optimizer steps taken
         self.version = 0  # policy version: bumped by every step, published to the engines
 
@@ -292,7 +296,7 @@ class TrainEngine:
         out = torch.zeros(len(batch.sequences), width, device=self.device)
         ent = torch.zeros_like(out) if entropy else None
         for rows in self.micro_batches(batch):
-            lp, e = self._forward(model, [batch.sequences[r] for r in rows], width, entropy, _rows(batch, rows))
+            lp, e = self._forward(model, [batch.sequences[r] for r in rows], width, entropy, _temperatures(batch, rows))
             out[rows] = lp
             if entropy:
                 ent[rows] = e
@@ -368,7 +372,8 @@ class TrainEngine:
         return out
 
     def _step_kl(self, batch: TrainBatch, prox: torch.Tensor, mask: torch.Tensor) -> float:
-        """KL(π_prox ‖ π) over the batch's generated tokens, k3 estimate, all ranks' tokens."""
+        """KL(π_prox ‖ π) estimated (k3) over the batch's generated tokens, all ranks': they were
+        sampled by μ, not π_prox, so on stale tokens it is the movement where μ sampled."""
         log_r = (self.logprobs(batch) - prox) * mask
         k3 = ((log_r.exp() - 1 - log_r) * mask).sum()
         total, n = _all_reduce_all([float(k3), float(mask.sum())])
@@ -385,6 +390,14 @@ class TrainEngine:
                     p.lerp_(p0, 0.5)
             halvings += 1
             kl = self._step_kl(batch, prox, mask)
+        if kl > self.config.max_step_kl:
+            log.warning(
+                "step %d: still %.3f nats after %d halvings (max_step_kl %g)",
+                self.step,
+                kl,
+                halvings,
+                self.config.max_step_kl,
+            )
         return {"step_kl": kl, "step_kl_unbounded": first, "step_halvings": halvings}
 
     def _mini_batches(self, batch: TrainBatch, epoch: int) -> list[list[int]]:
@@ -414,7 +427,7 @@ class TrainEngine:
         sums: dict[str, float] = defaultdict(float)
         for micro in self.micro_batches(batch, rows):
             seqs = [batch.sequences[r] for r in micro]
-            lp, ent = self._forward(self.model, seqs, mask.shape[1], cfg.entropy_coef > 0, _rows(batch, micro))
+            lp, ent = self._forward(self.model, seqs, mask.shape[1], cfg.entropy_coef > 0, _temperatures(batch, micro))
             if not micro:  # filler micro-batch: a zero loss that still runs the backward collectives
                 (lp.sum() * 0.0).backward()
                 continue

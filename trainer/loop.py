@@ -139,6 +139,7 @@ class TrainLoop:
                 # The step's line before its checkpoint: a trainer killed between the two leaves a line
                 # that a resume moves to lost_steps.jsonl; the other order would leave a checkpointed
                 # step with no line, its groups trained but missing from the curve.
+                self._dropped_stale = 0  # counted since the last step line, timed-out waits included
                 self._warn_if_far(metrics)
                 self.observer.step_done(metrics, staleness)
         finally:  # every rank checkpoints, whatever rank 0's report did: the save is collective
@@ -262,7 +263,6 @@ class TrainLoop:
         """Rank 0: encoded groups for one step and their batch ids; None when too few arrived."""
         deadline = time.monotonic() + self.config.get_timeout_s
         batch_ids, groups = [], []
-        self._dropped_stale = 0  # groups the buffer dropped as too stale while this step waited
         while len(groups) < self.groups_per_step and time.monotonic() < deadline:
 
             def get(want=self.groups_per_step - len(groups)):

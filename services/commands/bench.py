@@ -278,7 +278,7 @@ def bench_chaos(
 def bench_offpolicy(
     example: str = typer.Option("quickstart", help="quickstart (tiny model, 100 steps) or smollm2-math (40 steps)."),
     model: Path = typer.Option(None, help="The example's model; default models/tiny-digits or models/smollm2."),
-    loss: list[str] = typer.Option([], "--loss", help="Losses to compare (repeatable); default: all six."),
+    loss: list[str] = typer.Option([], "--loss", help="Losses to compare (repeatable); default: all of them."),
     ratio: list[int] = typer.Option([], "--ratio", help="Async ratios (repeatable); default: 0, 2 and 8."),
     lr: list[float] = typer.Option([], "--lr", help="Learning rates (repeatable); default: the example's."),
     steps: int = typer.Option(None, help="Training steps of each run; default: the example's bench length."),

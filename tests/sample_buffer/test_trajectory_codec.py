@@ -42,6 +42,8 @@ def traj(**kw):
         ({"metadata": {"turn_starts": [2], "turn_temperatures": [0.7, 1.0]}}, "metadata.turn_temperatures"),
         ({"metadata": {"turn_starts": [2], "turn_temperatures": [float("nan")]}}, "metadata.turn_temperatures"),
         ({"metadata": {"turn_starts": [2], "turn_temperatures": ["hot"]}}, "metadata.turn_temperatures"),
+        ({"metadata": {"turn_starts": [3, 2], "turn_temperatures": [0.7, 1.0]}}, "metadata.turn_starts"),
+        ({"metadata": "turn_temperatures"}, "metadata"),
     ],
 )
 def test_invalid_trajectories_name_the_field(kw, field):
