@@ -15,7 +15,7 @@ samples reached):
   ``audit_missing_tokens``: tokens whose version is older than the copies kept.
 
 Costs N copies of the weights and up to N + 1 extra forward passes per step: a diagnostic for
-small models and benches (``rollmesh bench async``), off by default, single-process trainers only.
+small models and benches (``rollmesh bench offpolicy --audit``), off by default, single-process trainers only.
 """
 
 from __future__ import annotations

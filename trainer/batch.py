@@ -104,12 +104,11 @@ GREEDY_BELOW = 1e-6  # as the engines: a temperature below it is greedy, its log
 
 def _fill_temperatures(row: torch.Tensor, metadata: dict) -> None:
     """Each turn's sampling temperature over its tokens, from ``turn_starts`` and
-    ``turn_temperatures`` (a trajectory without them was sampled at 1)."""
+    ``turn_temperatures`` (a trajectory without them was sampled at 1; the buffer checked both
+    when the group was put: ``Trajectory.validate``)."""
     starts, temps = metadata.get("turn_starts"), metadata.get("turn_temperatures")
     if not starts or not temps:
         return
-    if len(starts) != len(temps):
-        raise ValueError(f"metadata.turn_temperatures: {len(temps)} values for {len(starts)} turn_starts")
     for k, (start, temp) in enumerate(zip(starts, temps, strict=True)):
         end = starts[k + 1] if k + 1 < len(starts) else len(row)
         row[start:end] = temp if temp >= GREEDY_BELOW else 1.0

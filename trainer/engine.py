@@ -323,8 +323,7 @@ class TrainEngine:
         if ref is not None and cfg.kl_in_reward:
             rewards = rewards - cfg.kl_coef * (kl_penalty(prox, ref, cfg.kl_estimator) * mask).sum(-1)
         values = self.values(batch) if self.critic is not None else None
-        group_ids = batch.group_ids.to(self.device)
-        adv, returns = compute_advantages(cfg.advantages, rewards, mask, group_ids, values)
+        adv, returns = compute_advantages(cfg.advantages, rewards, mask, batch.group_ids.to(self.device), values)
         # Sampled by older weights than these (the engines served an earlier version).
         stale = (
             torch.zeros_like(mask, dtype=torch.bool)
@@ -374,8 +373,8 @@ class TrainEngine:
     def _step_kl(self, batch: TrainBatch, prox: torch.Tensor, mask: torch.Tensor) -> float:
         """KL(π_prox ‖ π) estimated (k3) over the batch's generated tokens, all ranks': they were
         sampled by μ, not π_prox, so on stale tokens it is the movement where μ sampled."""
-        log_r = (self.logprobs(batch) - prox) * mask
-        k3 = ((log_r.exp() - 1 - log_r) * mask).sum()
+        log_r = (self.logprobs(batch) - prox) * mask  # 0 off the mask, where k3 is 0 too
+        k3 = (log_r.exp() - 1 - log_r).sum()
         total, n = _all_reduce_all([float(k3), float(mask.sum())])
         return total / max(n, 1.0)
 
