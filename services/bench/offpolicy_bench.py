@@ -201,11 +201,12 @@ def run(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     variants = [Variant(loss, ratio, lr) for loss in losses for lr in (lrs or [None]) for ratio in ratios]
+    runs: dict[Variant, list[dict]] = {v: [] for v in variants}
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rollmesh-offpolicy-") as tmp:
-        for v in variants:
-            runs = []
-            for seed in range(seeds):
+        # Seeds outer: a study stopped part-way still compares every variant on the same seeds.
+        for seed in range(seeds):
+            for v in variants:
                 run_dir = Path(tmp) / f"{v.loss.replace('/', '-')}-{v.ratio}-{v.lr}-{seed}"
                 cmd = _command(example, model_path, run_dir, v, steps, seed, audit)
                 r = _one(cmd, run_dir, v.label, steps)
@@ -218,10 +219,10 @@ def run(
                     + ("" if kl is None else f" KL/step {kl:.4f}")
                     + f" in {r['wall_s']:.0f} s"
                 )
-                runs.append(r)
-            results.append(_summary(v, runs))
-            # written as it goes: a later failure keeps what was measured
-            (out / "offpolicy.json").write_text(json.dumps(results))
+                runs[v].append(r)
+                results = [_summary(x, rs) for x, rs in runs.items() if rs]
+                # written as it goes: a later failure keeps what was measured
+                (out / "offpolicy.json").write_text(json.dumps(results))
     plot = out / "offpolicy.png"
     _plot(results, ratios, plot)
     return {
