@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rollout.envs.base import Env
 from rollout.envs.config import EnvConfig, SingleTurnEnvConfig
@@ -16,6 +16,7 @@ from rollout.rewards import build_reward, resolve_reward
 from rollout.verifiers.code import CodeRewardConfig
 from rollout.verifiers.judge import JudgeRewardConfig
 from rollout.verifiers.service import ServiceRewardConfig
+from sample_buffer.trajectory import DOMAIN_NAME
 
 # A reward in config: a function's name, or a typed variant chosen by its 'type'.
 RewardVariant = Annotated[CodeRewardConfig | JudgeRewardConfig | ServiceRewardConfig, Field(discriminator="type")]
@@ -92,6 +93,46 @@ class TaskConfig(BaseModel):
         return rows, reward_fn, lambda: self.env.build(rows, reward_fn)
 
 
+TASK_KEYS = ("dataset_path", "env", "reward", "reward_workers")  # what a domain says for itself
+
+
+class DomainConfig(TaskConfig):
+    """One task domain of a multi-domain run (ROLL's multi-domain RLVR): its own dataset, environment and
+    reward, its share of the trained groups, its own sampling and held-out set."""
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        pattern=f"^{DOMAIN_NAME.pattern}$",
+        description="The domain's name in metrics, labels and logs (letters, digits, '_', '.', '-'; at most 64).",
+    )
+    weight: float = Field(
+        1.0,
+        ge=0,
+        description="Its share of every training batch, against the other domains' weights (normalised to sum "
+        "1); 0: held-out evaluation only, never trained.",
+    )
+    dataset_path: str | None = Field(  # type: ignore[assignment]  # required here, by the validator below
+        None, description="JSONL rows with 'prompt' and 'answer' (a remote environment's domain has none)."
+    )
+    group_size: int | None = Field(None, ge=1, description="Trajectories per prompt here (default: the pool's).")
+    episode: dict[str, Any] = Field(
+        default_factory=dict,
+        description="This domain's changes to the pool's episode section, merged key by key (e.g. {sampling: "
+        "{max_new_tokens: 512, temperature: 0.7}, max_turns: 3, step_timeout_s: 60}).",
+    )
+    heldout_path: str | None = Field(
+        None,
+        description="JSONL scored greedily with this domain's reward before and after training (its own table).",
+    )
+
+    @model_validator(mode="after")
+    def _has_data(self) -> DomainConfig:
+        if self.dataset_path is None and self.env.type != "remote":
+            raise ValueError(f"domain {self.name!r}: dataset_path is missing (a JSONL of 'prompt' and 'answer' rows)")
+        return self
+
+
 class TailBatchingConfig(BaseModel):
     """RollPacker's tail batching (``rollout/scheduling.py: TailScheduling``)."""
 
@@ -158,22 +199,88 @@ class RolloutConfig(TaskConfig):
         "its slot goes back. GRPO's baseline needs two.",
     )
 
+    domains: list[DomainConfig] = Field(
+        default_factory=list,
+        description="Several task domains in one run (math, code, judged chat, ...), each with its dataset, "
+        "environment, reward, sampling and weight; then dataset_path, env, reward and reward_workers are "
+        "written in each domain, not here. Empty: one task, the keys above (docs/domains.md).",
+    )
+    domain_oversampling: float = Field(
+        4.0,
+        ge=1,
+        description="A domain whose groups are often not put (filtered as all-equal, failed, stale) is drawn more "
+        "often, by its measured put rate, so its share of the buffer follows its weight (DAPO's dynamic "
+        "sampling, per domain); at most this many times its weight. 1: prompts drawn by weight alone.",
+    )
+
+    def task_domains(self) -> list[DomainConfig]:
+        """The domains this pool rolls out: those configured, or the one task of the keys above (named '')."""
+        if self.domains:
+            return self.domains
+        implicit = DomainConfig.model_construct(
+            name="",
+            weight=1.0,
+            group_size=None,
+            episode={},
+            heldout_path=None,
+            **{k: getattr(self, k) for k in TASK_KEYS},
+        )  # built from validated parts: a '' name is the implicit domain's alone
+        return [implicit]
+
+    def episode_of(self, domain: DomainConfig) -> EpisodeConfig:
+        """The pool's episode section with the domain's changes merged in."""
+        if not domain.episode:
+            return self.episode
+        return EpisodeConfig.model_validate(_merged(self.episode.model_dump(), domain.episode))
+
+    def group_size_of(self, domain: DomainConfig) -> int:
+        return domain.group_size or self.group_size
+
+    @model_validator(mode="after")
+    def _domains_fit_together(self) -> RolloutConfig:
+        if not self.domains:
+            return self
+        if written := [k for k in TASK_KEYS if k in self.model_fields_set]:
+            raise ValueError(f"{', '.join(written)}: with domains, each domain says its own (domains[i].{written[0]})")
+        names = [d.name for d in self.domains]
+        if dup := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"domains: the name {dup[0]!r} is used twice")
+        if sum(d.weight for d in self.domains) <= 0:
+            raise ValueError("domains[*].weight: at least one domain must have a positive weight")
+        for i, d in enumerate(self.domains):
+            try:
+                self.episode_of(d)
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(str(x) for x in err["loc"])
+                raise ValueError(f"domains[{i}] ({d.name}).episode.{where}: {err['msg']}") from None
+        return self
+
     @model_validator(mode="after")
     def _reward_fits_its_step(self) -> RolloutConfig:
-        step_s = self.episode.step_timeout_s
-        if not isinstance(self.reward, str) and self.reward.max_seconds() >= step_s:
-            raise ValueError(
-                f"reward: a {self.reward.type} score can take {self.reward.max_seconds():g} s, not less "
-                f"than episode.step_timeout_s ({step_s:g} s): the step would be cut before its score "
-                "(lower the reward's timeout or raise the step's)"
-            )
+        for d in self.task_domains():
+            step_s, where = self.episode_of(d).step_timeout_s, f"domain {d.name!r}: " if d.name else ""
+            if not isinstance(d.reward, str) and d.reward.max_seconds() >= step_s:
+                raise ValueError(
+                    f"{where}reward: a {d.reward.type} score can take {d.reward.max_seconds():g} s, not less "
+                    f"than episode.step_timeout_s ({step_s:g} s): the step would be cut before its score "
+                    "(lower the reward's timeout or raise the step's)"
+                )
         return self
 
     @model_validator(mode="after")
     def _turns_for_every_try(self) -> RolloutConfig:
-        tries = getattr(self.env, "tries", 1)
-        if tries > self.episode.max_turns:
-            raise ValueError(
-                f"env.tries: {tries} answers need episode.max_turns >= {tries}, got {self.episode.max_turns}"
-            )
+        for d in self.task_domains():
+            tries, turns = getattr(d.env, "tries", 1), self.episode_of(d).max_turns
+            if tries > turns:
+                where = f"domain {d.name!r}: " if d.name else ""
+                raise ValueError(f"{where}env.tries: {tries} answers need episode.max_turns >= {tries}, got {turns}")
         return self
+
+
+def _merged(base: dict, changes: dict) -> dict:
+    """``base`` with ``changes`` applied, nested sections key by key."""
+    out = dict(base)
+    for k, v in changes.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

@@ -75,6 +75,7 @@ async def run_episode(
     prompt_id: str,
     barrier: TurnBarrier | None = None,
     observer: RolloutObserver | None = None,
+    domain: str = "",
 ) -> Trajectory:
     """Run one episode. With a ``barrier`` (batch rollout) every turn's generation waits for all
     episodes' generations, and every environment step for all episodes' steps."""
@@ -84,7 +85,7 @@ async def run_episode(
         traj = await _run_episode(
             env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier, observer
         )
-        _report(observer.episode_ended, traj, time.monotonic() - t0)
+        _report(observer.episode_ended, traj, time.monotonic() - t0, domain)
         return traj
     finally:
         if barrier is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 
 from rollout.admission import group_is_stale
 from rollout.config import RolloutConfig
+from rollout.domains import Domain, DomainSampler, Pick
 from rollout.envs.base import Env
 from rollout.episode import run_episode
 from rollout.ports import Admission, Generate, Generation, GroupOutcome, RolloutObserver, SampleSink, TransientError
@@ -53,7 +53,7 @@ class _GroupState:
     """A group being rolled out, as far as staleness is concerned."""
 
     running: set[str]  # trajectory (= request) ids still generating
-    row: int = -1  # the prompt
+    pick: Pick | None = None  # the prompt
     finished_starts: list[int] = field(default_factory=list)  # start versions of finished members
     tokens: dict[str, int] = field(default_factory=dict)  # generated so far, by member
     stale: bool = False
@@ -64,9 +64,7 @@ class RolloutLoop:
         self,
         config: RolloutConfig,
         *,
-        rows: list[dict],
         tokenizer,
-        reward_fn,
         admission: Admission,
         engine: Generate,
         sink: SampleSink,
@@ -75,15 +73,24 @@ class RolloutLoop:
         id_prefix: str = "",
         first_prompt: int = 0,
         make_env: Callable[[str], Env] | None = None,
+        domains: list[Domain] | None = None,
+        rows: list[dict] | None = None,
+        reward_fn=None,
     ) -> None:
         """``id_prefix`` starts every group id: a process's own (random) one keeps ids unique when
         a restarted loop counts from 0 again. ``first_prompt``: where in the shuffled order this
         loop starts; a restarted (or a second) EnvManager that started at 0 would replay the
         prompts its predecessor just ran. ``make_env(episode_id)``: one environment per episode;
         default: the config's environment (a remote one is built over the EnvManager's provider
-        pool and passed in here)."""
-        self.make_env = make_env or (lambda _: config.env.build(rows, reward_fn))
-        self.config, self.rows, self.tokenizer, self.reward_fn = config, rows, tokenizer, reward_fn
+        pool and passed in here). ``domains``: several tasks (``rollout/domains.py``); default: the
+        one task of ``rows``, ``reward_fn`` and ``make_env``."""
+        if domains is None:
+            rows = rows or []
+            make_env = make_env or (lambda _: config.env.build(rows, reward_fn))
+            domains = [Domain("", 1.0, rows, make_env, config.episode, config.group_size)]
+        self.domains = {d.name: d for d in domains}
+        self.sampler = DomainSampler(domains, config.seed, config.domain_oversampling)
+        self.config, self.tokenizer = config, tokenizer
         self.id_prefix, self.first_prompt = id_prefix, first_prompt
         self.admission, self.engine, self.sink = admission, engine, sink
         self.observer = observer or RolloutObserver()
@@ -92,45 +99,49 @@ class RolloutLoop:
         self.running = False  # admitting new groups
         self.running_episodes = 0
         self.version, self.async_ratio = 0, None  # the controller's, from WatchVersion and Admit
-        self._order = list(range(len(rows)))
-        random.Random(config.seed).shuffle(self._order)
         self._rolling: dict[str, _GroupState] = {}
         self._tasks: list[asyncio.Task] = []
         self._stopped = False
 
     # ------------------------------------------------------------------ the loop
-    def next_row(self) -> int:
-        """The next prompt: a shuffled order, round after round."""
-        n = self.counters["prompts_drawn"]
+    def next_row(self) -> Pick:
+        """The next prompt: a domain by weighted turns, then its rows in a shuffled order, round after round."""
         self.counters["prompts_drawn"] += 1
-        return self._order[(self.first_prompt + n) % len(self._order)]
+        return self.sampler.next(self.first_prompt)
+
+    def members(self, pick: Pick) -> int:
+        """Episodes a group of this prompt runs (redundant ones included)."""
+        return self.domains[pick.domain].group_size + self.config.redundant_members
 
     async def run_group(
-        self, barrier: TurnBarrier | None = None, row: int | None = None, seats: Seats | None = None
+        self, barrier: TurnBarrier | None = None, row: Pick | None = None, seats: Seats | None = None
     ) -> GroupOutcome:
         """One admitted group, start to end; returns what became of it. ``row``: the prompt (default:
         the next one); ``seats``: the group is put only if it gets one (tail batching's quota)."""
         n, t0 = self.counters["groups_started"], time.monotonic()
         self.counters["groups_started"] += 1
-        row = self.next_row() if row is None else row
-        gid = f"{self.id_prefix}p{row}-{n}"
-        size = self.config.group_size + self.config.redundant_members
-        state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(size)}, row=row)
+        pick = self.next_row() if row is None else row
+        domain = self.domains[pick.domain]
+        named = f"{domain.name}-" if domain.name else ""
+        gid = f"{self.id_prefix}{named}p{pick.row}-{n}"
+        size = self.members(pick)
+        state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(size)}, pick=pick)
         try:  # generate → reward, every episode on its own, scored by its env the moment it ends
-            trajectories = await self._first_members(row, gid, state, size, barrier)
+            trajectories = await self._first_members(domain, pick.row, gid, state, size, barrier)
         finally:
             del self._rolling[gid]
         if state.stale:  # never put: the buffer would only drop it
-            return self._ended(GroupOutcome.STALE, trajectories, t0)
-        if len(trajectories) < min(self.config.min_group_members, self.config.group_size):
+            return self._ended(GroupOutcome.STALE, trajectories, t0, domain.name)
+        if len(trajectories) < min(self.config.min_group_members, domain.group_size):
             log.warning("group %s: %d of %d members usable: not put", gid, len(trajectories), size)
             self.counters["groups_too_few_members"] += 1
-            return self._ended(GroupOutcome.FAILED, trajectories, t0)
+            return self._ended(GroupOutcome.FAILED, trajectories, t0, domain.name)
         if seats is not None and not await seats.take():
-            return self._ended(GroupOutcome.SURPLUS, trajectories, t0)
+            return self._ended(GroupOutcome.SURPLUS, trajectories, t0, domain.name)
         accepted = False
         try:
-            result = await self.sink.put(Group(gid, f"p{row}", trajectories))  # put
+            prompt_id = f"{domain.name}/p{pick.row}" if domain.name else f"p{pick.row}"
+            result = await self.sink.put(Group(gid, prompt_id, trajectories, domain.name))  # put
             accepted = result.accepted
         finally:
             if seats is not None:
@@ -138,10 +149,10 @@ class RolloutLoop:
         outcome = GroupOutcome.of_put(result)
         if outcome is GroupOutcome.FAILED:  # the buffer stayed full: not stored
             log.error("group %s not stored: %s", gid, result.reason)
-        return self._ended(outcome, trajectories, t0)
+        return self._ended(outcome, trajectories, t0, domain.name)
 
     async def run_admitted(
-        self, num_groups: int, barrier: TurnBarrier | None = None, rows: list[int] | None = None
+        self, num_groups: int, barrier: TurnBarrier | None = None, rows: list[Pick] | None = None
     ) -> list[GroupOutcome]:
         """Run ``num_groups`` admitted groups at once (of ``rows``, default the next prompts) and hand
         their slots back: a group in the buffer keeps its slot as finished; any other returns it unused
@@ -200,9 +211,9 @@ class RolloutLoop:
         return self.scheduling.workers if self._tasks else 0
 
     # ------------------------------------------------------------------ the stages' details
-    async def _episode(self, row: int, gid: str, i: int, state: _GroupState, barrier) -> Trajectory:
+    async def _episode(self, domain: Domain, row: int, gid: str, i: int, state: _GroupState, barrier) -> Trajectory:
         tid = f"{gid}/{i}"
-        env = self.make_env(tid)
+        env = domain.make_env(tid)
         self.running_episodes += 1
         try:
             t = await run_episode(
@@ -210,12 +221,13 @@ class RolloutLoop:
                 row,
                 self.generate,
                 self.tokenizer,
-                self.config.episode,
+                domain.episode,
                 trajectory_id=tid,
                 group_id=gid,
                 prompt_id=f"p{row}",
                 barrier=barrier,
                 observer=self.observer,
+                domain=domain.name,
             )
         finally:
             self.running_episodes -= 1
@@ -248,21 +260,23 @@ class RolloutLoop:
                 await asyncio.sleep(delay)
                 delay = min(5.0, 2 * delay)
 
-    async def _first_members(self, row: int, gid: str, state: _GroupState, size: int, barrier) -> list[Trajectory]:
+    async def _first_members(
+        self, domain: Domain, row: int, gid: str, state: _GroupState, size: int, barrier
+    ) -> list[Trajectory]:
         """Run ``size`` episodes and return the first ``group_size`` to end usable (redundant
         rollout: the rest are cancelled the moment the group is full, so a fail-slow or fail-stop
         environment cannot hold it). One member's failure never sinks the group: it is left out
         and counted (``RolloutConfig.faulty_members``)."""
-        tasks = [asyncio.create_task(self._episode(row, gid, i, state, barrier)) for i in range(size)]
+        tasks = [asyncio.create_task(self._episode(domain, row, gid, i, state, barrier)) for i in range(size)]
         kept: list[Trajectory] = []
         pending = set(tasks)
         try:
-            while pending and len(kept) < self.config.group_size:
+            while pending and len(kept) < domain.group_size:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in sorted(done, key=tasks.index):  # ended together: the lower index first
                     member = task.exception() or task.result()
                     if self._usable(gid, member):
-                        if len(kept) < self.config.group_size:
+                        if len(kept) < domain.group_size:
                             kept.append(member)
                         else:  # ended in the same instant as the one that filled the group
                             self._dropped("redundant", member.num_generated)
@@ -308,24 +322,28 @@ class RolloutLoop:
             return await self.run_group(barrier, row, seats)
         except Exception:  # one failed group must not stop the pool: logged, counted, its slot returned
             log.exception("group failed")
-            return self._ended(GroupOutcome.FAILED, [], None)
+            return self._ended(GroupOutcome.FAILED, [], None, (row or Pick("", 0)).domain)
 
-    def _ended(self, outcome: GroupOutcome, trajectories: list[Trajectory], t0: float | None) -> GroupOutcome:
+    def _ended(
+        self, outcome: GroupOutcome, trajectories: list[Trajectory], t0: float | None, domain: str
+    ) -> GroupOutcome:
         self.counters[f"groups_{outcome}"] += 1
+        if outcome in (GroupOutcome.PUT, GroupOutcome.FILTERED, GroupOutcome.FAILED, GroupOutcome.STALE):
+            self.sampler.ended(domain, outcome is GroupOutcome.PUT)
         for t in trajectories:
             self.counters[f"finish_{t.finish_reason}"] += 1
         self.counters["trajectories"] += len(trajectories)
         if outcome is GroupOutcome.PUT:
             self.counters["trajectories_put"] += len(trajectories)
         try:  # a metrics fault must not turn a group that is in the buffer into a failed one
-            self.observer.group_ended(outcome, trajectories, 0.0 if t0 is None else time.monotonic() - t0)
+            self.observer.group_ended(outcome, trajectories, 0.0 if t0 is None else time.monotonic() - t0, domain)
         except Exception:
             log.exception("recording the end of a group failed")
         return outcome
 
-    async def abort_groups(self, rows: set[int]) -> None:
+    async def abort_groups(self, rows: set[Pick]) -> None:
         """Abort the generations of the groups rolling out ``rows`` (their tasks are cancelled by the caller)."""
-        running = [tid for state in self._rolling.values() if state.row in rows for tid in state.running]
+        running = [tid for state in self._rolling.values() if state.pick in rows for tid in state.running]
         await asyncio.gather(*(self.engine.abort(tid) for tid in running), return_exceptions=True)
 
     async def release(self, unused: int = 0, finished: int = 0) -> None:

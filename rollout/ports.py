@@ -126,16 +126,19 @@ class RolloutObserver:
     def turn(self, env: str, generate_s: float, step_s: float | None) -> None:
         """One turn of an episode: its generation's and environment step's seconds (None: no step)."""
 
-    def episode_ended(self, trajectory: Trajectory, seconds: float) -> None:
-        """An episode ended (reset to its last step)."""
+    def episode_ended(self, trajectory: Trajectory, seconds: float, domain: str = "") -> None:
+        """An episode of ``domain`` ended (reset to its last step)."""
 
     def member_dropped(self, cause: str, tokens: int = 0) -> None:
         """A member left out of its group: a fault (``RolloutConfig.faulty_members``: timeout,
         env_error, raised) or cancelled once its group was full (``redundant``), after it had
         generated ``tokens``."""
 
-    def group_ended(self, outcome: GroupOutcome, trajectories: list[Trajectory], seconds: float) -> None:
-        """A group ended: ``put``, ``filtered``, ``stale`` or ``failed`` (then ``trajectories`` is empty)."""
+    def group_ended(
+        self, outcome: GroupOutcome, trajectories: list[Trajectory], seconds: float, domain: str = ""
+    ) -> None:
+        """A group of ``domain`` ended: ``put``, ``filtered``, ``stale`` or ``failed`` (then ``trajectories``
+        is empty)."""
 
     def generate_retried(self, code: str) -> None:
         """A generation was retried after a ``TransientError`` with this code."""

@@ -11,6 +11,7 @@ import asyncio
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Protocol
 
+from rollout.domains import Pick
 from rollout.ports import GroupOutcome
 from rollout.turn_barrier import TurnBarrier
 
@@ -29,19 +30,22 @@ class Groups(Protocol):
         """Slots granted now (0 when refused)."""
 
     async def run_admitted(
-        self, num_groups: int, barrier: TurnBarrier | None = None, rows: list[int] | None = None
+        self, num_groups: int, barrier: TurnBarrier | None = None, rows: list[Pick] | None = None
     ) -> list[GroupOutcome]:
         """Run admitted groups together and hand their slots back."""
 
-    def next_row(self) -> int:
-        """The next prompt's row."""
+    def next_row(self) -> Pick:
+        """The next prompt: its domain and row."""
+
+    def members(self, pick: Pick) -> int:
+        """Episodes a group of this prompt runs."""
 
     async def run_group_safely(
-        self, barrier: TurnBarrier | None = None, row: int | None = None, seats: Seats | None = None
+        self, barrier: TurnBarrier | None = None, row: Pick | None = None, seats: Seats | None = None
     ) -> GroupOutcome:
         """One group, start to end; never raises (a failure is an outcome)."""
 
-    async def abort_groups(self, rows: set[int]) -> None:
+    async def abort_groups(self, rows: set[Pick]) -> None:
         """Abort the generations of these rows' groups at the engines."""
 
     async def release(self, unused: int = 0, finished: int = 0) -> None:
@@ -89,8 +93,9 @@ class BatchScheduling:
         while loop.running:
             n = await loop.admit(num_workers)
             if n:
-                members = loop.config.group_size + loop.config.redundant_members  # every episode is a party
-                await loop.run_admitted(n, TurnBarrier(n * members))
+                picks = [loop.next_row() for _ in range(n)]
+                parties = sum(loop.members(p) for p in picks)  # every episode is a party
+                await loop.run_admitted(n, TurnBarrier(parties), rows=picks)
 
 
 class Seats:
@@ -133,7 +138,7 @@ class TailScheduling:
     def __init__(self, config: TailBatchingConfig) -> None:
         self.config = config
         self.workers = 0
-        self.long_queue: deque[int] = deque()  # rows (prompts) waiting for a long round
+        self.long_queue: deque[Pick] = deque()  # prompts waiting for a long round
 
     async def run(self, loop: Groups, num_workers: int) -> None:
         self.workers = 1

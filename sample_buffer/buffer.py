@@ -14,10 +14,12 @@ import math
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 
-from sample_buffer.codec import GroupHeader, decode_group, encode_group, read_header
+from sample_buffer.codec import CodecError, GroupHeader, decode_group, encode_group, read_header
 from sample_buffer.config import BufferConfig
+from sample_buffer.domains import WeightedTurns
 from sample_buffer.filters import GroupFilter, zero_variance
 from sample_buffer.trajectory import Group, PutRefusal
 
@@ -32,8 +34,15 @@ COUNTERS = (
 )
 
 
+DOMAIN_POLL_S = 0.25  # a batch waiting on several domains looks at each again this often
+
+
 class BufferFull(TimeoutError):
     """The buffer stayed at capacity for the whole put timeout; the group was not stored."""
+
+
+class UnknownDomain(CodecError):
+    """A group of a domain this buffer does not assemble batches of (``buffer.domain_weights``)."""
 
 
 class BufferBackendError(RuntimeError):
@@ -64,6 +73,14 @@ def _check_all(datas: list[bytes]) -> None:
         decode_group(d)
 
 
+DOMAIN_COUNTERS = ("handed_out", "substituted", "dropped_filtered")  # kept per domain as "<name>:<domain>"
+
+
+def by_domain(counters: dict[str, int], depths: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Each domain's depth (waiting, not handed out) and its ``DOMAIN_COUNTERS``."""
+    return {d: {"depth": n} | {c: int(counters.get(f"{c}:{d}", 0)) for c in DOMAIN_COUNTERS} for d, n in depths.items()}
+
+
 def min_version(version: int, max_staleness: int) -> int:
     """Oldest ``start_version`` still fresh enough: a group may lag ``max_staleness`` versions."""
     if max_staleness < 0:
@@ -75,6 +92,10 @@ class SampleBuffer(ABC):
     def __init__(self, config: BufferConfig) -> None:
         self.config = config
         self.filters: list[GroupFilter] = [zero_variance] if config.filter_zero_variance else []
+        # Batches by domain (docs/domains.md): each slot of a batch is drawn by weighted turns, so every
+        # batch holds each domain's share to within two groups, the run's total to within one.
+        self.domains = [d for d, w in config.domain_weights.items() if w > 0]
+        self._turns = WeightedTurns({d: config.domain_weights[d] for d in self.domains}) if self.domains else None
 
     # ------------------------------------------------------------------ API
     async def put(self, group: Group | bytes, timeout_s: float | None = None) -> PutResult:
@@ -98,6 +119,9 @@ class SampleBuffer(ABC):
         if received:
             await asyncio.to_thread(_check_all, received)
         headers = [read_header(d) for d in datas]
+        for h in headers:  # before any is stored: a refused call stores nothing
+            if self._turns is not None and h.domain not in self.domains:
+                raise UnknownDomain(f"domain: {h.domain!r} (group {h.group_id!r}) is not one of {self.domains}")
         results = [PutResult(True) for _ in datas]
         todo = []
         for i, h in enumerate(headers):
@@ -105,6 +129,8 @@ class SampleBuffer(ABC):
                 if reason := f(h):
                     results[i] = PutResult(False, reason)
                     await self._count(f"dropped_{reason}")
+                    if h.domain:
+                        await self._count(f"dropped_{reason}:{h.domain}")
                     break
             else:
                 todo.append(i)
@@ -137,7 +163,9 @@ class SampleBuffer(ABC):
         deadline = time.monotonic() + max(0.0, timeout_s)
         got: list[bytes] = []
         stale = 0
-        while True:
+        if self._turns is not None:
+            got, stale = await self._get_by_domain(batch_id, num_groups, floor, deadline)
+        while self._turns is None:
             wait = max(0.0, deadline - time.monotonic())
             fresh, dropped = await self._take(batch_id, num_groups - len(got), floor, wait)
             got, stale = got + fresh, stale + dropped
@@ -146,6 +174,56 @@ class SampleBuffer(ABC):
         if not got:
             await self._forget(batch_id)
         return Batch(batch_id if got else "", got, stale)
+
+    async def _get_by_domain(
+        self, batch_id: str, num_groups: int, floor: int, deadline: float
+    ) -> tuple[list[bytes], int]:
+        """A batch whose slots are drawn by domain weight. A domain that has had nothing to give for
+        ``domain_wait_s`` of this wait hands its slots to the others (counted ``substituted:<domain>``);
+        slots unfilled at the deadline are given back to the turns, so the next batch owes them."""
+        turns = self._turns
+        assert turns is not None
+        plan = Counter(turns.draw() for _ in range(num_groups))
+        got: list[bytes] = []
+        stale = 0
+        empty_since: dict[str, float] = {}
+
+        async def take(d: str, wait_s: float) -> None:
+            nonlocal got, stale
+            fresh, dropped = await self._take(batch_id, plan[d], floor, wait_s, d)
+            got, stale, plan[d] = got + fresh, stale + dropped, plan[d] - len(fresh)
+            if fresh:
+                empty_since.pop(d, None)
+                await self._count(f"handed_out:{d}", len(fresh))
+            elif plan[d]:
+                empty_since.setdefault(d, time.monotonic())
+
+        while True:
+            for d in [d for d, k in plan.items() if k > 0]:
+                await take(d, 0.0)
+            short = [d for d, k in plan.items() if k > 0]
+            now = time.monotonic()
+            if not short or now >= deadline:
+                break
+            waited = {d: now - empty_since.get(d, now) for d in self.domains}
+            overdue = [d for d in short if waited[d] >= self.config.domain_wait_s]
+            if overdue and (takers := [d for d in self.domains if waited[d] < self.config.domain_wait_s]):
+                # The slots go to the others by their weights, as a gift: nobody's turns are charged.
+                substitutes = WeightedTurns({d: self.config.domain_weights[d] for d in takers})
+                for d in overdue:
+                    k, plan[d] = plan[d], 0
+                    for _ in range(k):
+                        turns.refund(d)
+                        plan[substitutes.draw()] += 1
+                    await self._count(f"substituted:{d}", k)
+                continue
+            # Wait for the first short domain's next group (any arrival wakes the in-memory backend; Redis
+            # polls): a little at a time, so the others are looked at again soon.
+            await take(short[0], min(deadline - now, DOMAIN_POLL_S))
+        for d, k in plan.items():  # unfilled at the deadline: owed to the next batch
+            for _ in range(k):
+                turns.undo(d)
+        return got, stale
 
     async def ack(self, batch_id: str) -> int:
         """Mark a batch consumed; returns how many groups this ack consumed (0 if already acked or
@@ -166,10 +244,12 @@ class SampleBuffer(ABC):
         """Store items in order until the buffer is full; return how many were stored. Counts ``put``."""
 
     @abstractmethod
-    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> tuple[list[bytes], int]:
-        """Hand up to ``k`` groups to ``batch_id``: first those whose batch passed the visibility
-        timeout, then new ones; drop (and count) stale and corrupt ones on the way. May wait up to
-        ``wait_s`` for the first group. Returns the groups and how many were dropped as stale."""
+    async def _take(
+        self, batch_id: str, k: int, floor: int, wait_s: float, domain: str = ""
+    ) -> tuple[list[bytes], int]:
+        """Hand up to ``k`` groups of ``domain`` to ``batch_id``: first those whose batch passed the
+        visibility timeout, then new ones; drop (and count) stale and corrupt ones on the way. May wait
+        up to ``wait_s`` for the first group. Returns the groups and how many were dropped as stale."""
 
     @abstractmethod
     async def _ack(self, batch_id: str) -> int:
@@ -184,4 +264,4 @@ class SampleBuffer(ABC):
 
     @abstractmethod
     async def _stats(self) -> dict:
-        """``depth``, ``in_flight`` and every counter of ``COUNTERS``."""
+        """``depth``, ``in_flight``, every counter of ``COUNTERS`` and, by domain, ``by_domain``."""

@@ -1,7 +1,7 @@
 """Compact binary encoding of a ``Group``: what travels over gRPC and sits in Redis.
 
 Layout: ``[format version: 1 byte][flags: 1 byte][header length: u32 LE][header][body]``.
-The header is a small msgpack map (group id, prompt id, start version, rewards, size) so the
+The header is a small msgpack map (group id, prompt id, start version, rewards, size, domain) so the
 buffer can apply freshness and filtering without decoding the trajectories. The body is msgpack
 with every array as raw little-endian bytes, optionally zlib-compressed (flag bit 0). Encoding
 is a handful of memory copies; the same bytes go from the EnvManager to Redis to the trainer.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from sample_buffer.trajectory import Group, Trajectory, TrajectoryError
+from sample_buffer.trajectory import DOMAIN_NAME, Group, Trajectory, TrajectoryError
 
 FORMAT_VERSION = 1
 _FLAG_ZLIB = 1
@@ -41,6 +41,7 @@ class GroupHeader:
     rewards: tuple[float, ...]
     size: int
     created_unix_s: float  # when the group was encoded: its age in the buffer is measured from here
+    domain: str = ""  # the task domain ("": a run of one task); the buffer assembles batches by it
 
 
 def _arr(a: np.ndarray | None, dtype) -> bytes | None:
@@ -57,6 +58,7 @@ def encode_group(group: Group, compress: bool = False) -> bytes:
             "n": len(group.trajectories),
             "t": time.time(),
         }
+        | ({"d": group.domain} if group.domain else {})  # written only where there is one: old bytes read alike
     )
     body = msgpack.packb(
         [
@@ -102,8 +104,11 @@ def read_header(data: bytes) -> GroupHeader:
     try:
         h = msgpack.unpackb(header)
         rewards = tuple(float(r) for r in h["r"])
-        return GroupHeader(str(h["g"]), str(h["p"]), int(h["v"]), rewards, int(h["n"]), float(h["t"]))
-    except (ValueError, KeyError, TypeError, OverflowError, msgpack.UnpackException) as e:  # Overflow: int(inf)
+        domain = str(h.get("d", ""))
+        if not DOMAIN_NAME.fullmatch(domain):  # it names a Redis key and a metric's label
+            raise ValueError(f"domain {domain[:80]!r} is not a domain name")
+        return GroupHeader(str(h["g"]), str(h["p"]), int(h["v"]), rewards, int(h["n"]), float(h["t"]), domain)
+    except (ValueError, KeyError, TypeError, OverflowError, AttributeError, msgpack.UnpackException) as e:
         raise CodecError(f"corrupt group header: {type(e).__name__}: {e}") from None
 
 
@@ -155,7 +160,7 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
     if len(trajs) != head.size:
         raise CodecError(f"group {head.group_id!r}: header says {head.size} trajectories, body has {len(trajs)}")
     try:
-        group = Group(head.group_id, head.prompt_id, trajs)
+        group = Group(head.group_id, head.prompt_id, trajs, head.domain)
     except TrajectoryError as e:  # no trajectories
         raise CodecError(f"decoded group {head.group_id!r} is invalid: {e}") from None
     # The buffer sorts and filters on the header alone: one that disagrees with the trajectories would

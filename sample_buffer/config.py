@@ -7,6 +7,8 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from sample_buffer.trajectory import DOMAIN_NAME
+
 
 class BufferConfig(BaseModel):
     """Where trajectories wait between rollout and training, and the rules they wait under."""
@@ -51,10 +53,32 @@ class BufferConfig(BaseModel):
     filter_zero_variance: bool = Field(
         True, description="Drop groups whose rewards are all equal (DAPO dynamic sampling: no learning signal)."
     )
+    domain_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="Assemble each batch by task domain: each domain's share of a batch's groups follows its "
+        "weight (normalised to sum 1). Set from env_manager.domains by the run config; empty: one queue, "
+        "oldest first.",
+    )
+    domain_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a batch waits for a domain's groups before other domains fill its slots "
+        "(counted per domain as substituted): a domain with nothing to give (its reward down, every group "
+        "filtered) slows training, never stops it.",
+    )
     redis_timeout_s: float = Field(10.0, gt=0, description="Timeout of one Redis command.")
     host: str = Field("127.0.0.1", description="Address the gRPC service binds.")
     port: int = Field(50052, ge=0, le=65535, description="gRPC port of the service.")
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")
+
+    @field_validator("domain_weights")
+    @classmethod
+    def _domains_named_and_weighed(cls, weights: dict[str, float]) -> dict[str, float]:
+        if bad := [d for d in weights if not d or not DOMAIN_NAME.fullmatch(d)]:
+            raise ValueError(f"{bad[0]!r} is not a domain name ({DOMAIN_NAME.pattern}, not empty)")
+        if weights and (min(weights.values()) < 0 or sum(weights.values()) <= 0):
+            raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
+        return weights
 
     @field_validator("redis_url")
     @classmethod

@@ -6,9 +6,9 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 
-from sample_buffer.buffer import COUNTERS, SampleBuffer
+from sample_buffer.buffer import COUNTERS, SampleBuffer, by_domain
 from sample_buffer.codec import GroupHeader
 from sample_buffer.config import BufferConfig
 
@@ -17,8 +17,9 @@ class MemoryBuffer(SampleBuffer):
     def __init__(self, config: BufferConfig) -> None:
         super().__init__(config)
         self._seq = itertools.count()
-        self._entries: dict[int, tuple[int, bytes]] = {}  # seq -> (start_version, data)
-        self._ready: list[int] = []  # heap of seqs: oldest first, redelivered ones regain their place
+        self._entries: dict[int, tuple[int, bytes, str]] = {}  # seq -> (start_version, data, domain)
+        # per domain, a heap of seqs: oldest first, redelivered ones regain their place
+        self._ready: defaultdict[str, list[int]] = defaultdict(list)
         self._batches: dict[str, tuple[float, list[int]]] = {}  # batch_id -> (handed out at, seqs)
         self._counters: Counter[str] = Counter()
         self._arrived = asyncio.Event()
@@ -29,8 +30,8 @@ class MemoryBuffer(SampleBuffer):
             if len(self._entries) >= self.config.capacity_groups:
                 break
             seq = next(self._seq)
-            self._entries[seq] = (header.start_version, data)
-            heapq.heappush(self._ready, seq)
+            self._entries[seq] = (header.start_version, data, self._queue(header.domain))
+            heapq.heappush(self._ready[self._queue(header.domain)], seq)
             stored += 1
         self._counters["put"] += stored
         if stored:
@@ -43,7 +44,7 @@ class MemoryBuffer(SampleBuffer):
             if now - t0 >= self.config.visibility_timeout_s:
                 del self._batches[batch_id]
                 for s in seqs:
-                    heapq.heappush(self._ready, s)
+                    heapq.heappush(self._ready[self._entries[s][2]], s)
                 self._counters["redelivered"] += len(seqs)
 
     def _until_next_expiry(self) -> float:
@@ -52,9 +53,12 @@ class MemoryBuffer(SampleBuffer):
         oldest = min(t0 for t0, _ in self._batches.values())
         return max(0.0, oldest + self.config.visibility_timeout_s - time.monotonic())
 
-    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> tuple[list[bytes], int]:
+    async def _take(
+        self, batch_id: str, k: int, floor: int, wait_s: float, domain: str = ""
+    ) -> tuple[list[bytes], int]:
         self._redeliver_expired()
-        if not self._ready and wait_s > 0:
+        ready = self._ready[domain]
+        if not ready and wait_s > 0:
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), timeout=min(wait_s, self._until_next_expiry()))
@@ -62,9 +66,9 @@ class MemoryBuffer(SampleBuffer):
                 pass
             self._redeliver_expired()
         out, seqs, stale = [], [], 0
-        while self._ready and len(out) < k:
-            seq = heapq.heappop(self._ready)
-            version, data = self._entries[seq]
+        while ready and len(out) < k:
+            seq = heapq.heappop(ready)
+            version, data, _ = self._entries[seq]
             if version < floor:
                 del self._entries[seq]
                 stale += 1
@@ -76,6 +80,10 @@ class MemoryBuffer(SampleBuffer):
             self._batches[batch_id] = (t0, held + seqs)
         self._counters["dropped_stale"] += stale
         return out, stale
+
+    def _queue(self, domain: str) -> str:
+        """Batches by domain keep a queue per domain; otherwise every group is in one."""
+        return domain if self.domains else ""
 
     async def _ack(self, batch_id: str) -> int:
         _, seqs = self._batches.pop(batch_id, (0.0, []))
@@ -92,6 +100,8 @@ class MemoryBuffer(SampleBuffer):
 
     async def _stats(self) -> dict:
         in_flight = sum(len(s) for _, s in self._batches.values())
-        return {"depth": len(self._entries) - in_flight, "in_flight": in_flight} | {
-            c: self._counters[c] for c in COUNTERS
-        }
+        return (
+            {"depth": len(self._entries) - in_flight, "in_flight": in_flight}
+            | {c: self._counters[c] for c in COUNTERS}
+            | {"by_domain": by_domain(self._counters, {d: len(self._ready[d]) for d in self.domains})}
+        )

@@ -9,7 +9,9 @@ re-delivered acks nothing (the new batch owns them) and no group is consumed twi
 Keys (prefix per run, so runs share one Redis): ``{prefix}:groups`` (the stream; fields ``d``
 encoded group, ``v`` start version) and ``{prefix}:stats`` (a hash of counters). Acked and
 dropped entries are deleted from the stream, so its length is what the buffer holds and the
-capacity check is one XLEN inside the same Lua script as the XADD (no check-then-act race).
+capacity check is one XLEN inside the same Lua script as the XADD (no check-then-act race). A
+buffer that assembles batches by domain (``domain_weights``) keeps one stream per domain,
+``{prefix}:groups:{domain}``; the capacity check then sums their lengths, in the same script.
 
 Durability: run Redis with ``appendonly yes`` and ``appendfsync always`` (the tests and the
 deploy configs do) so an acknowledged put survives ``kill -9``.
@@ -23,7 +25,7 @@ import os
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
-from sample_buffer.buffer import COUNTERS, BufferBackendError, SampleBuffer
+from sample_buffer.buffer import COUNTERS, BufferBackendError, SampleBuffer, by_domain
 from sample_buffer.codec import CodecError, GroupHeader, read_header
 from sample_buffer.config import BufferConfig
 
@@ -31,7 +33,9 @@ log = logging.getLogger(__name__)
 GROUP = b"trainers"
 
 _APPEND = """
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
+local held = 0
+for i = 3, #KEYS do held = held + redis.call('XLEN', KEYS[i]) end
+if held >= tonumber(ARGV[1]) then return false end
 local id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[2], 'v', ARGV[3])
 redis.call('HINCRBY', KEYS[2], 'put', 1)
 return id
@@ -59,6 +63,8 @@ class RedisBuffer(SampleBuffer):
         super().__init__(config)
         self.stream = f"{config.key_prefix}:groups"
         self.stats_key = f"{config.key_prefix}:stats"
+        # Batches by domain: a stream per domain (one consumer group each); otherwise the one stream.
+        self.streams = {d: f"{self.stream}:{d}" for d in self.domains} or {"": self.stream}
         # rediss://: the certificate is verified (redis-py's default for rediss) and so is its host name.
         tls = (
             {"ssl_ca_certs": config.redis_ca_path, "ssl_check_hostname": True}
@@ -84,11 +90,12 @@ class RedisBuffer(SampleBuffer):
     async def _ensure_group(self) -> None:
         if self._ready:
             return
-        try:
-            await self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise self._explain(e) from None
+        for stream in self.streams.values():
+            try:
+                await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise self._explain(e) from None
         self._ready = True
 
     def _explain(self, e: RedisError) -> BufferBackendError:
@@ -111,8 +118,9 @@ class RedisBuffer(SampleBuffer):
             await self._ensure_group()
             pipe = self.redis.pipeline(transaction=False)
             for header, data in items:
+                stream = self.streams[header.domain if self.domains else ""]
                 await self._append_script(  # queued on the pipeline, not sent yet
-                    keys=[self.stream, self.stats_key],
+                    keys=[stream, self.stats_key, *self.streams.values()],
                     args=[self.config.capacity_groups, data, header.start_version],
                     client=pipe,
                 )
@@ -126,11 +134,14 @@ class RedisBuffer(SampleBuffer):
             stored += 1
         return stored
 
-    async def _take(self, batch_id: str, k: int, floor: int, wait_s: float) -> tuple[list[bytes], int]:
+    async def _take(
+        self, batch_id: str, k: int, floor: int, wait_s: float, domain: str = ""
+    ) -> tuple[list[bytes], int]:
+        stream = self.streams[domain]
         try:
             await self._ensure_group()
             idle_ms = int(self.config.visibility_timeout_s * 1000)
-            _, claimed, _ = await self.redis.xautoclaim(self.stream, GROUP, batch_id, idle_ms, "0-0", count=k)
+            _, claimed, _ = await self.redis.xautoclaim(stream, GROUP, batch_id, idle_ms, "0-0", count=k)
             entries = list(claimed)
             if claimed:
                 await self.redis.hincrby(self.stats_key, "redelivered", len(claimed))
@@ -140,16 +151,14 @@ class RedisBuffer(SampleBuffer):
                 poll_s = min(wait_s, max(0.05, self.config.visibility_timeout_s / 4), 1.0)
                 # At least 1 ms: BLOCK 0 is "forever" (under 1 ms left, the read hung until the socket timeout).
                 block = max(1, int(poll_s * 1000)) if not entries and poll_s > 0 else None
-                res = await self.redis.xreadgroup(
-                    GROUP, batch_id, {self.stream: ">"}, count=k - len(entries), block=block
-                )
+                res = await self.redis.xreadgroup(GROUP, batch_id, {stream: ">"}, count=k - len(entries), block=block)
                 for _, rows in res or []:
                     entries += rows
-            return await self._sort_out(entries, floor)
+            return await self._sort_out(stream, entries, floor)
         except RedisError as e:
             raise self._explain(e) from None
 
-    async def _sort_out(self, entries: list, floor: int) -> tuple[list[bytes], int]:
+    async def _sort_out(self, stream: str, entries: list, floor: int) -> tuple[list[bytes], int]:
         """Keep fresh, readable groups; ack, delete and count the rest."""
         keep, stale, corrupt = [], [], []
         for entry_id, fields in entries:
@@ -163,27 +172,31 @@ class RedisBuffer(SampleBuffer):
                 corrupt.append(entry_id)
                 continue
             (stale if int(version) < floor else keep).append((entry_id, data))
-        await self._drop([i for i, _ in stale], "dropped_stale")
-        await self._drop(corrupt, "dropped_corrupt")
+        await self._drop(stream, [i for i, _ in stale], "dropped_stale")
+        await self._drop(stream, corrupt, "dropped_corrupt")
         return [d for _, d in keep], len(stale)
 
-    async def _drop(self, ids: list[bytes], reason: str) -> None:
+    async def _drop(self, stream: str, ids: list[bytes], reason: str) -> None:
         if ids:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xack(self.stream, GROUP, *ids).xdel(self.stream, *ids).hincrby(self.stats_key, reason, len(ids))
+            pipe.xack(stream, GROUP, *ids).xdel(stream, *ids).hincrby(self.stats_key, reason, len(ids))
             await pipe.execute()
 
     async def _ack(self, batch_id: str) -> int:
         try:
             await self._ensure_group()
             args = [GROUP, batch_id, self.config.capacity_groups]
-            return int(await self._ack_script(keys=[self.stream, self.stats_key], args=args))
+            acked = 0
+            for stream in self.streams.values():  # a batch by domain holds entries of several streams
+                acked += int(await self._ack_script(keys=[stream, self.stats_key], args=args))
+            return acked
         except RedisError as e:
             raise self._explain(e) from None
 
     async def _forget(self, batch_id: str) -> None:
         try:
-            await self.redis.xgroup_delconsumer(self.stream, GROUP, batch_id)
+            for stream in self.streams.values():
+                await self.redis.xgroup_delconsumer(stream, GROUP, batch_id)
         except RedisError as e:
             raise self._explain(e) from None
 
@@ -197,10 +210,16 @@ class RedisBuffer(SampleBuffer):
         try:
             await self._ensure_group()
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xlen(self.stream).xpending(self.stream, GROUP).hgetall(self.stats_key)
-            length, pending, counters = await pipe.execute()
+            for stream in self.streams.values():
+                pipe.xlen(stream).xpending(stream, GROUP)
+            *sizes, counters = await pipe.hgetall(self.stats_key).execute()
         except RedisError as e:
             raise self._explain(e) from None
-        in_flight = int(pending["pending"])
+        depths = {d: n - int(p["pending"]) for d, n, p in zip(self.streams, sizes[::2], sizes[1::2], strict=True)}
+        in_flight = sum(int(p["pending"]) for p in sizes[1::2])
         counters = {k.decode(): int(v) for k, v in counters.items()}
-        return {"depth": length - in_flight, "in_flight": in_flight} | {c: counters.get(c, 0) for c in COUNTERS}
+        return (
+            {"depth": sum(depths.values()), "in_flight": in_flight}
+            | {c: counters.get(c, 0) for c in COUNTERS}
+            | {"by_domain": by_domain(counters, depths) if self.domains else {}}
+        )

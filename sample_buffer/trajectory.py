@@ -8,6 +8,7 @@ sequence; ``behavior_logprobs``/``token_versions`` cover only the generated toke
 
 from __future__ import annotations
 
+import re
 from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
@@ -39,6 +40,10 @@ class PutRefusal(StrEnum):
 
     FILTERED = "filtered"  # a filter found no learning signal in it (zero variance)
     FULL = "full"  # the buffer stayed at capacity for the whole put timeout
+
+
+# A domain's name: it becomes a Redis key and a Prometheus label, so a short plain word ("": none).
+DOMAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{0,64}")
 
 
 class TrajectoryError(ValueError):
@@ -140,8 +145,11 @@ class Group:
     group_id: str
     prompt_id: str
     trajectories: list[Trajectory]
+    domain: str = ""  # the task domain it was sampled from ("": a run of one task)
 
     def __post_init__(self) -> None:
+        if not DOMAIN_NAME.fullmatch(self.domain):
+            raise TrajectoryError(f"domain: {self.domain!r} is not a domain name ({DOMAIN_NAME.pattern})")
         if not self.trajectories:
             raise TrajectoryError(f"group {self.group_id!r}: has no trajectories")
         for t in self.trajectories:

@@ -210,17 +210,36 @@ class RollmeshConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _the_reward_service_answers_in_time(self) -> RollmeshConfig:
-        reward, service = self.env_manager.reward, self.reward_service
-        if isinstance(reward, str) or reward.type != "service" or reward.address is not None:
-            return self  # not the mesh's own service: its bound is not known here
-        if service.timeout_s > reward.timeout_s:
+    def _batches_by_domain(self) -> RollmeshConfig:
+        weights = {d.name: d.weight for d in self.env_manager.domains if d.weight > 0}
+        if "domain_weights" in self.buffer.model_fields_set and self.buffer.domain_weights != weights:
             raise ValueError(
-                f"env_manager.reward.timeout_s ({reward.timeout_s:g} s) is shorter than a score of the "
-                f"mesh's reward service may take (reward_service.timeout_s: {service.timeout_s:g} s), so "
-                "scores it would still finish are cut: raise the first (within env_manager.episode."
-                "step_timeout_s) or lower the second"
+                f"buffer.domain_weights: {self.buffer.domain_weights} but env_manager.domains weigh {weights}; "
+                "leave it out (the run config sets it from the domains)"
             )
+        self.buffer.domain_weights = weights
+        if weights and self.buffer.domain_wait_s >= self.train_loop.get_timeout_s:
+            raise ValueError(
+                f"buffer.domain_wait_s ({self.buffer.domain_wait_s:g} s) must be shorter than train_loop."
+                f"get_timeout_s ({self.train_loop.get_timeout_s:g} s): a batch would time out before other "
+                "domains fill a slow one's slots"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _the_reward_service_answers_in_time(self) -> RollmeshConfig:
+        service = self.reward_service
+        for i, d in enumerate(self.env_manager.task_domains()):
+            reward, key = d.reward, f"env_manager.domains[{i}].reward" if d.name else "env_manager.reward"
+            if isinstance(reward, str) or reward.type != "service" or reward.address is not None:
+                continue  # not the mesh's own service: its bound is not known here
+            if service.timeout_s > reward.timeout_s:
+                raise ValueError(
+                    f"{key}.timeout_s ({reward.timeout_s:g} s) is shorter than a score of the "
+                    f"mesh's reward service may take (reward_service.timeout_s: {service.timeout_s:g} s), so "
+                    "scores it would still finish are cut: raise the first (within env_manager.episode."
+                    "step_timeout_s) or lower the second"
+                )
         return self
 
     @model_validator(mode="after")

@@ -77,8 +77,10 @@ def cuda_env(name: str | None) -> dict[str, str]:
 def needs_reward_service(cfg) -> bool:
     """The task's reward is the mesh's reward service (``{type: service}``, no address of its own): the
     EnvManager's episodes and the held-out evaluation score there."""
-    reward = cfg.env_manager.reward
-    return not isinstance(reward, str) and reward.type == "service" and reward.address is None
+    return any(
+        not isinstance(d.reward, str) and d.reward.type == "service" and d.reward.address is None
+        for d in cfg.env_manager.task_domains()
+    )
 
 
 def start_mesh(

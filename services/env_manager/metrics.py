@@ -19,10 +19,18 @@ from services.reward.metrics import reward_families
 class EnvMetrics(RolloutObserver):
     """The rollout loop's observer: what it reports becomes Prometheus metrics."""
 
-    def __init__(self, env: str, stats: Callable[[], dict] | None = None, pool: ProviderPool | None = None) -> None:
+    def __init__(
+        self,
+        env: str,
+        stats: Callable[[], dict] | None = None,
+        pool: ProviderPool | None = None,
+        domains: tuple[str, ...] = (),
+    ) -> None:
         self.env, self.pool = env, pool  # the providers of a remote environment
         self.reward_source = None  # a reward that counts its faults (reward workers, the code sandbox)
+        self.domain_rewards: dict[str, object] = {}  # each named domain's reward, where it counts its faults
         self.registry = r = CollectorRegistry()
+        self._domain_metrics(r, domains)
         self.episodes = Counter(
             "rollmesh_env_episodes", "Episodes ended, by env and finish reason", ["env", "finish"], registry=r
         )
@@ -109,7 +117,56 @@ class EnvMetrics(RolloutObserver):
         self.stats = stats  # () -> {"running_episodes": n, "workers": n}, read at scrape time
         r.register(self)
 
+    def _domain_metrics(self, r: CollectorRegistry, domains: tuple[str, ...]) -> None:
+        """What a multi-domain run tracks per domain (``domain`` label; a run of one task has none)."""
+        self.domain_episodes = Counter(
+            "rollmesh_env_domain_episodes",
+            "Episodes ended, by domain and finish reason (finish=length: truncated)",
+            ["domain", "finish"],
+            registry=r,
+        )
+        self.domain_reward = Summary(
+            "rollmesh_env_domain_reward", "Reward of each ended episode, by domain", ["domain"], registry=r
+        )
+        self.domain_tokens = Counter(
+            "rollmesh_env_domain_generated_tokens",
+            "Generated tokens of ended episodes, by domain",
+            ["domain"],
+            registry=r,
+        )
+        self.domain_groups = Counter(
+            "rollmesh_env_domain_groups",
+            "Groups ended, by domain and result (put, filtered, stale, failed)",
+            ["domain", "result"],
+            registry=r,
+        )
+        self.domain_episode_s = histogram(
+            r,
+            "rollmesh_env_domain_episode_duration_seconds",
+            "Reset to the end of an episode, by domain",
+            SLOW_BUCKETS_S,
+            labels=["domain"],
+        )
+        for d in domains:  # each series exports 0 before its first event
+            for finish in FINISH_REASONS:
+                self.domain_episodes.labels(d, finish)
+            for outcome in GroupOutcome:
+                self.domain_groups.labels(d, outcome)
+            self.domain_reward.labels(d)
+            self.domain_tokens.labels(d)
+            self.domain_episode_s.labels(d)
+
     def collect(self):
+        if self.domain_rewards:
+            failures = CounterMetricFamily(
+                "rollmesh_env_domain_reward_failures",
+                "Scores cut to 0 by a fault of the verifier, by domain and cause",
+                labels=["domain", "cause"],
+            )
+            for domain, reward in sorted(self.domain_rewards.items()):
+                for cause, n in sorted(reward.failures.items()):
+                    failures.add_metric([domain, cause], n)
+            yield failures
         if self.stats is None:
             return
         s = self.stats()
@@ -147,7 +204,12 @@ class EnvMetrics(RolloutObserver):
         if step_s is not None:
             self.step.labels(env).observe(step_s)
 
-    def episode_ended(self, trajectory: Trajectory, seconds: float) -> None:
+    def episode_ended(self, trajectory: Trajectory, seconds: float, domain: str = "") -> None:
+        if domain:
+            self.domain_episodes.labels(domain, trajectory.finish_reason).inc()
+            self.domain_reward.labels(domain).observe(trajectory.reward)
+            self.domain_tokens.labels(domain).inc(trajectory.num_generated)
+            self.domain_episode_s.labels(domain).observe(seconds)
         env = trajectory.metadata.get("env", self.env)
         self.episodes.labels(env, trajectory.finish_reason).inc()
         self.reward.labels(env).observe(trajectory.reward)
@@ -160,8 +222,10 @@ class EnvMetrics(RolloutObserver):
         if trajectory.finish_reason == FinishReason.ENV_ERROR:
             self.env_errors.labels(trajectory.metadata.get("error_kind", "raised")).inc()
 
-    def group_ended(self, outcome: str, trajectories: list[Trajectory], seconds: float) -> None:
+    def group_ended(self, outcome: str, trajectories: list[Trajectory], seconds: float, domain: str = "") -> None:
         self.groups.labels(outcome).inc()
+        if domain:
+            self.domain_groups.labels(domain, outcome).inc()
         if outcome == GroupOutcome.PUT:
             for t in trajectories:
                 self.member_tokens.labels("kept").observe(t.num_generated)

@@ -12,6 +12,7 @@ import uuid
 
 import grpc
 
+from rollout.domains import Domain
 from rollout.envs.remote import RemoteEnv
 from rollout.loop import DROP_CAUSES, RolloutLoop
 from services.auth import AuthConfig
@@ -87,34 +88,48 @@ def build_loop(
     reward service (``reward: {type: service}`` naming none)."""
     from transformers import AutoTokenizer
 
-    pool = make_env = None
-    if config.env.type == "remote":
-        pool = build_pool(config.env, auth or AuthConfig())
-        rows, reward_fn, name = [{} for _ in range(config.env.num_seeds)], None, config.env.env_name or "remote"
-        make_env = functools.partial(RemoteEnv, pool, name=name)
-    else:
-        # A custom environment's constructor fails here, not mid-run.
-        ports = reward_ports(auth, reward_address=reward_address, proxy=proxy, tokenizer_path=config.tokenizer_path)
-        rows, reward_fn, build = config.env_factory(**ports)
-        name = getattr(build(), "name", config.env.type)
-    metrics = EnvMetrics(name, pool=pool)
-    if hasattr(reward_fn, "failures"):  # reward workers, the sandbox, the judge, the service: faults by cause
-        metrics.reward_source = reward_fn
+    pool, domains = None, []
+    for d in config.task_domains():
+        if d.env.type == "remote":
+            pool = build_pool(d.env, auth or AuthConfig())  # one remote domain per pool has providers to watch
+            rows, reward_fn = [{} for _ in range(d.env.num_seeds)], None
+            name = d.env.env_name or "remote"
+            make_env = functools.partial(RemoteEnv, pool, name=name)
+        else:
+            # A custom environment's constructor fails here, not mid-run.
+            ports = reward_ports(auth, reward_address=reward_address, proxy=proxy, tokenizer_path=config.tokenizer_path)
+            rows, reward_fn, build = d.env_factory(**ports)
+            name, make_env = getattr(build(), "name", d.env.type), None
+        domains.append((d, rows, reward_fn, name, make_env))
+    metrics = EnvMetrics(domains[0][3], pool=pool, domains=tuple(d.name for d, *_ in domains if d.name))
+    built = []
+    for d, rows, reward_fn, _, make_env in domains:
+        if hasattr(reward_fn, "failures"):  # reward workers, the sandbox, the judge, the service: faults by cause
+            metrics.reward_source = reward_fn
+            if d.name:
+                metrics.domain_rewards[d.name] = reward_fn
+        if reward_fn is not None:
+            reward_fn = metrics.timed_reward(reward_fn)
+        if make_env is None:
+            make_env = functools.partial(_local_env, d.env, rows, reward_fn)
+        built.append(Domain(d.name, d.weight, rows, make_env, config.episode_of(d), config.group_size_of(d)))
     loop = RolloutLoop(
         config,
-        rows=rows,
         tokenizer=AutoTokenizer.from_pretrained(config.tokenizer_path),
-        reward_fn=reward_fn and metrics.timed_reward(reward_fn),
         admission=controller,
         engine=ProxyGenerate(proxy),
         sink=PutBatcher(buffer, config.put_batch_max_groups, config.put_batch_delay_s),
         observer=metrics,
         id_prefix=f"{uuid.uuid4().hex[:8]}-",  # group ids unique across restarts
-        first_prompt=random.randrange(len(rows)),  # a restart goes on somewhere else, not at the same prompts
-        make_env=make_env,
+        first_prompt=random.randrange(1 << 30),  # a restart goes on somewhere else, not at the same prompts
+        domains=built,
     )
     metrics.stats = lambda: {"running_episodes": loop.running_episodes, "workers": loop.workers}
     return loop
+
+
+def _local_env(env, rows: list[dict], reward_fn, _episode_id: str):
+    return env.build(rows, reward_fn)
 
 
 def serve(cfg) -> None:

@@ -71,6 +71,35 @@ class BufferMetrics:
         for reason in DROP_REASONS:
             dropped.add_metric([reason], s[f"dropped_{reason}"])
         yield dropped
+        yield from _domain_families(s.get("by_domain", {}))
+
+
+def _domain_families(by_domain: dict[str, dict[str, int]]):
+    """A buffer assembling batches by domain: each domain's depth and what became of its groups."""
+    if not by_domain:
+        return
+    depth = GaugeMetricFamily("rollmesh_buffer_domain_depth_groups", "Groups waiting, by domain", labels=["domain"])
+    counted = {
+        "handed_out": CounterMetricFamily(
+            "rollmesh_buffer_domain_handed_out_groups", "Groups handed out to the trainer, by domain", labels=["domain"]
+        ),
+        "substituted": CounterMetricFamily(
+            "rollmesh_buffer_domain_substituted_groups",
+            "Batch slots of a domain filled by other domains after buffer.domain_wait_s with none of its groups",
+            labels=["domain"],
+        ),
+        "dropped_filtered": CounterMetricFamily(
+            "rollmesh_buffer_domain_filtered_groups",
+            "Groups kept out at Put as without learning signal (all rewards equal), by domain",
+            labels=["domain"],
+        ),
+    }
+    for d, row in sorted(by_domain.items()):
+        depth.add_metric([d], row["depth"])
+        for key, family in counted.items():
+            family.add_metric([d], row[key])
+    yield depth
+    yield from counted.values()
 
 
 def build_handler(buffer: SampleBuffer, metrics: BufferMetrics, max_concurrent_puts: int = 8) -> grpc.GenericRpcHandler:

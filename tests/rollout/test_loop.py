@@ -91,7 +91,7 @@ class Recorder(RolloutObserver):
         self.dropped: list[str] = []
         self.dropped_tokens: list[int] = []
 
-    def group_ended(self, outcome, trajectories, seconds):
+    def group_ended(self, outcome, trajectories, seconds, domain=""):
         self.outcomes.append(str(outcome))
 
     def generate_retried(self, code):
@@ -212,7 +212,7 @@ def test_a_group_that_outlives_the_bound_is_aborted_never_put_and_its_slot_retur
 
     async def main():
         loop, ctl, buffer, engine = make_loop(groups_per_step=1)
-        loop._order = [3] * len(ROWS)  # every group is prompt p3: its second member is the held one
+        loop.sampler._orders[""] = [3] * len(ROWS)  # every group is prompt p3: its second member is the held one
         engine.held["p3-0/1"] = asyncio.Event()
         await loop.start()
         await until(lambda: any(s.finished_starts for s in loop._rolling.values()))
@@ -233,7 +233,7 @@ def test_stop_with_drain_lets_groups_in_flight_end():
     async def main():
         loop, ctl, _, engine = make_loop()
         engine.held["p0-0/0"] = asyncio.Event()
-        loop._order = [0] * len(ROWS)
+        loop.sampler._orders[""] = [0] * len(ROWS)
         await loop.start()
         await until(lambda: loop.running_episodes >= 1)
         asyncio.get_running_loop().call_later(0.05, engine.held["p0-0/0"].set)
@@ -475,7 +475,7 @@ def test_tail_batching_defers_the_long_tail_to_a_long_round_and_trains_it():
         loop, ctl, buffer, engine = make_loop(
             {"hold": hold}, scheduling="tail", groups_per_step=2, tail_batching={"redundant_prompts": 2}
         )
-        loop._order = list(range(len(ROWS)))  # prompts in order: 3 and 7 come in the second and fourth rounds
+        loop.sampler._orders[""] = list(range(len(ROWS)))  # prompts in order: 3 and 7 come in the second and fourth rounds
         await loop.start()
         trained = []
         for version in range(5):  # the trainer: a step of 2 groups, then a new version

@@ -3,7 +3,9 @@ import numpy as np
 from sample_buffer.trajectory import Group, Trajectory
 
 
-def make_group(gid: str, version: int = 0, rewards=(0.0, 1.0), prompt_len: int = 4, gen_len: int = 6) -> Group:
+def make_group(
+    gid: str, version: int = 0, rewards=(0.0, 1.0), prompt_len: int = 4, gen_len: int = 6, domain: str = ""
+) -> Group:
     rng = np.random.default_rng(abs(hash(gid)) % 2**32)
     trajs = []
     for i, r in enumerate(rewards):
@@ -22,4 +24,4 @@ def make_group(gid: str, version: int = 0, rewards=(0.0, 1.0), prompt_len: int =
                 metadata={"env": "test", "turns": [prompt_len]},
             )
         )
-    return Group(gid, f"p-{gid}", trajs)
+    return Group(gid, f"p-{gid}", trajs, domain)
