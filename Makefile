@@ -31,6 +31,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps openenv-core==0.3.0
 	# GEM's games (env.type gem); its pins (reasoning-gym 0.1.23) would downgrade the tasks' reasoning-gym.
 	$(PIP) install -q --no-deps gem-llm==0.1.0
+	# SwanLab's tracker (train_loop.tracking.swanlab_project): it declares protobuf<7, which the gRPC stubs
+	# cannot use, and runs on protobuf 7 (tests/services/test_metrics_log.py): its dependencies but that one.
+	$(PIP) install -q --no-deps swanlab==0.10.3
+	$(PIP) install -q click nvidia-ml-py orjson platformdirs psutil pwinput pydantic-settings pyecharts pyroaring rich watchdog wrapt
 	touch $(STAMP)
 
 $(MODEL)/config.json: | $(STAMP)

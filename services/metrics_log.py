@@ -1,8 +1,5 @@
-"""Where a step's training metrics go: ``metrics.jsonl`` always, TensorBoard and W&B when asked.
-
-TensorBoard and Weights & Biases are optional dependencies (``pip install 'rollmesh[track]'``);
-asking for one that is not installed fails at start-up with the install command, not mid-run.
-"""
+"""Where a step's training metrics go: ``metrics.jsonl`` always, the trackers (``services/trackers/``:
+TensorBoard, W&B, SwanLab) when asked."""
 
 from __future__ import annotations
 
@@ -12,6 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from services.trackers import open_trackers
 
 
 class TrackingConfig(BaseModel):
@@ -24,17 +23,10 @@ class TrackingConfig(BaseModel):
     wandb_mode: Literal["online", "offline"] = Field(
         "online", description="offline writes the run under run_dir/wandb to `wandb sync` later (no network)."
     )
-
-
-def _require(module: str):
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise RuntimeError(
-            f"{module} is not installed but the config asks for it: pip install 'rollmesh[track]'"
-        ) from None
+    swanlab_project: str | None = Field(None, description="Log to this SwanLab project (needs swanlab).")
+    swanlab_mode: Literal["cloud", "offline"] = Field(
+        "cloud", description="offline writes the run under run_dir/swanlog to `swanlab sync` later (no network)."
+    )
 
 
 LOST_STEPS = "lost_steps.jsonl"  # beside metrics.jsonl: steps a trainer trained but lost before a checkpoint
@@ -79,40 +71,15 @@ class MetricsLog:
         run_dir: Path | None = None,
     ) -> None:
         self.path = path
-        tracking = tracking or TrackingConfig()
-        self._tb = self._wandb = None
-        if tracking.tensorboard_dir:
-            _require("tensorboard")
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(tracking.tensorboard_dir)
-        if tracking.wandb_project:
-            wandb = _require("wandb")
-            self._wandb = wandb.init(
-                project=tracking.wandb_project,
-                name=run_name,
-                mode=tracking.wandb_mode,
-                dir=str(run_dir or path.parent),
-                resume="allow",
-            )
+        self.trackers = open_trackers(tracking or TrackingConfig(), run_name, run_dir or path.parent)
 
     def write(self, metrics: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and k != "step"}
-        step = int(metrics["step"])
-        if self._tb is not None:
-            for k, v in numbers.items():
-                self._tb.add_scalar(k, v, step)
-            self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log(numbers, step=step)
+        for tracker in self.trackers:
+            tracker.log(numbers, int(metrics["step"]))
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-            # finish() can return before wandb's service process has written the run file (an
-            # offline run was sometimes still empty when the trainer exited); teardown waits for it.
-            _require("wandb").teardown()
+        for tracker in self.trackers:
+            tracker.close()

@@ -167,3 +167,46 @@ def test_ipc_handles_are_written_as_the_engine_reads_them():
     assert load_config(None, [ipc]).train_loop.publisher.encoding == "rollmesh"  # the embedded engine
     sglang = load_config(None, [ipc, "engine={type: sglang}"])
     assert sglang.train_loop.publisher.encoding == "sglang"
+
+
+DOMAINS = (
+    "env_manager.domains=[{name: math, dataset_path: m.jsonl, weight: 3}, "
+    "{name: code, dataset_path: c.jsonl, weight: 1, reward: {type: service}}, "
+    "{name: evals, dataset_path: e.jsonl, weight: 0}]"
+)
+
+
+def test_domains_weigh_the_buffers_batches_and_a_run_of_one_task_keeps_one_queue():
+    cfg = load_config(None, [DOMAINS])
+    assert cfg.buffer.domain_weights == {"math": 3.0, "code": 1.0}  # set once, from the domains; held-out only: none
+    assert load_config(None, []).buffer.domain_weights == {}
+    from services.mesh import needs_reward_service
+
+    assert needs_reward_service(cfg)  # one domain's reward is the mesh's reward service
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["env_manager.domains=[{name: a, dataset_path: x}, {name: a, dataset_path: y}]"], "the name 'a' is used twice"),
+        (["env_manager.domains=[{name: a, dataset_path: x, weight: 0}]"], r"domains\[\*\].weight: at least one"),
+        (["env_manager.domains=[{name: a, dataset_path: x, weight: -1}]"], "env_manager.domains.0.weight"),
+        (["env_manager.domains=[{name: a}]"], "domain 'a': dataset_path is missing"),
+        (["env_manager.domains=[{name: 'a b', dataset_path: x}]"], "env_manager.domains.0.name"),
+        (["env_manager.dataset_path=t.jsonl", DOMAINS], "dataset_path: with domains, each domain says its own"),
+        (
+            ["env_manager.domains=[{name: a, dataset_path: x, episode: {sampling: {temperature: -1}}}]"],
+            r"domains\[0\] \(a\).episode.sampling.temperature",
+        ),
+        (
+            ["env_manager.domains=[{name: a, dataset_path: x, reward: nope_not_a_reward}]"],
+            "env_manager.domains.0.reward",
+        ),
+        ([DOMAINS, "buffer.domain_weights={math: 1}"], "buffer.domain_weights: .* leave it out"),
+        ([DOMAINS, "buffer.domain_wait_s=200"], r"buffer.domain_wait_s \(200 s\) must be shorter"),
+        ([DOMAINS, "reward_service.timeout_s=100"], r"env_manager.domains\[1\].reward.timeout_s"),
+    ],
+)
+def test_a_bad_domain_is_refused_at_load_naming_the_domain_and_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

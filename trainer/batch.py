@@ -12,7 +12,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from sample_buffer.trajectory import Group
+from sample_buffer.trajectory import FinishReason, Group
 
 
 @dataclass
@@ -137,4 +137,30 @@ def episode_stats(groups: list[Group]) -> dict[str, float]:
     ]
     if timed and sum(n for _, n in timed):
         out["turns_over_target_share"] = sum(o for o, _ in timed) / sum(n for _, n in timed)
+    return out
+
+
+# A step's numbers per task domain, in the step line as "domain/<name>/<key>" (trackers group them by
+# the prefix): what each domain contributed and how it is doing.
+DOMAIN_KEYS = ("groups", "reward_mean", "accuracy", "response_tokens", "truncated_share", "staleness_mean", "tokens")
+
+
+def domain_stats(groups: list[Group], version: int) -> dict[str, float]:
+    """Each named domain's share of the batch (``groups``, ``tokens`` trained), its mean reward,
+    ``accuracy`` (share of answers with reward >= 1, the held-out rule), mean generated tokens per
+    answer, share cut at max_new_tokens and staleness. A run of one task (domain '') has none."""
+    out: dict[str, float] = {}
+    for name in sorted({g.domain for g in groups if g.domain}):
+        trajs = [t for g in groups if g.domain == name for t in g.trajectories]
+        generated = [t.num_generated for t in trajs]
+        values = {
+            "groups": sum(g.domain == name for g in groups),
+            "reward_mean": sum(t.reward for t in trajs) / len(trajs),
+            "accuracy": sum(t.reward >= 1.0 for t in trajs) / len(trajs),
+            "response_tokens": sum(generated) / len(trajs),
+            "truncated_share": sum(t.finish_reason == FinishReason.LENGTH for t in trajs) / len(trajs),
+            "staleness_mean": sum(version - t.start_version for t in trajs) / len(trajs),
+            "tokens": sum(generated),
+        }
+        out |= {f"domain/{name}/{k}": float(values[k]) for k in DOMAIN_KEYS}
     return out

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from sample_buffer.codec import decode_group
-from trainer.batch import batch_from_groups, episode_stats
+from trainer.batch import batch_from_groups, domain_stats, episode_stats
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainLoopConfig
 from trainer.ports import EngineMemory, SampleSource, TrainObserver, TransientError, VersionControl, WeightPublisher
@@ -118,24 +118,28 @@ class TrainLoop:
         try:
             if self.rank == 0:
                 staleness = [version - t.start_version for g in decoded for t in g.trajectories]
-                metrics |= {
-                    "step": self.engine.step,
-                    "version": self.engine.version,
-                    "published": published,
-                    "staleness_max": max(staleness),
-                    "staleness_mean": sum(staleness) / len(staleness),
-                    "time_get_s": t_get - t0,
-                    "time_train_s": t_train - t_get,
-                    "time_publish_s": t_pub - t_train,
-                    **self.publish_times,
-                    "wall": time.time(),
-                    "group_ids": [g.group_id for g in decoded],  # which groups this step consumed (audits, chaos)
-                    # what they were: which prompt, sampled at which version, scored how (data-bias audits)
-                    "group_prompts": [g.prompt_id for g in decoded],
-                    "group_versions": [g.start_version for g in decoded],
-                    "group_rewards": [round(sum(g.rewards) / len(g.rewards), 4) for g in decoded],
-                    "dropped_stale": self._dropped_stale,
-                } | episode_stats(decoded)
+                metrics |= (
+                    {
+                        "step": self.engine.step,
+                        "version": self.engine.version,
+                        "published": published,
+                        "staleness_max": max(staleness),
+                        "staleness_mean": sum(staleness) / len(staleness),
+                        "time_get_s": t_get - t0,
+                        "time_train_s": t_train - t_get,
+                        "time_publish_s": t_pub - t_train,
+                        **self.publish_times,
+                        "wall": time.time(),
+                        "group_ids": [g.group_id for g in decoded],  # which groups this step consumed (audits, chaos)
+                        # what they were: which prompt, sampled at which version, scored how (data-bias audits)
+                        "group_prompts": [g.prompt_id for g in decoded],
+                        "group_versions": [g.start_version for g in decoded],
+                        "group_rewards": [round(sum(g.rewards) / len(g.rewards), 4) for g in decoded],
+                        "dropped_stale": self._dropped_stale,
+                    }
+                    | episode_stats(decoded)
+                    | domain_stats(decoded, version)
+                )
                 # The step's line before its checkpoint: a trainer killed between the two leaves a line
                 # that a resume moves to lost_steps.jsonl; the other order would leave a checkpointed
                 # step with no line, its groups trained but missing from the curve.

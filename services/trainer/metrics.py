@@ -47,6 +47,23 @@ _GAUGES = {
 }
 
 
+# A step's numbers per task domain (trainer/batch.py: domain_stats) → gauge name, help; label: domain.
+_DOMAIN_GAUGES = {
+    "groups": ("rollmesh_trainer_domain_groups", "Groups of the domain in the last step's batch"),
+    "reward_mean": ("rollmesh_trainer_domain_reward_mean", "Mean reward of the domain's answers, last step"),
+    "accuracy": ("rollmesh_trainer_domain_accuracy_ratio", "Share of the domain's answers with reward >= 1, last step"),
+    "response_tokens": ("rollmesh_trainer_domain_response_tokens", "Mean generated tokens per answer, last step"),
+    "truncated_share": (
+        "rollmesh_trainer_domain_truncated_ratio",
+        "Share of the domain's answers cut at max_new_tokens, last step",
+    ),
+    "staleness_mean": (
+        "rollmesh_trainer_domain_staleness_versions",
+        "Mean staleness of the domain's answers, last step",
+    ),
+}
+
+
 def loss_terms(metrics: dict) -> dict[str, float]:
     """The loss and its parts in a step's metrics: ``loss``, ``pg_loss``, ``kl_loss``, ..."""
     return {
@@ -80,6 +97,10 @@ class TrainerMetrics:
         self.loss = Gauge("rollmesh_trainer_loss", "Loss terms of the last step", ["term"], registry=r)
         init_labels(self.loss, "total", "pg")
         self.gauges = {k: Gauge(name, doc, registry=r) for k, (name, doc) in _GAUGES.items()}
+        self.domain_gauges = {k: Gauge(name, doc, ["domain"], registry=r) for k, (name, doc) in _DOMAIN_GAUGES.items()}
+        self.domain_tokens = Counter(
+            "rollmesh_trainer_domain_tokens", "Generated tokens trained on, by domain", ["domain"], registry=r
+        )
         self.staleness = histogram(
             r,
             "rollmesh_trainer_staleness_versions",
@@ -118,6 +139,13 @@ class TrainerMetrics:
         for key, gauge in self.gauges.items():
             if key in m:
                 gauge.set(m[key])
+        for key, value in m.items():
+            if key.startswith("domain/"):
+                _, domain, what = key.split("/", 2)
+                if what == "tokens":
+                    self.domain_tokens.labels(domain).inc(value)
+                elif what in self.domain_gauges:
+                    self.domain_gauges[what].labels(domain).set(value)
         for s in staleness:
             self.staleness.observe(s)
         self.staleness_max.set(max(staleness, default=0))

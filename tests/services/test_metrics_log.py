@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 
-from services.metrics_log import MetricsLog, TrackingConfig, _require
+from services.metrics_log import MetricsLog, TrackingConfig
+from services.trackers import require
 from services.trainer.metrics import TrainerMetrics, loss_terms
 
 STEPS = [
@@ -59,9 +61,41 @@ def _history_values(data: bytes, key: str) -> list[str]:
     return out
 
 
+def test_swanlab_offline_run_records_every_step_and_each_domains_numbers(tmp_path):
+    """SwanLab's offline run files: the metric keys in its run record, each key's values in its log."""
+    steps = [m | {"domain/math/reward_mean": 0.125 * m["step"], "domain/code/accuracy": 0.75} for m in STEPS]
+    log = MetricsLog(
+        tmp_path / "metrics.jsonl",
+        TrackingConfig(swanlab_project="rollmesh-test", swanlab_mode="offline"),
+        run_name="t",
+        run_dir=tmp_path,
+    )
+    for m in steps:
+        log.write(m)
+    log.close()
+    [record] = (tmp_path / "swanlog").glob("run-*/run-*.swanlab")
+    data = record.read_bytes()
+    assert _swanlab_values(data, "reward_mean") == [0.25, 0.5]
+    assert _swanlab_values(data, "domain/math/reward_mean") == [0.125, 0.25]
+    assert _swanlab_values(data, "domain/code/accuracy") == [0.75, 0.75]
+
+
+def _swanlab_values(data: bytes, key: str) -> list[float]:
+    """The logged values of ``key`` in a SwanLab offline run file: each metric record is protobuf with
+    the key (field 1: 0x0a, length, bytes) and, a few fields on, the value as a double (field 5: 0x2a, 9,
+    then field 1 double: 0x09 and 8 bytes), read here without a protobuf schema."""
+    tag = b"\n" + bytes([len(key)]) + key.encode() + b"\x10"
+    out, at = [], data.find(tag)
+    while at >= 0:
+        value = data.find(b"*\t\t", at + len(tag), at + len(tag) + 40)
+        out.append(struct.unpack("<d", data[value + 3 : value + 11])[0])
+        at = data.find(tag, at + 1)
+    return out
+
+
 def test_a_missing_tracker_fails_at_start_with_the_install_command():
     with pytest.raises(RuntimeError, match=r"pip install 'rollmesh\[track\]'"):
-        _require("rollmesh_no_such_tracker")
+        require("rollmesh_no_such_tracker")
 
 
 def test_loss_terms_and_trainer_gauges():
