@@ -53,11 +53,17 @@ class BufferConfig(BaseModel):
     filter_zero_variance: bool = Field(
         True, description="Drop groups whose rewards are all equal (DAPO dynamic sampling: no learning signal)."
     )
+    by_domain: bool = Field(
+        True,
+        description="With env_manager.domains: assemble each batch by the domains' weights. false: oldest first "
+        "whatever the domain; a step never waits for a slow domain, and the shares drift (`rollmesh bench "
+        "domains` measures both).",
+    )
     domain_weights: dict[str, float] = Field(
         default_factory=dict,
         description="Assemble each batch by task domain: each domain's share of a batch's groups follows its "
-        "weight (normalised to sum 1). Set from env_manager.domains by the run config; empty: one queue, "
-        "oldest first.",
+        "weight (normalised to sum 1). Set from env_manager.domains by the run config (by_domain); empty: one "
+        "queue, oldest first.",
     )
     domain_wait_s: float = Field(
         30.0,

@@ -211,7 +211,8 @@ class RollmeshConfig(BaseModel):
 
     @model_validator(mode="after")
     def _batches_by_domain(self) -> RollmeshConfig:
-        weights = {d.name: d.weight for d in self.env_manager.domains if d.weight > 0}
+        domains = self.env_manager.domains if self.buffer.by_domain else []
+        weights = {d.name: d.weight for d in domains if d.weight > 0}
         if "domain_weights" in self.buffer.model_fields_set and self.buffer.domain_weights != weights:
             raise ValueError(
                 f"buffer.domain_weights: {self.buffer.domain_weights} but env_manager.domains weigh {weights}; "

@@ -188,7 +188,10 @@ def test_domains_weigh_the_buffers_batches_and_a_run_of_one_task_keeps_one_queue
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["env_manager.domains=[{name: a, dataset_path: x}, {name: a, dataset_path: y}]"], "the name 'a' is used twice"),
+        (
+            ["env_manager.domains=[{name: a, dataset_path: x}, {name: a, dataset_path: y}]"],
+            "the name 'a' is used twice",
+        ),
         (["env_manager.domains=[{name: a, dataset_path: x, weight: 0}]"], r"domains\[\*\].weight: at least one"),
         (["env_manager.domains=[{name: a, dataset_path: x, weight: -1}]"], "env_manager.domains.0.weight"),
         (["env_manager.domains=[{name: a}]"], "domain 'a': dataset_path is missing"),

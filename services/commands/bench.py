@@ -307,6 +307,25 @@ def bench_offpolicy(
     emit(result, json_)
 
 
+@app.command("domains")
+def bench_domains(
+    model: Path = typer.Option(Path("models/tiny"), help="Tokenizer directory (prompts are rendered with it)."),
+    steps: int = typer.Option(20, help="Training steps of each run (the first --warmup are not measured)."),
+    warmup: int = typer.Option(3, help="Steps before measuring (the pipeline fills)."),
+    groups_per_step: int = typer.Option(10, help="Groups (of 4) per training step."),
+    time_scale: float = typer.Option(50.0, help="Simulated seconds per wall second."),
+    compare: bool = typer.Option(
+        True, help="Also run the domains with batches oldest first, and the fast domain alone (to compare with)."
+    ),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Three domains with 0.1 s, 2 s and 20 s rewards at weights 0.5/0.3/0.2, async_ratio 2, on the latency
+    simulator (real services): each domain's share of every batch, and the step time against one domain."""
+    from services.bench.domains_bench import run
+
+    emit(checked(run, str(model), steps, warmup, groups_per_step, time_scale, compare, progress_printer(json_)), json_)
+
+
 @app.command("gpu")
 def bench_gpu(
     steps: int = typer.Option(5, help="Training steps to time (packed and unpacked)."),

@@ -28,7 +28,9 @@ def _domains(config: RolloutConfig) -> list[Domain]:
     out = []
     for d in config.task_domains():
         rows, _, build = d.env_factory()
-        out.append(Domain(d.name, d.weight, rows, lambda _, b=build: b(), config.episode_of(d), config.group_size_of(d)))
+        out.append(
+            Domain(d.name, d.weight, rows, lambda _, b=build: b(), config.episode_of(d), config.group_size_of(d))
+        )
     return out
 
 
@@ -50,7 +52,12 @@ def _run(config: RolloutConfig, reply, groups: int, filter_zero_variance=False):
         buffer = MemoryBuffer(BufferConfig(filter_zero_variance=filter_zero_variance))
         engine = RecordingEngine(controller, reply=reply)
         loop = RolloutLoop(
-            config, tokenizer=CharTokenizer(), admission=controller, engine=engine, sink=buffer, domains=_domains(config)
+            config,
+            tokenizer=CharTokenizer(),
+            admission=controller,
+            engine=engine,
+            sink=buffer,
+            domains=_domains(config),
         )
         await loop.start()
         await until(lambda: loop.counters["groups_put"] >= groups, timeout_s=20)

@@ -475,7 +475,9 @@ def test_tail_batching_defers_the_long_tail_to_a_long_round_and_trains_it():
         loop, ctl, buffer, engine = make_loop(
             {"hold": hold}, scheduling="tail", groups_per_step=2, tail_batching={"redundant_prompts": 2}
         )
-        loop.sampler._orders[""] = list(range(len(ROWS)))  # prompts in order: 3 and 7 come in the second and fourth rounds
+        loop.sampler._orders[""] = list(
+            range(len(ROWS))
+        )  # prompts in order: 3 and 7 come in the second and fourth rounds
         await loop.start()
         trained = []
         for version in range(5):  # the trainer: a step of 2 groups, then a new version

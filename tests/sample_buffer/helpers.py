@@ -1,5 +1,11 @@
-import numpy as np
+import asyncio
+import uuid
 
+import numpy as np
+import pytest
+
+from sample_buffer.backends import make_buffer
+from sample_buffer.config import BufferConfig
 from sample_buffer.trajectory import Group, Trajectory
 
 
@@ -25,3 +31,34 @@ def make_group(
             )
         )
     return Group(gid, f"p-{gid}", trajs, domain)
+
+
+_made: list = []  # buffers of the running test, closed inside its event loop by run()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def buffer_factory(request):
+    made = _made
+
+    def make(**kw):
+        cfg = {"backend": request.param}
+        if request.param == "redis":
+            server = request.getfixturevalue("redis_server")
+            cfg |= {"redis_url": server.url, "key_prefix": f"test:{uuid.uuid4().hex[:8]}"}
+        buf = make_buffer(BufferConfig(**(cfg | kw)))
+        made.append(buf)
+        return buf
+
+    yield make
+    made.clear()
+
+
+def run(coro):
+    async def main():
+        try:
+            return await coro
+        finally:
+            for b in _made:
+                await b.close()
+
+    return asyncio.run(main())

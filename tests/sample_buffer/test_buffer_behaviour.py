@@ -3,45 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import pytest
 
-from sample_buffer.backends import make_buffer
 from sample_buffer.buffer import BufferFull
 from sample_buffer.codec import CodecError
-from sample_buffer.config import BufferConfig
-from tests.sample_buffer.helpers import make_group
-
-_made: list = []  # buffers of the running test, closed inside its event loop by run()
-
-
-@pytest.fixture(params=["memory", "redis"])
-def buffer_factory(request):
-    made = _made
-
-    def make(**kw):
-        cfg = {"backend": request.param}
-        if request.param == "redis":
-            server = request.getfixturevalue("redis_server")
-            cfg |= {"redis_url": server.url, "key_prefix": f"test:{uuid.uuid4().hex[:8]}"}
-        buf = make_buffer(BufferConfig(**(cfg | kw)))
-        made.append(buf)
-        return buf
-
-    yield make
-    made.clear()
-
-
-def run(coro):
-    async def main():
-        try:
-            return await coro
-        finally:
-            for b in _made:
-                await b.close()
-
-    return asyncio.run(main())
+from tests.sample_buffer.helpers import make_group, run
 
 
 def ids(batch):

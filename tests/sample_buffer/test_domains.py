@@ -10,8 +10,7 @@ import pytest
 from sample_buffer.codec import CodecError, encode_group, read_header
 from sample_buffer.domains import WeightedTurns
 from sample_buffer.trajectory import TrajectoryError
-from tests.sample_buffer.helpers import make_group
-from tests.sample_buffer.test_buffer_behaviour import buffer_factory, run  # noqa: F401  (the fixture)
+from tests.sample_buffer.helpers import make_group, run
 
 WEIGHTS = {"math": 0.5, "code": 0.3, "chat": 0.2}
 

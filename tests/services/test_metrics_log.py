@@ -108,7 +108,16 @@ def test_loss_terms_and_trainer_gauges():
 
     m = TrainerMetrics()
     m.observe_step(
-        {**STEPS[0], "version": 1, "tokens": 100, "time_get_s": 1.0, "time_train_s": 0.5, "time_publish_s": 0.25},
+        {
+            **STEPS[0],
+            "version": 1,
+            "tokens": 100,
+            "time_get_s": 1.0,
+            "time_train_s": 0.5,
+            "time_publish_s": 0.25,
+            "domain/math/accuracy": 0.75,
+            "domain/math/tokens": 60,
+        },
         staleness=[0, 1, 1],
     )
     text = generate_latest(m.registry).decode()
@@ -118,3 +127,5 @@ def test_loss_terms_and_trainer_gauges():
     assert 'rollmesh_trainer_staleness_versions_bucket{le="0.0"} 1.0' in text
     assert "rollmesh_trainer_tokens_per_second 200.0" in text
     assert 'rollmesh_trainer_weight_update_failures_total{cause="load"} 0.0' in text
+    assert 'rollmesh_trainer_domain_accuracy_ratio{domain="math"} 0.75' in text
+    assert 'rollmesh_trainer_domain_tokens_total{domain="math"} 60.0' in text
