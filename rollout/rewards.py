@@ -49,11 +49,20 @@ def math_verify(response: str, answer: str) -> float:
         return 0.0
 
 
+def word_count(response: str, answer: str) -> float:
+    """A format reward: 1.0 when the response has exactly ``answer`` words (whitespace-separated, a
+    closing period allowed), 0.5 when one word off, 0 otherwise (``rollmesh make-dataset word_count``)."""
+    words = len(response.split())
+    off = abs(words - int(answer))
+    return 1.0 if off == 0 else 0.5 if off == 1 else 0.0
+
+
 REWARDS: dict[str, Callable[[str, str], float]] = {
     "exact_match": exact_match,
     "first_token_match": first_token_match,
     "digit_answer": digit_answer,
     "math_verify": math_verify,
+    "word_count": word_count,
 }
 
 

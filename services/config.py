@@ -51,6 +51,12 @@ class RunConfig(BaseModel):
         description="A remote environment's held-out set: this many greedy episodes on the seeds after "
         "env_manager.env.num_seeds (never trained on), before and after training; success is reward >= 1.",
     )
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Also score the held-out set(s) every this many steps, while training goes on (0: before and "
+        "after only); each score is printed and appended to RUN_DIR/heldout.jsonl.",
+    )
     heldout_timeout_s: float = Field(
         600.0, gt=0, description="How long one held-out answer may take; one that does not come counts as wrong."
     )
@@ -241,6 +247,15 @@ class RollmeshConfig(BaseModel):
                     "scores it would still finish are cut: raise the first (within env_manager.episode."
                     "step_timeout_s) or lower the second"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _heldout_sets_by_domain(self) -> RollmeshConfig:
+        if self.run.heldout_path and any(d.heldout_path for d in self.env_manager.domains):
+            raise ValueError(
+                "run.heldout_path: with domains, each domain's held-out set is env_manager.domains[i].heldout_path "
+                "(scored with its own reward)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ class HeldOut:
     unanswered: int  # prompts whose answer failed or timed out: scored as wrong
     first_error: str = ""
     scoring_faults: int = 0  # answers the reward could not score (a verifier's fault, the service away): wrong
+    prompts: int = 0
 
     def __str__(self) -> str:
         notes = [f"{self.unanswered} unanswered, scored wrong: {self.first_error}"] if self.unanswered else []
@@ -21,10 +22,55 @@ class HeldOut:
         return f"{self.accuracy:.3f}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
+@dataclass
+class DomainsHeldOut:
+    """Each domain's held-out set, scored with its own reward; ``accuracy`` over all their prompts."""
+
+    by_domain: dict[str, HeldOut]
+
+    @property
+    def accuracy(self) -> float:
+        prompts = sum(h.prompts for h in self.by_domain.values())
+        return sum(h.accuracy * h.prompts for h in self.by_domain.values()) / max(1, prompts)
+
+    @property
+    def unanswered(self) -> int:
+        return sum(h.unanswered for h in self.by_domain.values())
+
+    @property
+    def scoring_faults(self) -> int:
+        return sum(h.scoring_faults for h in self.by_domain.values())
+
+    def __str__(self) -> str:
+        width = max(6, *(len(d) for d in self.by_domain))
+        lines = [f"{self.accuracy:.3f} over all domains", f"  {'domain':<{width}}  prompts  accuracy"]
+        for d, h in self.by_domain.items():
+            lines.append(f"  {d:<{width}}  {h.prompts:>7}  {h}")
+        return "\n".join(lines)
+
+
 async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
     """Share of ``cfg.run.heldout_path``'s prompts answered fully correctly (reward >= 1), greedily,
     through the LLMProxy at ``proxy_address``, rendered as the episodes render them. An answer
     that fails or takes longer than ``cfg.run.heldout_timeout_s`` counts as wrong, and is counted."""
+    em = cfg.env_manager
+    return await _score_prompts(proxy_address, cfg, cfg.run.heldout_path, em.reward, em.episode)
+
+
+async def heldout_by_domain(proxy_address: str, cfg) -> DomainsHeldOut:
+    """Each domain's ``heldout_path``, as ``heldout_accuracy`` scores one, with the domain's reward
+    and sampling length; the domains one after another (each already asks for all its answers at once)."""
+    em = cfg.env_manager
+    return DomainsHeldOut(
+        {
+            d.name: await _score_prompts(proxy_address, cfg, d.heldout_path, d.reward, em.episode_of(d))
+            for d in em.domains
+            if d.heldout_path
+        }
+    )
+
+
+async def _score_prompts(proxy_address: str, cfg, path: str, reward_spec, episode) -> HeldOut:
     from transformers import AutoTokenizer
 
     from rollout.chat_turns import render_prompt
@@ -34,10 +80,10 @@ async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
     from services.pb.rollmesh.v1 import common_pb2
     from services.reward.ports import reward_ports
 
-    rows = load_jsonl(cfg.run.heldout_path)
+    rows = load_jsonl(path)
     tok = AutoTokenizer.from_pretrained(cfg.env_manager.tokenizer_path)
-    reward = build_reward(cfg.env_manager.reward, **reward_ports(cfg.auth, reward_address=cfg.mesh.reward))
-    max_new = cfg.env_manager.episode.sampling.max_new_tokens
+    reward = build_reward(reward_spec, **reward_ports(cfg.auth, reward_address=cfg.mesh.reward))
+    max_new = episode.sampling.max_new_tokens
     client = ProxyClient(proxy_address, auth=cfg.auth)
     timeout_s = cfg.run.heldout_timeout_s
 
@@ -56,7 +102,7 @@ async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
         await client.close()
     # A variant may block (a sandbox run, a call to the reward service): scored in threads, all at once.
     # A function is called here, in the main thread, where math-verify's time limits work.
-    inline = isinstance(cfg.env_manager.reward, str)
+    inline = isinstance(reward_spec, str)
     errors, scored = [], []
     for out, row in zip(outs, rows):
         if not isinstance(out, BaseException) and out.finish_reason == common_pb2.FINISH_REASON_TIMEOUT:
@@ -74,7 +120,7 @@ async def heldout_accuracy(proxy_address: str, cfg) -> HeldOut:
         getattr(reward, "close", lambda: None)()  # the reward service's channel
     faults = sum(getattr(reward, "failures", {}).values()) - faults
     first = f"{type(errors[0]).__name__}: {errors[0]}" if errors else ""
-    return HeldOut(sum(s >= 1.0 for s in scores) / len(rows), len(errors), first, faults)
+    return HeldOut(sum(s >= 1.0 for s in scores) / len(rows), len(errors), first, faults, len(rows))
 
 
 async def heldout_episodes(proxy_address: str, cfg) -> HeldOut:
@@ -128,12 +174,14 @@ async def heldout_episodes(proxy_address: str, cfg) -> HeldOut:
             failed.append(RuntimeError(f"{o.finish_reason}: {o.metadata.get('error') or o.metadata.get('timeout')}"))
     wins = sum(not isinstance(o, BaseException) and o.reward >= 1.0 for o in outs)
     first = f"{type(failed[0]).__name__}: {failed[0]}" if failed else ""
-    return HeldOut(wins / len(outs), len(failed), first)
+    return HeldOut(wins / len(outs), len(failed), first, prompts=len(outs))
 
 
 def evaluator(cfg):
-    """How this run's held-out set is evaluated, or None: a JSONL of prompts, or a remote environment's
-    unseen seeds."""
+    """How this run's held-out set is evaluated, or None: a JSONL of prompts, a remote environment's
+    unseen seeds, or each domain's own set."""
     if cfg.run.heldout_path:
         return heldout_accuracy
-    return heldout_episodes if cfg.run.heldout_episodes else None
+    if cfg.run.heldout_episodes:
+        return heldout_episodes
+    return heldout_by_domain if any(d.heldout_path for d in cfg.env_manager.domains) else None

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -58,11 +60,9 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
         mesh = start_mesh(cfg, config_path, overrides, logs, placement, hold_rollouts=True)
         cfg.mesh.reward = mesh.reward or cfg.mesh.reward  # the held-out evaluation scores there too
         _announce(mesh, console)
-        evaluate = evaluator(cfg)
-        before = None
-        if evaluate is not None:  # when resuming: the restored weights, as the engines now serve them
-            before = asyncio.run(evaluate(mesh.proxy, cfg))
-            console.print(f"held-out accuracy {'at resume' if resumed else 'before training'}: {before}")
+        heldout = HeldOutLog(evaluator(cfg), mesh.proxy, cfg, run_dir, console)
+        # when resuming: the restored weights, as the engines now serve them
+        before = heldout.now("at resume" if resumed else "before training")
         if mesh.env_manager:
             asyncio.run(_start_rollouts(mesh, cfg))
         earlier, seen = rundir.tail_metrics(run_dir, 0)  # earlier runs' lines, when resuming
@@ -70,9 +70,9 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
             config_path, overrides, mesh, logs / "trainer.log", placement.trainer_procs, placement.trainer
         )
         trainer = Supervised("trainer", proc, logs / "trainer.log", finishes=True, env=cuda_env(placement.trainer))
-        _supervise(cfg, mesh, trainer, console, run_dir, seen, earlier[-1]["step"] if earlier else 0)
+        _supervise(cfg, mesh, trainer, console, run_dir, seen, earlier[-1]["step"] if earlier else 0, heldout)
         rollouts = _stop_rollouts(mesh, cfg, console) if mesh.env_manager else None
-        after = asyncio.run(evaluate(mesh.proxy, cfg)) if evaluate is not None else None
+        after = heldout.now("after training")
         _finish(cfg, run_dir, console, before if not resumed else None, after, rollouts, time.time() - t0)
         return 0
     except GaveUp as e:
@@ -129,7 +129,45 @@ def _stop_rollouts(mesh: Mesh, cfg, console: Console) -> dict | None:
         return None
 
 
-def _supervise(cfg, mesh: Mesh, trainer: Supervised, console: Console, run_dir: Path, seen: int, step0: int) -> None:
+class HeldOutLog:
+    """The run's held-out scores: before and after training, and every ``run.eval_every`` steps in
+    between (in a thread, while training goes on); printed, and a line each in RUN_DIR/heldout.jsonl."""
+
+    def __init__(self, evaluate, proxy: str, cfg, run_dir: Path, console: Console) -> None:
+        self.evaluate, self.proxy, self.cfg, self.console = evaluate, proxy, cfg, console
+        self.path = run_dir / "heldout.jsonl"
+        self._thread: threading.Thread | None = None
+
+    def now(self, when: str, step: int | None = None):
+        """Score now (waiting for a periodic one still running); None for a run without a held-out set."""
+        if self.evaluate is None:
+            return None
+        self.join()
+        result = asyncio.run(self.evaluate(self.proxy, self.cfg))
+        self.console.print(f"held-out accuracy {when}: {result}")
+        by_domain = getattr(result, "by_domain", {})
+        line = {"when": when, "step": step, "accuracy": result.accuracy, "unanswered": result.unanswered}
+        line |= {"by_domain": {d: h.accuracy for d, h in by_domain.items()}} if by_domain else {}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        return result
+
+    def step(self, step: int) -> None:
+        """After each step line: a periodic score when one is due and none is running."""
+        every = self.cfg.run.eval_every
+        if not every or self.evaluate is None or step % every or (self._thread and self._thread.is_alive()):
+            return
+        self._thread = threading.Thread(target=self.now, args=(f"at step {step}", step), daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _supervise(
+    cfg, mesh: Mesh, trainer: Supervised, console: Console, run_dir: Path, seen: int, step0: int, heldout: HeldOutLog
+) -> None:
     """Until the trainer exits 0 (every step trained): restart what dies, print each step."""
     supervised = [*mesh.services, trainer]
     registry = CollectorRegistry()
@@ -146,8 +184,14 @@ def _supervise(cfg, mesh: Mesh, trainer: Supervised, console: Console, run_dir: 
             new, seen = rundir.tail_metrics(run_dir, seen)
             for m in new:
                 progress.step(m)
+                heldout.step(m["step"])
     finally:
         progress.close()
+
+
+def _by_domain(key: str, result) -> dict:
+    by_domain = getattr(result, "by_domain", None)
+    return {key: {d: h.accuracy for d, h in by_domain.items()}} if by_domain else {}
 
 
 def _finish(cfg, run_dir: Path, console: Console, before, after, rollouts: dict | None, wall_s: float) -> None:
@@ -169,6 +213,8 @@ def _finish(cfg, run_dir: Path, console: Console, before, after, rollouts: dict 
         "reward_mean_last5": round(reward_last5, 4),
         "heldout_before": None if before is None else before.accuracy,
         "heldout_after": None if after is None else after.accuracy,
+        **_by_domain("heldout_by_domain_before", before),
+        **_by_domain("heldout_by_domain_after", after),
         "wall_s": round(wall_s, 1),
         "async_ratio": cfg.controller.async_ratio,
         "rollouts": rollouts,  # the EnvManager's Stats: groups put, failures by reason

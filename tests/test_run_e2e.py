@@ -96,13 +96,13 @@ def test_rollmesh_run_on_vllm_engines(tiny_model, tmp_path):
     assert not _processes_with(mark), "processes of the run (vLLM's among them) left running after it returned"
 
 
-@pytest.mark.parametrize("example", ["examples/smollm2-math.yaml", "examples/code/smollm2-code.yaml"])
+@pytest.mark.parametrize("example", ["examples/smollm2-math.yaml"])
 def test_the_smollm2_examples_run_a_few_steps(smollm2, tmp_path, example):
-    """`examples/smollm2-math.yaml` (reasoning-gym data, math-verify rewards) and
-    `examples/code/smollm2-code.yaml` (code tasks, rewards from running the answer in the sandbox)
-    as shipped, with a real model, cut to 2 steps of one prompt x 4 answers and the first 8 problems
-    of the held-out set: each trains, publishes and scores its held-out problems before and after.
-    (What they learn in 40 steps is `make examples`' and docs/examples.md's.)"""
+    """`examples/smollm2-math.yaml` (reasoning-gym data, math-verify rewards) as shipped, with a real
+    model, cut to 2 steps of one prompt x 4 answers and the first 8 problems of the held-out set: it
+    trains, publishes and scores its held-out problems before and after. (What it learns in 40 steps
+    is `make examples`' and docs/examples.md's; the code example's reward runs in the multi-domain
+    test below.)"""
     import yaml
 
     config = yaml.safe_load(Path(example).read_text())
@@ -145,6 +145,50 @@ def test_the_smollm2_examples_run_a_few_steps(smollm2, tmp_path, example):
     row = json.loads(cmp.stdout.splitlines()[-1])[str(run_dir)]
     assert row["heldout_before"] == float(before.group(1)) and row["heldout_after"] == float(final.group(2))
     assert row["steps"] == 2 and len(row["reward_by_window"]) == 2 and plot.stat().st_size > 1000
+
+
+def test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_set(smollm2, tmp_path):
+    """`examples/multi-domain.yaml` (math with math-verify, code in the sandbox, a format task by word
+    count) with a real model, cut to 2 steps of 3 groups (one a domain) of 4 answers and 4 held-out
+    problems a domain, scored every step too: every step trains each domain, and each domain's held-out
+    set is scored with its own reward, before, during and after, in a table and in heldout.jsonl."""
+    import yaml
+
+    config = yaml.safe_load(Path("examples/multi-domain.yaml").read_text())
+    for d in config["env_manager"]["domains"]:
+        cut = tmp_path / f"{d['name']}_heldout.jsonl"
+        cut.write_text("".join(Path(d["heldout_path"]).read_text().splitlines(keepends=True)[:4]))
+        d["heldout_path"] = str(cut)
+    run_dir = tmp_path / "run"
+    config["model_path"] = smollm2
+    config["train_loop"] |= {"run_dir": str(run_dir), "steps": 2}
+    config["controller"]["groups_per_step"] = 3
+    config["env_manager"] |= {"group_size": 4, "num_workers": 6}
+    config["run"]["eval_every"] = 1
+    path = tmp_path / "multi-domain.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(path)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = proc.stdout.split("held-out accuracy before training:", 1)[1].split("\n")[:6]
+    assert "over all domains" in table[0] and "prompts  accuracy" in table[1]
+    assert {line.split()[0] for line in table[2:5]} == {"math", "code", "format"}
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2] and all(m["published"] for m in steps)
+    trained = {d: [m.get(f"domain/{d}/groups", 0) for m in steps] for d in ("math", "code", "format")}
+    assert [sum(n) for n in zip(*trained.values(), strict=True)] == [3, 3]  # every slot a domain's
+    assert all(sum(n) >= 1 for n in trained.values()), trained  # 6 slots at 0.4/0.4/0.2: each within one
+    assert all(0.0 <= v <= 1.0 for m in steps for k, v in m.items() if k.endswith("/reward_mean"))
+    scores = [json.loads(x) for x in (run_dir / "heldout.jsonl").read_text().splitlines()]
+    assert scores[0]["when"] == "before training" and scores[-1]["when"] == "after training"
+    assert any(s["when"].startswith("at step") for s in scores)  # the periodic one, while training went on
+    assert all(set(s["by_domain"]) == {"math", "code", "format"} for s in scores)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["heldout_by_domain_after"]) == {"math", "code", "format"}
+    assert summary["heldout_after"] == pytest.approx(sum(summary["heldout_by_domain_after"].values()) / 3)
+    logs = proc.stdout + proc.stderr + (run_dir / "logs" / "env_manager.log").read_text()
+    assert "skipping fork() handlers" not in logs  # sandboxes start without a fork in a gRPC process
 
 
 def test_rollmesh_run_with_the_trainer_under_torchrun(tiny_model, tmp_path):

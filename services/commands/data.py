@@ -12,7 +12,7 @@ def make_dataset(
     task: str = typer.Argument(
         ...,
         help="A reasoning-gym task (chain_sum, basic_arithmetic, gsm_symbolic, ...), humaneval or code_tasks "
-        "(code tasks for reward type code).",
+        "(code tasks for reward type code), or word_count (format tasks for the word_count reward).",
     ),
     out: Path = typer.Option(..., "--out", help="JSONL file to write (prompt, answer, task per row)."),
     size: int = typer.Option(1000, min=1, help="Rows to generate."),
@@ -43,6 +43,10 @@ def make_dataset(
             from rollout.envs.code_tasks import code_task_rows
 
             rows = code_task_rows(size, seed)
+        elif task == "word_count":  # "... in exactly 4 words.": a format task (reward word_count)
+            from rollout.envs.format_tasks import format_task_rows
+
+            rows = format_task_rows(size, seed)
         else:
             rows = reasoning_gym_rows(task, size, seed, **options)
     except (DatasetError, RuntimeError) as e:
