@@ -225,6 +225,8 @@ class RollmeshConfig(BaseModel):
                 "leave it out (the run config sets it from the domains)"
             )
         self.buffer.domain_weights = weights
+        if "domain_wait_s" not in self.buffer.model_fields_set:  # within a step's wait, whatever that is
+            self.buffer.domain_wait_s = min(self.buffer.domain_wait_s, self.train_loop.get_timeout_s / 2)
         if weights and self.buffer.domain_wait_s >= self.train_loop.get_timeout_s:
             raise ValueError(
                 f"buffer.domain_wait_s ({self.buffer.domain_wait_s:g} s) must be shorter than train_loop."

@@ -52,7 +52,7 @@ def layout(specs):
     return panels
 
 
-def dashboard(uid, title, desc, specs):
+def dashboard(uid, title, desc, specs, variables=()):
     return {
         "uid": uid,
         "title": title,
@@ -64,7 +64,7 @@ def dashboard(uid, title, desc, specs):
         "editable": True,
         "refresh": "10s",
         "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": []},
+        "templating": {"list": list(variables)},
         "annotations": {"list": []},
         "panels": layout(specs),
     }
@@ -75,9 +75,11 @@ def rate_mean(metric: str) -> str:
     return f"sum(rate({metric}_sum[{R}])) / sum(rate({metric}_count[{R}]))"
 
 
-def q(p: float, metric: str, by: str = "") -> str:
-    """Quantile ``p`` of a histogram over the rate window (``by``: extra labels to keep)."""
-    return f"histogram_quantile({p}, sum by (le{by}) (rate({metric}_bucket[{R}])))"
+def q(p: float, metric: str, by: str = "", where: str = "") -> str:
+    """Quantile ``p`` of a histogram over the rate window (``by``: extra labels to keep; ``where``: a
+    label selector)."""
+    selector = f"{{{where}}}" if where else ""
+    return f"histogram_quantile({p}, sum by (le{by}) (rate({metric}_bucket{selector}[{R}])))"
 
 
 overview = dashboard(
@@ -428,7 +430,116 @@ health = dashboard(
     ],
 )
 
-DASHBOARDS = {"overview": overview, "staleness": staleness, "health": health}
+# A multi-domain run's domains (env_manager.domains), several at once; a run of one task has none.
+DOMAIN = {
+    "name": "domain",
+    "label": "domain",
+    "type": "query",
+    "datasource": DS,
+    "query": {"query": "label_values(rollmesh_env_domain_groups_total, domain)", "refId": "domains"},
+    "definition": "label_values(rollmesh_env_domain_groups_total, domain)",
+    "refresh": 2,
+    "multi": True,
+    "includeAll": True,
+    "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+}
+D = 'domain=~"$domain"'
+
+domains = dashboard(
+    "rollmesh-domains",
+    "rollmesh / domains",
+    "A multi-domain run (env_manager.domains, docs/domains.md): each domain's share of the batches, how it "
+    "learns, and what its episodes and rewards cost.",
+    [
+        dict(
+            title="Groups per training step, by domain",
+            stack=True,
+            w=8,
+            desc="The last step's batch by domain (the buffer assembles it by the domains' weights)",
+            targets=[(f"sum by (domain) (rollmesh_trainer_domain_groups{{{D}}})", "{{domain}}")],
+        ),
+        dict(
+            title="Reward mean, by domain",
+            w=8,
+            targets=[(f"max by (domain) (rollmesh_trainer_domain_reward_mean{{{D}}})", "{{domain}}")],
+        ),
+        dict(
+            title="Accuracy (reward >= 1), by domain",
+            unit="percentunit",
+            w=8,
+            targets=[(f"max by (domain) (rollmesh_trainer_domain_accuracy_ratio{{{D}}})", "{{domain}}")],
+        ),
+        dict(
+            title="Response length (generated tokens per answer), by domain",
+            w=8,
+            targets=[(f"max by (domain) (rollmesh_trainer_domain_response_tokens{{{D}}})", "{{domain}}")],
+        ),
+        dict(
+            title="Answers cut at max_new_tokens, by domain",
+            unit="percentunit",
+            w=8,
+            targets=[(f"max by (domain) (rollmesh_trainer_domain_truncated_ratio{{{D}}})", "{{domain}}")],
+        ),
+        dict(
+            title="Staleness of trained answers (versions), by domain",
+            w=8,
+            targets=[(f"max by (domain) (rollmesh_trainer_domain_staleness_versions{{{D}}})", "{{domain}}")],
+        ),
+        dict(
+            title="Tokens trained per second, by domain",
+            w=8,
+            targets=[(f"sum by (domain) (rate(rollmesh_trainer_domain_tokens_total{{{D}}}[{R}]))", "{{domain}}")],
+        ),
+        dict(
+            title="Groups by domain and result (per second)",
+            w=8,
+            desc="put, filtered (all rewards equal: no signal), stale, failed: a domain often filtered is drawn "
+            "more often (env_manager.domain_oversampling)",
+            targets=[
+                (
+                    f"sum by (domain, result) (rate(rollmesh_env_domain_groups_total{{{D}}}[{R}]))",
+                    "{{domain}} {{result}}",
+                )
+            ],
+        ),
+        dict(
+            title="Episode duration p90, by domain",
+            unit="s",
+            w=8,
+            targets=[(q(0.9, "rollmesh_env_domain_episode_duration_seconds", ", domain", D), "{{domain}}")],
+        ),
+        dict(
+            title="Reward faults (per 5m), by domain and cause",
+            w=8,
+            desc="Scores cut to 0 by a verifier's fault: a domain whose reward service is down shows here",
+            targets=[
+                (
+                    f"sum by (domain, cause) (increase(rollmesh_env_domain_reward_failures_total{{{D}}}[5m]))",
+                    "{{domain}} {{cause}}",
+                )
+            ],
+        ),
+        dict(
+            title="Buffer: groups waiting, by domain",
+            w=8,
+            targets=[(f"sum by (domain) (rollmesh_buffer_domain_depth_groups{{{D}}})", "{{domain}}")],
+        ),
+        dict(
+            title="Buffer: slots filled by other domains (per 5m)",
+            w=8,
+            desc="A batch waited buffer.domain_wait_s for the domain's groups and took others' instead",
+            targets=[
+                (
+                    f"sum by (domain) (increase(rollmesh_buffer_domain_substituted_groups_total{{{D}}}[5m]))",
+                    "{{domain}}",
+                )
+            ],
+        ),
+    ],
+    variables=[DOMAIN],
+)
+
+DASHBOARDS = {"overview": overview, "staleness": staleness, "health": health, "domains": domains}
 
 
 def write(out_dir: Path) -> None:

@@ -180,7 +180,7 @@ def test_dashboards_are_what_make_dashboards_writes(tmp_path):
     module.write(tmp_path)
     for path in (ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"):
         assert (tmp_path / path.name).read_text() == path.read_text(), f"{path.name}: run make_dashboards.py"
-    assert {p.name for p in tmp_path.iterdir()} == {"overview.json", "staleness.json", "health.json"}
+    assert {p.name for p in tmp_path.iterdir()} == {"overview.json", "staleness.json", "health.json", "domains.json"}
 
 
 def test_redis_asks_for_a_password_publishes_no_port_and_fsyncs_every_write():

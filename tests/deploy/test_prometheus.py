@@ -1,8 +1,9 @@
 """A real Prometheus against a running mesh: every dashboard and alert expression returns data.
 
 The mesh is the quickstart cut down (real engine, LLMProxy, SampleBuffer, controller, EnvManager
-and trainer processes on loopback); Prometheus runs from ``deploy/prometheus/prometheus.yml``
-with each job's targets swapped for the mesh's loopback ports and a 1 s scrape interval.
+and trainer processes on loopback), its task as two domains (the domains dashboard has data too);
+Prometheus runs from ``deploy/prometheus/prometheus.yml`` with each job's targets swapped for the
+mesh's loopback ports and a 1 s scrape interval.
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ def live_mesh(tiny_model, tmp_path_factory):
         "env_manager.num_workers=4",
         "env_manager.episode.sampling.max_new_tokens=4",
         "buffer.filter_zero_variance=false",
-        "env_manager.reward={type: service}",
         "reward_service.reward=digit_answer",  # the reward service too
     ]
-    config = Path("examples/quickstart.yaml")
+    quickstart = yaml.safe_load(Path("examples/quickstart.yaml").read_text())
+    task = {k: quickstart["env_manager"].pop(k) for k in ("dataset_path", "reward")} | {"reward": {"type": "service"}}
+    quickstart["env_manager"]["domains"] = [{"name": name, **task} for name in ("digits", "letters")]
+    config = run_dir / "quickstart-domains.yaml"
+    config.write_text(yaml.safe_dump(quickstart))
     cfg = load_config(config, overrides)
     (run_dir / "logs").mkdir()
     mesh = start_mesh(cfg, config, overrides, run_dir / "logs")
@@ -154,7 +158,8 @@ def dashboard_expressions() -> list[tuple[str, str]]:
     for path in DASHBOARDS:
         for panel in json.loads(path.read_text())["panels"]:
             for t in panel["targets"]:
-                out.append((f"{path.stem}: {panel['title']}", t["expr"].replace("$__rate_interval", "1m")))
+                expr = t["expr"].replace("$__rate_interval", "1m").replace("$domain", ".+")  # Grafana's variables
+                out.append((f"{path.stem}: {panel['title']}", expr))
     return out
 
 
