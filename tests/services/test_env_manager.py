@@ -299,3 +299,28 @@ def test_a_conversation_that_outgrows_the_context_ends_as_an_env_error_of_kind_c
     traj = asyncio.run(main())
     assert traj.finish_reason == FinishReason.ENV_ERROR and traj.metadata["error_kind"] == "context", traj.metadata
     assert "context" in traj.metadata["error"] and len(traj.behavior_logprobs) == 2  # the first turn stays
+
+
+def test_a_domain_whose_reward_service_is_down_costs_its_own_scores_counted_by_domain(engine_url, tiny_model):
+    """Two domains through the real EnvManager: 'graded' is scored by a reward service nobody serves
+    (its address refuses), 'digits' by a function. The down service costs 'graded' its scores (0,
+    counted as unreachable under its domain's label), and 'digits' goes on: its groups are put."""
+    dead = f"127.0.0.1:{free_port()}"
+    domains = [
+        {"name": "digits", "dataset_path": EnvManagerConfig().dataset_path, "reward": "digit_answer"},
+        {
+            "name": "graded",
+            "dataset_path": EnvManagerConfig().dataset_path,
+            "reward": {"type": "service", "address": dead, "timeout_s": 2},
+        },
+    ]
+    manager, groups, metrics, _ = asyncio.run(two_groups_with(engine_url, tiny_model, domains=domains))
+    assert {g.domain for g in groups} <= {"digits", "graded"} and manager.counters["groups_put"] >= 2
+    graded = [t.reward for g in groups if g.domain == "graded" for t in g.trajectories]
+    assert all(r == 0.0 for r in graded)
+    failures = float(
+        metrics.split('rollmesh_env_domain_reward_failures_total{cause="unreachable",domain="graded"} ')[1].split()[0]
+    )
+    assert failures >= 1
+    assert any(g.domain == "digits" for g in groups)  # the other domain went on
+    assert 'rollmesh_env_domain_episodes_total{domain="graded",finish=' in metrics
