@@ -23,10 +23,10 @@ class EnvMetrics(RolloutObserver):
         self,
         env: str,
         stats: Callable[[], dict] | None = None,
-        pool: ProviderPool | None = None,
+        pools: tuple[ProviderPool, ...] = (),
         domains: tuple[str, ...] = (),
     ) -> None:
-        self.env, self.pool = env, pool  # the providers of a remote environment
+        self.env, self.pools = env, pools  # the providers of remote environments (a pool per remote domain)
         self.reward_source = None  # a reward that counts its faults (reward workers, the code sandbox)
         self.domain_rewards: dict[str, object] = {}  # each named domain's reward, where it counts its faults
         self.registry = r = CollectorRegistry()
@@ -174,15 +174,19 @@ class EnvMetrics(RolloutObserver):
         yield GaugeMetricFamily("rollmesh_env_workers", "Workers of this pool", value=s["workers"])
         if self.reward_source is not None:
             yield from reward_families(self.reward_source, "rollmesh_env")
-        if self.pool is not None:
-            up = sum(m.up for m in self.pool.members)
+        if self.pools:
+            up = sum(m.up for pool in self.pools for m in pool.members)
             yield GaugeMetricFamily("rollmesh_env_providers_up", "Environment providers in rotation", value=up)
             events = CounterMetricFamily(
                 "rollmesh_env_provider_events",
                 "Provider calls failed by kind (failed_*), providers marked down and back up",
                 labels=["event"],
             )
-            for event, n in sorted(self.pool.counters.items()):
+            counts: dict[str, int] = {}
+            for pool in self.pools:
+                for event, n in pool.counters.items():
+                    counts[event] = counts.get(event, 0) + n
+            for event, n in sorted(counts.items()):
                 events.add_metric([event], n)
             yield events
 

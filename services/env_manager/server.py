@@ -88,10 +88,11 @@ def build_loop(
     reward service (``reward: {type: service}`` naming none)."""
     from transformers import AutoTokenizer
 
-    pool, domains = None, []
+    pools, domains = [], []
     for d in config.task_domains():
         if d.env.type == "remote":
-            pool = build_pool(d.env, auth or AuthConfig())  # one remote domain per pool has providers to watch
+            pool = build_pool(d.env, auth or AuthConfig())
+            pools.append(pool)
             rows, reward_fn = [{} for _ in range(d.env.num_seeds)], None
             name = d.env.env_name or "remote"
             make_env = functools.partial(RemoteEnv, pool, name=name)
@@ -101,7 +102,7 @@ def build_loop(
             rows, reward_fn, build = d.env_factory(**ports)
             name, make_env = getattr(build(), "name", d.env.type), None
         domains.append((d, rows, reward_fn, name, make_env))
-    metrics = EnvMetrics(domains[0][3], pool=pool, domains=tuple(d.name for d, *_ in domains if d.name))
+    metrics = EnvMetrics(domains[0][3], pools=tuple(pools), domains=tuple(d.name for d, *_ in domains if d.name))
     built = []
     for d, rows, reward_fn, _, make_env in domains:
         if hasattr(reward_fn, "failures"):  # reward workers, the sandbox, the judge, the service: faults by cause
@@ -155,8 +156,7 @@ def serve(cfg) -> None:
             lease.cancel()
             await loop.stop()
             await asyncio.gather(proxy.close(), buffer.close(), controller.close())
-            if loop.observer.pool is not None:
-                await loop.observer.pool.aclose()
+            await asyncio.gather(*(pool.aclose() for pool in loop.observer.pools))
 
         return server, cleanup
 

@@ -324,3 +324,28 @@ def test_a_domain_whose_reward_service_is_down_costs_its_own_scores_counted_by_d
     assert failures >= 1
     assert any(g.domain == "digits" for g in groups)  # the other domain went on
     assert 'rollmesh_env_domain_episodes_total{domain="graded",finish=' in metrics
+
+
+def test_a_domain_on_an_environment_provider_beside_a_local_one(engine_url, tiny_model):
+    """A remote domain (its episodes on a provider process, several turns) and a local single-turn one
+    in one EnvManager: both domains' groups are put, each with its own turns, and the provider's pool
+    is on the EnvManager's /metrics."""
+    from services.processes import start_provider_process, stop_process
+
+    proc, address, _ = start_provider_process("tests.services.provider_envs:ScriptEnv", ["step_timeout_s=1.0"])
+    try:
+        domains = [
+            {
+                "name": "tool",
+                "env": {"type": "remote", "addresses": [address], "num_seeds": 10},
+                "episode": {"max_turns": 2},
+            },
+            {"name": "digits", "dataset_path": EnvManagerConfig().dataset_path, "reward": "digit_answer"},
+        ]
+        _, groups, metrics, _ = asyncio.run(two_groups_with(engine_url, tiny_model, domains=domains))
+    finally:
+        stop_process(proc)
+    assert {g.domain for g in groups} == {"tool", "digits"}
+    turns = {g.domain: {len(t.metadata["turn_starts"]) for t in g.trajectories} for g in groups}
+    assert turns["digits"] == {1} and max(turns["tool"]) <= 2
+    assert "rollmesh_env_providers_up 1.0" in metrics
