@@ -317,12 +317,13 @@ class RolloutLoop:
         except Exception:
             log.exception("recording a dropped member failed")
 
-    async def run_group_safely(self, barrier=None, row: int | None = None, seats: Seats | None = None) -> GroupOutcome:
+    async def run_group_safely(self, barrier=None, row: Pick | None = None, seats: Seats | None = None) -> GroupOutcome:
+        pick = self.next_row() if row is None else row  # drawn here: a failure is its domain's
         try:
-            return await self.run_group(barrier, row, seats)
+            return await self.run_group(barrier, pick, seats)
         except Exception:  # one failed group must not stop the pool: logged, counted, its slot returned
             log.exception("group failed")
-            return self._ended(GroupOutcome.FAILED, [], None, (row or Pick("", 0)).domain)
+            return self._ended(GroupOutcome.FAILED, [], None, pick.domain)
 
     def _ended(
         self, outcome: GroupOutcome, trajectories: list[Trajectory], t0: float | None, domain: str
