@@ -140,6 +140,15 @@ class DomainConfig(TaskConfig):
     )
 
     @model_validator(mode="after")
+    def _heldout_of_prompts(self) -> DomainConfig:
+        if self.heldout_path and self.env.type == "remote":
+            raise ValueError(
+                f"domain {self.name!r}: heldout_path is a JSONL of prompts; a remote environment's held-out "
+                "episodes are not scored per domain yet"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _has_data(self) -> DomainConfig:
         if self.dataset_path is None and self.generate is None and self.env.type != "remote":
             raise ValueError(

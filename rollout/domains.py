@@ -35,6 +35,9 @@ class Domain:
     episode: EpisodeConfig
     group_size: int
 
+    def prompt_id(self, row: int) -> str:
+        return f"{self.name}/p{row}" if self.name else f"p{row}"
+
 
 class Pick(NamedTuple):
     """A prompt: which domain, which of its rows."""
@@ -48,6 +51,8 @@ class DomainSampler:
         self.domains = {d.name: d for d in domains}
         self.oversampling = oversampling
         self._orders: dict[str, list[int]] = {}
+        if empty := [d.name for d in domains if d.weight > 0 and not d.rows]:
+            raise ValueError(f"domain {empty[0]!r}: no rows to draw prompts from (an empty dataset)")
         for d in domains:
             order = list(range(len(d.rows)))
             # The one task keeps the order it always had; each named domain has its own.

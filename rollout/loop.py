@@ -140,8 +140,7 @@ class RolloutLoop:
             return self._ended(GroupOutcome.SURPLUS, trajectories, t0, domain.name)
         accepted = False
         try:
-            prompt_id = f"{domain.name}/p{pick.row}" if domain.name else f"p{pick.row}"
-            result = await self.sink.put(Group(gid, prompt_id, trajectories, domain.name))  # put
+            result = await self.sink.put(Group(gid, domain.prompt_id(pick.row), trajectories, domain.name))  # put
             accepted = result.accepted
         finally:
             if seats is not None:
@@ -224,7 +223,7 @@ class RolloutLoop:
                 domain.episode,
                 trajectory_id=tid,
                 group_id=gid,
-                prompt_id=f"p{row}",
+                prompt_id=domain.prompt_id(row),
                 barrier=barrier,
                 observer=self.observer,
                 domain=domain.name,

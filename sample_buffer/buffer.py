@@ -95,7 +95,9 @@ class SampleBuffer(ABC):
         # Batches by domain (docs/domains.md): each slot of a batch is drawn by weighted turns, so every
         # batch holds each domain's share to within two groups, the run's total to within one.
         self.domains = [d for d, w in config.domain_weights.items() if w > 0]
-        self._turns = WeightedTurns({d: config.domain_weights[d] for d in self.domains}) if self.domains else None
+        weights = {d: config.domain_weights[d] for d in self.domains}
+        self._turns = WeightedTurns(weights) if weights else None
+        self._gift_turns = WeightedTurns(weights) if weights else None  # who fills a domain's slots for it
 
     # ------------------------------------------------------------------ API
     async def put(self, group: Group | bytes, timeout_s: float | None = None) -> PutResult:
@@ -168,61 +170,82 @@ class SampleBuffer(ABC):
         while self._turns is None:
             wait = max(0.0, deadline - time.monotonic())
             fresh, dropped = await self._take(batch_id, num_groups - len(got), floor, wait)
+            if fresh and not got:
+                deadline = self._hold_limit(deadline)
             got, stale = got + fresh, stale + dropped
             if len(got) >= num_groups or time.monotonic() >= deadline:
                 break
         if not got:
             await self._forget(batch_id)
+        else:
+            await self._handed_out(batch_id)  # the visibility timeout counts from now
         return Batch(batch_id if got else "", got, stale)
+
+    def _hold_limit(self, deadline: float) -> float:
+        """The deadline once a batch holds its first group: groups taken early wait in the batch while it
+        fills, never so long that their visibility timeout could hand them out again (the trainer asks
+        again for what is missing)."""
+        return min(deadline, time.monotonic() + self.config.visibility_timeout_s / 2)
 
     async def _get_by_domain(
         self, batch_id: str, num_groups: int, floor: int, deadline: float
     ) -> tuple[list[bytes], int]:
         """A batch whose slots are drawn by domain weight. A domain that has had nothing to give for
-        ``domain_wait_s`` of this wait hands its slots to the others (counted ``substituted:<domain>``);
-        slots unfilled at the deadline are given back to the turns, so the next batch owes them."""
-        turns = self._turns
-        assert turns is not None
-        plan = Counter(turns.draw() for _ in range(num_groups))
+        ``domain_wait_s`` of this wait hands its slots to the others by their weights (counted once,
+        ``substituted:<domain>``; it is owed one slot at most afterwards); a domain's own slots unfilled
+        at the deadline are given back to the turns, so the next batch owes them."""
+        turns, gifts = self._turns, self._gift_turns
+        assert turns is not None and gifts is not None
+        own = Counter(turns.draw() for _ in range(num_groups))  # slots of each domain's own turns
+        gift: Counter[str] = Counter()  # slots another domain could not fill, given to this one
         got: list[bytes] = []
         stale = 0
         empty_since: dict[str, float] = {}
 
+        def short() -> list[str]:
+            return [d for d in self.domains if own[d] + gift[d] > 0]
+
         async def take(d: str, wait_s: float) -> None:
-            nonlocal got, stale
-            fresh, dropped = await self._take(batch_id, plan[d], floor, wait_s, d)
-            got, stale, plan[d] = got + fresh, stale + dropped, plan[d] - len(fresh)
+            nonlocal got, stale, deadline
+            fresh, dropped = await self._take(batch_id, own[d] + gift[d], floor, wait_s, d)
+            if fresh and not got:
+                deadline = self._hold_limit(deadline)
+            got, stale = got + fresh, stale + dropped
+            mine = min(len(fresh), own[d])
+            own[d], gift[d] = own[d] - mine, gift[d] - (len(fresh) - mine)
             if fresh:
                 empty_since.pop(d, None)
                 await self._count(f"handed_out:{d}", len(fresh))
-            elif plan[d]:
+            else:
                 empty_since.setdefault(d, time.monotonic())
 
-        while True:
-            for d in [d for d, k in plan.items() if k > 0]:
-                await take(d, 0.0)
-            short = [d for d, k in plan.items() if k > 0]
-            now = time.monotonic()
-            if not short or now >= deadline:
-                break
-            waited = {d: now - empty_since.get(d, now) for d in self.domains}
-            overdue = [d for d in short if waited[d] >= self.config.domain_wait_s]
-            if overdue and (takers := [d for d in self.domains if waited[d] < self.config.domain_wait_s]):
-                # The slots go to the others by their weights, as a gift: nobody's turns are charged.
-                substitutes = WeightedTurns({d: self.config.domain_weights[d] for d in takers})
-                for d in overdue:
-                    k, plan[d] = plan[d], 0
-                    for _ in range(k):
-                        turns.refund(d)
-                        plan[substitutes.draw()] += 1
-                    await self._count(f"substituted:{d}", k)
-                continue
-            # Wait for the first short domain's next group (any arrival wakes the in-memory backend; Redis
-            # polls): a little at a time, so the others are looked at again soon.
-            await take(short[0], min(deadline - now, DOMAIN_POLL_S))
-        for d, k in plan.items():  # unfilled at the deadline: owed to the next batch
-            for _ in range(k):
-                turns.undo(d)
+        try:
+            while True:
+                for d in short():
+                    await take(d, 0.0)
+                now = time.monotonic()
+                if not short() or now >= deadline:
+                    break
+                waited = {d: now - empty_since.get(d, now) for d in self.domains}
+                overdue = [d for d in short() if waited[d] >= self.config.domain_wait_s]
+                takers = {d for d in self.domains if waited[d] < self.config.domain_wait_s}
+                if overdue and takers:
+                    for d in overdue:
+                        slots, mine = own[d] + gift[d], own[d]
+                        for _ in range(mine):
+                            turns.refund(d)
+                        own[d] = gift[d] = 0
+                        for _ in range(slots):
+                            gift[gifts.draw(among=takers)] += 1
+                        await self._count(f"substituted:{d}", mine)
+                    continue
+                # Wait for the first short domain's next group (any arrival wakes the in-memory backend;
+                # Redis polls): a little at a time, so the others are looked at again soon.
+                await take(short()[0], min(deadline - now, DOMAIN_POLL_S))
+        finally:  # a domain's own slots left unfilled (the deadline, a failure): owed to the next batch
+            for d in self.domains:
+                for _ in range(own[d]):
+                    turns.undo(d)
         return got, stale
 
     async def ack(self, batch_id: str) -> int:
@@ -250,6 +273,10 @@ class SampleBuffer(ABC):
         """Hand up to ``k`` groups of ``domain`` to ``batch_id``: first those whose batch passed the
         visibility timeout, then new ones; drop (and count) stale and corrupt ones on the way. May wait
         up to ``wait_s`` for the first group. Returns the groups and how many were dropped as stale."""
+
+    @abstractmethod
+    async def _handed_out(self, batch_id: str) -> None:
+        """The batch is returned: its visibility timeout starts now (not when its first group was taken)."""
 
     @abstractmethod
     async def _ack(self, batch_id: str) -> int:

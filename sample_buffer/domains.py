@@ -5,8 +5,9 @@ domain with the most credit is drawn and pays 1. With weights normalised to sum 
 credit after n draws is ``weight × n - times drawn``, and the draws follow the weights at every
 prefix of the sequence, not only on average: after n draws each domain was drawn less than one
 time away from ``weight × n``, so any run of n draws (a batch) holds it less than two away
-(``tests/sample_buffer/test_domains.py`` checks both). The rollout loop draws prompts with it;
-the buffer draws the slots of a batch.
+(``tests/sample_buffer/test_domains.py`` checks both). Undoing a draw keeps that; a refund (a slot
+another domain filled) owes the domain at most one draw more. The rollout loop draws prompts with
+it; the buffer draws the slots of a batch.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ class WeightedTurns:
         total = sum(weights.values())
         self.weights = {d: weights[d] / total for d in self.credit}
 
-    def draw(self) -> str:
-        """The next domain."""
+    def draw(self, among: set[str] | None = None) -> str:
+        """The next domain; ``among``: only these may be drawn (the others' credit grows all the same)."""
         for d, w in self.weights.items():
             self.credit[d] += w
-        pick = max((d for d in self.credit if self.weights[d] > 0), key=lambda d: self.credit[d])  # ties: first
+        pool = [d for d in self.credit if self.weights[d] > 0 and (among is None or d in among)]
+        if not pool:
+            raise ValueError(f"no domain with a weight among {sorted(among or ())}")
+        pick = max(pool, key=lambda d: self.credit[d])  # ties: the first listed
         self.credit[pick] -= 1.0
         return pick
 

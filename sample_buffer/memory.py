@@ -81,6 +81,10 @@ class MemoryBuffer(SampleBuffer):
         self._counters["dropped_stale"] += stale
         return out, stale
 
+    async def _handed_out(self, batch_id: str) -> None:
+        _, seqs = self._batches[batch_id]
+        self._batches[batch_id] = (time.monotonic(), seqs)
+
     def _queue(self, domain: str) -> str:
         """Batches by domain keep a queue per domain; otherwise every group is in one."""
         return domain if self.domains else ""

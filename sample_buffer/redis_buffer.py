@@ -193,6 +193,19 @@ class RedisBuffer(SampleBuffer):
         except RedisError as e:
             raise self._explain(e) from None
 
+    async def _handed_out(self, batch_id: str) -> None:
+        """Reset the idle time of the batch's entries (XCLAIM to itself, JUSTID: nothing delivered again)."""
+        try:
+            for stream in self.streams.values():
+                pending = await self.redis.xpending_range(
+                    stream, GROUP, min="-", max="+", count=self.config.capacity_groups, consumername=batch_id
+                )
+                if pending:
+                    ids = [p["message_id"] for p in pending]
+                    await self.redis.xclaim(stream, GROUP, batch_id, 0, ids, justid=True)
+        except RedisError as e:
+            raise self._explain(e) from None
+
     async def _forget(self, batch_id: str) -> None:
         try:
             for stream in self.streams.values():

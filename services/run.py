@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -131,38 +130,28 @@ def _stop_rollouts(mesh: Mesh, cfg, console: Console) -> dict | None:
 
 class HeldOutLog:
     """The run's held-out scores: before and after training, and every ``run.eval_every`` steps in
-    between (in a thread, while training goes on); printed, and a line each in RUN_DIR/heldout.jsonl."""
+    between (while the trainer goes on; the launcher scores in its main thread, where math-verify's
+    time limits work); printed, and a line each in RUN_DIR/heldout.jsonl."""
 
     def __init__(self, evaluate, proxy: str, cfg, run_dir: Path, console: Console) -> None:
         self.evaluate, self.proxy, self.cfg, self.console = evaluate, proxy, cfg, console
         self.path = run_dir / "heldout.jsonl"
-        self._thread: threading.Thread | None = None
 
     def now(self, when: str, step: int | None = None):
-        """Score now (waiting for a periodic one still running); None for a run without a held-out set."""
+        """Score now; None for a run without a held-out set."""
         if self.evaluate is None:
             return None
-        self.join()
         result = asyncio.run(self.evaluate(self.proxy, self.cfg))
         self.console.print(f"held-out accuracy {when}: {result}")
-        by_domain = getattr(result, "by_domain", {})
         line = {"when": when, "step": step, "accuracy": result.accuracy, "unanswered": result.unanswered}
-        line |= {"by_domain": {d: h.accuracy for d, h in by_domain.items()}} if by_domain else {}
         with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(json.dumps(line | _by_domain("by_domain", result)) + "\n")
         return result
 
     def step(self, step: int) -> None:
-        """After each step line: a periodic score when one is due and none is running."""
-        every = self.cfg.run.eval_every
-        if not every or self.evaluate is None or step % every or (self._thread and self._thread.is_alive()):
-            return
-        self._thread = threading.Thread(target=self.now, args=(f"at step {step}", step), daemon=True)
-        self._thread.start()
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
+        """After each step line: a score when one is due."""
+        if self.cfg.run.eval_every and step % self.cfg.run.eval_every == 0:
+            self.now(f"at step {step}", step)
 
 
 def _supervise(

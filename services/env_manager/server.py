@@ -24,6 +24,7 @@ from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.llm_proxy.client import ProxyClient, ProxyGenerate
 from services.metrics import serve_metrics
 from services.pb.rollmesh.v1 import env_manager_pb2 as pb
+from services.reward.metrics import SummedRewards
 from services.reward.ports import reward_ports
 from services.sample_buffer.client import BufferClient, PutBatcher
 
@@ -103,12 +104,14 @@ def build_loop(
             name, make_env = getattr(build(), "name", d.env.type), None
         domains.append((d, rows, reward_fn, name, make_env))
     metrics = EnvMetrics(domains[0][3], pools=tuple(pools), domains=tuple(d.name for d, *_ in domains if d.name))
+    # Rewards that count their faults (reward workers, the sandbox, the judge, the service), by domain.
+    counted = {d.name: fn for d, _, fn, *_ in domains if hasattr(fn, "failures")}
+    if counted:
+        only = len(counted) == 1 and "" in counted
+        metrics.reward_source = counted[""] if only else SummedRewards(list(counted.values()))
+        metrics.domain_rewards = {name: fn for name, fn in counted.items() if name}
     built = []
     for d, rows, reward_fn, _, make_env in domains:
-        if hasattr(reward_fn, "failures"):  # reward workers, the sandbox, the judge, the service: faults by cause
-            metrics.reward_source = reward_fn
-            if d.name:
-                metrics.domain_rewards[d.name] = reward_fn
         if reward_fn is not None:
             reward_fn = metrics.timed_reward(reward_fn)
         if make_env is None:

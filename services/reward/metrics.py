@@ -72,3 +72,32 @@ class _Families:
 
     def collect(self):
         yield from reward_families(self.reward, "rollmesh_reward")
+
+
+class SummedRewards:
+    """Several rewards' counts as one: a multi-domain EnvManager's unlabelled families (each domain's
+    faults also have a ``domain`` label of their own)."""
+
+    _CODE = ("outcomes", "sandbox_seconds", "adaptive_cuts")  # only a code reward has these
+
+    def __init__(self, rewards: list) -> None:
+        self.rewards = rewards
+
+    @property
+    def failures(self) -> dict[str, int]:
+        return _summed([r.failures for r in self.rewards])
+
+    def __getattr__(self, name: str):
+        code = [r for r in self.rewards if hasattr(r, name)]
+        if name not in self._CODE or not code:  # hasattr() is False: no code families
+            raise AttributeError(name)
+        values = [getattr(r, name) for r in code]
+        return _summed(values) if name == "outcomes" else sum(values)
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, n in c.items():
+            out[k] = out.get(k, 0) + n
+    return out

@@ -98,6 +98,7 @@ class TrainerMetrics:
         init_labels(self.loss, "total", "pg")
         self.gauges = {k: Gauge(name, doc, registry=r) for k, (name, doc) in _GAUGES.items()}
         self.domain_gauges = {k: Gauge(name, doc, ["domain"], registry=r) for k, (name, doc) in _DOMAIN_GAUGES.items()}
+        self._domains: set[str] = set()  # every domain a step has trained
         self.domain_tokens = Counter(
             "rollmesh_trainer_domain_tokens", "Generated tokens trained on, by domain", ["domain"], registry=r
         )
@@ -139,13 +140,18 @@ class TrainerMetrics:
         for key, gauge in self.gauges.items():
             if key in m:
                 gauge.set(m[key])
+        present = set()
         for key, value in m.items():
             if key.startswith("domain/"):
                 _, domain, what = key.split("/", 2)
+                present.add(domain)
                 if what == "tokens":
                     self.domain_tokens.labels(domain).inc(value)
                 elif what in self.domain_gauges:
                     self.domain_gauges[what].labels(domain).set(value)
+        for domain in self._domains - present:  # not in this batch: its share is 0, not what it last was
+            self.domain_gauges["groups"].labels(domain).set(0)
+        self._domains |= present
         for s in staleness:
             self.staleness.observe(s)
         self.staleness_max.set(max(staleness, default=0))

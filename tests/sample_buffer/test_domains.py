@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
@@ -145,3 +146,44 @@ def test_filtered_groups_are_counted_by_domain(buffer_factory):
 
     stats = run(go())
     assert stats["dropped_filtered"] == 1 and stats["by_domain"]["code"]["dropped_filtered"] == 1
+
+
+def test_a_dead_domains_slots_go_to_the_others_by_their_weights_and_it_is_owed_one_at_most(buffer_factory):
+    """'chat' (0.2) has nothing for 10 batches: its slots go to math and code as 0.5 : 0.3 (not all to
+    the heaviest), nobody is charged for them; when chat comes back it gets its share, not a burst."""
+
+    async def go():
+        buf = buffer_factory(domain_weights=WEIGHTS, domain_wait_s=0.05)
+        await _put_all(buf, {"math": 80, "code": 80})
+        dead = Counter()
+        for _ in range(10):
+            batch = await buf.get(10, version=0, max_staleness=0, timeout_s=10)
+            dead += Counter(g.domain for g in batch.decode())
+            await buf.ack(batch.batch_id)
+        await _put_all(buf, {"chat": 20})
+        back = await buf.get(10, version=0, max_staleness=0, timeout_s=10)
+        return dead, Counter(g.domain for g in back.decode()), await buf.stats()
+
+    dead, back, stats = run(go())
+    assert sum(dead.values()) == 100 and abs(dead["math"] - 62.5) <= 2 and abs(dead["code"] - 37.5) <= 2
+    # its 2 slots a batch, counted once, and the one draw it is owed after a refund
+    assert stats["by_domain"]["chat"]["substituted"] == 21
+    assert 2 <= back["chat"] <= 3
+
+
+def test_a_batch_hands_its_groups_out_before_their_visibility_timeout_can_expire(buffer_factory):
+    """A batch waiting for a domain that has nothing returns what it holds at half the visibility
+    timeout, and its clock starts then: nothing is handed out twice."""
+
+    async def go():
+        buf = buffer_factory(domain_weights={"math": 0.5, "code": 0.5}, domain_wait_s=60, visibility_timeout_s=1.0)
+        await _put_all(buf, {"math": 1})
+        held = await buf.get(2, version=0, max_staleness=0, timeout_s=30)  # code never comes
+        await asyncio.sleep(0.7)  # past the visibility timeout counted from the first take, not from the return
+        other = await buf.get(2, version=0, max_staleness=0, timeout_s=0.05)
+        acked = await buf.ack(held.batch_id)
+        return held.decode(), other.decode(), acked, await buf.stats()
+
+    held, other, acked, stats = run(go())
+    assert [g.domain for g in held] == ["math"] and other == [] and acked == 1
+    assert stats["redelivered"] == 0 and stats["consumed"] == 1

@@ -322,6 +322,8 @@ def test_a_domain_whose_reward_service_is_down_costs_its_own_scores_counted_by_d
         metrics.split('rollmesh_env_domain_reward_failures_total{cause="unreachable",domain="graded"} ')[1].split()[0]
     )
     assert failures >= 1
+    unlabelled = float(metrics.split('rollmesh_env_reward_failures_total{cause="unreachable"} ')[1].split()[0])
+    assert unlabelled == failures  # the run's total: every domain's reward that counts its faults
     assert any(g.domain == "digits" for g in groups)  # the other domain went on
     assert 'rollmesh_env_domain_episodes_total{domain="graded",finish=' in metrics
 

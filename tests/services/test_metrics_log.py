@@ -129,3 +129,7 @@ def test_loss_terms_and_trainer_gauges():
     assert 'rollmesh_trainer_weight_update_failures_total{cause="load"} 0.0' in text
     assert 'rollmesh_trainer_domain_accuracy_ratio{domain="math"} 0.75' in text
     assert 'rollmesh_trainer_domain_tokens_total{domain="math"} 60.0' in text
+    m.observe_step({**STEPS[1], "version": 2, "domain/code/groups": 4}, staleness=[0])  # math not in this batch
+    text = generate_latest(m.registry).decode()
+    assert 'rollmesh_trainer_domain_groups{domain="math"} 0.0' in text
+    assert 'rollmesh_trainer_domain_groups{domain="code"} 4.0' in text
