@@ -98,6 +98,7 @@ class SampleBuffer(ABC):
         weights = {d: config.domain_weights[d] for d in self.domains}
         self._turns = WeightedTurns(weights) if weights else None
         self._gift_turns = WeightedTurns(weights) if weights else None  # who fills a domain's slots for it
+        self._waited: dict[str, float] = {}  # by domain: seconds batches waited for it since it last gave one
 
     # ------------------------------------------------------------------ API
     async def put(self, group: Group | bytes, timeout_s: float | None = None) -> PutResult:
@@ -190,10 +191,11 @@ class SampleBuffer(ABC):
     async def _get_by_domain(
         self, batch_id: str, num_groups: int, floor: int, deadline: float
     ) -> tuple[list[bytes], int]:
-        """A batch whose slots are drawn by domain weight. A domain that has had nothing to give for
-        ``domain_wait_s`` of this wait hands its slots to the others by their weights (counted once,
-        ``substituted:<domain>``; it is owed one slot at most afterwards); a domain's own slots unfilled
-        at the deadline are given back to the turns, so the next batch owes them."""
+        """A batch whose slots are drawn by domain weight. A domain that batches have waited for
+        ``domain_wait_s`` in all since it last gave a group hands its slots to the others by their weights
+        (counted once, ``substituted:<domain>``; it is owed one slot at most afterwards), at once in the
+        batches after, until it gives one again; a domain's own slots unfilled at the deadline are given
+        back to the turns, so the next batch owes them."""
         turns, gifts = self._turns, self._gift_turns
         assert turns is not None and gifts is not None
         own = Counter(turns.draw() for _ in range(num_groups))  # slots of each domain's own turns
@@ -215,6 +217,7 @@ class SampleBuffer(ABC):
             own[d], gift[d] = own[d] - mine, gift[d] - (len(fresh) - mine)
             if fresh:
                 empty_since.pop(d, None)
+                self._waited.pop(d, None)
                 await self._count(f"handed_out:{d}", len(fresh))
             else:
                 empty_since.setdefault(d, time.monotonic())
@@ -226,7 +229,7 @@ class SampleBuffer(ABC):
                 now = time.monotonic()
                 if not short() or now >= deadline:
                     break
-                waited = {d: now - empty_since.get(d, now) for d in self.domains}
+                waited = {d: self._waited.get(d, 0.0) + now - empty_since.get(d, now) for d in self.domains}
                 overdue = [d for d in short() if waited[d] >= self.config.domain_wait_s]
                 takers = {d for d in self.domains if waited[d] < self.config.domain_wait_s}
                 if overdue and takers:
@@ -246,6 +249,9 @@ class SampleBuffer(ABC):
             for d in self.domains:
                 for _ in range(own[d]):
                     turns.undo(d)
+            now = time.monotonic()
+            for d, t0 in empty_since.items():  # a dead domain is waited for once, not in every batch
+                self._waited[d] = self._waited.get(d, 0.0) + now - t0
         return got, stale
 
     async def ack(self, batch_id: str) -> int:

@@ -187,3 +187,21 @@ def test_a_batch_hands_its_groups_out_before_their_visibility_timeout_can_expire
     held, other, acked, stats = run(go())
     assert [g.domain for g in held] == ["math"] and other == [] and acked == 1
     assert stats["redelivered"] == 0 and stats["consumed"] == 1
+
+
+def test_a_dead_domain_is_waited_for_once_not_in_every_batch(buffer_factory):
+    """The first batch waits domain_wait_s for 'code', then fills from 'math'; the next batch, asked
+    with less time than that wait, is full at once: code has given nothing since."""
+
+    async def go():
+        buf = buffer_factory(domain_weights={"math": 0.5, "code": 0.5}, domain_wait_s=0.3)
+        await _put_all(buf, {"math": 8})
+        first = await buf.get(4, version=0, max_staleness=0, timeout_s=10)
+        second = await buf.get(4, version=0, max_staleness=0, timeout_s=0.1)
+        await _put_all(buf, {"code": 2})
+        third = await buf.get(2, version=0, max_staleness=0, timeout_s=10)  # code is back: its share again
+        return first.decode(), second.decode(), third.decode()
+
+    first, second, third = run(go())
+    assert len(first) == 4 and len(second) == 4 and {g.domain for g in first + second} == {"math"}
+    assert [g.domain for g in third].count("code") >= 1
