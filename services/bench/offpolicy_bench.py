@@ -178,6 +178,7 @@ def run(
     lrs: list[float] | None = None,
     example: str = "quickstart",
     audit: bool = False,
+    first_seed: int = 0,
 ) -> dict:
     from services.auth import AuthConfig, ensure_token
 
@@ -205,7 +206,7 @@ def run(
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rollmesh-offpolicy-") as tmp:
         # Seeds outer: a study stopped part-way still compares every variant on the same seeds.
-        for seed in range(seeds):
+        for seed in range(first_seed, first_seed + seeds):
             for v in variants:
                 run_dir = Path(tmp) / f"{v.loss.replace('/', '-')}-{v.ratio}-{v.lr}-{seed}"
                 cmd = _command(example, model_path, run_dir, v, steps, seed, audit)
@@ -228,7 +229,7 @@ def run(
     return {
         "example": example,
         "steps": steps,
-        "seeds": seeds,
+        "seeds": list(range(first_seed, first_seed + seeds)),
         "plot": str(plot),
         **{f"heldout {r['label']}": round(r["heldout_accuracy"]["mean"], 3) for r in results},
         "by_variant": [{k: x for k, x in r.items() if k != "runs"} for r in results],

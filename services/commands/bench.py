@@ -283,6 +283,7 @@ def bench_offpolicy(
     lr: list[float] = typer.Option([], "--lr", help="Learning rates (repeatable); default: the example's."),
     steps: int = typer.Option(None, help="Training steps of each run; default: the example's bench length."),
     seeds: int = typer.Option(1, help="Runs per combination, seeds 0..n-1 (the spread says what is noise)."),
+    first_seed: int = typer.Option(0, help="The first seed: a study goes on where an earlier run stopped."),
     audit: bool = typer.Option(False, help="Measure the per-step KL and check μ (trainer.audit_versions 2)."),
     out: Path = typer.Option(Path("runs/bench-offpolicy"), help="Where the plot and the full results go."),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
@@ -303,6 +304,7 @@ def bench_offpolicy(
         lr or None,
         example,
         audit,
+        first_seed,
     )
     emit(result, json_)
 
