@@ -66,11 +66,11 @@ class BufferConfig(BaseModel):
         "queue, oldest first.",
     )
     domain_wait_s: float = Field(
-        30.0,
+        60.0,
         gt=0,
         description="How long a batch waits for a domain's groups before other domains fill its slots "
         "(counted per domain as substituted): a domain with nothing to give (its reward down, every group "
-        "filtered) slows training, never stops it. At most half of train_loop.get_timeout_s unless written.",
+        "filtered) slows training, never stops it. Unless written: half of train_loop.get_timeout_s.",
     )
     redis_timeout_s: float = Field(10.0, gt=0, description="Timeout of one Redis command.")
     host: str = Field("127.0.0.1", description="Address the gRPC service binds.")

@@ -226,7 +226,7 @@ class RollmeshConfig(BaseModel):
             )
         self.buffer.domain_weights = weights
         if "domain_wait_s" not in self.buffer.model_fields_set:  # within a step's wait, whatever that is
-            self.buffer.domain_wait_s = min(self.buffer.domain_wait_s, self.train_loop.get_timeout_s / 2)
+            self.buffer.domain_wait_s = self.train_loop.get_timeout_s / 2
         if weights and self.buffer.domain_wait_s >= self.train_loop.get_timeout_s:
             raise ValueError(
                 f"buffer.domain_wait_s ({self.buffer.domain_wait_s:g} s) must be shorter than train_loop."
