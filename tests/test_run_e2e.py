@@ -130,9 +130,6 @@ def test_the_smollm2_examples_run_a_few_steps(smollm2, tmp_path, example):
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2] and all(m["published"] and m["tokens"] > 0 for m in steps)
     assert all(0.0 <= m["reward_mean"] <= 1.0 for m in steps)
-    if "code" in example:  # sandboxes start without a fork in a process that runs gRPC (no log line each)
-        logs = proc.stdout + proc.stderr + (run_dir / "logs" / "env_manager.log").read_text()
-        assert "skipping fork() handlers" not in logs
     # `rollmesh compare` reads the run back: the held-out scores it printed, the curve's two steps
     plot = tmp_path / "compare.png"
     cmp = subprocess.run(
@@ -149,22 +146,22 @@ def test_the_smollm2_examples_run_a_few_steps(smollm2, tmp_path, example):
 
 def test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_set(smollm2, tmp_path):
     """`examples/multi-domain.yaml` (math with math-verify, code in the sandbox, a format task by word
-    count) with a real model, cut to 2 steps of 3 groups (one a domain) of 4 answers and 4 held-out
-    problems a domain, scored every step too: every step trains each domain, and each domain's held-out
-    set is scored with its own reward, before, during and after, in a table and in heldout.jsonl."""
+    count) with a real model, cut to 2 steps of 3 groups of 4 answers and 3 held-out problems a domain,
+    scored at step 2 too: the steps train the domains by weight, and each domain's held-out set is
+    scored with its own reward, before, during and after, in a table and in heldout.jsonl."""
     import yaml
 
     config = yaml.safe_load(Path("examples/multi-domain.yaml").read_text())
     for d in config["env_manager"]["domains"]:
         cut = tmp_path / f"{d['name']}_heldout.jsonl"
-        cut.write_text("".join(Path(d["heldout_path"]).read_text().splitlines(keepends=True)[:4]))
+        cut.write_text("".join(Path(d["heldout_path"]).read_text().splitlines(keepends=True)[:3]))
         d["heldout_path"] = str(cut)
     run_dir = tmp_path / "run"
     config["model_path"] = smollm2
     config["train_loop"] |= {"run_dir": str(run_dir), "steps": 2}
     config["controller"]["groups_per_step"] = 3
     config["env_manager"] |= {"group_size": 4, "num_workers": 6}
-    config["run"]["eval_every"] = 1
+    config["run"]["eval_every"] = 2
     path = tmp_path / "multi-domain.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = subprocess.run(
