@@ -73,13 +73,14 @@ run: $(STAMP) models/tiny-digits/config.json
 	.venv/bin/rollmesh run examples/quickstart.yaml --fresh
 
 # The examples' learning runs, one after another (docs/examples.md has what each learns; hours on
-# 2 cores): the quickstart, SmolLM2 on math and on code, and the digit task with a second try in an
+# 2 cores): the quickstart, SmolLM2 on math, on code and on three domains at once, and the digit task with a second try in an
 # environment provider process. Each writes runs/<name>/ (metrics.jsonl, reward_curve.png, summary.json).
 examples: $(STAMP) servers models/tiny-digits/config.json $(SMOLLM2)/config.json
 	.venv/bin/rollmesh run examples/quickstart.yaml --fresh
 	.venv/bin/rollmesh run examples/agentic/answer_in_time.yaml --fresh
 	.venv/bin/rollmesh run examples/smollm2-math.yaml --fresh
 	.venv/bin/rollmesh run examples/code/smollm2-code.yaml --fresh
+	.venv/bin/rollmesh run examples/multi-domain.yaml --fresh
 	export ROLLMESH_PROVIDER_TOKEN=$$(.venv/bin/python -c "import secrets; print(secrets.token_hex(16))"); \
 	.venv/bin/rollmesh serve env-provider --env single_turn --set env_provider.env.tries=2 \
 	  --set env_provider.dataset_path=examples/find_digit_train.jsonl --set env_provider.reward=digit_answer & \
