@@ -135,7 +135,7 @@ class HeldOutLog:
 
     def __init__(self, evaluate, proxy: str, cfg, run_dir: Path, console: Console) -> None:
         self.evaluate, self.proxy, self.cfg, self.console = evaluate, proxy, cfg, console
-        self.path = run_dir / "heldout.jsonl"
+        self.path = run_dir / rundir.HELDOUT
 
     def now(self, when: str, step: int | None = None):
         """Score now; None for a run without a held-out set."""

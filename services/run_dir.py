@@ -13,6 +13,7 @@ from services.compare import SUMMARY
 from services.metrics_log import LOST_STEPS, continue_from
 
 METRICS = "metrics.jsonl"
+HELDOUT = "heldout.jsonl"  # each held-out score of the run (services/run.py: HeldOutLog)
 
 
 def prepare(run_dir: Path, fresh: bool, console: Console) -> Path | None:
@@ -32,7 +33,7 @@ def prepare(run_dir: Path, fresh: bool, console: Console) -> Path | None:
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     metrics = run_dir / METRICS
     if ckpt is None:
-        for stale in (metrics, run_dir / LOST_STEPS, run_dir / CONTROLLER_STATE):
+        for stale in (metrics, run_dir / LOST_STEPS, run_dir / CONTROLLER_STATE, run_dir / HELDOUT):
             stale.unlink(missing_ok=True)
         return None
     console.print(f"[yellow]resuming from {ckpt}[/] (pass --fresh to start over)")
