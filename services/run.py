@@ -149,8 +149,9 @@ class HeldOutLog:
         return result
 
     def step(self, step: int) -> None:
-        """After each step line: a score when one is due."""
-        if self.cfg.run.eval_every and step % self.cfg.run.eval_every == 0:
+        """After each step line: a score when one is due (the last step's is the one after training)."""
+        every, last = self.cfg.run.eval_every, self.cfg.train_loop.steps
+        if every and step % every == 0 and step < last:
             self.now(f"at step {step}", step)
 
 
