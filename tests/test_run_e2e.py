@@ -147,7 +147,7 @@ def test_the_smollm2_examples_run_a_few_steps(smollm2, tmp_path, example):
 def test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_set(smollm2, tmp_path):
     """`examples/multi-domain.yaml` (math with math-verify, code in the sandbox, a format task by word
     count) with a real model, cut to 2 steps of 3 groups of 4 answers and 3 held-out problems a domain,
-    scored at step 2 too: the steps train the domains by weight, and each domain's held-out set is
+    scored at step 1 too: the steps train the domains by weight, and each domain's held-out set is
     scored with its own reward, before, during and after, in a table and in heldout.jsonl."""
     import yaml
 
@@ -161,7 +161,7 @@ def test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_se
     config["train_loop"] |= {"run_dir": str(run_dir), "steps": 2}
     config["controller"]["groups_per_step"] = 3
     config["env_manager"] |= {"group_size": 4, "num_workers": 6}
-    config["run"]["eval_every"] = 2
+    config["run"]["eval_every"] = 1
     path = tmp_path / "multi-domain.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = subprocess.run(
