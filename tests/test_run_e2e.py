@@ -96,59 +96,13 @@ def test_rollmesh_run_on_vllm_engines(tiny_model, tmp_path):
     assert not _processes_with(mark), "processes of the run (vLLM's among them) left running after it returned"
 
 
-@pytest.mark.parametrize("example", ["examples/smollm2-math.yaml"])
-def test_the_smollm2_examples_run_a_few_steps(smollm2, tmp_path, example):
-    """`examples/smollm2-math.yaml` (reasoning-gym data, math-verify rewards) as shipped, with a real
-    model, cut to 2 steps of one prompt x 4 answers and the first 8 problems of the held-out set: it
-    trains, publishes and scores its held-out problems before and after. (What it learns in 40 steps
-    is `make examples`' and docs/examples.md's; the code example's reward runs in the multi-domain
-    test below.)"""
-    import yaml
-
-    config = yaml.safe_load(Path(example).read_text())
-    heldout = tmp_path / "heldout.jsonl"
-    heldout.write_text("".join(Path(config["run"]["heldout_path"]).read_text().splitlines(keepends=True)[:8]))
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "run", example]
-    for o in (
-        f"model_path={smollm2}",
-        f"train_loop.run_dir={run_dir}",
-        "train_loop.steps=2",
-        "controller.groups_per_step=1",
-        "env_manager.group_size=4",
-        f"run.heldout_path={heldout}",
-    ):
-        cmd += ["--set", o]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    before = re.search(r"^held-out accuracy before training: ([\d.]+)$", proc.stdout, re.M)
-    final = re.search(r"^final: steps=2 reward_mean_last5=([\d.]+) heldout_accuracy=([\d.]+)", proc.stdout, re.M)
-    assert before and final, proc.stdout[-2000:]
-    # Greedy answers to 8 problems, scored by the real verifier: the first 8 have right and wrong
-    # answers both (math 0.38 and code 0.75 over the whole held-out sets).
-    assert 0.0 < float(before.group(1)) < 1.0
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps] == [1, 2] and all(m["published"] and m["tokens"] > 0 for m in steps)
-    assert all(0.0 <= m["reward_mean"] <= 1.0 for m in steps)
-    # `rollmesh compare` reads the run back: the held-out scores it printed, the curve's two steps
-    plot = tmp_path / "compare.png"
-    cmp = subprocess.run(
-        [sys.executable, "-m", "services.cli", "compare", str(run_dir), "--out", str(plot), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert cmp.returncode == 0, cmp.stderr[-2000:]
-    row = json.loads(cmp.stdout.splitlines()[-1])[str(run_dir)]
-    assert row["heldout_before"] == float(before.group(1)) and row["heldout_after"] == float(final.group(2))
-    assert row["steps"] == 2 and len(row["reward_by_window"]) == 2 and plot.stat().st_size > 1000
-
-
 def test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_set(smollm2, tmp_path):
-    """`examples/multi-domain.yaml` (math with math-verify, code in the sandbox, a format task by word
-    count) with a real model, cut to 2 steps of 3 groups of 4 answers and 3 held-out problems a domain,
-    scored at step 1 too: the steps train the domains by weight, and each domain's held-out set is
-    scored with its own reward, before, during and after, in a table and in heldout.jsonl."""
+    """`examples/multi-domain.yaml` (math with math-verify as `examples/smollm2-math.yaml` has it, code
+    in the sandbox as `examples/code/smollm2-code.yaml` has it, a format task by word count) with a real
+    model, cut to 2 steps of 3 groups of 4 answers and 3 held-out problems a domain, scored at step 1
+    too: the steps train the domains by weight, and each domain's held-out set is scored with its own
+    reward, before, during and after, in a table, heldout.jsonl and the summary `rollmesh compare`
+    reads. (What the examples learn in 40 steps is `make examples`' and docs/examples.md's.)"""
     import yaml
 
     config = yaml.safe_load(Path("examples/multi-domain.yaml").read_text())
@@ -186,6 +140,18 @@ def test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_se
     assert summary["heldout_after"] == pytest.approx(sum(summary["heldout_by_domain_after"].values()) / 3)
     logs = proc.stdout + proc.stderr + (run_dir / "logs" / "env_manager.log").read_text()
     assert "skipping fork() handlers" not in logs  # sandboxes start without a fork in a gRPC process
+    # `rollmesh compare` reads the run back: the held-out scores it printed, the curve's two steps
+    plot = tmp_path / "compare.png"
+    cmp = subprocess.run(
+        [sys.executable, "-m", "services.cli", "compare", str(run_dir), "--out", str(plot), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cmp.returncode == 0, cmp.stderr[-2000:]
+    row = json.loads(cmp.stdout.splitlines()[-1])[str(run_dir)]
+    assert (row["heldout_before"], row["heldout_after"]) == (summary["heldout_before"], summary["heldout_after"])
+    assert row["steps"] == 2 and len(row["reward_by_window"]) == 2 and plot.stat().st_size > 1000
 
 
 def test_rollmesh_run_with_the_trainer_under_torchrun(tiny_model, tmp_path):

@@ -10,10 +10,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from services.metrics_log import TrackingConfig
+from services.trackers.config import TrackingConfig
 
 
 class Tracker(Protocol):

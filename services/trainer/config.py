@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from services.metrics_log import TrackingConfig
+from services.trackers.config import TrackingConfig
 from services.weight_transports import PublisherConfig
 from services.weight_transports.disk import DiskPublisherConfig
 from trainer.config import TrainLoopConfig
