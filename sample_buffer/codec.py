@@ -48,6 +48,20 @@ def _arr(a: np.ndarray | None, dtype) -> bytes | None:
     return None if a is None else np.ascontiguousarray(a, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
 
 
+def _routing(a: np.ndarray) -> list:
+    return [_arr(a, a.dtype), a.shape[1], a.dtype.itemsize]
+
+
+def _routing_of(field) -> np.ndarray:
+    """``[bytes, width, itemsize]`` back as the ``[P, width]`` array (``sample_buffer/routing.py``)."""
+    data, width, itemsize = field
+    dtype = {1: "<u1", 2: "<u2"}[itemsize]  # KeyError: corrupt
+    flat = np.frombuffer(data, dtype=dtype)
+    if width <= 0 or flat.size % width:
+        raise ValueError(f"routed_experts: {flat.size} ids are not whole rows of {width}")
+    return flat.reshape(-1, width)
+
+
 def encode_group(group: Group, compress: bool = False) -> bytes:
     header = msgpack.packb(
         {
@@ -75,6 +89,7 @@ def encode_group(group: Group, compress: bool = False) -> bytes:
                 _arr(t.token_rewards, np.float32),
                 t.metadata,
             ]
+            + ([] if t.routed_experts is None else [_routing(t.routed_experts)])  # old readers never see it
             for t in group.trajectories
         ]
     )
@@ -147,6 +162,7 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
                 finish_reason=r[8],
                 token_rewards=None if r[9] is None else np.frombuffer(r[9], dtype="<f4"),
                 metadata=r[10],
+                routed_experts=_routing_of(r[11]) if len(r) > 11 else None,
                 check=validate,
             )
             for r in rows
@@ -155,7 +171,7 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
         raise
     except TrajectoryError as e:
         raise CodecError(f"decoded group {head.group_id!r} is invalid: {e}") from None
-    except (ValueError, TypeError, IndexError, OverflowError, zlib.error, msgpack.UnpackException) as e:
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError, zlib.error, msgpack.UnpackException) as e:
         raise CodecError(f"corrupt group body: {type(e).__name__}: {e}") from None
     if len(trajs) != head.size:
         raise CodecError(f"group {head.group_id!r}: header says {head.size} trajectories, body has {len(trajs)}")

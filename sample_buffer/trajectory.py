@@ -14,6 +14,8 @@ from enum import StrEnum
 
 import numpy as np
 
+from sample_buffer import routing as routing_ids
+
 
 class FinishReason(StrEnum):
     """Why a generation or an episode ended: one spelling from the engine's response to the
@@ -71,6 +73,9 @@ class Trajectory:
     finish_reason: FinishReason = FinishReason.STOP
     token_rewards: np.ndarray | None = None  # [T] float32, optional
     metadata: dict = field(default_factory=dict)  # env name, turn boundaries
+    # [P, layers × top_k] uint8/uint16: the engine's experts for each forwarded position (MoE routing
+    # replay; ``sample_buffer/routing.py``). None: not recorded (a dense model, or replay off).
+    routed_experts: np.ndarray | None = None
     # False skips the checks of ``validate`` for bytes already checked where they entered the buffer.
     check: InitVar[bool] = True
 
@@ -121,6 +126,11 @@ class Trajectory:
             raise TrajectoryError(f"metadata: a map expected, got {type(self.metadata).__name__}")
         if "turn_temperatures" in self.metadata:
             self._check_turns(t)
+        if self.routed_experts is not None:
+            try:
+                routing_ids.check(self.routed_experts, t)
+            except routing_ids.RoutingError as e:
+                raise TrajectoryError(str(e)) from None
 
     def _check_turns(self, t: int) -> None:
         """The trainer reads each turn's tokens' temperature from these two (``trainer/batch.py``)."""

@@ -36,3 +36,6 @@ class GenerateOutput:
     queue_time_s: float = 0.0  # submitted → first admitted to the running batch
     ttft_s: float = 0.0  # submitted → first token (0 when none was generated)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
+    # MoE, when asked: [positions, layers × top_k] expert ids of every forwarded position (prompt and
+    # output but the last token), a numpy array (``sample_buffer/routing.py``)
+    routed_experts: object = None

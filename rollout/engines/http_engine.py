@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+import numpy as np
 
 from sample_buffer.trajectory import FinishReason
 
@@ -44,6 +45,10 @@ class EngineResult:
     queue_time_s: float | None = None  # rollmesh engines report these; a stock SGLang server may not
     ttft_s: float | None = None
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked: (id, lp)
+    # MoE, when asked: [positions, layers × top_k] expert ids (``sample_buffer/routing.py``), its first row
+    # position ``routed_experts_start``
+    routed_experts: np.ndarray | None = None
+    routed_experts_start: int = 0
 
 
 OnTokens = Callable[[list[int]], None]  # a streamed generation's new tokens, as they arrive

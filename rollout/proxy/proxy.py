@@ -25,11 +25,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from rollout.engines.http_engine import EngineRejected, EngineUnavailable, OnTokens, int_version
 from rollout.engines.sglang.client import SGLangClient
 from rollout.proxy.config import ProxyConfig
 from rollout.proxy.router import EngineSlot, Router
 from rollout.sampling import SamplingParams
+from sample_buffer import routing
 from sample_buffer.trajectory import FinishReason
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ class ProxyRequest:
     route: str = ""  # affinity key: requests that share it go to one engine (an episode's turns, a group)
     timeout_s: float = 0.0
     top_logprobs: int = 0  # the most likely tokens to report at each position (0: none)
+    return_routed_experts: bool = False  # an MoE model's experts per position (routing replay)
 
 
 @dataclass
@@ -76,6 +80,8 @@ class ProxyResult:
     queue_time_s: float = 0.0  # waiting at the suspend gate, plus the engine's queue for the first segment
     ttft_s: float | None = None  # arrival → first token, when the engine reports its own TTFT
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
+    # when asked: [positions, layers × top_k], each position's from the segment that forwarded it first
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass
@@ -259,6 +265,13 @@ class LLMProxy:
             res.behavior_logprobs += out.behavior_logprobs
             res.token_versions += out.token_versions
             res.top_logprobs += out.top_logprobs
+            try:  # a continuation re-forwards earlier tokens under new weights: theirs are kept
+                res.routed_experts = routing.extend(res.routed_experts, out.routed_experts, out.routed_experts_start)
+            except routing.RoutingError as e:
+                log.warning("request %s: %s; its routing is dropped", req.request_id, e)
+                self.counters["routing_dropped"] += 1
+                res.routed_experts = None  # incomplete: the trainer drops the trajectory rather than guess
+                req.return_routed_experts = False  # and no later segment fills it in
             res.weight_version, res.engine = out.weight_version, slot.name
             res.prompt_tokens = len(req.input_ids)
             if out.finish_reason != FinishReason.ABORT:
@@ -299,6 +312,9 @@ class LLMProxy:
         grace = self.config.abort_grace_s
         remaining = max(0.001, deadline - time.perf_counter())
         extra = {"top_logprobs": fl.request.top_logprobs} if fl.request.top_logprobs else {}
+        if fl.request.return_routed_experts:  # only the positions this request has none for yet
+            held = fl.result.routed_experts
+            extra |= {"return_routed_experts": True, "routed_experts_start_len": 0 if held is None else len(held)}
         if fl.on_tokens is not None:
 
             def on_tokens(new: list[int]) -> None:

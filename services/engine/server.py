@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rollout.engines.contract import EngineError, GenerateOutput
 from rollout.engines.embedded.engine import EmbeddedEngine
 from rollout.sampling import SamplingParams
+from sample_buffer import routing
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, Role, server_bearer
 from services.body_limit import BodyLimit
 from services.engine.sglang_fields import strip_request
@@ -50,6 +51,14 @@ class GenerateReq(BaseModel):
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, description="With return_logprob: the most likely tokens at each position.")
     stream: bool = Field(False, description="Server-sent events, one per token, then the whole answer (one prompt).")
+    return_routed_experts: bool = Field(
+        False,
+        description="An MoE model: meta_info.routed_experts, SGLang's base64 of int32 expert ids "
+        "[prompt + output tokens - 1, decoder layers, top_k] (the whole answer only, not stream chunks).",
+    )
+    routed_experts_start_len: int = Field(
+        0, ge=0, description="SGLang's: routed_experts from this position on (<= the prompt's length)."
+    )
 
 
 GENERATE_FIELDS = frozenset(GenerateReq.model_fields)
@@ -120,7 +129,7 @@ class _Metrics:
             self.ttft.observe(out.ttft_s)
 
 
-def _response(out: GenerateOutput, return_logprob: bool, tokenizer=None) -> dict:
+def _response(out: GenerateOutput, return_logprob: bool, tokenizer=None, routing_start: int = 0) -> dict:
     meta = {
         "id": out.rid,
         "finish_reason": out.finish_reason,
@@ -136,6 +145,8 @@ def _response(out: GenerateOutput, return_logprob: bool, tokenizer=None) -> dict
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.behavior_logprobs, out.output_ids)]
         if out.top_logprobs:  # SGLang's shape: per position, [logprob, token id, text] most likely first
             meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in out.top_logprobs]
+    if out.routed_experts is not None:
+        meta["routed_experts"] = routing.encode_sglang(out.routed_experts[routing_start:])
     body = {"output_ids": out.output_ids, "meta_info": meta}
     if tokenizer is not None:
         body["text"] = tokenizer.decode(out.output_ids, skip_special_tokens=True)
@@ -216,23 +227,33 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
             if "top_logprobs_num" not in inspect.signature(engine.submit).parameters:
                 raise EngineError("top_logprobs_num", f"{type(engine).__name__} does not report top log-probs")
             extra["top_logprobs_num"] = req.top_logprobs_num
+        if req.return_routed_experts:
+            if "return_routed_experts" not in inspect.signature(engine.submit).parameters:
+                raise EngineError("return_routed_experts", f"{type(engine).__name__} does not report routed experts")
+            extra["return_routed_experts"] = True
+            too_long = [i for i, p in enumerate(prompts) if req.routed_experts_start_len > len(p)]
+            if too_long:
+                raise EngineError(
+                    "routed_experts_start_len",
+                    f"{req.routed_experts_start_len} is past prompt {too_long[0]}'s {len(prompts[too_long[0]])} tokens",
+                )
         if req.stream:
             if batched:
                 raise EngineError("stream", "a stream carries one prompt; send a batch without stream")
             if "on_token" not in inspect.signature(engine.submit).parameters:
                 raise EngineError("stream", f"{type(engine).__name__} does not stream; send stream=false")
-            return _stream(rids[0], prompts[0], params[0], req.return_logprob, extra)
+            return _stream(rids[0], prompts[0], params[0], req.return_logprob, extra, req.routed_experts_start_len)
         futures = [engine.submit(rid, prompt, p, **extra) for rid, prompt, p in zip(rids, prompts, params)]
         outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         for out in outs:
             metrics.observe(out)
-        body = [_response(o, req.return_logprob, tokenizer) for o in outs]
+        body = [_response(o, req.return_logprob, tokenizer, req.routed_experts_start_len) for o in outs]
         # json.dumps directly: FastAPI's jsonable_encoder walks every element of the token lists
         # (~1 us each), which made weight updates wait seconds behind aborted long generations.
         return Response(json.dumps(body if batched else body[0]), media_type="application/json")
 
     def _stream(
-        rid: str, prompt: list[int], params: SamplingParams, return_logprob: bool, extra: dict
+        rid: str, prompt: list[int], params: SamplingParams, return_logprob: bool, extra: dict, routing_start: int
     ) -> StreamingResponse:
         """SGLang's stream: an event per token with everything generated so far, the whole answer
         last, then ``[DONE]``. A client that goes away aborts the request."""
@@ -271,7 +292,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
                     yield event(chunk)
                 out = await future
                 metrics.observe(out)
-                yield event(_response(out, return_logprob, tokenizer))
+                yield event(_response(out, return_logprob, tokenizer, routing_start))
                 yield "data: [DONE]\n\n"
             finally:
                 if not future.done():  # the client went away mid-stream

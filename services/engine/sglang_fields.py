@@ -56,7 +56,6 @@ DEFAULT_ONLY_REQUEST = {
     "logprob_start_len": -1,
     "token_ids_logprob": None,
     "return_hidden_states": False,
-    "return_routed_experts": False,
     "return_entropy": False,
     "return_prompt_token_ids": False,
     "require_reasoning": False,

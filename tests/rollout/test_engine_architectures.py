@@ -1,13 +1,16 @@
 """The embedded engine on decoder architectures other than the tiny Qwen2, against transformers.
 
 Tiny random-initialised Llama, Qwen2 (with windowed layers), Qwen3, Mistral (a window on every
-layer) and Gemma 2 and 3 (windowed and full layers alternating): greedy output equals
-``model.generate``, log-probs equal a teacher-forced forward. Windows of 8 positions under prompts
-and generations several times as long, so a wrong window changes the numbers.
+layer), Gemma 2 and 3 (windowed and full layers alternating) and the mixture-of-experts decoders
+Qwen2-MoE (with a shared expert and a dense layer), Qwen3-MoE, Mixtral and OLMoE: greedy output
+equals ``model.generate``, log-probs equal a teacher-forced forward. Windows of 8 positions under
+prompts and generations several times as long, so a wrong window changes the numbers. MoE models
+also report each position's experts, equal to the routers' choices in a teacher-forced forward.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -17,15 +20,21 @@ from transformers import (
     LlamaConfig,
     MambaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
     Qwen3NextConfig,
     T5Config,
 )
 
 from rollout.engines.embedded.attention import UnsupportedModel
 from rollout.engines.embedded.config import EngineConfig
+from rollout.engines.contract import EngineError
 from rollout.engines.embedded.engine import EmbeddedEngine
+from rollout.engines.embedded.routing import RoutingCapture
 from rollout.sampling import SamplingParams
 from tests.rollout.test_embedded_engine import teacher_forced_logprobs
 
@@ -47,7 +56,22 @@ ARCHS = {
     "mistral-windowed": (MistralConfig, dict(sliding_window=8)),
     "gemma2": (Gemma2Config, dict(sliding_window=8, head_dim=16)),
     "gemma3": (Gemma3TextConfig, dict(sliding_window=8, head_dim=16)),
+    # MoE: 8 experts, top-2 (Qwen2-MoE: a shared expert, and layer 1 a dense MLP)
+    "qwen2-moe": (
+        Qwen2MoeConfig,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3-moe": (Qwen3MoeConfig, dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "mixtral": (MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2)),
+    "olmoe": (OlmoeConfig, dict(num_experts=8, num_experts_per_tok=2)),
 }
+MOE = {"qwen2-moe": [0, 2, 3], "qwen3-moe": [0, 1, 2, 3], "mixtral": [0, 1, 2, 3], "olmoe": [0, 1, 2, 3]}  # MoE layers
 PROMPTS = [[1, 20, 21, 22], [1] + list(range(40, 75)), [3] * 9, [1, 100, 101, 102, 103, 104, 105]]
 
 
@@ -117,6 +141,38 @@ def test_a_weight_update_from_disk_serves_the_new_weights(arch, tmp_path):
     result = out.result(T)
     assert result.output_ids == ref[0, len(PROMPTS[1]) :].tolist() and set(result.token_versions) == {7}
     engine.load_weights_from_disk(engine.config.model_path, 8).result(T)  # back, for the other tests
+
+
+def test_an_moe_model_reports_the_experts_of_every_forwarded_position_as_a_forward_routes_them(arch):
+    name, engine, hf = arch
+    if name not in MOE:
+        with pytest.raises(EngineError, match="no mixture-of-experts layers") as e:
+            engine.submit("r", [1, 2], SamplingParams(max_new_tokens=2), return_routed_experts=True)
+        assert e.value.field == "return_routed_experts"
+        return
+    capture = RoutingCapture(hf)
+    assert (capture.layers, capture.moe_layers, capture.top_k) == (4, MOE[name], 2)
+    sampling = [
+        SamplingParams(max_new_tokens=14 + 5 * i, temperature=0.8, sampling_seed=i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    # 3 slots, 4 requests joining and leaving; one request without routing rides in the same batches
+    futs = [engine.submit(f"r{i}", p, s, return_routed_experts=True) for i, (p, s) in enumerate(zip(PROMPTS, sampling))]
+    plain = engine.submit("plain", PROMPTS[0], sampling[0])
+    for p, f in zip(PROMPTS, futs):
+        out = f.result(T)
+        context = p + out.output_ids
+        with torch.no_grad():
+            hf(input_ids=torch.tensor([context[:-1]]))  # every position but the last, as the engine forwarded
+        want = capture.take(1, len(context) - 1)[0]
+        got = out.routed_experts
+        assert got.shape == (len(context) - 1, 4 * 2) and got.dtype == np.uint8  # SGLang's: every layer
+        dense = [layer for layer in range(4) if layer not in MOE[name]]
+        assert all((got.reshape(len(got), 4, 2)[:, layer] == 0).all() for layer in dense)
+        # top-2 ids in the router's order: equal as sets (the order of two equal gates is the kernel's)
+        assert (np.sort(got.reshape(len(got), -1, 2), -1) == np.sort(want.reshape(len(got), -1, 2), -1)).all()
+    assert plain.result(T).routed_experts is None
+    capture.remove()
 
 
 @pytest.mark.parametrize(

@@ -25,16 +25,19 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rollout.engines.contract import EngineError, GenerateOutput, PauseMode
 from rollout.engines.embedded.attention import AttentionLayout, UnsupportedModel
 from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.kv_slots import KVSlots
+from rollout.engines.embedded.routing import RoutingCapture
 from rollout.engines.embedded.sampling import sample_next_tokens, top_logprobs
 from rollout.engines.embedded.weights import check_named_tensors, copy_named_tensors, weights_checksum
 from rollout.engines.scheduler import SchedulerCommands
 from rollout.sampling import SamplingParams
+from sample_buffer.routing import routers_of
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +62,21 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     tops: list[list[tuple[int, float]]] = field(default_factory=list)
+    routing: bool = False  # record each forwarded position's experts (SGLang's return_routed_experts)
+    experts: list[np.ndarray] = field(default_factory=list)  # [n, layers × top_k] chunks, in position order
+    routed: int = 0  # positions recorded so far
 
     @property
     def context(self) -> list[int]:
         return self.prompt + self.output_ids
+
+    def keep_routing(self, rows: np.ndarray, first: int) -> None:
+        """Experts of positions ``first, first + 1, ...``; positions already recorded keep theirs (a
+        request re-prefilled after a weight update: its earlier tokens came from the earlier weights)."""
+        new = rows[self.routed - first :]
+        if len(new):
+            self.experts.append(new)
+            self.routed += len(new)
 
 
 class EmbeddedEngine(SchedulerCommands):
@@ -93,6 +107,7 @@ class EmbeddedEngine(SchedulerCommands):
         self.eos_ids = self._eos_ids(config.model_path)
         layout = AttentionLayout.of(self.hf_config, config.model_path)  # refuses what it cannot serve, unloaded
         self.model = self._load(config.model_path)
+        self.capture = RoutingCapture(self.model) if routers_of(self.model) else None  # MoE: experts per token
         self.layout = dataclasses.replace(layout, eager=self.model.config._attn_implementation == "eager")
         # Only the last position's logits are needed; a prefill's whole [rows, length, vocab] is GBs.
         self._keep_last = (
@@ -189,12 +204,18 @@ class EmbeddedEngine(SchedulerCommands):
         params: SamplingParams,
         on_token: Callable[[int, float, int], None] | None = None,
         top_logprobs_num: int = 0,
+        return_routed_experts: bool = False,
     ) -> Future:
         """Queue a generation; the future resolves to a ``GenerateOutput``. ``on_token(token,
         logprob, version)`` is called for each token as it is generated (in the scheduler thread:
         it must only hand the token over). ``top_logprobs_num``: also report that many most likely
-        tokens at each position."""
+        tokens at each position; ``return_routed_experts``: the experts of every forwarded position
+        (an MoE model's; ``GenerateOutput.routed_experts``)."""
         self.validate(input_ids, params)
+        if return_routed_experts and self.capture is None:
+            raise EngineError(
+                "return_routed_experts", f"{self.hf_config.model_type} has no mixture-of-experts layers to report"
+            )
         if not 0 <= top_logprobs_num <= self.vocab_size:
             raise EngineError("top_logprobs_num", f"must be in [0, {self.vocab_size}], got {top_logprobs_num}")
         fut: Future = Future()
@@ -202,7 +223,17 @@ class EmbeddedEngine(SchedulerCommands):
         if params.sampling_seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        req = _Request(rid, list(input_ids), params, fut, gen, stop, on_token, top_n=top_logprobs_num)
+        req = _Request(
+            rid,
+            list(input_ids),
+            params,
+            fut,
+            gen,
+            stop,
+            on_token,
+            top_n=top_logprobs_num,
+            routing=return_routed_experts,
+        )
         self._commands.put(lambda: self._enqueue(req))
         return fut
 
@@ -335,6 +366,11 @@ class EmbeddedEngine(SchedulerCommands):
                 out.logits[:, -1], [r.params for r in group], [r.generator for r in group], self._sampler
             )
             tops = top_logprobs(out.logits[:, -1], [r.params for r in group], [r.top_n for r in group])
+            if self.capture is not None and any(r.routing for r in group):
+                experts = self.capture.take(*ids.shape)  # rows left-padded: a context ends in the last column
+                for i, r in enumerate(group):
+                    if r.routing:
+                        r.keep_routing(experts[i, ids.shape[1] - len(r.context) :], 0)
         except Exception:
             # Out of the queue, not yet running: the loop's handler fails only the running batch, so
             # these would never be answered (their callers hung). They fail with it.
@@ -355,6 +391,11 @@ class EmbeddedEngine(SchedulerCommands):
             use_cache=True,
         )
         self._batch.advance()
+        if self.capture is not None and any(r.routing for r in self._running):
+            experts = self.capture.take(len(self._running), 1)
+            for i, r in enumerate(self._running):
+                if r.routing:
+                    r.keep_routing(experts[i], len(r.context) - 1)  # the position of the token fed in
         tokens, logprobs = sample_next_tokens(
             out.logits[:, -1],
             [r.params for r in self._running],
@@ -409,6 +450,7 @@ class EmbeddedEngine(SchedulerCommands):
                 queue_time_s=max(0.0, (req.t_admit or time.perf_counter()) - req.t0),
                 ttft_s=max(0.0, req.t_first - req.t0) if req.t_first else 0.0,
                 top_logprobs=list(req.tops),
+                routed_experts=_joined(req.experts, self.capture) if req.routing else None,
             )
         )
 
@@ -467,6 +509,9 @@ class EmbeddedEngine(SchedulerCommands):
 
     def _swap_model(self, model, path: str, version: int | None, checksum: str) -> dict:
         self.model, self.model_path, self.checksum = model, path, checksum
+        if self.capture is not None:  # the hooks belong to the old model's routers
+            self.capture.remove()
+            self.capture = RoutingCapture(model)
         self._staged = {}  # a whole model replaces any update that was under way
         return self._bump_version(version)
 
@@ -497,3 +542,9 @@ class EmbeddedEngine(SchedulerCommands):
         self.weight_version = self.weight_version + 1 if version is None else int(version)
         self.counters["weight_updates"] += 1
         return {"weight_version": self.weight_version, "checksum": self.checksum, "retracted": retracted}
+
+
+def _joined(chunks: list[np.ndarray], capture: RoutingCapture) -> np.ndarray:
+    if not chunks:  # aborted before its first forward
+        return np.zeros((0, capture.width), dtype=np.uint8 if capture.num_experts <= 256 else np.uint16)
+    return np.concatenate(chunks)

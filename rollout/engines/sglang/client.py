@@ -21,16 +21,25 @@ from rollout.engines.http_engine import (  # noqa: F401 (the errors are part of 
     int_version,
 )
 from rollout.sampling import SamplingParams
+from sample_buffer import routing
 from sample_buffer.trajectory import FinishReason
 
 
-def parse_generate_response(body: dict) -> EngineResult:
+def parse_generate_response(body: dict, routing_start: int = 0) -> EngineResult:
+    """``routing_start``: the request's ``routed_experts_start_len`` (where ``routed_experts`` begins)."""
     meta = body.get("meta_info", {})
     ids = list(body.get("output_ids", []))
     triples = meta.get("output_token_logprobs") or []
     version = int_version(meta.get("weight_version"))
     versions = meta.get("output_token_weight_versions") or [version] * len(ids)
     finish = meta.get("finish_reason") or {"type": "abort"}
+    experts = None
+    if meta.get("routed_experts") is not None:  # SGLang: the prompt's and output's tokens but the last
+        positions = int(meta.get("prompt_tokens", 0)) + len(ids) - 1 - routing_start
+        try:
+            experts = routing.decode_sglang(meta["routed_experts"], positions)
+        except routing.RoutingError as e:
+            raise EngineUnavailable(f"a bad answer: {e}") from None  # as one that is not JSON: try elsewhere
     return EngineResult(
         output_ids=ids,
         behavior_logprobs=[float(t[0]) for t in triples],
@@ -42,6 +51,8 @@ def parse_generate_response(body: dict) -> EngineResult:
         queue_time_s=float(meta["queue_time"]) if "queue_time" in meta else None,
         ttft_s=float(meta["ttft"]) if "ttft" in meta else None,
         top_logprobs=[[(int(t[1]), float(t[0])) for t in top or []] for top in meta.get("output_top_logprobs") or []],
+        routed_experts=experts,
+        routed_experts_start=routing_start,
     )
 
 
@@ -80,9 +91,13 @@ class SGLangClient(HTTPEngineClient):
         timeout_s: float | None = None,
         top_logprobs: int = 0,
         on_tokens: OnTokens | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> EngineResult:
         """One generation. ``top_logprobs``: also the most likely tokens at each position;
-        ``on_tokens``: stream it, handing each event's new tokens over as they arrive."""
+        ``on_tokens``: stream it, handing each event's new tokens over as they arrive;
+        ``return_routed_experts``: an MoE model's experts per position, from ``routed_experts_start_len``
+        (SGLang needs ``--enable-return-routed-experts``)."""
         if isinstance(sampling_params, SamplingParams):  # SGLang's names, every value sent: a server never
             sampling_params = sampling_params.model_dump(exclude_none=True)  # substitutes its own defaults
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
@@ -90,8 +105,13 @@ class SGLangClient(HTTPEngineClient):
             payload["rid"] = rid
         if top_logprobs:
             payload["top_logprobs_num"] = top_logprobs
+        start = routed_experts_start_len if return_routed_experts else 0
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
+            if start:
+                payload["routed_experts_start_len"] = start
         if on_tokens is None:
-            return parse_generate_response(await self._post("/generate", timeout_s, json=payload))
+            return parse_generate_response(await self._post("/generate", timeout_s, json=payload), start)
         events, seen = [], 0
         async for event in self._post_events("/generate", timeout_s, json={**payload, "stream": True}):
             events.append(event)
@@ -103,7 +123,7 @@ class SGLangClient(HTTPEngineClient):
                 on_tokens(list(new))
         if not events:
             raise EngineUnavailable(f"{self.base_url}/generate: a stream without an answer")
-        return parse_generate_response(join_events(events))
+        return parse_generate_response(join_events(events), start)
 
     async def abort(self, rid: str | None = None, abort_all: bool = False, timeout_s: float = 5.0) -> dict:
         return await self._post("/abort_request", timeout_s, json={"rid": rid or "", "abort_all": abort_all})

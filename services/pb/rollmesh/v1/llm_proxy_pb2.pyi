@@ -38,20 +38,32 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sampling_seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "route", "input_ids", "sampling_params", "timeout_s", "top_logprobs")
+    __slots__ = ("request_id", "route", "input_ids", "sampling_params", "timeout_s", "top_logprobs", "return_routed_experts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     route: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     timeout_s: float
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., route: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    return_routed_experts: bool
+    def __init__(self, request_id: _Optional[str] = ..., route: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ...) -> None: ...
+
+class RoutedExperts(_message.Message):
+    __slots__ = ("ids", "ids_per_token", "itemsize")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    IDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ITEMSIZE_FIELD_NUMBER: _ClassVar[int]
+    ids: bytes
+    ids_per_token: int
+    itemsize: int
+    def __init__(self, ids: _Optional[bytes] = ..., ids_per_token: _Optional[int] = ..., itemsize: _Optional[int] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -62,7 +74,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "output_ids", "behavior_logprobs", "token_versions", "finish_reason", "weight_version", "engine", "prompt_tokens", "e2e_latency_s", "num_segments", "top_logprobs")
+    __slots__ = ("request_id", "output_ids", "behavior_logprobs", "token_versions", "finish_reason", "weight_version", "engine", "prompt_tokens", "e2e_latency_s", "num_segments", "top_logprobs", "routed_experts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     BEHAVIOR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +86,7 @@ class GenerateResponse(_message.Message):
     E2E_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     NUM_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_ids: _containers.RepeatedScalarFieldContainer[int]
     behavior_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -85,7 +98,8 @@ class GenerateResponse(_message.Message):
     e2e_latency_s: float
     num_segments: int
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., e2e_latency_s: _Optional[float] = ..., num_segments: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    routed_experts: RoutedExperts
+    def __init__(self, request_id: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., behavior_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., weight_version: _Optional[int] = ..., engine: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., e2e_latency_s: _Optional[float] = ..., num_segments: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("output_ids", "result")
