@@ -197,6 +197,11 @@ class RolloutConfig(TaskConfig):
         "engine, like a single request with n samples.",
     )
     seed: int = Field(0, description="Prompts are visited in a shuffled order drawn from this seed.")
+    return_routed_experts: bool = Field(
+        False,
+        description="Record each token's MoE experts in the trajectories (routing replay). Set from "
+        "trainer.moe.routing: replay in a run config; write it only for a pool outside one.",
+    )
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="Per-episode limits and sampling.")
     admit_poll_s: float = Field(0.05, gt=0, description="Wait before asking again when admission is refused.")
     faulty_members: Literal["drop", "keep_timeouts"] = Field(

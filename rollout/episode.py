@@ -27,6 +27,7 @@ from rollout.envs.base import Env
 from rollout.ports import Generation, RolloutObserver
 from rollout.sampling import SamplingParams
 from rollout.turn_barrier import TurnBarrier
+from sample_buffer import routing
 from sample_buffer.trajectory import FinishReason, Trajectory
 
 # generate(input_ids, sampling, trajectory_id, timeout_s) -> Generation
@@ -187,6 +188,7 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
     mask = [0] * len(tokens)
     logprobs: list[float] = []
     versions: list[int] = []
+    experts = None  # MoE routing replay: each forwarded position's experts, from the turn that forwarded it first
     # The environment's budgets (a remote one's are known once it is reset) within the config's limits.
     clock = EpisodeClock(config.step_timeout_s, config.generation_timeout_s, getattr(env, "budgets", None), started)
     sampling, penalty = clock.sampling(config.sampling), config.latency_penalty
@@ -212,6 +214,7 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         mask += [1] * len(gen.output_ids)
         logprobs += gen.behavior_logprobs
         versions += gen.token_versions
+        experts = routing.extend(experts, gen.routed_experts)
         if gen.finish_reason in _ENDS_EPISODE:
             _report(observer.turn, env.name, generate_s, None)
             finish = gen.finish_reason
@@ -264,6 +267,7 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         reward=reward,
         start_version=versions[0] if versions else 0,
         finish_reason=finish,
+        routed_experts=experts,
         metadata={
             "env": env.name,
             "turn_starts": turns,

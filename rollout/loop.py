@@ -243,10 +243,11 @@ class RolloutLoop:
         share an engine."""
         route = tid if self.config.replicate_prompts else tid.rsplit("/", 1)[0]
         deadline, delay = time.monotonic() + timeout_s, 0.1
+        routing = {"return_routed_experts": True} if self.config.return_routed_experts else {}
         while True:
             try:
                 gen = await self.engine.generate(
-                    ids, sampling, request_id=tid, route=route, timeout_s=deadline - time.monotonic()
+                    ids, sampling, request_id=tid, route=route, timeout_s=deadline - time.monotonic(), **routing
                 )
                 state = self._rolling.get(tid.rsplit("/", 1)[0])
                 if state is not None:  # what a member cancelled later will have cost

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
+import numpy as np
+
 from rollout.sampling import SamplingParams
 from sample_buffer.buffer import PutResult
 from sample_buffer.errors import TransientError
@@ -48,6 +50,9 @@ class Generation:
     token_versions: list[int]  # the policy version that produced each output token
     finish_reason: FinishReason
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked: (id, lp)
+    # when asked (MoE routing replay): [positions, layers × top_k] expert ids of the context's forwarded
+    # positions, prompt included (``sample_buffer/routing.py``); None: not asked or not sent
+    routed_experts: np.ndarray | None = None
 
 
 class GroupOutcome(StrEnum):
@@ -92,11 +97,13 @@ class Generate(Protocol):
         timeout_s: float,
         top_logprobs: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
+        return_routed_experts: bool = False,
     ) -> Generation:
         """Generate for ``input_ids``; ``route`` keeps requests that share it on one engine.
         ``top_logprobs``: also the most likely tokens at each position; ``on_tokens``: stream the
         generation, handing new tokens over as they are made (the agent gateway's streams; the
-        rollout loop passes neither). Raises ``TransientError`` when the call may succeed if tried again."""
+        rollout loop passes neither); ``return_routed_experts``: an MoE model's experts per
+        position. Raises ``TransientError`` when the call may succeed if tried again."""
 
     async def abort(self, request_id: str) -> None:
         """Stop a running generation; it returns its partial output as ``abort``."""

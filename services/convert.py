@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import grpc
+import numpy as np
 from pydantic import ValidationError
 
 from rollout.ports import TransientError
 from rollout.proxy.proxy import RequestInvalid
 from rollout.sampling import SamplingParams
+from sample_buffer import routing
 from sample_buffer.trajectory import FinishReason
 from services.controller.errors import UpdateConflict
 from services.pb.rollmesh.v1 import common_pb2
@@ -50,6 +52,27 @@ def sampling_from_pb(sp: proxy_pb.SamplingParams) -> SamplingParams:
     except ValidationError as e:
         err = e.errors()[0]
         raise RequestInvalid(f"sampling_params.{err['loc'][0]}", f"{err['msg']}, got {err.get('input')!r}") from None
+
+
+def routed_experts_to_pb(ids: np.ndarray) -> proxy_pb.RoutedExperts:
+    return proxy_pb.RoutedExperts(
+        ids=np.ascontiguousarray(ids, dtype=ids.dtype.newbyteorder("<")).tobytes(),
+        ids_per_token=ids.shape[1],
+        itemsize=ids.dtype.itemsize,
+    )
+
+
+def routed_experts_from_pb(msg: proxy_pb.RoutedExperts) -> np.ndarray:
+    """The ``[positions, layers × top_k]`` array (``sample_buffer/routing.py``); a malformed one
+    raises ``RoutingError``."""
+    if msg.itemsize not in (1, 2) or msg.ids_per_token == 0:
+        raise routing.RoutingError(
+            f"routed_experts: itemsize {msg.itemsize} (1 or 2), ids_per_token {msg.ids_per_token}"
+        )
+    flat = np.frombuffer(msg.ids, dtype="<u1" if msg.itemsize == 1 else "<u2")
+    if flat.size % msg.ids_per_token:
+        raise routing.RoutingError(f"routed_experts: {flat.size} ids are not rows of {msg.ids_per_token}")
+    return flat.reshape(-1, msg.ids_per_token)
 
 
 # The call never reached a handler, or the server is busy or going away: worth another try.

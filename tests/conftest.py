@@ -77,6 +77,12 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> str:
+    """The tiny model's shape as a Qwen3-MoE: 8 experts, top-2, in each of 4 layers."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_moe"), TinyModelConfig(arch="qwen3-moe", seed=0)))
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> str:
     """SmolLM2-135M-Instruct, as `make test` converts it (converted here if a bare pytest runs first)."""
     from pathlib import Path

@@ -32,6 +32,9 @@ class TrainBatch:
     # over its tokens (and the environment's after it, masked), 1 before the first turn and for
     # greedy turns (the engines report those at 1). None: all 1.
     temperatures: torch.Tensor | None = None
+    # Per trajectory: the engine's experts per position (MoE routing replay, ``trainer/routing.py``);
+    # None: no trajectory has any.
+    routed_experts: list[np.ndarray | None] | None = None
 
     @cached_property
     def sequences(self) -> list[torch.Tensor]:
@@ -49,6 +52,7 @@ class TrainBatch:
         ids, offsets = _flat([seqs[r] for r in rows])
         versions = None if self.token_versions is None else self.token_versions[rows, :width]
         temps = None if self.temperatures is None else self.temperatures[rows, :width]
+        experts = None if self.routed_experts is None else [self.routed_experts[r] for r in rows]
         return TrainBatch(
             ids,
             offsets,
@@ -58,6 +62,7 @@ class TrainBatch:
             self.group_ids[rows],
             versions,
             temps,
+            experts,
         )
 
 
@@ -96,6 +101,9 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
         group_ids=torch.tensor([gi for gi, _ in trajs], dtype=torch.long),
         token_versions=versions,
         temperatures=None if bool((temps == 1).all()) else temps,
+        routed_experts=None
+        if all(t.routed_experts is None for _, t in trajs)
+        else [t.routed_experts for _, t in trajs],
     )
 
 

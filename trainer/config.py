@@ -42,6 +42,21 @@ class MixedPrecisionConfig(BaseModel):
     )
 
 
+class MoEConfig(BaseModel):
+    """Mixture-of-experts models (trainer/routing.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    routing: Literal["free", "replay"] = Field(
+        "free",
+        description="free: the trainer's routers pick their own experts. replay (rollout routing replay, R3): "
+        "each token goes to the experts the engine routed it to (recorded with every trajectory), gates "
+        "recomputed by the model's own router over those experts, for the policy, π_prox and the reference "
+        "model; a trajectory without complete routing is not trained on (counted: routing_dropped). Needs an "
+        "MoE model and an engine that reports routing (embedded, sglang).",
+    )
+
+
 class TrainerConfig(BaseModel):
     """The training engine: model, optimiser, batching, loss terms, checkpoints."""
 
@@ -142,6 +157,7 @@ class TrainerConfig(BaseModel):
         "(docs/losses.md#staleness); costs one forward pass a step, one more per halving, and a copy of the "
         "weights; single-process trainers only.",
     )
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="Mixture-of-experts models: routing replay.")
     audit_versions: int = Field(
         0,
         ge=0,

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import math
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +41,7 @@ from trainer.packing import (
     plan_micro_batches,
     scale_by_temperature,
 )
+from trainer.routing import RoutingReplay, replay_ids, usable
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,17 @@ def _all_reduce_dict(stats: dict[str, float]) -> dict[str, float]:
 def _temperatures(batch: TrainBatch, rows: list[int]) -> torch.Tensor | None:
     """The sampling temperatures of ``rows`` (None: all sampled at 1)."""
     return None if batch.temperatures is None else batch.temperatures[rows]
+
+
+def _mixes_attention(model) -> bool:
+    """Whether the model's layers mix attention types (Gemma 2/3, windowed Qwen2): its forward then
+    takes a mask per type."""
+    return len(set(getattr(model.config.get_text_config(), "layer_types", None) or ())) > 1
+
+
+def _experts(batch: TrainBatch, rows: list[int]) -> list | None:
+    """Each of ``rows``' recorded experts (None: no trajectory has any)."""
+    return None if batch.routed_experts is None else [batch.routed_experts[r] for r in rows]
 
 
 MAX_STEP_HALVINGS = 6  # the trust region pulls a step back to 1/64 of itself at most
@@ -155,6 +167,10 @@ class TrainEngine:
         if config.ref_model_path:
             self.ref = AutoModelForCausalLM.from_pretrained(config.ref_model_path, dtype=dtype).to(self.device).eval()
             self.ref.requires_grad_(False)
+        # routing replay: the models whose routers take the engine's experts (the policy, the reference)
+        self.replay = {}
+        if config.moe.routing == "replay":
+            self.replay = {id(m): RoutingReplay(m) for m in (self.model, self.ref) if m is not None}
         self.critic = self.critic_optimizer = None
         if config.critic:
             from transformers import AutoModelForTokenClassification
@@ -213,11 +229,15 @@ class TrainEngine:
         return torch.autocast(self.device.type, dtype=getattr(torch, mp.param_dtype))
 
     # ------------------------------------------------------------------ forward passes
-    def _forward(self, model, seqs: list[list[int]], width: int, entropy: bool = False, temps=None):
+    def _forward(self, model, seqs: list[list[int]], width: int, entropy: bool = False, temps=None, experts=None):
         """Per-token log-probs (and entropies) of ``seqs``: [b, width], aligned to the tokens, each
-        at its sampling temperature (``temps`` [b, width]; None: 1), as the engines report μ.
+        at its sampling temperature (``temps`` [b, width]; None: 1), as the engines report μ; with
+        routing replay, each sequence's MoE layers use its ``experts`` (a list aligned to ``seqs``).
         An empty ``seqs`` (a rank's filler micro-batch) runs one dummy token and returns [0, width]
         tensors still attached to the graph, so its backward joins the collectives."""
+        replay = self.replay.get(id(model))
+        if replay is not None:
+            replay.set(None)  # until this forward's ids are laid out below
         if not seqs:
             with self._compute_precision():
                 dummy = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
@@ -227,6 +247,20 @@ class TrainEngine:
         if self.config.pack_sequences:
             rows = pack_rows(seqs, self.config.pack_row_tokens)
             ids, positions, masks = packed_inputs([[seqs[i] for i in row] for row in rows], self.device)
+            if not _mixes_attention(model):  # Llama's, Qwen3-MoE's, ... forward takes one mask, not a mapping
+                masks = masks["full_attention"]
+            if replay is not None and experts is not None:
+                places = {}
+                for r, row in enumerate(rows):
+                    start = 0
+                    for i in row:
+                        places[i], start = (r, start), start + len(seqs[i])
+                kept = [i for i in range(len(seqs)) if experts[i] is not None]
+                replay.set(
+                    replay_ids(
+                        [experts[i] for i in kept], [places[i] for i in kept], *ids.shape, replay.shape, self.device
+                    )
+                )
             with self._compute_precision():
                 logits = model(input_ids=ids, position_ids=positions, attention_mask=masks).logits
             row_temps = None
@@ -253,6 +287,11 @@ class TrainEngine:
                     start += n
             return lp, ent
         ids, attn = padded_inputs(seqs, self.device)
+        if replay is not None and experts is not None:
+            kept = [i for i in range(len(seqs)) if experts[i] is not None]
+            replay.set(
+                replay_ids([experts[i] for i in kept], [(i, 0) for i in kept], *ids.shape, replay.shape, self.device)
+            )
         with self._compute_precision():
             logits = model(input_ids=ids, attention_mask=attn).logits
         temps = None if temps is None else temps[:, : ids.shape[1]]
@@ -296,7 +335,8 @@ class TrainEngine:
         out = torch.zeros(len(batch.sequences), width, device=self.device)
         ent = torch.zeros_like(out) if entropy else None
         for rows in self.micro_batches(batch):
-            lp, e = self._forward(model, [batch.sequences[r] for r in rows], width, entropy, _temperatures(batch, rows))
+            seqs = [batch.sequences[r] for r in rows]
+            lp, e = self._forward(model, seqs, width, entropy, _temperatures(batch, rows), _experts(batch, rows))
             out[rows] = lp
             if entropy:
                 ent[rows] = e
@@ -315,6 +355,7 @@ class TrainEngine:
         mismatch weights are computed once, before the first update."""
         cfg = self.config
         self.model.train()
+        dropped = self._unroutable(batch) if self.replay else 0
         mask = batch.loss_mask.to(self.device)
         behav = batch.behavior_logprobs.to(self.device)
         prox = self.logprobs(batch)  # the proximal policy: these weights, before this step
@@ -360,6 +401,8 @@ class TrainEngine:
             out |= {k: v / sums["stale_tokens"] for k, v in sums.items() if k.endswith("_stale")}
         out |= _all_reduce_dict(mismatch_stats(prox, behav, mask, stale)) | audited | bounded
         out |= {"lr": self.scheduler.get_last_lr()[0], "tokens": _all_reduce(float(mask.sum())), "updates": updates}
+        if self.replay:
+            out["routing_dropped"] = _all_reduce(float(dropped))
         out["reward_mean"] = _all_reduce(float(batch.rewards.sum())) / _all_reduce(float(len(batch.rewards)))
         if (cap := getattr(cfg.loss, "behavior_weight_cap", None)) is not None:  # decoupled PPO's sg(π_prox/μ)
             capped = ((prox - behav).exp() > cap) & mask.bool()
@@ -369,6 +412,22 @@ class TrainEngine:
         if self.critic is not None:
             out["value_loss"] = self._critic_step(batch, values, returns, mask)
         return out
+
+    def _unroutable(self, batch: TrainBatch) -> int:
+        """Routing replay: a trajectory whose routing is missing, partial or not this model's is not
+        trained on (its loss mask zeroed, its experts forgotten: it routes freely where it is still
+        forwarded) rather than trained with wrong experts. Returns how many."""
+        shape = next(iter(self.replay.values())).shape
+        experts = batch.routed_experts or [None] * len(batch.sequences)
+        why = {i: usable(experts[i], len(seq), shape) for i, seq in enumerate(batch.sequences)}
+        bad = {i: w for i, w in why.items() if w is not None}
+        for i in bad:
+            batch.loss_mask[i] = 0
+            experts[i] = None
+        if bad:
+            log.warning("routing replay: %d trajectories not trained on (%s routing)", len(bad), Counter(bad.values()))
+        batch.routed_experts = experts
+        return len(bad)
 
     def _step_kl(self, batch: TrainBatch, prox: torch.Tensor, mask: torch.Tensor) -> float:
         """KL(π_prox ‖ π) estimated (k3) over the batch's generated tokens, all ranks': they were
@@ -426,7 +485,14 @@ class TrainEngine:
         sums: dict[str, float] = defaultdict(float)
         for micro in self.micro_batches(batch, rows):
             seqs = [batch.sequences[r] for r in micro]
-            lp, ent = self._forward(self.model, seqs, mask.shape[1], cfg.entropy_coef > 0, _temperatures(batch, micro))
+            lp, ent = self._forward(
+                self.model,
+                seqs,
+                mask.shape[1],
+                cfg.entropy_coef > 0,
+                _temperatures(batch, micro),
+                _experts(batch, micro),
+            )
             if not micro:  # filler micro-batch: a zero loss that still runs the backward collectives
                 (lp.sum() * 0.0).backward()
                 continue

@@ -1,4 +1,4 @@
-"""A tiny Qwen2-architecture causal LM, built locally so nothing is downloaded.
+"""A tiny Qwen2-architecture causal LM (or a Qwen3-MoE one), built locally so nothing is downloaded.
 
 The output is a standard Hugging Face directory (``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` with a chat template), so every engine and the
@@ -10,6 +10,7 @@ The tokenizer is byte level with no merges: one token per byte plus the chat spe
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +31,9 @@ class TinyModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    arch: Literal["qwen2", "qwen3-moe"] = Field(
+        "qwen2", description="qwen2 (dense), or qwen3-moe: every layer's MLP a mixture of experts."
+    )
     hidden_size: int = Field(128, ge=16, description="Width of the residual stream.")
     intermediate_size: int = Field(384, ge=16, description="Width of the MLP.")
     num_hidden_layers: int = Field(4, ge=1, description="Decoder layers.")
@@ -41,6 +45,11 @@ class TinyModelConfig(BaseModel):
         ge=1,
         description="Rows of the embedding; default: the tokenizer's. Larger only shapes the model "
         "like a real one (its tokens past the tokenizer's are never produced by it).",
+    )
+    num_experts: int = Field(8, ge=2, description="qwen3-moe: experts per layer.")
+    num_experts_per_tok: int = Field(2, ge=1, description="qwen3-moe: experts each token is routed to (top-k).")
+    moe_intermediate_size: int = Field(
+        96, ge=8, description="qwen3-moe: width of each expert's MLP (8 × 96 × top-2: about the dense MLP's work)."
     )
     seed: int = Field(0, description="Seed of the random initialisation.")
     digit_prior_steps: int = Field(
@@ -84,9 +93,9 @@ def _byte_of(char: str) -> int:
 
 
 def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) -> Path:
-    """Write a randomly initialised tiny Qwen2 model and its tokenizer to ``out_dir``."""
+    """Write a randomly initialised tiny Qwen2 (or Qwen3-MoE) model and its tokenizer to ``out_dir``."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
     cfg = cfg or TinyModelConfig()
     if cfg.hidden_size % cfg.num_attention_heads:
@@ -105,7 +114,21 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     if cfg.vocab_size is not None and cfg.vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size={cfg.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
-    hf_cfg = Qwen2Config(
+    if cfg.num_experts_per_tok > cfg.num_experts:
+        raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds num_experts={cfg.num_experts}")
+    moe = (
+        dict(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=True,
+            head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        )
+        if cfg.arch == "qwen3-moe"
+        else {}
+    )
+    hf_cfg = (Qwen3MoeConfig if cfg.arch == "qwen3-moe" else Qwen2Config)(
+        **moe,
         vocab_size=cfg.vocab_size or len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -120,7 +143,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
         torch_dtype="float32",
     )
     torch.manual_seed(cfg.seed)
-    model = Qwen2ForCausalLM(hf_cfg)
+    model = AutoModelForCausalLM.from_config(hf_cfg)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     if cfg.digit_prior_steps:

@@ -57,6 +57,7 @@ def init_model(
         "--from",
         help="A pretrained model from an installed package (smollm2-135m-instruct) instead of the tiny one.",
     ),
+    arch: str = typer.Option("qwen2", help="qwen2 (dense) or qwen3-moe (a mixture of experts in every layer)."),
     seed: int = typer.Option(0, help="Seed of the random initialisation."),
     hidden_size: int = typer.Option(128, help="Width of the residual stream."),
     num_layers: int = typer.Option(4, help="Decoder layers."),
@@ -64,7 +65,8 @@ def init_model(
         0, help="Format-only warm-up steps: the model learns to answer with one digit, not which one."
     ),
 ) -> None:
-    """Build the tiny Qwen2 model and tokenizer locally, or convert a packaged pretrained model (no download)."""
+    """Build the tiny Qwen2 (or Qwen3-MoE) model and tokenizer locally, or convert a packaged pretrained model
+    (no download)."""
     from transformers import AutoModelForCausalLM
 
     from trainer.tiny_model import TinyModelConfig, build_tiny_model, count_parameters
@@ -80,9 +82,17 @@ def init_model(
         n = count_parameters(AutoModelForCausalLM.from_pretrained(out))
         typer.echo(f"wrote {out} ({n / 1e6:.1f} M parameters); asked {CHECK_QUESTION!r}, it answers {answer!r}")
         return
-    cfg = TinyModelConfig(
-        seed=seed, hidden_size=hidden_size, num_hidden_layers=num_layers, digit_prior_steps=digit_prior_steps
-    )
+    try:
+        cfg = TinyModelConfig(
+            arch=arch,
+            seed=seed,
+            hidden_size=hidden_size,
+            num_hidden_layers=num_layers,
+            digit_prior_steps=digit_prior_steps,
+        )
+    except ValueError as e:
+        typer.echo(f"init-model: {e}", err=True)
+        raise typer.Exit(2) from None
     path = build_tiny_model(out, cfg)
     n = count_parameters(AutoModelForCausalLM.from_pretrained(path))
     typer.echo(f"wrote {path} ({n / 1e6:.2f} M parameters)")

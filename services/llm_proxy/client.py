@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import grpc
 
 from rollout.ports import Generation, TransientError
 from rollout.sampling import SamplingParams
+from sample_buffer.routing import RoutingError
 from services.auth import AuthConfig
-from services.convert import finish_from_pb, project_error, sampling_to_pb
+from services.convert import finish_from_pb, project_error, routed_experts_from_pb, sampling_to_pb
 from services.grpc_util import channel
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2_grpc
 from services.wire_limits import WEIGHT_CHUNK_BYTES
 
+log = logging.getLogger(__name__)
+
 
 def generate_request(
-    input_ids: list[int], sampling: SamplingParams, request_id: str, route: str, timeout_s: float, top_logprobs: int = 0
+    input_ids: list[int],
+    sampling: SamplingParams,
+    request_id: str,
+    route: str,
+    timeout_s: float,
+    top_logprobs: int = 0,
+    return_routed_experts: bool = False,
 ) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id,
@@ -26,6 +36,7 @@ def generate_request(
         sampling_params=sampling_to_pb(sampling),
         timeout_s=timeout_s,
         top_logprobs=top_logprobs,
+        return_routed_experts=return_routed_experts,
     )
 
 
@@ -156,8 +167,9 @@ class ProxyGenerate:
         timeout_s: float,
         top_logprobs: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
+        return_routed_experts: bool = False,
     ) -> Generation:
-        req = generate_request(input_ids, sampling, request_id, route, timeout_s, top_logprobs)
+        req = generate_request(input_ids, sampling, request_id, route, timeout_s, top_logprobs, return_routed_experts)
         try:
             if on_tokens is None:
                 res = await self.client.stub.Generate(req, timeout=timeout_s + 5.0)
@@ -173,12 +185,19 @@ class ProxyGenerate:
         except grpc.aio.AioRpcError as e:  # our own cancellation arrives as CancelledError instead
             raise project_error(e) from None
         tops = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in res.top_logprobs]
+        experts = None
+        if res.HasField("routed_experts"):
+            try:
+                experts = routed_experts_from_pb(res.routed_experts)
+            except RoutingError as e:  # the proxy's bug, not this episode's: its routing is dropped
+                log.warning("request %s: %s", request_id, e)
         return Generation(
             list(res.output_ids),
             list(res.behavior_logprobs),
             list(res.token_versions),
             finish_from_pb(res.finish_reason),
             tops,
+            experts,
         )
 
     async def abort(self, request_id: str) -> None:

@@ -17,7 +17,7 @@ from rollout.proxy import LLMProxy, ProxyConfig, ProxyRequest, RequestInvalid
 from rollout.proxy.proxy import UPDATE_FAILURE_CAUSES, NoEngineAvailable
 from sample_buffer.trajectory import FinishReason
 from services.auth import AuthConfig, http_headers
-from services.convert import finish_to_pb, sampling_from_pb
+from services.convert import finish_to_pb, routed_experts_to_pb, sampling_from_pb
 from services.engine.backends import ENGINE_APIS
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import SLOW_BUCKETS_S, histogram, init_labels, serve_metrics
@@ -151,6 +151,7 @@ def _request(req: pb.GenerateRequest) -> ProxyRequest:
         route=req.route,
         timeout_s=req.timeout_s,
         top_logprobs=req.top_logprobs,
+        return_routed_experts=req.return_routed_experts,
     )
 
 
@@ -169,6 +170,7 @@ def _response(res) -> pb.GenerateResponse:
         top_logprobs=[
             pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top]) for top in res.top_logprobs
         ],
+        routed_experts=None if res.routed_experts is None else routed_experts_to_pb(res.routed_experts),
     )
 
 

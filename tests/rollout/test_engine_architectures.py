@@ -30,9 +30,9 @@ from transformers import (
     T5Config,
 )
 
+from rollout.engines.contract import EngineError
 from rollout.engines.embedded.attention import UnsupportedModel
 from rollout.engines.embedded.config import EngineConfig
-from rollout.engines.contract import EngineError
 from rollout.engines.embedded.engine import EmbeddedEngine
 from rollout.engines.embedded.routing import RoutingCapture
 from rollout.sampling import SamplingParams

@@ -1,7 +1,8 @@
 """Run under torchrun: train on this rank's whole groups with FSDP2 and report loss and weights.
 
 Usage: torchrun --nproc_per_node 2 tests/trainer/fsdp_worker.py MODEL_DIR OUT_FILE STEPS [CONFIG_JSON]
-(CONFIG_JSON: more TrainerConfig fields, e.g. '{"mixed_precision": {}}').
+(CONFIG_JSON: more TrainerConfig fields, e.g. '{"mixed_precision": {}}'; with routing replay every
+trajectory gets made-up routing, ``helpers.random_routing``).
 """
 
 import json
@@ -10,7 +11,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests.trainer.helpers import toy_batch
+from sample_buffer.routing import moe_shape
+from tests.trainer.helpers import random_routing, toy_batch
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.engine import TrainEngine
@@ -27,6 +29,8 @@ def main() -> None:
     losses = []
     for step in range(steps):
         batch = toy_batch(seed=step)
+        if config.moe.routing == "replay":
+            batch = random_routing(batch, moe_shape(engine.model), seed=step)
         groups = batch.group_ids.tolist()
         mine = [i for i, g in enumerate(groups) if g % world == rank]  # whole groups per rank
         losses.append(engine.train_step(batch.select(mine))["loss"])

@@ -2,6 +2,7 @@
 mini-batches included; in bfloat16 mixed precision (float32 master weights and reductions) they
 train as close to it as bfloat16 allows; activation checkpointing changes no number."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from tests.trainer.helpers import toy_batch
+from sample_buffer.routing import moe_shape
+from tests.trainer.helpers import random_routing, toy_batch
 from trainer.config import TrainerConfig
 from trainer.engine import TrainEngine
 from trainer.export import full_state_dict
@@ -41,7 +43,10 @@ def _single(tiny_model, **extra) -> tuple[list[float], dict]:
     single = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-3, micro_batch_tokens=48, mini_batches=2, **extra))
     on = any(getattr(m, "gradient_checkpointing", False) for m in single.model.modules())  # any transformers
     assert on == bool(extra.get("activation_checkpointing"))
-    losses = [single.train_step(toy_batch(seed=s))["loss"] for s in range(STEPS)]
+    batches = [toy_batch(seed=s) for s in range(STEPS)]
+    if single.replay:  # as the worker: made-up routing, the same on both sides
+        batches = [random_routing(b, moe_shape(single.model), seed=s) for s, b in enumerate(batches)]
+    losses = [single.train_step(b)["loss"] for b in batches]
     return losses, full_state_dict(single.model)
 
 
@@ -56,6 +61,21 @@ def test_two_rank_fsdp2_matches_single_process(tiny_model, tmp_path):
         assert abs(a - b) <= 1e-5, (sharded["losses"], losses)
     for k, v in state.items():
         assert (sharded["state"][k] - v).abs().max().item() <= 1e-4, k  # a tenth of one Adam step
+
+
+def test_two_rank_fsdp2_replays_routing_like_one_process(tiny_moe, tmp_path):
+    """An MoE with routing replay, activation checkpointing on (its backward recomputes each layer,
+    which must replay the same experts): two ranks train as one process."""
+    extra = {"moe": {"routing": "replay"}, "activation_checkpointing": True}
+    sharded = _two_ranks(tiny_moe, tmp_path / "moe.pt", json.dumps(extra))
+    assert sharded["world"] == 2 and sharded["reload_equal"]
+    losses, state = _single(tiny_moe, **extra)
+    free, _ = _single(tiny_moe)  # the routers' own choices: other numbers
+    assert all(abs(a - b) > 1e-4 for a, b in zip(free, losses))
+    for a, b in zip(sharded["losses"], losses):
+        assert abs(a - b) <= 1e-5, (sharded["losses"], losses)
+    for k, v in state.items():
+        assert (sharded["state"][k] - v).abs().max().item() <= 1e-4, k
 
 
 def test_bfloat16_mixed_precision_trains_close_to_float32_with_float32_master_weights(tiny_model, tmp_path):
