@@ -200,6 +200,26 @@ class RollmeshConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _replay_has_routing_recorded(self) -> RollmeshConfig:
+        # trainer.moe.routing owns the choice: the rollout records routing and the engines send it
+        if self.trainer.moe.routing != "replay":
+            return self
+        settings = backend(self.engine).routing_settings
+        if settings is None:
+            raise ValueError(
+                f"trainer.moe.routing: replay needs the experts each token was routed to; engine.type "
+                f"{self.engine.type!r} does not report them (embedded and sglang do)"
+            )
+        if self.run.rollout != "env_manager":
+            raise ValueError(
+                "trainer.moe.routing: replay records routing in the EnvManager's episodes, not the gateway's"
+            )
+        for key, value in settings:
+            setattr(self.engine, key, value)
+        self.env_manager.return_routed_experts = True
+        return self
+
+    @model_validator(mode="after")
     def _devices_fit_the_run(self) -> RollmeshConfig:
         check_shape(self.devices, self.run.num_engines, gpus_per_engine(self.engine), self.run.trainer_procs)
         if self.devices.placement != "none" and not backend(self.engine).uses_gpu:

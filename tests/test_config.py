@@ -169,6 +169,22 @@ def test_ipc_handles_are_written_as_the_engine_reads_them():
     assert sglang.train_loop.publisher.encoding == "sglang"
 
 
+def test_routing_replay_has_the_rollout_record_routing_and_the_engines_send_it():
+    replay = "trainer.moe.routing=replay"
+    assert not load_config(None, []).env_manager.return_routed_experts
+    assert load_config(None, [replay]).env_manager.return_routed_experts
+    sglang = load_config(None, [replay, "engine={type: sglang}"])
+    assert sglang.engine.enable_return_routed_experts and sglang.env_manager.return_routed_experts
+    from services.auth import AuthConfig
+    from services.engine.sglang_server import sglang_command
+
+    assert "--enable-return-routed-experts" in sglang_command(sglang.engine, AuthConfig(token="t"))[0]
+    with pytest.raises(ConfigError, match="engine.type 'vllm' does not report them"):
+        load_config(None, [replay, "engine.type=vllm", "train_loop.publisher.type=disk"])
+    with pytest.raises(ConfigError, match="not the gateway's"):
+        load_config(None, [replay, "run.rollout=gateway"])
+
+
 DOMAINS = (
     "env_manager.domains=[{name: math, dataset_path: m.jsonl, weight: 3}, "
     "{name: code, dataset_path: c.jsonl, weight: 1, reward: {type: service}}, "

@@ -52,6 +52,9 @@ class Backend:
     uses_gpu: bool = True
     torch_threads: bool = False  # a torch process in rollmesh's hands: `rollmesh run` sets its num_threads
     colocated_settings: tuple[tuple[str, object], ...] = ()  # engine.<key> = value when colocated
+    # MoE routing replay: whether its answers can carry each position's experts, and engine.<key> = value
+    # that makes them (None: it cannot)
+    routing_settings: tuple[tuple[str, object], ...] | None = ()
     # How the ``ipc`` transport writes tensor handles for it (rollout/engines/tensor_handles.py):
     # rollmesh's own format, read by code, or SGLang's pickled one, which SGLang reads itself.
     handle_encoding: Literal["rollmesh", "sglang"] = "rollmesh"
@@ -85,6 +88,7 @@ BACKENDS: dict[str, Backend] = {
         "services.engine.vllm_server:serve",
         transports=frozenset({"disk", "collective"}),
         releases_memory=False,
+        routing_settings=None,  # vLLM has --enable-return-routed-experts; its client does not read it yet
     ),
     # SGLang frees GPU memory only with its memory saver.
     "sglang": Backend(
@@ -92,9 +96,17 @@ BACKENDS: dict[str, Backend] = {
         "sglang",
         "services.engine.sglang_server:serve",
         colocated_settings=(("enable_memory_saver", True),),
+        routing_settings=(("enable_return_routed_experts", True),),
         handle_encoding="sglang",
     ),
-    "sim": Backend(SimEngineConfig, "sglang", _IN_PROCESS, "rollout.engines.sim.engine:SimEngine", uses_gpu=False),
+    "sim": Backend(
+        SimEngineConfig,
+        "sglang",
+        _IN_PROCESS,
+        "rollout.engines.sim.engine:SimEngine",
+        uses_gpu=False,
+        routing_settings=None,
+    ),
 }
 
 # What `engine:` in a run config may be: one of the backends' configs, by `type` (default: embedded).

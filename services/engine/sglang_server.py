@@ -94,6 +94,8 @@ def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str]
             argv += [flag, str(value)]
     if cfg.enable_memory_saver:
         argv.append("--enable-memory-saver")
+    if cfg.enable_return_routed_experts:
+        argv.append("--enable-return-routed-experts")
     if bearer:
         argv += ["--config", secret_config({"api-key": bearer.removeprefix("Bearer ")})]
     if auth.tls and auth.tls.cert_path and auth.tls.key_path:

@@ -58,10 +58,11 @@ class ProxyClient:
         request_id: str = "",
         route: str = "",
         timeout_s: float = 0.0,
+        return_routed_experts: bool = False,
         **sampling,
     ) -> pb.GenerateResponse:
         sp = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
-        req = generate_request(input_ids, sp, request_id, route, timeout_s)
+        req = generate_request(input_ids, sp, request_id, route, timeout_s, 0, return_routed_experts)
         return await self.stub.Generate(req, timeout=(timeout_s or self.timeout_s) + 5.0)
 
     async def suspend(self, mode: int = pb.SUSPEND_MODE_CONTINUE, timeout_s: float = 30.0) -> pb.SuspendResponse:

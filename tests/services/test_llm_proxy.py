@@ -7,6 +7,7 @@ import os
 import signal
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -152,6 +153,54 @@ def test_suspend_update_resume_continues_from_partial_tokens(make_engine_process
     ids = list(out.output_ids)
     assert ids[:switch] == greedy(tiny_model, prompt, switch)
     assert ids[switch:] == greedy(tiny_model_b, prompt + ids[:switch], 600 - switch)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_b(tmp_path_factory) -> str:
+    from trainer.tiny_model import TinyModelConfig, build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_moe_b"), TinyModelConfig(arch="qwen3-moe", seed=1)))
+
+
+def _routing_of(model_path: str, ids: list[int]) -> np.ndarray:
+    """The experts a forward of ``model_path`` routes each of ``ids`` to (SGLang's layout)."""
+    from rollout.engines.embedded.routing import RoutingCapture
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    capture = RoutingCapture(model)
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    return capture.take(1, len(ids))[0]
+
+
+def test_routing_across_an_update_is_each_positions_own_forwards(make_engine_process, tiny_moe, tiny_moe_b):
+    """An MoE generation that spans suspend → update → resume has routing for every position but the
+    last: the positions forwarded before the update as the old weights routed them, the rest (the
+    prefix's last token re-prefilled first) as the new weights route them."""
+    _, url = make_engine_process(model=tiny_moe)
+    prompt = [1, 30, 31, 32]
+
+    async def scenario(client, proxy):
+        task = asyncio.create_task(client.generate(prompt, 300, request_id="moe", return_routed_experts=True, **GREEDY))
+        await decoding(proxy)
+        await client.suspend(pb.SUSPEND_MODE_CONTINUE)
+        update = await client.update_weights(tiny_moe_b, 1)
+        await client.resume()
+        plain = await client.generate(prompt, 3, **GREEDY)
+        return update, await task, plain
+
+    update, out, plain = run(scenario, [url])
+    assert update.success and out.num_segments == 2
+    ids = prompt + list(out.output_ids)
+    switch = len(prompt) + list(out.token_versions).index(1) - 1  # the first position forwarded under B
+    r = out.routed_experts
+    got = np.frombuffer(r.ids, dtype=np.uint8).reshape(-1, r.ids_per_token)
+    assert got.shape == (len(ids) - 1, 4 * 2) and r.itemsize == 1
+    a, b = _routing_of(tiny_moe, ids[:switch]), _routing_of(tiny_moe_b, ids[:-1])
+    by_set = lambda x: np.sort(x.reshape(len(x), 4, 2), -1)  # noqa: E731 (two equal gates: either order)
+    assert (by_set(got[:switch]) == by_set(a)).all() and (by_set(got[switch:]) == by_set(b[switch:])).all()
+    assert (by_set(a) != by_set(b[:switch])).any()  # the two models route differently: the test can tell
+    assert not plain.HasField("routed_experts")  # only when asked
 
 
 def teacher_forced(model_path, ids: list[int], start: int, temperature: float) -> list[float]:

@@ -49,6 +49,11 @@ class SGLangEngineConfig(EngineServerConfig):
         description="--enable-memory-saver: lets /release_memory_occupation free the GPU (devices.placement "
         "colocated switches it on).",
     )
+    enable_return_routed_experts: bool = Field(
+        False,
+        description="--enable-return-routed-experts: MoE routing for replay (trainer.moe.routing: replay "
+        "switches it on).",
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         description="Further sglang.launch_server flags, as given: [--chunked-prefill-size, '4096'].",
