@@ -172,4 +172,18 @@ SHAPES = {
         max_position_embeddings=32768,
         vocab_size=151936,
     ),
+    # Qwen3-30B-A3B's routing (top-8 of many experts per token, every layer MoE) at about 1 B parameters.
+    "qwen3-moe-small": TinyModelConfig(
+        arch="qwen3-moe",
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=256,
+        max_position_embeddings=4096,
+        vocab_size=151936,
+    ),
 }

@@ -47,6 +47,10 @@ _BYTES_FIELDS = ("handle", "ref_counter", "event")
 # that its deleter decrements at ``ref_counter_offset`` unchecked, a counter named /torch_<...>.
 # ``size`` and ``offset`` cannot be checked here: they are the sender's word for its allocation.
 _CUDA_IPC_HANDLE_SIZE = 64
+# Since torch 2.3 the caching allocator's handle is framed (CUDACachingAllocator's shareIpcHandle): a
+# version byte, then b"c" and the 64-byte cudaIpcMemHandle_t of a cudaMalloc block, or b"e" and an
+# expandable segment's description (a header and one handle per page), which torch itself parses.
+_MAX_CUDA_HANDLE = 1 << 16
 _CUDA_REF_COUNTER_SLOTS = 10_000
 _REF_COUNTER = re.compile(rb"/torch_[0-9A-Za-z_]{1,64}")
 
@@ -211,8 +215,13 @@ def _entry(i: int, e) -> TensorRef:
             _int(v, f"{where}.cuda.{k}")
         fields.append(v)
     device, handle, _, _, counter, counter_offset, event, _ = fields
-    if len(handle) != _CUDA_IPC_HANDLE_SIZE or len(event) != _CUDA_IPC_HANDLE_SIZE:
-        raise ValueError(f"{where}.cuda: handle and event are {_CUDA_IPC_HANDLE_SIZE} bytes each")
+    if not _cuda_handle_ok(handle):
+        raise ValueError(
+            f"{where}.cuda.handle: neither a {_CUDA_IPC_HANDLE_SIZE}-byte CUDA IPC handle nor torch's framed one "
+            f"(a version byte, then c and {_CUDA_IPC_HANDLE_SIZE} bytes, or e and at most {_MAX_CUDA_HANDLE} bytes)"
+        )
+    if len(event) != _CUDA_IPC_HANDLE_SIZE:
+        raise ValueError(f"{where}.cuda.event: a CUDA IPC event handle is {_CUDA_IPC_HANDLE_SIZE} bytes")
     if not _REF_COUNTER.fullmatch(counter):
         raise ValueError(f"{where}.cuda.ref_counter: not a torch reference-counter name")
     if counter_offset >= _CUDA_REF_COUNTER_SLOTS:
@@ -220,6 +229,15 @@ def _entry(i: int, e) -> TensorRef:
     if device >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
         raise ValueError(f"{where}.cuda.device: no CUDA device {device} here")
     return TensorRef(**ref, cuda=tuple(fields))
+
+
+def _cuda_handle_ok(handle: bytes) -> bool:
+    if len(handle) == _CUDA_IPC_HANDLE_SIZE:  # torch before 2.3: the raw handle
+        return True
+    kind = handle[1:2]
+    if kind == b"c":
+        return len(handle) == 2 + _CUDA_IPC_HANDLE_SIZE
+    return kind == b"e" and len(handle) <= _MAX_CUDA_HANDLE
 
 
 def describe(payload: str | bytes) -> list[TensorRef]:

@@ -25,7 +25,11 @@ PRODUCERS = 64  # concurrent episode workers putting groups
 GET_BATCH = 32
 
 
-def make_payloads(n_distinct: int, group_size: int, tokens: int) -> list[bytes]:
+def make_payloads(
+    n_distinct: int, group_size: int, tokens: int, routing_ids: int = 0, experts: int = 128
+) -> list[bytes]:
+    """Encoded groups; ``routing_ids`` > 0: each trajectory carries MoE routing of that many ids per
+    token (layers × top_k, e.g. Qwen3-30B-A3B's 48 × 8) among ``experts``, as routing replay records."""
     rng = np.random.default_rng(0)
     prompt = tokens // 4
     out = []
@@ -41,6 +45,11 @@ def make_payloads(n_distinct: int, group_size: int, tokens: int) -> list[bytes]:
                 token_versions=np.zeros(tokens - prompt),
                 reward=float(i % 2),
                 start_version=0,
+                routed_experts=rng.integers(
+                    0, experts, (tokens - 1, routing_ids), dtype=np.uint8 if experts <= 256 else np.uint16
+                )
+                if routing_ids
+                else None,
             )
             for i in range(group_size)
         ]
@@ -104,11 +113,11 @@ async def _raw_redis(url: str, value: bytes, ops: int) -> float:
     return ops / wall
 
 
-def run(groups: int = 20_000, group_size: int = 8, tokens: int = 512) -> dict:
+def run(groups: int = 20_000, group_size: int = 8, tokens: int = 512, routing_ids: int = 0) -> dict:
     import uvloop
 
     t = time.perf_counter()
-    payloads = make_payloads(64, group_size, tokens)
+    payloads = make_payloads(64, group_size, tokens, routing_ids)
     encode_ms = (time.perf_counter() - t) / 64 * 1000
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(Path(tmp)).start()

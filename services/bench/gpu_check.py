@@ -15,6 +15,10 @@ downloaded):
   with two GPUs or more, ``collective_nccl`` (the engine on the second GPU: NCCL refuses two ranks of
   one group on one GPU). Each reports seconds, GB/s and whether the engine's checksum equals the
   trainer's.
+- ``moe``: routing replay on a random Qwen3-MoE of about 1 B parameters (64 experts, top-8, 16 layers):
+  the embedded engine in bfloat16 on CUDA samples with its routing recorded; the float32 trainer's
+  log-prob mismatch against it with free and with replayed routing, and how often the two route a
+  token differently (``bench moe``).
 
 A section that fails is reported with its error and the others still run; the command then exits 1.
 Without CUDA it exits 2 at once.
@@ -105,9 +109,19 @@ def run(steps: int = 5, num_prompts: int = 256, max_new_tokens: int = 128, progr
                 r["collective_nccl"] = "not run: NCCL needs the trainer and the engine on different GPUs (2+)"
             return r
 
-        for name, fn in (("trainer", trainer), ("engine", engine), ("weights", weights)):
+        def moe() -> dict:
+            from services.bench.moe_bench import mismatch
+
+            progress("building a random qwen3-moe-small-shaped model")
+            moe_model = str(build_tiny_model(Path(tmp) / "moe", SHAPES["qwen3-moe-small"]))
+            r = mismatch(moe_model, "bfloat16", num_prompts=64, max_new_tokens=64, device="cuda", progress=progress)
+            torch.cuda.empty_cache()
+            return {"shape": "qwen3-moe-small", **r}
+
+        sections = (("trainer", trainer), ("engine", engine), ("weights", weights), ("moe", moe))
+        for name, fn in sections:
             progress(f"== {name}")
             out[name] = _section(name, fn, progress)
-    out["failed_sections"] = [k for k in ("trainer", "engine", "weights") if "error" in out[k]]
+    out["failed_sections"] = [k for k, _ in sections if "error" in out[k]]
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out

@@ -78,6 +78,25 @@ def bench_buffer(
     emit(run(groups, group_size, tokens), json_)
 
 
+@app.command("moe")
+def bench_moe(
+    model: Path | None = typer.Option(None, help="An MoE model directory; default: the tiny Qwen3-MoE, random."),
+    engine_dtype: str = typer.Option("bfloat16", help="The engine's dtype (the trainer's is float32)."),
+    num_prompts: int = typer.Option(64, help="Answers to sample."),
+    max_new_tokens: int = typer.Option(48, help="Tokens per answer."),
+    groups: int = typer.Option(2000, help="Groups through the buffer, with and without routing (0: skip)."),
+    routing_ids: int = typer.Option(384, help="Routing ids per token for the buffer part (Qwen3-30B-A3B: 48 x 8)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Routing replay: the engine–trainer log-prob mismatch with and without it, and routing's cost."""
+    from services.bench.moe_bench import run
+
+    model_path = None if model is None else str(model)
+    args = (model_path, engine_dtype, num_prompts, max_new_tokens, groups, routing_ids, device)
+    emit(checked(run, *args, progress_printer(json_)), json_)
+
+
 @app.command("trainer")
 def bench_trainer(
     model: Path | None = typer.Option(None, help="Model directory; default: a random model of --shape."),

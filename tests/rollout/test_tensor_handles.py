@@ -138,11 +138,24 @@ def test_cuda_entries_are_read_field_by_field(monkeypatch):
     (ref,) = th.describe(_payload({"format": th.FORMAT, "tensors": [entry]}))
     assert ref.cuda == (0, b"h" * 64, 16, 0, b"/torch_123_456_0", 0, b"e" * 64, True)
     assert ref.nbytes_spanned() == 16
+    for framed in (b"\x02c" + b"h" * 64, b"\x02e" + b"h" * 300):  # torch >= 2.3: cudaMalloc, expandable segment
+        (ref,) = th.describe(
+            _payload(
+                {
+                    "format": th.FORMAT,
+                    "tensors": [{**entry, "cuda": {**cuda, "handle": base64.b64encode(framed).decode()}}],
+                }
+            )
+        )
+        assert ref.cuda[1] == framed
     b64 = base64.b64encode
     for field, value, error in [
         ("handle", "!!", "cuda.handle: expected base64"),
-        ("handle", b64(b"h" * 63).decode(), "handle and event are 64 bytes each"),
-        ("event", b64(b"e" * 65).decode(), "handle and event are 64 bytes each"),
+        ("handle", b64(b"h" * 63).decode(), "cuda.handle: neither a 64-byte CUDA IPC handle"),
+        ("handle", b64(b"\x02c" + b"h" * 63).decode(), "cuda.handle: neither"),  # torch's framing, short
+        ("handle", b64(b"\x02x" + b"h" * 64).decode(), "cuda.handle: neither"),  # an unknown kind
+        ("handle", b64(b"\x02e" + b"h" * 65536).decode(), "cuda.handle: neither"),  # past the bound
+        ("event", b64(b"e" * 65).decode(), "cuda.event: a CUDA IPC event handle is 64 bytes"),
         ("ref_counter", b64(b"/etc/passwd").decode(), "not a torch reference-counter name"),
         ("ref_counter_offset", 10_000, "ref_counter_offset: at most 9999"),  # torch decrements it unchecked
         ("device", 1, "no CUDA device 1 here"),
