@@ -24,6 +24,7 @@ NOT_CONFIG = {
     "metadata.error_kind",
     "metadata.turn_temperatures",
     "sglang.launch_server",
+    "meta_info.routed_experts",  # SGLang's answer field
     "kernel.unprivileged_userns_clone",
 }  # (a sysctl)
 
