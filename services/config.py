@@ -202,7 +202,8 @@ class RollmeshConfig(BaseModel):
     @model_validator(mode="after")
     def _replay_has_routing_recorded(self) -> RollmeshConfig:
         # trainer.moe.routing owns the choice: the rollout records routing and the engines send it
-        if self.trainer.moe.routing != "replay":
+        moe = getattr(self.trainer, "moe", None)  # the simulated trainer has no model, no MoE
+        if moe is None or moe.routing != "replay":
             return self
         settings = backend(self.engine).routing_settings
         if settings is None:

@@ -18,6 +18,15 @@ for _name in (TOKEN_ENV, CONTROL_TOKEN_ENV, PROVIDER_TOKEN_ENV):
     os.environ.setdefault(_name, f"test-{_name.lower()}-" + secrets.token_urlsafe(16))
 
 
+# Two workers on two cores: one torch thread each. With torch's default (a thread per core) each worker's
+# OpenMP threads spin against the other's, and a test of many small ops (an MoE's expert loop) ran 50x
+# slower (27 s against 0.5 s).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
+
+
 # `make test` runs two workers (pytest-xdist). Tests that share something machine-wide run on one
 # worker: the session's vLLM servers (started once, not once a worker) and the code sandbox's uids
 # (uid_base + slot in every process: two processes' runs would share one process limit, so a fork

@@ -203,6 +203,20 @@ def test_routing_across_an_update_is_each_positions_own_forwards(make_engine_pro
     assert not plain.HasField("routed_experts")  # only when asked
 
 
+def test_routing_asked_of_a_dense_model_is_invalid_argument_naming_the_field(make_engine_process):
+    _, url = make_engine_process()
+
+    async def scenario(client, proxy):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.generate([1, 2, 3], 2, return_routed_experts=True)
+        return e.value, await client.generate([1, 2, 3], 2)
+
+    error, ok = run(scenario, [url])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith("return_routed_experts:") and "no mixture-of-experts layers" in error.details()
+    assert len(ok.output_ids) == 2  # and the proxy keeps serving
+
+
 def teacher_forced(model_path, ids: list[int], start: int, temperature: float) -> list[float]:
     """log π(ids[i] | ids[:i]) at ``temperature`` for i >= start, from a fresh forward of the model."""
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()

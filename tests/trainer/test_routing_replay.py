@@ -2,7 +2,8 @@
 
 On the tiny Qwen3-MoE: replaying the routing a forward of the same weights chose reproduces the free
 forward, packed and unpacked; other routing changes the numbers while the router still gets its
-gradient, and the reference model replays it too; a trajectory whose routing is missing, partial or
+gradient, and the reference model replays it too; activation checkpointing's recomputation replays
+the same experts; a trajectory whose routing is missing, partial or
 not this model's is not trained on and is counted; replay on a dense model is refused at start.
 """
 
@@ -60,6 +61,18 @@ def test_other_routing_is_what_the_forward_uses_and_the_router_still_learns(tiny
     assert stats["routing_dropped"] == 0
     moved = {n: (p - routers[n]).abs().max().item() for n, p in engine.model.named_parameters() if n in routers}
     assert all(v > 0 for v in moved.values()), moved  # the gates are the router's: it gets a gradient
+
+
+def test_activation_checkpointing_recomputes_each_layer_with_the_replayed_experts(tiny_moe):
+    """The backward recomputes every layer after the forward returned: it must replay the same ids."""
+    states = []
+    for checkpointing in (False, True):
+        engine = TrainEngine(
+            TrainerConfig(model_path=tiny_moe, lr=1e-2, moe=REPLAY, activation_checkpointing=checkpointing)
+        )
+        engine.train_step(random_routing(toy_batch(seed=6), moe_shape(engine.model), seed=2))
+        states.append({n: p.detach().clone() for n, p in engine.model.named_parameters()})
+    assert all((states[0][n] - states[1][n]).abs().max().item() <= 1e-6 for n in states[0])
 
 
 def test_a_trajectory_without_complete_routing_for_this_model_is_not_trained_on(tiny_moe):

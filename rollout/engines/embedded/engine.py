@@ -37,7 +37,7 @@ from rollout.engines.embedded.sampling import sample_next_tokens, top_logprobs
 from rollout.engines.embedded.weights import check_named_tensors, copy_named_tensors, weights_checksum
 from rollout.engines.scheduler import SchedulerCommands
 from rollout.sampling import SamplingParams
-from sample_buffer.routing import routers_of
+from sample_buffer.routing import routers_of, routing_dtype
 
 log = logging.getLogger(__name__)
 
@@ -546,5 +546,5 @@ class EmbeddedEngine(SchedulerCommands):
 
 def _joined(chunks: list[np.ndarray], capture: RoutingCapture) -> np.ndarray:
     if not chunks:  # aborted before its first forward
-        return np.zeros((0, capture.width), dtype=np.uint8 if capture.num_experts <= 256 else np.uint16)
+        return np.zeros((0, capture.width), dtype=routing_dtype(capture.num_experts - 1))
     return np.concatenate(chunks)

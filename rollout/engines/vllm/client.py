@@ -156,8 +156,17 @@ class VLLMClient(HTTPEngineClient):
         timeout_s: float | None = None,
         top_logprobs: int = 0,
         on_tokens: OnTokens | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> EngineResult:
-        """As ``SGLangClient.generate``: ``on_tokens`` streams it (vLLM's ``stream: true``)."""
+        """As ``SGLangClient.generate``: ``on_tokens`` streams it (vLLM's ``stream: true``). MoE
+        routing is not read from vLLM yet (its ``--enable-return-routed-experts`` answers differ)."""
+        if return_routed_experts:
+            raise EngineRejected(
+                "return_routed_experts: rollmesh's vLLM client does not read MoE routing yet (use engine.type "
+                "embedded or sglang)",
+                field="return_routed_experts",
+            )
         sampling = vllm_sampling(sampling_params, return_logprob, top_logprobs)
         payload = {"token_ids": input_ids, "sampling_params": sampling}
         if rid is not None:
