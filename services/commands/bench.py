@@ -295,7 +295,9 @@ def bench_chaos(
 
 @app.command("offpolicy")
 def bench_offpolicy(
-    example: str = typer.Option("quickstart", help="quickstart (tiny model, 100 steps) or smollm2-math (40 steps)."),
+    example: str = typer.Option(
+        "quickstart", help="quickstart (tiny model, 100 steps), smollm2-math (40) or moe-quickstart (tiny MoE, 100)."
+    ),
     model: Path = typer.Option(None, help="The example's model; default models/tiny-digits or models/smollm2."),
     loss: list[str] = typer.Option([], "--loss", help="Losses to compare (repeatable); default: all of them."),
     ratio: list[int] = typer.Option([], "--ratio", help="Async ratios (repeatable); default: 0, 2 and 8."),
