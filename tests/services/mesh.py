@@ -45,6 +45,24 @@ async def local_mesh(engine_url: str | list[str], model_path: str, buffer: dict 
         await proxy.close()
 
 
+def disk_train_loop(mesh, engine, run_dir, steps: int, groups_per_step: int, max_staleness: int):
+    """The training loop on the mesh: ``steps`` steps of ``engine``, weights published from disk."""
+    from services.weight_transports.disk import DiskPublisher
+    from trainer.config import TrainLoopConfig
+    from trainer.loop import TrainLoop
+
+    cfg = TrainLoopConfig(steps=steps, run_dir=str(run_dir), checkpoint_every=0, get_timeout_s=60)
+    return TrainLoop(
+        cfg,
+        engine,
+        source=mesh.buffer_client,
+        control=mesh.controller_client,
+        publisher=DiskPublisher(mesh.proxy_client, cfg.run_dir, cfg.keep_weight_versions),
+        groups_per_step=groups_per_step,
+        max_staleness=max_staleness,
+    )
+
+
 def digit_rollout(mesh, tokenizer_path: str):
     """An EnvManager rollout loop on the mesh: groups of 4 two-token answers to digit prompts."""
     from services.env_manager.config import EnvManagerConfig

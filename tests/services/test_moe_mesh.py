@@ -10,11 +10,9 @@ import asyncio
 
 from services.env_manager.config import EnvManagerConfig
 from services.env_manager.server import build_loop
-from services.weight_transports.disk import DiskPublisher
-from tests.services.mesh import local_mesh
-from trainer.config import TrainerConfig, TrainLoopConfig
+from tests.services.mesh import disk_train_loop, local_mesh
+from trainer.config import TrainerConfig
 from trainer.engine import TrainEngine
-from trainer.loop import TrainLoop
 
 STEPS = 3
 
@@ -42,16 +40,7 @@ async def _run(url: str, model: str, run_dir, engine: TrainEngine):
             mesh.buffer_client,
             mesh.controller_client,
         )
-        cfg = TrainLoopConfig(steps=STEPS, run_dir=str(run_dir), checkpoint_every=0, get_timeout_s=60)
-        loop = TrainLoop(
-            cfg,
-            engine,
-            source=mesh.buffer_client,
-            control=mesh.controller_client,
-            publisher=DiskPublisher(mesh.proxy_client, cfg.run_dir, cfg.keep_weight_versions),
-            groups_per_step=2,
-            max_staleness=2,
-        )
+        loop = disk_train_loop(mesh, engine, run_dir, STEPS, groups_per_step=2, max_staleness=2)
         await env.start()
         try:
             await loop.join()
