@@ -188,7 +188,9 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
     mask = [0] * len(tokens)
     logprobs: list[float] = []
     versions: list[int] = []
-    experts = None  # MoE routing replay: each forwarded position's experts, from the turn that forwarded it first
+    # MoE routing replay: each forwarded position's experts, from the turn that forwarded it first; a turn
+    # without them (not asked, or not sent) leaves the trajectory without any: never filled in by a later one
+    experts, turn_without_routing = None, False
     # The environment's budgets (a remote one's are known once it is reset) within the config's limits.
     clock = EpisodeClock(config.step_timeout_s, config.generation_timeout_s, getattr(env, "budgets", None), started)
     sampling, penalty = clock.sampling(config.sampling), config.latency_penalty
@@ -214,7 +216,14 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         mask += [1] * len(gen.output_ids)
         logprobs += gen.behavior_logprobs
         versions += gen.token_versions
-        experts = routing.extend(experts, gen.routed_experts)
+        if gen.routed_experts is None:
+            turn_without_routing = True
+        else:
+            try:
+                experts = routing.extend(experts, gen.routed_experts)
+            except routing.RoutingError as e:  # another width than the turn before: not this run's model
+                log.warning("%s: %s; its routing is dropped", trajectory_id, e)
+                turn_without_routing = True
         if gen.finish_reason in _ENDS_EPISODE:
             _report(observer.turn, env.name, generate_s, None)
             finish = gen.finish_reason
@@ -267,7 +276,7 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         reward=reward,
         start_version=versions[0] if versions else 0,
         finish_reason=finish,
-        routed_experts=experts,
+        routed_experts=None if turn_without_routing else experts,
         metadata={
             "env": env.name,
             "turn_starts": turns,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from sample_buffer import routing
 from sample_buffer.trajectory import DOMAIN_NAME, Group, Trajectory, TrajectoryError
 
 FORMAT_VERSION = 1
@@ -55,11 +56,7 @@ def _routing(a: np.ndarray) -> list:
 def _routing_of(field) -> np.ndarray:
     """``[bytes, width, itemsize]`` back as the ``[P, width]`` array (``sample_buffer/routing.py``)."""
     data, width, itemsize = field
-    dtype = {1: "<u1", 2: "<u2"}[itemsize]  # KeyError: corrupt
-    flat = np.frombuffer(data, dtype=dtype)
-    if width <= 0 or flat.size % width:
-        raise ValueError(f"routed_experts: {flat.size} ids are not whole rows of {width}")
-    return flat.reshape(-1, width)
+    return routing.from_bytes(data, width, itemsize)  # RoutingError is a ValueError: corrupt
 
 
 def encode_group(group: Group, compress: bool = False) -> bytes:
@@ -171,7 +168,7 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
         raise
     except TrajectoryError as e:
         raise CodecError(f"decoded group {head.group_id!r} is invalid: {e}") from None
-    except (ValueError, TypeError, IndexError, KeyError, OverflowError, zlib.error, msgpack.UnpackException) as e:
+    except (ValueError, TypeError, IndexError, OverflowError, zlib.error, msgpack.UnpackException) as e:
         raise CodecError(f"corrupt group body: {type(e).__name__}: {e}") from None
     if len(trajs) != head.size:
         raise CodecError(f"group {head.group_id!r}: header says {head.size} trajectories, body has {len(trajs)}")

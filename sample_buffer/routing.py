@@ -40,9 +40,10 @@ def routing_dtype(max_id: int) -> np.dtype:
     raise RoutingError(f"routed_experts: expert id {max_id} does not fit 16 bits")
 
 
-def decode_sglang(b64: str, positions: int) -> np.ndarray:
+def decode_sglang(b64: str, positions: int) -> np.ndarray | None:
     """SGLang's ``meta_info.routed_experts`` (base64 of little-endian int32, ``[positions, layers,
-    top_k]`` flattened, no shape sent) as the stored ``[positions, layers × top_k]`` array."""
+    top_k]`` flattened, no shape sent) as the stored ``[positions, layers × top_k]`` array; None when
+    it holds no ids (a request aborted before its first forward: nothing was routed)."""
     try:
         raw = base64.b64decode(b64, validate=True)
     except (ValueError, TypeError) as e:
@@ -50,10 +51,10 @@ def decode_sglang(b64: str, positions: int) -> np.ndarray:
     if len(raw) % 4:
         raise RoutingError(f"routed_experts: {len(raw)} bytes are not int32 ids")
     ids = np.frombuffer(raw, dtype="<i4")
+    if not ids.size:
+        return None
     if positions <= 0:
-        if ids.size:
-            raise RoutingError(f"routed_experts: {ids.size} ids for no forwarded position")
-        return np.zeros((0, 1), dtype=ROUTING_DTYPES[0])
+        raise RoutingError(f"routed_experts: {ids.size} ids for no forwarded position")
     if ids.size % positions:
         raise RoutingError(f"routed_experts: {ids.size} ids are not {positions} positions × layers × top_k")
     return compact(ids, ids.size // positions)
@@ -62,6 +63,16 @@ def decode_sglang(b64: str, positions: int) -> np.ndarray:
 def encode_sglang(routing: np.ndarray) -> str:
     """The stored array as SGLang sends it."""
     return base64.b64encode(routing.astype("<i4").tobytes()).decode()
+
+
+def from_bytes(data: bytes, width: int, itemsize: int) -> np.ndarray:
+    """The stored array from its wire form (the codec's, the LLMProxy's): little-endian unsigned ids
+    of ``itemsize`` bytes, ``width`` per position."""
+    if itemsize not in (1, 2) or width <= 0:
+        raise RoutingError(f"routed_experts: itemsize {itemsize} (1 or 2) and {width} ids per position (> 0)")
+    if len(data) % (itemsize * width):
+        raise RoutingError(f"routed_experts: {len(data)} bytes are not whole rows of {width} × {itemsize}-byte ids")
+    return np.frombuffer(data, dtype="<u1" if itemsize == 1 else "<u2").reshape(-1, width)
 
 
 def compact(ids: np.ndarray, width: int) -> np.ndarray:
@@ -99,7 +110,7 @@ def extend(have: np.ndarray | None, new: np.ndarray | None, start: int = 0) -> n
     the earlier tokens, possibly under other weights; each position keeps the routing of the forward
     that produced the tokens after it, so earlier rows are never replaced. ``new``'s first row is
     position ``start`` (SGLang's ``routed_experts_start_len``; 0: the prompt's first token)."""
-    if new is None:
+    if new is None or not len(new):
         return have
     held = 0 if have is None else len(have)
     if start > held:

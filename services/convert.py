@@ -65,14 +65,7 @@ def routed_experts_to_pb(ids: np.ndarray) -> proxy_pb.RoutedExperts:
 def routed_experts_from_pb(msg: proxy_pb.RoutedExperts) -> np.ndarray:
     """The ``[positions, layers × top_k]`` array (``sample_buffer/routing.py``); a malformed one
     raises ``RoutingError``."""
-    if msg.itemsize not in (1, 2) or msg.ids_per_token == 0:
-        raise routing.RoutingError(
-            f"routed_experts: itemsize {msg.itemsize} (1 or 2), ids_per_token {msg.ids_per_token}"
-        )
-    flat = np.frombuffer(msg.ids, dtype="<u1" if msg.itemsize == 1 else "<u2")
-    if flat.size % msg.ids_per_token:
-        raise routing.RoutingError(f"routed_experts: {flat.size} ids are not rows of {msg.ids_per_token}")
-    return flat.reshape(-1, msg.ids_per_token)
+    return routing.from_bytes(msg.ids, msg.ids_per_token, msg.itemsize)
 
 
 # The call never reached a handler, or the server is busy or going away: worth another try.

@@ -7,6 +7,9 @@ MAX_WEIGHT_BUCKET_MB = 1024
 # sends it (a Generate's prompt is a few hundred KiB at 128k tokens).
 WEIGHT_CHUNK_BYTES = 4 << 20
 PROXY_MAX_MESSAGE_BYTES = 8 << 20
+# The largest answer a ``Generate`` client takes: MoE routing (replay) adds layers × top_k bytes a
+# position, 384 at Qwen3-30B-A3B's size, which passed gRPC's 4 MiB past 11k positions; 64 MiB is 170k.
+PROXY_MAX_RESPONSE_BYTES = 64 << 20
 # The largest SampleBuffer message received: a ``Put`` of groups (``PutBatcher`` sends a batch
 # before it reaches PUT_BATCH_BYTES). A ``Get``'s batch, sent, may be larger.
 SAMPLE_BUFFER_MAX_PUT_BYTES = 64 << 20

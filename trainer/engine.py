@@ -250,17 +250,12 @@ class TrainEngine:
             if not _mixes_attention(model):  # Llama's, Qwen3-MoE's, ... forward takes one mask, not a mapping
                 masks = masks["full_attention"]
             if replay is not None and experts is not None:
-                places = {}
+                places = {}  # where each sequence starts: (row, column)
                 for r, row in enumerate(rows):
                     start = 0
                     for i in row:
                         places[i], start = (r, start), start + len(seqs[i])
-                kept = [i for i in range(len(seqs)) if experts[i] is not None]
-                replay.set(
-                    replay_ids(
-                        [experts[i] for i in kept], [places[i] for i in kept], *ids.shape, replay.shape, self.device
-                    )
-                )
+                replay.set(self._replay_ids(experts, places, ids.shape, replay))
             with self._compute_precision():
                 logits = model(input_ids=ids, position_ids=positions, attention_mask=masks).logits
             row_temps = None
@@ -288,10 +283,7 @@ class TrainEngine:
             return lp, ent
         ids, attn = padded_inputs(seqs, self.device)
         if replay is not None and experts is not None:
-            kept = [i for i in range(len(seqs)) if experts[i] is not None]
-            replay.set(
-                replay_ids([experts[i] for i in kept], [(i, 0) for i in kept], *ids.shape, replay.shape, self.device)
-            )
+            replay.set(self._replay_ids(experts, {i: (i, 0) for i in range(len(seqs))}, ids.shape, replay))
         with self._compute_precision():
             logits = model(input_ids=ids, attention_mask=attn).logits
         temps = None if temps is None else temps[:, : ids.shape[1]]
@@ -340,7 +332,20 @@ class TrainEngine:
             out[rows] = lp
             if entropy:
                 ent[rows] = e
+        self._free_routing()
         return (out, ent) if entropy else out
+
+    def _replay_ids(self, experts: list, places: dict, shape, replay: RoutingReplay) -> torch.Tensor:
+        """The ids of one forward over ``shape`` ([rows, columns]) tokens, sequence i's from ``places[i]``
+        on (a sequence without routing goes to the filler experts: it is not trained on)."""
+        kept = [i for i, e in enumerate(experts) if e is not None]
+        return replay_ids([experts[i] for i in kept], [places[i] for i in kept], *shape, replay.shape, self.device)
+
+    def _free_routing(self) -> None:
+        """Routing replay's ids cleared once their forwards (and backwards) are done: a forward that is
+        not the trainer's own (the audit's) routes freely, never with another batch's experts."""
+        for replay in self.replay.values():
+            replay.set(None)
 
     def values(self, batch: TrainBatch, grad: bool = False) -> torch.Tensor:
         ids, attn = padded_inputs(batch.sequences, self.device)
@@ -389,6 +394,7 @@ class TrainEngine:
                     for k, v in got.items():
                         sums[k] += v
                     updates += 1
+        self._free_routing()
         bounded = {} if start is None else self._bound_step(batch, start, prox, mask)
         self.scheduler.step()  # once per version: the schedule spans the run's steps
         if before is not None:
@@ -415,11 +421,15 @@ class TrainEngine:
 
     def _unroutable(self, batch: TrainBatch) -> int:
         """Routing replay: a trajectory whose routing is missing, partial or not this model's is not
-        trained on (its loss mask zeroed, its experts forgotten: it routes freely where it is still
-        forwarded) rather than trained with wrong experts. Returns how many."""
+        trained on (its loss mask zeroed; still forwarded, its positions go to experts 0..top_k-1)
+        rather than trained with wrong experts. Returns how many."""
         shape = next(iter(self.replay.values())).shape
         experts = batch.routed_experts or [None] * len(batch.sequences)
-        why = {i: usable(experts[i], len(seq), shape) for i, seq in enumerate(batch.sequences)}
+        # Positions that must route as the engine did: every one before the last generated token (what
+        # comes after it, an environment's last observation, is never trained on).
+        generated = batch.loss_mask > 0
+        needed = [int(row.nonzero().max()) if row.any() else 0 for row in generated]
+        why = {i: usable(experts[i], needed[i], shape) for i in range(len(batch.sequences))}
         bad = {i: w for i, w in why.items() if w is not None}
         for i in bad:
             batch.loss_mask[i] = 0

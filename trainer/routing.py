@@ -25,10 +25,12 @@ SOFTMAX_TOPK_ROUTERS = frozenset({"Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "M
 
 
 class RoutingReplay:
-    """Wraps every router of ``model``: with ids ``set`` ([tokens, layers, top_k] for the tokens of
-    the next forward, flattened as the model flattens its [rows, columns] input) the routers use
-    them; with None they route freely. The ids stay set until the next ``set``: activation
-    checkpointing recomputes a layer in the backward, which must replay the same experts."""
+    """A forward hook on every router of ``model``: with ids ``set`` ([tokens, layers, top_k] for the
+    tokens of the next forward, flattened as the model flattens its [rows, columns] input) the routers'
+    outputs become the replayed experts and their gates; with None they route freely. The trainer sets
+    them for each of its forwards and keeps them until its backward is done (activation checkpointing
+    recomputes each layer there, which must replay the same experts), then clears them: any other
+    forward (the audit's, a copy of the model's: a hook is copied with its module) routes freely."""
 
     def __init__(self, model: torch.nn.Module, where: str = "trainer.moe.routing") -> None:
         routers = routers_of(model)
@@ -42,27 +44,25 @@ class RoutingReplay:
         self.shape = moe_shape(model)
         self._ids: torch.Tensor | None = None
         for layer, router in routers.items():
-            router.forward = self._replaying(router, router.forward, layer)
+            router.register_forward_hook(self._replaying(layer))
 
     def set(self, ids: torch.Tensor | None) -> None:
         self._ids = ids
 
-    def _replaying(self, router, free, layer: int):
-        normalises = bool(getattr(router, "norm_topk_prob", True))  # Mixtral's router always does
-
-        def forward(hidden_states):
-            logits, scores, chosen = free(hidden_states)
+    def _replaying(self, layer: int):
+        def hook(router, _args, output):
             if self._ids is None:
-                return logits, scores, chosen
+                return None  # the router's own choice stands
+            logits, scores, chosen = output
             ids = self._ids[:, layer].to(chosen.device, torch.long)
             if ids.shape != chosen.shape:
                 raise ValueError(f"routing replay: ids {tuple(ids.shape)} for a forward of {tuple(chosen.shape)}")
             gates = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
-            if normalises:
+            if getattr(router, "norm_topk_prob", True):  # Mixtral's router always renormalises
                 gates = gates / gates.sum(dim=-1, keepdim=True)
             return logits, gates.to(scores.dtype), ids
 
-        return forward
+        return hook
 
 
 def replay_ids(
@@ -78,11 +78,12 @@ def replay_ids(
     return ids.reshape(rows * columns, shape.layers, k).to(device)
 
 
-def usable(r: np.ndarray | None, num_tokens: int, shape: MoEShape) -> str | None:
-    """Why a trajectory's routing cannot be replayed (None: it can): missing, partial, or not this model's."""
+def usable(r: np.ndarray | None, needed: int, shape: MoEShape) -> str | None:
+    """Why a trajectory's routing cannot be replayed (None: it can): missing, partial (fewer than the
+    ``needed`` positions: every one before its last generated token), or not this model's."""
     if r is None:
         return "missing"
-    if len(r) != num_tokens - 1:
+    if len(r) < needed:
         return "partial"
     try:
         routing.check_model(r, shape.layers, shape.top_k, shape.num_experts)

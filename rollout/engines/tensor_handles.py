@@ -51,6 +51,7 @@ _CUDA_IPC_HANDLE_SIZE = 64
 # version byte, then b"c" and the 64-byte cudaIpcMemHandle_t of a cudaMalloc block, or b"e" and an
 # expandable segment's description (a header and one handle per page), which torch itself parses.
 _MAX_CUDA_HANDLE = 1 << 16
+_HANDLE_VERSION = b"\x02"  # torch 2.3 to 2.11 (seen on an H100 with 2.11)
 _CUDA_REF_COUNTER_SLOTS = 10_000
 _REF_COUNTER = re.compile(rb"/torch_[0-9A-Za-z_]{1,64}")
 
@@ -234,10 +235,12 @@ def _entry(i: int, e) -> TensorRef:
 def _cuda_handle_ok(handle: bytes) -> bool:
     if len(handle) == _CUDA_IPC_HANDLE_SIZE:  # torch before 2.3: the raw handle
         return True
-    kind = handle[1:2]
+    version, kind = handle[:1], handle[1:2]
+    if version != _HANDLE_VERSION:
+        return False
     if kind == b"c":
         return len(handle) == 2 + _CUDA_IPC_HANDLE_SIZE
-    return kind == b"e" and len(handle) <= _MAX_CUDA_HANDLE
+    return kind == b"e" and 2 + _CUDA_IPC_HANDLE_SIZE <= len(handle) <= _MAX_CUDA_HANDLE
 
 
 def describe(payload: str | bytes) -> list[TensorRef]:

@@ -36,7 +36,7 @@ def _prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
 
 def _token_stats(lp, behav, mask) -> dict:
     d = (lp - behav)[mask > 0]
-    log_r = (behav - lp)[mask > 0]  # log μ/π on tokens sampled from μ: k3 estimates KL(μ ‖ π)
+    log_r = (lp - behav)[mask > 0]  # log π/μ on tokens sampled from μ: k3 estimates KL(μ ‖ π)
     a = d.abs()
     return {
         "abs_diff_mean": float(a.mean()),

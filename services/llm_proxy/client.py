@@ -15,7 +15,7 @@ from services.convert import finish_from_pb, project_error, routed_experts_from_
 from services.grpc_util import channel
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2_grpc
-from services.wire_limits import WEIGHT_CHUNK_BYTES
+from services.wire_limits import PROXY_MAX_RESPONSE_BYTES, WEIGHT_CHUNK_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class ProxyClient:
     def __init__(self, address: str, timeout_s: float = 300.0, auth: AuthConfig | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = channel(address, auth=auth)
+        self._channel = channel(address, [("grpc.max_receive_message_length", PROXY_MAX_RESPONSE_BYTES)], auth)
         self.stub = llm_proxy_pb2_grpc.LLMProxyStub(self._channel)
 
     async def close(self) -> None:

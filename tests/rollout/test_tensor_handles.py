@@ -155,6 +155,8 @@ def test_cuda_entries_are_read_field_by_field(monkeypatch):
         ("handle", b64(b"\x02c" + b"h" * 63).decode(), "cuda.handle: neither"),  # torch's framing, short
         ("handle", b64(b"\x02x" + b"h" * 64).decode(), "cuda.handle: neither"),  # an unknown kind
         ("handle", b64(b"\x02e" + b"h" * 65536).decode(), "cuda.handle: neither"),  # past the bound
+        ("handle", b64(b"\x02e" + b"h" * 10).decode(), "cuda.handle: neither"),  # no handle in it
+        ("handle", b64(b"\x09c" + b"h" * 64).decode(), "cuda.handle: neither"),  # a framing torch never wrote
         ("event", b64(b"e" * 65).decode(), "cuda.event: a CUDA IPC event handle is 64 bytes"),
         ("ref_counter", b64(b"/etc/passwd").decode(), "not a torch reference-counter name"),
         ("ref_counter_offset", 10_000, "ref_counter_offset: at most 9999"),  # torch decrements it unchecked

@@ -37,7 +37,7 @@ def test_sglangs_encoding_round_trips_and_is_stored_narrow():
     assert routing.encode_sglang(stored) == b64
     wide = routing.compact(np.array([[0, 300]]), 2)
     assert wide.dtype == np.uint16
-    assert routing.decode_sglang("", positions=0).shape[0] == 0
+    assert routing.decode_sglang("", positions=12) is None  # aborted before its first forward: nothing routed
 
 
 @pytest.mark.parametrize(
@@ -49,6 +49,7 @@ def test_sglangs_encoding_round_trips_and_is_stored_narrow():
         (base64.b64encode(np.array([-1, 2], dtype="<i4").tobytes()).decode(), 1, "negative"),
         (base64.b64encode(np.array([70000, 2], dtype="<i4").tobytes()).decode(), 1, "16 bits"),
         (base64.b64encode(np.arange(2, dtype="<i4").tobytes()).decode(), 0, "no forwarded position"),
+        (base64.b64encode(np.arange(3, dtype="<i4").tobytes()).decode(), 2, "not 2 positions"),
     ],
 )
 def test_bad_routing_from_an_engine_is_refused_naming_the_field(b64, positions, says):
@@ -68,6 +69,7 @@ def test_a_continuation_keeps_the_rows_it_had_and_appends_the_rest():
         routing.extend(first, tail, start=5)
     with pytest.raises(routing.RoutingError, match="another model"):
         routing.extend(first, np.zeros((9, 3), dtype=np.uint8))
+    assert routing.extend(first, np.zeros((0, 1), dtype=np.uint8)) is first  # nothing new: whatever its width
 
 
 @pytest.mark.parametrize(
@@ -97,7 +99,11 @@ def test_corrupt_routing_in_a_group_is_a_codec_error():
     raw = encode_group(Group("g", "p", [traj(routed_experts=np.zeros((4, 2), dtype=np.uint8))]))
     prefix_len = 6 + int.from_bytes(raw[2:6], "little")
     rows = msgpack.unpackb(raw[prefix_len:])
-    for bad, says in (([rows[0][11][0], 3, 1], "whole rows"), ([rows[0][11][0], 2, 4], "corrupt group body")):
+    for bad, says in (
+        ([rows[0][11][0], 3, 1], "whole rows"),
+        ([rows[0][11][0], 2, 4], "itemsize 4"),
+        ([rows[0][11][0][:-1], 1, 2], "whole rows"),  # an odd byte count of 2-byte ids
+    ):
         rows[0][11] = bad
         with pytest.raises(CodecError, match=says):
             decode_group(raw[:prefix_len] + msgpack.packb(rows))

@@ -203,6 +203,30 @@ def test_routing_across_an_update_is_each_positions_own_forwards(make_engine_pro
     assert not plain.HasField("routed_experts")  # only when asked
 
 
+def test_requests_still_queued_at_a_suspend_keep_their_engine_and_get_all_their_routing(make_engine_process, tiny_moe):
+    """More requests than the engine runs at once (64): a suspend aborts the queued ones before their
+    first forward, with no routing; they continue after resume with all of it, and the engine stays in
+    rotation (an empty routing answer once took it out)."""
+    _, url = make_engine_process(model=tiny_moe)
+    prompts = [[1, 30 + i % 50, 31, 32] for i in range(80)]
+
+    async def scenario(client, proxy):
+        tasks = [
+            asyncio.create_task(client.generate(p, 40, request_id=f"q{i}", return_routed_experts=True, **GREEDY))
+            for i, p in enumerate(prompts)
+        ]
+        await decoding(proxy)
+        await client.suspend(pb.SUSPEND_MODE_CONTINUE)
+        await client.resume()
+        return await asyncio.gather(*tasks), proxy.counters["retries"], [s.healthy for s in proxy.router.engines]
+
+    outs, retries, healthy = run(scenario, [url])
+    assert retries == 0 and healthy == [True]
+    for p, out in zip(prompts, outs):
+        r = out.routed_experts
+        assert len(out.output_ids) == 40 and len(r.ids) == (len(p) + 40 - 1) * r.ids_per_token
+
+
 def test_routing_asked_of_a_dense_model_is_invalid_argument_naming_the_field(make_engine_process):
     _, url = make_engine_process()
 
