@@ -80,6 +80,47 @@ def pytest_xdist_make_scheduler(config, log):
     return GroupScheduling(config, log)
 
 
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test(request):
+    """A test that runs `rollmesh run` and fails (its timeout, pytest-timeout's) kills only its direct
+    child: the services that child started kept running, on two cores, through the rest of the suite.
+    After each test with a tmp_path, every process whose command line names that directory is killed, and
+    every process those started."""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    where = str(request.getfixturevalue("tmp_path"))  # now: it is torn down before this fixture's end
+    yield
+    import signal
+    from pathlib import Path
+
+    def named(args: list[str]) -> bool:
+        return any(
+            a == where or a.startswith(where + "/") or f"={where}/" in a or a.endswith(f"={where}") for a in args
+        )
+
+    parent, doomed = {}, set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            parent[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if named((proc / "cmdline").read_bytes().decode(errors="replace").split("\0")):
+                doomed.add(int(proc.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    while True:  # and whatever they started
+        more = {pid for pid, ppid in parent.items() if ppid in doomed} - doomed
+        if not more:
+            break
+        doomed |= more
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelConfig(seed=0)))
