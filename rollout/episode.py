@@ -188,8 +188,8 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
     mask = [0] * len(tokens)
     logprobs: list[float] = []
     versions: list[int] = []
-    # MoE routing replay: each forwarded position's experts, from the turn that forwarded it first; a turn
-    # without them (not asked, or not sent) leaves the trajectory without any: never filled in by a later one
+    # MoE routing replay: each forwarded position's experts, from the latest turn (whose forward the newest
+    # tokens came from); a turn without them (not asked, or not sent) leaves the trajectory without any
     experts, turn_without_routing = None, False
     # The environment's budgets (a remote one's are known once it is reset) within the config's limits.
     clock = EpisodeClock(config.step_timeout_s, config.generation_timeout_s, getattr(env, "budgets", None), started)
@@ -220,7 +220,7 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
             turn_without_routing = True
         else:
             try:
-                experts = routing.extend(experts, gen.routed_experts)
+                experts = routing.latest(experts, gen.routed_experts)
             except routing.RoutingError as e:  # another width than the turn before: not this run's model
                 log.warning("%s: %s; its routing is dropped", trajectory_id, e)
                 turn_without_routing = True

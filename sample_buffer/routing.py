@@ -103,26 +103,26 @@ def check(routing: np.ndarray, num_tokens: int) -> None:
         )
 
 
-def extend(have: np.ndarray | None, new: np.ndarray | None, start: int = 0) -> np.ndarray | None:
-    """Routing of a longer context: ``have``'s rows kept, ``new``'s rows beyond them appended.
+def latest(have: np.ndarray | None, new: np.ndarray | None, start: int = 0) -> np.ndarray | None:
+    """Routing of a context that was forwarded again: each position's from the latest forward.
 
-    A continuation (a generation resumed after a weight update, an episode's next turn) re-forwards
-    the earlier tokens, possibly under other weights; each position keeps the routing of the forward
-    that produced the tokens after it, so earlier rows are never replaced. ``new``'s first row is
-    position ``start`` (SGLang's ``routed_experts_start_len``; 0: the prompt's first token)."""
+    A continuation (a generation resumed after a weight update, an episode's next turn) re-forwards the
+    earlier tokens, and every token it samples from then on comes from that forward, its routing of
+    the earlier positions included: those rows replace the earlier ones, so the newest tokens' μ is
+    reproduced exactly (the older tokens are stale, their π moved anyway). ``new``'s first row is
+    position ``start`` (SGLang's ``routed_experts_start_len``): rows before it are kept. No rows (a
+    segment aborted before its first forward) change nothing."""
     if new is None or not len(new):
         return have
     held = 0 if have is None else len(have)
     if start > held:
         raise RoutingError(f"routed_experts: positions {held}..{start - 1} are missing (rows begin at {start})")
-    if not held:
+    if not start:
         return new
     if new.shape[1] != have.shape[1]:
         raise RoutingError(f"routed_experts: {new.shape[1]} ids per token after {have.shape[1]} (another model?)")
-    if start + len(new) <= held:
-        return have
     dtype = max(have.dtype, new.dtype, key=lambda d: d.itemsize)
-    return np.concatenate([have.astype(dtype, copy=False), new[held - start :].astype(dtype, copy=False)])
+    return np.concatenate([have[:start].astype(dtype, copy=False), new.astype(dtype, copy=False)])
 
 
 def check_model(routing: np.ndarray, layers: int, top_k: int, num_experts: int) -> None:

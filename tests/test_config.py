@@ -169,11 +169,11 @@ def test_ipc_handles_are_written_as_the_engine_reads_them():
     assert sglang.train_loop.publisher.encoding == "sglang"
 
 
-def test_routing_replay_has_the_rollout_record_routing_and_the_engines_send_it():
+def test_routing_replay_has_the_rollout_record_routing_and_the_engines_send_it(tiny_model):
     replay = "trainer.moe.routing=replay"
     assert not load_config(None, []).env_manager.return_routed_experts
     assert load_config(None, [replay]).env_manager.return_routed_experts
-    sglang = load_config(None, [replay, "engine={type: sglang}"])
+    sglang = load_config(None, [replay, "engine={type: sglang}", f"model_path={tiny_model}"])
     assert sglang.engine.enable_return_routed_experts and sglang.env_manager.return_routed_experts
     from services.auth import AuthConfig
     from services.engine.sglang_server import sglang_command

@@ -265,8 +265,8 @@ class LLMProxy:
             res.behavior_logprobs += out.behavior_logprobs
             res.token_versions += out.token_versions
             res.top_logprobs += out.top_logprobs
-            try:  # a continuation re-forwards earlier tokens under new weights: theirs are kept
-                res.routed_experts = routing.extend(res.routed_experts, out.routed_experts, out.routed_experts_start)
+            try:  # a continuation re-forwards the earlier tokens under the new weights: its routing replaces theirs
+                res.routed_experts = routing.latest(res.routed_experts, out.routed_experts, out.routed_experts_start)
             except routing.RoutingError as e:
                 log.warning("request %s: %s; its routing is dropped", req.request_id, e)
                 self.counters["routing_dropped"] += 1
@@ -312,9 +312,8 @@ class LLMProxy:
         grace = self.config.abort_grace_s
         remaining = max(0.001, deadline - time.perf_counter())
         extra = {"top_logprobs": fl.request.top_logprobs} if fl.request.top_logprobs else {}
-        if fl.request.return_routed_experts:  # only the positions this request has none for yet
-            held = fl.result.routed_experts
-            extra |= {"return_routed_experts": True, "routed_experts_start_len": 0 if held is None else len(held)}
+        if fl.request.return_routed_experts:  # every position: a continuation's forward routes them anew
+            extra["return_routed_experts"] = True
         if fl.on_tokens is not None:
 
             def on_tokens(new: list[int]) -> None:

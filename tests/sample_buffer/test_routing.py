@@ -1,4 +1,4 @@
-"""MoE routing as a trajectory carries it: SGLang's encoding read and written, continuations joined,
+"""MoE routing as a trajectory carries it: SGLang's encoding read and written, continuations replacing,
 refused where it enters when it cannot be a trajectory's, and through the codec unchanged."""
 
 from __future__ import annotations
@@ -57,19 +57,18 @@ def test_bad_routing_from_an_engine_is_refused_naming_the_field(b64, positions, 
         routing.decode_sglang(b64, positions)
 
 
-def test_a_continuation_keeps_the_rows_it_had_and_appends_the_rest():
+def test_a_continuation_s_routing_replaces_the_rows_it_forwarded_again():
     first = np.full((4, 2), 1, dtype=np.uint8)
-    again = np.full((7, 2), 2, dtype=np.uint8)  # the whole longer context, re-forwarded
-    joined = routing.extend(first, again)
-    assert joined.tolist() == [[1, 1]] * 4 + [[2, 2]] * 3
+    again = np.full((7, 2), 2, dtype=np.uint8)  # the whole longer context, forwarded again (new weights)
+    assert routing.latest(first, again).tolist() == [[2, 2]] * 7
     tail = np.full((3, 2), 3, dtype=np.uint16)  # asked from position 4 (routed_experts_start_len)
-    assert routing.extend(first, tail, start=4).tolist() == [[1, 1]] * 4 + [[3, 3]] * 3
-    assert routing.extend(first, None) is first and routing.extend(None, again) is again
+    assert routing.latest(first, tail, start=4).tolist() == [[1, 1]] * 4 + [[3, 3]] * 3
+    assert routing.latest(first, None) is first and routing.latest(None, again) is again
+    assert routing.latest(first, np.zeros((0, 1), dtype=np.uint8)) is first  # aborted before any forward
     with pytest.raises(routing.RoutingError, match="positions 4..4 are missing"):
-        routing.extend(first, tail, start=5)
+        routing.latest(first, tail, start=5)
     with pytest.raises(routing.RoutingError, match="another model"):
-        routing.extend(first, np.zeros((9, 3), dtype=np.uint8))
-    assert routing.extend(first, np.zeros((0, 1), dtype=np.uint8)) is first  # nothing new: whatever its width
+        routing.latest(first, np.zeros((9, 3), dtype=np.uint8), start=2)
 
 
 @pytest.mark.parametrize(

@@ -70,13 +70,15 @@ class _Request:
     def context(self) -> list[int]:
         return self.prompt + self.output_ids
 
-    def keep_routing(self, rows: np.ndarray, first: int) -> None:
-        """Experts of positions ``first, first + 1, ...``; positions already recorded keep theirs (a
-        request re-prefilled after a weight update: its earlier tokens came from the earlier weights)."""
-        new = rows[self.routed - first :]
-        if len(new):
-            self.experts.append(new)
-            self.routed += len(new)
+    def route_prefill(self, rows: np.ndarray) -> None:
+        """Experts of every position of the context just prefilled: they replace any recorded before (a
+        request re-prefilled after a weight update samples from then on with this forward's routing)."""
+        self.experts, self.routed = [rows], len(rows)
+
+    def route_decode(self, row: np.ndarray) -> None:
+        """Experts of the position just fed in (the last token), one row."""
+        self.experts.append(row[None])
+        self.routed += 1
 
 
 class EmbeddedEngine(SchedulerCommands):
@@ -370,7 +372,7 @@ class EmbeddedEngine(SchedulerCommands):
                 experts = self.capture.take(*ids.shape)  # rows left-padded: a context ends in the last column
                 for i, r in enumerate(group):
                     if r.routing:
-                        r.keep_routing(experts[i, ids.shape[1] - len(r.context) :], 0)
+                        r.route_prefill(experts[i, ids.shape[1] - len(r.context) :])
         except Exception:
             # Out of the queue, not yet running: the loop's handler fails only the running batch, so
             # these would never be answered (their callers hung). They fail with it.
@@ -395,7 +397,7 @@ class EmbeddedEngine(SchedulerCommands):
             experts = self.capture.take(len(self._running), 1)
             for i, r in enumerate(self._running):
                 if r.routing:
-                    r.keep_routing(experts[i], len(r.context) - 1)  # the position of the token fed in
+                    r.route_decode(experts[i, 0])
         tokens, logprobs = sample_next_tokens(
             out.logits[:, -1],
             [r.params for r in self._running],
