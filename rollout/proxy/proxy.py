@@ -80,7 +80,7 @@ class ProxyResult:
     queue_time_s: float = 0.0  # waiting at the suspend gate, plus the engine's queue for the first segment
     ttft_s: float | None = None  # arrival → first token, when the engine reports its own TTFT
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
-    # when asked: [positions, layers × top_k], each position's from the segment that forwarded it first
+    # when asked: [positions, layers × top_k], each position's from the latest segment that forwarded it
     routed_experts: np.ndarray | None = None
 
 
