@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -16,10 +17,32 @@ from services.auth import AuthConfig, Role, ensure_provider_token, environment_o
 DATA_ONLY = frozenset({Role.DATA})
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, and never one this process handed out before: the kernel may give a
+    port just closed again, and a service told to use two equal ports (gRPC and metrics) exited."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+def _exited(proc: subprocess.Popen, what: str) -> RuntimeError:
+    """The error of a process that died before it served, with the end of its output when it was piped."""
+    out = ""
+    if proc.stdout is not None:
+        try:
+            os.set_blocking(proc.stdout.fileno(), False)  # a child it left may still hold the pipe open
+            data = proc.stdout.read()
+            out = (data.decode(errors="replace") if isinstance(data, bytes) else data or "")[-2000:]
+        except (OSError, ValueError):
+            pass
+    return RuntimeError(f"process exited with code {proc.returncode} before {what}" + (f":\n{out}" if out else ""))
 
 
 def wait_http_healthy(
@@ -30,7 +53,7 @@ def wait_http_healthy(
     verify = (auth.client_ssl() if auth else None) or True
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with code {proc.returncode} before {url} was healthy")
+            raise _exited(proc, f"{url} was healthy")
         try:
             if httpx.get(url, timeout=1.0, verify=verify).status_code == 200:
                 return
@@ -53,7 +76,7 @@ def wait_grpc_healthy(
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"process exited with code {proc.returncode} before {address} was SERVING")
+                raise _exited(proc, f"{address} was SERVING")
             try:
                 if (
                     stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
