@@ -349,3 +349,18 @@ def test_a_streamed_answer_is_joined_from_cumulative_and_from_incremental_events
         res = parse_generate_response(join_events(events))
         assert res.output_ids == [5, 6, 7] and res.behavior_logprobs == [-0.1, -0.2, -0.3]
         assert res.token_versions == [3, 3, 3] and res.finish_reason == "length"
+
+
+def test_routed_experts_from_a_start_position_as_sglang_sends_them(make_engine_process, tiny_moe):
+    """``routed_experts_start_len``: the rows from that position on, the same ids as a whole answer's;
+    past the prompt it is refused by name, and the client reads either answer back."""
+    _, url = make_engine_process(model=tiny_moe)
+    prompt = [1, 10, 11, 12, 13]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    whole = post(url, "/generate", json={**body, "return_routed_experts": True}).json()
+    tail = post(url, "/generate", json={**body, "return_routed_experts": True, "routed_experts_start_len": 3}).json()
+    full = parse_generate_response(whole).routed_experts
+    part = parse_generate_response(tail, routing_start=3).routed_experts
+    assert full.shape == (len(prompt) + 6 - 1, 4 * 2) and (part == full[3:]).all()
+    bad = post(url, "/generate", json={**body, "return_routed_experts": True, "routed_experts_start_len": 6})
+    assert bad.status_code == 400 and bad.json()["field"] == "routed_experts_start_len"
