@@ -45,13 +45,11 @@ async def local_mesh(engine_url: str | list[str], model_path: str, buffer: dict 
         await proxy.close()
 
 
-def disk_train_loop(mesh, engine, run_dir, steps: int, groups_per_step: int, max_staleness: int):
-    """The training loop on the mesh: ``steps`` steps of ``engine``, weights published from disk."""
+def disk_train_loop(mesh, cfg, engine, groups_per_step: int, max_staleness: int, observer=None):
+    """The training loop on the mesh (``cfg``: a ``TrainLoopConfig``), weights published from disk."""
     from services.weight_transports.disk import DiskPublisher
-    from trainer.config import TrainLoopConfig
     from trainer.loop import TrainLoop
 
-    cfg = TrainLoopConfig(steps=steps, run_dir=str(run_dir), checkpoint_every=0, get_timeout_s=60)
     return TrainLoop(
         cfg,
         engine,
@@ -60,7 +58,15 @@ def disk_train_loop(mesh, engine, run_dir, steps: int, groups_per_step: int, max
         publisher=DiskPublisher(mesh.proxy_client, cfg.run_dir, cfg.keep_weight_versions),
         groups_per_step=groups_per_step,
         max_staleness=max_staleness,
+        observer=observer,
     )
+
+
+def short_run(run_dir, steps: int):
+    """A ``TrainLoopConfig`` of ``steps`` steps in ``run_dir``, no checkpoints."""
+    from trainer.config import TrainLoopConfig
+
+    return TrainLoopConfig(steps=steps, run_dir=str(run_dir), checkpoint_every=0, get_timeout_s=60)
 
 
 def digit_rollout(mesh, tokenizer_path: str):

@@ -10,7 +10,7 @@ import asyncio
 
 from services.env_manager.config import EnvManagerConfig
 from services.env_manager.server import build_loop
-from tests.services.mesh import disk_train_loop, local_mesh
+from tests.services.mesh import disk_train_loop, local_mesh, short_run
 from trainer.config import TrainerConfig
 from trainer.engine import TrainEngine
 
@@ -40,7 +40,7 @@ async def _run(url: str, model: str, run_dir, engine: TrainEngine):
             mesh.buffer_client,
             mesh.controller_client,
         )
-        loop = disk_train_loop(mesh, engine, run_dir, STEPS, groups_per_step=2, max_staleness=2)
+        loop = disk_train_loop(mesh, short_run(run_dir, STEPS), engine, groups_per_step=2, max_staleness=2)
         await env.start()
         try:
             await loop.join()

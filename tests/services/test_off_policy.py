@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 
 from services.env_manager.config import EnvManagerConfig
 from services.env_manager.server import build_loop
-from tests.services.mesh import disk_train_loop, local_mesh
+from tests.services.mesh import disk_train_loop, local_mesh, short_run
 from trainer.config import TrainerConfig
 from trainer.engine import TrainEngine
 from trainer.loss_config import PolicyLossConfig
@@ -73,7 +73,7 @@ async def _run(
             mesh.buffer_client,
             mesh.controller_client,
         )
-        loop = disk_train_loop(mesh, engine, run_dir, steps, groups_per_step=2, max_staleness=async_ratio)
+        loop = disk_train_loop(mesh, short_run(run_dir, steps), engine, groups_per_step=2, max_staleness=async_ratio)
         await env.start()
         try:
             await loop.join()

@@ -7,24 +7,14 @@ import json
 
 from services.metrics_log import MetricsLog
 from services.trainer.metrics import TrainerMetrics, TrainerObserver
-from services.weight_transports.disk import DiskPublisher
-from tests.services.mesh import digit_rollout, local_mesh
+from tests.services.mesh import digit_rollout, disk_train_loop, local_mesh
 from trainer.config import TrainerConfig, TrainLoopConfig
 from trainer.engine import TrainEngine
 from trainer.loop import TrainLoop
 
 
 def trainer(mesh, cfg: TrainLoopConfig, engine, groups_per_step: int, observer=None) -> TrainLoop:
-    return TrainLoop(
-        cfg,
-        engine,
-        source=mesh.buffer_client,
-        control=mesh.controller_client,
-        publisher=DiskPublisher(mesh.proxy_client, cfg.run_dir, cfg.keep_weight_versions),
-        groups_per_step=groups_per_step,
-        max_staleness=1,
-        observer=observer,
-    )
+    return disk_train_loop(mesh, cfg, engine, groups_per_step, max_staleness=1, observer=observer)
 
 
 def test_steps_publish_versions_and_resume(make_engine_process, tiny_model, tmp_path):
