@@ -18,6 +18,7 @@ Qwen3-30B-A3B's 48 layers × top-8 cost 384 bytes per token, not the 1,536 of SG
 from __future__ import annotations
 
 import base64
+import io
 import re
 from dataclasses import dataclass
 
@@ -58,6 +59,26 @@ def decode_sglang(b64: str, positions: int) -> np.ndarray | None:
     if ids.size % positions:
         raise RoutingError(f"routed_experts: {ids.size} ids are not {positions} positions × layers × top_k")
     return compact(ids, ids.size // positions)
+
+
+def decode_vllm(b64: str, positions: int) -> np.ndarray | None:
+    """vLLM's ``routed_experts`` (``--enable-return-routed-experts``: base64 of a ``.npy`` array
+    ``[positions, layers, top_k]``, uint8, uint16 or int32, every decoder layer) as the stored
+    ``[positions, layers × top_k]`` array; None when it holds no position. Read without pickle: the
+    header's shape must match its bytes, or numpy refuses."""
+    try:
+        arr = np.load(io.BytesIO(base64.b64decode(b64, validate=True)), allow_pickle=False)
+    except (ValueError, TypeError, OSError, EOFError) as e:
+        raise RoutingError(f"routed_experts: not a base64 .npy array: {e}") from None
+    if arr.ndim != 3 or arr.dtype.kind not in "iu":
+        raise RoutingError(
+            f"routed_experts: a [positions, layers, top_k] integer array expected, got {arr.shape} {arr.dtype}"
+        )
+    if not len(arr):
+        return None
+    if len(arr) != positions:
+        raise RoutingError(f"routed_experts: {len(arr)} positions, the tokens forwarded are {positions}")
+    return compact(arr, arr.shape[1] * arr.shape[2])
 
 
 def encode_sglang(routing: np.ndarray) -> str:

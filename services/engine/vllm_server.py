@@ -74,6 +74,13 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
         "rollmesh_vllm.BearerCheck",
         "--disable-uvicorn-access-log",
     ]
+    if cfg.enable_return_routed_experts:
+        if is_cpu_build(python):  # its routing capture runs in Model Runner V2, which needs Triton
+            raise ValueError(
+                "engine.enable_return_routed_experts: vLLM's CPU build cannot return MoE routing (routing "
+                "replay on CPU: engine.type embedded)"
+            )
+        argv.append("--enable-return-routed-experts")
     if cfg.context_length:
         argv += ["--max-model-len", str(cfg.context_length)]
     if cfg.enforce_eager:

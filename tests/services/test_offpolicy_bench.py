@@ -38,6 +38,7 @@ def test_bench_offpolicy_prints_its_table_and_writes_its_plot(tiny_model, tmp_pa
     # the audit ran: the policy moved, and μ is the tagged version's own log-prob (float noise)
     assert row["movement"]["policy_kl_1"] > 0 and row["movement"]["audit_mu_err_max"] < 1e-3
     assert 0 <= row["bias"]["repeat_from_previous_step"] <= 1 and row["bias"]["distinct_per_step"] > 0
+    assert row["restarts"] == 0 and not list((out_dir / "runs").glob("*-logs"))
     assert (out_dir / "offpolicy.png").stat().st_size > 0
     (full,) = json.loads((out_dir / "offpolicy.json").read_text())
     assert len(full["runs"][0]["curve"]) == 10 and full["runs"][0]["curve_by_version"]
@@ -47,3 +48,17 @@ def test_bench_offpolicy_refuses_a_bad_option():
     cmd = [sys.executable, "-m", "services.cli", "bench", "offpolicy", "--loss", "sgd"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--loss: unknown ['sgd']" in proc.stderr
+
+
+def test_a_run_that_restarted_a_service_says_which_from_the_supervisors_own_report():
+    from services.bench.offpolicy_bench import restarts_in
+    from services.supervisor import Supervised
+
+    lines: list[str] = []
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait(timeout=60)
+    Supervised("trainer", dead, finishes=True).check(max_restarts=2, report=lines.append)
+    assert len(lines) == 1
+    output = "\n".join(["step 4 reward 0.5", *lines, "step 1 reward 0.1", *lines])
+    assert restarts_in(output) == {"trainer": 2}
+    assert restarts_in("final: steps=10 reward_mean_last5=0.5 heldout_accuracy=0.5 wall_s=3") == {}

@@ -5,21 +5,23 @@ abort, suspend, bad input, failed updates) run against vLLM in test_llm_proxy.py
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from rollout.engines.http_engine import EngineUnavailable
-from rollout.engines.vllm.client import parse_vllm_response, vllm_sampling
+from rollout.engines.vllm.client import generate_payload, join_chunks, parse_vllm_response, vllm_sampling
 from rollout.engines.vllm.config import VLLMEngineConfig
 from services.auth import AuthConfig
-from services.engine.vllm_server import VLLMNotInstalled, vllm_command
+from services.engine.vllm_server import VLLMNotInstalled, interpreter, vllm_command
 from services.llm_proxy.server import engine_client
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
@@ -114,6 +116,110 @@ def test_an_answer_in_another_shape_takes_the_engine_out_not_the_proxy_down():
         "seed": 7,
         "logprobs": 0,
     }
+
+
+# Run in vLLM's environment: vLLM's own request model validates what the client sends, and vLLM's own
+# response model and .npy serializer write the routing a GPU server with --enable-return-routed-experts
+# sends (its CPU build cannot record routing, so no server here can).
+_VLLM_ROUTING_ANSWER = """
+import json, sys
+import numpy as np
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest, GenerateTokensResponse
+from vllm.utils.serial_utils import numpy2base64
+request = GenerateRequest.model_validate(json.loads(sys.argv[1]))
+routing = np.array(json.loads(sys.argv[2]), dtype=sys.argv[3])
+out = [3, 9, 4]
+answer = GenerateTokensResponse(request_id=request.request_id, choices=[{
+    "index": 0, "token_ids": out, "finish_reason": "length",
+    "logprobs": {"content": [{"token_id": t, "logprob": -0.25} for t in out]},
+    "routed_experts": numpy2base64(routing),
+    "weight_versions": [{"version": "7", "start": 0, "end": len(out)}],
+}])
+print(json.dumps({"start": request.sampling_params.routed_experts_prompt_start,
+                  "answer": json.loads(answer.model_dump_json())}))
+"""
+
+
+def _vllm_answers(payload: dict, routing: np.ndarray) -> dict:
+    vllm_python = str(interpreter(VLLMEngineConfig(model_path=".")))
+    args = [
+        vllm_python,
+        "-c",
+        _VLLM_ROUTING_ANSWER,
+        json.dumps(payload),
+        json.dumps(routing.tolist()),
+        str(routing.dtype),
+    ]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+def test_the_client_reads_the_routing_vllm_sends_and_asks_it_from_where_an_earlier_turn_stopped(dtype):
+    layers, top_k, experts = 3, 2, 300 if dtype != "uint8" else 64
+    prompt, start = [11, 12, 13, 14, 15], 2
+    rng = np.random.default_rng(0)
+    # vLLM's rows: prompt + output - 1 positions (the last token is never forwarded), from `start` on
+    routing = rng.integers(0, experts, size=(len(prompt) + 3 - 1 - start, layers, top_k)).astype(dtype)
+    payload = generate_payload(prompt, {"max_new_tokens": 3}, rid="r1", routing_start=start)
+    got = _vllm_answers(payload, routing)
+    assert got["start"] == start  # vLLM's own request model read the field where the client put it
+    res = parse_vllm_response(got["answer"], 0.1, prompt_tokens=len(prompt), routing_start=start)
+    assert res.output_ids == [3, 9, 4] and res.token_versions == [7, 7, 7] and res.routed_experts_start == start
+    assert res.routed_experts.dtype == (np.uint8 if experts <= 256 else np.uint16)
+    assert np.array_equal(res.routed_experts, routing.reshape(len(routing), layers * top_k))
+    # streamed: the finishing chunk carries the routing of the whole answer
+    choice = got["answer"]["choices"][0]
+    chunks = [
+        {
+            "choices": [
+                {"token_ids": choice["token_ids"][:2], "logprobs": {"content": choice["logprobs"]["content"][:2]}}
+            ]
+        },
+        {
+            "choices": [
+                {
+                    **choice,
+                    "token_ids": choice["token_ids"][2:],
+                    "logprobs": {"content": choice["logprobs"]["content"][2:]},
+                }
+            ]
+        },
+    ]
+    streamed = parse_vllm_response(join_chunks(chunks), 0.1, prompt_tokens=len(prompt), routing_start=start)
+    assert np.array_equal(streamed.routed_experts, res.routed_experts)
+    # not asked: not read; rows that do not fit the tokens: dropped, the tokens stand
+    assert parse_vllm_response(got["answer"], 0.1, prompt_tokens=len(prompt)).routed_experts is None
+    off = parse_vllm_response(got["answer"], 0.1, prompt_tokens=len(prompt) + 1, routing_start=start)
+    assert off.routed_experts is None and off.output_ids == [3, 9, 4]
+    assert "routed_experts_prompt_start" not in generate_payload(prompt, {}, routing_start=0)["sampling_params"]
+
+
+def test_routing_vllm_could_not_have_sent_is_dropped_by_name_never_unpickled():
+    import base64
+    import io
+    import pickle
+
+    from sample_buffer import routing
+
+    def npy(arr) -> str:
+        buf = io.BytesIO()
+        np.save(buf, arr, allow_pickle=True)
+        return base64.b64encode(buf.getvalue()).decode()
+
+    for bad, why in (
+        ("@@", "not a base64 .npy"),
+        (base64.b64encode(pickle.dumps([1, 2])).decode(), "not a base64 .npy"),
+        (npy(np.array([{"a": 1}], dtype=object)), "not a base64 .npy"),  # would need pickle: refused
+        (npy(np.zeros((2, 3), dtype=np.uint8)), "integer array expected"),
+        (npy(np.zeros((2, 3, 2), dtype=np.float32)), "integer array expected"),
+        (npy(np.full((2, 3, 2), -1, dtype=np.int32)), "negative"),
+        (npy(np.zeros((4, 3, 2), dtype=np.uint8)), "4 positions, the tokens forwarded are 2"),
+    ):
+        with pytest.raises(routing.RoutingError, match=why):
+            routing.decode_vllm(bad, 2)
+    assert routing.decode_vllm(npy(np.zeros((0, 3, 2), dtype=np.uint8)), 0) is None  # aborted before a forward
 
 
 def test_every_endpoint_but_health_wants_the_token(vllm_engines):

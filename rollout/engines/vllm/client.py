@@ -18,11 +18,19 @@ renormalises over the kept tokens where SGLang does not.
 In place on vLLM: a weight update must drop the running requests' cached KV (vLLM resets its
 prefix cache only so), so they are recomputed with the new weights; the tokens after the update
 are the new weights' continuation, as in continue mode, without leaving the engine.
+
+MoE routing (``--enable-return-routed-experts``): each finished choice's ``routed_experts`` is
+base64 of a ``.npy`` array ``[prompt + output − 1 − start, layers, top_k]``, ``start`` being the
+request's ``sampling_params.routed_experts_prompt_start`` (SGLang's ``routed_experts_start_len``).
+An answer with another number of rows (a request that spanned an in-place update may carry the
+recomputed positions twice) has its routing dropped, never guessed at: the tokens stand, and the
+trainer leaves a trajectory without routing out of a replayed batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from rollout.engines.http_engine import (
@@ -34,7 +42,10 @@ from rollout.engines.http_engine import (
     int_version,
 )
 from rollout.sampling import SamplingParams
+from sample_buffer import routing
 from sample_buffer.trajectory import FinishReason
+
+log = logging.getLogger(__name__)
 
 # The proxy names pause modes as SGLang does; vLLM's "keep" freezes requests where they are.
 _PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
@@ -66,6 +77,24 @@ def vllm_sampling(params: SamplingParams | dict, return_logprob: bool, top_logpr
     return out
 
 
+def generate_payload(
+    input_ids: list[int],
+    sampling_params: SamplingParams | dict,
+    rid: str | None = None,
+    return_logprob: bool = True,
+    top_logprobs: int = 0,
+    routing_start: int | None = None,
+) -> dict:
+    """The body of ``POST /inference/v1/generate`` (vLLM's ``GenerateRequest``)."""
+    sampling = vllm_sampling(sampling_params, return_logprob, top_logprobs)
+    if routing_start:  # skip the prompt positions an earlier turn's routing covered
+        sampling["routed_experts_prompt_start"] = routing_start
+    payload = {"token_ids": input_ids, "sampling_params": sampling}
+    if rid is not None:
+        payload["request_id"] = rid
+    return payload
+
+
 def _top(entry: dict, k: int) -> list[tuple[int, float]]:
     """The ``k`` most likely tokens of one position, by vLLM's rank (the list starts with the
     sampled token, at its own rank, which may be past k)."""
@@ -78,12 +107,18 @@ def _top(entry: dict, k: int) -> list[tuple[int, float]]:
 
 
 def parse_vllm_response(
-    body: dict, e2e_latency_s: float, return_logprob: bool = True, top_logprobs: int = 0
+    body: dict,
+    e2e_latency_s: float,
+    return_logprob: bool = True,
+    top_logprobs: int = 0,
+    prompt_tokens: int = 0,
+    routing_start: int | None = None,
 ) -> EngineResult:
     """One choice of ``/inference/v1/generate`` as an ``EngineResult``. An answer in another
     shape (a token without a log-prob or a weight version among them) is ``EngineUnavailable``
     naming what is missing: not an engine the proxy can use, so it leaves rotation and the request
-    is tried elsewhere."""
+    is tried elsewhere. ``routing_start``: routing was asked for, from that prompt position
+    (``prompt_tokens``: the prompt's length, which vLLM's token API does not repeat)."""
     try:
         choice = body["choices"][0]
         ids = [int(t) for t in choice["token_ids"] or []]
@@ -105,6 +140,13 @@ def parse_vllm_response(
         )
     finish = choice.get("finish_reason") or "abort"
     usage = body.get("usage") or {}
+    experts = None
+    if routing_start is not None and choice.get("routed_experts") is not None:
+        positions = prompt_tokens + len(ids) - 1 - routing_start
+        try:
+            experts = routing.decode_vllm(choice["routed_experts"], positions)
+        except routing.RoutingError as e:  # the tokens stand; without its routing the trainer drops it
+            log.warning("generate %s: %s; routing dropped", body.get("request_id", ""), e)
     return EngineResult(
         output_ids=ids,
         behavior_logprobs=logprobs,
@@ -114,13 +156,15 @@ def parse_vllm_response(
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         e2e_latency_s=e2e_latency_s,
         top_logprobs=tops,
+        routed_experts=experts,
+        routed_experts_start=routing_start or 0,
     )
 
 
 def join_chunks(chunks: list[dict]) -> dict:
     """The answer of a streamed ``/inference/v1/generate`` in the unary shape: each chunk carries
     the new tokens and their log-probs; the last with a finish reason carries the weight-version
-    spans of the whole output; usage comes in a chunk of its own."""
+    spans and the routing of the whole output; usage comes in a chunk of its own."""
     ids, content, final, usage = [], [], {}, {}
     for chunk in chunks:
         if "error" in chunk:
@@ -138,6 +182,7 @@ def join_chunks(chunks: list[dict]) -> dict:
                 "logprobs": {"content": content},
                 "finish_reason": final.get("finish_reason"),
                 "weight_versions": final.get("weight_versions"),
+                "routed_experts": final.get("routed_experts"),
             }
         ],
         "usage": usage,
@@ -159,19 +204,12 @@ class VLLMClient(HTTPEngineClient):
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
     ) -> EngineResult:
-        """As ``SGLangClient.generate``: ``on_tokens`` streams it (vLLM's ``stream: true``). MoE
-        routing is not read from vLLM yet (its ``--enable-return-routed-experts`` answers differ)."""
-        if return_routed_experts:
-            raise EngineRejected(
-                "return_routed_experts: rollmesh's vLLM client does not read MoE routing yet (use engine.type "
-                "embedded or sglang)",
-                field="return_routed_experts",
-            )
-        sampling = vllm_sampling(sampling_params, return_logprob, top_logprobs)
-        payload = {"token_ids": input_ids, "sampling_params": sampling}
-        if rid is not None:
-            payload["request_id"] = rid
-        start = time.perf_counter()
+        """As ``SGLangClient.generate``: ``on_tokens`` streams it (vLLM's ``stream: true``);
+        ``return_routed_experts`` reads the routing a server started with
+        ``--enable-return-routed-experts`` sends (it sends none otherwise)."""
+        start = routed_experts_start_len if return_routed_experts else None
+        payload = generate_payload(input_ids, sampling_params, rid, return_logprob, top_logprobs, start)
+        t0 = time.perf_counter()
         if on_tokens is None:
             body = await self._post("/inference/v1/generate", timeout_s, json=payload)
         else:
@@ -182,7 +220,9 @@ class VLLMClient(HTTPEngineClient):
                 if new := [t for c in chunk.get("choices") or [] for t in c.get("token_ids") or []]:
                     on_tokens(new)
             body = join_chunks(chunks)
-        result = parse_vllm_response(body, time.perf_counter() - start, return_logprob, top_logprobs)
+        result = parse_vllm_response(
+            body, time.perf_counter() - t0, return_logprob, top_logprobs, len(input_ids), start
+        )
         if not result.output_ids and result.weight_version < 0:
             result.weight_version = (await self.model_info()).get("weight_version", -1)
         return result

@@ -42,6 +42,11 @@ class VLLMEngineConfig(EngineServerConfig):
         False, description="No torch.compile / CUDA graphs: starts faster, decodes slower (tests use it)."
     )
     seed: int = Field(0, description="Seed of the engine's sampler for requests without sampling_seed.")
+    enable_return_routed_experts: bool = Field(
+        False,
+        description="--enable-return-routed-experts: MoE routing for replay (trainer.moe.routing: replay "
+        "switches it on). Needs vLLM's GPU build: its CPU build cannot record routing.",
+    )
     served_model_name: str | None = Field(None, description="Name in vLLM's OpenAI API; default the path.")
     extra_args: list[str] = Field(
         default_factory=list, description="Further `vllm serve` flags, as given: [--tensor-parallel-size, '2']."
