@@ -133,6 +133,13 @@ def tiny_moe(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl(tmp_path_factory) -> str:
+    """A tiny Qwen2-VL: the dense decoder at half the tiny model's size, a 2-block vision tower, 4-pixel patches."""
+    cfg = TinyModelConfig(arch="qwen2-vl", hidden_size=64, num_hidden_layers=2, seed=0)
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_vl"), cfg))
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> str:
     """SmolLM2-135M-Instruct, as `make test` converts it (converted here if a bare pytest runs first)."""
     from pathlib import Path

@@ -1,10 +1,11 @@
-"""A tiny Qwen2-architecture causal LM (or a Qwen3-MoE one), built locally so nothing is downloaded.
+"""A tiny Qwen2-architecture causal LM (or a Qwen3-MoE or Qwen2-VL one), built locally so nothing is downloaded.
 
 The output is a standard Hugging Face directory (``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` with a chat template), so every engine and the
 trainer load it with ``from_pretrained`` exactly as they would load a real checkpoint.
 
-The tokenizer is byte level with no merges: one token per byte plus the chat special tokens.
+The tokenizer is byte level with no merges: one token per byte plus the chat special tokens (and,
+for Qwen2-VL, its vision tokens; the image processor's ``preprocessor_config.json`` beside them).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen2-VL's: an image is <|vision_start|><|image_pad|>...<|vision_end|>, one pad per merged patch.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 # Qwen's ChatML layout; ``add_generation_prompt`` opens the assistant turn.
@@ -31,8 +34,10 @@ class TinyModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    arch: Literal["qwen2", "qwen3-moe"] = Field(
-        "qwen2", description="qwen2 (dense), or qwen3-moe: every layer's MLP a mixture of experts."
+    arch: Literal["qwen2", "qwen3-moe", "qwen2-vl"] = Field(
+        "qwen2",
+        description="qwen2 (dense), qwen3-moe: every layer's MLP a mixture of experts, or qwen2-vl: the "
+        "dense decoder with Qwen2-VL's vision tower and 3-D rotary positions.",
     )
     hidden_size: int = Field(128, ge=16, description="Width of the residual stream.")
     intermediate_size: int = Field(384, ge=16, description="Width of the MLP.")
@@ -51,14 +56,23 @@ class TinyModelConfig(BaseModel):
     moe_intermediate_size: int = Field(
         96, ge=8, description="qwen3-moe: width of each expert's MLP (8 × 96 × top-2: about the dense MLP's work)."
     )
+    vision_depth: int = Field(2, ge=1, description="qwen2-vl: vision transformer blocks.")
+    vision_embed_dim: int = Field(32, ge=8, description="qwen2-vl: width of the vision tower.")
+    patch_size: int = Field(
+        4, ge=1, description="qwen2-vl: pixels per patch side (Qwen2-VL's 14; 4 suits images of tens of pixels)."
+    )
+    image_max_pixels: int = Field(
+        64 * 64, ge=64, description="qwen2-vl: larger images are resized down to about this many pixels."
+    )
     seed: int = Field(0, description="Seed of the random initialisation.")
     digit_prior_steps: int = Field(
         0, ge=0, description="Steps of format-only warm-up (answer with one digit; see trainer/format_prior.py)."
     )
 
 
-def build_tokenizer():
-    """A byte-level BPE tokenizer with no merges, built with the ``tokenizers`` library.
+def build_tokenizer(vision: bool = False):
+    """A byte-level BPE tokenizer with no merges, built with the ``tokenizers`` library (``vision``:
+    with Qwen2-VL's vision tokens after the chat ones).
 
     It has the same pipeline as Qwen2's tokenizer (ByteLevel, digits split one by one), which
     matters because ``AutoTokenizer`` rebuilds a Qwen2 tokenizer from ``tokenizer.json``'s
@@ -69,11 +83,12 @@ def build_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: _byte_of(c))
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + byte_chars)}
+    special = SPECIAL_TOKENS + (VISION_TOKENS if vision else [])
+    vocab = {tok: i for i, tok in enumerate(special + byte_chars)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(special)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
@@ -93,7 +108,8 @@ def _byte_of(char: str) -> int:
 
 
 def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) -> Path:
-    """Write a randomly initialised tiny Qwen2 (or Qwen3-MoE) model and its tokenizer to ``out_dir``."""
+    """Write a randomly initialised tiny Qwen2 (or Qwen3-MoE, or Qwen2-VL) model and its tokenizer to
+    ``out_dir``."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
@@ -109,7 +125,8 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    vision = cfg.arch == "qwen2-vl"
+    tokenizer = build_tokenizer(vision)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     if cfg.vocab_size is not None and cfg.vocab_size < len(tokenizer):
@@ -127,7 +144,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
         if cfg.arch == "qwen3-moe"
         else {}
     )
-    hf_cfg = (Qwen3MoeConfig if cfg.arch == "qwen3-moe" else Qwen2Config)(
+    text = dict(
         **moe,
         vocab_size=cfg.vocab_size or len(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -142,8 +159,17 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
         pad_token_id=pad_id,
         torch_dtype="float32",
     )
+    if vision:
+        hf_cfg = _qwen2_vl_config(cfg, text, tokenizer)
+    else:
+        hf_cfg = (Qwen3MoeConfig if cfg.arch == "qwen3-moe" else Qwen2Config)(**text)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(hf_cfg)
+    if vision:
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(hf_cfg)
+    else:
+        model = AutoModelForCausalLM.from_config(hf_cfg)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     if cfg.digit_prior_steps:
@@ -152,7 +178,59 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
         prime_digit_format(model, tokenizer, cfg.digit_prior_steps, seed=cfg.seed)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    if vision:
+        _qwen2_vl_image_processor(cfg).save_pretrained(out)
     return out
+
+
+MERGE_SIZE = 2  # Qwen2-VL merges 2 × 2 patches into one image token
+
+
+def _qwen2_vl_config(cfg: TinyModelConfig, text: dict, tokenizer):
+    from transformers import Qwen2VLConfig
+
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if head_dim % 8:
+        raise ValueError(f"qwen2-vl: hidden_size / num_attention_heads = {head_dim} must be a multiple of 8")
+    # 3-D rotary positions: of the head's rotary pairs, a quarter turn with time, 3/8 each with height, width
+    half = head_dim // 2
+    section = [half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8]
+    text = {k: v for k, v in text.items() if k != "torch_dtype"}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+    ids = tokenizer.convert_tokens_to_ids
+    return Qwen2VLConfig(
+        text_config=text,
+        vision_config=dict(
+            depth=cfg.vision_depth,
+            embed_dim=cfg.vision_embed_dim,
+            hidden_size=cfg.hidden_size,
+            num_heads=max(1, cfg.vision_embed_dim // 16),
+            mlp_ratio=2,
+            patch_size=cfg.patch_size,
+            spatial_merge_size=MERGE_SIZE,
+            temporal_patch_size=2,
+            in_channels=3,
+        ),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+
+
+def _qwen2_vl_image_processor(cfg: TinyModelConfig):
+    # The PIL implementation: it needs no torchvision, and AutoImageProcessor picks it where torchvision is absent.
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    unit = cfg.patch_size * MERGE_SIZE
+    return Qwen2VLImageProcessorPil(
+        patch_size=cfg.patch_size,
+        temporal_patch_size=2,
+        merge_size=MERGE_SIZE,
+        size={"shortest_edge": unit * unit, "longest_edge": cfg.image_max_pixels},
+    )
 
 
 def count_parameters(model) -> int:

@@ -57,7 +57,10 @@ def init_model(
         "--from",
         help="A pretrained model from an installed package (smollm2-135m-instruct) instead of the tiny one.",
     ),
-    arch: str = typer.Option("qwen2", help="qwen2 (dense) or qwen3-moe (a mixture of experts in every layer)."),
+    arch: str = typer.Option(
+        "qwen2",
+        help="qwen2 (dense), qwen3-moe (a mixture of experts in every layer) or qwen2-vl (with a vision tower).",
+    ),
     seed: int = typer.Option(0, help="Seed of the random initialisation."),
     hidden_size: int = typer.Option(128, help="Width of the residual stream."),
     num_layers: int = typer.Option(4, help="Decoder layers."),
@@ -65,10 +68,11 @@ def init_model(
         0, help="Format-only warm-up steps: the model learns to answer with one digit, not which one."
     ),
 ) -> None:
-    """Build the tiny Qwen2 (or Qwen3-MoE) model and tokenizer locally, or convert a packaged pretrained model
-    (no download)."""
+    """Build the tiny Qwen2 (or Qwen3-MoE, or Qwen2-VL) model and tokenizer locally, or convert a packaged
+    pretrained model (no download)."""
     from transformers import AutoModelForCausalLM
 
+    from sample_buffer.vision import model_class
     from trainer.tiny_model import TinyModelConfig, build_tiny_model, count_parameters
 
     if source is not None:
@@ -94,5 +98,5 @@ def init_model(
         typer.echo(f"init-model: {e}", err=True)
         raise typer.Exit(2) from None
     path = build_tiny_model(out, cfg)
-    n = count_parameters(AutoModelForCausalLM.from_pretrained(path))
+    n = count_parameters(model_class(path).from_pretrained(path))
     typer.echo(f"wrote {path} ({n / 1e6:.2f} M parameters)")

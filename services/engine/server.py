@@ -59,6 +59,11 @@ class GenerateReq(BaseModel):
     routed_experts_start_len: int = Field(
         0, ge=0, description="SGLang's: routed_experts from this position on (<= the prompt's length)."
     )
+    image_data: str | list[str] | list[list[str]] | None = Field(
+        None,
+        description="A vision-language model's images (SGLang's field): base64 or data URLs, one image placeholder "
+        "token in input_ids for each; a list per prompt of a batch. URLs and paths are refused.",
+    )
 
 
 GENERATE_FIELDS = frozenset(GenerateReq.model_fields)
@@ -197,6 +202,20 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
         batched = bool(req.input_ids) and isinstance(req.input_ids[0], list)
         return (req.input_ids if batched else [req.input_ids]), batched
 
+    def images_of(data, n: int, batched: bool) -> list[list[str]]:
+        """Each prompt's images (SGLang's shapes: one item, a list, a list per prompt of a batch)."""
+        if data is None:
+            return [[]] * n
+        if data and "image_data" not in inspect.signature(engine.submit).parameters:
+            raise EngineError("image_data", f"{type(engine).__name__} does not take images")
+        if not batched:
+            if isinstance(data, list) and data and isinstance(data[0], list):
+                raise EngineError("image_data", "a list of lists is a batch's; this is one prompt")
+            return [[data] if isinstance(data, str) else list(data)]
+        if not isinstance(data, list) or len(data) != n or any(not isinstance(x, list) for x in data):
+            raise EngineError("image_data", f"a batch of {n} prompts takes a list of {n} lists of images")
+        return data
+
     @app.post("/generate")
     async def generate(body: dict = Body(...)):
         try:
@@ -222,6 +241,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
             except EngineError as e:
                 field = e.field if not batched else e.field.replace("input_ids", f"input_ids[{i}]")
                 raise EngineError(field, e.message) from None
+        images = images_of(req.image_data, n, batched)
         extra = {}
         if req.top_logprobs_num:
             if "top_logprobs_num" not in inspect.signature(engine.submit).parameters:
@@ -242,8 +262,12 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
                 raise EngineError("stream", "a stream carries one prompt; send a batch without stream")
             if "on_token" not in inspect.signature(engine.submit).parameters:
                 raise EngineError("stream", f"{type(engine).__name__} does not stream; send stream=false")
+            extra |= {"image_data": images[0]} if images[0] else {}
             return _stream(rids[0], prompts[0], params[0], req.return_logprob, extra, req.routed_experts_start_len)
-        futures = [engine.submit(rid, prompt, p, **extra) for rid, prompt, p in zip(rids, prompts, params)]
+        futures = [
+            engine.submit(rid, prompt, p, **extra, **({"image_data": im} if im else {}))
+            for rid, prompt, p, im in zip(rids, prompts, params, images)
+        ]
         outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         for out in outs:
             metrics.observe(out)

@@ -45,7 +45,6 @@ INERT_REQUEST = frozenset(
 )
 DEFAULT_ONLY_REQUEST = {
     "input_embeds": None,
-    "image_data": None,
     "video_data": None,
     "audio_data": None,
     "modalities": None,

@@ -364,3 +364,38 @@ def test_routed_experts_from_a_start_position_as_sglang_sends_them(make_engine_p
     assert full.shape == (len(prompt) + 6 - 1, 4 * 2) and (part == full[3:]).all()
     bad = post(url, "/generate", json={**body, "return_routed_experts": True, "routed_experts_start_len": 6})
     assert bad.status_code == 400 and bad.json()["field"] == "routed_experts_start_len"
+
+
+def test_images_in_sglang_image_data_one_per_placeholder_and_bad_ones_named(make_engine_process, tiny_vl, engine_url):
+    from transformers import AutoTokenizer
+
+    from tests.rollout.test_engine_vision import png
+
+    _, url = make_engine_process(model=tiny_vl)
+    start, pad, end = AutoTokenizer.from_pretrained(tiny_vl).convert_tokens_to_ids(
+        ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+    )
+    prompt = [1, start, pad, end, 70, 71]
+    greedy = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    one = post(url, "/generate", json={"input_ids": prompt, "image_data": png(28, 28, 0), "sampling_params": greedy})
+    assert one.status_code == 200, one.text
+    assert one.json()["meta_info"]["prompt_tokens"] == len(prompt) - 1 + 16  # 28 px → 32: 8 × 8 patches, 2 × 2 merged
+    batch = post(
+        url,
+        "/generate",
+        json={"input_ids": [prompt, [1, 70, 71]], "image_data": [[png(28, 28, 0)], []], "sampling_params": greedy},
+    )
+    assert batch.status_code == 200, batch.text
+    assert batch.json()[0]["output_ids"] == one.json()["output_ids"]
+    for body, field in (
+        ({"input_ids": prompt, "image_data": [[png(28, 28, 0)]]}, "image_data"),  # a batch's shape for one prompt
+        ({"input_ids": [prompt, prompt], "image_data": [png(28, 28, 0)]}, "image_data"),
+        ({"input_ids": prompt, "image_data": ["https://example.com/a.png"]}, "image_data[0]"),
+        ({"input_ids": prompt, "image_data": [png(28, 28, 0), png(28, 28, 1)]}, "image_data"),
+    ):
+        bad = post(url, "/generate", json={**body, "sampling_params": greedy})
+        assert bad.status_code == 400 and bad.json()["field"] == field, bad.text
+    again = post(url, "/generate", json={"input_ids": prompt, "image_data": png(28, 28, 0), "sampling_params": greedy})
+    assert again.json()["output_ids"] == one.json()["output_ids"]
+    text_only = post(engine_url, "/generate", json={"input_ids": [1, 2], "image_data": png(8, 8, 0)})
+    assert text_only.status_code == 400 and text_only.json()["field"] == "image_data"

@@ -31,6 +31,22 @@ def test_init_model_loads_with_plain_transformers(tmp_path):
     assert tok.eos_token == "<|im_end|>" and model.config.eos_token_id == tok.eos_token_id
 
 
+def test_init_model_builds_a_vision_language_model_plain_transformers_loads_with_its_image_processor(tmp_path):
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    out = tmp_path / "vl"
+    res = CliRunner().invoke(app, ["init-model", "--out", str(out), "--arch", "qwen2-vl"])
+    assert res.exit_code == 0, res.output
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model.config.model_type == "qwen2_vl" and count_parameters(model) < 2e6
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert all(len(tok(str(d)).input_ids) == 1 for d in range(10))  # digits stay one token each
+    pixels = AutoImageProcessor.from_pretrained(out)(images=[Image.new("RGB", (28, 28))], return_tensors="pt")
+    assert pixels["image_grid_thw"].tolist() == [[1, 8, 8]]  # 28 px → 32: 8 patches of 4 a side, 16 tokens
+
+
 def test_init_model_is_seeded(tmp_path):
     runner = CliRunner()
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):

@@ -38,6 +38,7 @@ from rollout.engines.embedded.weights import check_named_tensors, copy_named_ten
 from rollout.engines.scheduler import SchedulerCommands
 from rollout.sampling import SamplingParams
 from sample_buffer.routing import routers_of, routing_dtype
+from sample_buffer.vision import Vision, VisionError, VisionPrompt, is_vision_model, model_class
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,22 @@ class _Request:
     routing: bool = False  # record each forwarded position's experts (SGLang's return_routed_experts)
     experts: list[np.ndarray] = field(default_factory=list)  # [n, layers × top_k] chunks, in position order
     routed: int = 0  # positions recorded so far
+    vision: VisionPrompt | None = None  # its images, processed; ``prompt`` holds their expanded placeholders
+    mrope: torch.Tensor | None = None  # Qwen2-VL: the prompt's 3-D rotary positions [3, len(prompt)] ...
+    rope_delta: int = 0  # ... and what a later token's position adds to its index
 
     @property
     def context(self) -> list[int]:
         return self.prompt + self.output_ids
+
+    def positions3(self, n: int) -> torch.Tensor:
+        """3-D rotary positions of the first ``n`` context tokens: the prompt's, then text positions
+        continuing after its largest (every axis alike), as Qwen2-VL numbers generated tokens."""
+        head = self.mrope[:, : min(n, len(self.prompt))]
+        if n <= len(self.prompt):
+            return head
+        tail = torch.arange(len(self.prompt), n) + self.rope_delta
+        return torch.cat([head, tail[None].expand(3, -1)], dim=1)
 
     def route_prefill(self, rows: np.ndarray) -> None:
         """Experts of every position of the context just prefilled: they replace any recorded before (a
@@ -104,17 +117,21 @@ class EmbeddedEngine(SchedulerCommands):
             self.hf_config = AutoConfig.from_pretrained(config.model_path, local_files_only=True)
         except (OSError, ValueError) as e:
             raise UnsupportedModel(f"{config.model_path}: no model config transformers can read: {e}") from None
-        self.vocab_size = int(self.hf_config.vocab_size)
-        self.max_context = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        text = self.hf_config.get_text_config()
+        self.vocab_size = int(text.vocab_size)
+        self.max_context = int(getattr(text, "max_position_embeddings", 2048))
         self.eos_ids = self._eos_ids(config.model_path)
         layout = AttentionLayout.of(self.hf_config, config.model_path)  # refuses what it cannot serve, unloaded
         self.model = self._load(config.model_path)
         self.capture = RoutingCapture(self.model) if routers_of(self.model) else None  # MoE: experts per token
+        # A vision-language model: images in SGLang's image_data; Qwen2-VL's rotary positions are 3-D
+        self.vision = Vision(config.model_path, self.hf_config) if is_vision_model(config.model_path) else None
+        self._mrope = self.vision is not None and hasattr(self.model.model, "get_rope_index")
         self.layout = dataclasses.replace(layout, eager=self.model.config._attn_implementation == "eager")
         # Only the last position's logits are needed; a prefill's whole [rows, length, vocab] is GBs.
-        self._keep_last = (
-            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
-        )
+        forward = inspect.signature(self.model.forward).parameters
+        self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"  # transformers' newer name
         self.weight_version = 0
         self.checksum = weights_checksum(self.model.state_dict())
         self.model_path = config.model_path
@@ -139,18 +156,13 @@ class EmbeddedEngine(SchedulerCommands):
         return self
 
     def _load(self, path: str) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
-
+        auto = model_class(path)  # a vision-language model loads with its vision tower
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=self.dtype, attn_implementation="sdpa", local_files_only=True
-            )
+            model = auto.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa", local_files_only=True)
         except ValueError as e:
             if "attention implementation" not in str(e):  # no SDPA for this architecture: eager is slower, works
                 raise UnsupportedModel(f"{path}: not a causal LM transformers can load ({e})") from None
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=self.dtype, attn_implementation="eager", local_files_only=True
-            )
+            model = auto.from_pretrained(path, dtype=self.dtype, attn_implementation="eager", local_files_only=True)
         return model.to(self.device).eval()
 
     def _new_batch(self) -> KVSlots:
@@ -207,12 +219,18 @@ class EmbeddedEngine(SchedulerCommands):
         on_token: Callable[[int, float, int], None] | None = None,
         top_logprobs_num: int = 0,
         return_routed_experts: bool = False,
+        image_data: list[str] | None = None,
     ) -> Future:
         """Queue a generation; the future resolves to a ``GenerateOutput``. ``on_token(token,
         logprob, version)`` is called for each token as it is generated (in the scheduler thread:
         it must only hand the token over). ``top_logprobs_num``: also report that many most likely
         tokens at each position; ``return_routed_experts``: the experts of every forwarded position
-        (an MoE model's; ``GenerateOutput.routed_experts``)."""
+        (an MoE model's; ``GenerateOutput.routed_experts``); ``image_data``: a vision-language model's
+        images (``sample_buffer.vision``), one placeholder token for each in ``input_ids``, which the
+        engine expands (the answer's ``prompt_tokens`` counts the expanded prompt)."""
+        vision = self._vision_prompt(input_ids, image_data or [])
+        if vision is not None:
+            input_ids = vision.input_ids
         self.validate(input_ids, params)
         if return_routed_experts and self.capture is None:
             raise EngineError(
@@ -235,16 +253,39 @@ class EmbeddedEngine(SchedulerCommands):
             on_token,
             top_n=top_logprobs_num,
             routing=return_routed_experts,
+            vision=vision,
         )
+        if self._mrope:  # in the caller's thread: index arithmetic only, no weights
+            req.mrope, req.rope_delta = self._rope_index(req)
         self._commands.put(lambda: self._enqueue(req))
         return fut
+
+    def _vision_prompt(self, input_ids: list[int], images: list[str]) -> VisionPrompt | None:
+        if self.vision is None:
+            if images:
+                raise EngineError("image_data", f"{self.hf_config.model_type} has no vision tower to see images")
+            return None
+        try:
+            return self.vision.prompt(input_ids, images) if images or self.vision.image_token_id in input_ids else None
+        except VisionError as e:
+            raise EngineError(e.field, str(e).removeprefix(f"{e.field}: ")) from None
+
+    def _rope_index(self, req: _Request) -> tuple[torch.Tensor, int]:
+        ids = torch.tensor([req.prompt])
+        v = req.vision
+        kinds = (ids == self.vision.image_token_id).int()
+        grid = None if v is None else v.image_grid_thw
+        if grid is None:  # text only: the plain positions
+            return torch.arange(len(req.prompt))[None].expand(3, -1), 0
+        pos, delta = self.model.model.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grid)
+        return pos[:, 0].cpu(), int(delta.reshape(-1)[0])
 
     def load_weights_from_disk(self, path: str, weight_version: int | None) -> Future:
         """Load a HF directory (in the caller's thread) and swap it in between two steps."""
         from transformers import AutoConfig
 
         other = AutoConfig.from_pretrained(path, local_files_only=True)
-        if other.vocab_size != self.vocab_size or type(other) is not type(self.hf_config):
+        if other.get_text_config().vocab_size != self.vocab_size or type(other) is not type(self.hf_config):
             raise EngineError("model_path", f"{path} is a different architecture or vocabulary")
         model = self._load(path)
         state = model.state_dict()
@@ -356,10 +397,11 @@ class EmbeddedEngine(SchedulerCommands):
             ids, positions, masks = self._batch.prefill([r.context for r in group], self.dtype)
             out = self.model(
                 input_ids=ids,
-                position_ids=positions,
+                position_ids=self._prefill_positions(group, positions),
                 attention_mask=masks,
-                past_key_values=self._batch.cache,
+                **{self._cache_arg: self._batch.cache},
                 use_cache=True,
+                **self._pixels(group),
                 **self._keep_last,
             )
             self.counters["prefill_tokens"] += sum(len(r.context) for r in group)
@@ -383,13 +425,37 @@ class EmbeddedEngine(SchedulerCommands):
         first = len(self._running) - len(group)
         self._leave({first + i for i, r in enumerate(group) if self._append(r, tokens[i], logprobs[i], tops[i])})
 
+    def _prefill_positions(self, group: list[_Request], positions: torch.Tensor) -> torch.Tensor:
+        """The group's rotary positions: the batch's [B, T] (left-padded), or Qwen2-VL's [3, B, T]."""
+        if not self._mrope:
+            return positions
+        out = torch.zeros(3, *positions.shape, dtype=torch.long)
+        for i, r in enumerate(group):
+            n = len(r.context)
+            out[:, i, positions.shape[1] - n :] = r.positions3(n)
+        return out.to(self.device)
+
+    def _pixels(self, group: list[_Request]) -> dict:
+        """The group's images for the vision tower, run once per image at prefill (a re-prefill after
+        a weight update runs it again: the tower's weights may have changed)."""
+        seen = [r.vision for r in group if r.vision is not None]
+        if not seen:
+            return {}
+        out = {"pixel_values": torch.cat([v.pixel_values for v in seen]).to(self.device, self.dtype)}
+        if seen[0].image_grid_thw is not None:
+            out["image_grid_thw"] = torch.cat([v.image_grid_thw for v in seen]).to(self.device)
+        return out
+
     def _decode_step(self) -> None:
         ids, positions, masks = self._batch.decode([r.output_ids[-1] for r in self._running], self.dtype)
+        if self._mrope:  # every axis alike after the prompt, shifted by each row's delta
+            delta = torch.tensor([r.rope_delta for r in self._running], device=positions.device)
+            positions = (positions + delta[:, None])[None].expand(3, -1, -1)
         out = self.model(
             input_ids=ids,
             position_ids=positions,
             attention_mask=masks,
-            past_key_values=self._batch.cache,
+            **{self._cache_arg: self._batch.cache},
             use_cache=True,
         )
         self._batch.advance()

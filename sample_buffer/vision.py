@@ -1,0 +1,144 @@
+"""Images in prompts: what an image is on the wire, how a prompt's image placeholders expand, and
+which model class a checkpoint loads with. The engines, the rollout and the trainer all use these,
+so the token ids a trajectory records are the ones the engine consumed.
+
+An image travels as SGLang's ``image_data`` item: a data URL (``data:image/png;base64,...``) or bare
+base64 of an encoded image (PNG, JPEG, WebP, GIF). URLs and paths are refused: nothing downloads,
+and nothing is read from where a caller points. Its size is checked before it is decoded (bytes),
+and again from its header before its pixels are (width × height).
+
+A prompt holds one placeholder token per image, where the image goes, as SGLang and vLLM take it
+(``<|vision_start|><|image_pad|><|vision_end|>`` for Qwen2-VL, ``<image>`` for LLaVA); the model's
+processor says how many tokens the image becomes, and ``expand`` repeats the placeholder that many
+times: the ids the language model reads.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_IMAGE_BYTES = 8 << 20  # an encoded image, as sent
+MAX_IMAGE_PIXELS = 4096 * 4096  # width × height, read from the header before the pixels are decoded
+MAX_IMAGES = 16  # per request
+
+
+class VisionError(ValueError):
+    """Bad image input; the message names the field, as the engines' errors do."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def image_bytes(item: str, field: str = "image_data", max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
+    """The encoded image an ``image_data`` item carries (a data URL or bare base64)."""
+    if not isinstance(item, str):
+        raise VisionError(field, f"an image is a base64 string or a data URL, got {type(item).__name__}")
+    if item.startswith("data:"):
+        head, sep, item = item.partition(",")
+        if not sep or not head.endswith(";base64") or not head[5:].startswith("image/"):
+            raise VisionError(field, f"a data URL must be data:image/<type>;base64,..., got {head[:40]!r}")
+    elif item.startswith(("http://", "https://", "file:", "/", ".")):
+        raise VisionError(field, "URLs and paths are refused: send the image itself (base64 or a data URL)")
+    if len(item) > 4 * (max_bytes // 3 + 1):  # before decoding: base64 is 4/3 of the bytes
+        raise VisionError(field, f"image over {max_bytes} bytes")
+    try:
+        return base64.b64decode(item, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise VisionError(field, f"not base64: {e}") from None
+
+
+def open_image(raw: bytes, field: str = "image_data", max_pixels: int = MAX_IMAGE_PIXELS):
+    """An RGB PIL image from encoded bytes; corrupt data or too many pixels is a ``VisionError``."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(raw))
+        width, height = img.size  # the header only: nothing decoded yet
+        if width * height > max_pixels:
+            raise VisionError(field, f"image of {width}×{height} pixels is over {max_pixels}")
+        img.load()
+        return img.convert("RGB")
+    except VisionError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise VisionError(field, f"not a readable image: {type(e).__name__}: {e}") from None
+
+
+def content_hash(raw: bytes) -> str:
+    """An image's identity where trajectories reference it: the sha256 of its encoded bytes."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+def is_vision_model(model_dir: str | Path) -> bool:
+    """Whether a checkpoint's ``config.json`` describes a vision-language model."""
+    path = Path(model_dir) / "config.json"
+    return path.exists() and "vision_config" in json.loads(path.read_text())
+
+
+def model_class(model_dir: str | Path):
+    """The transformers auto class a checkpoint loads with: image-text-to-text for a vision-language
+    model (its ``lm_head`` over the language model, the vision tower beside it), causal LM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
+
+
+@dataclass(frozen=True)
+class VisionPrompt:
+    """A prompt with its images, as the language model reads it."""
+
+    input_ids: list[int]  # placeholders expanded
+    pixel_values: object  # torch.Tensor: what the vision tower takes, every image's rows concatenated
+    image_grid_thw: object | None  # torch.Tensor [images, 3] (Qwen2-VL), None (LLaVA)
+    hashes: tuple[str, ...]  # each image's content hash, in prompt order
+
+
+class Vision:
+    """A vision-language checkpoint's image processor and placeholder rule."""
+
+    def __init__(self, model_dir: str | Path, hf_config) -> None:
+        from transformers import AutoImageProcessor
+
+        self.kind = hf_config.model_type
+        if self.kind not in ("qwen2_vl", "qwen2_5_vl", "llava"):
+            raise VisionError("model_path", f"{self.kind}: images are served for qwen2_vl, qwen2_5_vl and llava")
+        self.image_token_id = int(hf_config.image_token_id if self.kind != "llava" else hf_config.image_token_index)
+        self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        self.merge = int(getattr(self.processor, "merge_size", 1) or 1)  # Qwen2-VL: patches merged per side
+        self.patch = int(hf_config.vision_config.patch_size)  # LLaVA: one token per patch
+
+    def tokens_per_image(self, inputs: dict) -> list[int]:
+        """How many placeholder tokens each image becomes."""
+        if self.kind == "llava":  # the "default" feature strategy: the patches, not the CLS token
+            pixels = inputs["pixel_values"]
+            return [(pixels.shape[-2] // self.patch) * (pixels.shape[-1] // self.patch)] * pixels.shape[0]
+        return [int(t * h * w) // (self.merge**2) for t, h, w in inputs["image_grid_thw"].tolist()]
+
+    def prompt(self, input_ids: list[int], images: list[str], field: str = "image_data") -> VisionPrompt:
+        """``input_ids`` with one placeholder per image, expanded; the images decoded and processed."""
+        if len(images) > MAX_IMAGES:
+            raise VisionError(field, f"{len(images)} images; at most {MAX_IMAGES} per request")
+        placeholders = sum(1 for t in input_ids if t == self.image_token_id)
+        if placeholders != len(images):
+            raise VisionError(
+                field,
+                f"{len(images)} images for {placeholders} image placeholders (token {self.image_token_id}) in "
+                "input_ids: one placeholder per image",
+            )
+        raw = [image_bytes(x, f"{field}[{i}]") for i, x in enumerate(images)]
+        pil = [open_image(r, f"{field}[{i}]") for i, r in enumerate(raw)]
+        inputs = self.processor(images=pil, return_tensors="pt")
+        counts = iter(self.tokens_per_image(inputs))
+        ids: list[int] = []
+        for t in input_ids:
+            ids += [t] * next(counts) if t == self.image_token_id else [t]
+        return VisionPrompt(
+            ids, inputs["pixel_values"], inputs.get("image_grid_thw"), tuple(content_hash(r) for r in raw)
+        )
