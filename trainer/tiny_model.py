@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2-VL's: an image is <|vision_start|><|image_pad|>...<|vision_end|>, one pad per merged patch.
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+LLAVA_IMAGE_TOKEN = "<image>"  # LLaVA's: one per patch
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 # Qwen's ChatML layout; ``add_generation_prompt`` opens the assistant turn.
@@ -34,10 +35,11 @@ class TinyModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    arch: Literal["qwen2", "qwen3-moe", "qwen2-vl"] = Field(
+    arch: Literal["qwen2", "qwen3-moe", "qwen2-vl", "llava"] = Field(
         "qwen2",
-        description="qwen2 (dense), qwen3-moe: every layer's MLP a mixture of experts, or qwen2-vl: the "
-        "dense decoder with Qwen2-VL's vision tower and 3-D rotary positions.",
+        description="qwen2 (dense), qwen3-moe: every layer's MLP a mixture of experts, qwen2-vl: the "
+        "dense decoder with Qwen2-VL's vision tower and 3-D rotary positions, or llava: a CLIP vision "
+        "tower and a projector in front of a Llama decoder.",
     )
     hidden_size: int = Field(128, ge=16, description="Width of the residual stream.")
     intermediate_size: int = Field(384, ge=16, description="Width of the MLP.")
@@ -59,10 +61,15 @@ class TinyModelConfig(BaseModel):
     vision_depth: int = Field(2, ge=1, description="qwen2-vl: vision transformer blocks.")
     vision_embed_dim: int = Field(32, ge=8, description="qwen2-vl: width of the vision tower.")
     patch_size: int = Field(
-        4, ge=1, description="qwen2-vl: pixels per patch side (Qwen2-VL's 14; 4 suits images of tens of pixels)."
+        4,
+        ge=1,
+        description="Vision models: pixels per patch side (the real ones' 14; 4 suits images of tens of pixels).",
     )
     image_max_pixels: int = Field(
         64 * 64, ge=64, description="qwen2-vl: larger images are resized down to about this many pixels."
+    )
+    image_size: int = Field(
+        28, ge=4, description="llava: every image is resized and cropped to this square (one token per patch)."
     )
     seed: int = Field(0, description="Seed of the random initialisation.")
     digit_prior_steps: int = Field(
@@ -125,8 +132,10 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vision = cfg.arch == "qwen2-vl"
-    tokenizer = build_tokenizer(vision)
+    vision = cfg.arch in ("qwen2-vl", "llava")
+    tokenizer = build_tokenizer(cfg.arch == "qwen2-vl")
+    if cfg.arch == "llava":
+        tokenizer.add_special_tokens({"additional_special_tokens": [LLAVA_IMAGE_TOKEN]})
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     if cfg.vocab_size is not None and cfg.vocab_size < len(tokenizer):
@@ -159,8 +168,10 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
         pad_token_id=pad_id,
         torch_dtype="float32",
     )
-    if vision:
+    if cfg.arch == "qwen2-vl":
         hf_cfg = _qwen2_vl_config(cfg, text, tokenizer)
+    elif cfg.arch == "llava":
+        hf_cfg = _llava_config(cfg, text, tokenizer)
     else:
         hf_cfg = (Qwen3MoeConfig if cfg.arch == "qwen3-moe" else Qwen2Config)(**text)
     torch.manual_seed(cfg.seed)
@@ -179,7 +190,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if vision:
-        _qwen2_vl_image_processor(cfg).save_pretrained(out)
+        (_qwen2_vl_image_processor if cfg.arch == "qwen2-vl" else _llava_image_processor)(cfg).save_pretrained(out)
     return out
 
 
@@ -265,3 +276,35 @@ SHAPES = {
         vocab_size=151936,
     ),
 }
+
+
+def _llava_config(cfg: TinyModelConfig, text: dict, tokenizer):
+    from transformers import LlavaConfig
+
+    if cfg.image_size % cfg.patch_size:
+        raise ValueError(f"llava: image_size {cfg.image_size} must be a multiple of patch_size {cfg.patch_size}")
+    text = {k: v for k, v in text.items() if k != "torch_dtype"} | {"model_type": "llama"}
+    return LlavaConfig(
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=cfg.vision_embed_dim,
+            intermediate_size=2 * cfg.vision_embed_dim,
+            num_hidden_layers=cfg.vision_depth,
+            num_attention_heads=max(1, cfg.vision_embed_dim // 16),
+            image_size=cfg.image_size,
+            patch_size=cfg.patch_size,
+        ),
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN),
+        vision_feature_select_strategy="default",  # the patches' features, not the CLS token's
+        vision_feature_layer=-1,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+
+
+def _llava_image_processor(cfg: TinyModelConfig):
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    side = cfg.image_size
+    return CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})

@@ -59,7 +59,7 @@ def init_model(
     ),
     arch: str = typer.Option(
         "qwen2",
-        help="qwen2 (dense), qwen3-moe (a mixture of experts in every layer) or qwen2-vl (with a vision tower).",
+        help="qwen2 (dense), qwen3-moe (a mixture of experts in every layer), qwen2-vl or llava (with a vision tower).",
     ),
     seed: int = typer.Option(0, help="Seed of the random initialisation."),
     hidden_size: int = typer.Option(128, help="Width of the residual stream."),

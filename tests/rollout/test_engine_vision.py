@@ -1,9 +1,9 @@
-"""The embedded engine serving a vision-language model (a tiny random Qwen2-VL, built by
-``rollmesh init-model --arch qwen2-vl``) against transformers.
+"""The embedded engine serving vision-language models (tiny random Qwen2-VL and LLaVA, built by
+``rollmesh init-model --arch qwen2-vl|llava``) against transformers.
 
-Images come as SGLang's ``image_data`` with one ``<|image_pad|>`` per image in the prompt; the engine
-expands it to the image's tokens, runs the vision tower at prefill and numbers positions in 3-D as
-Qwen2-VL does. Greedy output equals ``generate`` and log-probs equal a teacher-forced forward, with
+Images come as SGLang's ``image_data`` with one placeholder per image in the prompt (``<|image_pad|>``,
+``<image>``); the engine expands it to the image's tokens, runs the vision tower at prefill and, for
+Qwen2-VL, numbers positions in 3-D. Greedy output equals ``generate`` and log-probs equal a teacher-forced forward, with
 image and text-only requests batched together and rows joining mid-run; a weight update (the vision
 tower's included) re-prefills the images; bad images are refused by name and the engine keeps serving.
 """
@@ -36,8 +36,8 @@ def png(width: int, height: int, seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _build(out, seed: int = 0) -> str:
-    path = build_tiny_model(out, TinyModelConfig(arch="qwen2-vl", hidden_size=64, num_hidden_layers=2, seed=seed))
+def _build(out, arch: str, seed: int = 0) -> str:
+    path = build_tiny_model(out, TinyModelConfig(arch=arch, hidden_size=64, num_hidden_layers=2, seed=seed))
     model = AutoModelForImageTextToText.from_pretrained(path)
     with torch.no_grad():  # random init is near-uniform; larger weights make greedy choices clear
         for p in model.parameters():
@@ -46,9 +46,9 @@ def _build(out, seed: int = 0) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    path = _build(tmp_path_factory.mktemp("qwen2-vl"))
+@pytest.fixture(scope="module", params=["qwen2-vl", "llava"])
+def vl(request, tmp_path_factory):
+    path = _build(tmp_path_factory.mktemp(request.param), request.param)
     engine = EmbeddedEngine(EngineConfig(model_path=path, max_running_requests=3)).start()
     hf = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="sdpa").eval()
     yield path, engine, hf
@@ -61,19 +61,29 @@ class Reference:
     def __init__(self, path: str, hf) -> None:
         self.hf, self.tok = hf, AutoTokenizer.from_pretrained(path)
         self.processor = AutoImageProcessor.from_pretrained(path)
-        self.pad = self.tok.convert_tokens_to_ids("<|image_pad|>")
+        self.qwen = hf.config.model_type == "qwen2_vl"
+        self.pad = self.tok.convert_tokens_to_ids("<|image_pad|>" if self.qwen else "<image>")
 
     def prompt(self, text: str) -> list[int]:
-        return self.tok.encode(text)
+        """``text`` with each {IMG} the model's image placeholder."""
+        return self.tok.encode(
+            text.replace(IMG, "<|vision_start|><|image_pad|><|vision_end|>" if self.qwen else "<image>")
+        )
 
     def inputs(self, ids: list[int], images: list[str]) -> dict:
         if not images:
             return {"input_ids": torch.tensor([ids])}
         pil = [Image.open(io.BytesIO(base64.b64decode(x.partition(",")[2]))).convert("RGB") for x in images]
         px = self.processor(images=pil, return_tensors="pt")
-        counts = iter((px["image_grid_thw"].prod(-1) // 4).tolist())
+        if self.qwen:  # merged 2 × 2 patches
+            counts = iter((px["image_grid_thw"].prod(-1) // 4).tolist())
+        else:  # a token per patch of the square image
+            side = self.hf.config.vision_config.image_size // self.hf.config.vision_config.patch_size
+            counts = iter([side * side] * len(images))
         expanded = [t for x in ids for t in ([x] * next(counts) if x == self.pad else [x])]
         input_ids = torch.tensor([expanded])
+        if not self.qwen:
+            return {"input_ids": input_ids, "pixel_values": px["pixel_values"]}
         return {
             "input_ids": input_ids,
             "pixel_values": px["pixel_values"],
@@ -98,7 +108,7 @@ class Reference:
         return lp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
 
 
-IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+IMG = "{IMG}"
 CASES = [  # (prompt text, images): two images, one, none, one of another size
     (f"<|im_start|>user\n{IMG}{IMG}which digits?<|im_end|>\n<|im_start|>assistant\n", [png(28, 28, 1), png(40, 24, 2)]),
     (f"<|im_start|>user\n{IMG}which digit?<|im_end|>\n<|im_start|>assistant\n", [png(32, 32, 3)]),
@@ -155,7 +165,7 @@ def test_sampled_logprobs_equal_a_teacher_forced_forward_while_rows_leave_and_ab
 
 def test_a_weight_update_reprefills_the_images_with_the_new_vision_tower(vl, tmp_path):
     path, engine, hf = vl
-    other = _build(tmp_path / "b", seed=1)
+    other = _build(tmp_path / "b", hf.config.model_type.replace("_", "-"), seed=1)
     hf_b = AutoModelForImageTextToText.from_pretrained(other, attn_implementation="sdpa").eval()
     ref_a, ref_b = Reference(path, hf), Reference(other, hf_b)
     text, images = CASES[0]
