@@ -43,18 +43,21 @@ class GroupHeader:
     size: int
     created_unix_s: float  # when the group was encoded: its age in the buffer is measured from here
     domain: str = ""  # the task domain ("": a run of one task); the buffer assembles batches by it
+    images: int = 0  # distinct images its trajectories reference (vision-language prompts)
 
 
 def _arr(a: np.ndarray | None, dtype) -> bytes | None:
     return None if a is None else np.ascontiguousarray(a, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
 
 
-def _routing(a: np.ndarray) -> list:
-    return [_arr(a, a.dtype), a.shape[1], a.dtype.itemsize]
+def _routing(a: np.ndarray | None) -> list | None:
+    return None if a is None else [_arr(a, a.dtype), a.shape[1], a.dtype.itemsize]
 
 
-def _routing_of(field) -> np.ndarray:
+def _routing_of(field) -> np.ndarray | None:
     """``[bytes, width, itemsize]`` back as the ``[P, width]`` array (``sample_buffer/routing.py``)."""
+    if field is None:
+        return None
     data, width, itemsize = field
     return routing.from_bytes(data, width, itemsize)  # RoutingError is a ValueError: corrupt
 
@@ -70,26 +73,27 @@ def encode_group(group: Group, compress: bool = False) -> bytes:
             "t": time.time(),
         }
         | ({"d": group.domain} if group.domain else {})  # written only where there is one: old bytes read alike
+        | ({"i": len(group.images)} if group.images else {})  # the body is then [rows, images]
     )
-    body = msgpack.packb(
+    rows = [
         [
-            [
-                t.trajectory_id,
-                t.prompt_id,
-                _arr(t.token_ids, np.int32),
-                _arr(t.loss_mask, np.int8),
-                _arr(t.behavior_logprobs, np.float32),
-                _arr(t.token_versions, np.int32),
-                t.reward,
-                t.start_version,
-                t.finish_reason,
-                _arr(t.token_rewards, np.float32),
-                t.metadata,
-            ]
-            + ([] if t.routed_experts is None else [_routing(t.routed_experts)])  # old readers never see it
-            for t in group.trajectories
+            t.trajectory_id,
+            t.prompt_id,
+            _arr(t.token_ids, np.int32),
+            _arr(t.loss_mask, np.int8),
+            _arr(t.behavior_logprobs, np.float32),
+            _arr(t.token_versions, np.int32),
+            t.reward,
+            t.start_version,
+            t.finish_reason,
+            _arr(t.token_rewards, np.float32),
+            t.metadata,
         ]
-    )
+        + ([] if t.routed_experts is None and not t.images else [_routing(t.routed_experts)])
+        + ([list(t.images)] if t.images else [])  # old readers never see either
+        for t in group.trajectories
+    ]
+    body = msgpack.packb([rows, group.images] if group.images else rows)
     flags = 0
     if compress:
         body, flags = zlib.compress(body, 1), _FLAG_ZLIB
@@ -119,7 +123,9 @@ def read_header(data: bytes) -> GroupHeader:
         domain = str(h.get("d", ""))
         if not DOMAIN_NAME.fullmatch(domain):  # it names a Redis key and a metric's label
             raise ValueError(f"domain {domain[:80]!r} is not a domain name")
-        return GroupHeader(str(h["g"]), str(h["p"]), int(h["v"]), rewards, int(h["n"]), float(h["t"]), domain)
+        return GroupHeader(
+            str(h["g"]), str(h["p"]), int(h["v"]), rewards, int(h["n"]), float(h["t"]), domain, int(h.get("i", 0))
+        )
     except (ValueError, KeyError, TypeError, OverflowError, AttributeError, msgpack.UnpackException) as e:
         raise CodecError(f"corrupt group header: {type(e).__name__}: {e}") from None
 
@@ -144,7 +150,11 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
     head = read_header(data)
     try:
         raw = _inflate(body) if flags & _FLAG_ZLIB else body
-        rows = msgpack.unpackb(raw)
+        rows, images = msgpack.unpackb(raw), {}
+        if head.images:
+            rows, images = rows
+            if not isinstance(images, dict) or len(images) != head.images:
+                raise CodecError(f"group {head.group_id!r}: header says {head.images} images, body has another count")
         trajs = [
             Trajectory(
                 trajectory_id=r[0],
@@ -160,6 +170,7 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
                 token_rewards=None if r[9] is None else np.frombuffer(r[9], dtype="<f4"),
                 metadata=r[10],
                 routed_experts=_routing_of(r[11]) if len(r) > 11 else None,
+                images=tuple(r[12]) if len(r) > 12 else (),
                 check=validate,
             )
             for r in rows
@@ -173,7 +184,7 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
     if len(trajs) != head.size:
         raise CodecError(f"group {head.group_id!r}: header says {head.size} trajectories, body has {len(trajs)}")
     try:
-        group = Group(head.group_id, head.prompt_id, trajs, head.domain)
+        group = Group(head.group_id, head.prompt_id, trajs, head.domain, images)
     except TrajectoryError as e:  # no trajectories
         raise CodecError(f"decoded group {head.group_id!r} is invalid: {e}") from None
     # The buffer sorts and filters on the header alone: one that disagrees with the trajectories would

@@ -15,6 +15,9 @@ from enum import StrEnum
 import numpy as np
 
 from sample_buffer import routing as routing_ids
+from sample_buffer.vision import MAX_IMAGE_BYTES, content_hash
+
+_HASH = re.compile(r"[0-9a-f]{64}")
 
 
 class FinishReason(StrEnum):
@@ -76,6 +79,9 @@ class Trajectory:
     # [P, layers × top_k] uint8/uint16: the engine's experts for each forwarded position (MoE routing
     # replay; ``sample_buffer/routing.py``). None: not recorded (a dense model, or replay off).
     routed_experts: np.ndarray | None = None
+    # A vision-language prompt's images: each one's content hash (``sample_buffer/vision.py``), in the
+    # order their expanded placeholders stand in ``token_ids``; the bytes are the group's (``Group.images``).
+    images: tuple[str, ...] = ()
     # False skips the checks of ``validate`` for bytes already checked where they entered the buffer.
     check: InitVar[bool] = True
 
@@ -131,6 +137,10 @@ class Trajectory:
                 routing_ids.check(self.routed_experts, t)
             except routing_ids.RoutingError as e:
                 raise TrajectoryError(str(e)) from None
+        if not isinstance(self.images, tuple) or not all(
+            isinstance(h, str) and _HASH.fullmatch(h) for h in self.images
+        ):
+            raise TrajectoryError("images: a tuple of sha256 content hashes (64 hex digits) expected")
 
     def _check_turns(self, t: int) -> None:
         """The trainer reads each turn's tokens' temperature from these two (``trainer/batch.py``)."""
@@ -156,6 +166,8 @@ class Group:
     prompt_id: str
     trajectories: list[Trajectory]
     domain: str = ""  # the task domain it was sampled from ("": a run of one task)
+    # Every image its trajectories reference, once (replicas of a prompt share its images): hash -> bytes
+    images: dict[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not DOMAIN_NAME.fullmatch(self.domain):
@@ -165,6 +177,20 @@ class Group:
         for t in self.trajectories:
             if t.group_id != self.group_id:
                 raise TrajectoryError(f"group {self.group_id!r}: holds trajectory of group {t.group_id!r}")
+        if self.images or any(t.images for t in self.trajectories):
+            self._check_images()
+
+    def _check_images(self) -> None:
+        wanted = {h for t in self.trajectories for h in t.images}
+        if missing := wanted - set(self.images):
+            raise TrajectoryError(f"images: {len(missing)} referenced image(s) missing, e.g. {min(missing)[:12]}")
+        if unused := set(self.images) - wanted:
+            raise TrajectoryError(f"images: {len(unused)} image(s) no trajectory references, e.g. {min(unused)[:12]}")
+        for h, data in self.images.items():
+            if not isinstance(data, bytes) or len(data) > MAX_IMAGE_BYTES:
+                raise TrajectoryError(f"images[{h[:12]}]: encoded image bytes of at most {MAX_IMAGE_BYTES} expected")
+            if content_hash(data) != h:
+                raise TrajectoryError(f"images[{h[:12]}]: the bytes do not hash to their key")
 
     @property
     def start_version(self) -> int:

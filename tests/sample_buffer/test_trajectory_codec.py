@@ -130,3 +130,49 @@ def test_a_groups_start_version_is_its_oldest_members():
         traj(trajectory_id="b", group_id="z", start_version=3, token_versions=[3, 4]),
     ]
     assert Group("z", "p", members).start_version == 3  # a group is as stale as its stalest member
+
+
+def _with_images(group: Group, per_traj: list[list[bytes]]) -> Group:
+    from sample_buffer.vision import content_hash
+
+    images = {content_hash(b): b for bs in per_traj for b in bs}
+    trajs = [
+        Trajectory(**{**t.__dict__, "images": tuple(content_hash(b) for b in bs)})
+        for t, bs in zip(group.trajectories, per_traj)
+    ]
+    return Group(group.group_id, group.prompt_id, trajs, group.domain, images)
+
+
+def test_images_travel_once_per_group_and_come_back_exactly():
+    cat, dog = b"\x89PNG cat" * 500, b"\x89PNG dog" * 300
+    # two replicas of one prompt share its image; a third trajectory has two; the fourth none
+    group = _with_images(make_group("img", rewards=(0.0, 1.0, 0.5, 0.2)), [[cat], [cat], [cat, dog], []])
+    data = encode_group(group)
+    assert data.count(cat) == 1 and data.count(dog) == 1  # each image's bytes once, its hash per reference
+    back = decode_group(data)
+    assert back.images == group.images and [t.images for t in back.trajectories] == [
+        t.images for t in group.trajectories
+    ]
+    assert read_header(data).images == 2 and read_header(encode_group(make_group("plain"))).images == 0
+    assert decode_group(encode_group(group, compress=True)).images == group.images
+
+
+def test_images_that_do_not_fit_their_group_are_refused_by_name():
+    from sample_buffer.vision import content_hash
+
+    base = make_group("bad", rewards=(0.0, 1.0))
+    cat = b"cat"
+    with pytest.raises(TrajectoryError, match="images: 1 referenced image"):
+        Group(base.group_id, base.prompt_id, _with_images(base, [[cat], []]).trajectories, "", {})
+    with pytest.raises(TrajectoryError, match="images: 1 image.* no trajectory references"):
+        Group(base.group_id, base.prompt_id, base.trajectories, "", {content_hash(cat): cat})
+    with pytest.raises(TrajectoryError, match="do not hash to their key"):
+        Group(
+            base.group_id, base.prompt_id, _with_images(base, [[cat], []]).trajectories, "", {content_hash(cat): b"dog"}
+        )
+    with pytest.raises(TrajectoryError, match="images: a tuple of sha256"):
+        Trajectory(**{**base.trajectories[0].__dict__, "images": ("not-a-hash",)})
+    # bytes altered on the way: the group does not decode
+    data = encode_group(_with_images(base, [[cat], [cat]]))
+    with pytest.raises(CodecError, match="do not hash to their key"):
+        decode_group(data.replace(b"cat", b"dog"))
