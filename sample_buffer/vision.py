@@ -133,8 +133,7 @@ class Vision:
                 "input_ids: one placeholder per image",
             )
         raw = [image_bytes(x, f"{field}[{i}]") for i, x in enumerate(images)]
-        pil = [open_image(r, f"{field}[{i}]") for i, r in enumerate(raw)]
-        inputs = self.processor(images=pil, return_tensors="pt")
+        inputs = self.pixels(raw, field)
         counts = iter(self.tokens_per_image(inputs))
         ids: list[int] = []
         for t in input_ids:
@@ -142,3 +141,9 @@ class Vision:
         return VisionPrompt(
             ids, inputs["pixel_values"], inputs.get("image_grid_thw"), tuple(content_hash(r) for r in raw)
         )
+
+    def pixels(self, raw: list[bytes], field: str = "image_data") -> dict:
+        """Encoded images → what the vision tower takes: ``pixel_values`` (and Qwen2-VL's
+        ``image_grid_thw``), the same for the engine and the trainer."""
+        pil = [open_image(r, f"{field}[{i}]") for i, r in enumerate(raw)]
+        return dict(self.processor(images=pil, return_tensors="pt"))

@@ -35,6 +35,9 @@ class TrainBatch:
     # Per trajectory: the engine's experts per position (MoE routing replay, ``trainer/routing.py``);
     # None: no trajectory has any.
     routed_experts: list[np.ndarray | None] | None = None
+    # Per trajectory: its images' encoded bytes, in the order of their placeholders in its tokens
+    # (a vision-language model's; the trainer's ``Vision`` makes pixels of them). None: no images.
+    images: list[tuple[bytes, ...]] | None = None
 
     @cached_property
     def sequences(self) -> list[torch.Tensor]:
@@ -53,6 +56,7 @@ class TrainBatch:
         versions = None if self.token_versions is None else self.token_versions[rows, :width]
         temps = None if self.temperatures is None else self.temperatures[rows, :width]
         experts = None if self.routed_experts is None else [self.routed_experts[r] for r in rows]
+        images = None if self.images is None else [self.images[r] for r in rows]
         return TrainBatch(
             ids,
             offsets,
@@ -63,6 +67,7 @@ class TrainBatch:
             versions,
             temps,
             experts,
+            images,
         )
 
 
@@ -104,6 +109,9 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
         routed_experts=None
         if all(t.routed_experts is None for _, t in trajs)
         else [t.routed_experts for _, t in trajs],
+        images=None
+        if not any(t.images for _, t in trajs)
+        else [tuple(groups[gi].images[h] for h in t.images) for gi, t in trajs],
     )
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sample_buffer.vision import is_vision_model, model_class
 from trainer.advantages import compute_advantages, masked_mean
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
@@ -42,6 +43,7 @@ from trainer.packing import (
     scale_by_temperature,
 )
 from trainer.routing import RoutingReplay, replay_ids, usable
+from trainer.vision_inputs import VisionInputs
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,17 @@ def _experts(batch: TrainBatch, rows: list[int]) -> list | None:
     return None if batch.routed_experts is None else [batch.routed_experts[r] for r in rows]
 
 
+def _images(batch: TrainBatch, rows: list[int]) -> list | None:
+    """Each of ``rows``' images (None: no trajectory has any)."""
+    return None if batch.images is None else [batch.images[r] for r in rows]
+
+
+def _decoder_layers(model):
+    """The decoder's layers (a vision-language model's are its language model's)."""
+    base = model.base_model
+    return base.layers if hasattr(base, "layers") else base.language_model.layers
+
+
 MAX_STEP_HALVINGS = 6  # the trust region pulls a step back to 1/64 of itself at most
 
 
@@ -143,8 +156,6 @@ def lr_lambda(config: TrainerConfig, total_steps: int | None):
 class TrainEngine:
     def __init__(self, config: TrainerConfig, total_steps: int | None = None) -> None:
         """``total_steps``: the run's length (``train_loop.steps``), the cosine schedule's span."""
-        from transformers import AutoModelForCausalLM
-
         self.config = config
         self.rank, self.world = _world()
         if config.device == "auto":
@@ -162,17 +173,22 @@ class TrainEngine:
         )
         torch.manual_seed(config.seed)
         dtype = getattr(torch, config.dtype)
-        self.model = self._prepare(AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype))
+        self.model = self._prepare(model_class(config.model_path).from_pretrained(config.model_path, dtype=dtype))
         self.ref = None
         if config.ref_model_path:
-            self.ref = AutoModelForCausalLM.from_pretrained(config.ref_model_path, dtype=dtype).to(self.device).eval()
+            ref = model_class(config.ref_model_path).from_pretrained(config.ref_model_path, dtype=dtype)
+            self.ref = ref.to(self.device).eval()
             self.ref.requires_grad_(False)
+        # a vision-language policy: its trajectories' images become pixels for its vision tower
+        self.vision = VisionInputs(self.model, config.model_path) if is_vision_model(config.model_path) else None
         # routing replay: the models whose routers take the engine's experts (the policy, the reference)
         self.replay = {}
         if config.moe.routing == "replay":
             self.replay = {id(m): RoutingReplay(m) for m in (self.model, self.ref) if m is not None}
         self.critic = self.critic_optimizer = None
         if config.critic:
+            if self.vision is not None:
+                raise ValueError("trainer.critic: a value model for a vision-language policy is not built yet")
             from transformers import AutoModelForTokenClassification
 
             critic = AutoModelForTokenClassification.from_pretrained(config.model_path, num_labels=1, dtype=dtype)
@@ -184,6 +200,8 @@ class TrainEngine:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config, total_steps))
         self.audit = None
         if config.audit_versions:
+            if self.vision is not None:
+                raise ValueError("trainer.audit_versions: the audit's forwards take no images (text policies only)")
             if self.world > 1:
                 raise ValueError("trainer.audit_versions: a diagnostic of single-process trainers (not under torchrun)")
             from trainer.audit import PolicyAudit
@@ -216,7 +234,7 @@ class TrainEngine:
                     param_dtype=getattr(torch, mp.param_dtype), reduce_dtype=getattr(torch, mp.reduce_dtype)
                 )
             )
-            for layer in model.base_model.layers:
+            for layer in _decoder_layers(model):
                 fully_shard(layer, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
         return model
@@ -229,10 +247,13 @@ class TrainEngine:
         return torch.autocast(self.device.type, dtype=getattr(torch, mp.param_dtype))
 
     # ------------------------------------------------------------------ forward passes
-    def _forward(self, model, seqs: list[list[int]], width: int, entropy: bool = False, temps=None, experts=None):
+    def _forward(
+        self, model, seqs: list[list[int]], width: int, entropy: bool = False, temps=None, experts=None, images=None
+    ):
         """Per-token log-probs (and entropies) of ``seqs``: [b, width], aligned to the tokens, each
         at its sampling temperature (``temps`` [b, width]; None: 1), as the engines report μ; with
-        routing replay, each sequence's MoE layers use its ``experts`` (a list aligned to ``seqs``).
+        routing replay, each sequence's MoE layers use its ``experts`` (a list aligned to ``seqs``);
+        a vision-language policy sees each sequence's ``images`` (a list aligned to ``seqs``).
         An empty ``seqs`` (a rank's filler micro-batch) runs one dummy token and returns [0, width]
         tensors still attached to the graph, so its backward joins the collectives."""
         replay = self.replay.get(id(model))
@@ -249,15 +270,17 @@ class TrainEngine:
             ids, positions, masks = packed_inputs([[seqs[i] for i in row] for row in rows], self.device)
             if not _mixes_attention(model):  # Llama's, Qwen3-MoE's, ... forward takes one mask, not a mapping
                 masks = masks["full_attention"]
+            places = {}  # where each sequence starts: (row, column)
+            for r, row in enumerate(rows):
+                start = 0
+                for i in row:
+                    places[i], start = (r, start), start + len(seqs[i])
             if replay is not None and experts is not None:
-                places = {}  # where each sequence starts: (row, column)
-                for r, row in enumerate(rows):
-                    start = 0
-                    for i in row:
-                        places[i], start = (r, start), start + len(seqs[i])
                 replay.set(self._replay_ids(experts, places, ids.shape, replay))
+            extra = self._vision_inputs(model, seqs, images, places, ids.shape)
+            positions = extra.pop("position_ids", positions)
             with self._compute_precision():
-                logits = model(input_ids=ids, position_ids=positions, attention_mask=masks).logits
+                logits = model(input_ids=ids, position_ids=positions, attention_mask=masks, **extra).logits
             row_temps = None
             if temps is not None:  # laid out as the packed ids are
                 row_temps = torch.ones(ids.shape, device=self.device)
@@ -284,8 +307,9 @@ class TrainEngine:
         ids, attn = padded_inputs(seqs, self.device)
         if replay is not None and experts is not None:
             replay.set(self._replay_ids(experts, {i: (i, 0) for i in range(len(seqs))}, ids.shape, replay))
+        extra = self._vision_inputs(model, seqs, images, {i: (i, 0) for i in range(len(seqs))}, ids.shape)
         with self._compute_precision():
-            logits = model(input_ids=ids, attention_mask=attn).logits
+            logits = model(input_ids=ids, attention_mask=attn, **extra).logits
         temps = None if temps is None else temps[:, : ids.shape[1]]
         lp = gather_token_logprobs(logits, ids, temps) * attn
         ent = (
@@ -298,6 +322,12 @@ class TrainEngine:
             lp = torch.nn.functional.pad(lp, (0, pad))
             ent = torch.nn.functional.pad(ent, (0, pad)) if entropy else None
         return lp, ent
+
+    def _vision_inputs(self, model, seqs, images, places: dict, shape) -> dict:
+        if self.vision is None or images is None:
+            return {}
+        dtype = getattr(torch, self.config.dtype)
+        return self.vision.inputs(model, seqs, images, places, tuple(shape), self.device, dtype)
 
     def micro_batches(self, batch: TrainBatch, rows: list[int] | None = None) -> list[list[int]]:
         """Row indices (of ``rows``, default all) per micro-batch. Under FSDP2 every rank runs the
@@ -328,7 +358,9 @@ class TrainEngine:
         ent = torch.zeros_like(out) if entropy else None
         for rows in self.micro_batches(batch):
             seqs = [batch.sequences[r] for r in rows]
-            lp, e = self._forward(model, seqs, width, entropy, _temperatures(batch, rows), _experts(batch, rows))
+            lp, e = self._forward(
+                model, seqs, width, entropy, _temperatures(batch, rows), _experts(batch, rows), _images(batch, rows)
+            )
             out[rows] = lp
             if entropy:
                 ent[rows] = e
@@ -502,6 +534,7 @@ class TrainEngine:
                 cfg.entropy_coef > 0,
                 _temperatures(batch, micro),
                 _experts(batch, micro),
+                _images(batch, micro),
             )
             if not micro:  # filler micro-batch: a zero loss that still runs the backward collectives
                 (lp.sum() * 0.0).backward()
