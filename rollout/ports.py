@@ -98,12 +98,14 @@ class Generate(Protocol):
         top_logprobs: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
         return_routed_experts: bool = False,
+        images: tuple[bytes, ...] = (),
     ) -> Generation:
         """Generate for ``input_ids``; ``route`` keeps requests that share it on one engine.
         ``top_logprobs``: also the most likely tokens at each position; ``on_tokens``: stream the
         generation, handing new tokens over as they are made (the agent gateway's streams; the
         rollout loop passes neither); ``return_routed_experts``: an MoE model's experts per
-        position. Raises ``TransientError`` when the call may succeed if tried again."""
+        position; ``images``: a vision-language prompt's encoded images, one placeholder token for
+        each in ``input_ids``. Raises ``TransientError`` when the call may succeed if tried again."""
 
     async def abort(self, request_id: str) -> None:
         """Stop a running generation; it returns its partial output as ``abort``."""

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_IMAGE_BYTES = 8 << 20  # an encoded image, as sent
+MAX_IMAGE_BYTES = 4 << 20  # an encoded image, as sent: two fit the LLMProxy's 8 MiB message
 MAX_IMAGE_PIXELS = 4096 * 4096  # width × height, read from the header before the pixels are decoded
 MAX_IMAGES = 16  # per request
 
@@ -69,6 +69,15 @@ def open_image(raw: bytes, field: str = "image_data", max_pixels: int = MAX_IMAG
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise VisionError(field, f"not a readable image: {type(e).__name__}: {e}") from None
+
+
+_MAGIC = ((b"\x89PNG", "png"), (b"\xff\xd8", "jpeg"), (b"GIF8", "gif"), (b"RIFF", "webp"), (b"BM", "bmp"))
+
+
+def data_url(raw: bytes) -> str:
+    """Encoded image bytes as a data URL, its type read from the bytes' signature (PNG if unknown)."""
+    kind = next((k for magic, k in _MAGIC if raw.startswith(magic)), "png")
+    return f"data:image/{kind};base64," + base64.b64encode(raw).decode()
 
 
 def content_hash(raw: bytes) -> str:

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -34,6 +35,7 @@ from rollout.proxy.router import EngineSlot, Router
 from rollout.sampling import SamplingParams
 from sample_buffer import routing
 from sample_buffer.trajectory import FinishReason
+from sample_buffer.vision import MAX_IMAGE_BYTES, MAX_IMAGES, data_url
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class ProxyRequest:
     timeout_s: float = 0.0
     top_logprobs: int = 0  # the most likely tokens to report at each position (0: none)
     return_routed_experts: bool = False  # an MoE model's experts per position (routing replay)
+    images: tuple[bytes, ...] = ()  # a vision-language prompt's encoded images, one placeholder each in input_ids
 
 
 @dataclass
@@ -94,6 +97,11 @@ class _InFlight:
     slot: EngineSlot | None = None
     engine_rid: str = ""
     t0: float = field(default_factory=time.perf_counter)
+
+    @cached_property
+    def image_data(self) -> list[str]:
+        """The images as the engines' ``image_data`` (data URLs), encoded once for every segment."""
+        return [data_url(x) for x in self.request.images]
 
 
 @dataclass
@@ -140,6 +148,11 @@ def _validate(req: ProxyRequest) -> None:
         raise RequestInvalid("input_ids", "token ids must be >= 0")
     if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise RequestInvalid("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    if len(req.images) > MAX_IMAGES:
+        raise RequestInvalid("images", f"{len(req.images)} images; at most {MAX_IMAGES} per request")
+    for i, image in enumerate(req.images):  # what the image is, the engine checks; its size, here
+        if not 0 < len(image) <= MAX_IMAGE_BYTES:
+            raise RequestInvalid(f"images[{i}]", f"an encoded image of 1 to {MAX_IMAGE_BYTES} bytes, got {len(image)}")
     _check_timeout(req.timeout_s)
 
 
@@ -257,6 +270,9 @@ class LLMProxy:
                 res.finish_reason = FinishReason.TIMEOUT
                 return
             if res.num_segments == 0:
+                # the engine's count: a vision-language prompt's placeholders expanded (later segments'
+                # prompts hold the output so far)
+                res.prompt_tokens = out.prompt_tokens or len(req.input_ids)
                 res.queue_time_s += out.queue_time_s or 0.0
                 if out.ttft_s is not None and out.output_ids:
                     res.ttft_s = t_call - fl.t0 + out.ttft_s
@@ -273,7 +289,6 @@ class LLMProxy:
                 res.routed_experts = None  # incomplete: the trainer drops the trajectory rather than guess
                 req.return_routed_experts = False  # and no later segment fills it in
             res.weight_version, res.engine = out.weight_version, slot.name
-            res.prompt_tokens = len(req.input_ids)
             if out.finish_reason != FinishReason.ABORT:
                 res.finish_reason = out.finish_reason
                 return
@@ -314,6 +329,8 @@ class LLMProxy:
         extra = {"top_logprobs": fl.request.top_logprobs} if fl.request.top_logprobs else {}
         if fl.request.return_routed_experts:  # every position: a continuation's forward routes them anew
             extra["return_routed_experts"] = True
+        if fl.request.images:  # a continuation sends them again: its prompt's placeholders are expanded anew
+            extra["image_data"] = fl.image_data
         if fl.on_tokens is not None:
 
             def on_tokens(new: list[int]) -> None:

@@ -28,6 +28,7 @@ def generate_request(
     timeout_s: float,
     top_logprobs: int = 0,
     return_routed_experts: bool = False,
+    images: tuple[bytes, ...] = (),
 ) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         request_id=request_id,
@@ -37,6 +38,7 @@ def generate_request(
         timeout_s=timeout_s,
         top_logprobs=top_logprobs,
         return_routed_experts=return_routed_experts,
+        images=images,
     )
 
 
@@ -59,10 +61,11 @@ class ProxyClient:
         route: str = "",
         timeout_s: float = 0.0,
         return_routed_experts: bool = False,
+        images: tuple[bytes, ...] = (),
         **sampling,
     ) -> pb.GenerateResponse:
         sp = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
-        req = generate_request(input_ids, sp, request_id, route, timeout_s, 0, return_routed_experts)
+        req = generate_request(input_ids, sp, request_id, route, timeout_s, 0, return_routed_experts, images)
         return await self.stub.Generate(req, timeout=(timeout_s or self.timeout_s) + 5.0)
 
     async def suspend(self, mode: int = pb.SUSPEND_MODE_CONTINUE, timeout_s: float = 30.0) -> pb.SuspendResponse:
@@ -169,8 +172,11 @@ class ProxyGenerate:
         top_logprobs: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
         return_routed_experts: bool = False,
+        images: tuple[bytes, ...] = (),
     ) -> Generation:
-        req = generate_request(input_ids, sampling, request_id, route, timeout_s, top_logprobs, return_routed_experts)
+        req = generate_request(
+            input_ids, sampling, request_id, route, timeout_s, top_logprobs, return_routed_experts, images
+        )
         try:
             if on_tokens is None:
                 res = await self.client.stub.Generate(req, timeout=timeout_s + 5.0)

@@ -152,6 +152,7 @@ def _request(req: pb.GenerateRequest) -> ProxyRequest:
         timeout_s=req.timeout_s,
         top_logprobs=req.top_logprobs,
         return_routed_experts=req.return_routed_experts,
+        images=tuple(req.images),
     )
 
 

@@ -444,3 +444,41 @@ def test_grpc_health_service(two_engines):
         return res.status
 
     assert run(scenario, two_engines) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_images_through_the_proxy_and_across_an_update_with_bad_ones_named(make_engine_process, tiny_vl):
+    """A vision-language prompt's images go through the LLMProxy to the engine, and again with the
+    continuation after suspend → update → resume (its prompt's placeholders expanded anew); an image
+    over the size limit, or one the engine cannot read, is INVALID_ARGUMENT naming it, and the proxy
+    keeps serving."""
+    from transformers import AutoTokenizer
+
+    from sample_buffer.vision import MAX_IMAGE_BYTES, image_bytes
+    from tests.rollout.test_engine_vision import png
+
+    _, url = make_engine_process(model=tiny_vl)
+    start, pad, end = AutoTokenizer.from_pretrained(tiny_vl).convert_tokens_to_ids(
+        ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+    )
+    prompt, image = [1, start, pad, end, 70], image_bytes(png(28, 28, 0))
+
+    async def scenario(client, proxy):
+        one = await client.generate(prompt, 6, images=(image,), **GREEDY)
+        task = asyncio.create_task(client.generate(prompt, 300, request_id="vl", images=(image,), **GREEDY))
+        await decoding(proxy)
+        await client.suspend(pb.SUSPEND_MODE_CONTINUE)
+        update = await client.update_weights(tiny_vl, 1)  # the same weights: the continuation must agree
+        await client.resume()
+        errors = []
+        for bad in ((b"x" * (MAX_IMAGE_BYTES + 1),), (b"not an image",), (image, image)):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.generate(prompt, 2, images=bad)
+            errors.append(e.value)
+        return one, update, await task, errors, await client.generate(prompt, 6, images=(image,), **GREEDY)
+
+    one, update, spanned, errors, again = run(scenario, [url])
+    assert one.prompt_tokens == len(prompt) - 1 + 16 and list(again.output_ids) == list(one.output_ids)
+    assert update.success and spanned.num_segments == 2
+    assert list(spanned.output_ids[:6]) == list(one.output_ids)  # the continuation saw the image again
+    assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert [e.details().split(":")[0] for e in errors] == ["images[0]", "image_data[0]", "image_data"]

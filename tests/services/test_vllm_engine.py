@@ -5,6 +5,7 @@ abort, suspend, bad input, failed updates) run against vLLM in test_llm_proxy.py
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -136,6 +137,7 @@ answer = GenerateTokensResponse(request_id=request.request_id, choices=[{
     "weight_versions": [{"version": "7", "start": 0, "end": len(out)}],
 }])
 print(json.dumps({"start": request.sampling_params.routed_experts_prompt_start,
+                  "parts": [p["type"] + ":" + p["url"][:22] for p in request.content_parts or []],
                   "answer": json.loads(answer.model_dump_json())}))
 """
 
@@ -162,9 +164,14 @@ def test_the_client_reads_the_routing_vllm_sends_and_asks_it_from_where_an_earli
     rng = np.random.default_rng(0)
     # vLLM's rows: prompt + output - 1 positions (the last token is never forwarded), from `start` on
     routing = rng.integers(0, experts, size=(len(prompt) + 3 - 1 - start, layers, top_k)).astype(dtype)
-    payload = generate_payload(prompt, {"max_new_tokens": 3}, rid="r1", routing_start=start)
+    from sample_buffer.vision import image_bytes
+    from tests.rollout.test_engine_vision import png
+
+    images = [png(8, 8, 0), base64.b64encode(image_bytes(png(8, 8, 1))).decode()]  # a data URL; bare base64
+    payload = generate_payload(prompt, {"max_new_tokens": 3}, rid="r1", routing_start=start, image_data=images)
     got = _vllm_answers(payload, routing)
     assert got["start"] == start  # vLLM's own request model read the field where the client put it
+    assert got["parts"] == ["image_url:data:image/png;base64,"] * 2  # and the images as its content parts
     res = parse_vllm_response(got["answer"], 0.1, prompt_tokens=len(prompt), routing_start=start)
     assert res.output_ids == [3, 9, 4] and res.token_versions == [7, 7, 7] and res.routed_experts_start == start
     assert res.routed_experts.dtype == (np.uint8 if experts <= 256 else np.uint16)

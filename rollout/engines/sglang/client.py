@@ -97,11 +97,13 @@ class SGLangClient(HTTPEngineClient):
         on_tokens: OnTokens | None = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
+        image_data: list[str] | None = None,
     ) -> EngineResult:
         """One generation. ``top_logprobs``: also the most likely tokens at each position;
         ``on_tokens``: stream it, handing each event's new tokens over as they arrive;
         ``return_routed_experts``: an MoE model's experts per position, from ``routed_experts_start_len``
-        (SGLang needs ``--enable-return-routed-experts``)."""
+        (SGLang needs ``--enable-return-routed-experts``); ``image_data``: a vision-language prompt's
+        images (base64), one placeholder token for each in ``input_ids``, which the server expands."""
         if isinstance(sampling_params, SamplingParams):  # SGLang's names, every value sent: a server never
             sampling_params = sampling_params.model_dump(exclude_none=True)  # substitutes its own defaults
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
@@ -109,6 +111,8 @@ class SGLangClient(HTTPEngineClient):
             payload["rid"] = rid
         if top_logprobs:
             payload["top_logprobs_num"] = top_logprobs
+        if image_data:
+            payload["image_data"] = image_data
         start = routed_experts_start_len if return_routed_experts else 0
         if return_routed_experts:
             payload["return_routed_experts"] = True

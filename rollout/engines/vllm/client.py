@@ -30,6 +30,7 @@ trainer leaves a trajectory without routing out of a replayed batch.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 
@@ -44,6 +45,7 @@ from rollout.engines.http_engine import (
 from rollout.sampling import SamplingParams
 from sample_buffer import routing
 from sample_buffer.trajectory import FinishReason
+from sample_buffer.vision import data_url
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +86,24 @@ def generate_payload(
     return_logprob: bool = True,
     top_logprobs: int = 0,
     routing_start: int | None = None,
+    image_data: list[str] | None = None,
 ) -> dict:
-    """The body of ``POST /inference/v1/generate`` (vLLM's ``GenerateRequest``)."""
+    """The body of ``POST /inference/v1/generate`` (vLLM's ``GenerateRequest``). Images go as its
+    ``content_parts`` (data URLs; vLLM expands each one-token placeholder in ``token_ids``)."""
     sampling = vllm_sampling(sampling_params, return_logprob, top_logprobs)
     if routing_start:  # skip the prompt positions an earlier turn's routing covered
         sampling["routed_experts_prompt_start"] = routing_start
     payload = {"token_ids": input_ids, "sampling_params": sampling}
     if rid is not None:
         payload["request_id"] = rid
+    if image_data:
+        payload["content_parts"] = [{"type": "image_url", "url": _data_url(x)} for x in image_data]
     return payload
+
+
+def _data_url(image: str) -> str:
+    """vLLM takes data, HTTP or file URLs, not bare base64 (SGLang's other spelling)."""
+    return image if image.startswith("data:") else data_url(base64.b64decode(image))
 
 
 def _top(entry: dict, k: int) -> list[tuple[int, float]]:
@@ -203,12 +214,13 @@ class VLLMClient(HTTPEngineClient):
         on_tokens: OnTokens | None = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
+        image_data: list[str] | None = None,
     ) -> EngineResult:
         """As ``SGLangClient.generate``: ``on_tokens`` streams it (vLLM's ``stream: true``);
         ``return_routed_experts`` reads the routing a server started with
         ``--enable-return-routed-experts`` sends (it sends none otherwise)."""
         start = routed_experts_start_len if return_routed_experts else None
-        payload = generate_payload(input_ids, sampling_params, rid, return_logprob, top_logprobs, start)
+        payload = generate_payload(input_ids, sampling_params, rid, return_logprob, top_logprobs, start, image_data)
         t0 = time.perf_counter()
         if on_tokens is None:
             body = await self._post("/inference/v1/generate", timeout_s, json=payload)

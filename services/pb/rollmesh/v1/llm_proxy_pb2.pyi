@@ -38,7 +38,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sampling_seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "route", "input_ids", "sampling_params", "timeout_s", "top_logprobs", "return_routed_experts")
+    __slots__ = ("request_id", "route", "input_ids", "sampling_params", "timeout_s", "top_logprobs", "return_routed_experts", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class GenerateRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     route: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -53,7 +54,8 @@ class GenerateRequest(_message.Message):
     timeout_s: float
     top_logprobs: int
     return_routed_experts: bool
-    def __init__(self, request_id: _Optional[str] = ..., route: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., route: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RoutedExperts(_message.Message):
     __slots__ = ("ids", "ids_per_token", "itemsize")
