@@ -23,12 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.budgets import EpisodeClock
 from rollout.chat_turns import Conversation
-from rollout.envs.base import Env
+from rollout.envs.base import Env, Observation
 from rollout.ports import Generation, RolloutObserver
 from rollout.sampling import SamplingParams
 from rollout.turn_barrier import TurnBarrier
 from sample_buffer import routing
 from sample_buffer.trajectory import FinishReason, Trajectory
+from sample_buffer.vision import VisionError, content_hash, data_url
 
 # generate(input_ids, sampling, trajectory_id, timeout_s) -> Generation
 GenerateFn = Callable[[list[int], SamplingParams, str, float], Awaitable[Generation]]
@@ -77,14 +78,29 @@ async def run_episode(
     barrier: TurnBarrier | None = None,
     observer: RolloutObserver | None = None,
     domain: str = "",
+    vision=None,
+    image_store: dict[str, bytes] | None = None,
 ) -> Trajectory:
     """Run one episode. With a ``barrier`` (batch rollout) every turn's generation waits for all
-    episodes' generations, and every environment step for all episodes' steps."""
+    episodes' generations, and every environment step for all episodes' steps. ``vision``: a
+    vision-language model's ``sample_buffer.vision.Vision`` (an environment's images need one);
+    ``image_store`` receives the images the trajectory references, by content hash (its group's)."""
     try:
         t0 = time.monotonic()
         observer = observer or RolloutObserver()
         traj = await _run_episode(
-            env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier, observer
+            env,
+            seed,
+            generate,
+            tokenizer,
+            config,
+            trajectory_id,
+            group_id,
+            prompt_id,
+            barrier,
+            observer,
+            vision,
+            {} if image_store is None else image_store,
         )
         _report(observer.episode_ended, traj, time.monotonic() - t0, domain)
         return traj
@@ -159,7 +175,9 @@ async def close_env(env, timeout_s: float) -> None:
         log.debug("closing %s: %s", env.name, e)
 
 
-async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier, observer):
+async def _run_episode(
+    env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier, observer, vision, image_store
+):
     def ended(finish, **why) -> Trajectory:  # before its first generation
         return Trajectory(
             trajectory_id=trajectory_id,
@@ -183,8 +201,25 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
     except Exception as e:
         log.warning("%s: reset failed: %s: %s", trajectory_id, type(e).__name__, e)
         return ended(FinishReason.ENV_ERROR, **_env_error(e))
+    images: tuple[bytes, ...] = ()
+    if isinstance(obs, Observation):
+        obs, images = obs.text, tuple(obs.images)
+    if images:
+        if vision is None:
+            return ended(
+                FinishReason.ENV_ERROR, error="the environment sent images to a text-only model", error_kind="images"
+            )
+        obs = vision.placeholder * len(images) + obs  # the images first, as vision-language chat templates put them
     chat = Conversation(tokenizer, obs)
-    tokens = chat.prompt_ids()
+    tokens = sent = chat.prompt_ids()  # ``sent``: one placeholder per image, as the engines take a prompt
+    if images:
+        try:  # what the model reads (and the engine consumes): each placeholder expanded to its image's tokens
+            tokens = vision.prompt(sent, [data_url(x) for x in images]).input_ids
+        except VisionError as e:
+            return ended(FinishReason.ENV_ERROR, error=str(e)[:500], error_kind="images")
+    expanded = len(tokens)
+    with_images = {"images": images} if images else {}
+    image_store.update({content_hash(x): x for x in images})
     mask = [0] * len(tokens)
     logprobs: list[float] = []
     versions: list[int] = []
@@ -202,7 +237,8 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
             break
         t_gen = time.monotonic()
         try:
-            gen = await generate(tokens, sampling, trajectory_id, timeout_s)
+            ids = sent + tokens[expanded:] if images else tokens
+            gen = await generate(ids, sampling, trajectory_id, timeout_s, **with_images)
         except ValueError as e:
             if not _CONTEXT_FULL.search(str(e)):  # a request the config made wrong: not this episode's
                 raise
@@ -256,10 +292,14 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         finish = gen.finish_reason
         if result.done or result.observation is None:
             break
+        observation = result.observation
+        if isinstance(observation, Observation):
+            if observation.images:
+                finish, why = FinishReason.ENV_ERROR, {"error": "images after the first turn", "error_kind": "images"}
+                break
+            observation = observation.text
         try:
-            next_turn = chat.next_turn(
-                gen.output_ids, gen.finish_reason == FinishReason.STOP, result.role, result.observation
-            )
+            next_turn = chat.next_turn(gen.output_ids, gen.finish_reason == FinishReason.STOP, result.role, observation)
         except Exception as e:  # a role the chat does not have, a template that refuses the turn
             finish, why = FinishReason.ENV_ERROR, _env_error(e)
             break
@@ -277,6 +317,7 @@ async def _run_episode(env, seed, generate, tokenizer, config, trajectory_id, gr
         start_version=versions[0] if versions else 0,
         finish_reason=finish,
         routed_experts=None if turn_without_routing else experts,
+        images=tuple(content_hash(x) for x in images),
         metadata={
             "env": env.name,
             "turn_starts": turns,

@@ -57,6 +57,7 @@ class _GroupState:
     finished_starts: list[int] = field(default_factory=list)  # start versions of finished members
     tokens: dict[str, int] = field(default_factory=dict)  # generated so far, by member
     stale: bool = False
+    images: dict[str, bytes] = field(default_factory=dict)  # the members' images, by content hash
 
 
 class RolloutLoop:
@@ -76,6 +77,7 @@ class RolloutLoop:
         domains: list[Domain] | None = None,
         rows: list[dict] | None = None,
         reward_fn=None,
+        vision=None,
     ) -> None:
         """``id_prefix`` starts every group id: a process's own (random) one keeps ids unique when
         a restarted loop counts from 0 again. ``first_prompt``: where in the shuffled order this
@@ -83,14 +85,15 @@ class RolloutLoop:
         prompts its predecessor just ran. ``make_env(episode_id)``: one environment per episode;
         default: the config's environment (a remote one is built over the EnvManager's provider
         pool and passed in here). ``domains``: several tasks (``rollout/domains.py``); default: the
-        one task of ``rows``, ``reward_fn`` and ``make_env``."""
+        one task of ``rows``, ``reward_fn`` and ``make_env``. ``vision``: a vision-language model's
+        ``sample_buffer.vision.Vision``, for environments that show images."""
         if domains is None:
             rows = rows or []
             make_env = make_env or (lambda _: config.env.build(rows, reward_fn))
             domains = [Domain("", 1.0, rows, make_env, config.episode, config.group_size)]
         self.domains = {d.name: d for d in domains}
         self.sampler = DomainSampler(domains, config.seed, config.domain_oversampling)
-        self.config, self.tokenizer = config, tokenizer
+        self.config, self.tokenizer, self.vision = config, tokenizer, vision
         self.id_prefix, self.first_prompt = id_prefix, first_prompt
         self.admission, self.engine, self.sink = admission, engine, sink
         self.observer = observer or RolloutObserver()
@@ -140,7 +143,9 @@ class RolloutLoop:
             return self._ended(GroupOutcome.SURPLUS, trajectories, t0, domain.name)
         accepted = False
         try:
-            result = await self.sink.put(Group(gid, domain.prompt_id(pick.row), trajectories, domain.name))  # put
+            images = {h: state.images[h] for t in trajectories for h in t.images}  # each once, the members' own
+            group = Group(gid, domain.prompt_id(pick.row), trajectories, domain.name, images)
+            result = await self.sink.put(group)  # put
             accepted = result.accepted
         finally:
             if seats is not None:
@@ -227,6 +232,8 @@ class RolloutLoop:
                 barrier=barrier,
                 observer=self.observer,
                 domain=domain.name,
+                vision=self.vision,
+                image_store=state.images,
             )
         finally:
             self.running_episodes -= 1
@@ -236,18 +243,21 @@ class RolloutLoop:
             await self._abort_stale_groups()  # a finished member may reveal the group is already too old
         return t
 
-    async def generate(self, ids: list[int], sampling: SamplingParams, tid: str, timeout_s: float) -> Generation:
+    async def generate(
+        self, ids: list[int], sampling: SamplingParams, tid: str, timeout_s: float, images: tuple[bytes, ...] = ()
+    ) -> Generation:
         """Through the ``Generate`` port, retrying transient failures with backoff until the
         generation's deadline. The request id is the trajectory id (one request at a time per
         trajectory); without prompt replication the route is the group, so a prompt's samples
         share an engine."""
         route = tid if self.config.replicate_prompts else tid.rsplit("/", 1)[0]
         deadline, delay = time.monotonic() + timeout_s, 0.1
-        routing = {"return_routed_experts": True} if self.config.return_routed_experts else {}
+        extra = {"return_routed_experts": True} if self.config.return_routed_experts else {}
+        extra |= {"images": images} if images else {}
         while True:
             try:
                 gen = await self.engine.generate(
-                    ids, sampling, request_id=tid, route=route, timeout_s=deadline - time.monotonic(), **routing
+                    ids, sampling, request_id=tid, route=route, timeout_s=deadline - time.monotonic(), **extra
                 )
                 state = self._rolling.get(tid.rsplit("/", 1)[0])
                 if state is not None:  # what a member cancelled later will have cost

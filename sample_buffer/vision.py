@@ -122,6 +122,8 @@ class Vision:
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
         self.merge = int(getattr(self.processor, "merge_size", 1) or 1)  # Qwen2-VL: patches merged per side
         self.patch = int(hf_config.vision_config.patch_size)  # LLaVA: one token per patch
+        # What stands for one image in a prompt's text, before expansion
+        self.placeholder = "<image>" if self.kind == "llava" else "<|vision_start|><|image_pad|><|vision_end|>"
 
     def tokens_per_image(self, inputs: dict) -> list[int]:
         """How many placeholder tokens each image becomes."""

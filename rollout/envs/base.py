@@ -7,6 +7,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+@dataclass(frozen=True)
+class Observation:
+    """An observation with images (a vision-language task's): ``reset`` may return one instead of a
+    string. The images are encoded (PNG, JPEG, WebP, GIF) and go before the text, one placeholder
+    each, in the model's own image tokens (``sample_buffer/vision.py``)."""
+
+    text: str
+    images: tuple[bytes, ...] = ()
+
+
 @dataclass
 class StepResult:
     observation: str | None  # the next turn's message, None when done
@@ -19,8 +29,8 @@ class StepResult:
 class Env(Protocol):
     name: str
 
-    def reset(self, seed: int) -> str:
-        """Start an episode; returns the first observation (the user's message)."""
+    def reset(self, seed: int) -> str | Observation:
+        """Start an episode; returns the first observation (the user's message, with images or not)."""
 
     def step(self, action: str) -> StepResult:
         """Apply the model's decoded response; the reward is computed here, the moment it finishes."""
