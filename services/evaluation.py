@@ -75,6 +75,7 @@ async def _score_prompts(proxy_address: str, cfg, path: str, reward_spec, episod
 
     from rollout.chat_turns import render_prompt
     from rollout.envs import load_jsonl
+    from rollout.envs.single_turn import images_of_rows
     from rollout.rewards import build_reward
     from services.llm_proxy.client import ProxyClient
     from services.pb.rollmesh.v1 import common_pb2
@@ -87,17 +88,21 @@ async def _score_prompts(proxy_address: str, cfg, path: str, reward_spec, episod
     client = ProxyClient(proxy_address, auth=cfg.auth)
     timeout_s = cfg.run.heldout_timeout_s
 
-    async def answer(prompt: list[int]):
+    async def answer(prompt: list[int], images: tuple[bytes, ...]):
         t0 = time.monotonic()
-        out = await client.generate(prompt, max_new, temperature=0.0, timeout_s=timeout_s)
+        out = await client.generate(prompt, max_new, temperature=0.0, timeout_s=timeout_s, images=images)
         # An engine that ends its answer while the proxy aborts it at the deadline sends it whole, but late.
         if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"cut at {timeout_s:g} s")
         return out
 
     try:
-        prompts = [render_prompt(tok, r["prompt"]) for r in rows]
-        outs = await asyncio.gather(*(answer(p) for p in prompts), return_exceptions=True)
+        shown = images_of_rows(rows)  # a vision-language task's pictures, one placeholder each before the text
+        placeholder = _placeholder(cfg.env_manager.tokenizer_path) if shown else ""
+        prompts = [render_prompt(tok, placeholder * len(shown.get(i, ())) + r["prompt"]) for i, r in enumerate(rows)]
+        outs = await asyncio.gather(
+            *(answer(p, shown.get(i, ())) for i, p in enumerate(prompts)), return_exceptions=True
+        )
     finally:
         await client.close()
     # A variant may block (a sandbox run, a call to the reward service): scored in threads, all at once.
@@ -121,6 +126,16 @@ async def _score_prompts(proxy_address: str, cfg, path: str, reward_spec, episod
     faults = sum(getattr(reward, "failures", {}).values()) - faults
     first = f"{type(errors[0]).__name__}: {errors[0]}" if errors else ""
     return HeldOut(sum(s >= 1.0 for s in scores) / len(rows), len(errors), first, faults, len(rows))
+
+
+def _placeholder(model_path: str) -> str:
+    from transformers import AutoConfig
+
+    from sample_buffer.vision import Vision, is_vision_model
+
+    if not is_vision_model(model_path):
+        raise ValueError(f"run.heldout_path: its prompts show images; {model_path} has no vision tower")
+    return Vision(model_path, AutoConfig.from_pretrained(model_path, local_files_only=True)).placeholder
 
 
 async def heldout_episodes(proxy_address: str, cfg) -> HeldOut:

@@ -5,7 +5,10 @@ short RL budget discovering that digits exist, and policy gradient over a 259-to
 tends to collapse onto whichever digit it found first. This short supervised warm-up teaches
 the format and nothing else: prompts are random strings and the target digit is drawn
 independently of the prompt, so the prompt carries zero information about the label and the
-primed model is still at chance (about 0.1) on any digit task.
+primed model is still at chance (about 0.1) on any digit task. A vision-language model is primed
+on pictures of digits (the caller's ``pictures``: ``rollout/envs/digit_pictures.py`` draws them for
+``rollmesh init-model``) whose target is drawn apart from the picture: it learns that a picture's
+answer is one digit, not which.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import random
 import string
 
 import torch
+
+from sample_buffer.vision import data_url, image_bytes
 
 
 def random_prompt(rng: random.Random) -> str:
@@ -24,7 +29,9 @@ def random_prompt(rng: random.Random) -> str:
     return "".join(letters)
 
 
-def prime_digit_format(model, tokenizer, steps: int, seed: int = 0, batch: int = 64, lr: float = 1e-3) -> float:
+def prime_digit_format(
+    model, tokenizer, steps: int, seed: int = 0, batch: int = 64, lr: float = 1e-3, vision=None, pictures=None
+) -> float:
     """Train ``model`` for ``steps`` on chat-rendered random prompts -> one random digit.
 
     No end-of-turn token is trained after the digit: with tied embeddings that pulled every
@@ -32,8 +39,13 @@ def prime_digit_format(model, tokenizer, steps: int, seed: int = 0, batch: int =
     stuck at 0.12 vs 0.7 after 200 steps). Tasks using this prior answer in one token
     (``max_new_tokens: 1``).
 
+    ``vision``: the model's ``sample_buffer.vision.Vision``, and ``pictures``: ``(digit, rng) ->
+    (png bytes, question)``: prompts are then a picture and its question.
+
     Returns the last loss (about ln 10 + small when the format is learned and nothing else).
     """
+    if vision is not None and pictures is None:
+        raise ValueError("digit_prior_steps: a vision-language model is primed on pictures; none were given")
     rng = random.Random(seed)
     pad = tokenizer.pad_token_id
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
@@ -41,12 +53,19 @@ def prime_digit_format(model, tokenizer, steps: int, seed: int = 0, batch: int =
     model.train()
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
-        rows, labels = [], []
+        rows, labels, drawn = [], [], []
         for _ in range(batch):
+            text = random_prompt(rng)
+            if vision is not None:  # a picture of a digit drawn apart from the target: no information
+                png, question = pictures(rng.randint(0, 9), rng)
+                drawn.append(data_url(png))
+                text = vision.placeholder + question
             prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": random_prompt(rng)}], add_generation_prompt=True, tokenize=False
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
             )
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if vision is not None:
+                ids = vision.prompt(ids, drawn[-1:]).input_ids
             target = [rng.choice(digits)]
             rows.append(ids + target)
             labels.append([-100] * len(ids) + target)
@@ -55,9 +74,19 @@ def prime_digit_format(model, tokenizer, steps: int, seed: int = 0, batch: int =
         x = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
         y = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
         mask = (torch.arange(width)[None] < torch.tensor([len(r) for r in rows])[:, None]).long()
-        loss = model(input_ids=x, attention_mask=mask, labels=y).loss
+        loss = model(input_ids=x, attention_mask=mask, labels=y, **_pixels(vision, drawn, x)).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
     model.eval()
     return float(loss.detach())
+
+
+def _pixels(vision, pictures: list[str], ids: torch.Tensor) -> dict:
+    """The batch's pictures for the vision tower (Qwen2-VL also wants where they stand, for its positions)."""
+    if vision is None:
+        return {}
+    out = vision.pixels([image_bytes(x) for x in pictures])
+    if "image_grid_thw" in out:
+        out["mm_token_type_ids"] = (ids == vision.image_token_id).int()
+    return out

@@ -114,9 +114,10 @@ def _byte_of(char: str) -> int:
     return others[code - 256]
 
 
-def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) -> Path:
+def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, pictures=None) -> Path:
     """Write a randomly initialised tiny Qwen2 (or Qwen3-MoE, or Qwen2-VL) model and its tokenizer to
-    ``out_dir``."""
+    ``out_dir``. ``pictures``: ``(digit, rng) -> (png, question)``, a vision-language model's format
+    prior's prompts (``rollout/envs/digit_pictures.py``'s, passed by ``rollmesh init-model``)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
@@ -183,14 +184,19 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None) ->
         model = AutoModelForCausalLM.from_config(hf_cfg)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
+    if vision:  # the image processor first: the prior's pictures go through it
+        (_qwen2_vl_image_processor if cfg.arch == "qwen2-vl" else _llava_image_processor)(cfg).save_pretrained(out)
     if cfg.digit_prior_steps:
         from trainer.format_prior import prime_digit_format
 
-        prime_digit_format(model, tokenizer, cfg.digit_prior_steps, seed=cfg.seed)
+        seeing = {}
+        if vision:
+            from sample_buffer.vision import Vision
+
+            seeing = {"vision": Vision(out, hf_cfg), "pictures": pictures}
+        prime_digit_format(model, tokenizer, cfg.digit_prior_steps, seed=cfg.seed, **seeing)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    if vision:
-        (_qwen2_vl_image_processor if cfg.arch == "qwen2-vl" else _llava_image_processor)(cfg).save_pretrained(out)
     return out
 
 

@@ -35,17 +35,25 @@ def _word_count(size: int, seed: int) -> list[dict]:
     return format_task_rows(size, seed)
 
 
+def _digit_pictures(size: int, seed: int) -> list[dict]:
+    """A picture of a digit, "which digit?": for a vision-language model (exact_match reward)."""
+    from rollout.envs.digit_pictures import digit_picture_rows
+
+    return digit_picture_rows(size, seed)
+
+
 # rollmesh's own tasks (every other name is a reasoning-gym task): name -> (size, seed) -> rows.
 OWN_TASKS: dict[str, Callable[[int, int], list[dict]]] = {
     "humaneval": _humaneval,
     "code_tasks": _code_tasks,
     "word_count": _word_count,
+    "digit_pictures": _digit_pictures,
 }
 
 
 class GeneratedDataset(BaseModel):
     """Rows made at start-up: a reasoning-gym task (chain_sum, basic_arithmetic, gsm_symbolic, ...) or one
-    of rollmesh's own (humaneval, code_tasks, word_count)."""
+    of rollmesh's own (humaneval, code_tasks, word_count, digit_pictures)."""
 
     model_config = ConfigDict(extra="forbid")
 

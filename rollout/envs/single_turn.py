@@ -1,5 +1,6 @@
 """A verifiable task from a JSONL dataset: one prompt, one answer, one verifier; with ``tries`` > 1
-a wrong answer is told so and answered again, which makes it the smallest multi-turn task."""
+a wrong answer is told so and answered again, which makes it the smallest multi-turn task. A row
+may show images (``images``: data URLs or base64, for a vision-language model)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from rollout.envs.base import StepResult
+from rollout.envs.base import Observation, StepResult
+from sample_buffer.vision import VisionError, image_bytes
 
 
 def load_jsonl(path: str | Path, required: tuple[str, ...] = ("prompt", "answer")) -> list[dict]:
@@ -50,15 +52,16 @@ class SingleTurnEnv:
         if tries < 1:
             raise ValueError(f"tries: must be >= 1, got {tries}")
         self.rows, self.reward_fn, self.name = rows, reward_fn, name
+        self.images = images_of_rows(rows)  # row index -> its images' bytes (rows that show any)
         self.tries, self.retry_message = tries, retry_message
         self.retry_discount, self.solved_at = retry_discount, solved_at
         self._row: dict | None = None
         self._try = 0
 
-    def reset(self, seed: int) -> str:
-        self._row = self.rows[seed % len(self.rows)]
-        self._try = 0
-        return self._row["prompt"]
+    def reset(self, seed: int) -> str | Observation:
+        i = seed % len(self.rows)
+        self._row, self._try = self.rows[i], 0
+        return Observation(self._row["prompt"], self.images[i]) if i in self.images else self._row["prompt"]
 
     def step(self, action: str) -> StepResult:
         if self._row is None:
@@ -69,3 +72,19 @@ class SingleTurnEnv:
             return StepResult(None, reward * self.retry_discount**self._try, True, info)
         self._try += 1
         return StepResult(self.retry_message, 0.0, False, info)
+
+
+def images_of_rows(rows: list[dict]) -> dict[int, tuple[bytes, ...]]:
+    """Each row's ``images`` decoded once, at load: a bad one names its row, not an episode mid-run."""
+    out = {}
+    for i, row in enumerate(rows):
+        images = row.get("images")
+        if not images:
+            continue
+        if not isinstance(images, list):
+            raise ValueError(f"row {i}: images: a list of data URLs or base64 strings expected")
+        try:
+            out[i] = tuple(image_bytes(x, f"row {i}: images[{k}]") for k, x in enumerate(images))
+        except VisionError as e:
+            raise ValueError(str(e)) from None
+    return out

@@ -97,6 +97,8 @@ def init_model(
     except ValueError as e:
         typer.echo(f"init-model: {e}", err=True)
         raise typer.Exit(2) from None
-    path = build_tiny_model(out, cfg)
+    from rollout.envs.digit_pictures import prior_prompt
+
+    path = build_tiny_model(out, cfg, pictures=prior_prompt)
     n = count_parameters(model_class(path).from_pretrained(path))
     typer.echo(f"wrote {path} ({n / 1e6:.2f} M parameters)")

@@ -7,6 +7,7 @@ episode as the environment's error, named."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
 from transformers import AutoConfig, AutoTokenizer
@@ -15,7 +16,7 @@ from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.engine import EmbeddedEngine
 from rollout.envs.base import Observation, StepResult
 from rollout.episode import EpisodeConfig, run_episode
-from rollout.ports import Generation
+from rollout.ports import Generation, RolloutObserver
 from rollout.sampling import SamplingParams
 from sample_buffer.trajectory import FinishReason
 from sample_buffer.vision import Vision, content_hash, data_url, image_bytes
@@ -101,3 +102,21 @@ def test_images_to_a_text_only_model_or_on_a_later_turn_are_the_environments_err
     )
     assert later.finish_reason == FinishReason.ENV_ERROR and later.metadata["error"] == "images after the first turn"
     assert len(calls) == 1  # the first turn ran; the second was never sent
+
+
+def test_a_sampled_image_placeholder_ends_the_member_and_the_loop_drops_it(served):
+    from rollout.loop import RolloutLoop
+
+    _, _, tok, vision = served
+    seen = []
+
+    async def generate(ids, sampling, tid, timeout_s, images=()):
+        seen.append(sampling.stop_token_ids)
+        return Generation([40, vision.image_token_id], [-1.0, -2.0], [0, 0], FinishReason.STOP)
+
+    traj = _run(DigitPicture(image_bytes(png(28, 28, 7))), generate, tok, vision, {})
+    assert seen == [[vision.image_token_id]]  # the engines stop at it
+    assert traj.finish_reason == FinishReason.ERROR and traj.metadata["error_kind"] == "image_token"
+    loop = RolloutLoop.__new__(RolloutLoop)  # only its bookkeeping of dropped members
+    loop.counters, loop.observer = Counter(), RolloutObserver()
+    assert not loop._usable("g", traj) and loop.counters["members_dropped_image_token"] == 1

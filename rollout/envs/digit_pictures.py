@@ -1,0 +1,69 @@
+"""The quickstart's idea with pixels: a small picture of one digit, and the question "which digit?".
+
+Each picture draws its digit in one of several sizes, at a random place, slant-free, in a random
+shade on a random background, with pixel noise of a random strength and a few random strokes of
+clutter, so a model must read the digit's shape, not its position or its bytes. Rows carry the
+picture as a PNG data URL in ``images`` (``rollout/envs/single_turn.py`` shows it to the model);
+the same seed makes the same rows, another seed others (a held-out set: pictures never trained on).
+"""
+
+from __future__ import annotations
+
+import io
+import random
+
+from sample_buffer.vision import data_url
+
+SIDE = 28  # pixels a side, as MNIST's
+QUESTION = "Which digit is in the picture? Answer with the digit."
+FONT_SIZES = (14, 17, 20, 23)
+
+
+def picture(digit: int, rng: random.Random) -> bytes:
+    """One PNG of ``digit``, its style drawn from ``rng``."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default(size=rng.choice(FONT_SIZES))
+    dark_on_light = rng.random() < 0.5
+    ink, paper = (
+        (rng.randint(0, 90), rng.randint(165, 255)) if dark_on_light else (rng.randint(165, 255), rng.randint(0, 90))
+    )
+    img = Image.new("L", (SIDE, SIDE), paper)
+    draw = ImageDraw.Draw(img)
+    left, top, right, bottom = draw.textbbox((0, 0), str(digit), font=font)
+    w, h = right - left, bottom - top
+    x = rng.randint(0, max(0, SIDE - w)) - left
+    y = rng.randint(0, max(0, SIDE - h)) - top
+    draw.text((x, y), str(digit), fill=ink, font=font)
+    for _ in range(rng.randint(0, 2)):  # clutter: short strokes that are not the digit
+        x0, y0 = rng.randint(0, SIDE - 1), rng.randint(0, SIDE - 1)
+        draw.line((x0, y0, x0 + rng.randint(-6, 6), y0 + rng.randint(-6, 6)), fill=ink, width=1)
+    noise = np.random.default_rng(rng.getrandbits(32)).normal(0, rng.choice((0, 10, 25)), (SIDE, SIDE))
+    pixels = np.clip(np.asarray(img, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "L").convert("RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+def prior_prompt(digit: int, rng: random.Random) -> tuple[bytes, str]:
+    """A picture and its question, for a vision-language model's format prior (``trainer/format_prior.py``)."""
+    return picture(digit, rng), QUESTION
+
+
+def digit_picture_rows(size: int, seed: int) -> list[dict]:
+    """``size`` rows ``{"prompt", "answer", "images", "task"}``, the digits balanced."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(size):
+        digit = i % 10
+        rows.append(
+            {
+                "prompt": QUESTION,
+                "answer": str(digit),
+                "images": [data_url(picture(digit, rng))],
+                "task": "digit_pictures",
+            }
+        )
+    rng.shuffle(rows)
+    return rows
