@@ -26,10 +26,19 @@ GET_BATCH = 32
 
 
 def make_payloads(
-    n_distinct: int, group_size: int, tokens: int, routing_ids: int = 0, experts: int = 128
+    n_distinct: int,
+    group_size: int,
+    tokens: int,
+    routing_ids: int = 0,
+    experts: int = 128,
+    images: tuple[bytes, ...] = (),
 ) -> list[bytes]:
     """Encoded groups; ``routing_ids`` > 0: each trajectory carries MoE routing of that many ids per
-    token (layers × top_k, e.g. Qwen3-30B-A3B's 48 × 8) among ``experts``, as routing replay records."""
+    token (layers × top_k, e.g. Qwen3-30B-A3B's 48 × 8) among ``experts``, as routing replay records;
+    ``images``: every trajectory's prompt shows them, and the group carries each once."""
+    from sample_buffer.vision import content_hash
+
+    hashes = tuple(content_hash(x) for x in images)
     rng = np.random.default_rng(0)
     prompt = tokens // 4
     out = []
@@ -50,10 +59,11 @@ def make_payloads(
                 )
                 if routing_ids
                 else None,
+                images=hashes,
             )
             for i in range(group_size)
         ]
-        out.append(encode_group(Group(f"b{g}", f"p{g}", trajs)))
+        out.append(encode_group(Group(f"b{g}", f"p{g}", trajs, images=dict(zip(hashes, images)))))
     return out
 
 
@@ -113,11 +123,13 @@ async def _raw_redis(url: str, value: bytes, ops: int) -> float:
     return ops / wall
 
 
-def run(groups: int = 20_000, group_size: int = 8, tokens: int = 512, routing_ids: int = 0) -> dict:
+def run(
+    groups: int = 20_000, group_size: int = 8, tokens: int = 512, routing_ids: int = 0, images: tuple[bytes, ...] = ()
+) -> dict:
     import uvloop
 
     t = time.perf_counter()
-    payloads = make_payloads(64, group_size, tokens, routing_ids)
+    payloads = make_payloads(64, group_size, tokens, routing_ids, images=images)
     encode_ms = (time.perf_counter() - t) / 64 * 1000
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(Path(tmp)).start()

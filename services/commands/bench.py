@@ -78,6 +78,20 @@ def bench_buffer(
     emit(run(groups, group_size, tokens), json_)
 
 
+@app.command("vision")
+def bench_vision(
+    groups: int = typer.Option(2000, help="Groups to put and get, text-only and with a picture."),
+    group_size: int = typer.Option(8, help="Trajectories per group."),
+    tokens: int = typer.Option(512, help="Tokens per trajectory."),
+    image_side: int = typer.Option(448, help="The picture's side in pixels (random pixels: a PNG's largest)."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Images through the SampleBuffer: bytes per group and groups/s with a picture per prompt vs text only."""
+    from services.bench.vision_bench import run
+
+    emit(checked(run, groups, group_size, tokens, image_side, progress_printer(json_)), json_)
+
+
 @app.command("moe")
 def bench_moe(
     model: Path | None = typer.Option(None, help="An MoE model directory; default: the tiny Qwen3-MoE, random."),
