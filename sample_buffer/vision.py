@@ -116,8 +116,8 @@ class Vision:
         from transformers import AutoImageProcessor
 
         self.kind = hf_config.model_type
-        if self.kind not in ("qwen2_vl", "qwen2_5_vl", "llava"):
-            raise VisionError("model_path", f"{self.kind}: images are served for qwen2_vl, qwen2_5_vl and llava")
+        if self.kind not in ("qwen2_vl", "llava"):  # the families tested (tests/rollout/test_engine_vision.py)
+            raise VisionError("model_path", f"{self.kind}: images are served for qwen2_vl and llava")
         self.image_token_id = int(hf_config.image_token_id if self.kind != "llava" else hf_config.image_token_index)
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
         self.merge = int(getattr(self.processor, "merge_size", 1) or 1)  # Qwen2-VL: patches merged per side
