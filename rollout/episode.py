@@ -212,6 +212,9 @@ async def _run_episode(
         obs = vision.placeholder * len(images) + obs  # the images first, as vision-language chat templates put them
     chat = Conversation(tokenizer, obs)
     tokens = sent = chat.prompt_ids()  # ``sent``: one placeholder per image, as the engines take a prompt
+    if vision is not None and sent.count(vision.image_token_id) != len(images):  # a placeholder in the text itself
+        why = {"error": f"{sent.count(vision.image_token_id)} image placeholders for {len(images)} images"}
+        return ended(FinishReason.ENV_ERROR, **why, error_kind="images")
     if images:
         try:  # what the model reads (and the engine consumes): each placeholder expanded to its image's tokens
             tokens = vision.prompt(sent, [data_url(x) for x in images]).input_ids
@@ -307,6 +310,12 @@ async def _run_episode(
             next_turn = chat.next_turn(gen.output_ids, gen.finish_reason == FinishReason.STOP, result.role, observation)
         except Exception as e:  # a role the chat does not have, a template that refuses the turn
             finish, why = FinishReason.ENV_ERROR, _env_error(e)
+            break
+        if vision is not None and vision.image_token_id in next_turn:  # an image placeholder in a later turn's text
+            finish, why = (
+                FinishReason.ENV_ERROR,
+                {"error": "an image placeholder in a later turn", "error_kind": "images"},
+            )
             break
         tokens += next_turn
         mask += [0] * len(next_turn)

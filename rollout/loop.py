@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 # Why a member is left out of its group: a fault, or the group filled first (redundant rollout).
-DROP_CAUSES = ("timeout", "env_error", "raised", "redundant")
+DROP_CAUSES = ("timeout", "env_error", "raised", "redundant", "image_token")
 
 
 def _retrieve(task: asyncio.Task) -> None:

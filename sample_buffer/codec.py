@@ -73,7 +73,8 @@ def encode_group(group: Group, compress: bool = False) -> bytes:
             "t": time.time(),
         }
         | ({"d": group.domain} if group.domain else {})  # written only where there is one: old bytes read alike
-        | ({"i": len(group.images)} if group.images else {})  # the body is then [rows, images]
+        | ({"i": len(group.images)} if group.images else {})  # the body is then [rows, images]: a reader
+        # older than images refuses such a group as corrupt (by name), never misreads it
     )
     rows = [
         [

@@ -70,6 +70,8 @@ def decode_vllm(b64: str, positions: int) -> np.ndarray | None:
         arr = np.load(io.BytesIO(base64.b64decode(b64, validate=True)), allow_pickle=False)
     except (ValueError, TypeError, OSError, EOFError) as e:
         raise RoutingError(f"routed_experts: not a base64 .npy array: {e}") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive
+        raise RoutingError("routed_experts: a single .npy array expected, got an archive")
     if arr.ndim != 3 or arr.dtype.kind not in "iu":
         raise RoutingError(
             f"routed_experts: a [positions, layers, top_k] integer array expected, got {arr.shape} {arr.dtype}"

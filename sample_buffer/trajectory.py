@@ -181,6 +181,8 @@ class Group:
             self._check_images()
 
     def _check_images(self) -> None:
+        if not isinstance(self.images, dict) or not all(isinstance(h, str) for h in self.images):
+            raise TrajectoryError("images: a map of content hash (a string) to encoded bytes expected")
         wanted = {h for t in self.trajectories for h in t.images}
         if missing := wanted - set(self.images):
             raise TrajectoryError(f"images: {len(missing)} referenced image(s) missing, e.g. {min(missing)[:12]}")

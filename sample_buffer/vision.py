@@ -23,9 +23,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_IMAGE_BYTES = 4 << 20  # an encoded image, as sent: two fit the LLMProxy's 8 MiB message
+MAX_IMAGE_BYTES = 4 << 20  # an encoded image, as sent (a request's images share the LLMProxy's 8 MiB message)
 MAX_IMAGE_PIXELS = 4096 * 4096  # width × height, read from the header before the pixels are decoded
+MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS  # a request's images together: 16 small solid-colour PNGs decode huge
 MAX_IMAGES = 16  # per request
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # what is decoded; Pillow's other formats (EPS runs Ghostscript) are not
 
 
 class VisionError(ValueError):
@@ -44,8 +46,8 @@ def image_bytes(item: str, field: str = "image_data", max_bytes: int = MAX_IMAGE
         head, sep, item = item.partition(",")
         if not sep or not head.endswith(";base64") or not head[5:].startswith("image/"):
             raise VisionError(field, f"a data URL must be data:image/<type>;base64,..., got {head[:40]!r}")
-    elif item.startswith(("http://", "https://", "file:", "/", ".")):
-        raise VisionError(field, "URLs and paths are refused: send the image itself (base64 or a data URL)")
+    elif item.startswith(("http://", "https://", "file:")):  # a path is not base64: refused below, never opened
+        raise VisionError(field, "URLs are refused: send the image itself (base64 or a data URL)")
     if len(item) > 4 * (max_bytes // 3 + 1):  # before decoding: base64 is 4/3 of the bytes
         raise VisionError(field, f"image over {max_bytes} bytes")
     try:
@@ -54,24 +56,38 @@ def image_bytes(item: str, field: str = "image_data", max_bytes: int = MAX_IMAGE
         raise VisionError(field, f"not base64: {e}") from None
 
 
-def open_image(raw: bytes, field: str = "image_data", max_pixels: int = MAX_IMAGE_PIXELS):
-    """An RGB PIL image from encoded bytes; corrupt data or too many pixels is a ``VisionError``."""
-    from PIL import Image, UnidentifiedImageError
+def _header(raw: bytes, field: str, max_pixels: int):
+    """The image opened, its header read (nothing decoded yet), its size checked."""
+    from PIL import Image
 
     try:
-        img = Image.open(io.BytesIO(raw))
-        width, height = img.size  # the header only: nothing decoded yet
-        if width * height > max_pixels:
-            raise VisionError(field, f"image of {width}×{height} pixels is over {max_pixels}")
-        img.load()
-        return img.convert("RGB")
-    except VisionError:
-        raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise VisionError(field, f"not a readable image: {type(e).__name__}: {e}") from None
+        img = Image.open(io.BytesIO(raw), formats=FORMATS)
+        width, height = img.size
+    except Exception as e:  # whatever Pillow raises on bytes that are not an image of FORMATS
+        raise VisionError(field, f"not a readable {'/'.join(FORMATS)} image: {type(e).__name__}: {e}") from None
+    if width * height > max_pixels:
+        raise VisionError(field, f"image of {width}×{height} pixels is over {max_pixels}")
+    return img
 
 
-_MAGIC = ((b"\x89PNG", "png"), (b"\xff\xd8", "jpeg"), (b"GIF8", "gif"), (b"RIFF", "webp"), (b"BM", "bmp"))
+def open_images(raws: list[bytes], field: str = "image_data", max_pixels: int = MAX_IMAGE_PIXELS) -> list:
+    """RGB PIL images from encoded bytes. Every header is read and the sizes checked (each, and all
+    together) before any pixel is decoded; corrupt data or too many pixels is a ``VisionError``."""
+    headers = [_header(r, f"{field}[{i}]", max_pixels) for i, r in enumerate(raws)]
+    total = sum(img.size[0] * img.size[1] for img in headers)
+    if total > MAX_REQUEST_PIXELS:
+        raise VisionError(field, f"{total} pixels in {len(raws)} images; at most {MAX_REQUEST_PIXELS} per request")
+    out = []
+    for i, img in enumerate(headers):
+        try:
+            img.load()
+            out.append(img.convert("RGB"))
+        except Exception as e:  # truncated or corrupt past the header
+            raise VisionError(f"{field}[{i}]", f"not a readable image: {type(e).__name__}: {e}") from None
+    return out
+
+
+_MAGIC = ((b"\x89PNG", "png"), (b"\xff\xd8", "jpeg"), (b"GIF8", "gif"), (b"RIFF", "webp"))
 
 
 def data_url(raw: bytes) -> str:
@@ -156,5 +172,4 @@ class Vision:
     def pixels(self, raw: list[bytes], field: str = "image_data") -> dict:
         """Encoded images → what the vision tower takes: ``pixel_values`` (and Qwen2-VL's
         ``image_grid_thw``), the same for the engine and the trainer."""
-        pil = [open_image(r, f"{field}[{i}]") for i, r in enumerate(raw)]
-        return dict(self.processor(images=pil, return_tensors="pt"))
+        return dict(self.processor(images=open_images(raw, field), return_tensors="pt"))

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-_HF_FILES = (
+_HF_FILES = (  # beside the weights, what makes a directory a servable checkpoint (a vision model's processor too)
+    "preprocessor_config.json",
+    "processor_config.json",
     "config.json",
     "generation_config.json",
     "tokenizer.json",

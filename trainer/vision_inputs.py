@@ -14,7 +14,7 @@ import torch
 
 from sample_buffer.vision import Vision, content_hash
 
-_CACHE_LIMIT = 4096  # images whose pixels are kept between forwards (a step forwards each several times)
+_CACHE_BYTES = 1 << 30  # pixels kept between forwards (a step forwards each image several times)
 
 
 class VisionInputs:
@@ -22,14 +22,18 @@ class VisionInputs:
         self.vision = Vision(model_path, model.config)
         self.mrope = hasattr(model.model, "get_rope_index")  # Qwen2-VL; LLaVA's positions are 1-D
         self._pixels: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._cached_bytes = 0
 
     def _of(self, raw: bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = content_hash(raw)
         if key not in self._pixels:
-            if len(self._pixels) >= _CACHE_LIMIT:
-                self._pixels.clear()
             px = self.vision.pixels([raw])
+            size = px["pixel_values"].numel() * px["pixel_values"].element_size()
+            if self._cached_bytes + size > _CACHE_BYTES:  # a new step's images: start over
+                self._pixels.clear()
+                self._cached_bytes = 0
             self._pixels[key] = (px["pixel_values"], px.get("image_grid_thw"))
+            self._cached_bytes += size
         return self._pixels[key]
 
     def _positions(self, model, seq, grids: list[torch.Tensor]) -> torch.Tensor:

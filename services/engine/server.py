@@ -14,6 +14,7 @@ is a rollmesh extension. Each weight transport adds its own receiving routes
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import inspect
 import json
@@ -216,6 +217,24 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
             raise EngineError("image_data", f"a batch of {n} prompts takes a list of {n} lists of images")
         return data
 
+    async def submit_all(rids, prompts, params, images, extra) -> list:
+        """Every prompt of a request submitted, or none: one refused (a bad image in prompt k) aborts
+        those before it, which nobody would wait for. Images are decoded off the event loop, so health
+        checks and weight updates do not wait behind them."""
+        futures = []
+        try:
+            for rid, prompt, p, im in zip(rids, prompts, params, images):
+                if im:
+                    fut = await asyncio.to_thread(engine.submit, rid, prompt, p, **extra, image_data=im)
+                else:
+                    fut = engine.submit(rid, prompt, p, **extra)
+                futures.append(fut)
+        except EngineError:
+            for rid in rids[: len(futures)]:
+                engine.abort(rid, False)
+            raise
+        return futures
+
     @app.post("/generate")
     async def generate(body: dict = Body(...)):
         try:
@@ -262,12 +281,11 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
                 raise EngineError("stream", "a stream carries one prompt; send a batch without stream")
             if "on_token" not in inspect.signature(engine.submit).parameters:
                 raise EngineError("stream", f"{type(engine).__name__} does not stream; send stream=false")
-            extra |= {"image_data": images[0]} if images[0] else {}
-            return _stream(rids[0], prompts[0], params[0], req.return_logprob, extra, req.routed_experts_start_len)
-        futures = [
-            engine.submit(rid, prompt, p, **extra, **({"image_data": im} if im else {}))
-            for rid, prompt, p, im in zip(rids, prompts, params, images)
-        ]
+            if images[0]:  # decoded and processed off the event loop (``_stream``)
+                extra["image_data"] = images[0]
+            start = req.routed_experts_start_len
+            return await _stream(rids[0], prompts[0], params[0], req.return_logprob, extra, start)
+        futures = await submit_all(rids, prompts, params, images, extra)
         outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         for out in outs:
             metrics.observe(out)
@@ -276,18 +294,16 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
         # (~1 us each), which made weight updates wait seconds behind aborted long generations.
         return Response(json.dumps(body if batched else body[0]), media_type="application/json")
 
-    def _stream(
+    async def _stream(
         rid: str, prompt: list[int], params: SamplingParams, return_logprob: bool, extra: dict, routing_start: int
     ) -> StreamingResponse:
         """SGLang's stream: an event per token with everything generated so far, the whole answer
         last, then ``[DONE]``. A client that goes away aborts the request."""
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
-        future = asyncio.wrap_future(
-            engine.submit(
-                rid, prompt, params, on_token=lambda *t: loop.call_soon_threadsafe(tokens.put_nowait, t), **extra
-            )
-        )
+        on_token = lambda *t: loop.call_soon_threadsafe(tokens.put_nowait, t)  # noqa: E731
+        submit = functools.partial(engine.submit, rid, prompt, params, on_token=on_token, **extra)
+        future = asyncio.wrap_future(await asyncio.to_thread(submit) if "image_data" in extra else submit())
 
         def event(body: dict) -> str:
             return f"data: {json.dumps(body)}\n\n"

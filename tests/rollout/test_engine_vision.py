@@ -29,6 +29,21 @@ from trainer.tiny_model import TinyModelConfig, build_tiny_model
 T = 120
 
 
+def _encoded(fmt: str, size=(8, 8)) -> str:
+    """Bare base64 of a 1-bit image in ``fmt`` (a large one stays small encoded)."""
+    buf = io.BytesIO()
+    Image.new("1", size).save(buf, format=fmt)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def jpeg(width: int, height: int, seed: int) -> str:
+    """Bare base64 (SGLang's other spelling) of a JPEG: it starts with "/9j/", like a path."""
+    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def png(width: int, height: int, seed: int) -> str:
     pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype(np.uint8)
     buf = io.BytesIO()
@@ -73,7 +88,8 @@ class Reference:
     def inputs(self, ids: list[int], images: list[str]) -> dict:
         if not images:
             return {"input_ids": torch.tensor([ids])}
-        pil = [Image.open(io.BytesIO(base64.b64decode(x.partition(",")[2]))).convert("RGB") for x in images]
+        raw = [base64.b64decode(x.partition(",")[2] if x.startswith("data:") else x) for x in images]
+        pil = [Image.open(io.BytesIO(r)).convert("RGB") for r in raw]
         px = self.processor(images=pil, return_tensors="pt")
         if self.qwen:  # merged 2 × 2 patches
             counts = iter((px["image_grid_thw"].prod(-1) // 4).tolist())
@@ -114,6 +130,7 @@ CASES = [  # (prompt text, images): two images, one, none, one of another size
     (f"<|im_start|>user\n{IMG}which digit?<|im_end|>\n<|im_start|>assistant\n", [png(32, 32, 3)]),
     ("<|im_start|>user\nno image here<|im_end|>\n<|im_start|>assistant\n", []),
     (f"<|im_start|>user\nlook: {IMG} now<|im_end|>\n<|im_start|>assistant\n", [png(64, 48, 4)]),
+    (f"<|im_start|>user\n{IMG} a photo<|im_end|>\n<|im_start|>assistant\n", [jpeg(30, 30, 5)]),  # bare base64 of a JPEG
 ]
 
 
@@ -199,18 +216,24 @@ def test_a_weight_update_reprefills_the_images_with_the_new_vision_tower(vl, tmp
         ([png(28, 28, 0), png(28, 28, 1)], "image_data: 2 images for 1 image placeholders"),
         ([], "image_data: 0 images for 1 image placeholders"),
         (["data:text/plain;base64,aGVsbG8="], "image_data[0]: a data URL must be data:image/"),
-        (["https://example.com/cat.png"], "image_data[0]: URLs and paths are refused"),
-        (["/etc/passwd"], "image_data[0]: URLs and paths are refused"),
-        ([base64.b64encode(b"\x89PNG\r\n\x1a\n not really").decode()], "image_data[0]: not a readable image"),
+        (["https://example.com/cat.png"], "image_data[0]: URLs are refused"),
+        (["/etc/passwd"], "image_data[0]: not base64"),  # a path is never opened
+        ([base64.b64encode(b"\x89PNG\r\n\x1a\n not really").decode()], "image_data[0]: not a readable"),
+        ([_encoded("BMP")], "image_data[0]: not a readable PNG/JPEG/WEBP/GIF image"),  # Pillow's other formats
+        ([_encoded("PNG", (4097, 4096))], "image_data[0]: image of 4097×4096 pixels is over"),
+        ([_encoded("PNG", (4096, 4096))] * 5, "image_data: 83886080 pixels in 5 images; at most"),  # 5 placeholders
         (["%%%"], "image_data[0]: not base64"),
     ],
 )
 def test_bad_images_are_refused_by_name_and_the_engine_keeps_serving(vl, images, says):
+    """Sizes are read from the headers: the oversized ones above are refused before any pixel is decoded."""
     path, engine, hf = vl
     ref = Reference(path, hf)
-    prompt = ref.prompt(CASES[1][0])
+    prompt = bad = ref.prompt(CASES[1][0])
+    if len(images) == 5:  # as many placeholders as images: the sizes are what is wrong
+        bad = ref.prompt(CASES[1][0].replace(IMG, IMG * 5))
     with pytest.raises(EngineError) as err:
-        engine.submit("bad", prompt, SamplingParams(max_new_tokens=2), image_data=images)
+        engine.submit("bad", bad, SamplingParams(max_new_tokens=2), image_data=images)
     assert str(err.value).startswith(says), str(err.value)
     ok = engine.submit(
         "ok", prompt, SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True), image_data=CASES[1][1]

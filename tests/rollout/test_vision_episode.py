@@ -120,3 +120,50 @@ def test_a_sampled_image_placeholder_ends_the_member_and_the_loop_drops_it(serve
     loop = RolloutLoop.__new__(RolloutLoop)  # only its bookkeeping of dropped members
     loop.counters, loop.observer = Counter(), RolloutObserver()
     assert not loop._usable("g", traj) and loop.counters["members_dropped_image_token"] == 1
+
+
+class Talkative(DigitPicture):
+    """Shows the picture, then answers in text: the second turn re-sends the picture with the context."""
+
+    name = "talk"
+
+    def __init__(self, image: bytes, first_text: str = "which digit?") -> None:
+        super().__init__(image)
+        self.turn, self.first_text = 0, first_text
+
+    def reset(self, seed: int) -> Observation:
+        return Observation(self.first_text, (self.image,))
+
+    def step(self, action: str) -> StepResult:
+        self.turn += 1
+        return StepResult("are you sure?", 0.0, False) if self.turn == 1 else StepResult(None, 1.0, True)
+
+
+def test_a_second_text_turn_sends_the_compact_context_with_the_picture_again(served):
+    _, engine, tok, vision = served
+    image = image_bytes(png(28, 28, 8))
+    calls, store = [], {}
+    traj = _run(Talkative(image), _engine_generate(engine, calls), tok, vision, store)
+    assert traj.finish_reason == FinishReason.LENGTH and len(calls) == 2
+    (first, images1), (second, images2) = calls
+    assert images1 == images2 == (image,) and second.count(vision.image_token_id) == 1
+    expanded = vision.prompt(first, [data_url(image)]).input_ids
+    # the trajectory: the expanded prompt, then exactly what was sent after the compact one, then the last answer
+    middle = second[len(first) :]
+    tokens = list(traj.token_ids)
+    assert tokens[: len(expanded)] == expanded and tokens[len(expanded) : len(expanded) + len(middle)] == middle
+    assert len(tokens) == len(expanded) + len(middle) + 4
+    assert second[: len(first)] == first and int(traj.loss_mask.sum()) == 8
+
+
+def test_an_image_placeholder_written_in_the_text_is_the_environments_error(served):
+    _, engine, tok, vision = served
+    image = image_bytes(png(28, 28, 9))
+    calls = []
+    traj = _run(
+        Talkative(image, first_text="look <|image_pad|> here"), _engine_generate(engine, calls), tok, vision, {}
+    )
+    assert (
+        traj.finish_reason == FinishReason.ENV_ERROR and traj.metadata["error"] == "2 image placeholders for 1 images"
+    )
+    assert not calls

@@ -153,7 +153,8 @@ def parse_vllm_response(
     usage = body.get("usage") or {}
     experts = None
     if routing_start is not None and choice.get("routed_experts") is not None:
-        positions = prompt_tokens + len(ids) - 1 - routing_start
+        # the prompt as vLLM forwarded it (an image's placeholder expanded), where it says
+        positions = int(usage.get("prompt_tokens") or prompt_tokens) + len(ids) - 1 - routing_start
         try:
             experts = routing.decode_vllm(choice["routed_experts"], positions)
         except routing.RoutingError as e:  # the tokens stand; without its routing the trainer drops it
