@@ -31,7 +31,7 @@ from sample_buffer import routing
 from sample_buffer.trajectory import FinishReason, Trajectory
 from sample_buffer.vision import VisionError, content_hash, data_url
 
-# generate(input_ids, sampling, trajectory_id, timeout_s) -> Generation
+# generate(input_ids, sampling, trajectory_id, timeout_s[, images=...]) -> Generation (images: a vision prompt's)
 GenerateFn = Callable[[list[int], SamplingParams, str, float], Awaitable[Generation]]
 _ENDS_EPISODE = (FinishReason.TIMEOUT, FinishReason.ABORT)
 log = logging.getLogger(__name__)
