@@ -217,7 +217,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
             raise EngineError("image_data", f"a batch of {n} prompts takes a list of {n} lists of images")
         return data
 
-    async def submit_all(rids, prompts, params, images, extra) -> list:
+    async def submit_all(rids, prompts, params, images, extra, batched: bool) -> list:
         """Every prompt of a request submitted, or none: one refused (a bad image in prompt k) aborts
         those before it, which nobody would wait for. Images are decoded off the event loop, so health
         checks and weight updates do not wait behind them."""
@@ -229,9 +229,13 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
                 else:
                     fut = engine.submit(rid, prompt, p, **extra)
                 futures.append(fut)
-        except EngineError:
+        except EngineError as e:
             for rid in rids[: len(futures)]:
                 engine.abort(rid, False)
+            if batched:  # which prompt's: image_data[i] of prompt k is image_data[k][i]
+                k = len(futures)
+                field = e.field.replace("image_data", f"image_data[{k}]", 1).replace("input_ids", f"input_ids[{k}]", 1)
+                raise EngineError(field, e.message) from None
             raise
         return futures
 
@@ -285,7 +289,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
                 extra["image_data"] = images[0]
             start = req.routed_experts_start_len
             return await _stream(rids[0], prompts[0], params[0], req.return_logprob, extra, start)
-        futures = await submit_all(rids, prompts, params, images, extra)
+        futures = await submit_all(rids, prompts, params, images, extra, batched)
         outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         for out in outs:
             metrics.observe(out)

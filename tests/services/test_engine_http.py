@@ -398,7 +398,7 @@ def test_images_in_sglang_image_data_one_per_placeholder_and_bad_ones_named(make
     # a batch whose second prompt's image is bad: refused whole, the first aborted (its id free again)
     pair = {"input_ids": [prompt, prompt], "rid": ["b0", "b1"], "sampling_params": {**greedy, "max_new_tokens": 20}}
     bad = post(url, "/generate", json={**pair, "image_data": [[png(28, 28, 0)], ["https://x/y.png"]]})
-    assert bad.status_code == 400 and bad.json()["field"] == "image_data[0]", bad.text
+    assert bad.status_code == 400 and bad.json()["field"] == "image_data[1][0]", bad.text
     retried = post(url, "/generate", json={**pair, "image_data": [[png(28, 28, 0)], [png(28, 28, 1)]]})
     assert retried.status_code == 200, retried.text
     again = post(url, "/generate", json={"input_ids": prompt, "image_data": png(28, 28, 0), "sampling_params": greedy})
