@@ -8,8 +8,8 @@ rollmesh bench offpolicy --loss decoupled_ppo --ratio 8 --ratio 2 --seeds 3 --au
 rollmesh bench offpolicy --loss decoupled_ppo/trust --ratio 8 --ratio 2 --ratio 0 --seeds 3 --audit --out runs/staleness-trust --json
 # The math example's per-step policy movement (15 steps, one seed per ratio):
 rollmesh bench offpolicy --example smollm2-math --loss decoupled_ppo --ratio 0 --ratio 2 --steps 15 --audit --out runs/staleness-math --json
-# The math example, 3 seeds per ratio (40 steps, ~30 min a run on 2 quiet cores). Seeds 0 and 1 at ratios 0 and 2
-# are measured (docs/bench/staleness.jsonl, their steps in docs/bench/staleness-math/); seed 2 goes on from there:
+# The math example, 3 seeds per ratio (40 steps, ~50 min a run on 2 cores). All three seeds at ratios 0 and 2
+# are measured (docs/bench/staleness.jsonl, their steps in docs/bench/staleness-math/); one command per seed:
 # (seed 0 at ratio 2: rollmesh bench offpolicy --example smollm2-math --loss decoupled_ppo --ratio 2 --seeds 1 --audit)
 # (seed 1: rollmesh bench offpolicy --example smollm2-math --loss decoupled_ppo --ratio 0 --ratio 2 --first-seed 1 --seeds 1 --audit)
 rollmesh bench offpolicy --example smollm2-math --loss decoupled_ppo --ratio 0 --ratio 2 --first-seed 2 --seeds 1 --audit --out runs/staleness-math-s2 --json
