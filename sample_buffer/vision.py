@@ -107,6 +107,15 @@ def is_vision_model(model_dir: str | Path) -> bool:
     return path.exists() and "vision_config" in json.loads(path.read_text())
 
 
+def vision_of(model_dir: str | Path) -> Vision | None:
+    """A checkpoint's image processing and placeholder rule; None for a text-only model."""
+    if not is_vision_model(model_dir):
+        return None
+    from transformers import AutoConfig
+
+    return Vision(model_dir, AutoConfig.from_pretrained(str(model_dir), local_files_only=True))
+
+
 def model_class(model_dir: str | Path):
     """The transformers auto class a checkpoint loads with: image-text-to-text for a vision-language
     model (its ``lm_head`` over the language model, the vision tower beside it), causal LM otherwise."""
@@ -123,6 +132,15 @@ class VisionPrompt:
     pixel_values: object  # torch.Tensor: what the vision tower takes, every image's rows concatenated
     image_grid_thw: object | None  # torch.Tensor [images, 3] (Qwen2-VL), None (LLaVA)
     hashes: tuple[str, ...]  # each image's content hash, in prompt order
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """An image measured for a prompt: its bytes, its content hash and how many tokens it becomes."""
+
+    raw: bytes
+    hash: str
+    tokens: int
 
 
 class Vision:
@@ -152,22 +170,38 @@ class Vision:
         """``input_ids`` with one placeholder per image, expanded; the images decoded and processed."""
         if len(images) > MAX_IMAGES:
             raise VisionError(field, f"{len(images)} images; at most {MAX_IMAGES} per request")
-        placeholders = sum(1 for t in input_ids if t == self.image_token_id)
-        if placeholders != len(images):
-            raise VisionError(
-                field,
-                f"{len(images)} images for {placeholders} image placeholders (token {self.image_token_id}) in "
-                "input_ids: one placeholder per image",
-            )
+        self._check_placeholders(input_ids, len(images), field)  # before anything is decoded
         raw = [image_bytes(x, f"{field}[{i}]") for i, x in enumerate(images)]
         inputs = self.pixels(raw, field)
-        counts = iter(self.tokens_per_image(inputs))
-        ids: list[int] = []
-        for t in input_ids:
-            ids += [t] * next(counts) if t == self.image_token_id else [t]
+        ids = self.expand(input_ids, self.tokens_per_image(inputs), field)
         return VisionPrompt(
             ids, inputs["pixel_values"], inputs.get("image_grid_thw"), tuple(content_hash(r) for r in raw)
         )
+
+    def measure(self, raw: list[bytes], field: str = "image_data") -> list[PromptImage]:
+        """Encoded images decoded once, to learn how many tokens each becomes (``expand`` then needs
+        no pixels: the agent gateway measures a request's images off its event loop)."""
+        if len(raw) > MAX_IMAGES:
+            raise VisionError(field, f"{len(raw)} images; at most {MAX_IMAGES} per request")
+        counts = self.tokens_per_image(self.pixels(raw, field))
+        return [PromptImage(r, content_hash(r), n) for r, n in zip(raw, counts, strict=True)]
+
+    def expand(self, input_ids: list[int], counts: list[int], field: str = "image_data") -> list[int]:
+        """``input_ids`` with its k-th image placeholder repeated ``counts[k]`` times."""
+        self._check_placeholders(input_ids, len(counts), field)
+        sizes, ids = iter(counts), []
+        for t in input_ids:
+            ids += [t] * next(sizes) if t == self.image_token_id else [t]
+        return ids
+
+    def _check_placeholders(self, input_ids: list[int], images: int, field: str) -> None:
+        placeholders = sum(1 for t in input_ids if t == self.image_token_id)
+        if placeholders != images:
+            raise VisionError(
+                field,
+                f"{images} images for {placeholders} image placeholders (token {self.image_token_id}) in "
+                "input_ids: one placeholder per image",
+            )
 
     def pixels(self, raw: list[bytes], field: str = "image_data") -> dict:
         """Encoded images → what the vision tower takes: ``pixel_values`` (and Qwen2-VL's

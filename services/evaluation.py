@@ -129,13 +129,11 @@ async def _score_prompts(proxy_address: str, cfg, path: str, reward_spec, episod
 
 
 def _placeholder(model_path: str) -> str:
-    from transformers import AutoConfig
+    from sample_buffer.vision import vision_of
 
-    from sample_buffer.vision import Vision, is_vision_model
-
-    if not is_vision_model(model_path):
+    if (vision := vision_of(model_path)) is None:
         raise ValueError(f"run.heldout_path: its prompts show images; {model_path} has no vision tower")
-    return Vision(model_path, AutoConfig.from_pretrained(model_path, local_files_only=True)).placeholder
+    return vision.placeholder
 
 
 async def heldout_episodes(proxy_address: str, cfg) -> HeldOut:

@@ -43,7 +43,7 @@ class VisionInputs:
             return torch.arange(ids.shape[1])[None].expand(3, -1)
         kinds = (ids == self.vision.image_token_id).int()
         grid = torch.cat(grids)
-        expected = int(grid.prod(-1).sum()) // self.vision.merge**2
+        expected = sum(self.vision.tokens_per_image({"image_grid_thw": grid}))
         if int(kinds.sum()) != expected:  # a sampled placeholder: the rollout drops such members
             raise ValueError(f"a sequence holds {int(kinds.sum())} image tokens, its images make {expected}")
         pos, _ = model.model.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grid)

@@ -20,6 +20,9 @@ import uuid
 from dataclasses import dataclass
 
 ROOT_KEY = ""
+# A rendered message's images (``sample_buffer.vision.PromptImage``), in the order of their
+# placeholders in its content; chat templates do not read the key.
+IMAGES = "rollmesh_images"
 TOOL_CALL_OPEN = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -47,12 +50,16 @@ def _arguments(raw) -> object:
 
 def normal_form(message: dict) -> dict:
     """What of a message decides what the model saw: role, content text, tool calls (name and
-    arguments) and, for a tool result, which call it answers is left out (ids are the client's)."""
+    arguments) and its images (by content hash); which call a tool result answers is left out (ids
+    are the client's)."""
     calls = [
         {"name": c.get("function", {}).get("name", ""), "arguments": _arguments(c.get("function", {}).get("arguments"))}
         for c in message.get("tool_calls") or []
     ]
-    return {"role": message.get("role", ""), "content": text_of(message.get("content")).strip(), "tool_calls": calls}
+    form = {"role": message.get("role", ""), "content": text_of(message.get("content")).strip(), "tool_calls": calls}
+    if images := message.get(IMAGES):  # the same words beside another picture are another conversation
+        form["images"] = [im.hash for im in images]
+    return form
 
 
 def chain_key(previous: str, index: int, message: dict) -> str:

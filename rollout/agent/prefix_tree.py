@@ -16,6 +16,11 @@ reuses it. An agent that edits its history finds no node for the edited message 
 new branch from the deepest one it still shares (a new root, rendered whole, when it shares
 none). Each generation node nothing continues is the tip of one trajectory: the segments on its
 path, in order, are exactly what the engine consumed and produced.
+
+A prompt that shows images holds them, with its ids both as the model reads them (``ids``: each
+image's placeholder expanded) and as the engines take them (``sent``: one placeholder each); a
+request sends the ``sent`` spelling of its whole path with the path's images, and a trajectory
+records the expanded one with the images' hashes.
 """
 
 from __future__ import annotations
@@ -24,19 +29,26 @@ import hashlib
 from dataclasses import dataclass, field
 
 from rollout.agent.messages import conversation_keys
-from rollout.agent.render import TemplateRenderer
+from rollout.agent.render import Rendered, TemplateRenderer
 from rollout.chat_turns import NotAPrefix
 from rollout.ports import Generation
 from sample_buffer.trajectory import FinishReason
+from sample_buffer.vision import PromptImage
 
 
 @dataclass
 class PromptNode:
     key: str
     parent: GenerationNode | None
-    ids: list[int]  # the tokens this request added (loss mask 0)
+    ids: list[int]  # the tokens this request added (loss mask 0), images expanded
     text: str  # the template's text of the whole conversation, generation prompt included
     children: list[GenerationNode] = field(default_factory=list)
+    sent: list[int] | None = None  # ``ids`` with one placeholder per image (None: no images)
+    images: tuple[PromptImage, ...] = ()  # the images this request added, in order
+
+    @classmethod
+    def of(cls, key: str, parent: GenerationNode | None, r: Rendered) -> PromptNode:
+        return cls(key, parent, r.ids, r.text, sent=r.sent, images=r.images)
 
 
 @dataclass
@@ -53,9 +65,13 @@ class Prepared:
     """A request ready to generate: its prompt node and the whole prompt's token ids."""
 
     node: PromptNode
-    input_ids: list[int]
+    input_ids: list[int]  # as the model reads them (images expanded)
     rendered: int  # tokens rendered for this request
     reused: int  # tokens taken from the tree (earlier prompts and generations)
+
+    def request(self) -> tuple[list[int], tuple[bytes, ...]]:
+        """What the engine is sent: the whole prompt with one placeholder per image, and the images."""
+        return path_ids(self.node, sent=True), tuple(im.raw for im in path_images(self.node))
 
 
 class SessionTree:
@@ -83,7 +99,7 @@ class SessionTree:
             except NotAPrefix:
                 break  # rendered whole below: a new root
             self.forks += bool(base.children)  # something else already continued this turn: a branch
-            node = PromptNode(keys[-1], base, rendered.ids, rendered.text)
+            node = PromptNode.of(keys[-1], base, rendered)
             base.children.append(node)
             self._prompts[node.key] = node
             ids = path_ids(node)
@@ -91,7 +107,7 @@ class SessionTree:
         rendered = self.renderer.whole(messages, tools)
         if self.roots:
             self.forks += 1
-        node = PromptNode(keys[-1], None, rendered.ids, rendered.text)
+        node = PromptNode.of(keys[-1], None, rendered)
         self.roots.append(node)
         self._prompts[node.key] = node
         return Prepared(node, rendered.ids, len(rendered.ids), 0)
@@ -132,17 +148,29 @@ class SessionTree:
         return out
 
 
-def path_ids(node: PromptNode) -> list[int]:
-    """The token ids from the root to the end of ``node``."""
-    segments: list[list[int]] = []
+def _prompts(node: PromptNode) -> list[PromptNode]:
+    """The prompt nodes from the root down to ``node``."""
+    out: list[PromptNode] = []
     prompt: PromptNode | None = node
     while prompt is not None:
-        segments.append(prompt.ids)
-        if prompt.parent is None:
-            break
-        segments.append(prompt.parent.generation.output_ids)
-        prompt = prompt.parent.parent
-    return [t for seg in reversed(segments) for t in seg]
+        out.append(prompt)
+        prompt = None if prompt.parent is None else prompt.parent.parent
+    return out[::-1]
+
+
+def path_ids(node: PromptNode, sent: bool = False) -> list[int]:
+    """The token ids from the root to the end of ``node`` (``sent``: as the engines take them)."""
+    ids: list[int] = []
+    for prompt in _prompts(node):
+        if prompt.parent is not None:
+            ids += prompt.parent.generation.output_ids
+        ids += prompt.sent if sent and prompt.sent is not None else prompt.ids
+    return ids
+
+
+def path_images(node: PromptNode) -> list[PromptImage]:
+    """The images shown from the root to the end of ``node``, in order."""
+    return [im for prompt in _prompts(node) for im in prompt.images]
 
 
 @dataclass(frozen=True)
@@ -156,6 +184,7 @@ class Path:
     turn_starts: list[int]  # where each generation begins
     turn_temperatures: list[float]  # what each was sampled at
     finish_reason: FinishReason
+    images: tuple[PromptImage, ...] = ()  # in the order their placeholders stand in token_ids
 
 
 def trajectory_path(tip: GenerationNode) -> Path:
@@ -170,7 +199,9 @@ def trajectory_path(tip: GenerationNode) -> Path:
     versions: list[int] = []
     starts: list[int] = []
     temperatures: list[float] = []
+    images: list[PromptImage] = []
     for g in reversed(chain):
+        images += g.parent.images
         ids += g.parent.ids
         mask += [0] * len(g.parent.ids)
         starts.append(len(ids))
@@ -180,4 +211,4 @@ def trajectory_path(tip: GenerationNode) -> Path:
         mask += [1] * len(out.output_ids)
         logprobs += out.behavior_logprobs
         versions += out.token_versions
-    return Path(ids, mask, logprobs, versions, starts, temperatures, tip.generation.finish_reason)
+    return Path(ids, mask, logprobs, versions, starts, temperatures, tip.generation.finish_reason, tuple(images))

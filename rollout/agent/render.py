@@ -7,30 +7,45 @@ text the template adds after that assistant turn: the rest of the turn's closing
 messages and the generation prompt. Here the assistant message comes back from the agent (with
 its tool calls in the OpenAI shape, which the template re-renders in its own way), so the
 closing is found with a placeholder content instead of the message itself.
+
+A vision-language model's images stand in the messages' text as the model's placeholder (one per
+image, where its part was) and their bytes ride along (``IMAGES``); a rendering is then two
+spellings of one prompt: what the engines take (``sent``: one placeholder per image, with the
+images) and what the model reads (``ids``: each placeholder expanded to its image's tokens), which
+the trajectory records.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollout.agent.messages import IMAGES
 from rollout.chat_turns import NotAPrefix, token_ids
+from sample_buffer.vision import PromptImage, Vision, VisionError
 
 _PLACEHOLDER = "\x00rollmesh-assistant-content\x00"
 
 
+class ImageError(ValueError):
+    """Images that do not fit the prompt: placeholders written in the text, or images for a text-only model."""
+
+
 @dataclass(frozen=True)
 class Rendered:
-    """A prompt: its token ids and the template's text for it (with the generation prompt)."""
+    """A prompt: its token ids (images expanded), the template's text for it (with the generation
+    prompt), and, where it shows images, the ids as the engines take them and the images."""
 
     ids: list[int]
     text: str
+    sent: list[int] | None = None  # None: the same as ids (no images)
+    images: tuple[PromptImage, ...] = ()
 
 
 class TemplateRenderer:
     """The model's chat template (or ``chat_template``, a Jinja string, in its place) with tools."""
 
-    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
-        self.tokenizer, self.chat_template = tokenizer, chat_template
+    def __init__(self, tokenizer, chat_template: str | None = None, vision: Vision | None = None) -> None:
+        self.tokenizer, self.chat_template, self.vision = tokenizer, chat_template, vision
         self._special = set(tokenizer.all_special_ids)
 
     def text(self, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
@@ -49,7 +64,20 @@ class TemplateRenderer:
     def whole(self, messages: list[dict], tools: list | None) -> Rendered:
         """A conversation rendered from its start."""
         text = self.text(messages, tools, True)
-        return Rendered(self.encode(text), text)
+        return self._with_images(self.encode(text), text, messages)
+
+    def _with_images(self, sent: list[int], text: str, messages: list[dict]) -> Rendered:
+        """``sent`` (the rendering of ``messages``, one placeholder per image) with the images expanded."""
+        images = tuple(im for m in messages for im in m.get(IMAGES) or ())
+        if self.vision is None:
+            if images:
+                raise ImageError("messages: this model takes no images")
+            return Rendered(sent, text)
+        try:  # also where the text itself holds a placeholder: the count no longer matches
+            ids = self.vision.expand(sent, [im.tokens for im in images], "messages")
+        except VisionError as e:
+            raise ImageError(str(e)) from None
+        return Rendered(ids, text, sent, images) if images else Rendered(sent, text)
 
     def after(
         self, prompt_text: str, generated_ids: list[int], messages: list[dict], assistant_index: int, tools: list | None
@@ -70,4 +98,5 @@ class TemplateRenderer:
             end = self.tokenizer.decode(generated_ids[-1:], skip_special_tokens=False)
             if closing.lstrip(" ").startswith(end):
                 closing = closing.lstrip(" ")[len(end) :]
-        return Rendered(self.encode(closing + after_text[len(closed_text) :]), after_text)
+        added = self.encode(closing + after_text[len(closed_text) :])
+        return self._with_images(added, after_text, messages[assistant_index + 1 :])

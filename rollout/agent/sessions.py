@@ -258,7 +258,8 @@ class AgentSessions:
             if not trajectories:
                 outcome = GroupOutcome.EMPTY
                 return outcome
-            result = await self.sink.put(Group(group.group_id, group.group_id, trajectories))
+            images = _images_of(group.sessions)
+            result = await self.sink.put(Group(group.group_id, group.group_id, trajectories, images=images))
             outcome = GroupOutcome.of_put(result)
             stored = len(trajectories) if result.accepted else 0
             return outcome
@@ -315,6 +316,7 @@ class AgentSessions:
                     reward=session.reward or 0.0,
                     start_version=p.token_versions[0] if p.token_versions else 0,
                     finish_reason=p.finish_reason,
+                    images=tuple(im.hash for im in p.images),
                     metadata={
                         "env": "agent",
                         "session": session.session_id,
@@ -330,7 +332,7 @@ class AgentSessions:
         """The prompt for a request: through the session's tree, or rendered whole outside a session."""
         if session is None:
             r = self.renderer.whole(messages, tools)
-            return Prepared(PromptNode("", None, r.ids, r.text), r.ids, len(r.ids), 0)
+            return Prepared(PromptNode.of("", None, r), r.ids, len(r.ids), 0)
         self._touch(session)
         return session.tree.prepare(messages, tools)
 
@@ -371,17 +373,22 @@ class AgentSessions:
         recorded, since the agent gets no answer to continue from. ``on_tokens(choice, ids)``
         streams: each choice's new tokens as the engine makes them."""
         route = session.session_id if session is not None else uuid.uuid4().hex
+        input_ids, images = prepared.request()
+        if (vision := self.renderer.vision) is not None:  # a placeholder is input only: one sampled ends the answer
+            token = vision.image_token_id
+            sampling = [p.model_copy(update={"stop_token_ids": [*p.stop_token_ids, token]}) for p in sampling]
 
         async def one(i: int, params: SamplingParams) -> Generation:
             stream = None if on_tokens is None else functools.partial(on_tokens, i)
             return await self.engine.generate(
-                prepared.input_ids,
+                input_ids,
                 params,
                 request_id=uuid.uuid4().hex,
                 route=route,
                 timeout_s=self.config.request_timeout_s,
                 top_logprobs=top_logprobs,
                 on_tokens=stream,
+                **({"images": images} if images else {}),
             )
 
         if session is not None:
@@ -408,6 +415,10 @@ class AgentSessions:
         return ChatResult(choices, len(prepared.input_ids), prepared.rendered, prepared.reused)
 
     def _choice(self, gen: Generation, stop: list[str], tools: bool) -> Choice:
+        if self.renderer.vision is not None and self.renderer.vision.image_token_id in gen.output_ids:
+            # A sampled image placeholder has no image: no forward could read it. The answer ends before it.
+            gen = cut_at(gen, gen.output_ids.index(self.renderer.vision.image_token_id))
+            self.counters["image_placeholders_cut"] += 1
         gen, text, hit = cut_at_stop(self.renderer.tokenizer, gen, stop)
         parsed = parse_tool_calls(text) if tools else ParsedReply(text, [])
         if parsed.tool_calls:
@@ -415,6 +426,11 @@ class AgentSessions:
         else:
             reason = "length" if gen.finish_reason == FinishReason.LENGTH and not hit else "stop"
         return Choice(gen, text, parsed.message(), reason)
+
+
+def _images_of(sessions: list[Session]) -> dict[str, bytes]:
+    """Every image a group's trajectories show, once (sessions shown the same picture share it)."""
+    return {im.hash: im.raw for s in sessions for tip in s.tree.tips() for im in trajectory_path(tip).images}
 
 
 def cut_at_stop(tokenizer, gen: Generation, stop: list[str]) -> tuple[Generation, str, bool]:
@@ -428,7 +444,11 @@ def cut_at_stop(tokenizer, gen: Generation, stop: list[str]) -> tuple[Generation
     for k in range(1, len(gen.output_ids) + 1):  # the shortest token prefix that completes the stop string
         if len(tokenizer.decode(gen.output_ids[:k], skip_special_tokens=True)) >= at + len(hit):
             break
-    cut = Generation(
+    return cut_at(gen, k), text[:at], True
+
+
+def cut_at(gen: Generation, k: int) -> Generation:
+    """The generation's first ``k`` tokens, as stopped there."""
+    return Generation(
         gen.output_ids[:k], gen.behavior_logprobs[:k], gen.token_versions[:k], FinishReason.STOP, gen.top_logprobs[:k]
     )
-    return cut, text[:at], True

@@ -16,7 +16,10 @@ from sample_buffer.vision import data_url
 
 SIDE = 28  # pixels a side, as MNIST's
 QUESTION = "Which digit is in the picture? Answer with the digit."
-FONT_SIZES = (14, 17, 20, 23)
+FONT_SIZES = (18, 20, 22, 24)
+STROKES = (0, 1)  # regular and bold
+JITTER = 3  # pixels the digit may stand off the centre, each way
+NOISE = (0, 8, 16)  # standard deviations of the pixel noise
 
 
 def picture(digit: int, rng: random.Random) -> bytes:
@@ -25,21 +28,19 @@ def picture(digit: int, rng: random.Random) -> bytes:
     from PIL import Image, ImageDraw, ImageFont
 
     font = ImageFont.load_default(size=rng.choice(FONT_SIZES))
-    dark_on_light = rng.random() < 0.5
-    ink, paper = (
-        (rng.randint(0, 90), rng.randint(165, 255)) if dark_on_light else (rng.randint(165, 255), rng.randint(0, 90))
-    )
+    stroke = rng.choice(STROKES)
+    ink, paper = rng.randint(0, 80), rng.randint(170, 255)
     img = Image.new("L", (SIDE, SIDE), paper)
     draw = ImageDraw.Draw(img)
-    left, top, right, bottom = draw.textbbox((0, 0), str(digit), font=font)
+    left, top, right, bottom = draw.textbbox((0, 0), str(digit), font=font, stroke_width=stroke)
     w, h = right - left, bottom - top
-    x = rng.randint(0, max(0, SIDE - w)) - left
-    y = rng.randint(0, max(0, SIDE - h)) - top
-    draw.text((x, y), str(digit), fill=ink, font=font)
-    for _ in range(rng.randint(0, 2)):  # clutter: short strokes that are not the digit
+    x = (SIDE - w) // 2 - left + rng.randint(-JITTER, JITTER)
+    y = (SIDE - h) // 2 - top + rng.randint(-JITTER, JITTER)
+    draw.text((x, y), str(digit), fill=ink, font=font, stroke_width=stroke, stroke_fill=ink)
+    if rng.random() < 0.5:  # clutter: a short stroke that is not the digit
         x0, y0 = rng.randint(0, SIDE - 1), rng.randint(0, SIDE - 1)
-        draw.line((x0, y0, x0 + rng.randint(-6, 6), y0 + rng.randint(-6, 6)), fill=ink, width=1)
-    noise = np.random.default_rng(rng.getrandbits(32)).normal(0, rng.choice((0, 10, 25)), (SIDE, SIDE))
+        draw.line((x0, y0, x0 + rng.randint(-5, 5), y0 + rng.randint(-5, 5)), fill=ink, width=1)
+    noise = np.random.default_rng(rng.getrandbits(32)).normal(0, rng.choice(NOISE), (SIDE, SIDE))
     pixels = np.clip(np.asarray(img, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels, "L").convert("RGB").save(out, format="PNG")

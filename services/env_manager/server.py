@@ -15,6 +15,7 @@ import grpc
 from rollout.domains import Domain
 from rollout.envs.remote import RemoteEnv
 from rollout.loop import DROP_CAUSES, RolloutLoop
+from sample_buffer.vision import vision_of
 from services.auth import AuthConfig
 from services.controller.client import ControllerClient
 from services.env_manager.config import EnvManagerConfig
@@ -127,21 +128,10 @@ def build_loop(
         id_prefix=f"{uuid.uuid4().hex[:8]}-",  # group ids unique across restarts
         first_prompt=random.randrange(1 << 30),  # a restart goes on somewhere else, not at the same prompts
         domains=built,
-        vision=_vision_of(config.tokenizer_path),
+        vision=vision_of(config.tokenizer_path),
     )
     metrics.stats = lambda: {"running_episodes": loop.running_episodes, "workers": loop.workers}
     return loop
-
-
-def _vision_of(model_path: str):
-    """A vision-language model's image processing, for environments that show images (None: text only)."""
-    from transformers import AutoConfig
-
-    from sample_buffer.vision import Vision, is_vision_model
-
-    if not is_vision_model(model_path):
-        return None
-    return Vision(model_path, AutoConfig.from_pretrained(model_path, local_files_only=True))
 
 
 def _local_env(env, rows: list[dict], reward_fn, _episode_id: str):

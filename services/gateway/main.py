@@ -9,6 +9,7 @@ import socket
 
 from rollout.agent.render import TemplateRenderer
 from rollout.agent.sessions import AgentSessions
+from sample_buffer.vision import vision_of
 from services.auth import AuthConfig, AuthError, server_bearer
 from services.controller.client import ControllerClient
 from services.gateway.config import GatewayConfig
@@ -34,13 +35,16 @@ def key_ring(config: GatewayConfig, auth: AuthConfig) -> KeyRing | None:
     return KeyRing(path=config.api_keys_path)
 
 
-def build_sessions(config: GatewayConfig, tokenizer_path: str, proxy, buffer, controller) -> AgentSessions:
+def build_sessions(
+    config: GatewayConfig, model_path: str, tokenizer_path: str, proxy, buffer, controller
+) -> AgentSessions:
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
     template = Path(config.chat_template_path).read_text() if config.chat_template_path else None
-    renderer = TemplateRenderer(AutoTokenizer.from_pretrained(tokenizer_path), template)
+    # a vision-language model's images are rendered as the trainer's forward reads them
+    renderer = TemplateRenderer(AutoTokenizer.from_pretrained(tokenizer_path), template, vision_of(model_path))
     return AgentSessions(config.sessions, renderer, ProxyGenerate(proxy), admission=controller, sink=buffer)
 
 
@@ -71,7 +75,8 @@ def serve(cfg) -> None:
         controller = ControllerClient(
             cfg.mesh.controller, auth=cfg.auth, holder=f"{socket.gethostname()}:gateway:{where}"
         )
-        sessions = build_sessions(config, config.tokenizer_path or cfg.model_path, proxy, buffer, controller)
+        tokenizer = config.tokenizer_path or cfg.model_path
+        sessions = build_sessions(config, cfg.model_path, tokenizer, proxy, buffer, controller)
         app = create_app(sessions, config, keys)
         server = uvicorn.Server(
             uvicorn.Config(

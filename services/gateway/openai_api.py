@@ -15,8 +15,9 @@ import uuid
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rollout.agent.messages import text_of
-from rollout.agent.sessions import ChatResult, Choice
+from rollout.agent.messages import IMAGES, text_of
+from rollout.agent.sessions import ChatResult, Choice, SessionError
+from sample_buffer.vision import MAX_IMAGES, PromptImage, Vision, VisionError, image_bytes
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -121,16 +122,50 @@ class ChatRequest(_Request):
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def rendered_messages(self) -> list[dict]:
-        """Messages for the chat template: ``developer`` is OpenAI's new name for ``system``; content
-        given as a list of parts is its text, as the message's key reads it; content null or left out
-        (an assistant turn of tool calls, as LangChain sends it back) is empty text, since most
-        templates read ``message['content']`` unconditionally."""
+    def image_urls(self, vision: Vision | None) -> list[tuple[str, str]]:
+        """``(field, url)`` of each image part (``{"type": "image_url", "image_url": {"url": ...}}``),
+        in order. Images go in user messages, to a vision-language model, as data URLs: a remote
+        URL is refused, since nothing downloads."""
         out = []
+        for i, m in enumerate(self.messages):
+            content = m.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                if not isinstance(part, dict) or part.get("type") != "image_url":
+                    continue
+                field = f"messages[{i}].content[{j}].image_url"
+                if vision is None:
+                    raise SessionError(f"{field}: this model takes no images", field)
+                if m["role"] != "user":
+                    raise SessionError(f"{field}: images go in user messages, not {m['role']}", field)
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else None
+                if not isinstance(url, str):
+                    raise SessionError(f"{field}.url: missing (an object {{'url': 'data:image/...'}})", field)
+                if not url.startswith("data:"):
+                    raise SessionError(
+                        f"{field}.url: only data URLs (data:image/png;base64,...); remote images are not downloaded",
+                        field,
+                    )
+                out.append((f"{field}.url", url))
+        if len(out) > MAX_IMAGES:
+            raise SessionError(f"messages: {len(out)} images; at most {MAX_IMAGES} per conversation", "messages")
+        return out
+
+    def rendered_messages(self, placeholder: str = "", images: list[PromptImage] = ()) -> list[dict]:
+        """Messages for the chat template: ``developer`` is OpenAI's new name for ``system``; content
+        given as a list of parts is its text, as the message's key reads it, each image part the
+        model's ``placeholder`` where it stands, the next of ``images`` (``image_urls``' order,
+        measured) riding along under ``IMAGES``; content null or left out (an assistant turn of tool
+        calls, as LangChain sends it back) is empty text, since most templates read
+        ``message['content']`` unconditionally."""
+        out, shown = [], iter(images)
         for m in self.messages:
             m = {**m, "role": "system"} if m["role"] == "developer" else dict(m)
             if isinstance(m.get("content"), list):
-                m["content"] = text_of(m["content"])
+                parts = [p for p in m["content"] if isinstance(p, dict)]
+                if mine := [next(shown) for p in parts if p.get("type") == "image_url"]:
+                    m[IMAGES] = mine
+                m["content"] = "".join(placeholder if p.get("type") == "image_url" else text_of([p]) for p in parts)
             elif m.get("content") is None:
                 m["content"] = ""
             out.append(m)
@@ -295,3 +330,13 @@ def _extra(result: ChatResult, session_id: str | None) -> dict:
         "reused_tokens": result.reused_tokens,
         "output_token_ids": [c.generation.output_ids for c in result.choices],
     }
+
+
+def measure_images(vision: Vision, urls: list[tuple[str, str]]) -> list[PromptImage]:
+    """Each image's bytes and how many tokens it becomes (decoded once: CPU work, for a thread);
+    a corrupt image, a wrong data URL type or one over the size limits raises ``SessionError`` naming its part."""
+    try:
+        raw = [image_bytes(url, field) for field, url in urls]
+        return [im for (field, _), r in zip(urls, raw, strict=True) for im in vision.measure([r], field)]
+    except VisionError as e:
+        raise SessionError(str(e), e.field) from None

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollout.agent.render import ImageError
 from rollout.agent.sessions import AgentSessions, Session, SessionError
 from rollout.sampling import SamplingParams
 from sample_buffer.errors import TransientError
@@ -46,6 +47,7 @@ from services.gateway.openai_api import (
     chat_answer,
     completion_answer,
     error,
+    measure_images,
 )
 from services.gateway.streaming import chat_stream, completion_stream
 from services.http_errors import field_name
@@ -178,11 +180,17 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
                 f"messages: {len(body.messages)} is over the gateway's {config.max_messages}", "messages"
             )
         params = sampling(body, body.n)
-        messages, tools = body.rendered_messages(), body.template_tools()
+        vision = sessions.renderer.vision
+        urls = body.image_urls(vision)
+        images = await asyncio.to_thread(measure_images, vision, urls) if urls else []
+        messages = body.rendered_messages(vision.placeholder if vision else "", images)
+        tools = body.template_tools()
         try:
             prepared = sessions.prepare(session, messages, tools)
         except SessionError:
             raise
+        except ImageError as e:  # a placeholder written in the text: the images no longer match
+            raise SessionError(str(e), "messages") from None
         except Exception as e:  # the template refused the conversation (a role it does not have, ...)
             raise SessionError(f"messages: the chat template cannot render them: {e}", "messages") from None
         check_prompt(prepared)

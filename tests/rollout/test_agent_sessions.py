@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.agent.messages import conversation_keys, parse_tool_calls
+from rollout.agent.messages import IMAGES, conversation_keys, parse_tool_calls
 from rollout.agent.prefix_tree import SessionTree, trajectory_path
 from rollout.agent.render import TemplateRenderer
 from rollout.agent.sessions import (
@@ -30,6 +30,7 @@ from sample_buffer.codec import decode_group
 from sample_buffer.config import BufferConfig
 from sample_buffer.memory import MemoryBuffer
 from sample_buffer.trajectory import FinishReason
+from sample_buffer.vision import PromptImage
 from services.controller.config import ControllerConfig
 from services.controller.controller import AsyncController
 from tests.rollout.test_chat_turns import TEMPLATES, base_tokenizer, tokenizer_for  # noqa: F401 (a fixture)
@@ -84,6 +85,14 @@ def test_the_key_reads_what_the_model_saw_not_how_the_client_spelled_it():
         and conversation_keys(edited)[1] != conversation_keys(a)[1]
     )
     assert conversation_keys(a, TOOLS) != conversation_keys(a)  # tools change the system prompt
+
+
+def test_the_same_words_beside_another_picture_are_another_conversation():
+    def shown(*hashes: str) -> dict:
+        return {"role": "user", "content": "which digit?", IMAGES: [PromptImage(b"", h, 4) for h in hashes]}
+
+    keys = [conversation_keys([m])[0] for m in (shown("a"), shown("b"), shown(), shown("a", "b"))]
+    assert len(set(keys)) == 4 and keys[0] == conversation_keys([shown("a")])[0]
 
 
 def test_tool_calls_are_parsed_and_broken_ones_stay_text():

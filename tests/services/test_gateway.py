@@ -17,6 +17,7 @@ import torch
 from rollout.agent.render import TemplateRenderer
 from rollout.agent.sessions import AgentSessions, SessionsConfig
 from sample_buffer.codec import decode_group
+from sample_buffer.vision import vision_of
 from services.gateway.config import GatewayConfig
 from services.gateway.keys import KeyRing
 from services.gateway.server import create_app
@@ -40,7 +41,7 @@ async def gateway(
     async with local_mesh(engine_url, model, buffer={"filter_zero_variance": False}, **controller) as mesh:
         cfg = GatewayConfig(port=free_port(), **config)
         template = None if template == "own" else template or TOOLS_TEMPLATE.read_text()  # "own": the model's
-        renderer = TemplateRenderer(AutoTokenizer.from_pretrained(model), template)
+        renderer = TemplateRenderer(AutoTokenizer.from_pretrained(model), template, vision_of(model))
         sessions = AgentSessions(
             cfg.sessions,
             renderer,
@@ -217,6 +218,11 @@ def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_ur
                 "session": lambda: c.chat.completions.create(
                     model="m", messages=USER, extra_headers={"x-rollmesh-session": "sess-nope"}
                 ),
+                "image": lambda: c.chat.completions.create(  # to a text-only model
+                    model="m",
+                    max_tokens=4,
+                    messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+                ),
             }.items():
                 try:
                     await call()
@@ -256,6 +262,9 @@ def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_ur
         assert status == 400 and body["param"] == field and body["type"] == "invalid_request_error", (field, body)
     assert errors["role"][0] == 400 and "wizard" in errors["role"][1]["message"]
     assert errors["session"][0] == 404
+    status, body = errors["image"]
+    assert status == 400 and body["param"] == "messages[0].content[0].image_url", body
+    assert "takes no images" in body["message"]
     assert errors["limit"][0] == 429
     assert errors["route"]["error"]["type"] == "invalid_request_error"  # an unknown route: OpenAI's shape too
     assert errors["ended"] == (404, "false")  # an ended session is gone; OpenAI's client must not retry
