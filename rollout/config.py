@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rollout.envs.base import Env
 from rollout.envs.config import EnvConfig, SingleTurnEnvConfig
 from rollout.envs.generated import GeneratedDataset
-from rollout.envs.single_turn import load_jsonl
+from rollout.envs.single_turn import images_of_rows, load_jsonl
 from rollout.episode import EpisodeConfig
 from rollout.reward_pool import RewardPool
 from rollout.rewards import build_reward, resolve_reward
@@ -99,6 +99,7 @@ class TaskConfig(BaseModel):
         what a reward variant needs from the mesh (``judge``: a builder of the LLM judge;
         ``reward_service``: of a reward service's client)."""
         rows = self.generate.rows() if self.generate else load_jsonl(self.dataset_path)
+        images_of_rows(rows)  # a row's broken picture stops the start, naming the row
         reward_fn = build_reward(self.reward, **ports)
         self.env.build(rows, reward_fn)
         if self.reward_workers.workers:

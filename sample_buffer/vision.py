@@ -70,6 +70,12 @@ def _header(raw: bytes, field: str, max_pixels: int):
     return img
 
 
+def check_image(raw: bytes, field: str = "image_data") -> bytes:
+    """``raw`` if its header reads as an image of a decoded format within the pixel limit (no pixel decoded)."""
+    _header(raw, field, MAX_IMAGE_PIXELS)
+    return raw
+
+
 def open_images(raws: list[bytes], field: str = "image_data", max_pixels: int = MAX_IMAGE_PIXELS) -> list:
     """RGB PIL images from encoded bytes. Every header is read and the sizes checked (each, and all
     together) before any pixel is decoded; corrupt data or too many pixels is a ``VisionError``."""

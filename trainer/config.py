@@ -89,6 +89,12 @@ class TrainerConfig(BaseModel):
         "equal share of the cores (torch's default elsewhere: every core, which a neighbour process slows down).",
     )
     lr: float = Field(1e-5, gt=0, description="Peak learning rate of AdamW.")
+    vision_lr: float | None = Field(
+        None,
+        gt=0,
+        description="A vision-language policy's vision tower and projector: their peak learning rate (None: "
+        "lr). A tower learning new pictures may need a larger one than the language model stays stable at.",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 to lr over this many optimizer steps.")

@@ -43,7 +43,7 @@ from trainer.packing import (
     scale_by_temperature,
 )
 from trainer.routing import RoutingReplay, replay_ids, usable
-from trainer.vision_inputs import VisionInputs
+from trainer.vision_inputs import VisionInputs, split_vision_parameters
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +194,13 @@ class TrainEngine:
             critic = AutoModelForTokenClassification.from_pretrained(config.model_path, num_labels=1, dtype=dtype)
             self.critic = self._prepare(critic)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.critic_lr)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
-        )
+        params = self.model.parameters()
+        if config.vision_lr is not None:
+            if self.vision is None:
+                raise ValueError("trainer.vision_lr: the policy has no vision tower")
+            tower, language = split_vision_parameters(self.model)
+            params = [{"params": language}, {"params": tower, "lr": config.vision_lr}]
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config, total_steps))
         self.audit = None
         if config.audit_versions:

@@ -67,3 +67,12 @@ class VisionInputs:
                 positions[:, r, c : c + len(seqs[i])] = self._positions(model, seqs[i], grids[i])
             out["position_ids"] = positions.to(device)
         return out
+
+
+def split_vision_parameters(model) -> tuple[list, list]:
+    """(the vision tower's and projector's parameters, the language model's): everything of a
+    vision-language model outside its ``language_model`` and ``lm_head`` sees pixels first."""
+    tower, language = [], []
+    for name, p in model.named_parameters():
+        (language if ".language_model." in f".{name}" or name.startswith("lm_head") else tower).append(p)
+    return tower, language

@@ -15,7 +15,7 @@ import random
 from sample_buffer.vision import data_url
 
 SIDE = 28  # pixels a side, as MNIST's
-QUESTION = "Which digit is in the picture? Answer with the digit."
+QUESTION = "Which digit?"  # short: the answer's attention is not spread over many words
 FONT_SIZES = (18, 20, 22, 24)
 STROKES = (0, 1)  # regular and bold
 JITTER = 3  # pixels the digit may stand off the centre, each way

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rollout.envs.base import Observation, StepResult
-from sample_buffer.vision import VisionError, image_bytes
+from sample_buffer.vision import VisionError, check_image, image_bytes
 
 
 def load_jsonl(path: str | Path, required: tuple[str, ...] = ("prompt", "answer")) -> list[dict]:
@@ -52,7 +52,6 @@ class SingleTurnEnv:
         if tries < 1:
             raise ValueError(f"tries: must be >= 1, got {tries}")
         self.rows, self.reward_fn, self.name = rows, reward_fn, name
-        self.images = images_of_rows(rows)  # row index -> its images' bytes (rows that show any)
         self.tries, self.retry_message = tries, retry_message
         self.retry_discount, self.solved_at = retry_discount, solved_at
         self._row: dict | None = None
@@ -61,7 +60,8 @@ class SingleTurnEnv:
     def reset(self, seed: int) -> str | Observation:
         i = seed % len(self.rows)
         self._row, self._try = self.rows[i], 0
-        return Observation(self._row["prompt"], self.images[i]) if i in self.images else self._row["prompt"]
+        images = row_images(self._row, i)  # checked once at load (``TaskConfig.env_factory``); decoded per episode
+        return Observation(self._row["prompt"], images) if images else self._row["prompt"]
 
     def step(self, action: str) -> StepResult:
         if self._row is None:
@@ -75,16 +75,19 @@ class SingleTurnEnv:
 
 
 def images_of_rows(rows: list[dict]) -> dict[int, tuple[bytes, ...]]:
-    """Each row's ``images`` decoded once, at load: a bad one names its row, not an episode mid-run."""
-    out = {}
-    for i, row in enumerate(rows):
-        images = row.get("images")
-        if not images:
-            continue
-        if not isinstance(images, list):
-            raise ValueError(f"row {i}: images: a list of data URLs or base64 strings expected")
-        try:
-            out[i] = tuple(image_bytes(x, f"row {i}: images[{k}]") for k, x in enumerate(images))
-        except VisionError as e:
-            raise ValueError(str(e)) from None
-    return out
+    """Each row's ``images`` decoded (rows that show any), a bad one naming its row: run once at
+    load, so a broken picture stops the start, not an episode mid-run."""
+    return {i: images for i, row in enumerate(rows) if (images := row_images(row, i))}
+
+
+def row_images(row: dict, i: int) -> tuple[bytes, ...]:
+    """Row ``i``'s ``images``: data URLs or base64 strings, decoded."""
+    images = row.get("images")
+    if not images:
+        return ()
+    if not isinstance(images, list):
+        raise ValueError(f"row {i}: images: a list of data URLs or base64 strings expected")
+    try:
+        return tuple(check_image(image_bytes(x, field := f"row {i}: images[{k}]"), field) for k, x in enumerate(images))
+    except VisionError as e:
+        raise ValueError(str(e)) from None

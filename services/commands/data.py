@@ -67,6 +67,8 @@ def init_model(
     digit_prior_steps: int = typer.Option(
         0, help="Format-only warm-up steps: the model learns to answer with one digit, not which one."
     ),
+    patch_size: int = typer.Option(4, help="Vision models: pixels per patch side."),
+    vision_width: int = typer.Option(32, help="qwen2-vl: width of the vision tower."),
 ) -> None:
     """Build the tiny Qwen2 (or Qwen3-MoE, or Qwen2-VL) model and tokenizer locally, or convert a packaged
     pretrained model (no download)."""
@@ -93,6 +95,8 @@ def init_model(
             hidden_size=hidden_size,
             num_hidden_layers=num_layers,
             digit_prior_steps=digit_prior_steps,
+            patch_size=patch_size,
+            vision_embed_dim=vision_width,
         )
     except ValueError as e:
         typer.echo(f"init-model: {e}", err=True)

@@ -129,3 +129,23 @@ def test_a_bare_number_is_boxed_only_where_asked():
     assert not first.done and f"guessed {a}," in first.info["feedback"]  # read as \\boxed{a}
     second = lenient.step(f"\\boxed{{{b}}} and not {a}")  # already boxed: passed on as written
     assert f"guessed {b}," in second.info["feedback"]
+
+
+def test_a_rows_pictures_are_checked_at_load_and_decoded_per_episode(tmp_path):
+    import json
+
+    from rollout.config import TaskConfig
+    from rollout.envs.base import Observation
+    from rollout.envs.digit_pictures import digit_picture_rows
+    from sample_buffer.vision import image_bytes
+
+    rows = digit_picture_rows(3, seed=0)
+    path = tmp_path / "pictures.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, _, build = TaskConfig(dataset_path=str(path), reward="digit_answer").env_factory()
+    shown = build().reset(1)
+    assert isinstance(shown, Observation) and shown.images == (image_bytes(rows[1]["images"][0]),)
+    rows[2]["images"] = ["data:image/png;base64,bm90IGEgcGljdHVyZQ=="]  # "not a picture": base64, but no image
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"row 2: images\[0\]"):
+        TaskConfig(dataset_path=str(path), reward="digit_answer").env_factory()

@@ -19,6 +19,7 @@ from trainer.batch import batch_from_groups
 from trainer.config import TrainerConfig
 from trainer.engine import TrainEngine
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
+from trainer.vision_inputs import split_vision_parameters
 
 
 @pytest.fixture(scope="module", params=["qwen2-vl", "llava"])
@@ -99,3 +100,19 @@ def test_a_training_step_on_image_prompts_moves_the_vision_tower(sampled):
     assert np.isfinite(metrics["loss"])
     moved = [k for k, v in trainer.model.named_parameters() if k in tower and not torch.equal(v, tower[k])]
     assert moved, "the images' gradient reached no vision parameter"
+
+
+def test_the_vision_tower_may_learn_at_its_own_rate(sampled, tiny_model):
+    path, groups = sampled
+    trainer = TrainEngine(TrainerConfig(model_path=path, lr=1e-4, vision_lr=1e-2))
+    tower, language = split_vision_parameters(trainer.model)
+    before = {id(p): p.detach().clone() for p in tower + language}
+    trainer.train_step(batch_from_groups(groups))
+
+    def largest_step(params):  # Adam's first step moves each weight by about its rate
+        return max((p.detach() - before[id(p)]).abs().max().item() for p in params)
+
+    assert largest_step(tower) > 20 * largest_step(language) > 0
+    assert {g["lr"] for g in trainer.optimizer.param_groups} == {1e-4, 1e-2}
+    with pytest.raises(ValueError, match="vision_lr: the policy has no vision tower"):
+        TrainEngine(TrainerConfig(model_path=tiny_model, vision_lr=1e-2))
