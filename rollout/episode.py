@@ -175,6 +175,16 @@ async def close_env(env, timeout_s: float) -> None:
         log.debug("closing %s: %s", env.name, e)
 
 
+def _expanded(vision, ids: list[int], images: tuple[bytes, ...]) -> list[int]:
+    """``ids`` (a turn with one placeholder per image) with each expanded to its image's tokens; a
+    ``VisionError`` where the text itself holds a placeholder, so that they no longer match."""
+    if vision is None:
+        return ids
+    if (n := ids.count(vision.image_token_id)) != len(images):
+        raise VisionError("images", f"{n} image placeholders for {len(images)} images")
+    return vision.prompt(ids, [data_url(x) for x in images]).input_ids if images else ids
+
+
 async def _run_episode(
     env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier, observer, vision, image_store
 ):
@@ -211,17 +221,12 @@ async def _run_episode(
             )
         obs = vision.placeholder * len(images) + obs  # the images first, as vision-language chat templates put them
     chat = Conversation(tokenizer, obs)
-    tokens = sent = chat.prompt_ids()  # ``sent``: one placeholder per image, as the engines take a prompt
-    if vision is not None and sent.count(vision.image_token_id) != len(images):  # a placeholder in the text itself
-        why = {"error": f"{sent.count(vision.image_token_id)} image placeholders for {len(images)} images"}
-        return ended(FinishReason.ENV_ERROR, **why, error_kind="images")
-    if images:
-        try:  # what the model reads (and the engine consumes): each placeholder expanded to its image's tokens
-            tokens = vision.prompt(sent, [data_url(x) for x in images]).input_ids
-        except VisionError as e:
-            return ended(FinishReason.ENV_ERROR, error=str(e)[:500], error_kind="images")
-    expanded = len(tokens)
-    with_images = {"images": images} if images else {}
+    sent = chat.prompt_ids()  # the conversation as the engines take it: one placeholder per image
+    try:  # what the model reads (and the engine consumes): each placeholder expanded to its image's tokens
+        tokens = _expanded(vision, sent, images)
+    except VisionError as e:
+        return ended(FinishReason.ENV_ERROR, error=str(e)[:500], error_kind="images")
+    sent = list(sent)
     image_store.update({content_hash(x): x for x in images})
     mask = [0] * len(tokens)
     logprobs: list[float] = []
@@ -242,8 +247,8 @@ async def _run_episode(
             break
         t_gen = time.monotonic()
         try:
-            ids = sent + tokens[expanded:] if images else tokens
-            gen = await generate(ids, sampling, trajectory_id, timeout_s, **with_images)
+            with_images = {"images": images} if images else {}
+            gen = await generate(sent if images else tokens, sampling, trajectory_id, timeout_s, **with_images)
         except ValueError as e:
             if not _CONTEXT_FULL.search(str(e)):  # a request the config made wrong: not this episode's
                 raise
@@ -254,6 +259,7 @@ async def _run_episode(
         generate_s = time.monotonic() - t_gen
         turns.append(len(tokens))
         tokens += gen.output_ids
+        sent += gen.output_ids
         mask += [1] * len(gen.output_ids)
         logprobs += gen.behavior_logprobs
         versions += gen.token_versions
@@ -300,25 +306,28 @@ async def _run_episode(
         finish = gen.finish_reason
         if result.done or result.observation is None:
             break
-        observation = result.observation
+        observation, shown = result.observation, ()
         if isinstance(observation, Observation):
-            if observation.images:
-                finish, why = FinishReason.ENV_ERROR, {"error": "images after the first turn", "error_kind": "images"}
+            observation, shown = observation.text, tuple(observation.images)
+            if shown and vision is None:
+                finish, why = FinishReason.ENV_ERROR, {"error": "images to a text-only model", "error_kind": "images"}
                 break
-            observation = observation.text
+            observation = vision.placeholder * len(shown) + observation if shown else observation
         try:
             next_turn = chat.next_turn(gen.output_ids, gen.finish_reason == FinishReason.STOP, result.role, observation)
         except Exception as e:  # a role the chat does not have, a template that refuses the turn
             finish, why = FinishReason.ENV_ERROR, _env_error(e)
             break
-        if vision is not None and vision.image_token_id in next_turn:  # an image placeholder in a later turn's text
-            finish, why = (
-                FinishReason.ENV_ERROR,
-                {"error": "an image placeholder in a later turn", "error_kind": "images"},
-            )
+        try:  # the turn's images (a screenshot after an action) expanded as the first turn's
+            seen = _expanded(vision, next_turn, shown)
+        except VisionError as e:
+            finish, why = FinishReason.ENV_ERROR, {"error": str(e)[:500], "error_kind": "images"}
             break
-        tokens += next_turn
-        mask += [0] * len(next_turn)
+        images += shown
+        image_store.update({content_hash(x): x for x in shown})
+        tokens += seen
+        sent += next_turn
+        mask += [0] * len(seen)
     return Trajectory(
         trajectory_id=trajectory_id,
         group_id=group_id,

@@ -16,6 +16,10 @@ SAMPLE_BUFFER_MAX_PUT_BYTES = 64 << 20
 PUT_BATCH_BYTES = 16 << 20
 SAMPLE_BUFFER_MAX_MESSAGE_BYTES = 256 << 20
 
+# The largest answer an environment provider's gRPC client takes: an observation may show a
+# prompt's 16 images of up to 4 MiB each (``sample_buffer/vision.py``) beside its text.
+PROVIDER_MAX_ANSWER_BYTES = 72 << 20
+
 # The largest body an engine's HTTP API takes but a weight bucket's (the embedded engine's BodyLimit).
 ENGINE_MAX_BODY_BYTES = 16 << 20
 

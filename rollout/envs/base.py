@@ -19,7 +19,7 @@ class Observation:
 
 @dataclass
 class StepResult:
-    observation: str | None  # the next turn's message, None when done
+    observation: str | Observation | None  # the next turn's message (with images or not), None when done
     reward: float
     done: bool
     info: dict = field(default_factory=dict)

@@ -16,10 +16,10 @@ from sample_buffer.vision import data_url
 
 SIDE = 28  # pixels a side, as MNIST's
 QUESTION = "Which digit?"  # short: the answer's attention is not spread over many words
-FONT_SIZES = (18, 20, 22, 24)
+FONT_SIZES = (21, 24)
 STROKES = (0, 1)  # regular and bold
-JITTER = 3  # pixels the digit may stand off the centre, each way
-NOISE = (0, 8, 16)  # standard deviations of the pixel noise
+JITTER = 2  # pixels the digit may stand off the centre, each way
+NOISE = (0, 8)  # standard deviations of the pixel noise
 
 
 def picture(digit: int, rng: random.Random) -> bytes:

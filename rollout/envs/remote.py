@@ -14,7 +14,8 @@ gRPC, REST and OpenEnv WebSocket clients); what is safe to do when a call fails 
 - a provider that failed a call is out of rotation until a health check passes again, tried no
   more often than every ``health_interval_s``: a restarted provider is used again by itself.
 
-An observation that is empty (while the episode goes on), too long or not text ends the
+An observation that is empty (while the episode goes on), too long or not text, or that shows
+more images or larger ones than a prompt may hold (``sample_buffer/vision.py``), ends the
 episode with an error that says which; an action longer than the provider takes is refused
 before it is sent. An empty action is sent as it is: it is the policy's answer, and the
 environment scores it.
@@ -31,7 +32,9 @@ from typing import Literal, Protocol, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout.budgets import Budgets
+from rollout.envs import base
 from rollout.envs.base import StepResult
+from sample_buffer.vision import MAX_IMAGE_BYTES, MAX_IMAGES
 
 log = logging.getLogger(__name__)
 # The protocols a provider may speak; services/env_provider/clients.py has one client for each.
@@ -74,6 +77,11 @@ class Observation:
     reward: float = 0.0
     done: bool = False
     info: dict = field(default_factory=dict)
+    images: tuple[bytes, ...] = ()  # encoded, shown before the text (a vision-language task's)
+
+    def shown(self) -> str | base.Observation:
+        """What the episode sees: the text, or the text with its images."""
+        return base.Observation(self.content, self.images) if self.images else self.content
 
 
 @dataclass
@@ -148,6 +156,12 @@ class RemoteEnvConfig(BaseModel):
         description="openenv: the observation field with the text the model sees, or several: the first that "
         "holds any ([messages, prompt]: the feedback once there is some, the rules before). A field may hold "
         "text or a list of messages (their contents, one per line).",
+    )
+    image_key: str = Field(
+        "images",
+        description="http/openenv: the observation field with images to show before its text (a vision-"
+        "language task's): a data URL or base64 string, or a list of them; missing or null: none. URLs are "
+        "refused, never fetched.",
     )
     observation_format: str | None = Field(
         None,
@@ -243,7 +257,7 @@ class RemoteEnv:
         member = self._member
         return member.info.budgets if member is not None and member.info is not None else None
 
-    async def reset(self, seed: int, timeout_s: float | None = None) -> str:
+    async def reset(self, seed: int, timeout_s: float | None = None) -> str | base.Observation:
         """Start the episode on an up provider, trying the others (and the same again once it is
         healthy) until ``timeout_s`` runs out: a reset that failed changed nothing."""
         deadline = time.monotonic() + (timeout_s or self.config.call_timeout_s)
@@ -276,7 +290,7 @@ class RemoteEnv:
                 continue
             member.episodes += 1
             self._member = member
-            return self._checked(obs).content
+            return self._checked(obs).shown()
 
     async def step(self, action: str, timeout_s: float | None = None) -> StepResult:
         if self._member is None:
@@ -304,7 +318,7 @@ class RemoteEnv:
                     raise
                 delay *= 2
         obs = self._checked(obs)
-        return StepResult(None if obs.done else obs.content, obs.reward, obs.done, obs.info, obs.role)
+        return StepResult(None if obs.done else obs.shown(), obs.reward, obs.done, obs.info, obs.role)
 
     async def close(self) -> None:
         """End the episode on its provider (best effort: a provider that is gone has ended it)."""
@@ -334,8 +348,12 @@ class RemoteEnv:
                 "observation",
                 f"{len(obs.content)} characters, more than max_observation_chars {self.config.max_observation_chars}",
             )
-        if not obs.done and not obs.content.strip():
+        if not obs.done and not obs.content.strip() and not obs.images:
             raise ProviderError("observation", "empty while the episode goes on")
+        if len(obs.images) > MAX_IMAGES:
+            raise ProviderError("observation", f"{len(obs.images)} images, more than a prompt's {MAX_IMAGES}")
+        if big := [i for i, x in enumerate(obs.images) if len(x) > MAX_IMAGE_BYTES]:
+            raise ProviderError("observation", f"images[{big[0]}]: over {MAX_IMAGE_BYTES} bytes")
         return obs
 
 

@@ -19,10 +19,12 @@ import grpc
 
 from rollout.budgets import Budgets
 from rollout.envs.remote import Observation, ProviderError, ProviderInfo, ProviderTimeout, RemoteEnvConfig
+from sample_buffer.vision import MAX_IMAGES, VisionError, image_bytes
 from services.auth import AuthConfig, AuthError, Role, http_headers, provider_auth
 from services.grpc_util import channel
 from services.pb.rollmesh.v1 import env_provider_pb2 as pb
 from services.pb.rollmesh.v1 import env_provider_pb2_grpc as pb_grpc
+from services.wire_limits import PROVIDER_MAX_ANSWER_BYTES
 
 # A provider that answers at all answers in time; these mean it is not there (or no longer).
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
@@ -46,7 +48,7 @@ def _info(raw: str) -> dict:
 class GrpcProviderClient:
     def __init__(self, address: str, config: RemoteEnvConfig, auth: AuthConfig) -> None:
         self.address, self.config = address, config
-        self._channel = channel(address, auth=auth)
+        self._channel = channel(address, [("grpc.max_receive_message_length", PROVIDER_MAX_ANSWER_BYTES)], auth)
         self._stub = pb_grpc.EnvProviderStub(self._channel)
 
     async def _call(self, method: str, request, timeout_s: float):
@@ -84,12 +86,12 @@ class GrpcProviderClient:
         r = await self._call(
             "Reset", pb.ResetRequest(env_name=self.config.env_name, seed=seed, episode_id=episode_id), timeout_s
         )
-        return Observation(r.observation, _role(r.role), info=_info(r.info_json))
+        return Observation(r.observation, _role(r.role), info=_info(r.info_json), images=tuple(r.images))
 
     async def step(self, episode_id: str, action: str, request_id: str, timeout_s: float) -> Observation:
         req = pb.StepRequest(episode_id=episode_id, action=action, request_id=request_id, timeout_s=timeout_s)
         r = await self._call("Step", req, timeout_s)
-        return Observation(r.observation, _role(r.role), r.reward, r.done, _info(r.info_json))
+        return Observation(r.observation, _role(r.role), r.reward, r.done, _info(r.info_json), tuple(r.images))
 
     async def close_episode(self, episode_id: str, timeout_s: float) -> None:
         await self._call("Close", pb.CloseRequest(episode_id=episode_id), timeout_s)
@@ -177,7 +179,18 @@ class _HttpBase:
             )
         role = obs.get("role") or "user"
         info = obs.get("info") if isinstance(obs.get("info"), dict) else {}
-        return Observation(content, role, float(reward or 0.0), done, info)
+        return Observation(content, role, float(reward or 0.0), done, info, self._images(obs))
+
+    def _images(self, obs: dict) -> tuple[bytes, ...]:
+        """The observation's images (``image_key``): data URLs or base64, decoded; a URL is refused."""
+        key, value = self.config.image_key, obs.get(self.config.image_key)
+        items = [] if value is None else [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or len(items) > MAX_IMAGES:
+            raise ProviderError("observation", f"{key}: a data URL or a list of at most {MAX_IMAGES} of them")
+        try:
+            return tuple(image_bytes(x, f"{key}[{i}]") for i, x in enumerate(items))
+        except VisionError as e:
+            raise ProviderError("observation", str(e)) from None
 
     def _text(self, obs: dict) -> str | None:
         """The text the model sees: the formatter's, or the first of the keys that holds any."""

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.envs.remote import Observation
+from sample_buffer.vision import data_url
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, provider_auth, server_bearer
 from services.body_limit import BodyLimit
 from services.env_provider.config import EnvProviderConfig
@@ -88,7 +89,7 @@ def grpc_handler(sessions: ProviderSessions) -> grpc.GenericRpcHandler:
 
     async def reset(req: pb.ResetRequest, ctx) -> pb.ResetResponse:
         obs = await call(ctx, sessions.reset(req.episode_id, req.seed))
-        return pb.ResetResponse(episode_id=req.episode_id, observation=obs.content, role=obs.role)
+        return pb.ResetResponse(episode_id=req.episode_id, observation=obs.content, role=obs.role, images=obs.images)
 
     async def step(req: pb.StepRequest, ctx) -> pb.StepResponse:
         async def run() -> Observation:
@@ -101,6 +102,7 @@ def grpc_handler(sessions: ProviderSessions) -> grpc.GenericRpcHandler:
             done=obs.done,
             role=obs.role,
             info_json=json.dumps(obs.info, default=str),
+            images=obs.images,
         )
 
     async def close(req: pb.CloseRequest, ctx) -> pb.CloseResponse:
@@ -150,6 +152,8 @@ class CloseReq(BaseModel):
 def _openenv(obs: Observation, reset: bool = False) -> dict:
     """OpenEnv's ``{observation, reward, done}``; the info rides in the observation's ``info``."""
     body = {"content": obs.content, "role": obs.role, **({"info": obs.info} if obs.info else {})}
+    if obs.images:  # as data URLs, where the clients' image_key reads them
+        body["images"] = [data_url(x) for x in obs.images]
     return {"observation": body, "reward": None if reset else obs.reward, "done": obs.done}
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rollout.envs import base
 from rollout.envs.base import Env
 from rollout.envs.remote import Observation, ProviderInfo
 from rollout.episode import close_env, env_call
@@ -87,7 +88,8 @@ class ProviderSessions:
         first = await self._call(env, "reset", seed, timeout_s)
         if episode_id in self.sessions:  # a concurrent reset of the same id won the race
             return self.sessions[episode_id].first
-        obs = Observation(_text(first, "reset"))
+        text, images = _shown(first, "reset")
+        obs = Observation(text, images=images)
         self.sessions[episode_id] = _Session(env, obs)
         self._count("reset")
         return obs
@@ -107,12 +109,14 @@ class ProviderSessions:
             s.last_request, s.last_answer = request_id, asyncio.get_running_loop().create_future()
             try:
                 result = await self._call(s.env, "step", action, timeout_s, episode_id)
+                text, images = _shown(result.observation, "step") if result.observation is not None else ("", ())
                 obs = Observation(
-                    _text(result.observation, "step") if result.observation is not None else "",
+                    text,
                     getattr(result, "role", "user"),
                     float(result.reward),
                     bool(result.done),
                     dict(result.info or {}),
+                    images=images,
                 )
             except BaseException as e:
                 s.last_answer.set_exception(e)
@@ -189,7 +193,10 @@ def _check_id(episode_id: str) -> None:
         raise SessionError("invalid", "episode_id", f"longer than {MAX_EPISODE_ID} characters")
 
 
-def _text(value, method: str) -> str:
-    if not isinstance(value, str):  # the hosted environment's bug: say so, do not send it on
+def _shown(value, method: str) -> tuple[str, tuple[bytes, ...]]:
+    """An environment's observation: text, or text with images (``rollout.envs.base.Observation``)."""
+    text, images = (value.text, tuple(value.images)) if isinstance(value, base.Observation) else (value, ())
+    if not isinstance(text, str) or not all(isinstance(x, bytes) for x in images):
+        # the hosted environment's bug: say so, do not send it on
         raise SessionError("env", method, f"the environment's observation is {type(value).__name__}, not text")
-    return value
+    return text, images

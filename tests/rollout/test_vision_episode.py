@@ -1,8 +1,9 @@
 """An environment that shows images, through the episode, against the real embedded engine serving a
 tiny vision-language model: the engine gets one placeholder per image and the image itself, the
 trajectory records the expanded prompt it consumed and references the image by content hash, and the
-group store holds the image's bytes once. Images to a text-only model, or on a later turn, end the
-episode as the environment's error, named."""
+group store holds the image's bytes once. A later turn may show more, and the trainer's forward over
+them all gives the engine's log-probs. Images to a text-only model end the episode as the
+environment's error, named."""
 
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ from rollout.envs.base import Observation, StepResult
 from rollout.episode import EpisodeConfig, run_episode
 from rollout.ports import Generation, RolloutObserver
 from rollout.sampling import SamplingParams
-from sample_buffer.trajectory import FinishReason
+from sample_buffer.codec import decode_group, encode_group
+from sample_buffer.trajectory import FinishReason, Group
 from sample_buffer.vision import Vision, content_hash, data_url, image_bytes
 from tests.rollout.test_engine_vision import png
+from trainer.batch import batch_from_groups
+from trainer.config import TrainerConfig
+from trainer.engine import TrainEngine
 
 
 class DigitPicture:
@@ -91,17 +96,38 @@ def test_the_engine_sees_the_image_and_the_trajectory_records_what_it_consumed(s
     assert traj.images == (content_hash(image),) and store == {content_hash(image): image}
 
 
-def test_images_to_a_text_only_model_or_on_a_later_turn_are_the_environments_error(served):
-    _, engine, tok, vision = served
-    image = image_bytes(png(28, 28, 6))
+def test_images_to_a_text_only_model_are_the_environments_error(served):
+    _, engine, tok, _ = served
     calls = []
-    blind = _run(DigitPicture(image), _engine_generate(engine, calls), tok, None, {})
+    blind = _run(DigitPicture(image_bytes(png(28, 28, 6))), _engine_generate(engine, calls), tok, None, {})
     assert blind.finish_reason == FinishReason.ENV_ERROR and blind.metadata["error_kind"] == "images" and not calls
-    later = _run(
-        DigitPicture(image, later=Observation("and this?", (image,))), _engine_generate(engine, calls), tok, vision, {}
+
+
+def test_a_later_turn_may_show_more_pictures_and_the_trainer_sees_them_all(served):
+    path, engine, tok, vision = served
+    first, later = image_bytes(png(28, 28, 6)), image_bytes(png(20, 36, 7))
+    calls, store = [], {}
+    traj = _run(
+        DigitPicture(first, later=Observation("and this?", (later,))),
+        _engine_generate(engine, calls),
+        tok,
+        vision,
+        store,
     )
-    assert later.finish_reason == FinishReason.ENV_ERROR and later.metadata["error"] == "images after the first turn"
-    assert len(calls) == 1  # the first turn ran; the second was never sent
+    assert traj.finish_reason == FinishReason.LENGTH and len(calls) == 3  # max_turns: each step shows one more
+    assert [images for _, images in calls] == [(first,), (first, later), (first, later, later)]
+    assert [ids.count(vision.image_token_id) for ids, _ in calls] == [1, 2, 3]  # one placeholder each, as sent
+    # the step after the last turn showed one more: the trajectory ends with that observation, as a text one's
+    hashes = (content_hash(first), *[content_hash(later)] * 3)
+    assert traj.images == hashes and store == {content_hash(first): first, content_hash(later): later}
+    per_image = [vision.measure([x])[0].tokens for x in (first, later)]
+    assert list(traj.token_ids).count(vision.image_token_id) == per_image[0] + 3 * per_image[1]
+    # token-in/token-out: the trainer's forward with all three pictures gives each turn's log-probs
+    group = decode_group(encode_group(Group("g", "p", [traj], images=store)))
+    batch = batch_from_groups([group])
+    mask = batch.loss_mask.bool()
+    gap = (TrainEngine(TrainerConfig(model_path=path)).logprobs(batch)[mask] - batch.behavior_logprobs[mask]).abs()
+    assert gap.max().item() <= 1e-4, gap.max().item()
 
 
 def test_a_sampled_image_placeholder_ends_the_member_and_the_loop_drops_it(served):
@@ -164,6 +190,7 @@ def test_an_image_placeholder_written_in_the_text_is_the_environments_error(serv
         Talkative(image, first_text="look <|image_pad|> here"), _engine_generate(engine, calls), tok, vision, {}
     )
     assert (
-        traj.finish_reason == FinishReason.ENV_ERROR and traj.metadata["error"] == "2 image placeholders for 1 images"
+        traj.finish_reason == FinishReason.ENV_ERROR
+        and traj.metadata["error"] == "images: 2 image placeholders for 1 images"
     )
     assert not calls

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from rollout.budgets import Budgets
-from rollout.envs.base import StepResult
+from rollout.envs.base import Observation, StepResult
 
 
 class ScriptEnv:
@@ -166,3 +166,31 @@ def openenv_feedback_app():
 def game_text(observation: dict) -> str:
     """An ``env.observation_format``: the newest message only."""
     return observation["messages"][-1]["content"] if observation["messages"] else observation["prompt"]
+
+
+class PictureEnv:
+    """A vision-language task over the wire: reset(seed) shows a picture of digit ``seed % 10``; a
+    step answered ``more`` shows another picture, any other ends the episode (reward 1.0 if right)."""
+
+    name = "pictures"
+
+    def __init__(self, rows=None, reward_fn=None) -> None:
+        self.seed = 0
+
+    @staticmethod
+    def picture(seed: int) -> bytes:
+        import random
+
+        from rollout.envs.digit_pictures import picture
+
+        return picture(seed % 10, random.Random(seed))
+
+    def reset(self, seed: int) -> Observation:
+        self.seed = seed
+        return Observation("Which digit?", (self.picture(seed),))
+
+    def step(self, action: str) -> StepResult:
+        if action == "more":
+            self.seed += 1
+            return StepResult(Observation("And this one?", (self.picture(self.seed),)), 0.0, False)
+        return StepResult(None, float(action == str(self.seed % 10)), True)

@@ -23,6 +23,7 @@ import pytest
 from openenv.core import GenericEnvClient  # isort: skip
 
 from rollout.budgets import Budgets
+from rollout.envs.base import Observation
 from rollout.envs.remote import PROTOCOLS, ProviderError, ProviderTimeout, RemoteEnv, RemoteEnvConfig
 from services.auth import AuthConfig
 from services.env_provider.clients import build_pool
@@ -31,6 +32,10 @@ from services.pb.rollmesh.v1 import env_provider_pb2_grpc as pb_grpc
 from services.processes import free_port, start_provider_process, stop_process, wait_http_healthy
 
 SCRIPT = "tests.services.provider_envs:ScriptEnv"
+PNG_BYTES = bytes.fromhex(  # a 1×1 PNG
+    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+    "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082"
+)
 FAST = ["step_timeout_s=1.0"]  # a hanging step is answered as a timeout after 1 s
 
 
@@ -77,6 +82,56 @@ def test_a_multi_turn_episode_over_each_protocol(provider, protocol):
     assert s2.observation == "echo b"
     assert (s3.observation, s3.reward, s3.done, s3.info) == (None, 1.0, True, {"steps": 3})
     assert open_during >= 1 and sessions_open(provider["http"]) == 0  # closed with the episode
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_pictures_reach_the_episode_over_each_protocol(protocol):
+    from tests.services.provider_envs import PictureEnv
+
+    proc, address, url = start_provider_process("tests.services.provider_envs:PictureEnv")
+
+    async def main():
+        pool = pool_for(protocol, [address if protocol == "grpc" else url])
+        env = RemoteEnv(pool, f"pictures-{protocol}")
+        try:
+            first = await env.reset(3)
+            more = await env.step("more")
+            last = await env.step("4")
+            await env.close()
+        finally:
+            await pool.aclose()
+        return first, more, last
+
+    try:
+        first, more, last = asyncio.run(main())
+    finally:
+        stop_process(proc)
+    assert isinstance(first, Observation) and first == Observation("Which digit?", (PictureEnv.picture(3),))
+    assert more.observation == Observation("And this one?", (PictureEnv.picture(4),)) and not more.done
+    assert (last.observation, last.reward, last.done) == (None, 1.0, True)
+
+
+def test_an_http_observations_images_are_data_urls_and_bounded():
+    from sample_buffer.vision import MAX_IMAGES, data_url
+    from services.env_provider.clients import HttpProviderClient
+
+    client = HttpProviderClient("http://127.0.0.1:1", RemoteEnvConfig(addresses=["http://127.0.0.1:1"]), AuthConfig())
+    png = PNG_BYTES
+
+    def observed(images):
+        return client._observation({"observation": {"content": "look", "images": images}, "done": False})
+
+    assert observed(data_url(png)).images == observed([data_url(png)]).images == (png,)
+    assert observed(None).images == ()
+    for bad, why in [
+        (["https://example.com/digit.png"], "URLs are refused"),
+        ([data_url(png)] * (MAX_IMAGES + 1), f"at most {MAX_IMAGES}"),
+        ({"url": data_url(png)}, "a data URL or a list"),
+        (["data:text/plain;base64,aGk="], "data URL must be data:image/"),
+    ]:
+        with pytest.raises(ProviderError, match=why) as e:
+            observed(bad)
+        assert e.value.kind == "observation"
 
 
 def test_every_route_but_health_needs_the_token(provider, monkeypatch):

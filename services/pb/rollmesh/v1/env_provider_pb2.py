@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erollmesh/v1/env_provider.proto\x12\x0brollmesh.v1\"\x11\n\x0f\x44\x65scribeRequest\"w\n\x10\x44\x65scribeResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10idempotent_steps\x18\x02 \x01(\x08\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\x05\x12%\n\x07\x62udgets\x18\x04 \x01(\x0b\x32\x14.rollmesh.v1.Budgets\"]\n\x07\x42udgets\x12\x0e\n\x06step_s\x18\x01 \x01(\x01\x12\x14\n\x0cgeneration_s\x18\x02 \x01(\x01\x12\x19\n\x11generation_tokens\x18\x03 \x01(\x05\x12\x11\n\tepisode_s\x18\x04 \x01(\x01\"W\n\x0cResetRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x12\n\nepisode_id\x18\x04 \x01(\t\"Y\n\rResetResponse\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x13\n\x0bobservation\x18\x02 \x01(\t\x12\x11\n\tinfo_json\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\"X\n\x0bStepRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"b\n\x0cStepResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x11\n\tinfo_json\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\"\"\n\x0c\x43loseRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse2\x93\x02\n\x0b\x45nvProvider\x12G\n\x08\x44\x65scribe\x12\x1c.rollmesh.v1.DescribeRequest\x1a\x1d.rollmesh.v1.DescribeResponse\x12>\n\x05Reset\x12\x19.rollmesh.v1.ResetRequest\x1a\x1a.rollmesh.v1.ResetResponse\x12;\n\x04Step\x12\x18.rollmesh.v1.StepRequest\x1a\x19.rollmesh.v1.StepResponse\x12>\n\x05\x43lose\x12\x19.rollmesh.v1.CloseRequest\x1a\x1a.rollmesh.v1.CloseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erollmesh/v1/env_provider.proto\x12\x0brollmesh.v1\"\x11\n\x0f\x44\x65scribeRequest\"w\n\x10\x44\x65scribeResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10idempotent_steps\x18\x02 \x01(\x08\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\x05\x12%\n\x07\x62udgets\x18\x04 \x01(\x0b\x32\x14.rollmesh.v1.Budgets\"]\n\x07\x42udgets\x12\x0e\n\x06step_s\x18\x01 \x01(\x01\x12\x14\n\x0cgeneration_s\x18\x02 \x01(\x01\x12\x19\n\x11generation_tokens\x18\x03 \x01(\x05\x12\x11\n\tepisode_s\x18\x04 \x01(\x01\"W\n\x0cResetRequest\x12\x10\n\x08\x65nv_name\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x12\n\nepisode_id\x18\x04 \x01(\t\"i\n\rResetResponse\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x13\n\x0bobservation\x18\x02 \x01(\t\x12\x11\n\tinfo_json\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x0e\n\x06images\x18\x05 \x03(\x0c\"X\n\x0bStepRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"r\n\x0cStepResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x11\n\tinfo_json\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x0e\n\x06images\x18\x06 \x03(\x0c\"\"\n\x0c\x43loseRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\"\x0f\n\rCloseResponse2\x93\x02\n\x0b\x45nvProvider\x12G\n\x08\x44\x65scribe\x12\x1c.rollmesh.v1.DescribeRequest\x1a\x1d.rollmesh.v1.DescribeResponse\x12>\n\x05Reset\x12\x19.rollmesh.v1.ResetRequest\x1a\x1a.rollmesh.v1.ResetResponse\x12;\n\x04Step\x12\x18.rollmesh.v1.StepRequest\x1a\x19.rollmesh.v1.StepResponse\x12>\n\x05\x43lose\x12\x19.rollmesh.v1.CloseRequest\x1a\x1a.rollmesh.v1.CloseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,15 +40,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESETREQUEST']._serialized_start=282
   _globals['_RESETREQUEST']._serialized_end=369
   _globals['_RESETRESPONSE']._serialized_start=371
-  _globals['_RESETRESPONSE']._serialized_end=460
-  _globals['_STEPREQUEST']._serialized_start=462
-  _globals['_STEPREQUEST']._serialized_end=550
-  _globals['_STEPRESPONSE']._serialized_start=552
-  _globals['_STEPRESPONSE']._serialized_end=650
-  _globals['_CLOSEREQUEST']._serialized_start=652
-  _globals['_CLOSEREQUEST']._serialized_end=686
-  _globals['_CLOSERESPONSE']._serialized_start=688
-  _globals['_CLOSERESPONSE']._serialized_end=703
-  _globals['_ENVPROVIDER']._serialized_start=706
-  _globals['_ENVPROVIDER']._serialized_end=981
+  _globals['_RESETRESPONSE']._serialized_end=476
+  _globals['_STEPREQUEST']._serialized_start=478
+  _globals['_STEPREQUEST']._serialized_end=566
+  _globals['_STEPRESPONSE']._serialized_start=568
+  _globals['_STEPRESPONSE']._serialized_end=682
+  _globals['_CLOSEREQUEST']._serialized_start=684
+  _globals['_CLOSEREQUEST']._serialized_end=718
+  _globals['_CLOSERESPONSE']._serialized_start=720
+  _globals['_CLOSERESPONSE']._serialized_end=735
+  _globals['_ENVPROVIDER']._serialized_start=738
+  _globals['_ENVPROVIDER']._serialized_end=1013
 # @@protoc_insertion_point(module_scope)

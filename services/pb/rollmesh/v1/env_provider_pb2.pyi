@@ -1,6 +1,7 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -46,16 +47,18 @@ class ResetRequest(_message.Message):
     def __init__(self, env_name: _Optional[str] = ..., seed: _Optional[int] = ..., config_json: _Optional[str] = ..., episode_id: _Optional[str] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("episode_id", "observation", "info_json", "role")
+    __slots__ = ("episode_id", "observation", "info_json", "role", "images")
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     INFO_JSON_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     observation: str
     info_json: str
     role: str
-    def __init__(self, episode_id: _Optional[str] = ..., observation: _Optional[str] = ..., info_json: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, episode_id: _Optional[str] = ..., observation: _Optional[str] = ..., info_json: _Optional[str] = ..., role: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("episode_id", "action", "timeout_s", "request_id")
@@ -70,18 +73,20 @@ class StepRequest(_message.Message):
     def __init__(self, episode_id: _Optional[str] = ..., action: _Optional[str] = ..., timeout_s: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("observation", "reward", "done", "info_json", "role")
+    __slots__ = ("observation", "reward", "done", "info_json", "role", "images")
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     INFO_JSON_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     observation: str
     reward: float
     done: bool
     info_json: str
     role: str
-    def __init__(self, observation: _Optional[str] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., info_json: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, observation: _Optional[str] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., info_json: _Optional[str] = ..., role: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("episode_id",)
