@@ -99,7 +99,8 @@ class TaskConfig(BaseModel):
         what a reward variant needs from the mesh (``judge``: a builder of the LLM judge;
         ``reward_service``: of a reward service's client)."""
         rows = self.generate.rows() if self.generate else load_jsonl(self.dataset_path)
-        images_of_rows(rows)  # a row's broken picture stops the start, naming the row
+        if isinstance(self.env, SingleTurnEnvConfig):  # a row's broken picture stops the start, naming the row
+            images_of_rows(rows)
         reward_fn = build_reward(self.reward, **ports)
         self.env.build(rows, reward_fn)
         if self.reward_workers.workers:

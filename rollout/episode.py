@@ -29,7 +29,7 @@ from rollout.sampling import SamplingParams
 from rollout.turn_barrier import TurnBarrier
 from sample_buffer import routing
 from sample_buffer.trajectory import FinishReason, Trajectory
-from sample_buffer.vision import VisionError, content_hash, data_url
+from sample_buffer.vision import MAX_IMAGES, MAX_REQUEST_IMAGE_BYTES, VisionError, content_hash
 
 # generate(input_ids, sampling, trajectory_id, timeout_s[, images=...]) -> Generation (images: a vision prompt's)
 GenerateFn = Callable[[list[int], SamplingParams, str, float], Awaitable[Generation]]
@@ -175,14 +175,26 @@ async def close_env(env, timeout_s: float) -> None:
         log.debug("closing %s: %s", env.name, e)
 
 
-def _expanded(vision, ids: list[int], images: tuple[bytes, ...]) -> list[int]:
-    """``ids`` (a turn with one placeholder per image) with each expanded to its image's tokens; a
-    ``VisionError`` where the text itself holds a placeholder, so that they no longer match."""
+async def _expanded(vision, ids: list[int], images: tuple[bytes, ...], before: tuple[bytes, ...] = ()) -> list[int]:
+    """``ids`` (a turn with one placeholder per image) with each expanded to its image's tokens,
+    the images decoded off the event loop. A ``VisionError`` where the text itself holds a
+    placeholder (they no longer match), or where the conversation's images (``before``: earlier
+    turns', which every request carries again) outgrow a request's limits."""
     if vision is None:
         return ids
     if (n := ids.count(vision.image_token_id)) != len(images):
         raise VisionError("images", f"{n} image placeholders for {len(images)} images")
-    return vision.prompt(ids, [data_url(x) for x in images]).input_ids if images else ids
+    if not images:
+        return ids
+    shown = (*before, *images)
+    if len(shown) > MAX_IMAGES:
+        raise VisionError("images", f"{len(shown)} images in the conversation; a request carries at most {MAX_IMAGES}")
+    if (size := sum(map(len, shown))) > MAX_REQUEST_IMAGE_BYTES:
+        raise VisionError(
+            "images", f"{size} bytes of images in the conversation; a request carries {MAX_REQUEST_IMAGE_BYTES}"
+        )
+    measured = await asyncio.to_thread(vision.measure, list(images), "images")
+    return vision.expand(ids, [m.tokens for m in measured], "images")
 
 
 async def _run_episode(
@@ -223,7 +235,7 @@ async def _run_episode(
     chat = Conversation(tokenizer, obs)
     sent = chat.prompt_ids()  # the conversation as the engines take it: one placeholder per image
     try:  # what the model reads (and the engine consumes): each placeholder expanded to its image's tokens
-        tokens = _expanded(vision, sent, images)
+        tokens = await _expanded(vision, sent, images)
     except VisionError as e:
         return ended(FinishReason.ENV_ERROR, error=str(e)[:500], error_kind="images")
     sent = list(sent)
@@ -319,7 +331,7 @@ async def _run_episode(
             finish, why = FinishReason.ENV_ERROR, _env_error(e)
             break
         try:  # the turn's images (a screenshot after an action) expanded as the first turn's
-            seen = _expanded(vision, next_turn, shown)
+            seen = await _expanded(vision, next_turn, shown, images)
         except VisionError as e:
             finish, why = FinishReason.ENV_ERROR, {"error": str(e)[:500], "error_kind": "images"}
             break

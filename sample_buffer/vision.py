@@ -23,7 +23,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_IMAGE_BYTES = 4 << 20  # an encoded image, as sent (a request's images share the LLMProxy's 8 MiB message)
+MAX_IMAGE_BYTES = 4 << 20  # an encoded image, as sent
+MAX_REQUEST_IMAGE_BYTES = 6 << 20  # a request's images together: within the LLMProxy's 8 MiB message beside the ids
 MAX_IMAGE_PIXELS = 4096 * 4096  # width × height, read from the header before the pixels are decoded
 MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS  # a request's images together: 16 small solid-colour PNGs decode huge
 MAX_IMAGES = 16  # per request
@@ -212,4 +213,8 @@ class Vision:
     def pixels(self, raw: list[bytes], field: str = "image_data") -> dict:
         """Encoded images → what the vision tower takes: ``pixel_values`` (and Qwen2-VL's
         ``image_grid_thw``), the same for the engine and the trainer."""
-        return dict(self.processor(images=open_images(raw, field), return_tensors="pt"))
+        images = open_images(raw, field)
+        try:
+            return dict(self.processor(images=images, return_tensors="pt"))
+        except ValueError as e:  # what the processor cannot take (Qwen2-VL: an aspect ratio over 200)
+            raise VisionError(field, f"the image processor refused it: {e}") from None

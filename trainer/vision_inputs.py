@@ -75,4 +75,6 @@ def split_vision_parameters(model) -> tuple[list, list]:
     tower, language = [], []
     for name, p in model.named_parameters():
         (language if ".language_model." in f".{name}" or name.startswith("lm_head") else tower).append(p)
+    if not tower or not language:  # another layout than Qwen2-VL's and LLaVA's: say so, do not guess
+        raise ValueError("trainer.vision_lr: this model's vision tower is not found apart from its language_model")
     return tower, language

@@ -10,8 +10,9 @@ from typing import Protocol
 @dataclass(frozen=True)
 class Observation:
     """An observation with images (a vision-language task's): ``reset`` may return one instead of a
-    string. The images are encoded (PNG, JPEG, WebP, GIF) and go before the text, one placeholder
-    each, in the model's own image tokens (``sample_buffer/vision.py``)."""
+    string, and ``step`` as its ``StepResult.observation``. The images are encoded (PNG, JPEG, WebP,
+    GIF) and go before the text, one placeholder each, in the model's own image tokens
+    (``sample_buffer/vision.py``)."""
 
     text: str
     images: tuple[bytes, ...] = ()

@@ -75,19 +75,23 @@ class SingleTurnEnv:
 
 
 def images_of_rows(rows: list[dict]) -> dict[int, tuple[bytes, ...]]:
-    """Each row's ``images`` decoded (rows that show any), a bad one naming its row: run once at
-    load, so a broken picture stops the start, not an episode mid-run."""
-    return {i: images for i, row in enumerate(rows) if (images := row_images(row, i))}
+    """Each row's ``images`` decoded and their headers read (rows that show any), a bad one naming
+    its row: run once at load, so a broken picture stops the start, not an episode mid-run."""
+    out = {}
+    for i, row in enumerate(rows):
+        if images := row_images(row, i):
+            out[i] = tuple(check_image(x, f"row {i}: images[{k}]") for k, x in enumerate(images))
+    return out
 
 
 def row_images(row: dict, i: int) -> tuple[bytes, ...]:
-    """Row ``i``'s ``images``: data URLs or base64 strings, decoded."""
+    """Row ``i``'s ``images``: data URLs or base64 strings, decoded (their pixels are not)."""
     images = row.get("images")
     if not images:
         return ()
     if not isinstance(images, list):
         raise ValueError(f"row {i}: images: a list of data URLs or base64 strings expected")
     try:
-        return tuple(check_image(image_bytes(x, field := f"row {i}: images[{k}]"), field) for k, x in enumerate(images))
+        return tuple(image_bytes(x, f"row {i}: images[{k}]") for k, x in enumerate(images))
     except VisionError as e:
         raise ValueError(str(e)) from None

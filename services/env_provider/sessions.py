@@ -25,6 +25,7 @@ from rollout.envs import base
 from rollout.envs.base import Env
 from rollout.envs.remote import Observation, ProviderInfo
 from rollout.episode import close_env, env_call
+from sample_buffer.vision import MAX_IMAGE_BYTES, MAX_IMAGES
 
 log = logging.getLogger(__name__)
 MAX_EPISODE_ID = 255  # OpenEnv's limit too
@@ -196,7 +197,13 @@ def _check_id(episode_id: str) -> None:
 def _shown(value, method: str) -> tuple[str, tuple[bytes, ...]]:
     """An environment's observation: text, or text with images (``rollout.envs.base.Observation``)."""
     text, images = (value.text, tuple(value.images)) if isinstance(value, base.Observation) else (value, ())
-    if not isinstance(text, str) or not all(isinstance(x, bytes) for x in images):
-        # the hosted environment's bug: say so, do not send it on
-        raise SessionError("env", method, f"the environment's observation is {type(value).__name__}, not text")
+    # the hosted environment's bugs: say so, do not send them on
+    if not isinstance(text, str):
+        raise SessionError("env", method, f"the environment's observation is {type(text).__name__}, not text")
+    if not all(isinstance(x, bytes) for x in images):
+        raise SessionError("env", method, "the environment's images are not all encoded bytes")
+    if len(images) > MAX_IMAGES or any(len(x) > MAX_IMAGE_BYTES for x in images):
+        raise SessionError(
+            "env", method, f"the environment shows over {MAX_IMAGES} images or one over {MAX_IMAGE_BYTES} bytes"
+        )
     return text, images

@@ -17,7 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout.agent.messages import IMAGES, text_of
 from rollout.agent.sessions import ChatResult, Choice, SessionError
-from sample_buffer.vision import MAX_IMAGES, PromptImage, Vision, VisionError, image_bytes
+from sample_buffer.vision import (
+    MAX_IMAGES,
+    MAX_REQUEST_IMAGE_BYTES,
+    PromptImage,
+    Vision,
+    VisionError,
+    check_image,
+    image_bytes,
+)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -333,10 +341,14 @@ def _extra(result: ChatResult, session_id: str | None) -> dict:
 
 
 def measure_images(vision: Vision, urls: list[tuple[str, str]]) -> list[PromptImage]:
-    """Each image's bytes and how many tokens it becomes (decoded once: CPU work, for a thread);
-    a corrupt image, a wrong data URL type or one over the size limits raises ``SessionError`` naming its part."""
+    """Each image's bytes and how many tokens it becomes (decoded once: CPU work, for a thread). A
+    corrupt image, a wrong data URL type or one over the size limits raises ``SessionError`` naming
+    its part, before any pixel is decoded; the conversation's images over a request's limits
+    together (every request carries them all) name ``messages``."""
     try:
-        raw = [image_bytes(url, field) for field, url in urls]
-        return [im for (field, _), r in zip(urls, raw, strict=True) for im in vision.measure([r], field)]
+        raw = [check_image(image_bytes(url, field), field) for field, url in urls]
+        if (size := sum(map(len, raw))) > MAX_REQUEST_IMAGE_BYTES:
+            raise VisionError("messages", f"{size} bytes of images; at most {MAX_REQUEST_IMAGE_BYTES} per conversation")
+        return vision.measure(raw, "messages")  # the pixels of all together bounded too
     except VisionError as e:
         raise SessionError(str(e), e.field) from None

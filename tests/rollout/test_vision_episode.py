@@ -130,6 +130,15 @@ def test_a_later_turn_may_show_more_pictures_and_the_trainer_sees_them_all(serve
     assert gap.max().item() <= 1e-4, gap.max().item()
 
 
+def test_a_conversations_pictures_are_bounded_together(served):
+    _, engine, tok, vision = served
+    image, calls = image_bytes(png(28, 28, 6)), []
+    many = Observation("and these?", (image,) * 16)  # each observation within a request's 16, not the two turns
+    traj = _run(DigitPicture(image, later=many), _engine_generate(engine, calls), tok, vision, {})
+    assert traj.finish_reason == FinishReason.ENV_ERROR and traj.metadata["error_kind"] == "images"
+    assert "17 images in the conversation" in traj.metadata["error"] and len(calls) == 1
+
+
 def test_a_sampled_image_placeholder_ends_the_member_and_the_loop_drops_it(served):
     from rollout.loop import RolloutLoop
 

@@ -101,6 +101,7 @@ def test_bad_images_are_refused_by_field_and_the_gateway_keeps_serving(make_engi
         "placeholder": [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>Which digit?"}],
         "role": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": PICTURE}}]}, shown(PICTURE)],
         "missing": [{"role": "user", "content": [{"type": "image_url", "image_url": "not an object"}]}],
+        "aspect": [shown(png(300, 1, 3))],  # Qwen2-VL's processor takes no aspect ratio over 200
     }
 
     async def main():
@@ -125,4 +126,5 @@ def test_bad_images_are_refused_by_field_and_the_gateway_keeps_serving(make_engi
     assert "pixels is over" in errors["pixels"]["message"]
     assert errors["placeholder"]["param"] == "messages" and "1 image placeholders" in errors["placeholder"]["message"]
     assert "user messages" in errors["role"]["message"]
+    assert errors["aspect"]["param"] == "messages" and "image processor refused" in errors["aspect"]["message"]
     assert after.choices[0].message.content is not None
