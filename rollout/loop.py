@@ -163,10 +163,17 @@ class RolloutLoop:
         (a filtered group's slot must come back, or dynamic filtering would use up the staleness budget
         and starve the trainer)."""
         rows = rows or [None] * num_groups
+        ended: list[GroupOutcome] = []
+
+        async def one(row: Pick | None) -> GroupOutcome:
+            ended.append(outcome := await self.run_group_safely(barrier, row))
+            return outcome
+
         try:
-            outcomes = await asyncio.gather(*(self.run_group_safely(barrier, row) for row in rows))
-        except asyncio.CancelledError:
-            await self.release(unused=num_groups)
+            outcomes = await asyncio.gather(*(one(row) for row in rows))
+        except asyncio.CancelledError:  # stopped: a group already in the buffer keeps its slot as finished
+            put = ended.count(GroupOutcome.PUT)
+            await self.release(unused=num_groups - put, finished=put)
             raise
         put = outcomes.count(GroupOutcome.PUT)
         await self.release(unused=num_groups - put, finished=put)
@@ -360,8 +367,14 @@ class RolloutLoop:
         await asyncio.gather(*(self.engine.abort(tid) for tid in running), return_exceptions=True)
 
     async def release(self, unused: int = 0, finished: int = 0) -> None:
+        """Hand slots back; a worker cancelled meanwhile waits for it to be done before it goes."""
+        handed = asyncio.ensure_future(self.admission.release(unused=unused, finished=finished))
         try:
-            await asyncio.shield(self.admission.release(unused=unused, finished=finished))
+            try:
+                await asyncio.shield(handed)
+            except asyncio.CancelledError:
+                await handed
+                raise
         except Exception as e:  # counted; the slots stay taken until the controller restarts
             log.error("release(unused=%d, finished=%d) failed: %s", unused, finished, e)
             self.counters["release_failures"] += 1

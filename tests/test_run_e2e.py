@@ -198,6 +198,9 @@ def test_sigterm_stops_every_service(tiny_model, tmp_path):
     assert leftovers.stdout.strip() == "", "services still running after SIGTERM"
 
 
+# 3.5 minutes alone on a slow 2-core machine (2026-11-27, the code before and after that day's change
+# alike); beside the other worker's vLLM tests it passed the suite's 5: its bound is 11 minutes.
+@pytest.mark.timeout(660)
 def test_quickstart_learns_in_50_steps_and_resumes_where_it_stopped(tmp_path):
     """The quickstart cut to 50 synchronous steps (~45 s alone): the policy improves, as the mean
     train reward of steps 41-50 above that of steps 1-10 (1,280 answers each: the difference's
