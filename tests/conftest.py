@@ -43,7 +43,7 @@ _GROUPS = {
         "tests/rollout/test_sandbox.py",
         "tests/services/test_reward_bench.py",
         "tests/services/test_reward_service.py",
-        "::test_the_smollm2_examples_run_a_few_steps",
+        "::test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_set",
     ),
 }
 # The slowest files first, so that two workers share them rather than one ending the run alone.
