@@ -205,7 +205,12 @@ class RolloutConfig(TaskConfig):
         "trainer.moe.routing: replay in a run config; write it only for a pool outside one.",
     )
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig, description="Per-episode limits and sampling.")
-    admit_poll_s: float = Field(0.05, gt=0, description="Wait before asking again when admission is refused.")
+    admit_poll_s: float = Field(
+        0.05,
+        gt=0,
+        description="Wait before asking again when admission is refused (one worker asks again; the others wait "
+        "for its answer, each at most 1 s).",
+    )
     faulty_members: Literal["drop", "keep_timeouts"] = Field(
         "drop",
         description="What becomes of a member that did not end normally. drop: members that timed out (a "

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollout.admission import group_is_stale
+from rollout.admission import RefusalGate, group_is_stale
 from rollout.config import RolloutConfig
 from rollout.domains import Domain, DomainSampler, Pick
 from rollout.envs.base import Env
@@ -105,6 +105,7 @@ class RolloutLoop:
         self._rolling: dict[str, _GroupState] = {}
         self._tasks: list[asyncio.Task] = []
         self._stopped = False
+        self._refusals = RefusalGate()
 
     # ------------------------------------------------------------------ the loop
     def next_row(self) -> Pick:
@@ -180,7 +181,9 @@ class RolloutLoop:
         return outcomes
 
     async def admit(self, num_groups: int) -> int:
-        """Slots granted now (0 after a short wait when refused, or while the controller is away)."""
+        """Slots granted now (0 after a short wait when refused, or while the controller is away).
+        While refused, one worker asks again and the others wait for it (``RefusalGate``)."""
+        await self._refusals.wait_turn()
         try:
             admitted = await self.admission.admit(num_groups)
         except Exception as e:  # the controller restarts or is gone: wait, never let a worker die
@@ -192,7 +195,10 @@ class RolloutLoop:
             await self.release(unused=admitted.num_groups)
             return 0
         if admitted.num_groups == 0:
+            self._refusals.refused()
             await asyncio.sleep(self.config.admit_poll_s)
+        else:
+            self._refusals.granted()
         return admitted.num_groups
 
     # ------------------------------------------------------------------ lifecycle
@@ -208,6 +214,7 @@ class RolloutLoop:
         they end, each bounded by its episodes' deadlines). Returns the episodes abandoned (still
         running when the workers were cancelled)."""
         self.running, self._stopped = False, True
+        self._refusals.open()
         if drain and self._tasks:
             await asyncio.wait(self._tasks[:1], timeout=timeout_s or None)
         abandoned = self.running_episodes

@@ -51,15 +51,18 @@ def wait_http_healthy(
     """Poll ``url`` until it answers 200; raise with the process's output if it dies first."""
     deadline = time.monotonic() + timeout_s
     verify = (auth.client_ssl() if auth else None) or True
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise _exited(proc, f"{url} was healthy")
-        try:
-            if httpx.get(url, timeout=1.0, verify=verify).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    # One client for every poll: a new one each time built an SSL context from the CA bundle, 10 times
+    # a second (2 of every 5 s of a core on a slow machine, while the engine beside it was loading).
+    with httpx.Client(timeout=1.0, verify=verify) as client:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise _exited(proc, f"{url} was healthy")
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
 
 

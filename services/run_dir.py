@@ -24,7 +24,7 @@ def prepare(run_dir: Path, fresh: bool, console: Console) -> Path | None:
     the checkpoint: lines of steps trained after it (and lost with the process) move aside.
     """
     from services.config import CONTROLLER_STATE
-    from trainer.checkpoint import latest_checkpoint
+    from trainer.durable import latest_checkpoint  # (trainer.checkpoint imports torch: seconds)
 
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if fresh:

@@ -16,9 +16,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.durable import REPLACED, swap_in
-
-MARKER = "COMPLETE"
+# (the marker and `latest_checkpoint` live in trainer/durable.py, without torch: `rollmesh run` reads run directories)
+from trainer.durable import MARKER, swap_in
 
 
 def _barrier() -> None:
@@ -28,20 +27,6 @@ def _barrier() -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (None when there is none)."""
-    root = Path(root)
-    done: dict[int, Path] = {}
-    for p in root.glob("step_*"):
-        step = p.name[5:].removesuffix(REPLACED)
-        if not (step.isdigit() and p.is_dir() and (p / MARKER).exists()):
-            continue
-        if p.name.endswith(REPLACED) and int(step) in done:  # its successor is in: the successor
-            continue
-        done[int(step)] = p
-    return done[max(done)] if done else None
 
 
 def save_checkpoint(engine, root: str | Path, keep_last: int | None = None) -> Path:

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 REPLACED = ".replaced"  # the suffix of a directory being replaced (kept until its successor is in)
+MARKER = "COMPLETE"  # a checkpoint directory is complete once this file is in it
 
 
 def fsync_dir(path: Path) -> None:
@@ -58,3 +59,17 @@ def write_durably(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (None when there is none)."""
+    root = Path(root)
+    done: dict[int, Path] = {}
+    for p in root.glob("step_*"):
+        step = p.name[5:].removesuffix(REPLACED)
+        if not (step.isdigit() and p.is_dir() and (p / MARKER).exists()):
+            continue
+        if p.name.endswith(REPLACED) and int(step) in done:  # its successor is in: the successor
+            continue
+        done[int(step)] = p
+    return done[max(done)] if done else None

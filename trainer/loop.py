@@ -22,8 +22,9 @@ from pathlib import Path
 
 from sample_buffer.codec import decode_group
 from trainer.batch import batch_from_groups, domain_stats, episode_stats
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import TrainLoopConfig
+from trainer.durable import latest_checkpoint
 from trainer.ports import EngineMemory, SampleSource, TrainObserver, TransientError, VersionControl, WeightPublisher
 
 log = logging.getLogger(__name__)

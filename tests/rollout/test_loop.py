@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -496,3 +497,37 @@ def test_tail_batching_defers_the_long_tail_to_a_long_round_and_trains_it():
     assert {"p3", "p7"} in [set(step) for step in trained]  # together, in a long round
     assert loop.counters["tail_prompts_deferred"] >= 2 and loop.counters["tail_long_rounds"] >= 1
     assert {a.split("-")[0] for a in engine.aborted} >= {"p3", "p7"}  # aborted at the engine, not left running
+
+
+def test_while_admission_is_refused_one_worker_asks_and_the_others_wait_for_it():
+    """Eight workers, one step's two groups put: every Admit is refused from then on. One worker
+    asks again every admit_poll_s; each other worker is refused once and then waits for the asker
+    (the controller saw 8 x more refused calls when each polled on its own). A new version frees
+    slots: the waiters are let in, and the next step's groups are put."""
+
+    async def main():
+        loop, ctl, buffer, _ = make_loop(num_workers=8, admit_poll_s=0.01)
+        refused_by: Counter = Counter()
+        admit = ctl.admit
+
+        async def counting_admit(num_groups, *args, **kw):
+            admitted = await admit(num_groups, *args, **kw)
+            if not admitted.num_groups:
+                refused_by[asyncio.current_task().get_name()] += 1
+            return admitted
+
+        ctl.admit = counting_admit
+        await loop.start()
+        await until(lambda: loop.counters["groups_put"] >= 2 and sum(refused_by.values()) >= 40)
+        polls = dict(refused_by)
+        update = await ctl.begin_update(1)
+        await ctl.commit_update(update, 1)
+        await until(lambda: loop.counters["groups_put"] >= 4)
+        await loop.stop()
+        return polls, loop.counters["groups_put"]
+
+    polls, put = asyncio.run(main())
+    counts = sorted(polls.values())
+    assert counts[-1] >= 30, polls  # the asker
+    assert all(n <= 2 for n in counts[:-1]), polls  # the rest: refused once (twice if a wait ran out)
+    assert put == 4

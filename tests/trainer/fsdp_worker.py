@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from sample_buffer.routing import moe_shape
 from tests.trainer.helpers import random_routing, toy_batch
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
+from trainer.durable import latest_checkpoint
 from trainer.engine import TrainEngine
 from trainer.export import full_state_dict
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from trainer import durable
-from trainer.checkpoint import MARKER, latest_checkpoint
+from trainer.durable import MARKER, latest_checkpoint
 
 
 def _checkpoint(path, step: int):
