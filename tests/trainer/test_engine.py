@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.trainer.helpers import toy_batch
-from trainer.checkpoint import MARKER, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
+from trainer.durable import MARKER, latest_checkpoint
 from trainer.engine import TrainEngine
 from trainer.export import export_hf, full_state_dict, weight_buckets
 
