@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2-VL's: an image is <|vision_start|><|image_pad|>...<|vision_end|>, one pad per merged patch.
@@ -75,6 +75,18 @@ class TinyModelConfig(BaseModel):
     digit_prior_steps: int = Field(
         0, ge=0, description="Steps of format-only warm-up (answer with one digit; see trainer/format_prior.py)."
     )
+    glyph_prior_steps: int = Field(
+        0,
+        ge=0,
+        description="Vision models: steps of learning to name the letter in a picture, before the digit "
+        "prior: a tower that reads shapes, as a pretrained one does, and knows no digit (trainer/format_prior.py).",
+    )
+
+    @model_validator(mode="after")
+    def _glyphs_need_eyes(self) -> TinyModelConfig:
+        if self.glyph_prior_steps and self.arch not in ("qwen2-vl", "llava"):
+            raise ValueError(f"glyph_prior_steps: arch {self.arch} has no vision tower to teach")
+        return self
 
 
 def build_tokenizer(vision: bool = False):
@@ -116,8 +128,8 @@ def _byte_of(char: str) -> int:
 
 def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, pictures=None) -> Path:
     """Write a randomly initialised tiny Qwen2 (or Qwen3-MoE, or Qwen2-VL) model and its tokenizer to
-    ``out_dir``. ``pictures``: ``(digit, rng) -> (png, question)``, a vision-language model's format
-    prior's prompts (``rollout/envs/digit_pictures.py``'s, passed by ``rollmesh init-model``)."""
+    ``out_dir``. ``pictures``: ``(glyph, rng) -> (png, question)``, the pictures of a vision-language
+    model's priors (``rollout/envs/digit_pictures.py``'s, passed by ``rollmesh init-model``)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
@@ -186,14 +198,18 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, pi
     model.generation_config.pad_token_id = pad_id
     if vision:  # the image processor first: the prior's pictures go through it
         (_qwen2_vl_image_processor if cfg.arch == "qwen2-vl" else _llava_image_processor)(cfg).save_pretrained(out)
+    seeing = {}
+    if vision and (cfg.digit_prior_steps or cfg.glyph_prior_steps):
+        from sample_buffer.vision import Vision
+
+        seeing = {"vision": Vision(out, hf_cfg), "pictures": pictures}
+    if cfg.glyph_prior_steps:
+        from trainer.format_prior import prime_glyph_reading
+
+        prime_glyph_reading(model, tokenizer, cfg.glyph_prior_steps, seed=cfg.seed, **seeing)
     if cfg.digit_prior_steps:
         from trainer.format_prior import prime_digit_format
 
-        seeing = {}
-        if vision:
-            from sample_buffer.vision import Vision
-
-            seeing = {"vision": Vision(out, hf_cfg), "pictures": pictures}
         prime_digit_format(model, tokenizer, cfg.digit_prior_steps, seed=cfg.seed, **seeing)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -18,14 +18,15 @@ from sample_buffer.vision import data_url
 
 SIDE = 28  # pixels a side, as MNIST's
 QUESTION = "Which digit?"  # short: the answer's attention is not spread over many words
+LETTER_QUESTION = "Which letter?"  # a glyph prior's (trainer/format_prior.py): shapes, never digits
 FONT_SIZES = (21, 24)
 STROKES = (0, 1)  # regular and bold
 JITTER = 2  # pixels the digit may stand off the centre, each way
 NOISE = (0, 8)  # standard deviations of the pixel noise
 
 
-def picture(digit: int, rng: random.Random) -> bytes:
-    """One PNG of ``digit``, its style drawn from ``rng``."""
+def picture(digit: int | str, rng: random.Random) -> bytes:
+    """One PNG of ``digit`` (or of any one character), its style drawn from ``rng``."""
     import numpy as np
     from PIL import Image, ImageDraw, ImageFont
 
@@ -49,9 +50,10 @@ def picture(digit: int, rng: random.Random) -> bytes:
     return out.getvalue()
 
 
-def prior_prompt(digit: int, rng: random.Random) -> tuple[bytes, str]:
-    """A picture and its question, for a vision-language model's format prior (``trainer/format_prior.py``)."""
-    return picture(digit, rng), QUESTION
+def prior_prompt(glyph: str, rng: random.Random) -> tuple[bytes, str]:
+    """A picture of ``glyph`` (a digit or a letter) and its question, for a vision-language model's
+    priors (``trainer/format_prior.py``)."""
+    return picture(glyph, rng), QUESTION if glyph.isdigit() else LETTER_QUESTION
 
 
 def digit_picture_rows(size: int, seed: int) -> list[dict]:

@@ -67,6 +67,9 @@ def init_model(
     digit_prior_steps: int = typer.Option(
         0, help="Format-only warm-up steps: the model learns to answer with one digit, not which one."
     ),
+    glyph_prior_steps: int = typer.Option(
+        0, help="Vision models: steps of naming letters in pictures first (a tower that reads shapes, no digits)."
+    ),
     patch_size: int = typer.Option(4, help="Vision models: pixels per patch side."),
     vision_width: int = typer.Option(32, help="qwen2-vl: width of the vision tower."),
 ) -> None:
@@ -95,6 +98,7 @@ def init_model(
             hidden_size=hidden_size,
             num_hidden_layers=num_layers,
             digit_prior_steps=digit_prior_steps,
+            glyph_prior_steps=glyph_prior_steps,
             patch_size=patch_size,
             vision_embed_dim=vision_width,
         )

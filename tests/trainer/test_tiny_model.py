@@ -1,7 +1,9 @@
 """`rollmesh init-model` writes a standard HF directory that plain transformers loads."""
 
 import json
+import random
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
@@ -58,3 +60,21 @@ def test_init_model_is_seeded(tmp_path):
 def test_cli_rejects_bad_config_clearly(tmp_path):
     res = CliRunner().invoke(app, ["serve", "engine", "--set", "engine.nonsense=1"])
     assert res.exit_code == 2 and "unknown key 'engine.nonsense'" in res.output
+
+
+def test_a_glyph_prior_reads_letters_before_the_digit_prior_and_needs_a_vision_tower(tmp_path):
+    """`--glyph-prior-steps`: a vision-language model learns to name the letter in a picture (its
+    tower reads shapes; no digit is ever shown), then the digit prior teaches the answer's format.
+    A text-only model has no tower to teach: refused, by name."""
+    from rollout.envs.digit_pictures import LETTER_QUESTION, prior_prompt
+    from trainer.tiny_model import TinyModelConfig
+
+    rng = random.Random(0)
+    assert prior_prompt("q", rng)[1] == LETTER_QUESTION and prior_prompt("7", rng)[1] != LETTER_QUESTION
+    vl = ["init-model", "--out", str(tmp_path / "vl"), "--arch", "qwen2-vl", "--glyph-prior-steps", "2"]
+    res = CliRunner().invoke(app, [*vl, "--digit-prior-steps", "2"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "t"), "--glyph-prior-steps", "2"])
+    assert res.exit_code == 2 and "glyph_prior_steps: arch qwen2 has no vision tower" in res.output
+    with pytest.raises(ValueError, match="glyph_prior_steps"):
+        TinyModelConfig(glyph_prior_steps=1)
