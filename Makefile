@@ -53,7 +53,8 @@ models/tiny-moe-digits/config.json: | $(STAMP)
 
 # The vision-language quickstart's model and held-out pictures (examples/vision-digits.yaml).
 models/tiny-vl-digits/config.json: | $(STAMP)
-	.venv/bin/rollmesh init-model --arch qwen2-vl --patch-size 7 --vision-width 64 --out models/tiny-vl-digits --digit-prior-steps 40
+	.venv/bin/rollmesh init-model --arch qwen2-vl --patch-size 7 --vision-width 64 --out models/tiny-vl-digits \
+	  --glyph-prior-steps 300 --digit-prior-steps 40
 data/digit_pictures_heldout.jsonl: | $(STAMP)
 	.venv/bin/rollmesh make-dataset digit_pictures --size 200 --seed 1 --out $@
 
