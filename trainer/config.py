@@ -107,14 +107,15 @@ class TrainerConfig(BaseModel):
     )
     pack_sequences: bool = Field(
         False,
-        description="Pack several trajectories per row (block-diagonal attention). Off by default: with "
-        "length-sorted micro-batches and sdpa's dense masks it measured 0.83x of unpacked on CPU.",
+        description="Pack a micro-batch's trajectories into one row: each attends only to itself through "
+        "variable-length attention (trainer/varlen.py), so no token is padding and no dense mask is built.",
     )
-    pack_row_tokens: int = Field(
-        256,
-        ge=1,
-        description="Longest packed row. The dense block-diagonal mask costs row² per row, so short "
-        "rows are cheaper on CPU; raise it where a variable-length attention kernel serves the mask.",
+    tree_packing: bool = Field(
+        False,
+        description="With pack_sequences: tokens that trajectories share from their start (a group's prompt, an "
+        "agent session's history up to a fork) are computed once, in a prefix tree rebuilt from the token ids "
+        "(trainer/prefix_tree.py), and micro-batches keep a group whole. Equal to flat packing to float error; "
+        "text policies without routing replay.",
     )
     advantages: AdvantageConfig = Field(
         default_factory=GRPOAdvantageConfig,
@@ -184,6 +185,15 @@ class TrainerConfig(BaseModel):
                 f"mismatch: {self.mismatch.type!r} corrects π_prox/μ, which loss {self.loss.type!r} already takes "
                 "into account; use it with old_policy: proximal (or reinforce / custom)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _tree_packing_packs(self) -> TrainerConfig:
+        if self.tree_packing and not self.pack_sequences:
+            raise ValueError("tree_packing: needs pack_sequences: true (a tree is a packed row)")
+        if self.tree_packing and self.moe.routing == "replay":
+            # replayed experts are laid out per sequence, and a shared prefix has no single sequence
+            raise ValueError("tree_packing: not with moe.routing 'replay' yet (set one of them off)")
         return self
 
     @model_validator(mode="after")

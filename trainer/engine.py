@@ -34,15 +34,10 @@ from trainer.losses import (
     policy_loss,
     value_loss,
 )
-from trainer.packing import (
-    gather_token_logprobs,
-    pack_rows,
-    packed_inputs,
-    padded_inputs,
-    plan_micro_batches,
-    scale_by_temperature,
-)
+from trainer.packing import gather_token_logprobs, padded_inputs, plan_micro_batches, scale_by_temperature
+from trainer.prefix_tree import build_layout, tree_tokens
 from trainer.routing import RoutingReplay, replay_ids, usable
+from trainer.varlen import KWARG, plan_attention, use_varlen
 from trainer.vision_inputs import VisionInputs, split_vision_parameters
 
 log = logging.getLogger(__name__)
@@ -96,12 +91,6 @@ def _all_reduce_dict(stats: dict[str, float]) -> dict[str, float]:
 def _temperatures(batch: TrainBatch, rows: list[int]) -> torch.Tensor | None:
     """The sampling temperatures of ``rows`` (None: all sampled at 1)."""
     return None if batch.temperatures is None else batch.temperatures[rows]
-
-
-def _mixes_attention(model) -> bool:
-    """Whether the model's layers mix attention types (Gemma 2/3, windowed Qwen2): its forward then
-    takes a mask per type."""
-    return len(set(getattr(model.config.get_text_config(), "layer_types", None) or ())) > 1
 
 
 def _experts(batch: TrainBatch, rows: list[int]) -> list | None:
@@ -179,8 +168,15 @@ class TrainEngine:
             ref = model_class(config.ref_model_path).from_pretrained(config.ref_model_path, dtype=dtype)
             self.ref = ref.to(self.device).eval()
             self.ref.requires_grad_(False)
+        if config.pack_sequences:
+            for m in (self.model, self.ref):
+                if m is not None:
+                    use_varlen(m)
         # a vision-language policy: its trajectories' images become pixels for its vision tower
         self.vision = VisionInputs(self.model, config.model_path) if is_vision_model(config.model_path) else None
+        if self.vision is not None and config.tree_packing:
+            # its images and 3-D positions are laid out per sequence; a shared prefix has no single one
+            raise ValueError("trainer.tree_packing: text policies only (this one is vision-language)")
         # routing replay: the models whose routers take the engine's experts (the policy, the reference)
         self.replay = {}
         if config.moe.routing == "replay":
@@ -269,45 +265,14 @@ class TrainEngine:
             zero = dummy.sum() * 0.0
             lp = torch.zeros(0, width, device=self.device) + zero
             return lp, (torch.zeros(0, width, device=self.device) + zero if entropy else None)
-        if self.config.pack_sequences:
-            rows = pack_rows(seqs, self.config.pack_row_tokens)
-            ids, positions, masks = packed_inputs([[seqs[i] for i in row] for row in rows], self.device)
-            if not _mixes_attention(model):  # Llama's, Qwen3-MoE's, ... forward takes one mask, not a mapping
-                masks = masks["full_attention"]
-            places = {}  # where each sequence starts: (row, column)
-            for r, row in enumerate(rows):
-                start = 0
-                for i in row:
-                    places[i], start = (r, start), start + len(seqs[i])
-            if replay is not None and experts is not None:
-                replay.set(self._replay_ids(experts, places, ids.shape, replay))
-            extra = self._vision_inputs(model, seqs, images, places, ids.shape)
-            positions = extra.pop("position_ids", positions)
-            with self._compute_precision():
-                logits = model(input_ids=ids, position_ids=positions, attention_mask=masks, **extra).logits
-            row_temps = None
-            if temps is not None:  # laid out as the packed ids are
-                row_temps = torch.ones(ids.shape, device=self.device)
-                for r, row in enumerate(rows):
-                    row_temps[r, : sum(len(seqs[i]) for i in row)] = torch.cat([temps[i, : len(seqs[i])] for i in row])
-            row_lp = gather_token_logprobs(logits, ids, row_temps)
-            row_ent = (
-                torch.nn.functional.pad(entropy_from_logits(scale_by_temperature(logits, row_temps)[:, :-1]), (1, 0))
-                if entropy
-                else None
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if limit is not None and max(map(len, seqs)) > limit:  # its positions would be ones the model never saw
+            raise ValueError(
+                f"a trajectory of {max(map(len, seqs))} tokens is longer than the model's "
+                f"max_position_embeddings {limit}"
             )
-            lp = torch.zeros(len(seqs), width, device=self.device)
-            ent = torch.zeros(len(seqs), width, device=self.device) if entropy else None
-            for r, row in enumerate(rows):
-                start = 0
-                for i in row:
-                    n = len(seqs[i])
-                    # The first token of a packed sequence has no prediction of its own.
-                    lp[i, 1:n] = row_lp[r, start + 1 : start + n]
-                    if entropy:
-                        ent[i, 1:n] = row_ent[r, start + 1 : start + n]
-                    start += n
-            return lp, ent
+        if self.config.pack_sequences:
+            return self._packed_forward(model, seqs, width, entropy, temps, experts, images, replay)
         ids, attn = padded_inputs(seqs, self.device)
         if replay is not None and experts is not None:
             replay.set(self._replay_ids(experts, {i: (i, 0) for i in range(len(seqs))}, ids.shape, replay))
@@ -327,6 +292,38 @@ class TrainEngine:
             ent = torch.nn.functional.pad(ent, (0, pad)) if entropy else None
         return lp, ent
 
+    def _packed_forward(self, model, seqs, width: int, entropy: bool, temps, experts, images, replay):
+        """``_forward`` over one packed row (``trainer/prefix_tree.py``): with tree packing each
+        run of tokens that sequences share is computed once, and each token's log-prob is read
+        from the logits of the token before it in its own sequence."""
+        seqs = [s.tolist() if torch.is_tensor(s) else list(s) for s in seqs]
+        layout = build_layout(seqs, width, temps, share=self.config.tree_packing)
+        ids, positions = layout.ids[None].to(self.device), layout.positions[None].to(self.device)
+        extra = {}
+        if not self.config.tree_packing:  # sequences lie whole in the row: these inputs place them
+            places = layout.starts()
+            if replay is not None and experts is not None:
+                replay.set(self._replay_ids(experts, places, ids.shape, replay))
+            extra = self._vision_inputs(model, seqs, images, places, ids.shape)
+        positions = extra.pop("position_ids", positions)
+        extra[KWARG] = plan_attention(layout, self.device)
+        with self._compute_precision():
+            logits = model(input_ids=ids, position_ids=positions, **extra).logits[0]
+        before = logits[layout.prev_index.to(self.device)]  # [T, V]: what predicts each packed token
+        row_temps = None if layout.temps is None else layout.temps.to(self.device)
+        scaled = before.float() if row_temps is None else before.float() / row_temps[:, None]
+        first = layout.first.to(self.device)
+        packed_lp = torch.log_softmax(scaled, -1).gather(-1, ids[0, :, None])[:, 0].masked_fill(first, 0.0)
+        index = layout.token_index.to(self.device)
+        beyond = torch.arange(width, device=self.device)[None] >= torch.tensor([len(s) for s in seqs])[:, None].to(
+            self.device
+        )
+        lp = packed_lp[index].masked_fill(beyond, 0.0)
+        if not entropy:
+            return lp, None
+        packed_ent = entropy_from_logits(scaled).masked_fill(first, 0.0)
+        return lp, packed_ent[index].masked_fill(beyond, 0.0)
+
     def _vision_inputs(self, model, seqs, images, places: dict, shape) -> dict:
         if self.vision is None or images is None:
             return {}
@@ -339,7 +336,15 @@ class TrainEngine:
         empty micro-batches."""
         rows = list(range(len(batch.sequences))) if rows is None else rows
         lengths = [len(batch.sequences[r]) for r in rows]
-        if self.config.pack_sequences:
+        if self.config.tree_packing:  # whole groups, each costing its tree's tokens, so prompts are shared
+            groups = defaultdict(list)
+            for r in rows:
+                groups[int(batch.group_ids[r])].append(r)
+            units = list(groups.values())
+            cost = [tree_tokens([batch.sequences[r].tolist() for r in u]) for u in units]
+            plan = plan_micro_batches(cost, self.config.micro_batch_tokens)
+            bins = [sorted(r for u in b for r in units[u]) for b in plan]
+        elif self.config.pack_sequences:
             bins = [[rows[i] for i in b] for b in plan_micro_batches(lengths, self.config.micro_batch_tokens)]
         else:  # unpacked rows are padded to the longest, so the budget counts padded tokens
             order = sorted(range(len(lengths)), key=lambda i: -lengths[i])

@@ -1,8 +1,6 @@
-"""Sequence packing: several trajectories in one row, attention kept within each.
+"""Micro-batch planning, the padded (unpacked) inputs, and log-probs from logits.
 
-A packed row concatenates sequences; position ids restart at 0 for each, and a block-diagonal
-causal mask stops a token from seeing the sequence before it. The numbers equal running each
-sequence alone (tested to 1e-5 in float32) while the matmuls see no padding.
+Packed rows are laid out in ``trainer/prefix_tree.py`` and attended in ``trainer/varlen.py``.
 """
 
 from __future__ import annotations
@@ -25,36 +23,6 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
             bins.append([i])
             room.append(max_tokens - lengths[i])
     return [sorted(b) for b in bins]
-
-
-def pack_rows(seqs: list, row_tokens: int) -> list[list[int]]:
-    """Indices of ``seqs`` per packed row of at most ``row_tokens`` tokens (first-fit decreasing)."""
-    return plan_micro_batches([len(s) for s in seqs], row_tokens)
-
-
-def packed_inputs(rows: list[list], device) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """``rows`` of sequences → input_ids [R, W], position_ids [R, W] and block-diagonal causal masks.
-
-    Rows are right-padded to the longest; padding positions attend only to themselves, which keeps
-    their unused activations finite. The mask is dense, so attention costs W² per row: rows are
-    kept short (``pack_row_tokens``) where no variable-length attention kernel is available.
-    """
-    width = max(sum(len(s) for s in row) for row in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    positions = torch.zeros(len(rows), width, dtype=torch.long)
-    doc = torch.full((len(rows), width), -1, dtype=torch.long)
-    for r, row in enumerate(rows):
-        start = 0
-        for d, s in enumerate(row):
-            ids[r, start : start + len(s)] = torch.as_tensor(s, dtype=torch.long)
-            positions[r, start : start + len(s)] = torch.arange(len(s))
-            doc[r, start : start + len(s)] = d
-            start += len(s)
-    same_doc = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
-    mask = torch.tril(torch.ones(width, width, dtype=torch.bool))[None] & same_doc
-    mask |= torch.eye(width, dtype=torch.bool)[None]
-    mask = mask[:, None].to(device)
-    return ids.to(device), positions.to(device), {"full_attention": mask, "sliding_attention": mask}
 
 
 def padded_inputs(seqs: list, device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,10 +21,10 @@ def engine(model, total_steps=None, **kw) -> TrainEngine:
     return TrainEngine(TrainerConfig(model_path=model, **({"lr": 1e-3} | kw)), total_steps=total_steps)
 
 
-@pytest.mark.parametrize("row_tokens", [512, 24])  # one packed row per micro-batch, or several
-def test_packed_logprobs_equal_unpacked(tiny_model, row_tokens):
+@pytest.mark.parametrize("tree", [False, True])  # each sequence whole, or a group's prompt once
+def test_packed_logprobs_equal_unpacked(tiny_model, tree):
     batch = toy_batch()
-    packer = engine(tiny_model, pack_sequences=True, micro_batch_tokens=64, pack_row_tokens=row_tokens)
+    packer = engine(tiny_model, pack_sequences=True, micro_batch_tokens=64, tree_packing=tree)
     packed = packer.logprobs(batch, entropy=True)
     plain = engine(tiny_model, pack_sequences=False, micro_batch_tokens=64).logprobs(batch, entropy=True)
     width = batch.loss_mask.shape[1]
@@ -60,7 +60,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_model, agg, pack):
     results = []
     for budget in (10_000, 40):
         loss = {"type": "decoupled_ppo", "agg_mode": agg}
-        eng = engine(tiny_model, micro_batch_tokens=budget, pack_sequences=pack, pack_row_tokens=24, loss=loss)
+        eng = engine(tiny_model, micro_batch_tokens=budget, pack_sequences=pack, loss=loss)
         assert (len(eng.micro_batches(batch)) > 1) == (budget == 40)
         m = eng.train_step(batch)
         results.append((m["loss"], full_state_dict(eng.model)))
@@ -268,7 +268,7 @@ def test_the_trainers_log_probs_are_at_each_turns_sampling_temperature(tiny_mode
     finally:
         gen.shutdown()
     batch = batch_from_groups([Group("g", "p", trajs)])
-    eng = engine(tiny_model, pack_sequences=pack, pack_row_tokens=64)
+    eng = engine(tiny_model, pack_sequences=pack)
     m = batch.loss_mask.bool()
     gap = (eng.logprobs(batch) - batch.behavior_logprobs)[m].abs()
     assert gap.max() < 1e-4, gap.max()

@@ -51,7 +51,8 @@ def _single(tiny_model, **extra) -> tuple[list[float], dict]:
 
 
 def test_two_rank_fsdp2_matches_single_process(tiny_model, tmp_path):
-    sharded = _two_ranks(tiny_model, tmp_path / "fsdp.pt")
+    """The ranks pack their groups as prefix trees (each prompt once); the single process pads."""
+    sharded = _two_ranks(tiny_model, tmp_path / "fsdp.pt", json.dumps({"pack_sequences": True, "tree_packing": True}))
     assert sharded["world"] == 2 and sharded["reload_equal"], "checkpoint round trip under FSDP2 changed weights"
 
     # Two mini-batches per step: rank r holds groups r, r + 2, so slice i is groups 2i and 2i + 1 on
@@ -95,9 +96,11 @@ def test_bfloat16_mixed_precision_trains_close_to_float32_with_float32_master_we
         assert (sharded["state"][k] - v).abs().max().item() <= 2 * optimizer_steps * 1e-3, k
 
 
-def test_activation_checkpointing_changes_no_number(tiny_model):
-    plain_losses, plain = _single(tiny_model)
-    ckpt_losses, ckpt = _single(tiny_model, activation_checkpointing=True)
+@pytest.mark.parametrize("layout", [{}, {"pack_sequences": True, "tree_packing": True}])
+def test_activation_checkpointing_changes_no_number(tiny_model, layout):
+    """Recomputed layers attend as the first forward did (packed: the plan travels with the call)."""
+    plain_losses, plain = _single(tiny_model, **layout)
+    ckpt_losses, ckpt = _single(tiny_model, activation_checkpointing=True, **layout)
     assert ckpt_losses == pytest.approx(plain_losses, abs=1e-6)
     for k, v in plain.items():
         assert (ckpt[k] - v).abs().max().item() <= 1e-6, k

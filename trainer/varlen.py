@@ -1,0 +1,167 @@
+"""Attention over a packed row without a dense [T, T] mask.
+
+A packed row (``trainer/prefix_tree.py``) holds nodes: whole sequences, or with tree packing runs
+of tokens that several sequences share. Each node's queries attend causally to its own keys and
+to every key of its ancestors. Nodes of similar shape are gathered into a padded batch, one
+``scaled_dot_product_attention`` per batch and layer: a root node needs no mask (keys are its own
+queries, right-padded, so ``is_causal`` is exact for every real query); a node with ancestors gets
+a small [Lq, Lk] mask built from positions (a key is visible when its position is not after the
+query's: along one root-to-node path positions only grow). Attention then costs what each
+sequence costs alone, not the row's length squared, and a shared prefix is attended once.
+
+Registered with transformers as the attention implementation ``rollmesh_varlen``; a forward
+passes its plan as the ``rollmesh_pack`` keyword, which the models hand down to every attention
+call (and which activation checkpointing's recompute keeps). A forward without one (the empty
+micro-batch a rank runs under FSDP2, a vision tower) takes transformers' sdpa path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+from trainer.prefix_tree import PackLayout
+
+NAME = "rollmesh_varlen"
+KWARG = "rollmesh_pack"
+# A batch of nodes may spend this much more on padding than its nodes' own attention costs, plus
+# a little; fewer, larger batches mean fewer kernel calls per layer.
+PAD_FACTOR = 1.3
+PAD_SLACK = 4096
+
+
+@dataclass
+class NodeBatch:
+    """Nodes attended in one call: ``q`` [N, Lq] the packed positions of each node's queries,
+    ``k`` [N, Lk] of its keys (ancestors' then its own; None: its queries, causal)."""
+
+    q: torch.Tensor
+    k: torch.Tensor | None
+    q_pos: torch.Tensor  # [N, Lq] positions (padding: a large number)
+    k_pos: torch.Tensor  # [N, Lk] positions (padding: -1)
+    real: torch.Tensor  # indices into the flattened [N * Lq] outputs of the real queries
+    masks: dict = field(default_factory=dict)  # by sliding window
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[N, 1, Lq, Lk] bool, or None where ``is_causal`` says it all."""
+        if self.k is None and window is None:
+            return None
+        if window not in self.masks:
+            k_pos = self.q_pos.masked_fill(self.q_pos >= _PAD_POS, -1) if self.k is None else self.k_pos
+            seen = (k_pos[:, None, :] <= self.q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)
+            if window is not None:
+                seen &= (self.q_pos[:, :, None] - k_pos[:, None, :]) < window
+            self.masks[window] = seen[:, None]
+        return self.masks[window]
+
+
+_PAD_POS = 1 << 40
+
+
+@dataclass
+class AttentionPlan:
+    batches: list[NodeBatch]
+    inverse: torch.Tensor  # [T] where each packed token's output sits in the batches' concatenated outputs
+
+
+def _group(costs: list[tuple[int, int, int]]) -> list[list[int]]:
+    """Nodes (index, Lq, Lk), sorted by Lk then Lq descending, cut into batches whose padded cost
+    stays within PAD_FACTOR of their real cost."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    real = 0
+    lq = lk = 0
+    for n, q, k in sorted(costs, key=lambda c: (-c[2], -c[1])):
+        if cur and (len(cur) + 1) * max(lq, q) * lk > PAD_FACTOR * (real + q * k) + PAD_SLACK:
+            groups.append(cur)
+            cur, real, lq = [], 0, 0
+        if not cur:
+            lk = k
+        cur.append(n)
+        real += q * k
+        lq = max(lq, q)
+    return groups + ([cur] if cur else [])
+
+
+def plan_attention(layout: PackLayout, device) -> AttentionPlan:
+    nodes = layout.nodes
+    keys_of: list[torch.Tensor] = []  # each node's keys: its ancestors' positions in the row, then its own
+    for n in nodes:
+        own = torch.arange(n.offset, n.offset + len(n))
+        keys_of.append(own if n.parent < 0 else torch.cat([keys_of[n.parent], own]))
+    batches, order = [], []
+    for rooted in (True, False):
+        costs = [(j, len(n), len(keys_of[j])) for j, n in enumerate(nodes) if (n.parent < 0) == rooted]
+        for group in _group(costs):
+            lq = max(len(nodes[j]) for j in group)
+            lk = max(len(keys_of[j]) for j in group)
+            q = torch.zeros(len(group), lq, dtype=torch.long)
+            q_pos = torch.full((len(group), lq), _PAD_POS, dtype=torch.long)
+            k = None if rooted else torch.zeros(len(group), lk, dtype=torch.long)
+            k_pos = torch.full((len(group), lk), -1, dtype=torch.long)
+            real = []
+            for r, j in enumerate(group):
+                n = nodes[j]
+                q[r, : len(n)] = torch.arange(n.offset, n.offset + len(n))
+                q_pos[r, : len(n)] = layout.positions[n.offset : n.offset + len(n)]
+                if k is not None:
+                    k[r, : len(keys_of[j])] = keys_of[j]
+                    k_pos[r, : len(keys_of[j])] = layout.positions[keys_of[j]]
+                real.append(torch.arange(r * lq, r * lq + len(n)))
+                order.append(q[r, : len(n)])
+            batches.append(
+                NodeBatch(
+                    q.to(device),
+                    None if k is None else k.to(device),
+                    q_pos.to(device),
+                    k_pos.to(device),
+                    torch.cat(real).to(device),
+                )
+            )
+    inverse = torch.empty(layout.num_tokens, dtype=torch.long)
+    inverse[torch.cat(order)] = torch.arange(layout.num_tokens)
+    return AttentionPlan(batches, inverse.to(device))
+
+
+def varlen_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None, **kwargs
+):
+    """transformers' attention interface: query [1, H, T, D], key/value [1, Hkv, T, D] over one
+    packed row → ([1, T, H, D], None)."""
+    plan: AttentionPlan | None = kwargs.pop(KWARG, None)
+    if plan is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if kwargs.get("softcap") is not None:
+        raise ValueError("trainer.pack_sequences: attention logit soft-capping is not supported in packed rows")
+    groups = getattr(module, "num_key_value_groups", 1)
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = repeat_kv(key, groups)[0].transpose(0, 1)
+    v = repeat_kv(value, groups)[0].transpose(0, 1)
+    heads, dim = q.shape[1], q.shape[2]
+    outs = []
+    for b in plan.batches:
+        keys = b.q if b.k is None else b.k
+        mask = b.mask(sliding_window)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[b.q].transpose(1, 2),
+            k[keys].transpose(1, 2),
+            v[keys].transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=dropout,
+            scale=scaling,
+        )
+        outs.append(out.transpose(1, 2).reshape(-1, heads, dim)[b.real])
+    return torch.cat(outs)[plan.inverse][None], None
+
+
+def use_varlen(model) -> None:
+    """Make ``model``'s language model attend through ``varlen_attention`` (a vision tower keeps
+    its own: its calls carry no plan)."""
+    AttentionInterface.register(NAME, varlen_attention)
+    model.config.get_text_config()._attn_implementation = NAME
