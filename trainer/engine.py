@@ -309,7 +309,7 @@ class TrainEngine:
         extra[KWARG] = plan_attention(layout, self.device)
         with self._compute_precision():
             logits = model(input_ids=ids, position_ids=positions, **extra).logits[0]
-        before = logits[layout.prev_index.to(self.device)]  # [T, V]: what predicts each packed token
+        before = logits.index_select(0, layout.prev_index.to(self.device))  # [T, V]: what predicts each token
         row_temps = None if layout.temps is None else layout.temps.to(self.device)
         scaled = before.float() if row_temps is None else before.float() / row_temps[:, None]
         first = layout.first.to(self.device)
@@ -318,11 +318,11 @@ class TrainEngine:
         beyond = torch.arange(width, device=self.device)[None] >= torch.tensor([len(s) for s in seqs])[:, None].to(
             self.device
         )
-        lp = packed_lp[index].masked_fill(beyond, 0.0)
+        lp = packed_lp.index_select(0, index.flatten()).view(index.shape).masked_fill(beyond, 0.0)
         if not entropy:
             return lp, None
         packed_ent = entropy_from_logits(scaled).masked_fill(first, 0.0)
-        return lp, packed_ent[index].masked_fill(beyond, 0.0)
+        return lp, packed_ent.index_select(0, index.flatten()).view(index.shape).masked_fill(beyond, 0.0)
 
     def _vision_inputs(self, model, seqs, images, places: dict, shape) -> dict:
         if self.vision is None or images is None:

@@ -39,7 +39,7 @@ class Node:
 class PackLayout:
     """Where every token of every sequence sits in one packed row of ``T`` tokens."""
 
-    nodes: list[Node]
+    nodes: list[Node]  # parents before their children
     ids: torch.Tensor  # [T] the packed token ids
     positions: torch.Tensor  # [T] each token's position in its sequences
     token_index: torch.Tensor  # [b, width] packed position of sequence i's token t (0 beyond its end)
@@ -129,42 +129,54 @@ def build_layout(
     temp_rows = None if temps is None else [temps[i, : len(s)].tolist() for i, s in enumerate(seqs)]
     keys = _keys(seqs, temp_rows)
     nodes = _build_nodes(keys) if share else [Node(i, 0, len(s), -1) for i, s in enumerate(seqs)]
+    # In the row: roots, then the other nodes, each by how many keys they attend to and then by
+    # length (longest first): the order trainer/varlen.py batches them in, so that a batch of
+    # nodes of one length is a contiguous block of the row (attended as a view, nothing gathered).
     offset = 0
-    for n in nodes:
+    for n in sorted(nodes, key=lambda n: (n.parent >= 0, -n.end, -len(n))):
         n.offset, offset = offset, offset + len(n)
-    total = offset
-    ids = torch.empty(total, dtype=torch.long)
-    positions = torch.empty(total, dtype=torch.long)
-    prev = torch.zeros(total, dtype=torch.long)
-    first = torch.zeros(total, dtype=torch.bool)
-    packed_temps = None if temps is None else torch.ones(total)
+    # built as Python lists and made tensors once: a micro-batch has hundreds of nodes
+    ids: list[int] = []
+    positions: list[int] = []
+    prev: list[int] = []
+    first: list[int] = []  # packed positions of the roots' first tokens
+    packed_temps: list[float] = []
     child_of: list[dict] = [{} for _ in nodes]  # a node's children by their first key
     roots: dict = {}
-    for j, n in enumerate(nodes):
-        span = slice(n.offset, n.offset + len(n))
-        ids[span] = torch.as_tensor(seqs[n.seq][n.start : n.end], dtype=torch.long)
-        positions[span] = torch.arange(n.start, n.end)
-        prev[span] = torch.arange(n.offset - 1, n.offset + len(n) - 1)
-        if packed_temps is not None:
-            packed_temps[span] = torch.as_tensor(temp_rows[n.seq][n.start : n.end])
+    for j, n in sorted(enumerate(nodes), key=lambda jn: jn[1].offset):  # in row order
+        ids += seqs[n.seq][n.start : n.end]
+        positions += range(n.start, n.end)
+        if temp_rows is not None:
+            packed_temps += temp_rows[n.seq][n.start : n.end]
         if n.parent < 0:
-            prev[n.offset], first[n.offset] = 0, True
+            prev += [0] + list(range(n.offset, n.offset + len(n) - 1))
+            first.append(n.offset)
             roots[keys[n.seq][0]] = j
         else:
             parent = nodes[n.parent]
-            prev[n.offset] = parent.offset + len(parent) - 1
+            prev += [parent.offset + len(parent) - 1] + list(range(n.offset, n.offset + len(n) - 1))
             child_of[n.parent][keys[n.seq][n.start]] = j
-    token_index = torch.zeros(len(seqs), width, dtype=torch.long)
+    index = [[0] * width for _ in seqs]
     for i, k in enumerate(keys):
         if not share:
-            token_index[i, : len(k)] = torch.arange(nodes[i].offset, nodes[i].offset + len(k))
+            index[i][: len(k)] = range(nodes[i].offset, nodes[i].offset + len(k))
             continue
-        j, parts = roots[k[0]], []
+        j, row = roots[k[0]], index[i]
         while True:
             n = nodes[j]
-            parts.append(torch.arange(n.offset, n.offset + min(n.end, len(k)) - n.start))
+            end = min(n.end, len(k))
+            row[n.start : end] = range(n.offset, n.offset + end - n.start)
             if n.end >= len(k):
                 break
             j = child_of[j][k[n.end]]
-        token_index[i, : len(k)] = torch.cat(parts)
-    return PackLayout(nodes, ids, positions, token_index, prev, first, packed_temps)
+    is_first = torch.zeros(offset, dtype=torch.bool)
+    is_first[first] = True
+    return PackLayout(
+        nodes,
+        torch.tensor(ids, dtype=torch.long),
+        torch.tensor(positions, dtype=torch.long),
+        torch.tensor(index, dtype=torch.long),
+        torch.tensor(prev, dtype=torch.long),
+        is_first,
+        None if temp_rows is None else torch.tensor(packed_temps),
+    )

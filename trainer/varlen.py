@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from trainer.prefix_tree import PackLayout
 
@@ -43,19 +43,23 @@ class NodeBatch:
     q_pos: torch.Tensor  # [N, Lq] positions (padding: a large number)
     k_pos: torch.Tensor  # [N, Lk] positions (padding: -1)
     real: torch.Tensor  # indices into the flattened [N * Lq] outputs of the real queries
+    # (first, N, Lq): the queries are the row's tokens first .. first + N * Lq, N nodes of one length
+    span: tuple[int, int, int] | None = None
     masks: dict = field(default_factory=dict)  # by sliding window
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """[N, 1, Lq, Lk] bool, or None where ``is_causal`` says it all."""
+    def mask(self, window: int | None, dtype) -> torch.Tensor | None:
+        """[N, 1, Lq, Lk] additive (0 or -inf, in ``dtype``: sdpa would convert a bool one at every
+        call), or None where ``is_causal`` says it all. Made once per forward, shared by the layers."""
         if self.k is None and window is None:
             return None
-        if window not in self.masks:
+        if (window, dtype) not in self.masks:
             k_pos = self.q_pos.masked_fill(self.q_pos >= _PAD_POS, -1) if self.k is None else self.k_pos
             seen = (k_pos[:, None, :] <= self.q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)
             if window is not None:
                 seen &= (self.q_pos[:, :, None] - k_pos[:, None, :]) < window
-            self.masks[window] = seen[:, None]
-        return self.masks[window]
+            hidden = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, float("-inf"))
+            self.masks[window, dtype] = hidden[:, None]
+        return self.masks[window, dtype]
 
 
 _PAD_POS = 1 << 40
@@ -64,7 +68,7 @@ _PAD_POS = 1 << 40
 @dataclass
 class AttentionPlan:
     batches: list[NodeBatch]
-    inverse: torch.Tensor  # [T] where each packed token's output sits in the batches' concatenated outputs
+    inverse: torch.Tensor | None  # [T] where each token's output sits in the batches' outputs (None: in order)
 
 
 def _group(costs: list[tuple[int, int, int]]) -> list[list[int]]:
@@ -88,41 +92,43 @@ def _group(costs: list[tuple[int, int, int]]) -> list[list[int]]:
 
 def plan_attention(layout: PackLayout, device) -> AttentionPlan:
     nodes = layout.nodes
-    keys_of: list[torch.Tensor] = []  # each node's keys: its ancestors' positions in the row, then its own
+    positions = layout.positions.tolist()
+    keys_of: list[list[int]] = []  # each node's keys: its ancestors' packed positions, then its own
     for n in nodes:
-        own = torch.arange(n.offset, n.offset + len(n))
-        keys_of.append(own if n.parent < 0 else torch.cat([keys_of[n.parent], own]))
+        own = list(range(n.offset, n.offset + len(n)))
+        keys_of.append(own if n.parent < 0 else keys_of[n.parent] + own)
     batches, order = [], []
     for rooted in (True, False):
         costs = [(j, len(n), len(keys_of[j])) for j, n in enumerate(nodes) if (n.parent < 0) == rooted]
         for group in _group(costs):
             lq = max(len(nodes[j]) for j in group)
             lk = max(len(keys_of[j]) for j in group)
-            q = torch.zeros(len(group), lq, dtype=torch.long)
-            q_pos = torch.full((len(group), lq), _PAD_POS, dtype=torch.long)
-            k = None if rooted else torch.zeros(len(group), lk, dtype=torch.long)
-            k_pos = torch.full((len(group), lk), -1, dtype=torch.long)
-            real = []
+            q, q_pos, k, k_pos, real = [], [], [], [], []
             for r, j in enumerate(group):
-                n = nodes[j]
-                q[r, : len(n)] = torch.arange(n.offset, n.offset + len(n))
-                q_pos[r, : len(n)] = layout.positions[n.offset : n.offset + len(n)]
-                if k is not None:
-                    k[r, : len(keys_of[j])] = keys_of[j]
-                    k_pos[r, : len(keys_of[j])] = layout.positions[keys_of[j]]
-                real.append(torch.arange(r * lq, r * lq + len(n)))
-                order.append(q[r, : len(n)])
+                n, keys = nodes[j], keys_of[j]
+                own = keys[len(keys) - len(n) :]
+                q.append(own + [0] * (lq - len(n)))
+                q_pos.append(positions[n.offset : n.offset + len(n)] + [_PAD_POS] * (lq - len(n)))
+                k.append(keys + [0] * (lk - len(keys)))
+                k_pos.append([positions[x] for x in keys] + [-1] * (lk - len(keys)))
+                real += range(r * lq, r * lq + len(n))
+                order += own
+            first = nodes[group[0]].offset
+            whole = all(len(nodes[j]) == lq and nodes[j].offset == first + r * lq for r, j in enumerate(group))
             batches.append(
                 NodeBatch(
-                    q.to(device),
-                    None if k is None else k.to(device),
-                    q_pos.to(device),
-                    k_pos.to(device),
-                    torch.cat(real).to(device),
+                    torch.tensor(q, device=device),
+                    None if rooted else torch.tensor(k, device=device),
+                    torch.tensor(q_pos, device=device),
+                    torch.tensor(k_pos, device=device),
+                    torch.tensor(real, device=device),
+                    (first, len(group), lq) if whole else None,
                 )
             )
+    if order == list(range(layout.num_tokens)):
+        return AttentionPlan(batches, None)
     inverse = torch.empty(layout.num_tokens, dtype=torch.long)
-    inverse[torch.cat(order)] = torch.arange(layout.num_tokens)
+    inverse[torch.tensor(order)] = torch.arange(layout.num_tokens)
     return AttentionPlan(batches, inverse.to(device))
 
 
@@ -138,26 +144,35 @@ def varlen_attention(
         )
     if kwargs.get("softcap") is not None:
         raise ValueError("trainer.pack_sequences: attention logit soft-capping is not supported in packed rows")
-    groups = getattr(module, "num_key_value_groups", 1)
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = repeat_kv(key, groups)[0].transpose(0, 1)
-    v = repeat_kv(value, groups)[0].transpose(0, 1)
-    heads, dim = q.shape[1], q.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+    dim = q.shape[-1]
+
+    def rows(x, index, span):  # a batch's rows of x: [N, heads, L, D]
+        if span is not None:  # a contiguous block: a view
+            first, n, length = span
+            return x[first : first + n * length].view(n, length, x.shape[1], dim).transpose(1, 2)
+        # index_select: its backward is an index_add (indexing's is a slower scatter on CPU)
+        return x.index_select(0, index.flatten()).view(*index.shape, x.shape[1], dim).transpose(1, 2)
+
     outs = []
     for b in plan.batches:
-        keys = b.q if b.k is None else b.k
-        mask = b.mask(sliding_window)
+        mask = b.mask(sliding_window, q.dtype)
+        keys, key_span = (b.q, b.span) if b.k is None else (b.k, None)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q[b.q].transpose(1, 2),
-            k[keys].transpose(1, 2),
-            v[keys].transpose(1, 2),
+            rows(q, b.q, b.span),
+            rows(k, keys, key_span),
+            rows(v, keys, key_span),
             attn_mask=mask,
             is_causal=mask is None,
             dropout_p=dropout,
             scale=scaling,
+            enable_gqa=groups > 1,  # key/value heads shared in the kernel, not copied per query head
         )
-        outs.append(out.transpose(1, 2).reshape(-1, heads, dim)[b.real])
-    return torch.cat(outs)[plan.inverse][None], None
+        out = out.transpose(1, 2).reshape(-1, q.shape[1], dim)
+        outs.append(out if b.span is not None else out.index_select(0, b.real))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return (out if plan.inverse is None else out.index_select(0, plan.inverse))[None], None
 
 
 def use_varlen(model) -> None:

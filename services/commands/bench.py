@@ -115,21 +115,33 @@ def bench_moe(
 def bench_trainer(
     model: Path | None = typer.Option(None, help="Model directory; default: a random model of --shape."),
     shape: str = typer.Option("tiny", help="Random model to build when no --model: tiny or qwen2-0.5b."),
-    steps: int = typer.Option(20, help="Optimizer steps to time."),
+    steps: int | None = typer.Option(None, help="Optimizer steps to time (default 20; with --workload 2 per layout)."),
     trajectories: int = typer.Option(256, help="Trajectories per step (groups of 8)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     mixed_precision: bool = typer.Option(False, "--mixed-precision", help="bfloat16 compute, float32 master weights."),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Recompute activations."),
+    workload: str | None = typer.Option(
+        None,
+        help="grpo, agent, quickstart or all: time that workload unpacked, packed and tree-packed instead "
+        "(a random tiny model; --steps steps each, default 2).",
+    ),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
     """GRPO training steps, with and without sequence packing: tokens/s, MFU and peak memory on a GPU."""
     from services.bench.trainer_bench import run
 
+    if workload is not None:
+        from services.bench.trainer_workloads import WORKLOADS
+        from services.bench.trainer_workloads import run as run_workloads
+
+        chosen = list(WORKLOADS) if workload == "all" else [workload]
+        emit(checked(run_workloads, chosen, 2 if steps is None else steps, progress_printer(json_)), json_)
+        return
     emit(
         checked(
             run,
             None if model is None else str(model),
-            steps,
+            20 if steps is None else steps,
             trajectories,
             shape,
             device,

