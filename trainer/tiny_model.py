@@ -30,6 +30,9 @@ CHAT_TEMPLATE = (
 )
 
 
+VISION_ARCHS = ("qwen2-vl", "llava")  # the archs with a vision tower
+
+
 class TinyModelConfig(BaseModel):
     """Shape of the tiny model. Defaults give about 0.9 M parameters."""
 
@@ -84,7 +87,7 @@ class TinyModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _glyphs_need_eyes(self) -> TinyModelConfig:
-        if self.glyph_prior_steps and self.arch not in ("qwen2-vl", "llava"):
+        if self.glyph_prior_steps and self.arch not in VISION_ARCHS:
             raise ValueError(f"glyph_prior_steps: arch {self.arch} has no vision tower to teach")
         return self
 
@@ -145,7 +148,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, pi
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vision = cfg.arch in ("qwen2-vl", "llava")
+    vision = cfg.arch in VISION_ARCHS
     tokenizer = build_tokenizer(cfg.arch == "qwen2-vl")
     if cfg.arch == "llava":
         tokenizer.add_special_tokens({"additional_special_tokens": [LLAVA_IMAGE_TOKEN]})

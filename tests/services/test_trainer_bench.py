@@ -50,3 +50,34 @@ def test_the_qwen2_half_billion_shape_has_its_parameter_count():
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
     assert abs(count_parameters(model) / 1e6 - 494.0) < 1.0  # Qwen2-0.5B: 494 M with tied embeddings
+
+
+def test_bench_trainer_workload_times_unpacked_packed_and_tree_side_by_side():
+    proc = _bench("--workload", "quickstart", "--steps", "1", "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])["quickstart"]
+    assert out["trajectories_per_step"] == 128
+    for layout in ("unpacked", "packed", "tree"):
+        assert out[layout]["tokens_per_s"] > 0 and out[layout]["peak_rss_mb"] > 0, layout
+    # every layout trains the same tokens; the tree computes each group's prompt once
+    assert out["unpacked"]["computed_tokens_per_step"] == out["packed"]["computed_tokens_per_step"]
+    assert out["tree"]["computed_tokens_per_step"] < out["packed"]["computed_tokens_per_step"] / 5
+    assert out["tree_flop_reduction"] > 5
+
+
+def test_the_workloads_share_what_they_say():
+    from services.bench.trainer_workloads import agent_batch, grpo_batch, work
+
+    grpo = grpo_batch(0, 250)
+    assert len(grpo.sequences) == 32 and grpo.num_tokens == 32 * 1280
+    assert work(grpo, "tree", 1, 1, 1)["tokens"] == 2 * (1024 + 16 * 256)
+    agent = agent_batch(0, 250)  # a 256-token task and 4 turns of 192; forks at turns 2 and 3
+    assert len(agent.sequences) == 32 and agent.num_tokens == 32 * 1024
+    assert work(agent, "tree", 1, 1, 1)["tokens"] == 8 * (256 + 192 * (1 + 2 + 4 + 4))
+    flat = work(agent, "packed", 1, 1, 1)
+    assert flat["flops"] == 6 * flat["tokens"] + 12 * 32 * (1024 * 1025 // 2)  # each token sees its past
+
+
+def test_bench_trainer_refuses_an_unknown_workload():
+    proc = _bench("--workload", "chess")
+    assert proc.returncode == 2 and "--workload: one of" in proc.stderr

@@ -62,10 +62,11 @@ def test_cli_rejects_bad_config_clearly(tmp_path):
     assert res.exit_code == 2 and "unknown key 'engine.nonsense'" in res.output
 
 
-def test_a_glyph_prior_reads_letters_before_the_digit_prior_and_needs_a_vision_tower(tmp_path):
-    """`--glyph-prior-steps`: a vision-language model learns to name the letter in a picture (its
-    tower reads shapes; no digit is ever shown), then the digit prior teaches the answer's format.
-    A text-only model has no tower to teach: refused, by name."""
+def test_a_glyph_prior_builds_before_the_digit_prior_and_needs_a_vision_tower(tmp_path):
+    """`--glyph-prior-steps`: a vision-language model is taught to name the letter in a picture (its
+    tower learns shapes; no digit is ever shown), then the digit prior teaches the answer's format;
+    how well it reads is measured in docs/vision.md, not here. A text-only model has no tower to
+    teach: refused, by name."""
     from rollout.envs.digit_pictures import LETTER_QUESTION, prior_prompt
     from trainer.tiny_model import TinyModelConfig
 
