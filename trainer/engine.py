@@ -265,12 +265,8 @@ class TrainEngine:
             zero = dummy.sum() * 0.0
             lp = torch.zeros(0, width, device=self.device) + zero
             return lp, (torch.zeros(0, width, device=self.device) + zero if entropy else None)
-        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        if limit is not None and max(map(len, seqs)) > limit:  # its positions would be ones the model never saw
-            raise ValueError(
-                f"a trajectory of {max(map(len, seqs))} tokens is longer than the model's "
-                f"max_position_embeddings {limit}"
-            )
+        if (limit := self._max_positions(model)) is not None:  # past it, positions the model never saw:
+            seqs = [s[:limit] for s in seqs]  # not computed (train_step does not train on such a trajectory)
         if self.config.pack_sequences:
             return self._packed_forward(model, seqs, width, entropy, temps, experts, images, replay)
         ids, attn = padded_inputs(seqs, self.device)
@@ -401,6 +397,7 @@ class TrainEngine:
         mismatch weights are computed once, before the first update."""
         cfg = self.config
         self.model.train()
+        too_long = self._too_long(batch)
         dropped = self._unroutable(batch) if self.replay else 0
         mask = batch.loss_mask.to(self.device)
         behav = batch.behavior_logprobs.to(self.device)
@@ -450,6 +447,7 @@ class TrainEngine:
         out |= {"lr": self.scheduler.get_last_lr()[0], "tokens": _all_reduce(float(mask.sum())), "updates": updates}
         if self.replay:
             out["routing_dropped"] = _all_reduce(float(dropped))
+        out["too_long_dropped"] = _all_reduce(float(too_long))
         out["reward_mean"] = _all_reduce(float(batch.rewards.sum())) / _all_reduce(float(len(batch.rewards)))
         if (cap := getattr(cfg.loss, "behavior_weight_cap", None)) is not None:  # decoupled PPO's sg(π_prox/μ)
             capped = ((prox - behav).exp() > cap) & mask.bool()
@@ -459,6 +457,23 @@ class TrainEngine:
         if self.critic is not None:
             out["value_loss"] = self._critic_step(batch, values, returns, mask)
         return out
+
+    @staticmethod
+    def _max_positions(model) -> int | None:
+        return getattr(model.config.get_text_config(), "max_position_embeddings", None)
+
+    def _too_long(self, batch: TrainBatch) -> int:
+        """A trajectory longer than the model's ``max_position_embeddings`` is not trained on (its loss
+        mask zeroed; its forward stops at the limit) rather than at positions the model never saw.
+        Returns how many."""
+        limit = self._max_positions(self.model)
+        bad = [i for i, s in enumerate(batch.sequences) if limit is not None and len(s) > limit]
+        for i in bad:
+            batch.loss_mask[i] = 0
+        if bad:
+            longest = max(len(batch.sequences[i]) for i in bad)
+            log.warning("%d trajectories (up to %d tokens) exceed the model's %d positions", len(bad), longest, limit)
+        return len(bad)
 
     def _unroutable(self, batch: TrainBatch) -> int:
         """Routing replay: a trajectory whose routing is missing, partial or not this model's is not

@@ -165,11 +165,17 @@ def test_sliding_window_layers_keep_their_window_in_packed_rows(windowed_model, 
         assert (got[2][name] - g).abs().max().item() <= 1e-5, name
 
 
-def test_a_sequence_longer_than_the_model_allows_is_refused(windowed_model):
-    long = [[1] * 65]
-    batch = batch_from_sequences(long, torch.ones(1, 65), torch.zeros(1, 65), torch.ones(1), torch.zeros(1).long())
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        _engine(windowed_model, "tree").logprobs(batch)
+@pytest.mark.parametrize("layout", ["unpacked", "tree"])
+def test_a_trajectory_longer_than_the_model_allows_is_not_trained_on_and_counted(windowed_model, layout):
+    seqs = [[1] * 70, [2] * 10]  # the model has 64 positions
+    mask = torch.zeros(2, 70)
+    mask[0, 5:], mask[1, 5:10] = 1, 1
+    batch = batch_from_sequences(seqs, mask, -mask, torch.tensor([1.0, 0.0]), torch.tensor([0, 1]))
+    eng = _engine(windowed_model, layout, loss={"type": "reinforce"})
+    lp = eng.logprobs(batch)
+    assert torch.isfinite(lp).all() and (lp[0, 64:] == 0).all()  # computed up to the limit only
+    metrics = eng.train_step(batch)
+    assert metrics["too_long_dropped"] == 1 and metrics["tokens"] == 5  # the short one's 5 answer tokens
 
 
 def test_tree_packing_is_refused_where_a_sequence_needs_its_own_place(tiny_model, tiny_vl):
