@@ -336,7 +336,7 @@ class TrainEngine:
             groups = defaultdict(list)
             for r in rows:
                 groups[int(batch.group_ids[r])].append(r)
-            units = list(groups.values())
+            units = [u for g in groups.values() for u in self._tree_units(batch, g)]
             cost = [tree_tokens([batch.sequences[r].tolist() for r in u]) for u in units]
             plan = plan_micro_batches(cost, self.config.micro_batch_tokens)
             bins = [sorted(r for u in b for r in units[u]) for b in plan]
@@ -353,6 +353,21 @@ class TrainEngine:
             bins += [sorted(rows[j] for j in cur)] if cur else []
         most = int(_all_reduce(float(len(bins)), dist.ReduceOp.MAX))
         return bins + [[] for _ in range(most - len(bins))]
+
+    def _tree_units(self, batch: TrainBatch, group: list[int]) -> list[list[int]]:
+        """A group's rows, in runs whose trees fit ``micro_batch_tokens``: the whole group where it
+        fits, else its members in sorted order (neighbours share the most), cut where a run's tree
+        would outgrow the budget."""
+        seqs = {r: batch.sequences[r].tolist() for r in group}
+        if tree_tokens(list(seqs.values())) <= self.config.micro_batch_tokens:
+            return [group]
+        runs: list[list[int]] = []
+        for r in sorted(group, key=seqs.__getitem__):
+            if runs and tree_tokens([seqs[x] for x in runs[-1]] + [seqs[r]]) <= self.config.micro_batch_tokens:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        return runs
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model=None, entropy: bool = False):
@@ -460,7 +475,13 @@ class TrainEngine:
 
     @staticmethod
     def _max_positions(model) -> int | None:
-        return getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        """The longest sequence the model takes: ``max_position_embeddings``, times the factor of a
+        rope scaling that extends it (YaRN, linear, dynamic, LongRoPE: Qwen2.5's 32k × 4)."""
+        cfg = model.config.get_text_config()
+        limit = getattr(cfg, "max_position_embeddings", None)
+        rope = getattr(cfg, "rope_parameters", None) or {}  # transformers 5's home of rope scaling
+        scaled = isinstance(rope, dict) and rope.get("rope_type", "default") != "default"
+        return None if limit is None else int(limit * ((rope.get("factor") if scaled else None) or 1))
 
     def _too_long(self, batch: TrainBatch) -> int:
         """A trajectory longer than the model's ``max_position_embeddings`` is not trained on (its loss

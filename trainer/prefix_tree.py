@@ -128,7 +128,8 @@ def build_layout(
     temperatures (None: all 1); ``width``: the per-sequence tensors' width (>= the longest)."""
     temp_rows = None if temps is None else [temps[i, : len(s)].tolist() for i, s in enumerate(seqs)]
     keys = _keys(seqs, temp_rows)
-    nodes = _build_nodes(keys) if share else [Node(i, 0, len(s), -1) for i, s in enumerate(seqs)]
+    # an empty sequence has no node (its token_index row stays 0, beyond its end)
+    nodes = _build_nodes(keys) if share else [Node(i, 0, len(s), -1) for i, s in enumerate(seqs) if s]
     # In the row: roots, then the other nodes, each by how many keys they attend to and then by
     # length (longest first): the order trainer/varlen.py batches them in, so that a batch of
     # nodes of one length is a contiguous block of the row (attended as a view, nothing gathered).
@@ -157,9 +158,10 @@ def build_layout(
             prev += [parent.offset + len(parent) - 1] + list(range(n.offset, n.offset + len(n) - 1))
             child_of[n.parent][keys[n.seq][n.start]] = j
     index = [[0] * width for _ in seqs]
-    for i, k in enumerate(keys):
-        if not share:
-            index[i][: len(k)] = range(nodes[i].offset, nodes[i].offset + len(k))
+    for n in nodes if not share else ():
+        index[n.seq][: len(n)] = range(n.offset, n.offset + len(n))
+    for i, k in enumerate(keys if share else ()):
+        if not k:
             continue
         j, row = roots[k[0]], index[i]
         while True:

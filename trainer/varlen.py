@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from trainer.prefix_tree import PackLayout
 
@@ -54,9 +54,13 @@ class NodeBatch:
             return None
         if (window, dtype) not in self.masks:
             k_pos = self.q_pos.masked_fill(self.q_pos >= _PAD_POS, -1) if self.k is None else self.k_pos
-            seen = (k_pos[:, None, :] <= self.q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)
+            real_key = k_pos[:, None, :] >= 0
+            seen = (k_pos[:, None, :] <= self.q_pos[:, :, None]) & real_key
             if window is not None:
                 seen &= (self.q_pos[:, :, None] - k_pos[:, None, :]) < window
+            # a padding query sees every real key: a row with no key at all gives NaN gradients in
+            # some CUDA kernels, which index_select's backward would carry into real tokens
+            seen |= (self.q_pos >= _PAD_POS)[:, :, None] & real_key
             hidden = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, float("-inf"))
             self.masks[window, dtype] = hidden[:, None]
         return self.masks[window, dtype]
@@ -139,6 +143,10 @@ def varlen_attention(
     packed row → ([1, T, H, D], None)."""
     plan: AttentionPlan | None = kwargs.pop(KWARG, None)
     if plan is None:
+        # Without a plan no mask was made (transformers makes none for this implementation): only
+        # a single token (the empty micro-batch a rank runs under FSDP2) is attended right then.
+        if query.shape[2] > 1:
+            raise ValueError("rollmesh_varlen: a forward of several tokens needs its packing plan")
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -159,15 +167,21 @@ def varlen_attention(
     for b in plan.batches:
         mask = b.mask(sliding_window, q.dtype)
         keys, key_span = (b.q, b.span) if b.k is None else (b.k, None)
+        kb, vb = rows(k, keys, key_span), rows(v, keys, key_span)
+        # Key/value heads shared in the kernel, not copied per query head; with a mask CUDA's
+        # kernels would fall back to the math path for that, so there they are copied.
+        gqa = groups > 1 and (mask is None or q.device.type == "cpu")
+        if groups > 1 and not gqa:
+            kb, vb = repeat_kv(kb, groups), repeat_kv(vb, groups)
         out = torch.nn.functional.scaled_dot_product_attention(
             rows(q, b.q, b.span),
-            rows(k, keys, key_span),
-            rows(v, keys, key_span),
+            kb,
+            vb,
             attn_mask=mask,
             is_causal=mask is None,
             dropout_p=dropout,
             scale=scaling,
-            enable_gqa=groups > 1,  # key/value heads shared in the kernel, not copied per query head
+            enable_gqa=gqa,
         )
         out = out.transpose(1, 2).reshape(-1, q.shape[1], dim)
         outs.append(out if b.span is not None else out.index_select(0, b.real))

@@ -120,6 +120,21 @@ def _measure(model_path: str, workload: str, layout: str, steps: int, queue) -> 
     queue.put({"seconds": seconds, "tokens": tokens, "peak_rss_mb": round(rss, 1)})
 
 
+def _result(proc, queue) -> dict:
+    """What the layout's process reports; its failure (a crash, no answer) is an error, not a hang."""
+    import queue as queues
+
+    while True:
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queues.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"the measuring process ended with exit code {proc.exitcode}") from None
+    proc.join(timeout=60)
+    return result
+
+
 def run(workloads: list[str], steps: int = 2, progress=print) -> dict:
     """Each workload's ``steps`` timed steps (after one warm-up) under each layout, in a fresh process."""
     import tempfile
@@ -150,8 +165,7 @@ def run(workloads: list[str], steps: int = 2, progress=print) -> dict:
                 queue = ctx.Queue()
                 proc = ctx.Process(target=_measure, args=(model_path, w, layout, steps, queue))
                 proc.start()
-                result = queue.get(timeout=3600)
-                proc.join(timeout=60)
+                result = _result(proc, queue)
                 done = work(sample, layout, params, config.num_hidden_layers, config.hidden_size)
                 row[layout] = {
                     "tokens_per_s": round(result["tokens"] / result["seconds"], 1),

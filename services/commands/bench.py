@@ -132,6 +132,12 @@ def bench_trainer(
 
     if workload is not None:
         from services.bench.trainer_workloads import WORKLOADS
+
+        fixed = dict(model=model, shape=shape != "tiny", trajectories=trajectories != 256, device=device != "auto")
+        fixed |= {"mixed-precision": mixed_precision, "activation-checkpointing": activation_checkpointing}
+        if taken := [f"--{k}" for k, v in fixed.items() if v]:  # said, not silently ignored
+            typer.echo(f"error: --workload: builds its own tiny CPU model, not with {', '.join(taken)}", err=True)
+            raise typer.Exit(2)
         from services.bench.trainer_workloads import run as run_workloads
 
         chosen = list(WORKLOADS) if workload == "all" else [workload]

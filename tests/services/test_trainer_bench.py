@@ -78,6 +78,8 @@ def test_the_workloads_share_what_they_say():
     assert flat["flops"] == 6 * flat["tokens"] + 12 * 32 * (1024 * 1025 // 2)  # each token sees its past
 
 
-def test_bench_trainer_refuses_an_unknown_workload():
+def test_bench_trainer_refuses_an_unknown_workload_and_options_it_would_ignore():
     proc = _bench("--workload", "chess")
     assert proc.returncode == 2 and "--workload: one of" in proc.stderr
+    proc = _bench("--workload", "grpo", "--mixed-precision")
+    assert proc.returncode == 2 and "not with --mixed-precision" in proc.stderr

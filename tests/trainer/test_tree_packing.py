@@ -48,6 +48,15 @@ def test_a_prefix_tree_stores_each_shared_run_once_and_every_sequence_reads_back
     assert flat.starts() == {i: (0, int(flat.token_index[i, 0])) for i in range(len(seqs))}
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_an_empty_sequence_takes_no_place_in_the_row(share):
+    seqs = [PROMPT + [20], [], PROMPT + [21]]
+    layout = build_layout(seqs, 8, share=share)
+    _check_layout([seqs[0], seqs[2]], build_layout([seqs[0], seqs[2]], 8, share=share))
+    assert layout.num_tokens == (len(PROMPT) + 2 if share else 2 * len(PROMPT) + 2)
+    assert layout.token_index[1].tolist() == [0] * 8 and int(layout.first.sum()) == (1 if share else 2)
+
+
 def test_tokens_are_shared_only_where_they_were_sampled_at_the_same_temperature():
     seqs = [PROMPT + [20, 21], PROMPT + [20, 22]]
     temps = torch.ones(2, 8)
@@ -120,6 +129,33 @@ def test_packed_and_tree_logprobs_entropies_and_gradients_equal_unpacked(tiny_mo
     if layout == "tree":  # a group stays whole in one micro-batch, costing its tree's 15 and 8 tokens
         bins = [sorted(int(batch.group_ids[r]) for r in rows) for rows in eng.micro_batches(batch)]
         assert sorted(bins) == ([[0] * 6 + [1] * 2] if budget > 23 else [[0] * 6, [1] * 2])
+
+
+def test_a_group_whose_tree_outgrows_the_budget_is_cut_between_neighbours(tiny_model):
+    batch = _forked_batch()  # one group: a 15-token tree
+    eng = _engine(tiny_model, "tree", micro_batch_tokens=12)
+    bins = eng.micro_batches(batch)
+    assert len(bins) > 1 and sorted(r for b in bins for r in b) == list(range(len(FORKED)))
+    for b in bins:  # each run's tree fits, unless one member alone is longer
+        tokens = tree_tokens([batch.sequences[r].tolist() for r in b])
+        assert tokens <= 12 or len(b) == 1
+    plain = _logprobs_and_grads(_engine(tiny_model, "unpacked"), batch)
+    got = _logprobs_and_grads(eng, batch)
+    assert (got[0] - plain[0]).abs().max().item() <= 1e-5
+
+
+def test_the_position_limit_counts_a_rope_scaling_that_extends_it(windowed_model):
+    eng = _engine(windowed_model, "packed")
+    assert eng._max_positions(eng.model) == 64
+    eng.model.config.rope_parameters = eng.model.config.rope_parameters | {"rope_type": "yarn", "factor": 4.0}
+    assert eng._max_positions(eng.model) == 256
+
+
+def test_a_packed_model_refuses_a_forward_of_several_tokens_without_its_plan(tiny_model):
+    eng = _engine(tiny_model, "packed")
+    with pytest.raises(ValueError, match="needs its packing plan"):
+        eng.model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert eng.model(input_ids=torch.tensor([[5]])).logits.shape[1] == 1  # one token: no plan needed
 
 
 def test_a_tree_packed_training_step_equals_an_unpacked_one(tiny_model):
