@@ -180,8 +180,8 @@ def make_engine_process(tiny_model):
     """Start extra engine processes for one test; all are stopped after it."""
     procs = []
 
-    def start(port: int | None = None, model: str | None = None):
-        proc, url = start_engine_process(model or tiny_model, port, extra=TEST_LOAD_ROOTS)
+    def start(port: int | None = None, model: str | None = None, extra: tuple[str, ...] = ()):
+        proc, url = start_engine_process(model or tiny_model, port, extra=[*TEST_LOAD_ROOTS, *extra])
         procs.append(proc)
         return proc, url
 

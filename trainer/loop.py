@@ -204,6 +204,7 @@ class TrainLoop:
         t3 = time.perf_counter()
         # Where an update spends its time: export, suspend (generation stops), load, commit + resume.
         self.publish_times = {"time_export_s": t1 - t0, "time_suspend_s": t2 - t1, "time_load_s": t3 - t2}
+        self.publish_times |= getattr(self.publisher, "stats", {})  # what a transport counts (bytes, deltas)
         try:
             await self.control.commit_update(update_id, version, location)
         except Exception as e:

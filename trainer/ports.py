@@ -68,7 +68,8 @@ class WeightPublisher(Protocol):
 
     ``export`` runs on every rank (gathering sharded weights is collective) before generation is
     suspended; ``load`` runs on rank 0 between suspend and resume and raises on any engine's
-    failure (the loop then rolls back); ``committed`` runs once the version is current.
+    failure (the loop then rolls back); ``committed`` runs once the version is current. A
+    publisher may keep ``stats`` (name -> number) of its last ``load``: they join the step's metrics.
     """
 
     def export(self, engine, version: int) -> str:

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 SuspendMode = Literal["continue", "abort", "in_place"]
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and vLLM's default --max-logprobs
 _ENGINE_PAUSE_MODE = {"continue": "abort", "abort": "abort", "in_place": "in_place"}
+# What a WeightBucket's bytes hold ("" is safetensors).
+BUCKET_FORMATS = ("", "safetensors", "safetensors_delta", "tensor_handles")
 
 
 class RequestInvalid(ValueError):
@@ -458,6 +460,8 @@ class LLMProxy:
         restore_path: str,
         timeout_s: float = 0.0,
         fmt: str = "",
+        base_version: int = 0,
+        checksum: str = "",
     ) -> tuple[bool, list[dict]]:
         """Forward one bucket of an in-memory update (``http_buckets``) to every engine taking part.
 
@@ -465,14 +469,22 @@ class LLMProxy:
         them apply it and, like ``update_weights``, succeeds only if every engine in rotation
         confirms ``version``; an engine that came into rotation midway loads ``restore_path``
         instead. Any failure ends the update: the caller rolls back and starts again from bucket 0.
-        ``fmt``: what ``data`` holds, safetensors bytes (default) or ``tensor_handles`` (``ipc``).
+        ``fmt``: what ``data`` holds, safetensors bytes (default), a delta in safetensors against
+        ``base_version`` whose result has ``checksum`` (``safetensors_delta``), or
+        ``tensor_handles`` (``ipc``).
         """
-        if fmt not in ("", "safetensors", "tensor_handles"):
-            raise RequestInvalid("format", f"must be safetensors or tensor_handles, got {fmt!r}")
+        if fmt not in BUCKET_FORMATS:
+            raise RequestInvalid("format", f"must be one of {', '.join(BUCKET_FORMATS[1:])}, got {fmt!r}")
+        if fmt == "safetensors_delta" and final and not checksum:
+            raise RequestInvalid("checksum", "a delta's final bucket carries the checksum of the result")
 
         def send(c, timeout: float):
             if fmt == "tensor_handles":
                 return c.update_weights_from_tensor(data.decode("ascii"), version if final else None, timeout_s=timeout)
+            if fmt == "safetensors_delta":
+                return c.update_weights_from_safetensors(
+                    data, version, final, timeout_s=timeout, base_version=base_version, checksum=checksum
+                )
             return c.update_weights_from_safetensors(data, version, final, timeout_s=timeout)
 
         return await self._bucket(version, index, final, restore_path, timeout_s, send, "")

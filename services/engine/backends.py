@@ -48,6 +48,7 @@ class Backend:
     # In-process engines (served by services/engine/server.py): "module:Class" built from the config.
     engine: str | None = None
     transports: frozenset[str] = ALL_TRANSPORTS  # the weight transports it receives
+    applies_deltas: bool = False  # http_buckets with delta: true (rollout/engines/weight_delta.py)
     releases_memory: bool = True  # gives GPU memory back while a colocated trainer trains
     uses_gpu: bool = True
     torch_threads: bool = False  # a torch process in rollmesh's hands: `rollmesh run` sets its num_threads
@@ -79,7 +80,12 @@ _IN_PROCESS = "services.engine.server:serve"
 
 BACKENDS: dict[str, Backend] = {
     "embedded": Backend(
-        EngineConfig, "sglang", _IN_PROCESS, "rollout.engines.embedded.engine:EmbeddedEngine", torch_threads=True
+        EngineConfig,
+        "sglang",
+        _IN_PROCESS,
+        "rollout.engines.embedded.engine:EmbeddedEngine",
+        torch_threads=True,
+        applies_deltas=True,
     ),
     # vLLM loads new weights from disk or over a group; it keeps its memory (no sleep mode wired).
     "vllm": Backend(

@@ -92,9 +92,18 @@ class ProxyClient:
         restore_path: str = "",
         timeout_s: float = 120.0,
         fmt: str = "",
+        base_version: int = 0,
+        checksum: str = "",
     ) -> pb.UpdateWeightsResponse:
+        """One bucket of an in-memory update (``fmt``: see the proxy's ``update_weights_bucket``)."""
         first = dict(
-            weight_version=weight_version, index=index, final=final, restore_path=restore_path, timeout_s=timeout_s
+            weight_version=weight_version,
+            index=index,
+            final=final,
+            restore_path=restore_path,
+            timeout_s=timeout_s,
+            base_version=base_version,
+            checksum=checksum,
         )
 
         async def pieces():  # the first carries every field, the later ones only more bytes

@@ -243,7 +243,15 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
         req, data = await receive_bucket(pieces, ctx)
         try:
             ok, results = await proxy.update_weights_bucket(
-                req.weight_version, req.index, data, req.final, req.restore_path, req.timeout_s, req.format
+                req.weight_version,
+                req.index,
+                data,
+                req.final,
+                req.restore_path,
+                req.timeout_s,
+                req.format,
+                req.base_version,
+                req.checksum,
             )
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

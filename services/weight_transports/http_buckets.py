@@ -4,15 +4,23 @@ sent one at a time through the LLMProxy, which forwards each to every engine as 
 (``/update_weights_from_safetensors``). While generation is suspended no engine reads a file,
 which matters where the run directory is a slow shared filesystem.
 
+``delta: true``: after the first update, the buckets hold only the values that changed in the
+engines' dtype since the version they hold (``rollout/engines/weight_delta.py``: indices and
+values, or whole tensors where that is smaller), with that version and the checksum of the
+result; an engine that holds another version, or whose result has another checksum, refuses (and
+keeps its weights), and the publisher then sends every weight within the same deadline.
+
 Engine side (``add_engine_routes``): the embedded engine's ``/update_weights_from_safetensors`` (a
 rollmesh extension) stages each bucket and commits with the last.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import grpc
 from fastapi import Query, Request  # the route's annotations are resolved in this module
@@ -25,25 +33,66 @@ from services.weight_transports.disk import DiskPublisher
 from services.wire_limits import MAX_WEIGHT_BUCKET_MB
 from trainer.ports import PublishError
 
+if TYPE_CHECKING:
+    from rollout.engines.weight_delta import DeltaStats
+
+log = logging.getLogger(__name__)
+
 
 class BucketPublisher:
     format = "safetensors"  # what each bucket's bytes hold (WeightBucket.format)
 
     def __init__(
-        self, proxy: ProxyClient | None, run_dir: str | Path, keep_versions: int = 2, bucket_mb: int = 256
+        self,
+        proxy: ProxyClient | None,
+        run_dir: str | Path,
+        keep_versions: int = 2,
+        bucket_mb: int = 256,
+        delta_dtype: str | None = None,
     ) -> None:
         self.proxy, self.max_bytes = proxy, bucket_mb << 20
         self.restore = DiskPublisher(proxy, run_dir, keep_versions)
         self._buckets: list[bytes] = []
+        # Delta updates (``delta_dtype``: the engines' dtype): the weights every engine holds, as
+        # they hold them (the last committed version), and those of the version under way.
+        self.delta_dtype = delta_dtype
+        self._base: tuple[int, dict] | None = None
+        self._pending: tuple[int, dict] | None = None
+        self._delta: _Delta | None = None
+        self._state: dict = {}  # the exported weights, serialized whole only if a delta fails
+        self.delta_fallbacks = 0
+        self.stats: dict[str, float] = {}  # delta updates: what the last load sent (the step's metrics)
 
     def export(self, engine, version: int) -> str:
-        from trainer.export import weight_buckets
+        import torch
+
+        from rollout.engines import weight_delta
+        from rollout.engines.embedded.weights import weights_checksum
 
         state = self._gather(engine)  # every rank gathers; rank 0 gets the weights
         path = self.restore.export(engine, version, state)
+        self._buckets, self._delta, self._state = [], None, {}
+        if not path:
+            return path
         # Serialized now, before generation is suspended: the suspension only waits for the transfer.
-        self._buckets = [self._serialize(b) for b in weight_buckets(state, self.max_bytes)] if path else []
+        if self.delta_dtype is None:
+            self._buckets = self._serialize_all(state)
+            return path
+        held = weight_delta.cast(state, getattr(torch, self.delta_dtype))
+        self._pending = (version, held)
+        if self._base is None:  # the first update of this trainer: nothing known to hold
+            self._buckets = self._serialize_all(state)
+            return path
+        entries, stats = weight_delta.encode(self._base[1], held)
+        buckets = [self._serialize(b) for b in weight_delta.buckets(entries, self.max_bytes)] or [b""]
+        self._delta = _Delta(self._base[0], weights_checksum(held), buckets, stats)
+        self._state = state
         return path
+
+    def _serialize_all(self, state: dict) -> list[bytes]:
+        from trainer.export import weight_buckets
+
+        return [self._serialize(b) for b in weight_buckets(state, self.max_bytes)]
 
     def _gather(self, engine) -> dict:
         return engine.full_weights()
@@ -55,17 +104,41 @@ class BucketPublisher:
 
     async def load(self, version: int, timeout_s: float) -> None:
         buckets, self._buckets = self._buckets, []
+        delta, self._delta = self._delta, None
+        deadline = time.monotonic() + timeout_s
+        if delta is not None:
+            try:
+                await self._send(version, delta.buckets, deadline, delta)
+                self.stats = {  # the step's metrics
+                    "weight_update_bytes": sum(map(len, delta.buckets)),
+                    "weight_delta_changed_share": delta.stats.changed_share,
+                    "weight_delta_fallbacks": self.delta_fallbacks,
+                }
+                return
+            except PublishError as e:  # an engine missed a version, or a check failed: send it all
+                self.delta_fallbacks += 1
+                log.warning("version %d: the delta update failed (%s); sending every weight", version, e)
+                buckets = self._serialize_all(self._state)
         if not buckets:
             raise PublishError(f"no weights exported for version {version}")
-        deadline = time.monotonic() + timeout_s
+        await self._send(version, buckets, deadline)
+        if self.delta_dtype is not None:
+            self.stats = {
+                "weight_update_bytes": sum(map(len, buckets)),
+                "weight_delta_fallbacks": self.delta_fallbacks,
+            }
+
+    async def _send(self, version: int, buckets: list[bytes], deadline: float, delta: _Delta | None = None) -> None:
+        fmt = self.format if delta is None else "safetensors_delta"
         for i, data in enumerate(buckets):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PublishError(f"bucket {i} of {len(buckets)}: the {timeout_s:g} s deadline passed")
+                raise PublishError(f"bucket {i} of {len(buckets)}: the deadline passed")
             final = i == len(buckets) - 1
+            extra = {} if delta is None else {"base_version": delta.base_version, "checksum": delta.checksum}
             try:
                 res = await self.proxy.update_weights_bucket(
-                    version, i, data, final, self.restore.path, left, self.format
+                    version, i, data, final, self.restore.path, left, fmt, **extra
                 )
             except grpc.aio.AioRpcError as e:
                 raise PublishError(f"LLMProxy, bucket {i} of {len(buckets)}: {project_error(e)}") from None
@@ -74,6 +147,16 @@ class BucketPublisher:
 
     def committed(self, version: int) -> None:
         self.restore.committed(version)
+        if self._pending is not None and self._pending[0] == version:
+            self._base, self._pending = self._pending, None
+
+
+@dataclass
+class _Delta:
+    base_version: int  # what every engine must hold
+    checksum: str  # of the weights after it (weight_delta.state_checksum on the engine)
+    buckets: list[bytes]
+    stats: DeltaStats
 
 
 class BucketPublisherConfig(BaseModel):
@@ -91,9 +174,18 @@ class BucketPublisherConfig(BaseModel):
         le=MAX_WEIGHT_BUCKET_MB,
         description="Largest bucket in MiB (a bigger tensor travels alone); the proxy holds one at a time.",
     )
+    delta: bool = Field(
+        False,
+        description="Send only the values that changed in the engines' dtype (engine.dtype) since the "
+        "version they hold, checked against the whole state's checksum; any failure sends every weight. "
+        "Keeps a copy of the weights in that dtype in the trainer's memory. Embedded engines only.",
+    )
+    engine_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Set from engine.dtype by the run config: the dtype deltas are computed in."
+    )
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> BucketPublisher:
-        return BucketPublisher(proxy, run_dir, keep_versions, self.bucket_mb)
+        return BucketPublisher(proxy, run_dir, keep_versions, self.bucket_mb, self.engine_dtype if self.delta else None)
 
 
 def add_engine_routes(app, side: EngineSide) -> None:
@@ -115,12 +207,34 @@ def add_engine_routes(app, side: EngineSide) -> None:
             description="The version the bucket belongs to (the same on every bucket of one update).",
         ),
         final: bool = Query(True, description="Apply everything staged for this version after this bucket."),
+        base_version: int | None = Query(
+            None,
+            ge=INT64_MIN,
+            le=INT64_MAX,
+            description="A delta update (rollout/engines/weight_delta.py) against this version, which the "
+            "engine must hold; absent: the buckets hold every parameter.",
+        ),
+        checksum: str = Query(
+            "", max_length=64, description="A delta's final bucket: the checksum the weights must have after it."
+        ),
     ):
         body = await request.body()
         try:
             tensors = load_safetensors(body) if body else {}
         except Exception as e:  # safetensors raises several types for bad bytes
             raise EngineError("body", f"not a safetensors payload ({e})") from None
+        if base_version is not None:
+            if not hasattr(engine, "stage_delta"):
+                raise EngineError("base_version", "this engine applies no delta updates")
+            if weight_version is None:
+                raise EngineError("weight_version", "a delta update names the version it makes")
+            if final and not checksum:
+                raise EngineError("checksum", "a delta's final bucket carries the checksum of the result")
+            staged = await asyncio.to_thread(engine.stage_delta, tensors, weight_version, base_version)
+            if not final:
+                return {"success": True, "staged_tensors": staged}
+            res = await asyncio.wrap_future(engine.commit_delta(weight_version, base_version, checksum))
+            return {"success": True, "message": "updated from a delta", **res}
         staged = await asyncio.to_thread(engine.stage_tensors, tensors, weight_version) if tensors else 0
         if not final:
             return {"success": True, "staged_tensors": staged}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rollout.engines import weight_delta
 from rollout.engines.contract import EngineError, GenerateOutput, PauseMode
 from rollout.engines.embedded.attention import AttentionLayout, UnsupportedModel
 from rollout.engines.embedded.config import EngineConfig
@@ -314,6 +315,22 @@ class EmbeddedEngine(SchedulerCommands):
         """Apply every tensor staged for ``update`` (default: ``weight_version``) at once between
         two steps (they must cover every parameter) and serve ``weight_version``."""
         return self._call(lambda: self._commit_staged(weight_version, weight_version if update is None else update))
+
+    def stage_delta(self, tensors: dict[str, torch.Tensor], version: int, base_version: int) -> int:
+        """Validate a bucket of a delta update (``rollout/engines/weight_delta.py``) from
+        ``base_version`` to ``version`` and hold it until ``commit_delta``; returns the staged count."""
+        self._check_base(base_version)
+        try:
+            entries = weight_delta.split(tensors)
+            weight_delta.check(self._params(), entries)
+        except ValueError as e:
+            raise EngineError("tensors", str(e)) from None
+        return self._call(lambda: self._stage(entries, ("delta", version, base_version))).result()
+
+    def commit_delta(self, version: int, base_version: int, checksum: str) -> Future:
+        """Apply the staged delta between two steps and serve ``version``, if the weights then have
+        ``checksum`` (``weight_delta.state_checksum``); otherwise put back what it changed and fail."""
+        return self._call(lambda: self._commit_delta(version, base_version, checksum))
 
     def release_memory(self, tags: list[str] | None = None) -> Future:
         """Give back the GPU memory of ``tags`` (default both: "weights" move to host memory, the KV
@@ -602,6 +619,32 @@ class EmbeddedEngine(SchedulerCommands):
                 f"(first: {missing[0]!r}); nothing was applied",
             )
         copy_named_tensors(self.model, staged)  # no_grad inside
+        self.checksum = weights_checksum(self.model.state_dict())
+        return self._bump_version(version)
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
+
+    def _check_base(self, base_version: int) -> None:
+        if self.weight_version != base_version:  # it missed a version, or was restored to another one
+            raise EngineError(
+                "base_version", f"the delta is against version {base_version}; this engine holds {self.weight_version}"
+            )
+
+    def _commit_delta(self, version: int, base_version: int, checksum: str) -> dict:
+        staged, self._staged = self._staged, {}
+        if self._staged_key != ("delta", version, base_version):
+            staged = {}  # staged for another update: never applied under this one
+        self._check_base(base_version)
+        undo = weight_delta.apply(self._params(), staged)
+        got = weight_delta.state_checksum(self.model)
+        if got != checksum:
+            weight_delta.restore(undo)
+            raise EngineError(
+                "checksum",
+                f"the weights after the delta to version {version} have checksum {got}, the trainer's "
+                f"are {checksum}; version {base_version} is served unchanged",
+            )
         self.checksum = weights_checksum(self.model.state_dict())
         return self._bump_version(version)
 

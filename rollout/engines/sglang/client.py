@@ -157,11 +157,20 @@ class SGLangClient(HTTPEngineClient):
         return res
 
     async def update_weights_from_safetensors(
-        self, data: bytes, weight_version: int, final: bool, timeout_s: float = 120.0
+        self,
+        data: bytes,
+        weight_version: int,
+        final: bool,
+        timeout_s: float = 120.0,
+        base_version: int | None = None,
+        checksum: str = "",
     ) -> dict:
         """One bucket of named tensors as safetensors bytes (rollmesh extension); ``final`` applies
-        every bucket of ``weight_version`` sent so far."""
+        every bucket of ``weight_version`` sent so far. ``base_version``: the buckets hold a delta
+        against that version (``rollout/engines/weight_delta.py``), whose result must have ``checksum``."""
         params = {"final": str(final).lower(), "weight_version": weight_version}
+        if base_version is not None:
+            params |= {"base_version": base_version, "checksum": checksum}
         # A connection per bucket: a pooled socket the server closed while the caller's loop was
         # busy broke midway through 256 MiB buckets sent through the proxy.
         return await self._post_alone("/update_weights_from_safetensors", timeout_s, params=params, data=data)

@@ -351,7 +351,13 @@ class VLLMClient(HTTPEngineClient):
         return out
 
     async def update_weights_from_safetensors(
-        self, data: bytes, weight_version: int, final: bool, timeout_s: float = 120.0
+        self,
+        data: bytes,
+        weight_version: int,
+        final: bool,
+        timeout_s: float = 120.0,
+        base_version: int | None = None,
+        checksum: str = "",
     ) -> dict:
         raise EngineRejected(
             "train_loop.publisher.type: vLLM engines load weights from disk or over a group (disk, collective)",

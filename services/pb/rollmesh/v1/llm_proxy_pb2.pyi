@@ -182,7 +182,7 @@ class UpdateWeightsResponse(_message.Message):
     def __init__(self, success: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineUpdateResult, _Mapping]]] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("weight_version", "index", "safetensors", "final", "restore_path", "timeout_s", "format")
+    __slots__ = ("weight_version", "index", "safetensors", "final", "restore_path", "timeout_s", "format", "base_version", "checksum")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,8 @@ class WeightBucket(_message.Message):
     RESTORE_PATH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     index: int
     safetensors: bytes
@@ -197,7 +199,9 @@ class WeightBucket(_message.Message):
     restore_path: str
     timeout_s: float
     format: str
-    def __init__(self, weight_version: _Optional[int] = ..., index: _Optional[int] = ..., safetensors: _Optional[bytes] = ..., final: _Optional[bool] = ..., restore_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., format: _Optional[str] = ...) -> None: ...
+    base_version: int
+    checksum: str
+    def __init__(self, weight_version: _Optional[int] = ..., index: _Optional[int] = ..., safetensors: _Optional[bytes] = ..., final: _Optional[bool] = ..., restore_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., format: _Optional[str] = ..., base_version: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class InitWeightsGroupRequest(_message.Message):
     __slots__ = ("master_address", "master_port", "group_name", "backend", "timeout_s")
