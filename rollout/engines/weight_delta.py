@@ -11,7 +11,7 @@ Encoding, per tensor, whichever is smaller: the whole tensor (``name``), or the 
 the changed values and the values (``name#index``, int32 or int64, and ``name#value``, the
 engine's dtype). Indices cost 4 bytes each, so a tensor goes whole once more than about a third of
 a bfloat16 tensor's values changed. Unchanged tensors are not sent. The engine verifies the
-result against the checksum of the whole new state (``state_checksum``) and restores what it
+result against the checksum of the whole new state (``weights_checksum``) and restores what it
 touched on a mismatch, so a delta against the wrong base can fail but never leave wrong weights.
 """
 
@@ -21,8 +21,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-
-from rollout.engines.embedded.weights import weights_checksum
 
 INDEX, VALUE = "#index", "#value"  # '#' appears in no parameter name
 
@@ -185,16 +183,3 @@ def restore(undo: list) -> None:
             p.copy_(old)
         else:
             p.view(-1)[idx] = old
-
-
-def state_checksum(model: torch.nn.Module) -> str:
-    """``weights_checksum`` over the model's state with tied copies once (the first name, as
-    ``named_parameters`` keeps it): the tensors a trainer exports, so the two sides compare."""
-    seen, state = set(), {}
-    for name, t in model.state_dict().items():
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        if t.numel() and key in seen:
-            continue
-        seen.add(key)
-        state[name] = t
-    return weights_checksum(state)

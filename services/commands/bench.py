@@ -287,9 +287,28 @@ def bench_weights(
     engines: int = typer.Option(2, help="Engine processes behind the proxy."),
     repeats: int = typer.Option(3, help="Updates per transport (the median is reported)."),
     bucket_mb: int = typer.Option(256, help="http_buckets, ipc and collective: largest bucket in MiB."),
+    delta: bool = typer.Option(
+        False,
+        "--delta",
+        help="Instead: whole vs delta updates (http_buckets, delta: true) after each of --steps real training "
+        "steps of --config's model and trainer, to two bfloat16 engines.",
+    ),
+    config: Path = typer.Option(Path("examples/smollm2-math.yaml"), help="--delta: the run config trained."),
+    steps: int = typer.Option(10, help="--delta: training steps (the first update is whole on both sides)."),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
     """One weight update through each CPU transport (disk, http_buckets, ipc, collective/gloo): seconds, GB/s."""
+    if delta:
+        from services.bench.weights_delta import run as run_delta
+
+        fixed = {"hidden-size": hidden_size != 1024, "layers": layers != 8, "engines": engines != 2}
+        if taken := [f"--{k}" for k, v in fixed.items() if v] + (["--repeats"] if repeats != 3 else []):
+            typer.echo(
+                f"error: --delta: trains the config's model on two engines, not with {', '.join(taken)}", err=True
+            )
+            raise typer.Exit(2)
+        emit(checked(run_delta, str(config), steps, 4, bucket_mb, progress_printer(json_)), json_)
+        return
     from services.bench.weights_bench import run
 
     emit(checked(run, hidden_size, layers, engines, repeats, bucket_mb, progress_printer(json_)), json_)

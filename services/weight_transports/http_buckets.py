@@ -61,7 +61,8 @@ class BucketPublisher:
         self._delta: _Delta | None = None
         self._state: dict = {}  # the exported weights, serialized whole only if a delta fails
         self.delta_fallbacks = 0
-        self.stats: dict[str, float] = {}  # delta updates: what the last load sent (the step's metrics)
+        self.stats: dict[str, float] = {}  # what the last load sent (the step's metrics)
+        self.delta_stats: DeltaStats | None = None  # what the last load's delta held, if it sent one
 
     def export(self, engine, version: int) -> str:
         import torch
@@ -106,10 +107,12 @@ class BucketPublisher:
         buckets, self._buckets = self._buckets, []
         delta, self._delta = self._delta, None
         deadline = time.monotonic() + timeout_s
+        self.stats, self.delta_stats = {}, None
         if delta is not None:
             try:
                 await self._send(version, delta.buckets, deadline, delta)
-                self.stats = {  # the step's metrics
+                self.delta_stats = delta.stats
+                self.stats = {
                     "weight_update_bytes": sum(map(len, delta.buckets)),
                     "weight_delta_changed_share": delta.stats.changed_share,
                     "weight_delta_fallbacks": self.delta_fallbacks,
@@ -122,11 +125,9 @@ class BucketPublisher:
         if not buckets:
             raise PublishError(f"no weights exported for version {version}")
         await self._send(version, buckets, deadline)
+        self.stats = {"weight_update_bytes": sum(map(len, buckets))}  # through the proxy (ipc: handles)
         if self.delta_dtype is not None:
-            self.stats = {
-                "weight_update_bytes": sum(map(len, buckets)),
-                "weight_delta_fallbacks": self.delta_fallbacks,
-            }
+            self.stats["weight_delta_fallbacks"] = self.delta_fallbacks
 
     async def _send(self, version: int, buckets: list[bytes], deadline: float, delta: _Delta | None = None) -> None:
         fmt = self.format if delta is None else "safetensors_delta"
@@ -154,7 +155,7 @@ class BucketPublisher:
 @dataclass
 class _Delta:
     base_version: int  # what every engine must hold
-    checksum: str  # of the weights after it (weight_delta.state_checksum on the engine)
+    checksum: str  # of the weights after it (weights_checksum, as the engine computes it)
     buckets: list[bytes]
     stats: DeltaStats
 

@@ -120,7 +120,8 @@ def test_the_engine_applies_a_delta_to_exactly_the_trainer_weights(engine, tiny_
     for bucket in buckets:
         engine.stage_delta(bucket, 1, 0)
     res = engine.commit_delta(1, 0, weights_checksum(new)).result(T)
-    assert res["weight_version"] == 1 and weight_delta.state_checksum(engine.model) == weights_checksum(new)
+    assert res["weight_version"] == 1 and engine.checksum == weights_checksum(new)
+    assert weights_checksum(engine.model.state_dict()) == weights_checksum(new)  # tied lm_head counted once
     after = engine.submit("b", [1, 5, 9], GREEDY).result(T)
     assert set(after.token_versions) == {1} and set(before.token_versions) == {0}
 
@@ -140,16 +141,16 @@ def test_a_delta_against_another_version_is_refused_and_nothing_changes(engine, 
 def test_a_result_with_another_checksum_puts_the_weights_back(engine, tiny_model):
     new, entries, _ = _next_version(tiny_model)
     tensors = _one_bucket(entries)
-    held = weight_delta.state_checksum(engine.model)
+    held = weights_checksum(engine.model.state_dict())
     engine.stage_delta(tensors, 1, 0)
     with pytest.raises(EngineError, match="version 0 is served unchanged") as e:
         engine.commit_delta(1, 0, "0" * 16).result(T)
     assert e.value.field == "checksum"
-    assert engine.weight_version == 0 and weight_delta.state_checksum(engine.model) == held
+    assert engine.weight_version == 0 and weights_checksum(engine.model.state_dict()) == held
     # Buckets lost between staging and commit are caught the same way: nothing staged, another sum.
     with pytest.raises(EngineError, match="served unchanged"):
         engine.commit_delta(1, 0, weights_checksum(new)).result(T)
-    assert weight_delta.state_checksum(engine.model) == held
+    assert weights_checksum(engine.model.state_dict()) == held
 
 
 def test_a_delta_in_another_dtype_is_refused(engine, tiny_model):

@@ -329,7 +329,7 @@ class EmbeddedEngine(SchedulerCommands):
 
     def commit_delta(self, version: int, base_version: int, checksum: str) -> Future:
         """Apply the staged delta between two steps and serve ``version``, if the weights then have
-        ``checksum`` (``weight_delta.state_checksum``); otherwise put back what it changed and fail."""
+        ``checksum`` (``weights_checksum``); otherwise put back what it changed and fail."""
         return self._call(lambda: self._commit_delta(version, base_version, checksum))
 
     def release_memory(self, tags: list[str] | None = None) -> Future:
@@ -637,7 +637,7 @@ class EmbeddedEngine(SchedulerCommands):
             staged = {}  # staged for another update: never applied under this one
         self._check_base(base_version)
         undo = weight_delta.apply(self._params(), staged)
-        got = weight_delta.state_checksum(self.model)
+        got = weights_checksum(self.model.state_dict())
         if got != checksum:
             weight_delta.restore(undo)
             raise EngineError(
@@ -645,7 +645,7 @@ class EmbeddedEngine(SchedulerCommands):
                 f"the weights after the delta to version {version} have checksum {got}, the trainer's "
                 f"are {checksum}; version {base_version} is served unchanged",
             )
-        self.checksum = weights_checksum(self.model.state_dict())
+        self.checksum = got
         return self._bump_version(version)
 
     def _bump_version(self, version: int | None) -> dict:

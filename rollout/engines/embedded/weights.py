@@ -11,10 +11,19 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
     """A short fingerprint of a set of weights: sha256 over names, dtypes, shapes and bytes.
 
     The trainer computes the same over what it exported, so an engine's reported checksum proves
-    it loaded exactly those weights.
+    it loaded exactly those weights. Tied tensors count once, under the first of their names (a
+    model's state dict names the shared embedding again as ``lm_head.weight``; the trainer's export
+    does not), so the two sides' checksums compare.
     """
+    seen, names = set(), []
+    for name, t in state_dict.items():
+        key = (t.device, t.data_ptr(), tuple(t.shape), t.dtype, t.stride())
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        names.append(name)
     h = hashlib.sha256()
-    for name in sorted(state_dict):
+    for name in sorted(names):
         t = state_dict[name].detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
