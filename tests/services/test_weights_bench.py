@@ -41,3 +41,32 @@ def test_bench_weights_refuses_a_bad_option():
     cmd = [sys.executable, "-m", "services.cli", "bench", "weights", "--engines", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--engines: must be >= 1" in proc.stderr
+
+
+def test_bench_weights_delta_compares_whole_and_delta_updates_over_training_steps(tiny_model, tmp_path):
+    config = tmp_path / "run.yaml"  # the quickstart's task and trainer on the tiny model
+    config.write_text(
+        f"model_path: {tiny_model}\n"
+        "env_manager: {dataset_path: examples/find_digit_train.jsonl, group_size: 4}\n"
+        "trainer: {lr: 0.001}\n"
+    )
+    cmd = [sys.executable, "-m", "services.cli", "bench", "weights", "--delta", "--config", str(config)]
+    proc = subprocess.run(
+        [*cmd, "--steps", "3", "--bucket-mb", "1", "--json"], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["steps"] == 3 and out["engine_dtype"] == "bfloat16" and out["checksums_equal"] is True
+    assert 0 < out["changed_share_min"] <= out["changed_share_median"] <= out["changed_share_max"] <= 1
+    assert out["full_bytes_mb"] > 0 and out["delta_bytes_mb"] > 0 and out["full_load_s"] > 0 < out["delta_load_s"]
+    assert out["encoding_bytes_mb_chosen"] <= min(
+        out["encoding_bytes_mb_sparse"], out["encoding_bytes_mb_changed_tensors"]
+    )
+    # Options of the other mode are refused, not ignored; so is a run of fewer than two steps.
+    refused = subprocess.run([*cmd, "--layers", "2"], capture_output=True, text=True, timeout=60)
+    assert (
+        refused.returncode == 2
+        and "--delta: trains the config's model on two engines, not with --layers" in refused.stderr
+    )
+    one = subprocess.run([*cmd, "--steps", "1"], capture_output=True, text=True, timeout=120)
+    assert one.returncode == 2 and "--steps: must be >= 2" in one.stderr
