@@ -181,7 +181,7 @@ class RollmeshConfig(BaseModel):
                     f"train_loop.publisher.delta: engine.type {self.engine.type!r} applies no delta updates "
                     "(embedded engines do)"
                 )
-            publisher.engine_dtype = self.engine.dtype  # deltas are made in the dtype the engines hold
+            publisher._engine_dtype = self.engine.dtype  # deltas are made in the dtype the engines hold
         if "master_address" in fields and publisher.master_address not in self.proxy.weight_group_hosts:
             self.proxy.weight_group_hosts.append(publisher.master_address)  # the one place it is said
         if self.devices.placement == "colocated" and not engine.releases_memory:

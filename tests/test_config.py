@@ -171,8 +171,10 @@ def test_ipc_handles_are_written_as_the_engine_reads_them():
 
 def test_delta_updates_are_made_in_the_engines_dtype_for_engines_that_apply_them():
     delta = "train_loop.publisher={type: http_buckets, delta: true}"
-    assert load_config(None, [delta, "engine.dtype=bfloat16"]).train_loop.publisher.engine_dtype == "bfloat16"
-    assert load_config(None, [delta]).train_loop.publisher.engine_dtype == "float32"
+    assert load_config(None, [delta, "engine.dtype=bfloat16"]).train_loop.publisher._engine_dtype == "bfloat16"
+    assert load_config(None, [delta]).train_loop.publisher._engine_dtype == "float32"
+    with pytest.raises(ConfigError, match="engine_dtype"):  # engine.dtype says it, once
+        load_config(None, [delta, "train_loop.publisher.engine_dtype=bfloat16"])
     with pytest.raises(ConfigError, match="train_loop.publisher.delta: engine.type 'sglang' applies no delta updates"):
         load_config(None, [delta, "engine={type: sglang}"])
 

@@ -1,4 +1,5 @@
-"""Checkpoints with torch.distributed.checkpoint: model, optimizer, scheduler, RNG, step, version.
+"""Checkpoints with torch.distributed.checkpoint: model, optimizer, scheduler, RNG, step, version
+(a LoRA policy: its adapters and their optimizer state, and the adapters in PEFT's format).
 
 A checkpoint is written into ``step_N.partial`` and renamed to ``step_N`` only after every rank
 finished and rank 0 wrote the ``COMPLETE`` marker, so a crash mid-write never leaves something
@@ -14,10 +15,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 # (the marker and `latest_checkpoint` live in trainer/durable.py, without torch: `rollmesh run` reads run directories)
 from trainer.durable import MARKER, swap_in
+from trainer.export import export_adapter
 
 
 def _barrier() -> None:
@@ -29,6 +31,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _options(engine) -> StateDictOptions | None:
+    """LoRA: the adapters and their optimizer state only; the frozen base comes from model_path."""
+    if engine.config.lora is None:
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def save_checkpoint(engine, root: str | Path, keep_last: int | None = None) -> Path:
     root = Path(root)
     final = root / f"step_{engine.step}"
@@ -37,8 +46,10 @@ def save_checkpoint(engine, root: str | Path, keep_last: int | None = None) -> P
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=_options(engine))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+    if engine.config.lora is not None:  # the adapters alone, loadable by PEFT (the base is model_path)
+        export_adapter(engine.model, tmp / "adapter")
     extra = {
         "step": engine.step,
         "version": engine.version,
@@ -67,10 +78,13 @@ def load_checkpoint(engine, path: str | Path) -> None:
     path = Path(path)
     if not (path / MARKER).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    opts = _options(engine)
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=opts)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path / "state"))
-    set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts
+    )
     if engine.critic is not None:
         c_sd, co_sd = get_state_dict(engine.critic, engine.critic_optimizer)
         cstate = {"model": c_sd, "optim": co_sd}

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.advantage_config import AdvantageConfig, GRPOAdvantageConfig
+from trainer.lora import LoraConfig
 from trainer.loss_config import (
     DecoupledPPOLossConfig,
     MismatchCorrection,
@@ -165,6 +166,13 @@ class TrainerConfig(BaseModel):
         "weights; single-process trainers only.",
     )
     moe: MoEConfig = Field(default_factory=MoEConfig, description="Mixture-of-experts models: routing replay.")
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train low-rank adapters instead of every weight (None = full fine-tuning): the base stays "
+        "frozen, checkpoints hold the adapters (also in PEFT's format, step_N/adapter), the engines get the "
+        "adapters merged into the weights, and a reference model at model_path is this one with its adapters "
+        "off. Not with vision-language policies, moe.routing replay, audit_versions or max_step_kl yet.",
+    )
     audit_versions: int = Field(
         0,
         ge=0,

@@ -15,11 +15,13 @@ import math
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from sample_buffer.vision import is_vision_model, model_class
+from trainer import lora
 from trainer.advantages import compute_advantages, masked_mean
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
@@ -105,6 +107,8 @@ def _images(batch: TrainBatch, rows: list[int]) -> list | None:
 
 def _decoder_layers(model):
     """The decoder's layers (a vision-language model's are its language model's)."""
+    if hasattr(model, "get_base_model"):  # a PEFT wrapper (LoRA): the model it wraps
+        model = model.get_base_model()
     base = model.base_model
     return base.layers if hasattr(base, "layers") else base.language_model.layers
 
@@ -162,9 +166,19 @@ class TrainEngine:
         )
         torch.manual_seed(config.seed)
         dtype = getattr(torch, config.dtype)
-        self.model = self._prepare(model_class(config.model_path).from_pretrained(config.model_path, dtype=dtype))
+        model = model_class(config.model_path).from_pretrained(config.model_path, dtype=dtype)
+        if config.lora is not None:
+            self._refuse_with_lora(model)
+            model = lora.wrap(model, config.lora)
+        self.model = self._prepare(model)
         self.ref = None
-        if config.ref_model_path:
+        # LoRA: a reference that is the base model is this one with its adapters off (no second copy)
+        self.ref_is_base = (
+            config.lora is not None
+            and config.ref_model_path is not None
+            and (Path(config.ref_model_path).resolve() == Path(config.model_path).resolve())
+        )
+        if config.ref_model_path and not self.ref_is_base:
             ref = model_class(config.ref_model_path).from_pretrained(config.ref_model_path, dtype=dtype)
             self.ref = ref.to(self.device).eval()
             self.ref.requires_grad_(False)
@@ -190,7 +204,7 @@ class TrainEngine:
             critic = AutoModelForTokenClassification.from_pretrained(config.model_path, num_labels=1, dtype=dtype)
             self.critic = self._prepare(critic)
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.critic_lr)
-        params = self.model.parameters()
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters alone
         if config.vision_lr is not None:
             if self.vision is None:
                 raise ValueError("trainer.vision_lr: the policy has no vision tower")
@@ -213,6 +227,23 @@ class TrainEngine:
             raise ValueError("trainer.max_step_kl: single-process trainers only for now (not under torchrun)")
         self.step = 0  # optimizer steps taken
         self.version = 0  # policy version: bumped by every step, published to the engines
+
+    def _refuse_with_lora(self, model) -> None:
+        cfg = self.config
+        for on, what in (
+            (is_vision_model(cfg.model_path), "a vision-language policy"),
+            (cfg.moe.routing == "replay", "moe.routing 'replay'"),
+            (cfg.audit_versions > 0, "audit_versions"),
+            (cfg.max_step_kl is not None, "max_step_kl"),
+        ):
+            if on:  # each keeps or copies whole weights by the plain model's names: not built for adapters yet
+                raise ValueError(f"trainer.lora: not with {what} yet")
+
+    def _reference_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        if self.ref_is_base:
+            with self.model.disable_adapter():
+                return self.logprobs(batch)
+        return self.logprobs(batch, self.ref) if self.ref is not None else None
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         model.config.use_cache = False
@@ -417,7 +448,7 @@ class TrainEngine:
         mask = batch.loss_mask.to(self.device)
         behav = batch.behavior_logprobs.to(self.device)
         prox = self.logprobs(batch)  # the proximal policy: these weights, before this step
-        ref = self.logprobs(batch, self.ref) if self.ref is not None else None
+        ref = self._reference_logprobs(batch)
         rewards = batch.rewards.to(self.device)
         if ref is not None and cfg.kl_in_reward:
             rewards = rewards - cfg.kl_coef * (kl_penalty(prox, ref, cfg.kl_estimator) * mask).sum(-1)
@@ -623,7 +654,7 @@ class TrainEngine:
 
     def full_weights(self, on_device: bool = False) -> dict[str, torch.Tensor]:
         """The policy's unsharded weights by HF name, on CPU (``on_device``: on the trainer's device):
-        on rank 0; {} on the others (collective)."""
+        on rank 0; {} on the others (collective). LoRA: the adapters merged into their base weights."""
         from trainer.export import full_state_dict
 
         return full_state_dict(self.model, cpu_offload=not on_device)

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from trainer import lora
+
 _HF_FILES = (  # beside the weights, what makes a directory a servable checkpoint (a vision model's processor too)
     "preprocessor_config.json",
     "processor_config.json",
@@ -33,9 +35,12 @@ _HF_FILES = (  # beside the weights, what makes a directory a servable checkpoin
 
 def full_state_dict(model: torch.nn.Module, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
     """Unsharded tensors by HF name, on CPU unless ``cpu_offload`` is off (every rank must call it
-    under FSDP2; with the offload only rank 0 gets them), tied copies dropped."""
+    under FSDP2; with the offload only rank 0 gets them), tied copies dropped; a LoRA policy's
+    adapters merged into their weights."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
     sd = get_model_state_dict(model, options=opts)
+    if hasattr(model, "peft_config") and sd:  # LoRA: the adapters folded into the weights engines serve
+        sd = lora.merged(sd, lora.scalings(model))
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
     return sd
@@ -79,4 +84,22 @@ def export_hf(
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # an engine never sees a half-written directory
+    return out
+
+
+def export_adapter(model: torch.nn.Module, out_dir: str | Path) -> Path | None:
+    """A LoRA policy's adapters as PEFT saves them (``adapter_config.json`` and
+    ``adapter_model.safetensors``: ``PeftModel.from_pretrained`` loads it onto the base model);
+    every rank gathers, rank 0 writes."""
+    from safetensors.torch import save_file
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank != 0:
+        return None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.peft_config[lora.ADAPTER].save_pretrained(str(out))
+    state = {k: v.detach().to("cpu").contiguous() for k, v in lora.adapter_state(sd).items()}
+    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out

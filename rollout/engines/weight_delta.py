@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import torch
 
@@ -46,8 +47,9 @@ class DeltaStats:
 
 def cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``state``'s floating tensors in the engine's dtype, on CPU, contiguous (what the engine holds)."""
+    # A copy even where nothing converts (float32 on CPU): the trainer's own tensors change in place.
     return {
-        n: t.detach().to(device="cpu", dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
+        n: t.detach().to(device="cpu", dtype=dtype if t.is_floating_point() else t.dtype, copy=True).contiguous()
         for n, t in state.items()
     }
 
@@ -62,7 +64,7 @@ def _changed(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(old.view(-1).view(ints) != new.view(-1).view(ints)).view(-1)
 
 
-Entry = "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"  # a whole tensor, or (flat indices, values)
+Entry: TypeAlias = "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"  # a whole tensor, or (flat indices, values)
 
 
 def encode(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[dict[str, Entry], DeltaStats]:
@@ -119,25 +121,23 @@ def buckets(entries: dict[str, Entry], max_bytes: int) -> Iterator[dict[str, tor
 def split(tensors: dict[str, torch.Tensor]) -> dict[str, Entry]:
     """A bucket's named tensors as entries again (what ``encode`` made). Raises ``ValueError``
     naming the entry for anything that is not a well-formed delta."""
-    out: dict[str, Entry] = {}
-    for key, t in tensors.items():
-        if key.endswith(VALUE):
-            continue
-        if not key.endswith(INDEX):
-            out[key] = t
-            continue
-        name = key[: -len(INDEX)]
-        values = tensors.get(name + VALUE)
-        if values is None:
-            raise ValueError(f"{key!r} has no {name + VALUE!r}")
-        if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
-            raise ValueError(f"{key!r} must be 1-D int32 or int64, got {t.dtype} {tuple(t.shape)}")
-        if values.dim() != 1 or len(values) != len(t):
-            raise ValueError(f"{name + VALUE!r} must be 1-D with one value per index ({len(t)})")
-        out[name] = (t, values)
+    whole = {k: t for k, t in tensors.items() if not k.endswith((INDEX, VALUE))}
+    sparse = {k.removesuffix(INDEX) for k in tensors if k.endswith(INDEX)}
     for key in tensors:
-        if key.endswith(VALUE) and key[: -len(VALUE)] not in out:
-            raise ValueError(f"{key!r} has no {key[: -len(VALUE)] + INDEX!r}")
+        if key.endswith(VALUE) and key.removesuffix(VALUE) not in sparse:
+            raise ValueError(f"{key!r} has no {key.removesuffix(VALUE) + INDEX!r}")
+    out: dict[str, Entry] = dict(whole)
+    for name in sparse:
+        if name in whole:
+            raise ValueError(f"{name!r} is sent both whole and as indices")
+        idx, values = tensors[name + INDEX], tensors.get(name + VALUE)
+        if values is None:
+            raise ValueError(f"{name + INDEX!r} has no {name + VALUE!r}")
+        if idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1:
+            raise ValueError(f"{name + INDEX!r} must be 1-D int32 or int64, got {idx.dtype} {tuple(idx.shape)}")
+        if values.dim() != 1 or len(values) != len(idx):
+            raise ValueError(f"{name + VALUE!r} must be 1-D with one value per index ({len(idx)})")
+        out[name] = (idx, values)
     return out
 
 
@@ -148,6 +148,8 @@ def check(params: dict[str, torch.Tensor], entries: dict[str, Entry]) -> None:
         p = params.get(name)
         if p is None:
             raise ValueError(f"unknown tensor name {name!r}: the served model has no such parameter")
+        if not p.is_contiguous():  # written through a flat view
+            raise ValueError(f"{name!r}: the engine holds it non-contiguous; send whole weights")
         values = e[1] if isinstance(e, tuple) else e
         if values.dtype != p.dtype:
             raise ValueError(f"{name!r}: values are {values.dtype}, the engine holds {p.dtype}")
@@ -161,18 +163,24 @@ def check(params: dict[str, torch.Tensor], entries: dict[str, Entry]) -> None:
 
 @torch.no_grad()
 def apply(params: dict[str, torch.Tensor], entries: dict[str, Entry]) -> list:
-    """Write ``entries`` (checked) into ``params`` in place; returns what ``restore`` needs."""
-    undo = []
-    for name, e in entries.items():
-        p = params[name]
-        if isinstance(e, tuple):
-            idx = e[0].to(device=p.device, dtype=torch.int64)
-            flat = p.view(-1)  # parameters are contiguous
-            undo.append((p, idx, flat[idx].clone()))
-            flat[idx] = e[1].to(p.device)
-        else:
-            undo.append((p, None, p.detach().clone()))
-            p.copy_(e)
+    """Write ``entries`` (checked) into ``params`` in place; returns what ``restore`` needs (the
+    old values, in host memory: a whole tensor's copy must not cost the device a second model).
+    Whatever fails midway (memory, a device error) puts back what was written before it raises."""
+    undo: list = []
+    try:
+        for name, e in entries.items():
+            p = params[name]
+            flat = p.view(-1)
+            if isinstance(e, tuple):
+                idx = e[0].to(device=p.device, dtype=torch.int64)
+                undo.append((p, idx, flat[idx].to("cpu", copy=True)))
+                flat[idx] = e[1].to(p.device)
+            else:
+                undo.append((p, None, p.to("cpu", copy=True)))
+                p.copy_(e)
+    except BaseException:
+        restore(undo)
+        raise
     return undo
 
 
@@ -182,4 +190,4 @@ def restore(undo: list) -> None:
         if idx is None:
             p.copy_(old)
         else:
-            p.view(-1)[idx] = old
+            p.view(-1)[idx] = old.to(p.device)

@@ -1,6 +1,6 @@
 """`rollmesh bench trainer --workload`: training steps unpacked, packed and tree-packed, side by side.
 
-Three shapes of batch, random token ids on a random tiny-shaped model:
+Three shapes of batch, random token ids on a random tiny-shaped model (or ``--model``):
 
 - ``grpo``: groups of 16 answers of 256 tokens to one 1,024-token prompt;
 - ``agent``: 4-turn agent sessions (a 256-token task, then turns of 64 generated and 128
@@ -84,6 +84,12 @@ def quickstart_batch(seed: int, vocab: int, groups: int = 16, size: int = 8):
 
 
 BUILDERS = {"grpo": grpo_batch, "agent": agent_batch, "quickstart": quickstart_batch}
+GROUP_SIZE = {"grpo": 16, "agent": 4, "quickstart": 8}  # trajectories per group (an agent session's four paths)
+
+
+def build(workload: str, seed: int, vocab: int, groups: int | None = None) -> TrainBatch:
+    """A step's batch of ``workload``: ``groups`` groups (sessions), or the workload's default."""
+    return BUILDERS[workload](seed, vocab, *(() if groups is None else (groups,)))
 
 
 def work(batch: TrainBatch, layout: str, params: int, layers: int, width: int) -> dict:
@@ -102,13 +108,13 @@ def work(batch: TrainBatch, layout: str, params: int, layers: int, width: int) -
     return {"tokens": tokens, "flops": 6 * params * tokens + 12 * layers * width * keys}
 
 
-def _measure(model_path: str, workload: str, layout: str, steps: int, queue) -> None:
+def _measure(model_path: str, workload: str, layout: str, steps: int, groups: int | None, queue) -> None:
     from trainer.config import TrainerConfig
     from trainer.engine import TrainEngine
 
     engine = TrainEngine(TrainerConfig(model_path=model_path, lr=1e-5, micro_batch_tokens=8192, **LAYOUTS[layout]))
     vocab = engine.model.config.vocab_size
-    batches = [BUILDERS[workload](seed, vocab) for seed in range(steps + 1)]
+    batches = [build(workload, seed, vocab, groups) for seed in range(steps + 1)]
     engine.train_step(batches[-1])  # warm-up
     tokens = 0
     t0 = time.perf_counter()
@@ -135,9 +141,18 @@ def _result(proc, queue) -> dict:
     return result
 
 
-def run(workloads: list[str], steps: int = 2, progress=print) -> dict:
-    """Each workload's ``steps`` timed steps (after one warm-up) under each layout, in a fresh process."""
+def run(
+    workloads: list[str],
+    steps: int = 2,
+    progress=print,
+    model_path: str | None = None,
+    trajectories: int | None = None,
+) -> dict:
+    """Each workload's ``steps`` timed steps (after one warm-up) under each layout, in a fresh
+    process, on ``model_path`` (default: a random tiny-shaped model) with ``trajectories`` per step
+    (rounded down to whole groups; default: each workload's own)."""
     import tempfile
+    from pathlib import Path
 
     from services.bench import BadOption
     from trainer.tiny_model import SHAPES, build_tiny_model, count_parameters
@@ -147,23 +162,31 @@ def run(workloads: list[str], steps: int = 2, progress=print) -> dict:
             raise BadOption(f"--workload: one of {', '.join(WORKLOADS)} or all, got {w!r}")
     if steps < 1:
         raise BadOption(f"--steps: must be >= 1, got {steps}")
+    for w in workloads if trajectories is not None else ():
+        if trajectories < GROUP_SIZE[w]:
+            raise BadOption(f"--trajectories: {w} trains groups of {GROUP_SIZE[w]}, got {trajectories}")
+    if model_path is not None and not Path(model_path, "config.json").is_file():
+        raise BadOption(f"--model: {model_path} holds no model (config.json)")
     ctx = multiprocessing.get_context("spawn")
     out: dict = {"threads": torch.get_num_threads(), "steps": steps}
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-workloads-") as tmp:
-        shape = SHAPES["tiny"].model_copy(update={"max_position_embeddings": 2048})
-        progress("building a random tiny-shaped model (2,048 positions)")
-        model_path = str(build_tiny_model(tmp, shape))
+        if model_path is None:
+            shape = SHAPES["tiny"].model_copy(update={"max_position_embeddings": 2048})
+            progress("building a random tiny-shaped model (2,048 positions)")
+            model_path = str(build_tiny_model(tmp, shape))
+        out["model"] = model_path
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(model_path)
         params = count_parameters(AutoModelForCausalLM.from_config(config))
         for w in workloads:
-            sample = BUILDERS[w](0, config.vocab_size)
+            groups = None if trajectories is None else trajectories // GROUP_SIZE[w]
+            sample = build(w, 0, config.vocab_size, groups)
             row: dict = {"trajectories_per_step": len(sample.sequences), "tokens_per_step": sample.num_tokens}
             for layout in LAYOUTS:
                 progress(f"{w}: {layout}, {steps} step(s)")
                 queue = ctx.Queue()
-                proc = ctx.Process(target=_measure, args=(model_path, w, layout, steps, queue))
+                proc = ctx.Process(target=_measure, args=(model_path, w, layout, steps, groups, queue))
                 proc.start()
                 result = _result(proc, queue)
                 done = work(sample, layout, params, config.num_hidden_layers, config.hidden_size)

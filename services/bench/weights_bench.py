@@ -75,7 +75,7 @@ async def _checksums_equal(trainer, engine_urls: list[str]) -> bool:
     from rollout.engines.embedded.weights import weights_checksum
     from services.auth import AuthConfig, http_headers
 
-    want = weights_checksum(trainer.model.state_dict())  # one process: the engine's own names, tied copies too
+    want = weights_checksum(trainer.model.state_dict())  # one process: the engine's own names (tied once)
     auth = AuthConfig()
     async with httpx.AsyncClient(headers=http_headers(auth), verify=auth.client_ssl() or True, timeout=60) as http:
         got = [(await http.get(f"{url}/get_weight_version")).json()["checksum"] for url in engine_urls]

@@ -33,6 +33,7 @@ DEFAULT_CONFIG = "examples/smollm2-math.yaml"
 
 def _batches(trainer, dataset: str, steps: int, prompts: int, group_size: int, seed: int):
     """``steps`` batches of ``prompts`` groups: the prompt, then " <answer>." right or wrong."""
+    import torch
     from transformers import AutoTokenizer
 
     from trainer.batch import batch_from_sequences
@@ -40,8 +41,6 @@ def _batches(trainer, dataset: str, steps: int, prompts: int, group_size: int, s
     tok = AutoTokenizer.from_pretrained(trainer.config.model_path, local_files_only=True)
     rows = [json.loads(line) for line in Path(dataset).read_text().splitlines() if line.strip()]
     rng = random.Random(seed)
-    import torch
-
     for _ in range(steps):
         seqs, masks, rewards, gids = [], [], [], []
         for g, row in enumerate(rng.sample(rows, prompts)):

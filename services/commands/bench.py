@@ -116,14 +116,16 @@ def bench_trainer(
     model: Path | None = typer.Option(None, help="Model directory; default: a random model of --shape."),
     shape: str = typer.Option("tiny", help="Random model to build when no --model: tiny or qwen2-0.5b."),
     steps: int | None = typer.Option(None, help="Optimizer steps to time (default 20; with --workload 2 per layout)."),
-    trajectories: int = typer.Option(256, help="Trajectories per step (groups of 8)."),
+    trajectories: int | None = typer.Option(
+        None, help="Trajectories per step (default 256, in groups of 8; with --workload the workload's own)."
+    ),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     mixed_precision: bool = typer.Option(False, "--mixed-precision", help="bfloat16 compute, float32 master weights."),
     activation_checkpointing: bool = typer.Option(False, "--activation-checkpointing", help="Recompute activations."),
     workload: str | None = typer.Option(
         None,
         help="grpo, agent, quickstart or all: time that workload unpacked, packed and tree-packed instead "
-        "(a random tiny model; --steps steps each, default 2).",
+        "(on --model, default a random tiny model; --steps steps each, default 2).",
     ),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
@@ -133,22 +135,23 @@ def bench_trainer(
     if workload is not None:
         from services.bench.trainer_workloads import WORKLOADS
 
-        fixed = dict(model=model, shape=shape != "tiny", trajectories=trajectories != 256, device=device != "auto")
+        fixed = dict(shape=shape != "tiny", device=device != "auto")
         fixed |= {"mixed-precision": mixed_precision, "activation-checkpointing": activation_checkpointing}
         if taken := [f"--{k}" for k, v in fixed.items() if v]:  # said, not silently ignored
-            typer.echo(f"error: --workload: builds its own tiny CPU model, not with {', '.join(taken)}", err=True)
+            typer.echo(f"error: --workload: trains in float32 on the CPU, not with {', '.join(taken)}", err=True)
             raise typer.Exit(2)
         from services.bench.trainer_workloads import run as run_workloads
 
         chosen = list(WORKLOADS) if workload == "all" else [workload]
-        emit(checked(run_workloads, chosen, 2 if steps is None else steps, progress_printer(json_)), json_)
+        args = (chosen, 2 if steps is None else steps, progress_printer(json_), model and str(model), trajectories)
+        emit(checked(run_workloads, *args), json_)
         return
     emit(
         checked(
             run,
             None if model is None else str(model),
             20 if steps is None else steps,
-            trajectories,
+            256 if trajectories is None else trajectories,
             shape,
             device,
             mixed_precision,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 import grpc
 from fastapi import Query, Request  # the route's annotations are resolved in this module
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
@@ -106,11 +106,12 @@ class BucketPublisher:
     async def load(self, version: int, timeout_s: float) -> None:
         buckets, self._buckets = self._buckets, []
         delta, self._delta = self._delta, None
+        state, self._state = self._state, {}  # held only until this update is sent
         deadline = time.monotonic() + timeout_s
         self.stats, self.delta_stats = {}, None
         if delta is not None:
             try:
-                await self._send(version, delta.buckets, deadline, delta)
+                await self._send(version, delta.buckets, deadline, timeout_s, delta)
                 self.delta_stats = delta.stats
                 self.stats = {
                     "weight_update_bytes": sum(map(len, delta.buckets)),
@@ -121,30 +122,42 @@ class BucketPublisher:
             except PublishError as e:  # an engine missed a version, or a check failed: send it all
                 self.delta_fallbacks += 1
                 log.warning("version %d: the delta update failed (%s); sending every weight", version, e)
-                buckets = self._serialize_all(self._state)
+                from trainer.export import weight_buckets
+
+                # Serialized one at a time as they go (off the event loop): one bucket's bytes at once.
+                buckets = list(weight_buckets(state, self.max_bytes))
         if not buckets:
             raise PublishError(f"no weights exported for version {version}")
-        await self._send(version, buckets, deadline)
-        self.stats = {"weight_update_bytes": sum(map(len, buckets))}  # through the proxy (ipc: handles)
+        sent = await self._send(version, buckets, deadline, timeout_s)
+        self.stats = {"weight_update_bytes": sent}  # through the proxy (ipc: the handles)
         if self.delta_dtype is not None:
             self.stats["weight_delta_fallbacks"] = self.delta_fallbacks
 
-    async def _send(self, version: int, buckets: list[bytes], deadline: float, delta: _Delta | None = None) -> None:
+    async def _send(
+        self, version: int, buckets: list, deadline: float, timeout_s: float, delta: _Delta | None = None
+    ) -> int:
+        """Send ``buckets`` (bytes, or tensors serialized on the way) in order; returns the bytes sent."""
+        import asyncio
+
         fmt = self.format if delta is None else "safetensors_delta"
-        for i, data in enumerate(buckets):
+        extra = {} if delta is None else {"base_version": delta.base_version, "checksum": delta.checksum}
+        sent = 0
+        for i, bucket in enumerate(buckets):
+            if time.monotonic() >= deadline:
+                raise PublishError(f"bucket {i} of {len(buckets)}: the {timeout_s:g} s deadline passed")
+            data = bucket if isinstance(bucket, bytes) else await asyncio.to_thread(self._serialize, bucket)
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise PublishError(f"bucket {i} of {len(buckets)}: the deadline passed")
             final = i == len(buckets) - 1
-            extra = {} if delta is None else {"base_version": delta.base_version, "checksum": delta.checksum}
             try:
                 res = await self.proxy.update_weights_bucket(
-                    version, i, data, final, self.restore.path, left, fmt, **extra
+                    version, i, data, final, self.restore.path, max(left, 0.001), fmt, **extra
                 )
             except grpc.aio.AioRpcError as e:
                 raise PublishError(f"LLMProxy, bucket {i} of {len(buckets)}: {project_error(e)}") from None
             if not res.success:
                 raise PublishError(f"bucket {i} of {len(buckets)}: {engine_failures(res)}")
+            sent += len(data)
+        return sent
 
     def committed(self, version: int) -> None:
         self.restore.committed(version)
@@ -179,14 +192,16 @@ class BucketPublisherConfig(BaseModel):
         False,
         description="Send only the values that changed in the engines' dtype (engine.dtype) since the "
         "version they hold, checked against the whole state's checksum; any failure sends every weight. "
-        "Keeps a copy of the weights in that dtype in the trainer's memory. Embedded engines only.",
+        "Keeps a copy of the weights in that dtype in the trainer's memory (two while an update is under "
+        "way). Embedded engines only.",
     )
-    engine_dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Set from engine.dtype by the run config: the dtype deltas are computed in."
-    )
+    # The engines' dtype, the one deltas are made in: engine.dtype's, set when the run config loads.
+    _engine_dtype: str = PrivateAttr("float32")
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> BucketPublisher:
-        return BucketPublisher(proxy, run_dir, keep_versions, self.bucket_mb, self.engine_dtype if self.delta else None)
+        return BucketPublisher(
+            proxy, run_dir, keep_versions, self.bucket_mb, self._engine_dtype if self.delta else None
+        )
 
 
 def add_engine_routes(app, side: EngineSide) -> None:

@@ -67,6 +67,11 @@ def test_bits_decide_what_changed():
         ({"a#index": torch.tensor([-1]), "a#value": torch.zeros(1, dtype=BF16)}, "indices must lie"),
         ({"a#index": torch.tensor([1]), "a#value": torch.zeros(1)}, "values are torch.float32"),
         ({"zz": torch.zeros(3, dtype=BF16)}, "unknown tensor name 'zz'"),
+        ({"b": torch.zeros(100, dtype=BF16), "b#value": torch.zeros(1, dtype=BF16)}, "has no 'b#index'"),
+        (
+            {"b": torch.zeros(100, dtype=BF16), "b#index": torch.tensor([1]), "b#value": torch.zeros(1, dtype=BF16)},
+            "'b' is sent both whole and as indices",
+        ),
         ({"b": torch.zeros(99, dtype=BF16)}, "has shape"),
     ],
 )
@@ -74,6 +79,28 @@ def test_a_malformed_delta_is_refused_naming_the_entry(tensors, match):
     base, _ = _states()
     with pytest.raises(ValueError, match=match):
         weight_delta.check(base, weight_delta.split(tensors))
+
+
+def test_a_parameter_held_non_contiguous_is_refused():
+    params = {"t": torch.zeros(4, 8, dtype=BF16).t()}  # written through a flat view: it must be contiguous
+    with pytest.raises(ValueError, match="non-contiguous"):
+        weight_delta.check(params, {"t": (torch.tensor([1]), torch.ones(1, dtype=BF16))})
+
+
+def test_an_apply_that_fails_midway_puts_back_what_it_wrote():
+    params = {"a": torch.zeros(8), "b": torch.zeros(4)}
+    entries = {"a": (torch.tensor([1, 3]), torch.ones(2)), "b": torch.ones(5)}  # b unchecked: does not fit
+    with pytest.raises(RuntimeError):
+        weight_delta.apply(params, entries)
+    assert params["a"].tolist() == [0.0] * 8 and params["b"].tolist() == [0.0] * 4
+
+
+def test_the_base_is_a_copy_even_where_nothing_converts():
+    master = {"w": torch.zeros(4)}  # float32 engines of a CPU trainer: the cast converts nothing
+    held = weight_delta.cast(master, torch.float32)
+    master["w"].add_(1.0)  # the optimizer steps in place
+    entries, stats = weight_delta.encode(held, weight_delta.cast(master, torch.float32))
+    assert held["w"].tolist() == [0.0] * 4 and stats.changed == 4
 
 
 def test_encode_refuses_states_that_do_not_correspond():

@@ -95,12 +95,44 @@ async def _post(url: str, data: bytes, **params) -> httpx.Response:
         return await c.post("/update_weights_from_safetensors", params=params, content=data)
 
 
-def test_bad_deltas_are_refused_naming_the_field_and_the_engine_keeps_its_weights(make_engine_process):
-    url = make_engine_process(extra=BF16)[1]
-    one = save({"model.norm.weight#index": torch.tensor([0]), "model.norm.weight#value": torch.ones(1).bfloat16()})
+def test_float32_engines_take_deltas_too(make_engine_process, tiny_model, tmp_path):
+    """Where nothing converts (float32 engines, a CPU trainer) the base must still be a copy."""
+    url = make_engine_process()[1]
 
     async def main():
-        before = await _engine_state(url)
+        async with local_mesh([url], tiny_model, async_ratio=1, groups_per_step=1) as mesh:
+            publisher = BucketPublisher(mesh.proxy_client, tmp_path / "run", bucket_mb=1, delta_dtype="float32")
+            trainer = _perturbed_trainer(tiny_model)
+            loop = _loop(mesh, tmp_path, trainer, publisher)
+            first = await loop.publish(), dict(publisher.stats)
+            _step(trainer)
+            ok = await loop.publish()
+            state = await _engine_state(url)  # as the delta left it ...
+            reload = await _load(url, tmp_path / "run/weights/v2", 2)  # ... and as a whole load of v2 does
+            return first, ok, dict(publisher.stats), state, reload
+
+    first, ok, delta, state, reload = asyncio.run(main())
+    assert first[0] and ok and delta["weight_delta_fallbacks"] == 0 and delta["weight_delta_changed_share"] > 0
+    assert delta["weight_update_bytes"] <= first[1]["weight_update_bytes"] and reload["checksum"] == state[1]
+
+
+def test_bad_deltas_are_refused_naming_the_field_and_the_engine_keeps_its_weights(make_engine_process):
+    url = make_engine_process(extra=BF16)[1]
+    one = save(
+        {"model.norm.weight#index": torch.tensor([5]), "model.norm.weight#value": torch.full((1,), 3.0).bfloat16()}
+    )
+
+    async def greedy() -> list[int]:
+        client = engine_client(url)
+        try:
+            out = await client.generate([1, 2, 3], {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        finally:
+            await client.close()
+        assert out.weight_version == 0
+        return out.output_ids
+
+    async def main():
+        before = await _engine_state(url), await greedy()
         answers = {
             "base": await _post(url, one, weight_version=1, base_version=7, final="true", checksum="ab"),
             "no_checksum": await _post(url, one, weight_version=1, base_version=0, final="true"),
@@ -117,14 +149,9 @@ def test_bad_deltas_are_refused_naming_the_field_and_the_engine_keeps_its_weight
             ),
             "sum": await _post(url, one, weight_version=1, base_version=0, final="true", checksum="0" * 16),
         }
-        client = engine_client(url)
-        try:
-            generated = await client.generate([1, 2, 3], {"max_new_tokens": 2})
-        finally:
-            await client.close()
-        return before, answers, await _engine_state(url), generated
+        return before, answers, (await _engine_state(url), await greedy())
 
-    before, answers, after, generated = asyncio.run(main())
+    before, answers, after = asyncio.run(main())
     for key, field in [
         ("base", "base_version"),
         ("no_checksum", "checksum"),
@@ -136,7 +163,8 @@ def test_bad_deltas_are_refused_naming_the_field_and_the_engine_keeps_its_weight
         assert answers[key].status_code == 400, (key, answers[key].text)
         assert field in answers[key].text, (key, answers[key].text)
     assert "holds 0" in answers["base"].text and "served unchanged" in answers["sum"].text
-    assert after == before and len(generated.output_ids) == 2 and generated.weight_version == 0
+    # The same version and the same greedy tokens: the delta with the wrong checksum was put back.
+    assert after == before and len(after[1]) == 8
 
 
 def test_an_engine_without_deltas_refuses_one(make_engine_process, tiny_model):

@@ -52,11 +52,12 @@ def test_the_qwen2_half_billion_shape_has_its_parameter_count():
     assert abs(count_parameters(model) / 1e6 - 494.0) < 1.0  # Qwen2-0.5B: 494 M with tied embeddings
 
 
-def test_bench_trainer_workload_times_unpacked_packed_and_tree_side_by_side():
-    proc = _bench("--workload", "quickstart", "--steps", "1", "--json")
+def test_bench_trainer_workload_times_unpacked_packed_and_tree_side_by_side(tiny_model):
+    proc = _bench("--workload", "quickstart", "--model", tiny_model, "--trajectories", "20", "--steps", "1", "--json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])["quickstart"]
-    assert out["trajectories_per_step"] == 128
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = result["quickstart"]
+    assert result["model"] == tiny_model and out["trajectories_per_step"] == 16  # two whole groups of 8
     for layout in ("unpacked", "packed", "tree"):
         assert out[layout]["tokens_per_s"] > 0 and out[layout]["peak_rss_mb"] > 0, layout
     # every layout trains the same tokens; the tree computes each group's prompt once
@@ -83,3 +84,5 @@ def test_bench_trainer_refuses_an_unknown_workload_and_options_it_would_ignore()
     assert proc.returncode == 2 and "--workload: one of" in proc.stderr
     proc = _bench("--workload", "grpo", "--mixed-precision")
     assert proc.returncode == 2 and "not with --mixed-precision" in proc.stderr
+    proc = _bench("--workload", "grpo", "--trajectories", "8")
+    assert proc.returncode == 2 and "--trajectories: grpo trains groups of 16, got 8" in proc.stderr

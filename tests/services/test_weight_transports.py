@@ -268,3 +268,22 @@ def test_a_tensor_handle_payload_runs_no_other_code(engine_url, tmp_path):
     assert "model.norm.weight" in shape.json()["message"]
     assert garbage.status_code == 400 and garbage.json()["field"] == "serialized_named_tensors"
     assert alive.status_code == 200
+
+
+def test_a_lora_policy_reaches_the_engines_with_its_adapters_merged(make_engine_process, tiny_model, tmp_path):
+    from rollout.engines.embedded.weights import weights_checksum
+    from tests.trainer.helpers import toy_batch
+
+    url = make_engine_process()[1]
+    lora = {"rank": 4, "target_modules": ["q_proj", "v_proj"]}
+    trainer = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-2, lora=lora))
+    trainer.train_step(toy_batch(seed=0))  # version 1: adapters no longer zero
+
+    async def main():
+        async with local_mesh([url], tiny_model, async_ratio=1, groups_per_step=1) as mesh:
+            publisher = BucketPublisher(mesh.proxy_client, tmp_path / "run", bucket_mb=1)
+            ok = await _loop(mesh, tmp_path, trainer, publisher).publish()
+            return ok, await _engine_state(url)
+
+    ok, (version, checksum) = asyncio.run(main())
+    assert ok and version == "1" and checksum == weights_checksum(trainer.full_weights())

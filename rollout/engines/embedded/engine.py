@@ -623,7 +623,8 @@ class EmbeddedEngine(SchedulerCommands):
         return self._bump_version(version)
 
     def _params(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
+        # What the checksum covers (a delta may write nothing it does not): no non-persistent buffer.
+        return self.model.state_dict(keep_vars=True)
 
     def _check_base(self, base_version: int) -> None:
         if self.weight_version != base_version:  # it missed a version, or was restored to another one
@@ -636,8 +637,12 @@ class EmbeddedEngine(SchedulerCommands):
         if self._staged_key != ("delta", version, base_version):
             staged = {}  # staged for another update: never applied under this one
         self._check_base(base_version)
-        undo = weight_delta.apply(self._params(), staged)
-        got = weights_checksum(self.model.state_dict())
+        undo = weight_delta.apply(self._params(), staged)  # puts back its part on a failure
+        try:
+            got = weights_checksum(self.model.state_dict())
+        except BaseException:
+            weight_delta.restore(undo)
+            raise
         if got != checksum:
             weight_delta.restore(undo)
             raise EngineError(
