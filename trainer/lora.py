@@ -75,7 +75,6 @@ def _hf(name: str) -> str:
 def merged(state: dict, scaling: dict[str, float]) -> dict:
     """A PEFT model's full state as the plain model's: every adapted weight W + scaling · B A (in
     W's dtype, computed in float32), under the model's own names; the adapters' factors dropped."""
-    import torch
 
     out = {}
     for name, t in state.items():
