@@ -32,6 +32,7 @@ from rollout.sampling import SamplingParams
 from sample_buffer import routing
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, Role, server_bearer
 from services.body_limit import BodyLimit
+from services.engine.lora_routes import add_lora_routes
 from services.engine.sglang_fields import strip_request
 from services.http_errors import bad_request, install_error_handlers
 from services.metrics import histogram, init_labels
@@ -64,6 +65,11 @@ class GenerateReq(BaseModel):
         None,
         description="A vision-language model's images (SGLang's field): base64 or data URLs, one image placeholder "
         "token in input_ids for each; a list per prompt of a batch. URLs and paths are refused.",
+    )
+    lora_path: str | list[str | None] | None = Field(
+        None,
+        description="SGLang's: the name of a loaded LoRA adapter (/load_lora_adapter) to generate with; a list "
+        "gives each prompt of a batch its own (None: the base model).",
     )
 
 
@@ -217,17 +223,29 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
             raise EngineError("image_data", f"a batch of {n} prompts takes a list of {n} lists of images")
         return data
 
-    async def submit_all(rids, prompts, params, images, extra, batched: bool) -> list:
+    def loras_of(value, n: int) -> list[str | None]:
+        if value is None:
+            return [None] * n
+        if "lora" not in inspect.signature(engine.submit).parameters:
+            raise EngineError("lora_path", f"{type(engine).__name__} serves no LoRA adapters")
+        if isinstance(value, str):
+            return [value] * n
+        if len(value) != n:
+            raise EngineError("lora_path", f"got {len(value)} adapters for {n} prompts")
+        return list(value)
+
+    async def submit_all(rids, prompts, params, images, extra, batched: bool, loras: list) -> list:
         """Every prompt of a request submitted, or none: one refused (a bad image in prompt k) aborts
         those before it, which nobody would wait for. Images are decoded off the event loop, so health
         checks and weight updates do not wait behind them."""
         futures = []
         try:
-            for rid, prompt, p, im in zip(rids, prompts, params, images):
+            for rid, prompt, p, im, lora in zip(rids, prompts, params, images, loras):
+                one = extra | ({"lora": lora} if lora is not None else {})
                 if im:
-                    fut = await asyncio.to_thread(engine.submit, rid, prompt, p, **extra, image_data=im)
+                    fut = await asyncio.to_thread(engine.submit, rid, prompt, p, **one, image_data=im)
                 else:
-                    fut = engine.submit(rid, prompt, p, **extra)
+                    fut = engine.submit(rid, prompt, p, **one)
                 futures.append(fut)
         except EngineError as e:
             for rid in rids[: len(futures)]:
@@ -235,6 +253,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
             if batched:  # which prompt's: image_data[i] of prompt k is image_data[k][i]
                 k = len(futures)
                 field = e.field.replace("image_data", f"image_data[{k}]", 1).replace("input_ids", f"input_ids[{k}]", 1)
+                field = field.replace("lora_path", f"lora_path[{k}]", 1)
                 raise EngineError(field, e.message) from None
             raise
         return futures
@@ -265,6 +284,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
                 field = e.field if not batched else e.field.replace("input_ids", f"input_ids[{i}]")
                 raise EngineError(field, e.message) from None
         images = images_of(req.image_data, n, batched)
+        loras = loras_of(req.lora_path, n)
         extra = {}
         if req.top_logprobs_num:
             if "top_logprobs_num" not in inspect.signature(engine.submit).parameters:
@@ -287,9 +307,11 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
                 raise EngineError("stream", f"{type(engine).__name__} does not stream; send stream=false")
             if images[0]:  # decoded and processed off the event loop (``_stream``)
                 extra["image_data"] = images[0]
+            if loras[0] is not None:
+                extra["lora"] = loras[0]
             start = req.routed_experts_start_len
             return await _stream(rids[0], prompts[0], params[0], req.return_logprob, extra, start)
-        futures = await submit_all(rids, prompts, params, images, extra, batched)
+        futures = await submit_all(rids, prompts, params, images, extra, batched, loras)
         outs = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         for out in outs:
             metrics.observe(out)
@@ -374,6 +396,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
     side = EngineSide(engine, _version, load_roots or [])
     for add_routes in ENGINE_ROUTES.values():  # each weight transport's receiving side
         add_routes(app, side)
+    add_lora_routes(app, side)
 
     @app.get("/model_info")
     @app.get("/get_model_info")

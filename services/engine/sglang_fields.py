@@ -49,7 +49,6 @@ DEFAULT_ONLY_REQUEST = {
     "audio_data": None,
     "modalities": None,
     "session_params": None,
-    "lora_path": None,
     "lora_id": None,
     "custom_logit_processor": None,
     "logprob_start_len": -1,

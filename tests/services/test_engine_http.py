@@ -247,7 +247,7 @@ def test_text_prompts_and_sglang_fields_it_accepts_or_names(engine_url, tiny_mod
             "sampling_params.frequency_penalty",
             "not supported by the embedded engine",
         ),
-        ({"text": "a", "lora_path": "/adapters/x"}, "lora_path", "not supported"),
+        ({"text": "a", "lora_path": "/adapters/x"}, "lora_path", "no adapter named '/adapters/x' is loaded"),
         ({"text": "a", "sampling_params": {"no_such_field": 1}}, "sampling_params.no_such_field", "unknown field"),
         ({"text": "a", "input_ids": [1]}, "input_ids", "exactly one of input_ids and text"),
         ({"text": ["a", "b"], "stream": True}, "stream", "one prompt"),

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,6 +34,8 @@ from rollout.engines.contract import EngineError, GenerateOutput, PauseMode
 from rollout.engines.embedded.attention import AttentionLayout, UnsupportedModel
 from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.kv_slots import KVSlots
+from rollout.engines.embedded.lora import Adapters
+from rollout.engines.embedded.lora import read as read_adapter
 from rollout.engines.embedded.routing import RoutingCapture
 from rollout.engines.embedded.sampling import sample_next_tokens, top_logprobs
 from rollout.engines.embedded.weights import check_named_tensors, copy_named_tensors, weights_checksum
@@ -70,6 +73,7 @@ class _Request:
     vision: VisionPrompt | None = None  # its images, processed; ``prompt`` holds their expanded placeholders
     mrope: torch.Tensor | None = None  # Qwen2-VL: the prompt's 3-D rotary positions [3, len(prompt)] ...
     rope_delta: int = 0  # ... and what a later token's position adds to its index
+    lora: str | None = None  # the adapter it is generated with (SGLang's lora_path: its name)
 
     @property
     def context(self) -> list[int]:
@@ -136,6 +140,7 @@ class EmbeddedEngine(SchedulerCommands):
         self.weight_version = 0
         self.checksum = weights_checksum(self.model.state_dict())
         self.model_path = config.model_path
+        self.adapters = Adapters(self.model)  # LoRA adapters served per request
 
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -221,6 +226,7 @@ class EmbeddedEngine(SchedulerCommands):
         top_logprobs_num: int = 0,
         return_routed_experts: bool = False,
         image_data: list[str] | None = None,
+        lora: str | None = None,
     ) -> Future:
         """Queue a generation; the future resolves to a ``GenerateOutput``. ``on_token(token,
         logprob, version)`` is called for each token as it is generated (in the scheduler thread:
@@ -228,7 +234,10 @@ class EmbeddedEngine(SchedulerCommands):
         tokens at each position; ``return_routed_experts``: the experts of every forwarded position
         (an MoE model's; ``GenerateOutput.routed_experts``); ``image_data``: a vision-language model's
         images (``sample_buffer.vision``), one placeholder token for each in ``input_ids``, which the
-        engine expands (the answer's ``prompt_tokens`` counts the expanded prompt)."""
+        engine expands (the answer's ``prompt_tokens`` counts the expanded prompt); ``lora``: the
+        loaded adapter to generate with (its tokens report the adapter's version)."""
+        if lora is not None and lora not in self.adapters.by_name:
+            raise EngineError("lora_path", f"no adapter named {lora!r} is loaded (/load_lora_adapter first)")
         vision = self._vision_prompt(input_ids, image_data or [])
         if vision is not None:
             input_ids = vision.input_ids
@@ -255,6 +264,7 @@ class EmbeddedEngine(SchedulerCommands):
             top_n=top_logprobs_num,
             routing=return_routed_experts,
             vision=vision,
+            lora=lora,
         )
         if self._mrope:  # in the caller's thread: index arithmetic only, no weights
             req.mrope, req.rope_delta = self._rope_index(req)
@@ -332,6 +342,20 @@ class EmbeddedEngine(SchedulerCommands):
         ``checksum`` (``weights_checksum``); otherwise put back what it changed and fail."""
         return self._call(lambda: self._commit_delta(version, base_version, checksum))
 
+    def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> Future:
+        """Read the PEFT adapter directory ``path`` (in the caller's thread) and serve it as ``name``
+        between two steps; its tokens report ``version`` (default: 0)."""
+        if not name:
+            raise EngineError("lora_name", "must not be empty")
+        if name in self.adapters.by_name:
+            raise EngineError("lora_name", f"an adapter named {name!r} is loaded already (unload it first)")
+        adapter = read_adapter(self.model, name, Path(path), version or 0, self.device, self.dtype)
+        return self._call(lambda: self._add_adapter(adapter))
+
+    def unload_lora_adapter(self, name: str) -> Future:
+        """Stop serving adapter ``name``; refused while a request waiting or running uses it."""
+        return self._call(lambda: self._remove_adapter(name))
+
     def release_memory(self, tags: list[str] | None = None) -> Future:
         """Give back the GPU memory of ``tags`` (default both: "weights" move to host memory, the KV
         cache is dropped) while a colocated trainer trains; generation must be paused."""
@@ -393,6 +417,9 @@ class EmbeddedEngine(SchedulerCommands):
         if req.rid in self._rids:
             req.future.set_exception(EngineError("rid", f"request {req.rid!r} is already in flight"))
             return
+        if req.lora is not None and req.lora not in self.adapters.by_name:  # unloaded since it was checked
+            req.future.set_exception(EngineError("lora_path", f"no adapter named {req.lora!r} is loaded"))
+            return
         self._rids.add(req.rid)
         self._waiting.append(req)
         self.counters["requests"] += 1
@@ -412,6 +439,7 @@ class EmbeddedEngine(SchedulerCommands):
             r.t_admit = r.t_admit or now  # a retracted request keeps its first admission
         try:
             ids, positions, masks = self._batch.prefill([r.context for r in group], self.dtype)
+            self.adapters.select([r.lora for r in group], self.device)
             out = self.model(
                 input_ids=ids,
                 position_ids=self._prefill_positions(group, positions),
@@ -468,6 +496,7 @@ class EmbeddedEngine(SchedulerCommands):
         if self._mrope:  # every axis alike after the prompt, shifted by each row's delta
             delta = torch.tensor([r.rope_delta for r in self._running], device=positions.device)
             positions = (positions + delta[:, None])[None].expand(3, -1, -1)
+        self.adapters.select([r.lora for r in self._running], self.device)
         out = self.model(
             input_ids=ids,
             position_ids=positions,
@@ -505,9 +534,10 @@ class EmbeddedEngine(SchedulerCommands):
         req.logprobs.append(logprob)
         if req.top_n:
             req.tops.append(top)
-        req.versions.append(self.weight_version)
+        version = self.weight_version if req.lora is None else self.adapters.by_name[req.lora].version
+        req.versions.append(version)
         if req.on_token is not None:
-            req.on_token(token, logprob, self.weight_version)
+            req.on_token(token, logprob, version)
         self.counters["generated_tokens"] += 1
         if token in req.stop_ids:
             self._finish(req, {"type": "stop", "matched": token})
@@ -594,6 +624,7 @@ class EmbeddedEngine(SchedulerCommands):
 
     def _swap_model(self, model, path: str, version: int | None, checksum: str) -> dict:
         self.model, self.model_path, self.checksum = model, path, checksum
+        self.adapters.rebind(model)  # the adapters' hooks belong to the old model's layers
         if self.capture is not None:  # the hooks belong to the old model's routers
             self.capture.remove()
             self.capture = RoutingCapture(model)
@@ -621,6 +652,21 @@ class EmbeddedEngine(SchedulerCommands):
         copy_named_tensors(self.model, staged)  # no_grad inside
         self.checksum = weights_checksum(self.model.state_dict())
         return self._bump_version(version)
+
+    def _add_adapter(self, adapter) -> dict:
+        if adapter.name in self.adapters.by_name:  # loaded by another call meanwhile
+            raise EngineError("lora_name", f"an adapter named {adapter.name!r} is loaded already (unload it first)")
+        self.adapters.add(adapter)
+        return {"loaded_adapters": sorted(self.adapters.by_name)}
+
+    def _remove_adapter(self, name: str) -> dict:
+        if name not in self.adapters.by_name:
+            raise EngineError("lora_name", f"no adapter named {name!r} is loaded")
+        users = sum(r.lora == name for r in self._running + list(self._waiting))
+        if users:
+            raise EngineError("lora_name", f"{users} request(s) waiting or running use adapter {name!r}")
+        self.adapters.remove(name)
+        return {"loaded_adapters": sorted(self.adapters.by_name)}
 
     def _params(self) -> dict[str, torch.Tensor]:
         # What the checksum covers (a delta may write nothing it does not): no non-persistent buffer.
