@@ -110,3 +110,13 @@ def test_a_target_the_model_lacks_is_refused_by_name(tiny_model):
         TrainEngine(TrainerConfig(model_path=tiny_model, lora={"target_modules": ["q_proj", "qkv"]}))
     with pytest.raises(ValueError, match="trainer.lora: not with max_step_kl yet"):
         TrainEngine(TrainerConfig(model_path=tiny_model, lora={}, max_step_kl=0.1))
+
+
+def test_adapters_train_the_same_through_tree_packed_rows(tiny_model):
+    flat = _engine(tiny_model)
+    tree = _engine(tiny_model, pack_sequences=True, tree_packing=True)
+    for seed in range(2):
+        a, b = flat.train_step(toy_batch(seed=seed)), tree.train_step(toy_batch(seed=seed))
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["loss"], b["loss"])
+    batch = toy_batch(seed=5)
+    assert torch.allclose(flat.logprobs(batch), tree.logprobs(batch), atol=1e-5)
