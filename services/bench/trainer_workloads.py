@@ -108,11 +108,13 @@ def work(batch: TrainBatch, layout: str, params: int, layers: int, width: int) -
     return {"tokens": tokens, "flops": 6 * params * tokens + 12 * layers * width * keys}
 
 
-def _measure(model_path: str, workload: str, layout: str, steps: int, groups: int | None, queue) -> None:
+def _measure(
+    model_path: str, workload: str, layout: str, steps: int, groups: int | None, micro: int, queue
+) -> None:
     from trainer.config import TrainerConfig
     from trainer.engine import TrainEngine
 
-    engine = TrainEngine(TrainerConfig(model_path=model_path, lr=1e-5, micro_batch_tokens=8192, **LAYOUTS[layout]))
+    engine = TrainEngine(TrainerConfig(model_path=model_path, lr=1e-5, micro_batch_tokens=micro, **LAYOUTS[layout]))
     vocab = engine.model.config.vocab_size
     batches = [build(workload, seed, vocab, groups) for seed in range(steps + 1)]
     engine.train_step(batches[-1])  # warm-up
@@ -139,6 +141,11 @@ def _result(proc, queue) -> dict:
                 raise RuntimeError(f"the measuring process ended with exit code {proc.exitcode}") from None
     proc.join(timeout=60)
     return result
+
+
+def _groups(batch: TrainBatch) -> list[TrainBatch]:
+    ids = batch.group_ids.tolist()
+    return [batch.select([i for i, g in enumerate(ids) if g == gid]) for gid in sorted(set(ids))]
 
 
 def run(
@@ -170,7 +177,8 @@ def run(
     ctx = multiprocessing.get_context("spawn")
     out: dict = {"threads": torch.get_num_threads(), "steps": steps}
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-workloads-") as tmp:
-        if model_path is None:
+        built = model_path is None
+        if built:
             shape = SHAPES["tiny"].model_copy(update={"max_position_embeddings": 2048})
             progress("building a random tiny-shaped model (2,048 positions)")
             model_path = str(build_tiny_model(tmp, shape))
@@ -182,14 +190,19 @@ def run(
         for w in workloads:
             groups = None if trajectories is None else trajectories // GROUP_SIZE[w]
             sample = build(w, 0, config.vocab_size, groups)
+            # 8,192 tokens per micro-batch on the tiny model; on a given one, a group's tree (whole,
+            # or its prompt would be computed again) and no more: a 49k vocabulary's logits of 8k
+            # tokens and their gradients did not fit 24 GiB beside SmolLM2's activations.
+            micro = 8192 if built else max(work(g, "tree", 1, 1, 1)["tokens"] for g in _groups(sample))
             row: dict = {"trajectories_per_step": len(sample.sequences), "tokens_per_step": sample.num_tokens}
             for layout in LAYOUTS:
                 progress(f"{w}: {layout}, {steps} step(s)")
                 queue = ctx.Queue()
-                proc = ctx.Process(target=_measure, args=(model_path, w, layout, steps, groups, queue))
+                proc = ctx.Process(target=_measure, args=(model_path, w, layout, steps, groups, micro, queue))
                 proc.start()
                 result = _result(proc, queue)
                 done = work(sample, layout, params, config.num_hidden_layers, config.hidden_size)
+                row["micro_batch_tokens"] = micro
                 row[layout] = {
                     "tokens_per_s": round(result["tokens"] / result["seconds"], 1),
                     "s_per_step": round(result["seconds"] / steps, 3),
