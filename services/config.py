@@ -175,13 +175,20 @@ class RollmeshConfig(BaseModel):
         fields = type(publisher).model_fields
         if "encoding" in fields:  # tensor handles (ipc), written as this engine reads them
             publisher.encoding = engine.handle_encoding
-        if getattr(publisher, "delta", False):
+        for partial in ("delta", "adapter"):  # updates that send less than every weight
+            if not getattr(publisher, partial, False):
+                continue
             if not engine.applies_deltas:
                 raise ValueError(
-                    f"train_loop.publisher.delta: engine.type {self.engine.type!r} applies no delta updates "
+                    f"train_loop.publisher.{partial}: engine.type {self.engine.type!r} applies no {partial} updates "
                     "(embedded engines do)"
                 )
-            publisher._engine_dtype = self.engine.dtype  # deltas are made in the dtype the engines hold
+            publisher._engine_dtype = self.engine.dtype  # made (and checked) in the dtype the engines hold
+        if getattr(publisher, "adapter", False):
+            if getattr(self.trainer, "lora", None) is None:
+                raise ValueError("train_loop.publisher.adapter: the policy must train LoRA adapters (trainer.lora)")
+            if publisher.delta:
+                raise ValueError("train_loop.publisher: adapter or delta, not both (an adapter update is smaller)")
         if "master_address" in fields and publisher.master_address not in self.proxy.weight_group_hosts:
             self.proxy.weight_group_hosts.append(publisher.master_address)  # the one place it is said
         if self.devices.placement == "colocated" and not engine.releases_memory:

@@ -175,6 +175,13 @@ def test_delta_updates_are_made_in_the_engines_dtype_for_engines_that_apply_them
     assert load_config(None, [delta]).train_loop.publisher._engine_dtype == "float32"
     with pytest.raises(ConfigError, match="engine_dtype"):  # engine.dtype says it, once
         load_config(None, [delta, "train_loop.publisher.engine_dtype=bfloat16"])
+    adapter = "train_loop.publisher={type: http_buckets, adapter: true}"
+    with pytest.raises(ConfigError, match="publisher.adapter: the policy must train LoRA adapters"):
+        load_config(None, [adapter])
+    lora = "trainer.lora={rank: 4}"
+    assert load_config(None, [adapter, lora, "engine.dtype=bfloat16"]).train_loop.publisher._engine_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="adapter or delta, not both"):
+        load_config(None, ["train_loop.publisher={type: http_buckets, adapter: true, delta: true}", lora])
     with pytest.raises(ConfigError, match="train_loop.publisher.delta: engine.type 'sglang' applies no delta updates"):
         load_config(None, [delta, "engine={type: sglang}"])
 

@@ -659,6 +659,14 @@ class TrainEngine:
 
         return full_state_dict(self.model, cpu_offload=not on_device)
 
+    def adapter_factors(self) -> dict[str, torch.Tensor]:
+        """LoRA: each adapted layer's factors and scaling (``trainer.lora.factors``); rank 0."""
+        from trainer.export import adapter_factors
+
+        if self.config.lora is None:
+            raise ValueError("adapter_factors: the policy has no LoRA adapters (trainer.lora)")
+        return adapter_factors(self.model)
+
     def export(self, out_dir, state: dict[str, torch.Tensor] | None = None):
         """Write the current policy (``state``: from ``full_weights``, else gathered here) as a HF
         directory; rank 0 writes, the others return None."""

@@ -87,6 +87,13 @@ def export_hf(
     return out
 
 
+def adapter_factors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A LoRA policy's factors and scalings by plain layer name (``lora.factors``), on CPU; rank 0
+    (every rank gathers)."""
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return lora.factors(sd, lora.scalings(model)) if sd else {}
+
+
 def export_adapter(model: torch.nn.Module, out_dir: str | Path) -> Path | None:
     """A LoRA policy's adapters as PEFT saves them (``adapter_config.json`` and
     ``adapter_model.safetensors``: ``PeftModel.from_pretrained`` loads it onto the base model);

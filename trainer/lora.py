@@ -99,3 +99,19 @@ def adapter_state(state: dict) -> dict:
 def _hf_adapter(name: str) -> str:
     # PEFT's files name a factor base_model.model.<layer>.lora_A.weight (no adapter name)
     return PREFIX + _hf(name).replace(f".{ADAPTER}.", ".")
+
+
+def factors(state: dict, scaling: dict[str, float]) -> dict:
+    """Each adapted layer's factors and scaling by its plain name: ``layer.lora_A`` [r, in],
+    ``layer.lora_B`` [out, r] and ``layer.lora_scaling`` (a 0-d float64 tensor), what an engine
+    needs to compute the layer's weight from its base (``rollout/engines/embedded/adapter_sync.py``)."""
+    import torch
+
+    out = {}
+    for name, t in state.items():
+        if f".lora_A.{ADAPTER}.weight" in name:
+            layer = _hf(name).removesuffix(f".lora_A.{ADAPTER}.weight")
+            out[layer + ".lora_A"] = t
+            out[layer + ".lora_B"] = state[name.replace(".lora_A.", ".lora_B.")]
+            out[layer + ".lora_scaling"] = torch.tensor(scaling[layer], dtype=torch.float64)  # exactly the float
+    return out

@@ -43,7 +43,7 @@ SuspendMode = Literal["continue", "abort", "in_place"]
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and vLLM's default --max-logprobs
 _ENGINE_PAUSE_MODE = {"continue": "abort", "abort": "abort", "in_place": "in_place"}
 # What a WeightBucket's bytes hold ("" is safetensors).
-BUCKET_FORMATS = ("", "safetensors", "safetensors_delta", "tensor_handles")
+BUCKET_FORMATS = ("", "safetensors", "safetensors_delta", "safetensors_adapter", "tensor_handles")
 
 
 class RequestInvalid(ValueError):
@@ -470,13 +470,13 @@ class LLMProxy:
         confirms ``version``; an engine that came into rotation midway loads ``restore_path``
         instead. Any failure ends the update: the caller rolls back and starts again from bucket 0.
         ``fmt``: what ``data`` holds, safetensors bytes (default), a delta in safetensors against
-        ``base_version`` whose result has ``checksum`` (``safetensors_delta``), or
-        ``tensor_handles`` (``ipc``).
+        ``base_version`` whose result has ``checksum`` (``safetensors_delta``), a LoRA policy's
+        factors whose result has ``checksum`` (``safetensors_adapter``), or ``tensor_handles`` (``ipc``).
         """
         if fmt not in BUCKET_FORMATS:
             raise RequestInvalid("format", f"must be one of {', '.join(BUCKET_FORMATS[1:])}, got {fmt!r}")
-        if fmt == "safetensors_delta" and final and not checksum:
-            raise RequestInvalid("checksum", "a delta's final bucket carries the checksum of the result")
+        if fmt in ("safetensors_delta", "safetensors_adapter") and final and not checksum:
+            raise RequestInvalid("checksum", f"a {fmt} update's final bucket carries the checksum of the result")
 
         def send(c, timeout: float):
             if fmt == "tensor_handles":
@@ -484,6 +484,10 @@ class LLMProxy:
             if fmt == "safetensors_delta":
                 return c.update_weights_from_safetensors(
                     data, version, final, timeout_s=timeout, base_version=base_version, checksum=checksum
+                )
+            if fmt == "safetensors_adapter":
+                return c.update_weights_from_safetensors(
+                    data, version, final, timeout_s=timeout, adapter=True, checksum=checksum
                 )
             return c.update_weights_from_safetensors(data, version, final, timeout_s=timeout)
 

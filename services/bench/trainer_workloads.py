@@ -108,9 +108,7 @@ def work(batch: TrainBatch, layout: str, params: int, layers: int, width: int) -
     return {"tokens": tokens, "flops": 6 * params * tokens + 12 * layers * width * keys}
 
 
-def _measure(
-    model_path: str, workload: str, layout: str, steps: int, groups: int | None, micro: int, queue
-) -> None:
+def _measure(model_path: str, workload: str, layout: str, steps: int, groups: int | None, micro: int, queue) -> None:
     from trainer.config import TrainerConfig
     from trainer.engine import TrainEngine
 

@@ -87,8 +87,11 @@ def run(
     prompts: int = 4,
     bucket_mb: int = 256,
     progress=print,
+    lora_rank: int = 0,
 ) -> dict:
-    """``steps`` training steps, each published whole to one engine and as a delta to another."""
+    """``steps`` training steps, each published whole to one engine and as a delta to another;
+    ``lora_rank``: train LoRA adapters of that rank instead, and publish their factors alone to a
+    third engine too (``adapter``)."""
     from services.config import load_config
     from services.llm_proxy.client import ProxyClient
     from services.weight_transports.http_buckets import BucketPublisher
@@ -97,19 +100,22 @@ def run(
     for name, value, low in (("steps", steps, 2), ("prompts", prompts, 1), ("bucket-mb", bucket_mb, 1)):
         if value < low:
             raise BadOption(f"--{name}: must be >= {low}, got {value}")
-    cfg = load_config(config_path, [])
+    if lora_rank < 0:
+        raise BadOption(f"--lora-rank: must be >= 0, got {lora_rank}")
+    cfg = load_config(config_path, [f"trainer.lora={{rank: {lora_rank}}}"] if lora_rank else [])
     if not Path(cfg.model_path, "config.json").is_file():
         raise BadOption(f"--config: {cfg.model_path} has no model (make {cfg.model_path}/config.json builds it)")
     trainer = TrainEngine(cfg.trainer)
     n_params = sum(p.numel() for p in trainer.model.parameters())
     progress(f"model: {cfg.model_path} ({n_params / 1e6:.0f} M parameters), lr {cfg.trainer.lr:g}; 2 engines")
     batches = _batches(trainer, cfg.env_manager.dataset_path, steps, prompts, cfg.env_manager.group_size, seed=0)
-    procs, out = [], {"full": [], "delta": []}
+    kinds = ("full", "delta", "adapter") if lora_rank else ("full", "delta")
+    procs, out = [], {k: [] for k in kinds}
     shares, stats = [], []
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-delta-") as tmp:
         try:
             addresses, urls = [], []
-            for kind in ("full", "delta"):
+            for kind in kinds:
                 roots = f"load_roots=[{Path(tmp) / kind / 'weights'}]"
                 proc, url = start_engine_process(cfg.model_path, extra=[roots, "dtype=bfloat16"], timeout_s=600)
                 procs.append(proc)
@@ -120,19 +126,24 @@ def run(
                 procs.append(proxy)
                 addresses.append(address)
 
-            async def main() -> tuple[str, str]:
+            async def main() -> list[tuple[str, str]]:
                 clients = [ProxyClient(a) for a in addresses]
                 try:
                     full = BucketPublisher(clients[0], Path(tmp) / "full", bucket_mb=bucket_mb)
                     delta = BucketPublisher(
                         clients[1], Path(tmp) / "delta", bucket_mb=bucket_mb, delta_dtype="bfloat16"
                     )
+                    publishers = {"full": full, "delta": delta}
+                    if lora_rank:
+                        publishers["adapter"] = BucketPublisher(
+                            clients[2], Path(tmp) / "adapter", bucket_mb=bucket_mb, adapter_dtype="bfloat16"
+                        )
                     for i, batch in enumerate(batches):
                         t0 = time.perf_counter()
                         metrics = trainer.train_step(batch)
                         train_s = time.perf_counter() - t0
-                        out["full"].append(await _update(full, trainer, trainer.version, 600.0))
-                        out["delta"].append(await _update(delta, trainer, trainer.version, 600.0))
+                        for kind, publisher in publishers.items():
+                            out[kind].append(await _update(publisher, trainer, trainer.version, 600.0))
                         if i:  # the first update has no base: whole on both
                             shares.append(delta.delta_stats.changed_share)
                             stats.append(delta.delta_stats)
@@ -140,16 +151,23 @@ def run(
                             f"step {i + 1}/{steps}: loss {metrics['loss']:.4f}, trained in {train_s:.1f} s; "
                             f"whole {out['full'][-1]['bytes'] / 1e6:.0f} MB in {out['full'][-1]['load_s']:.2f} s, "
                             f"delta {out['delta'][-1]['bytes'] / 1e6:.1f} MB in {out['delta'][-1]['load_s']:.2f} s"
+                            + (
+                                f", adapter {out['adapter'][-1]['bytes'] / 1e6:.2f} MB in "
+                                f"{out['adapter'][-1]['load_s']:.2f} s"
+                                if lora_rank
+                                else ""
+                            )
                             + (f" ({shares[-1]:.2%} of values changed)" if i else "")
                         )
-                    if delta.delta_fallbacks:
-                        raise RuntimeError(f"{delta.delta_fallbacks} delta update(s) fell back to whole ones")
-                    return await _checksum(urls[0]), await _checksum(urls[1])
+                    for kind, publisher in publishers.items():
+                        if publisher.delta_fallbacks:
+                            raise RuntimeError(f"{publisher.delta_fallbacks} {kind} update(s) fell back to whole ones")
+                    return [await _checksum(u) for u in urls]
                 finally:
                     for c in clients:
                         await c.close()
 
-            whole_state, delta_state = asyncio.run(main())
+            states = asyncio.run(main())
         finally:
             for p in procs:
                 stop_process(p)
@@ -177,5 +195,17 @@ def run(
         "encoding_bytes_mb_sparse": round(sum(s.bytes_sparse for s in stats) / len(stats) / 1e6, 2),
         "encoding_bytes_mb_chosen": round(sent / len(stats) / 1e6, 2),
         "bf16_whole_mb": round(stats[0].bytes_full / 1e6, 1),
-        "checksums_equal": whole_state == delta_state,
+        "checksums_equal": all(s == states[0] for s in states),
+        **(
+            {
+                "lora_rank": lora_rank,
+                "adapter_bytes_mb": round(med(out["adapter"], "bytes") / 1e6, 3),
+                "adapter_export_s": round(med(out["adapter"], "export_s"), 3),
+                "adapter_load_s": round(med(out["adapter"], "load_s"), 3),
+                "bytes_ratio_full_vs_adapter": round(med(out["full"], "bytes") / med(out["adapter"], "bytes"), 1),
+                "load_speedup_adapter": round(med(out["full"], "load_s") / med(out["adapter"], "load_s"), 2),
+            }
+            if lora_rank
+            else {}
+        ),
     }

@@ -298,6 +298,9 @@ def bench_weights(
     ),
     config: Path = typer.Option(Path("examples/smollm2-math.yaml"), help="--delta: the run config trained."),
     steps: int = typer.Option(10, help="--delta: training steps (the first update is whole on both sides)."),
+    lora_rank: int = typer.Option(
+        0, help="--delta: train LoRA adapters of this rank, and send their factors alone to a third engine too."
+    ),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
     """One weight update through each CPU transport (disk, http_buckets, ipc, collective/gloo): seconds, GB/s."""
@@ -310,7 +313,7 @@ def bench_weights(
                 f"error: --delta: trains the config's model on two engines, not with {', '.join(taken)}", err=True
             )
             raise typer.Exit(2)
-        emit(checked(run_delta, str(config), steps, 4, bucket_mb, progress_printer(json_)), json_)
+        emit(checked(run_delta, str(config), steps, 4, bucket_mb, progress_printer(json_), lora_rank), json_)
         return
     from services.bench.weights_bench import run
 

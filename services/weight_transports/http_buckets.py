@@ -49,8 +49,12 @@ class BucketPublisher:
         keep_versions: int = 2,
         bucket_mb: int = 256,
         delta_dtype: str | None = None,
+        adapter_dtype: str | None = None,
     ) -> None:
         self.proxy, self.max_bytes = proxy, bucket_mb << 20
+        # Adapter-only updates of a LoRA policy (``adapter_dtype``: the engines' dtype, what the
+        # checksum of the result is computed in): the factors travel, the engines merge them.
+        self.adapter_dtype = adapter_dtype
         self.restore = DiskPublisher(proxy, run_dir, keep_versions)
         self._buckets: list[bytes] = []
         # Delta updates (``delta_dtype``: the engines' dtype): the weights every engine holds, as
@@ -71,11 +75,18 @@ class BucketPublisher:
         from rollout.engines.embedded.weights import weights_checksum
 
         state = self._gather(engine)  # every rank gathers; rank 0 gets the weights
+        factors = engine.adapter_factors() if self.adapter_dtype else {}  # gathered by every rank too
         path = self.restore.export(engine, version, state)
         self._buckets, self._delta, self._state = [], None, {}
         if not path:
             return path
         # Serialized now, before generation is suspended: the suspension only waits for the transfer.
+        if self.adapter_dtype is not None:
+            checksum = weights_checksum(weight_delta.cast(state, getattr(torch, self.adapter_dtype)))
+            buckets = [self._serialize(b) for b in _by_layer(factors, self.max_bytes)]
+            self._delta = _Delta("safetensors_adapter", None, checksum, buckets, None)
+            self._state = state
+            return path
         if self.delta_dtype is None:
             self._buckets = self._serialize_all(state)
             return path
@@ -86,7 +97,7 @@ class BucketPublisher:
             return path
         entries, stats = weight_delta.encode(self._base[1], held)
         buckets = [self._serialize(b) for b in weight_delta.buckets(entries, self.max_bytes)] or [b""]
-        self._delta = _Delta(self._base[0], weights_checksum(held), buckets, stats)
+        self._delta = _Delta("safetensors_delta", self._base[0], weights_checksum(held), buckets, stats)
         self._state = state
         return path
 
@@ -113,15 +124,14 @@ class BucketPublisher:
             try:
                 await self._send(version, delta.buckets, deadline, timeout_s, delta)
                 self.delta_stats = delta.stats
-                self.stats = {
-                    "weight_update_bytes": sum(map(len, delta.buckets)),
-                    "weight_delta_changed_share": delta.stats.changed_share,
-                    "weight_delta_fallbacks": self.delta_fallbacks,
-                }
+                self.stats = {"weight_update_bytes": sum(map(len, delta.buckets))}
+                if delta.stats is not None:
+                    self.stats["weight_delta_changed_share"] = delta.stats.changed_share
+                self.stats["weight_delta_fallbacks"] = self.delta_fallbacks
                 return
             except PublishError as e:  # an engine missed a version, or a check failed: send it all
                 self.delta_fallbacks += 1
-                log.warning("version %d: the delta update failed (%s); sending every weight", version, e)
+                log.warning("version %d: the %s update failed (%s); sending every weight", version, delta.format, e)
                 from trainer.export import weight_buckets
 
                 # Serialized one at a time as they go (off the event loop): one bucket's bytes at once.
@@ -130,7 +140,7 @@ class BucketPublisher:
             raise PublishError(f"no weights exported for version {version}")
         sent = await self._send(version, buckets, deadline, timeout_s)
         self.stats = {"weight_update_bytes": sent}  # through the proxy (ipc: the handles)
-        if self.delta_dtype is not None:
+        if self.delta_dtype is not None or self.adapter_dtype is not None:
             self.stats["weight_delta_fallbacks"] = self.delta_fallbacks
 
     async def _send(
@@ -139,8 +149,10 @@ class BucketPublisher:
         """Send ``buckets`` (bytes, or tensors serialized on the way) in order; returns the bytes sent."""
         import asyncio
 
-        fmt = self.format if delta is None else "safetensors_delta"
-        extra = {} if delta is None else {"base_version": delta.base_version, "checksum": delta.checksum}
+        fmt = self.format if delta is None else delta.format
+        extra = {} if delta is None else {"checksum": delta.checksum}
+        if delta is not None and delta.base_version is not None:
+            extra["base_version"] = delta.base_version
         sent = 0
         for i, bucket in enumerate(buckets):
             if time.monotonic() >= deadline:
@@ -167,10 +179,27 @@ class BucketPublisher:
 
 @dataclass
 class _Delta:
-    base_version: int  # what every engine must hold
+    """An update that sends less than every weight: a delta, or a LoRA policy's factors."""
+
+    format: str  # safetensors_delta | safetensors_adapter
+    base_version: int | None  # a delta: what every engine must hold
     checksum: str  # of the weights after it (weights_checksum, as the engine computes it)
     buckets: list[bytes]
-    stats: DeltaStats
+    stats: DeltaStats | None  # a delta's
+
+
+def _by_layer(factors: dict, max_bytes: int):
+    """A LoRA policy's factors in buckets of at most ``max_bytes``, each layer's three in one."""
+    bucket, size = {}, 0
+    for name, t in factors.items():
+        n = t.numel() * t.element_size()
+        if bucket and size + n > max_bytes and name.endswith(".lora_A"):  # a layer starts with its A
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = t.contiguous()
+        size += n
+    if bucket:
+        yield bucket
 
 
 class BucketPublisherConfig(BaseModel):
@@ -195,12 +224,25 @@ class BucketPublisherConfig(BaseModel):
         "Keeps a copy of the weights in that dtype in the trainer's memory (two while an update is under "
         "way). Embedded engines only.",
     )
+    adapter: bool = Field(
+        False,
+        description="A LoRA policy (trainer.lora): send only each adapted layer's factors (bytes in proportion to "
+        "the rank); the engines compute the layer's weight from their base as the trainer merges it, checked "
+        "against the whole state's checksum; any failure sends every weight. Embedded engines only; not with "
+        "delta.",
+    )
     # The engines' dtype, the one deltas are made in: engine.dtype's, set when the run config loads.
     _engine_dtype: str = PrivateAttr("float32")
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> BucketPublisher:
+        dtype = self._engine_dtype
         return BucketPublisher(
-            proxy, run_dir, keep_versions, self.bucket_mb, self._engine_dtype if self.delta else None
+            proxy,
+            run_dir,
+            keep_versions,
+            self.bucket_mb,
+            dtype if self.delta else None,
+            dtype if self.adapter else None,
         )
 
 
@@ -233,12 +275,29 @@ def add_engine_routes(app, side: EngineSide) -> None:
         checksum: str = Query(
             "", max_length=64, description="A delta's final bucket: the checksum the weights must have after it."
         ),
+        adapter: bool = Query(
+            False,
+            description="An adapter-only update of a LoRA policy (rollout/engines/embedded/adapter_sync.py): the "
+            "buckets hold each adapted layer's factors.",
+        ),
     ):
         body = await request.body()
         try:
             tensors = load_safetensors(body) if body else {}
         except Exception as e:  # safetensors raises several types for bad bytes
             raise EngineError("body", f"not a safetensors payload ({e})") from None
+        if adapter:
+            if not hasattr(engine, "stage_adapter"):
+                raise EngineError("adapter", "this engine applies no adapter-only updates")
+            if weight_version is None or base_version is not None:
+                raise EngineError("weight_version", "an adapter update names the version it makes, and no base")
+            if final and not checksum:
+                raise EngineError("checksum", "an adapter update's final bucket carries the checksum of the result")
+            staged = await asyncio.to_thread(engine.stage_adapter, tensors, weight_version) if tensors else 0
+            if not final:
+                return {"success": True, "staged_tensors": staged}
+            res = await asyncio.wrap_future(engine.commit_adapter(weight_version, checksum))
+            return {"success": True, "message": "updated from adapters", **res}
         if base_version is not None:
             if not hasattr(engine, "stage_delta"):
                 raise EngineError("base_version", "this engine applies no delta updates")

@@ -181,3 +181,95 @@ def test_an_engine_without_deltas_refuses_one(make_engine_process, tiny_model):
             await client.close()
 
     asyncio.run(main())
+
+
+def test_a_lora_policy_sends_only_its_factors_and_falls_back_to_every_weight(
+    make_engine_process, tiny_model, tiny_model_b, tmp_path
+):
+    from tests.trainer.helpers import toy_batch
+    from trainer.config import TrainerConfig
+    from trainer.engine import TrainEngine
+
+    urls = [make_engine_process(extra=BF16)[1], make_engine_process(extra=BF16)[1]]
+    run = tmp_path / "run"
+    lora = {"rank": 2, "target_modules": ["q_proj", "v_proj"]}
+    trainer = TrainEngine(TrainerConfig(model_path=tiny_model, lr=1e-2, lora=lora))
+
+    async def publish(loop) -> tuple:
+        trainer.train_step(toy_batch(seed=trainer.version))
+        ok = await loop.publish()
+        return ok, dict(loop.publisher.stats), [await _engine_state(u) for u in urls]
+
+    async def main():
+        async with local_mesh(urls, tiny_model, async_ratio=1, groups_per_step=1) as mesh:
+            publisher = BucketPublisher(mesh.proxy_client, run, bucket_mb=1, adapter_dtype="bfloat16")
+            loop = _loop(mesh, tmp_path, trainer, publisher)
+            out = {"first": await publish(loop)}  # version 1: the factors alone
+            out["reload"] = await _load(urls[0], run / "weights/v1", 1)  # the whole weights of v1
+            # Engine 1 holds other weights than its base's outside the adapted layers: the result's
+            # checksum is not the trainer's, it puts them back, and every weight is sent instead.
+            await _load(urls[1], tiny_model_b, 1)
+            out["other"] = await publish(loop)  # version 2
+            out["again"] = await publish(loop)  # version 3: the factors alone again
+            out["reload3"] = await _load(urls[1], run / "weights/v3", 3)
+            return out
+
+    out = asyncio.run(main())
+    ok, first, states = out["first"]
+    whole = sum(f.stat().st_size for f in (run / "weights/v3").glob("*.safetensors"))
+    assert ok and first["weight_delta_fallbacks"] == 0 and first["weight_update_bytes"] < whole / 20
+    assert states[0] == states[1] and states[0][0] == "1" and out["reload"]["checksum"] == states[0][1]
+    ok, other, states = out["other"]
+    assert ok and other["weight_delta_fallbacks"] == 1 and other["weight_update_bytes"] > whole / 2
+    assert states[0] == states[1] and states[0][0] == "2"
+    ok, again, states = out["again"]
+    assert ok and again["weight_delta_fallbacks"] == 1 and again["weight_update_bytes"] == first["weight_update_bytes"]
+    assert states[0] == states[1] and states[0][0] == "3" and out["reload3"]["checksum"] == states[0][1]
+
+
+def test_bad_adapter_updates_are_refused_naming_the_field(make_engine_process):
+    url = make_engine_process(extra=BF16)[1]
+    a, b = torch.zeros(2, 128), torch.zeros(128, 2)  # the tiny model: 128 wide
+    layer = "model.layers.0.self_attn.q_proj"
+    good = {f"{layer}.lora_A": a, f"{layer}.lora_B": b, f"{layer}.lora_scaling": torch.tensor(2.0)}
+
+    async def main():
+        before = await _engine_state(url)
+        answers = {
+            "no_scaling": await _post(
+                url,
+                save({k: v for k, v in good.items() if "scaling" not in k}),
+                weight_version=1,
+                adapter="true",
+                final="false",
+            ),
+            "unknown": await _post(
+                url,
+                save({k.replace("q_proj", "qq"): v for k, v in good.items()}),
+                weight_version=1,
+                adapter="true",
+                final="false",
+            ),
+            "shape": await _post(
+                url,
+                save(good | {f"{layer}.lora_A": torch.zeros(2, 127)}),
+                weight_version=1,
+                adapter="true",
+                final="false",
+            ),
+            "no_checksum": await _post(url, save(good), weight_version=1, adapter="true", final="true"),
+            "sum": await _post(url, save(good), weight_version=1, adapter="true", final="true", checksum="0" * 16),
+        }
+        return before, answers, await _engine_state(url)
+
+    before, answers, after = asyncio.run(main())
+    for key, field in [
+        ("no_scaling", "tensors"),
+        ("unknown", "tensors"),
+        ("shape", "tensors"),
+        ("no_checksum", "checksum"),
+        ("sum", "checksum"),
+    ]:
+        assert answers[key].status_code == 400 and field in answers[key].text, (key, answers[key].text)
+    assert "needs lora_A, lora_B and lora_scaling" in answers["no_scaling"].text
+    assert after == before

@@ -43,7 +43,7 @@ def test_bench_weights_refuses_a_bad_option():
     assert proc.returncode == 2 and "--engines: must be >= 1" in proc.stderr
 
 
-def test_bench_weights_delta_compares_whole_and_delta_updates_over_training_steps(tiny_model, tmp_path):
+def test_bench_weights_delta_compares_whole_delta_and_adapter_updates_over_training_steps(tiny_model, tmp_path):
     config = tmp_path / "run.yaml"  # the quickstart's task and trainer on the tiny model
     config.write_text(
         f"model_path: {tiny_model}\n"
@@ -51,14 +51,16 @@ def test_bench_weights_delta_compares_whole_and_delta_updates_over_training_step
         "trainer: {lr: 0.001}\n"
     )
     cmd = [sys.executable, "-m", "services.cli", "bench", "weights", "--delta", "--config", str(config)]
-    proc = subprocess.run(
-        [*cmd, "--steps", "3", "--bucket-mb", "1", "--json"], capture_output=True, text=True, timeout=600
-    )
+    # LoRA adapters of rank 2: a third engine gets their factors alone.
+    args = [*cmd, "--steps", "3", "--bucket-mb", "1", "--lora-rank", "2", "--json"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["steps"] == 3 and out["engine_dtype"] == "bfloat16" and out["checksums_equal"] is True
     assert 0 < out["changed_share_min"] <= out["changed_share_median"] <= out["changed_share_max"] <= 1
     assert out["full_bytes_mb"] > 0 and out["delta_bytes_mb"] > 0 and out["full_load_s"] > 0 < out["delta_load_s"]
+    assert out["lora_rank"] == 2 and out["adapter_bytes_mb"] < out["delta_bytes_mb"] < out["full_bytes_mb"]
+    assert out["bytes_ratio_full_vs_adapter"] > 10 and out["adapter_load_s"] > 0
     assert out["encoding_bytes_mb_chosen"] <= min(
         out["encoding_bytes_mb_sparse"], out["encoding_bytes_mb_changed_tensors"]
     )

@@ -31,6 +31,7 @@ import torch
 
 from rollout.engines import weight_delta
 from rollout.engines.contract import EngineError, GenerateOutput, PauseMode
+from rollout.engines.embedded import adapter_sync
 from rollout.engines.embedded.attention import AttentionLayout, UnsupportedModel
 from rollout.engines.embedded.config import EngineConfig
 from rollout.engines.embedded.kv_slots import KVSlots
@@ -141,6 +142,7 @@ class EmbeddedEngine(SchedulerCommands):
         self.checksum = weights_checksum(self.model.state_dict())
         self.model_path = config.model_path
         self.adapters = Adapters(self.model)  # LoRA adapters served per request
+        self._adapter_base: dict[str, torch.Tensor] = {}  # adapter-only updates: base weights, float32
 
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -341,6 +343,29 @@ class EmbeddedEngine(SchedulerCommands):
         """Apply the staged delta between two steps and serve ``version``, if the weights then have
         ``checksum`` (``weights_checksum``); otherwise put back what it changed and fail."""
         return self._call(lambda: self._commit_delta(version, base_version, checksum))
+
+    def stage_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> int:
+        """Validate a bucket of a LoRA policy's factors (``adapter_sync``) for ``version`` and hold
+        it until ``commit_adapter``; returns the staged count."""
+        try:
+            layers = adapter_sync.split(tensors)
+            adapter_sync.check(self.model, layers)
+            self._read_base([n + ".weight" for n in layers])
+        except ValueError as e:
+            raise EngineError("tensors", str(e)) from None
+        return self._call(lambda: self._stage(layers, ("adapter", version))).result()
+
+    def commit_adapter(self, version: int, checksum: str) -> Future:
+        """Set every staged layer to its base + scaling · B A between two steps and serve ``version``,
+        if the weights then have ``checksum``; otherwise put them back and fail."""
+        return self._call(lambda: self._commit_adapter(version, checksum))
+
+    def _read_base(self, names: list[str]) -> None:
+        # In the caller's thread: file reads. The base is the model directory this engine started
+        # from (a LoRA trainer's frozen weights), whatever was loaded since.
+        missing = [n for n in names if n not in self._adapter_base]
+        if missing:
+            self._adapter_base |= adapter_sync.base_weights(self.config.model_path, missing)
 
     def load_lora_adapter(self, name: str, path: str, version: int | None = None) -> Future:
         """Read the PEFT adapter directory ``path`` (in the caller's thread) and serve it as ``name``
@@ -678,12 +703,16 @@ class EmbeddedEngine(SchedulerCommands):
                 "base_version", f"the delta is against version {base_version}; this engine holds {self.weight_version}"
             )
 
-    def _commit_delta(self, version: int, base_version: int, checksum: str) -> dict:
+    def _commit_adapter(self, version: int, checksum: str) -> dict:
         staged, self._staged = self._staged, {}
-        if self._staged_key != ("delta", version, base_version):
+        if self._staged_key != ("adapter", version):
             staged = {}  # staged for another update: never applied under this one
-        self._check_base(base_version)
-        undo = weight_delta.apply(self._params(), staged)  # puts back its part on a failure
+        undo = adapter_sync.apply(self.model, staged, self._adapter_base)
+        return self._verified(undo, version, checksum, f"version {self.weight_version} is served unchanged")
+
+    def _verified(self, undo: list, version: int, checksum: str, unchanged: str) -> dict:
+        """The update whose ``undo`` is given, kept and served as ``version`` if the weights now have
+        ``checksum``; otherwise put back (any failure while checking too) and refused."""
         try:
             got = weights_checksum(self.model.state_dict())
         except BaseException:
@@ -693,11 +722,19 @@ class EmbeddedEngine(SchedulerCommands):
             weight_delta.restore(undo)
             raise EngineError(
                 "checksum",
-                f"the weights after the delta to version {version} have checksum {got}, the trainer's "
-                f"are {checksum}; version {base_version} is served unchanged",
+                f"the weights after the update to version {version} have checksum {got}, the trainer's are "
+                f"{checksum}; {unchanged}",
             )
         self.checksum = got
         return self._bump_version(version)
+
+    def _commit_delta(self, version: int, base_version: int, checksum: str) -> dict:
+        staged, self._staged = self._staged, {}
+        if self._staged_key != ("delta", version, base_version):
+            staged = {}  # staged for another update: never applied under this one
+        self._check_base(base_version)
+        undo = weight_delta.apply(self._params(), staged)  # puts back its part on a failure
+        return self._verified(undo, version, checksum, f"version {base_version} is served unchanged")
 
     def _bump_version(self, version: int | None) -> dict:
         retracted = self._retract_running()

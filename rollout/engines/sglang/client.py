@@ -164,13 +164,19 @@ class SGLangClient(HTTPEngineClient):
         timeout_s: float = 120.0,
         base_version: int | None = None,
         checksum: str = "",
+        adapter: bool = False,
     ) -> dict:
         """One bucket of named tensors as safetensors bytes (rollmesh extension); ``final`` applies
         every bucket of ``weight_version`` sent so far. ``base_version``: the buckets hold a delta
-        against that version (``rollout/engines/weight_delta.py``), whose result must have ``checksum``."""
+        against that version (``rollout/engines/weight_delta.py``); ``adapter``: a LoRA policy's
+        factors (``rollout/engines/embedded/adapter_sync.py``); either's result must have ``checksum``."""
         params = {"final": str(final).lower(), "weight_version": weight_version}
         if base_version is not None:
-            params |= {"base_version": base_version, "checksum": checksum}
+            params |= {"base_version": base_version}
+        if adapter:
+            params |= {"adapter": "true"}
+        if checksum:
+            params |= {"checksum": checksum}
         # A connection per bucket: a pooled socket the server closed while the caller's loop was
         # busy broke midway through 256 MiB buckets sent through the proxy.
         return await self._post_alone("/update_weights_from_safetensors", timeout_s, params=params, data=data)

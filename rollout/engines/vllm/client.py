@@ -358,6 +358,7 @@ class VLLMClient(HTTPEngineClient):
         timeout_s: float = 120.0,
         base_version: int | None = None,
         checksum: str = "",
+        adapter: bool = False,
     ) -> dict:
         raise EngineRejected(
             "train_loop.publisher.type: vLLM engines load weights from disk or over a group (disk, collective)",

@@ -1,0 +1,87 @@
+"""Adapter-only weight updates of a LoRA policy: the trainer sends each adapted layer's factors
+(``layer.lora_A``, ``layer.lora_B``, ``layer.lora_scaling``: bytes in proportion to the rank),
+and the engine computes the layer's weight as the trainer merges it, ``W0 + scaling · B A`` in
+float32 from the base ``W0`` read from its own model directory, then cast to its dtype. The
+update is absolute (it does not depend on the version the engine holds); every other weight must
+still be the base's, which the checksum of the whole result, compared with the trainer's, proves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+A, B, SCALING = ".lora_A", ".lora_B", ".lora_scaling"
+
+
+def split(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """A bucket's tensors by layer: (A, B, scaling). Raises ``ValueError`` naming what is malformed."""
+    layers = {}
+    for key in tensors:
+        suffix = next((s for s in (A, B, SCALING) if key.endswith(s)), None)
+        if suffix is None:
+            raise ValueError(f"{key!r} is not a LoRA factor (name.lora_A, .lora_B or .lora_scaling)")
+        layers.setdefault(key.removesuffix(suffix), set()).add(suffix)
+    out = {}
+    for layer, parts in layers.items():
+        if parts != {A, B, SCALING}:
+            raise ValueError(f"{layer!r} needs lora_A, lora_B and lora_scaling in one bucket")
+        a, b, s = tensors[layer + A], tensors[layer + B], tensors[layer + SCALING]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or s.numel() != 1:
+            raise ValueError(
+                f"{layer!r}: A [r, in], B [out, r] and a scalar scaling, got {tuple(a.shape)}, {tuple(b.shape)}"
+            )
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise ValueError(f"{layer!r}: factors must be floating point")
+        out[layer] = (a, b, float(s))
+    return out
+
+
+def check(model: torch.nn.Module, layers: dict) -> None:
+    """Raise ``ValueError`` naming the first layer that is not a linear layer of ``model`` of the factors' shape."""
+    modules = dict(model.named_modules())
+    for name, (a, b, _) in layers.items():
+        m = modules.get(name)
+        if not isinstance(m, torch.nn.Linear):
+            raise ValueError(f"{name!r} is not a linear layer of the served model")
+        if a.shape[1] != m.in_features or b.shape[0] != m.out_features:
+            raise ValueError(
+                f"{name!r}: factors {tuple(a.shape)}, {tuple(b.shape)} do not fit {m.in_features} -> {m.out_features}"
+            )
+
+
+def base_weights(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """``names``' weights as the model directory holds them, in float32 (what a LoRA trainer's
+    frozen base is), read from its safetensors files."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    want, out = set(names), {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in want & set(f.keys()):
+                out[key] = f.get_tensor(key).float()
+    missing = want - set(out)
+    if missing:
+        raise ValueError(f"{sorted(missing)[0]!r} is not in {model_path}'s safetensors files")
+    return out
+
+
+@torch.no_grad()
+def apply(model: torch.nn.Module, layers: dict, base: dict[str, torch.Tensor]) -> list:
+    """Set each layer's weight to base + scaling · B A (float32, then the weight's dtype); returns
+    the undo list of ``weight_delta.restore`` (it puts everything back if anything fails midway)."""
+    from rollout.engines.weight_delta import restore
+
+    modules = dict(model.named_modules())
+    undo: list = []
+    try:
+        for name, (a, b, scaling) in layers.items():
+            w = modules[name].weight
+            undo.append((w, None, w.to("cpu", copy=True)))
+            merged = base[name + ".weight"] + scaling * (b.float() @ a.float())
+            w.copy_(merged.to(w.dtype))
+    except BaseException:
+        restore(undo)
+        raise
+    return undo
