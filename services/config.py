@@ -187,6 +187,8 @@ class RollmeshConfig(BaseModel):
         if getattr(publisher, "adapter", False):
             if getattr(self.trainer, "lora", None) is None:
                 raise ValueError("train_loop.publisher.adapter: the policy must train LoRA adapters (trainer.lora)")
+            if self.trainer.dtype != "float32":  # the engines merge from the float32 upcast of their files
+                raise ValueError("train_loop.publisher.adapter: needs trainer.dtype float32 (the merge's base)")
             if publisher.delta:
                 raise ValueError("train_loop.publisher: adapter or delta, not both (an adapter update is smaller)")
         if "master_address" in fields and publisher.master_address not in self.proxy.weight_group_hosts:

@@ -180,6 +180,8 @@ def test_delta_updates_are_made_in_the_engines_dtype_for_engines_that_apply_them
         load_config(None, [adapter])
     lora = "trainer.lora={rank: 4}"
     assert load_config(None, [adapter, lora, "engine.dtype=bfloat16"]).train_loop.publisher._engine_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="adapter: needs trainer.dtype float32"):
+        load_config(None, [adapter, lora, "trainer.dtype=bfloat16"])
     with pytest.raises(ConfigError, match="adapter or delta, not both"):
         load_config(None, ["train_loop.publisher={type: http_buckets, adapter: true, delta: true}", lora])
     with pytest.raises(ConfigError, match="train_loop.publisher.delta: engine.type 'sglang' applies no delta updates"):

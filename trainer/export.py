@@ -90,7 +90,8 @@ def export_hf(
 def adapter_factors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A LoRA policy's factors and scalings by plain layer name (``lora.factors``), on CPU; rank 0
     (every rank gathers)."""
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)  # the adapters alone
+    sd = get_model_state_dict(model, options=opts)
     return lora.factors(sd, lora.scalings(model)) if sd else {}
 
 
@@ -100,7 +101,8 @@ def export_adapter(model: torch.nn.Module, out_dir: str | Path) -> Path | None:
     every rank gathers, rank 0 writes."""
     from safetensors.torch import save_file
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)  # the adapters alone
+    sd = get_model_state_dict(model, options=opts)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if rank != 0:
         return None

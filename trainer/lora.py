@@ -2,9 +2,10 @@
 stay frozen. The optimizer, gradients and checkpoints hold only the adapters; the reference
 policy for a KL term is the same model with the adapters off (no second copy of the weights).
 
-Engines still receive whole weights here: ``merged`` folds each adapter into its base weight
-(W + scaling · B A) under the model's own names, so every weight transport and engine works as
-with full fine-tuning. ``adapter_state`` is the adapter alone, in PEFT's format.
+Engines receive whole weights (``merged`` folds each adapter into its base weight, W + scaling ·
+B A, under the model's own names, so every weight transport and engine works as with full
+fine-tuning) or, with ``http_buckets``' ``adapter: true``, each adapted layer's factors
+(``factors``). ``adapter_state`` is the adapter alone, in PEFT's format.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def wrap(model, config: LoraConfig):
     from peft import get_peft_model
 
     linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m).__name__ == "Linear"}
+    if getattr(model.config, "tie_word_embeddings", False):
+        linear.discard("lm_head")  # tied to the embedding: its merged weight would never reach an engine
     missing = [t for t in config.target_modules if t not in linear]
     if missing:
         raise ValueError(
@@ -74,7 +77,9 @@ def _hf(name: str) -> str:
 
 def merged(state: dict, scaling: dict[str, float]) -> dict:
     """A PEFT model's full state as the plain model's: every adapted weight W + scaling · B A (in
-    W's dtype, computed in float32), under the model's own names; the adapters' factors dropped."""
+    W's dtype, computed in float32 from a product accumulated in float64, as an engine merging
+    factors computes it: ``rollout/engines/embedded/adapter_sync.py``), under the model's own
+    names; the adapters' factors dropped."""
 
     out = {}
     for name, t in state.items():
@@ -86,7 +91,7 @@ def merged(state: dict, scaling: dict[str, float]) -> dict:
             if name.endswith(BASE + ".weight"):
                 a = state[name.replace(BASE + ".weight", f".lora_A.{ADAPTER}.weight")]
                 b = state[name.replace(BASE + ".weight", f".lora_B.{ADAPTER}.weight")]
-                t = (t.float() + scaling[layer] * (b.float() @ a.float())).to(t.dtype)
+                t = (t.float() + scaling[layer] * (b.double() @ a.double()).float()).to(t.dtype)
         out[plain] = t
     return out
 

@@ -36,7 +36,10 @@ def add_lora_routes(app, side: EngineSide) -> None:
     async def load_lora_adapter(req: LoadLoraReq):
         if not hasattr(engine, "load_lora_adapter"):
             raise EngineError("lora_name", f"{type(engine).__name__} serves no LoRA adapters")
-        path = str(loadable(req.lora_path, side.load_roots))  # never a directory the caller points anywhere
+        try:
+            path = str(loadable(req.lora_path, side.load_roots))  # never a directory the caller points anywhere
+        except EngineError as e:
+            raise EngineError("lora_path", e.message) from None
         fut = await asyncio.to_thread(engine.load_lora_adapter, req.lora_name, path, req.weight_version)
         res = await asyncio.wrap_future(fut)
         return {"success": True, "message": f"loaded {req.lora_name}", **res}

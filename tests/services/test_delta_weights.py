@@ -229,7 +229,7 @@ def test_a_lora_policy_sends_only_its_factors_and_falls_back_to_every_weight(
 
 def test_bad_adapter_updates_are_refused_naming_the_field(make_engine_process):
     url = make_engine_process(extra=BF16)[1]
-    a, b = torch.zeros(2, 128), torch.zeros(128, 2)  # the tiny model: 128 wide
+    a, b = torch.ones(2, 128), torch.ones(128, 2)  # the tiny model: 128 wide; B A changes every value
     layer = "model.layers.0.self_attn.q_proj"
     good = {f"{layer}.lora_A": a, f"{layer}.lora_B": b, f"{layer}.lora_scaling": torch.tensor(2.0)}
 

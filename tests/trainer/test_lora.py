@@ -108,6 +108,8 @@ def test_two_fsdp2_ranks_train_adapters_like_one_process(tiny_model, tmp_path):
 def test_a_target_the_model_lacks_is_refused_by_name(tiny_model):
     with pytest.raises(ValueError, match=r"trainer.lora.target_modules: \['qkv'\] are not linear layers"):
         TrainEngine(TrainerConfig(model_path=tiny_model, lora={"target_modules": ["q_proj", "qkv"]}))
+    with pytest.raises(ValueError, match="not linear layers"):  # tied to the embedding: never served
+        TrainEngine(TrainerConfig(model_path=tiny_model, lora={"target_modules": ["lm_head"]}))
     with pytest.raises(ValueError, match="trainer.lora: not with max_step_kl yet"):
         TrainEngine(TrainerConfig(model_path=tiny_model, lora={}, max_step_kl=0.1))
 

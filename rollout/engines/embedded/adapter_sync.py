@@ -1,7 +1,8 @@
 """Adapter-only weight updates of a LoRA policy: the trainer sends each adapted layer's factors
 (``layer.lora_A``, ``layer.lora_B``, ``layer.lora_scaling``: bytes in proportion to the rank),
 and the engine computes the layer's weight as the trainer merges it, ``W0 + scaling · B A`` in
-float32 from the base ``W0`` read from its own model directory, then cast to its dtype. The
+float32 from the base ``W0`` read from its own model directory, then cast to its dtype (the
+trainer keeps float32 weights: ``train_loop.publisher.adapter`` requires it). The
 update is absolute (it does not depend on the version the engine holds); every other weight must
 still be the base's, which the checksum of the whole result, compared with the trainer's, proves.
 """
@@ -50,8 +51,8 @@ def check(model: torch.nn.Module, layers: dict) -> None:
 
 
 def base_weights(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """``names``' weights as the model directory holds them, in float32 (what a LoRA trainer's
-    frozen base is), read from its safetensors files."""
+    """``names``' weights as the model directory holds them (in its dtype: a float32 trainer's
+    frozen base is their float32 upcast), read from its safetensors files."""
     from pathlib import Path
 
     from safetensors import safe_open
@@ -60,11 +61,17 @@ def base_weights(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:
     for file in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in want & set(f.keys()):
-                out[key] = f.get_tensor(key).float()
+                out[key] = f.get_tensor(key)
     missing = want - set(out)
     if missing:
         raise ValueError(f"{sorted(missing)[0]!r} is not in {model_path}'s safetensors files")
     return out
+
+
+def low_rank(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """B A in float32, accumulated in float64: the trainer's merge and the engine's compute the same
+    bits on different machines (a float32 product's last bits depend on the kernel's order)."""
+    return (b.double() @ a.double()).float()
 
 
 @torch.no_grad()
@@ -79,7 +86,7 @@ def apply(model: torch.nn.Module, layers: dict, base: dict[str, torch.Tensor]) -
         for name, (a, b, scaling) in layers.items():
             w = modules[name].weight
             undo.append((w, None, w.to("cpu", copy=True)))
-            merged = base[name + ".weight"] + scaling * (b.float() @ a.float())
+            merged = base[name + ".weight"].float() + scaling * low_rank(a, b)
             w.copy_(merged.to(w.dtype))
     except BaseException:
         restore(undo)

@@ -31,3 +31,6 @@ class EngineConfig(EngineServerConfig):
         "of the cores (two with a thread per core each decoded 10x slower), torch's default elsewhere.",
     )
     served_model_name: str | None = Field(None, description="Name reported by /model_info; default the path.")
+    max_loaded_loras: int = Field(
+        8, ge=1, le=1024, description="LoRA adapters served at once (/load_lora_adapter refuses more): their memory."
+    )

@@ -374,6 +374,10 @@ class EmbeddedEngine(SchedulerCommands):
             raise EngineError("lora_name", "must not be empty")
         if name in self.adapters.by_name:
             raise EngineError("lora_name", f"an adapter named {name!r} is loaded already (unload it first)")
+        if len(self.adapters.by_name) >= self.config.max_loaded_loras:
+            raise EngineError(
+                "lora_name", f"{self.config.max_loaded_loras} adapters are loaded (engine.max_loaded_loras)"
+            )
         adapter = read_adapter(self.model, name, Path(path), version or 0, self.device, self.dtype)
         return self._call(lambda: self._add_adapter(adapter))
 
@@ -648,8 +652,8 @@ class EmbeddedEngine(SchedulerCommands):
         return {"memory_released": sorted(self._released)}
 
     def _swap_model(self, model, path: str, version: int | None, checksum: str) -> dict:
+        self.adapters.rebind(model)  # first (it may refuse): the adapters' hooks belong to the old model's layers
         self.model, self.model_path, self.checksum = model, path, checksum
-        self.adapters.rebind(model)  # the adapters' hooks belong to the old model's layers
         if self.capture is not None:  # the hooks belong to the old model's routers
             self.capture.remove()
             self.capture = RoutingCapture(model)

@@ -48,8 +48,11 @@ def read(model: torch.nn.Module, name: str, path: Path, version: int, device, dt
         tensors = load_file(str(path / "adapter_model.safetensors"))
     except (OSError, ValueError) as e:
         raise EngineError("lora_path", f"{path} is not a PEFT LoRA adapter directory: {e}") from None
-    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("bias", "none") != "none":
-        raise EngineError("lora_path", f"{path}: only plain LoRA adapters (no DoRA, no bias) are served")
+    plain = cfg.get("peft_type", "LORA") == "LORA" and cfg.get("bias", "none") == "none"
+    if not plain or any(cfg.get(k) for k in ("use_dora", "lora_bias", "alpha_pattern", "rank_pattern")):
+        raise EngineError(
+            "lora_path", f"{path}: only plain LoRA adapters are served (no DoRA, bias, or per-layer rank or alpha)"
+        )
     rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if not isinstance(rank, int) or not 1 <= rank <= MAX_RANK or not isinstance(alpha, int | float):
         raise EngineError("lora_path", f"{path}: adapter_config.json needs r in [1, {MAX_RANK}] and lora_alpha")
@@ -68,6 +71,11 @@ def read(model: torch.nn.Module, name: str, path: Path, version: int, device, dt
         layer = modules.get(module)
         if not isinstance(layer, torch.nn.Linear):
             raise EngineError("lora_path", f"{path}: {module!r} is not a linear layer of the served model")
+        if ".experts." in module or "shared_expert" in module:
+            # their inputs are routed tokens, flattened: a row is no longer a request
+            raise EngineError(
+                "lora_path", f"{path}: {module!r} is an expert's layer; adapters on experts are not served"
+            )
         a, b = ab.get("A"), ab.get("B")
         if a is None or b is None:
             raise EngineError("lora_path", f"{path}: {module!r} needs both lora_A and lora_B")
@@ -77,7 +85,8 @@ def read(model: torch.nn.Module, name: str, path: Path, version: int, device, dt
                 f"{path}: {module!r} factors {tuple(a.shape)} and {tuple(b.shape)} do not fit this model's "
                 f"{layer.in_features} -> {layer.out_features} layer at rank {rank} (an adapter of another base model?)",
             )
-        layers[module] = (a.to(device, dtype), b.to(device, dtype), float(scaling))
+        # float32 factors, added in float32 (as PEFT computes them), then rounded to the layer's dtype
+        layers[module] = (a.to(device, torch.float32), b.to(device, torch.float32), float(scaling))
     return Adapter(name, str(path), version, layers)
 
 
@@ -87,21 +96,29 @@ class Adapters:
     def __init__(self, model: torch.nn.Module) -> None:
         self.by_name: dict[str, Adapter] = {}
         self._groups: list[tuple[Adapter, torch.Tensor]] = []  # this forward's adapters and their rows
+        self._rows = 0  # ... out of this many
         self._hooks: dict[str, object] = {}
         self.model = model
 
     def add(self, adapter: Adapter) -> None:
+        modules = dict(self.model.named_modules())
         for module in adapter.layers:
             if module not in self._hooks:
-                layer = dict(self.model.named_modules())[module]
-                self._hooks[module] = layer.register_forward_hook(self._hook(module))
+                self._hooks[module] = modules[module].register_forward_hook(self._hook(module))
         self.by_name[adapter.name] = adapter
 
     def remove(self, name: str) -> Adapter:
         return self.by_name.pop(name)
 
     def rebind(self, model: torch.nn.Module) -> None:
-        """The engine serves a new model object (weights loaded from disk): hook its layers."""
+        """The engine serves a new model object (weights loaded from disk): hook its layers. Raises
+        ``EngineError`` (nothing changed) if an adapter does not fit it."""
+        modules = dict(model.named_modules())
+        for adapter in self.by_name.values():
+            for name, (a, b, _) in adapter.layers.items():
+                m = modules.get(name)
+                if not isinstance(m, torch.nn.Linear) or (m.in_features, m.out_features) != (a.shape[1], b.shape[0]):
+                    raise EngineError("model_path", f"adapter {adapter.name!r} does not fit the new model at {name!r}")
         for h in self._hooks.values():
             h.remove()
         self._hooks, self.model = {}, model
@@ -111,6 +128,7 @@ class Adapters:
     def select(self, names: list[str | None], device) -> None:
         """The next forward's rows: row i is generated with adapter ``names[i]`` (None: the base)."""
         rows: dict[str, list[int]] = {}
+        self._rows = len(names)
         for i, n in enumerate(names):
             if n is not None:
                 rows.setdefault(n, []).append(i)
@@ -118,12 +136,16 @@ class Adapters:
 
     def _hook(self, module: str):
         def add_adapters(layer, args, out):
+            if not self._groups:
+                return out
             x = args[0]
+            if x.dim() != 3 or x.shape[0] != self._rows:  # rows must be requests (read() refuses experts)
+                raise RuntimeError(f"{module}: input {tuple(x.shape)} is not [requests, tokens, features]")
             for adapter, rows in self._groups:
                 factors = adapter.layers.get(module)
                 if factors is not None:
                     a, b, scaling = factors
-                    out[rows] += scaling * ((x[rows] @ a.T) @ b.T)
+                    out[rows] += (scaling * ((x[rows].float() @ a.T) @ b.T)).to(out.dtype)
             return out
 
         return add_adapters
