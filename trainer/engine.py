@@ -168,7 +168,7 @@ class TrainEngine:
         dtype = getattr(torch, config.dtype)
         model = model_class(config.model_path).from_pretrained(config.model_path, dtype=dtype)
         if config.lora is not None:
-            self._refuse_with_lora(model)
+            self._refuse_with_lora()
             model = lora.wrap(model, config.lora)
         self.model = self._prepare(model)
         self.ref = None
@@ -228,7 +228,7 @@ class TrainEngine:
         self.step = 0  # optimizer steps taken
         self.version = 0  # policy version: bumped by every step, published to the engines
 
-    def _refuse_with_lora(self, model) -> None:
+    def _refuse_with_lora(self) -> None:
         cfg = self.config
         for on, what in (
             (is_vision_model(cfg.model_path), "a vision-language policy"),

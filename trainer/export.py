@@ -87,11 +87,17 @@ def export_hf(
     return out
 
 
+def _adapters_gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A LoRA policy's trainable tensors (the adapters alone, not the frozen base), unsharded on
+    CPU: on rank 0 (every rank must call it under FSDP2)."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    return get_model_state_dict(model, options=opts)
+
+
 def adapter_factors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A LoRA policy's factors and scalings by plain layer name (``lora.factors``), on CPU; rank 0
     (every rank gathers)."""
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)  # the adapters alone
-    sd = get_model_state_dict(model, options=opts)
+    sd = _adapters_gathered(model)
     return lora.factors(sd, lora.scalings(model)) if sd else {}
 
 
@@ -101,8 +107,7 @@ def export_adapter(model: torch.nn.Module, out_dir: str | Path) -> Path | None:
     every rank gathers, rank 0 writes."""
     from safetensors.torch import save_file
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)  # the adapters alone
-    sd = get_model_state_dict(model, options=opts)
+    sd = _adapters_gathered(model)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if rank != 0:
         return None

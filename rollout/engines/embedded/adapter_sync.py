@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from rollout.engines.embedded.lora import misfit
+
 A, B, SCALING = ".lora_A", ".lora_B", ".lora_scaling"
 
 
@@ -38,16 +40,12 @@ def split(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, tor
 
 
 def check(model: torch.nn.Module, layers: dict) -> None:
-    """Raise ``ValueError`` naming the first layer that is not a linear layer of ``model`` of the factors' shape."""
+    """Raise ``ValueError`` naming the first layer the factors cannot adapt (``lora.misfit``)."""
     modules = dict(model.named_modules())
     for name, (a, b, _) in layers.items():
-        m = modules.get(name)
-        if not isinstance(m, torch.nn.Linear):
-            raise ValueError(f"{name!r} is not a linear layer of the served model")
-        if a.shape[1] != m.in_features or b.shape[0] != m.out_features:
-            raise ValueError(
-                f"{name!r}: factors {tuple(a.shape)}, {tuple(b.shape)} do not fit {m.in_features} -> {m.out_features}"
-            )
+        why = misfit(modules, name, a, b)
+        if why is not None:
+            raise ValueError(why)
 
 
 def base_weights(model_path: str, names: list[str]) -> dict[str, torch.Tensor]:

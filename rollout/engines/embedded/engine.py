@@ -142,7 +142,7 @@ class EmbeddedEngine(SchedulerCommands):
         self.checksum = weights_checksum(self.model.state_dict())
         self.model_path = config.model_path
         self.adapters = Adapters(self.model)  # LoRA adapters served per request
-        self._adapter_base: dict[str, torch.Tensor] = {}  # adapter-only updates: base weights, float32
+        self._adapter_base: dict[str, torch.Tensor] = {}  # adapter-only updates: base weights, as the files hold them
 
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -378,7 +378,7 @@ class EmbeddedEngine(SchedulerCommands):
             raise EngineError(
                 "lora_name", f"{self.config.max_loaded_loras} adapters are loaded (engine.max_loaded_loras)"
             )
-        adapter = read_adapter(self.model, name, Path(path), version or 0, self.device, self.dtype)
+        adapter = read_adapter(self.model, name, Path(path), version or 0, self.device)
         return self._call(lambda: self._add_adapter(adapter))
 
     def unload_lora_adapter(self, name: str) -> Future:
@@ -666,10 +666,14 @@ class EmbeddedEngine(SchedulerCommands):
         self._staged.update(tensors)
         return len(self._staged)
 
-    def _commit_staged(self, version: int | None, update: object) -> dict:
+    def _take_staged(self, update: object) -> dict:
+        """What was staged for ``update``, emptied; nothing if it was staged for another update (one
+        that failed midway): that is never applied under this one."""
         staged, self._staged = self._staged, {}
-        if self._staged_key != update:
-            staged = {}  # staged for another update: never applied under this one
+        return staged if self._staged_key == update else {}
+
+    def _commit_staged(self, version: int | None, update: object) -> dict:
+        staged = self._take_staged(update)
         # A lost bucket must fail the update, not leave a model half old, half new.
         missing = [n for n, _ in self.model.named_parameters() if n not in staged]
         if missing:
@@ -708,9 +712,7 @@ class EmbeddedEngine(SchedulerCommands):
             )
 
     def _commit_adapter(self, version: int, checksum: str) -> dict:
-        staged, self._staged = self._staged, {}
-        if self._staged_key != ("adapter", version):
-            staged = {}  # staged for another update: never applied under this one
+        staged = self._take_staged(("adapter", version))
         undo = adapter_sync.apply(self.model, staged, self._adapter_base)
         return self._verified(undo, version, checksum, f"version {self.weight_version} is served unchanged")
 
@@ -733,9 +735,7 @@ class EmbeddedEngine(SchedulerCommands):
         return self._bump_version(version)
 
     def _commit_delta(self, version: int, base_version: int, checksum: str) -> dict:
-        staged, self._staged = self._staged, {}
-        if self._staged_key != ("delta", version, base_version):
-            staged = {}  # staged for another update: never applied under this one
+        staged = self._take_staged(("delta", version, base_version))
         self._check_base(base_version)
         undo = weight_delta.apply(self._params(), staged)  # puts back its part on a failure
         return self._verified(undo, version, checksum, f"version {base_version} is served unchanged")

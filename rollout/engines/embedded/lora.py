@@ -33,12 +33,25 @@ class Adapter:
     version: int  # what each token generated with it reports (token_versions)
     layers: dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # module -> (A [r, in], B [out, r], scaling)
 
-    @property
-    def rank(self) -> int:
-        return next(iter(self.layers.values()))[0].shape[0]
+
+def misfit(modules: dict[str, torch.nn.Module], name: str, a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Why factors ``a`` [r, in] and ``b`` [out, r] cannot adapt layer ``name`` of a model whose
+    ``named_modules`` are ``modules``; None when they can. (Also the check of adapter-only updates.)"""
+    layer = modules.get(name)
+    if not isinstance(layer, torch.nn.Linear):
+        return f"{name!r} is not a linear layer of the served model"
+    if ".experts." in name or "shared_expert" in name:
+        # their inputs are routed tokens, flattened: a row is no longer a request
+        return f"{name!r} is an expert's layer; adapters on experts are not served"
+    if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
+        return (
+            f"{name!r}: factors {tuple(a.shape)} and {tuple(b.shape)} do not fit this model's "
+            f"{layer.in_features} -> {layer.out_features} layer (an adapter of another base model?)"
+        )
+    return None
 
 
-def read(model: torch.nn.Module, name: str, path: Path, version: int, device, dtype) -> Adapter:
+def read(model: torch.nn.Module, name: str, path: Path, version: int, device) -> Adapter:
     """The adapter in PEFT directory ``path``, checked against ``model``; ``EngineError`` naming
     what does not fit (``lora_path``)."""
     from safetensors.torch import load_file
@@ -68,23 +81,16 @@ def read(model: torch.nn.Module, name: str, path: Path, version: int, device, dt
         raise EngineError("lora_path", f"{path}: the adapter holds no factors")
     layers = {}
     for module, ab in factors.items():
-        layer = modules.get(module)
-        if not isinstance(layer, torch.nn.Linear):
-            raise EngineError("lora_path", f"{path}: {module!r} is not a linear layer of the served model")
-        if ".experts." in module or "shared_expert" in module:
-            # their inputs are routed tokens, flattened: a row is no longer a request
-            raise EngineError(
-                "lora_path", f"{path}: {module!r} is an expert's layer; adapters on experts are not served"
-            )
         a, b = ab.get("A"), ab.get("B")
         if a is None or b is None:
             raise EngineError("lora_path", f"{path}: {module!r} needs both lora_A and lora_B")
-        if tuple(a.shape) != (rank, layer.in_features) or tuple(b.shape) != (layer.out_features, rank):
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise EngineError(
-                "lora_path",
-                f"{path}: {module!r} factors {tuple(a.shape)} and {tuple(b.shape)} do not fit this model's "
-                f"{layer.in_features} -> {layer.out_features} layer at rank {rank} (an adapter of another base model?)",
+                "lora_path", f"{path}: {module!r} factors {tuple(a.shape)}, {tuple(b.shape)} are not of rank {rank}"
             )
+        why = misfit(modules, module, a, b)
+        if why is not None:
+            raise EngineError("lora_path", f"{path}: {why}")
         # float32 factors, added in float32 (as PEFT computes them), then rounded to the layer's dtype
         layers[module] = (a.to(device, torch.float32), b.to(device, torch.float32), float(scaling))
     return Adapter(name, str(path), version, layers)
@@ -116,9 +122,9 @@ class Adapters:
         modules = dict(model.named_modules())
         for adapter in self.by_name.values():
             for name, (a, b, _) in adapter.layers.items():
-                m = modules.get(name)
-                if not isinstance(m, torch.nn.Linear) or (m.in_features, m.out_features) != (a.shape[1], b.shape[0]):
-                    raise EngineError("model_path", f"adapter {adapter.name!r} does not fit the new model at {name!r}")
+                why = misfit(modules, name, a, b)
+                if why is not None:
+                    raise EngineError("model_path", f"adapter {adapter.name!r} does not fit the new model: {why}")
         for h in self._hooks.values():
             h.remove()
         self._hooks, self.model = {}, model
