@@ -35,6 +35,10 @@ $(STAMP): pyproject.toml
 	# cannot use, and runs on protobuf 7 (tests/services/test_metrics_log.py): its dependencies but that one.
 	$(PIP) install -q --no-deps swanlab==0.10.3
 	$(PIP) install -q click nvidia-ml-py orjson platformdirs psutil pwinput pydantic-settings pyecharts pyroaring rich watchdog wrapt
+	# tinker-cookbook's recipes, run unchanged against `rollmesh serve tinker`: it pins tml-renderers>=0.4.1,
+	# which PyPI mirrors may lack and only Inkling/Kimi models use: the dependencies its recipes import.
+	$(PIP) install -q --no-deps tinker-cookbook==0.6.1
+	$(PIP) install -q chz blobfile datasets pylatexenc
 	touch $(STAMP)
 
 $(MODEL)/config.json: | $(STAMP)

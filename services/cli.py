@@ -85,8 +85,9 @@ def gateway_key(
     file: Path = typer.Argument(..., help="The gateway's key file (gateway.api_keys_path); made if absent."),
     name: str = typer.Argument(..., help="Whose key: an agent or tenant (its sessions are its own)."),
     revoke: bool = typer.Option(False, "--revoke", help="Delete NAME's key instead of issuing one."),
+    tinker: bool = typer.Option(False, "--tinker", help="A key the tinker SDK takes (tml-...): tinker.api_keys_path."),
 ) -> None:
-    """Issue an agent a gateway key (printed once; the file keeps only its hash), or revoke one."""
+    """Issue an agent (or a Tinker user) a key (printed once; the file keeps only its hash), or revoke one."""
     from services.gateway.keys import issue_key, revoke_key
 
     if revoke:
@@ -95,7 +96,7 @@ def gateway_key(
             raise typer.Exit(2)
         typer.echo(f"revoked {name!r}: the gateway refuses it within a second")
         return
-    print(issue_key(file, name))
+    print(issue_key(file, name, prefix="tml-" if tinker else "rk-"))
 
 
 @app.command()

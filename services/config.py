@@ -24,6 +24,7 @@ from services.env_manager.config import EnvManagerConfig
 from services.env_provider.config import EnvProviderConfig
 from services.gateway.config import GatewayConfig
 from services.reward.config import RewardServiceConfig
+from services.tinker.config import TinkerConfig
 from services.trainer.config import TrainerProcessConfig
 from trainer.config import TrainerConfig
 from trainer.variants import TrainerVariant
@@ -128,6 +129,10 @@ class RollmeshConfig(BaseModel):
     )
     gateway: GatewayConfig = Field(
         default_factory=GatewayConfig, description="The OpenAI-compatible gateway for external agents."
+    )
+    tinker: TinkerConfig = Field(
+        default_factory=TinkerConfig,
+        description="`rollmesh serve tinker`: the Tinker training API (LoRA clients on model_path) for the tinker SDK.",
     )
     reward_service: RewardServiceConfig = Field(
         default_factory=RewardServiceConfig,

@@ -22,12 +22,18 @@ SERVICES = {
     "gateway": ("services.gateway.main", None, "The OpenAI-compatible agent gateway: sessions become trained groups."),
     "trainer": ("services.trainer.main", None, "The trainer process: train, publish, checkpoint; exits when done."),
     "reward": ("services.reward.server", None, "The reward service: one verifier pool scoring answers for the mesh."),
+    "tinker": ("services.tinker.server", None, "The Tinker training API (LoRA on model_path) for the tinker SDK."),
 }
 
 
-def service_config(config: Path | None, overrides: list[str], provider: bool = False):
+# Services whose callers hold keys of their own (no mesh token to check): the Tinker API makes its
+# engine's token itself when it starts one.
+OWN_KEYS = {"tinker"}
+
+
+def service_config(config: Path | None, overrides: list[str], provider: bool = False, mesh_token: bool = True):
     """The run config of a service about to start; exit 2 if it has no token to check calls against
-    (an environment provider: its own, ``env_provider.token_env``)."""
+    (an environment provider: its own, ``env_provider.token_env``; ``mesh_token`` False: none needed)."""
     cfg = load_or_exit(config, overrides)
     setup_logging()
     from services.auth import AuthError, Role, provider_auth
@@ -35,7 +41,7 @@ def service_config(config: Path | None, overrides: list[str], provider: bool = F
     try:  # no token: refuse before anything starts listening
         if provider:
             provider_auth(cfg.auth, cfg.env_provider.token_env)
-        elif not (cfg.auth.holds(Role.DATA) or cfg.auth.holds(Role.CONTROL)):
+        elif mesh_token and not (cfg.auth.holds(Role.DATA) or cfg.auth.holds(Role.CONTROL)):
             cfg.auth.bearer()  # raises, naming the variable to set
     except AuthError as e:
         typer.echo(f"config error: {e}", err=True)
@@ -45,7 +51,7 @@ def service_config(config: Path | None, overrides: list[str], provider: bool = F
 
 def _register_serve(name: str, module: str, section: str | None, doc: str) -> None:
     def command(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
-        cfg = service_config(config, set_)
+        cfg = service_config(config, set_, mesh_token=name not in OWN_KEYS)
         import importlib
 
         from services.auth import AuthError

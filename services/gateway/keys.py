@@ -61,9 +61,10 @@ def _editing(path: Path):
         os.replace(tmp, path)
 
 
-def issue_key(path: str | Path, name: str) -> str:
-    """A new key for ``name`` (replacing its old one), its hash written to ``path``; returns the key."""
-    key = "rk-" + secrets.token_urlsafe(32)
+def issue_key(path: str | Path, name: str, prefix: str = "rk-") -> str:
+    """A new key for ``name`` (replacing its old one), its hash written to ``path``; returns the key.
+    ``prefix``: what the key starts with (the tinker SDK takes only keys that start with ``tml-``)."""
+    key = prefix + secrets.token_urlsafe(32)
     with _editing(Path(path)) as keys:
         keys[name] = hash_key(key)
     return key

@@ -98,12 +98,14 @@ class SGLangClient(HTTPEngineClient):
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
         image_data: list[str] | None = None,
+        lora_path: str | None = None,
     ) -> EngineResult:
         """One generation. ``top_logprobs``: also the most likely tokens at each position;
         ``on_tokens``: stream it, handing each event's new tokens over as they arrive;
         ``return_routed_experts``: an MoE model's experts per position, from ``routed_experts_start_len``
         (SGLang needs ``--enable-return-routed-experts``); ``image_data``: a vision-language prompt's
-        images (base64), one placeholder token for each in ``input_ids``, which the server expands."""
+        images (base64), one placeholder token for each in ``input_ids``, which the server expands;
+        ``lora_path``: the name of a loaded LoRA adapter to generate with (``load_lora_adapter``)."""
         if isinstance(sampling_params, SamplingParams):  # SGLang's names, every value sent: a server never
             sampling_params = sampling_params.model_dump(exclude_none=True)  # substitutes its own defaults
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
@@ -113,6 +115,8 @@ class SGLangClient(HTTPEngineClient):
             payload["top_logprobs_num"] = top_logprobs
         if image_data:
             payload["image_data"] = image_data
+        if lora_path is not None:
+            payload["lora_path"] = lora_path
         start = routed_experts_start_len if return_routed_experts else 0
         if return_routed_experts:
             payload["return_routed_experts"] = True
@@ -255,6 +259,13 @@ class SGLangClient(HTTPEngineClient):
 
     async def destroy_weights_update_group(self, group_name: str, timeout_s: float = 10.0) -> dict:
         return await self._post("/destroy_weights_update_group", timeout_s, json={"group_name": group_name})
+
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float = 60.0) -> dict:
+        """Serve the PEFT adapter in directory ``path`` (on the engine's machine) as ``name``."""
+        return await self._post("/load_lora_adapter", timeout_s, json={"lora_name": name, "lora_path": path})
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float = 30.0) -> dict:
+        return await self._post("/unload_lora_adapter", timeout_s, json={"lora_name": name})
 
     async def model_info(self, timeout_s: float = 5.0) -> dict:
         try:

@@ -1,0 +1,357 @@
+"""``rollmesh serve tinker``: the Tinker training API (the ``tinker`` SDK's REST routes) over
+rollmesh's trainer and engines, so a Tinker script or a ``tinker-cookbook`` recipe runs unchanged
+with ``ServiceClient(base_url=..., api_key=...)`` against this machine's base model.
+
+Each training client is a LoRA adapter on the one base model the service loads
+(``trainer/adapter_pool.py``); its sampler weights are PEFT directories the engine loads by name and
+applies per request (SGLang's ``/load_lora_adapter`` and ``lora_path``), so many clients' samples
+share one continuous batch.
+
+Wire: JSON everywhere but ``forward_backward``'s body and the results of ``forward_backward`` and
+``asample``, which the SDK sends and takes as protobuf only (its own schema, ``services/tinker/wire.py``).
+Most calls answer a request id at once; the client then long-polls ``retrieve_future``. Auth: the
+SDK's ``X-API-Key`` header, checked before the body is read, against a key file of hashes (one key
+per user or team; ``rollmesh gateway-key FILE NAME --tinker``); never the mesh's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.body_limit import BodyLimit
+from services.gateway.keys import KeyRing
+from services.tinker import wire
+from services.tinker.service import TinkerError, TinkerService, user_error
+
+log = logging.getLogger(__name__)
+API = "/api/v1"
+OPEN = ("/health", "/metrics", f"{API}/healthz")
+PROTO = "application/x-protobuf"
+
+
+def error(status: int, message: str, field: str = "") -> JSONResponse:
+    # never an empty 400: the SDK takes that for a proxy's hiccup and retries it forever
+    return JSONResponse({"detail": message, "field": field}, status_code=status)
+
+
+def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int) -> FastAPI:
+    """``keys`` None: no key is asked for (``auth.disabled``; every caller is ``anonymous``)."""
+    app = FastAPI(title="rollmesh Tinker API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    counts = service.counts
+
+    @app.exception_handler(TinkerError)
+    async def _refused(_: Request, e: TinkerError) -> JSONResponse:
+        return error(e.status, str(e), e.field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error(e.status_code, str(e.detail), "body" if e.status_code == 413 else "")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return error(500, f"internal error: {type(e).__name__}: {e}")
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        if request.url.path in OPEN:
+            return await call_next(request)
+        key = request.headers.get("x-api-key")
+        owner = "anonymous" if keys is None else (keys.owner(f"Bearer {key}") if key else None)
+        if owner is None:
+            counts[("auth", "refused")] += 1
+            return error(401, "x-api-key: a valid API key is required (the SDK's api_key)", "x-api-key")
+        request.state.owner = owner
+        return await call_next(request)
+
+    async def body(request: Request) -> dict:
+        try:
+            data = json.loads(await request.body() or b"{}")
+        except ValueError as e:
+            raise TinkerError("body", f"malformed JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise TinkerError("body", "a JSON object")
+        return data
+
+    def future(request: Request, route: str, work, proto: bool = False, **extra) -> dict:
+        counts[(route, "accepted")] += 1
+        return {"request_id": service.submit(request.state.owner, _counted(route, work), proto), **extra}
+
+    async def _counted(route: str, work):
+        try:
+            result = await work
+        except Exception as e:
+            counts[(route, "error")] += 1
+            if user_error(e) is None:
+                log.exception("%s failed", route)
+            raise
+        counts[(route, "ok")] += 1
+        return result
+
+    # ---------------------------------------------------------------- client bootstrap, sessions
+    @app.post(f"{API}/client/config")
+    async def client_config():
+        # a static key (no JWT exchange), plain httpx, calls of a model in seq_id order, protobuf uncompressed
+        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False}
+
+    @app.post(f"{API}/client/dynamic_config")
+    async def dynamic_config():
+        return {}
+
+    @app.get(f"{API}/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get(f"{API}/get_server_capabilities")
+    async def capabilities():
+        return {"supported_models": [{"model_name": service.base_model, "trainable": True, "sampleable": True}]}
+
+    @app.post(f"{API}/create_session")
+    async def create_session(request: Request):
+        await body(request)
+        return {"session_id": service.create_session(request.state.owner), "type": "create_session"}
+
+    @app.post(f"{API}/session_heartbeat")
+    async def heartbeat(request: Request):
+        b = await body(request)
+        service._session(request.state.owner, str(b.get("session_id", "")))
+        return {"type": "session_heartbeat"}
+
+    @app.post(f"{API}/sessions/{{sid}}/finish")
+    async def finish(sid: str, request: Request):
+        await service.finish_session(request.state.owner, sid)
+        return {}
+
+    @app.post(f"{API}/telemetry")
+    async def telemetry():
+        return {"status": "accepted"}  # nothing is sent anywhere
+
+    # ---------------------------------------------------------------- training
+    @app.post(f"{API}/create_model")
+    async def create_model(request: Request):
+        return future(request, "create_model", service.create_model(request.state.owner, await body(request)))
+
+    @app.post(f"{API}/get_info")
+    async def get_info(request: Request):
+        return service.info(request.state.owner, str((await body(request)).get("model_id", "")))
+
+    @app.post(f"{API}/unload_model")
+    async def unload_model(request: Request):
+        b = await body(request)
+        return future(request, "unload_model", service.unload_model(request.state.owner, str(b.get("model_id", ""))))
+
+    @app.post(f"{API}/forward_backward")
+    async def forward_backward(request: Request):
+        if request.headers.get("content-encoding", "identity") != "identity":
+            raise TinkerError("content-encoding", "compressed bodies are not taken (client/config says so)")
+        req = wire.read_forward_backward(await request.body())
+        service.model(request.state.owner, req.model_id)  # an unknown model: 404 now, not in a future
+        return future(request, "forward_backward", service.forward_backward(request.state.owner, req), proto=True)
+
+    @app.post(f"{API}/optim_step")
+    async def optim_step(request: Request):
+        return future(request, "optim_step", service.optim_step(request.state.owner, await body(request)))
+
+    @app.post(f"{API}/save_weights")
+    async def save_weights(request: Request):
+        return future(request, "save_weights", service.save_weights(request.state.owner, await body(request)))
+
+    @app.post(f"{API}/save_weights_for_sampler")
+    async def save_for_sampler(request: Request):
+        b = await body(request)
+        return future(request, "save_weights_for_sampler", service.save_weights_for_sampler(request.state.owner, b))
+
+    @app.post(f"{API}/load_weights")
+    async def load_weights(request: Request):
+        return future(request, "load_weights", service.load_weights(request.state.owner, await body(request)))
+
+    # ---------------------------------------------------------------- sampling
+    @app.post(f"{API}/create_sampling_session")
+    async def create_sampling_session(request: Request):
+        sid = service.create_sampling_session(request.state.owner, await body(request))
+        return {"sampling_session_id": sid, "type": "create_sampling_session"}
+
+    @app.get(f"{API}/samplers/{{sampler_id}}")
+    async def get_sampler(sampler_id: str, request: Request):
+        return service.sampler_info(request.state.owner, sampler_id)
+
+    @app.post(f"{API}/asample")
+    async def asample(request: Request):
+        b = await body(request)
+        sampler, tokens, params, n = service.check_sample(request.state.owner, b)
+        work = service.sample(sampler, tokens, params, n, bool(b.get("prompt_logprobs")))
+        rid_future = future(request, "asample", work, proto=True)
+        return {**rid_future, "sample_sequence_ids": [f"{rid_future['request_id']}:{i}" for i in range(n)]}
+
+    # ---------------------------------------------------------------- results
+    @app.post(f"{API}/retrieve_future")
+    async def retrieve_future(request: Request):
+        rid = str((await body(request)).get("request_id", ""))
+        r = await service.retrieve(request.state.owner, rid, service.config.poll_hold_s)
+        if r is None:
+            return {"type": "try_again", "request_id": rid, "queue_state": "active"}
+        e = r.future.exception()
+        if e is not None:
+            refused = user_error(e)
+            if refused is None:
+                return {"error": f"internal error: {type(e).__name__}: {e}", "category": "server"}
+            return {"error": str(refused), "category": refused.category}
+        result = r.future.result()
+        return Response(result, media_type=PROTO) if r.proto else result
+
+    @app.get("/metrics")
+    async def metrics():
+        registry = CollectorRegistry()
+        registry.register(_Collector(service))
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _Collector:
+    def __init__(self, service: TinkerService) -> None:
+        self.service = service
+
+    def collect(self):
+        s = self.service
+        calls = CounterMetricFamily(
+            "rollmesh_tinker_calls", "Tinker API calls by route and outcome", labels=["route", "outcome"]
+        )
+        for (route, outcome), n in sorted(s.counts.items()):
+            calls.add_metric([route, outcome], n)
+        yield calls
+        yield CounterMetricFamily(
+            "rollmesh_tinker_trained_tokens", "Tokens through forward/backward", value=s.trained_tokens
+        )
+        yield CounterMetricFamily("rollmesh_tinker_sampled_tokens", "Tokens sampled", value=s.sampled_tokens)
+        for name, value, doc in (
+            ("models", len(s.models), "Training models (adapters) held"),
+            ("samplers", len(s.samplers), "Sampling sessions open"),
+            ("loaded_adapters", len(s._loaded), "Sampler weights the engine holds"),
+        ):
+            yield GaugeMetricFamily(f"rollmesh_tinker_{name}", doc, value=value)
+
+
+# ---------------------------------------------------------------------------- the process
+def key_ring(cfg) -> KeyRing | None:
+    from services.auth import AuthError
+
+    if cfg.auth.disabled:
+        log.warning("tinker service: auth.disabled: serving WITHOUT keys; anyone who reaches its port may train")
+        return None
+    if cfg.tinker.api_keys_path is None:
+        raise AuthError(
+            "tinker.api_keys_path: no key file; each user needs a key of their own (never the mesh token): issue one "
+            "with `rollmesh gateway-key FILE NAME --tinker`"
+        )
+    return KeyRing(path=cfg.tinker.api_keys_path)
+
+
+def _start_engine(cfg) -> tuple[object | None, str]:
+    """The engine the service samples with: ``tinker.engine_url``, or an embedded one it starts."""
+    from pathlib import Path
+
+    from services.processes import start_engine_process
+
+    if cfg.tinker.engine_url:
+        return None, cfg.tinker.engine_url
+    if cfg.engine.type != "embedded":
+        raise ValueError(
+            f"engine.type: {cfg.engine.type!r} — the tinker service starts an embedded engine (the one that serves "
+            "LoRA adapters here); give tinker.engine_url to use another"
+        )
+    root = Path(cfg.tinker.root).resolve()
+    extra = [f"load_roots=[{root}]", f"max_loaded_loras={cfg.tinker.max_loaded_adapters}"]
+    return start_engine_process(cfg.model_path, None, extra, cfg.run.startup_timeout_s, None, cfg.auth)
+
+
+def serve(cfg) -> None:
+    """``cfg``: the whole run config (``tinker``, ``model_path``, ``engine``, ``auth``)."""
+    import uvicorn
+    from transformers import AutoConfig
+
+    from services.auth import ensure_token
+    from services.grpc_util import serve_until_signal
+    from services.llm_proxy.server import engine_client
+    from services.processes import stop_process
+    from trainer.adapter_pool import AdapterPool
+
+    config = cfg.tinker
+    keys = key_ring(cfg)  # before anything starts: no key file, no service
+    if not config.engine_url:  # its own engine's API takes the control token: one of this process's own if none is set
+        ensure_token(cfg.auth)
+    engine_proc, engine_url = _start_engine(cfg)
+    device = (
+        "cuda"
+        if cfg.trainer.device == "auto" and _cuda()
+        else ("cpu" if cfg.trainer.device == "auto" else cfg.trainer.device)
+    )
+
+    async def start():
+        pool = await asyncio.to_thread(AdapterPool, cfg.model_path, device, config.micro_batch_tokens)
+        arch = AutoConfig.from_pretrained(cfg.model_path, local_files_only=True).model_type
+        engine = engine_client(engine_url, cfg.auth, timeout_s=config.generate_timeout_s)
+        service = TinkerService(config, pool, engine, cfg.model_path, arch)
+        app = create_app(service, keys, config.max_body_bytes)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_level="warning",
+                access_log=False,
+                ssl_certfile=cfg.auth.tls.cert_path if cfg.auth.tls else None,
+                ssl_keyfile=cfg.auth.tls.key_path if cfg.auth.tls else None,
+            )
+        )
+        server.install_signal_handlers = lambda: None  # serve_until_signal owns SIGTERM
+        task = asyncio.create_task(server.serve())
+        log.info(
+            "tinker service on http://%s:%d: base model %r, engine %s",
+            config.host,
+            config.port,
+            service.base_model,
+            engine_url,
+        )
+
+        async def cleanup() -> None:
+            await service.close()
+            await engine.close()
+            if engine_proc is not None:
+                stop_process(engine_proc)
+
+        return _Uvicorn(server, task), cleanup
+
+    try:
+        serve_until_signal(start)
+    finally:
+        if engine_proc is not None:
+            stop_process(engine_proc)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class _Uvicorn:
+    def __init__(self, server, task: asyncio.Task) -> None:
+        self.server, self.task = server, task
+
+    async def stop(self, grace: float) -> None:
+        self.server.should_exit = True
+        await asyncio.wait([self.task], timeout=grace)

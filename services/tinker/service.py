@@ -1,0 +1,529 @@
+"""What the Tinker API's calls do, without HTTP: sessions, training models (one LoRA adapter each
+on the shared base, ``trainer/adapter_pool.py``), saved weights, sampling sessions (adapters the
+engine serves per request) and the futures clients poll.
+
+Order: a training model's calls carry ``seq_id`` 1, 2, 3 ... (its creation is 0) and the SDK sends
+the chunks of one call at once, the first last; each call waits for the one before it
+(``order_timeout_s``) and all training runs on one thread (the base model is shared).
+
+Isolation: every session, model, sampler and saved weight belongs to the key that made it; another
+key's id is answered as unknown. Saved weights live under ``root/MODEL/KIND/NAME`` with the owning
+key's name in ``root/MODEL/owner``, so a restarted service still knows whose they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import re
+import uuid
+from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from rollout.engines.http_engine import EngineRejected, EngineUnavailable
+from rollout.sampling import SamplingParams
+from services.tinker import wire
+from services.tinker.config import TinkerConfig
+from trainer.adapter_pool import AdamParams, AdapterPool
+from trainer.lora import LoraConfig
+from trainer.token_losses import LossInputError
+
+log = logging.getLogger(__name__)
+NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+KINDS = ("weights", "sampler_weights")
+
+
+class TinkerError(Exception):
+    """A call refused or failed. ``category`` is the SDK's: ``user`` (the request is wrong; HTTP 400
+    where it is answered at once) or ``server``; ``status``: 404 for an id the caller does not own."""
+
+    def __init__(self, field: str, message: str, category: str = "user", status: int = 400) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field, self.category, self.status = field, category, status
+
+
+def unknown(what: str, value: str) -> TinkerError:
+    return TinkerError(what, f"no {what.rsplit('.', 1)[-1]} {value!r} of this key", status=404)
+
+
+@dataclass
+class Model:
+    id: str
+    owner: str
+    session: str
+    adapter: str  # its name in the pool
+    lora: LoraConfig
+    next_seq: int = 1
+    turn: asyncio.Condition = field(default_factory=asyncio.Condition)
+    ephemeral: itertools.count = field(default_factory=itertools.count)
+
+
+@dataclass
+class Sampler:
+    id: str
+    owner: str
+    weights: Path | None  # a PEFT adapter directory; None: the base model
+    model_path: str | None  # its tinker:// path, when it has one
+
+
+@dataclass
+class Result:
+    owner: str
+    future: asyncio.Future
+    proto: bool  # the SDK takes this result as protobuf only
+
+
+class TinkerService:
+    def __init__(self, config: TinkerConfig, pool: AdapterPool, engine, model_path: str, arch: str) -> None:
+        """``engine``: a client of the engine serving ``model_path`` (SGLang's API, the control token)."""
+        self.config, self.pool, self.engine = config, pool, engine
+        self.model_path = str(Path(model_path).resolve())
+        self.base_model = config.base_model or self.model_path
+        self.arch = arch
+        self.root = Path(config.root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.sessions: dict[str, str] = {}  # session id -> owner
+        self.session_seq: Counter[str] = Counter()  # sampling_session_seq_id fallbacks
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.results: OrderedDict[str, Result] = OrderedDict()
+        self._trainer = ThreadPoolExecutor(1, thread_name_prefix="tinker-train")
+        self._adapters = itertools.count()
+        self._loaded: OrderedDict[Path, str] = OrderedDict()  # weights dir -> engine adapter name (LRU)
+        self._busy: Counter[str] = Counter()  # engine adapter name -> samples in flight
+        self._load_lock = asyncio.Lock()
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.trained_tokens = 0
+        self.sampled_tokens = 0
+
+    # ------------------------------------------------------------------ futures
+    def submit(self, owner: str, work, proto: bool = False) -> str:
+        """Start ``work`` (a coroutine) and return the id its result is fetched by."""
+        rid = uuid.uuid4().hex
+        fut = asyncio.ensure_future(work)
+        self.results[rid] = Result(owner, fut, proto)
+        while len(self.results) > self.config.keep_results:
+            old, r = next(iter(self.results.items()))
+            if not r.future.done():
+                break  # never drop what is still running
+            del self.results[old]
+        return rid
+
+    async def retrieve(self, owner: str, rid: str, hold_s: float) -> Result | None:
+        """The finished result of ``rid``; None if it is not done within ``hold_s``."""
+        r = self.results.get(rid)
+        if r is None or r.owner != owner:
+            raise unknown("request_id", rid)
+        try:
+            await asyncio.wait_for(asyncio.shield(r.future), hold_s)
+        except TimeoutError:
+            return None
+        except Exception:  # noqa: BLE001 (the result is the error; it is answered to the client)
+            pass
+        self.results.move_to_end(rid)
+        return r
+
+    # ------------------------------------------------------------------ sessions
+    def create_session(self, owner: str) -> str:
+        sid = str(uuid.uuid4())
+        self.sessions[sid] = owner
+        return sid
+
+    def _session(self, owner: str, sid: str) -> str:
+        if self.sessions.get(sid) != owner:
+            raise unknown("session_id", sid)
+        return sid
+
+    async def finish_session(self, owner: str, sid: str) -> None:
+        """Frees what the session held: its models' adapters (saved weights stay on disk)."""
+        self._session(owner, sid)
+        for m in [m for m in self.models.values() if m.session == sid]:
+            await self._train(self.pool.remove, m.adapter)
+            del self.models[m.id]
+        for s in [s for s in self.samplers.values() if s.id.startswith(sid + ":")]:
+            del self.samplers[s.id]
+        del self.sessions[sid]
+
+    # ------------------------------------------------------------------ models
+    def _check_base(self, base_model: str | None) -> None:
+        if base_model is None:
+            return
+        if base_model != self.base_model and str(Path(base_model).resolve()) != self.model_path:
+            raise TinkerError("base_model", f"{base_model!r} is not served here (served: {self.base_model!r})")
+
+    def _lora(self, cfg: dict) -> tuple[LoraConfig, int | None]:
+        rank = cfg.get("rank", 32)
+        if not isinstance(rank, int) or not 1 <= rank <= 1024:
+            raise TinkerError("lora_config.rank", f"{rank!r}: an integer in [1, 1024]")
+        targets = self.pool.targets(
+            cfg.get("train_attn", True), cfg.get("train_mlp", True), cfg.get("train_unembed", True)
+        )
+        if not targets:
+            raise TinkerError("lora_config", "train_attn, train_mlp and train_unembed are all off: nothing to train")
+        # alpha = 32 whatever the rank (Tinker's convention: a rank change keeps the step size per factor)
+        return LoraConfig(rank=rank, alpha=32.0, target_modules=targets), cfg.get("seed")
+
+    def _new_model(self, owner: str, sid: str, seq: int, lora: LoraConfig) -> Model:
+        self._session(owner, sid)
+        mid = f"{sid}:train:{seq}"
+        if mid in self.models:
+            raise TinkerError("model_seq_id", f"{seq} is taken in this session")
+        if sum(m.owner == owner for m in self.models.values()) >= self.config.max_models_per_key:
+            raise TinkerError("", f"this key holds {self.config.max_models_per_key} models (tinker.max_models_per_key)")
+        model = Model(mid, owner, sid, f"m{next(self._adapters)}", lora)
+        (self.root / mid).mkdir(parents=True, exist_ok=True)
+        (self.root / mid / "owner").write_text(owner)
+        return model
+
+    def create_model(self, owner: str, body: dict):
+        """Checks the call now (a bad one is answered 400) and returns the work to run."""
+        self._check_base(body.get("base_model"))
+        _adamw_only(body.get("optimizer_config"))
+        lora, seed = self._lora(body.get("lora_config") or {})
+        model = self._new_model(owner, body.get("session_id", ""), int(body.get("model_seq_id", 0)), lora)
+
+        async def create() -> dict:
+            await self._train(self.pool.add, model.adapter, lora, seed)
+            self.models[model.id] = model
+            log.info("model %s (%s): rank %d on %s", model.id, owner, lora.rank, lora.target_modules)
+            return {"model_id": model.id, "type": "create_model"}
+
+        return create()
+
+    def model(self, owner: str, mid: str) -> Model:
+        m = self.models.get(mid)
+        if m is None or m.owner != owner:
+            raise unknown("model_id", mid)
+        return m
+
+    def info(self, owner: str, mid: str) -> dict:
+        m = self.model(owner, mid)
+        data = {"arch": self.arch, "model_name": self.base_model, "tokenizer_id": self.model_path}
+        return {
+            "type": "get_info",
+            "model_id": m.id,
+            "model_data": data,
+            "is_lora": True,
+            "lora_rank": m.lora.rank,
+            "model_name": self.base_model,
+        }
+
+    async def unload_model(self, owner: str, mid: str) -> dict:
+        m = self.model(owner, mid)
+        await self._train(self.pool.remove, m.adapter)
+        del self.models[mid]
+        return {"model_id": mid, "type": "unload_model"}
+
+    async def _train(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._trainer, fn, *args)
+
+    async def _in_order(self, m: Model, seq: int, fn, *args):
+        """Run ``fn(*args)`` on the training thread once every call of ``m`` before ``seq`` has run."""
+        async with m.turn:
+            try:
+                await asyncio.wait_for(m.turn.wait_for(lambda: m.next_seq >= seq), self.config.order_timeout_s)
+            except TimeoutError:
+                raise TinkerError(
+                    "seq_id", f"{seq}: call {m.next_seq} never came ({self.config.order_timeout_s} s)", "server"
+                ) from None
+            if m.next_seq != seq:
+                raise TinkerError("seq_id", f"{seq} was used already (next: {m.next_seq})")
+        try:
+            return await self._train(fn, *args)
+        finally:
+            async with m.turn:
+                m.next_seq = seq + 1
+                m.turn.notify_all()
+
+    async def forward_backward(self, owner: str, req: wire.ForwardBackwardRequest) -> bytes:
+        m = self.model(owner, req.model_id)
+        outs, loss = await self._in_order(
+            m,
+            req.seq_id,
+            self.pool.forward_backward,
+            m.adapter,
+            req.data,
+            req.loss_fn,
+            req.config,
+            not req.forward_only,
+        )
+        self.trained_tokens += sum(len(d.tokens) for d in req.data)
+        return wire.forward_backward_output(outs, {"loss:sum": loss})
+
+    def optim_step(self, owner: str, body: dict):
+        m = self.model(owner, body.get("model_id", ""))
+        adam = _adam(body.get("adam_params"))
+
+        async def step() -> dict:
+            metrics = await self._in_order(m, int(body.get("seq_id", 0)), self.pool.optim_step, m.adapter, adam)
+            return {"metrics": metrics, "type": "optim_step"}
+
+        return step()
+
+    # ------------------------------------------------------------------ weights
+    def _dir(self, mid: str, kind: str, name: str) -> Path:
+        if not NAME.match(name):
+            raise TinkerError("path", f"{name!r}: a name of letters, digits, '.', '_' and '-' (at most 128)")
+        return self.root / mid / kind / name
+
+    def _parse(self, owner: str, path: str, kind: str) -> Path:
+        """A ``tinker://MODEL/KIND/NAME`` path this key saved, as its directory."""
+        parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+        if len(parts) != 3 or parts[1] != kind:
+            raise TinkerError("path", f"{path!r} is not a tinker://MODEL_ID/{kind}/NAME path")
+        mid, _, name = parts
+        owner_file = self.root / mid / "owner"
+        if "/" in mid or mid in ("", ".", "..") or not owner_file.is_file() or owner_file.read_text() != owner:
+            raise TinkerError("path", f"{path!r}: no such weights of this key", status=404)
+        d = self._dir(mid, kind, name)
+        if not (d / "adapter_config.json").is_file():
+            raise TinkerError("path", f"{path!r}: no such weights of this key", status=404)
+        return d
+
+    def save_weights(self, owner: str, body: dict):
+        m = self.model(owner, body.get("model_id", ""))
+        name = str(body.get("path") or "")
+        d = self._dir(m.id, "weights", name)
+
+        async def save() -> dict:
+            await self._in_order(m, int(body.get("seq_id", 0)), self.pool.save_state, m.adapter, d)
+            return {"path": f"tinker://{m.id}/weights/{name}", "type": "save_weights"}
+
+        return save()
+
+    def save_weights_for_sampler(self, owner: str, body: dict):
+        m = self.model(owner, body.get("model_id", ""))
+        name = body.get("path")
+        ephemeral = name is None
+        if ephemeral:  # save_weights_and_get_sampling_client: a sampler of these weights, no name to keep
+            name = f"ephemeral-{next(m.ephemeral)}"
+        d = self._dir(m.id, "sampler_weights", str(name))
+        path = f"tinker://{m.id}/sampler_weights/{name}"
+
+        async def save() -> dict:
+            await self._in_order(m, int(body.get("seq_id", 0)), self.pool.save_adapter, m.adapter, d)
+            if not ephemeral:
+                return {"path": path, "type": "save_weights_for_sampler"}
+            sid = self._new_sampler(owner, m.session, body.get("sampling_session_seq_id"), d, path)
+            return {"sampling_session_id": sid, "type": "save_weights_for_sampler"}
+
+        return save()
+
+    def load_weights(self, owner: str, body: dict):
+        d = self._parse(owner, str(body.get("path", "")), "weights")
+        optimizer = bool(body.get("optimizer", False))
+        if "model_id" in body:  # the deprecated form: into an existing model
+            m = self.model(owner, body["model_id"])
+
+            async def into() -> dict:
+                await self._in_order(m, int(body.get("seq_id", 0)), self._replace, m, d, optimizer)
+                return {"model_id": m.id, "path": body["path"], "type": "load_weights"}
+
+            return into()
+        self._check_base(body.get("base_model"))
+        lora = LoraConfig(rank=1, target_modules=self.pool.targets(True, False, False))  # replaced by the saved one
+        m = self._new_model(owner, body.get("session_id", ""), int(body.get("model_seq_id", 0)), lora)
+
+        async def create() -> dict:
+            try:
+                m.lora = await self._train(self.pool.load_state, m.adapter, d, optimizer)
+            except ValueError as e:
+                raise TinkerError("path", str(e)) from None
+            self.models[m.id] = m
+            return {"model_id": m.id, "path": body["path"], "type": "load_weights"}
+
+        return create()
+
+    def _replace(self, m: Model, d: Path, optimizer: bool) -> None:
+        self.pool.remove(m.adapter)
+        try:
+            m.lora = self.pool.load_state(m.adapter, d, optimizer)
+        except ValueError as e:  # the model has no adapter now: its client is poisoned anyway (the SDK's rule)
+            raise TinkerError("path", str(e)) from None
+
+    # ------------------------------------------------------------------ sampling
+    def _new_sampler(self, owner: str, sid: str, seq, weights: Path | None, path: str | None) -> str:
+        self._session(owner, sid)
+        if seq is None:
+            seq = self.session_seq[sid]
+        self.session_seq[sid] = max(self.session_seq[sid], int(seq) + 1)
+        sampler_id = f"{sid}:sample:{seq}"
+        self.samplers[sampler_id] = Sampler(sampler_id, owner, weights, path)
+        return sampler_id
+
+    def create_sampling_session(self, owner: str, body: dict) -> str:
+        path = body.get("model_path")
+        weights = self._parse(owner, path, "sampler_weights") if path else None
+        if path is None:
+            self._check_base(body.get("base_model"))
+        return self._new_sampler(owner, body.get("session_id", ""), body.get("sampling_session_seq_id"), weights, path)
+
+    def sampler(self, owner: str, sampler_id: str) -> Sampler:
+        s = self.samplers.get(sampler_id)
+        if s is None or s.owner != owner:
+            raise unknown("sampling_session_id", sampler_id)
+        return s
+
+    def sampler_info(self, owner: str, sampler_id: str) -> dict:
+        s = self.sampler(owner, sampler_id)
+        return {"sampler_id": s.id, "base_model": self.base_model, "model_path": s.model_path}
+
+    def check_sample(self, owner: str, body: dict) -> tuple[Sampler, list[int], SamplingParams, int]:
+        """Everything a sample needs, checked before it is accepted (a 400 names what is wrong)."""
+        if "sampling_session_id" in body:
+            s = self.sampler(owner, body["sampling_session_id"])
+        elif body.get("model_path"):
+            s = Sampler("", owner, self._parse(owner, body["model_path"], "sampler_weights"), body["model_path"])
+        else:
+            self._check_base(body.get("base_model"))
+            s = Sampler("", owner, None, None)
+        n = body.get("num_samples", 1)
+        if not isinstance(n, int) or not 1 <= n <= 128:
+            raise TinkerError("num_samples", f"{n!r}: an integer in [1, 128]")
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if body.get(key):
+                raise TinkerError(key, "not served yet")
+        if body.get("target_prompt_logprobs") is not None:
+            raise TinkerError("target_prompt_logprobs", "not served yet")
+        tokens = prompt_tokens(body.get("prompt"), self.pool.vocab_size)
+        return s, tokens, self._sampling_params(body.get("sampling_params") or {}), n
+
+    def _sampling_params(self, p: dict) -> SamplingParams:
+        stop = p.get("stop")
+        if isinstance(stop, str) or (isinstance(stop, list) and any(isinstance(x, str) for x in stop)):
+            raise TinkerError("sampling_params.stop", "stop strings are not served yet: give stop token ids")
+        if stop is not None and not (isinstance(stop, list) and all(isinstance(x, int) for x in stop)):
+            raise TinkerError("sampling_params.stop", f"{stop!r}: a list of token ids")
+        try:
+            return SamplingParams(
+                max_new_tokens=p.get("max_tokens") or self.config.default_max_tokens,
+                temperature=p.get("temperature", 1.0),
+                top_p=p.get("top_p", 1.0),
+                top_k=p.get("top_k", -1),
+                # omitted: end at EOS; a list: at those tokens only ([]: run to max_tokens)
+                stop_token_ids=stop or [],
+                ignore_eos=stop is not None,
+                sampling_seed=p.get("seed"),
+            )
+        except ValueError as e:
+            err = e.errors()[0] if hasattr(e, "errors") else {"loc": (), "msg": str(e)}
+            where = ".".join(str(x) for x in err["loc"])
+            raise TinkerError(f"sampling_params.{where}", err["msg"]) from None
+
+    async def sample(self, s: Sampler, tokens: list[int], params: SamplingParams, n: int, prompt_lp: bool) -> bytes:
+        seed = params.sampling_seed
+        async with self._adapter(s.weights) as lora:
+            results = await asyncio.gather(
+                *(
+                    self.engine.generate(
+                        tokens,
+                        params.model_copy(update={"sampling_seed": None if seed is None else seed + i}),
+                        timeout_s=self.config.generate_timeout_s,
+                        lora_path=lora,
+                    )
+                    for i in range(n)
+                )
+            )
+        seqs = [wire.Sequence(r.output_ids, r.behavior_logprobs, r.finish_reason.value == "stop") for r in results]
+        self.sampled_tokens += sum(len(r.output_ids) for r in results)
+        scores = await self._train(self.pool.score, tokens, s.weights) if prompt_lp else None
+        return wire.sample_response(seqs, scores)
+
+    def _adapter(self, weights: Path | None):
+        return _Using(self, weights)
+
+    async def _acquire(self, weights: Path | None) -> str | None:
+        """The engine's name of the adapter in ``weights`` (loaded now if it is not; the least
+        recently used idle one unloaded to make room), held until ``_release``."""
+        if weights is None:
+            return None
+        async with self._load_lock:
+            name = self._loaded.get(weights)
+            if name is None:
+                while len(self._loaded) >= self.config.max_loaded_adapters:
+                    idle = next((d for d, a in self._loaded.items() if not self._busy[a]), None)
+                    if idle is None:
+                        raise TinkerError("", "every loaded adapter is in use; try again", "server", 503)
+                    old = self._loaded.pop(idle)
+                    await self.engine.unload_lora_adapter(old)
+                name = f"a{next(self._adapters)}"
+                await self.engine.load_lora_adapter(name, str(weights))
+                self._loaded[weights] = name
+            self._loaded.move_to_end(weights)
+            self._busy[name] += 1
+            return name
+
+    def _release(self, name: str | None) -> None:
+        if name is not None:
+            self._busy[name] -= 1
+
+    async def close(self) -> None:
+        self._trainer.shutdown(wait=False, cancel_futures=True)
+
+
+class _Using:
+    def __init__(self, service: TinkerService, weights: Path | None) -> None:
+        self.service, self.weights, self.name = service, weights, None
+
+    async def __aenter__(self) -> str | None:
+        self.name = await self.service._acquire(self.weights)
+        return self.name
+
+    async def __aexit__(self, *exc) -> None:
+        self.service._release(self.name)
+
+
+def _adamw_only(optimizer) -> None:
+    if optimizer is not None and (not isinstance(optimizer, dict) or optimizer.get("type", "adamw") != "adamw"):
+        raise TinkerError("optimizer_config.type", f"{optimizer!r}: AdamW only (adamw)")
+
+
+def _adam(p) -> AdamParams:
+    if not isinstance(p, dict):
+        raise TinkerError("adam_params", "required (an object: learning_rate, beta1, beta2, eps, weight_decay)")
+    out = AdamParams()
+    for key in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        if key in p:
+            v = p[key]
+            if not isinstance(v, int | float) or isinstance(v, bool) or not np.isfinite(v) or v < 0:
+                raise TinkerError(f"adam_params.{key}", f"{v!r}: a finite number ≥ 0")
+            setattr(out, key, float(v))
+    if not (out.beta1 < 1 and out.beta2 < 1):
+        raise TinkerError("adam_params.beta1", "betas below 1")
+    return out
+
+
+def prompt_tokens(prompt, vocab: int) -> list[int]:
+    """A ``ModelInput``'s tokens (text chunks only)."""
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
+        raise TinkerError("prompt", "a ModelInput: {chunks: [{type: encoded_text, tokens: [...]}]}")
+    tokens: list[int] = []
+    for i, c in enumerate(prompt["chunks"]):
+        if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
+            kind = c.get("type") if isinstance(c, dict) else type(c).__name__
+            raise TinkerError(f"prompt.chunks[{i}]", f"{kind} chunks are not served (text)")
+        t = c.get("tokens")
+        if not isinstance(t, list) or not all(isinstance(x, int) and 0 <= x < vocab for x in t):
+            raise TinkerError(f"prompt.chunks[{i}].tokens", f"token ids in [0, {vocab})")
+        tokens += t
+    if not tokens:
+        raise TinkerError("prompt", "no tokens")
+    return tokens
+
+
+def user_error(e: Exception) -> TinkerError | None:
+    """An exception of a call as what the client did wrong, where it was."""
+    if isinstance(e, TinkerError):
+        return e
+    if isinstance(e, LossInputError | wire.WireError):
+        return TinkerError(e.field, str(e).removeprefix(e.field + ": "))
+    if isinstance(e, EngineRejected):
+        return TinkerError(e.field or "sample", str(e))
+    if isinstance(e, EngineUnavailable):
+        return TinkerError("", f"the engine did not answer: {e}", "server", 503)
+    return None

@@ -1,0 +1,208 @@
+"""`rollmesh serve tinker` against the official `tinker` SDK and two tinker-cookbook recipes, unchanged.
+
+One service (SmolLM2-135M-Instruct, its own embedded engine) for the module; two keys: alice's and bob's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.gateway.keys import issue_key
+from services.processes import free_port, stop_process, wait_http_healthy
+
+tinker = pytest.importorskip("tinker", reason="the tinker SDK is a dev dependency (make setup installs it)")
+from tinker import types  # noqa: E402
+
+EXAMPLES = [("banana split", "ananab tilps"), ("quantum physics", "mutnauq scisyhp"), ("donut shop", "tunod pohs")]
+
+
+@pytest.fixture(scope="module")
+def service(smollm2, tmp_path_factory):
+    where = tmp_path_factory.mktemp("tinker")
+    keys = where / "keys.json"
+    key = {name: issue_key(keys, name, prefix="tml-") for name in ("alice", "bob")}
+    port = free_port()
+    cmd = [sys.executable, "-m", "services.cli", "serve", "tinker", "--set", f"model_path={smollm2}"]
+    for k, v in {
+        "api_keys_path": keys,
+        "root": where / "root",
+        "port": port,
+        "max_loaded_adapters": 2,
+        "max_models_per_key": 32,
+    }.items():
+        cmd += ["--set", f"tinker.{k}={v}"]
+    log = open(where / "server.log", "w")  # noqa: SIM115 (as long as the process)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_healthy(url + "/health", 180, proc)
+        yield {"url": url, "key": key, "model": smollm2, "dir": where}
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def client(service, who: str = "alice"):
+    return tinker.ServiceClient(base_url=service["url"], api_key=service["key"][who])
+
+
+def datum(tok, inp: str, out: str) -> types.Datum:
+    prompt = tok.encode(f"English: {inp}\nPig Latin:", add_special_tokens=True)
+    answer = tok.encode(f" {out}\n\n", add_special_tokens=False)
+    tokens, weights = prompt + answer, [0] * len(prompt) + [1] * len(answer)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"weights": weights[1:], "target_tokens": tokens[1:]},
+    )
+
+
+def test_the_sdk_loop_trains_samples_what_it_trained_and_resumes(service, monkeypatch):
+    """The SDK's own loop (its README's): forward_backward + optim_step, the loss falls; the sampler's
+    tokens carry the log-probs the trainer computes for them; a saved state resumes with its optimizer."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    sc = client(service)
+    tc = sc.create_lora_training_client(base_model=service["model"], rank=8, seed=0).result()
+    tok = tc.get_tokenizer()  # from the local directory get_info names: no download
+    data = [datum(tok, *e) for e in EXAMPLES]
+    losses = []
+    for _ in range(4):
+        fb, op = tc.forward_backward(data, "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=1e-3))
+        losses.append(fb.result().metrics["loss:sum"])
+        assert op.result() is not None
+    assert losses[-1] < 0.6 * losses[0], losses
+
+    saved = tc.save_state("four").result().path
+    assert saved.endswith("/weights/four")
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(tok.encode("English: coffee break\nPig Latin:"))
+    res = sampler.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=8, seed=1)).result()
+    assert len(res.sequences) == 2 and all(len(s.tokens) == len(s.logprobs) > 0 for s in res.sequences)
+
+    # what the engine sampled with the adapter is what the trainer's forward of the same tokens gives
+    seq = res.sequences[0]
+    full = prompt.to_ints() + seq.tokens
+    check = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
+    )
+    train_lp = tc.forward([check], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    np.testing.assert_allclose(train_lp[-len(seq.tokens) :], seq.logprobs, atol=2e-3)
+    prompt_lp = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    assert prompt_lp[0] is None
+    np.testing.assert_allclose(prompt_lp[1:], train_lp, atol=1e-4)
+
+    # the saved state, loaded with its optimizer, takes the same next step as the client that saved it
+    resumed = sc.create_training_client_from_state_with_optimizer(saved).result()
+    for c in (tc, resumed):
+        c.forward_backward(data, "cross_entropy")
+        c.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    after = [c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (tc, resumed)]
+    assert after[0] == pytest.approx(after[1], rel=1e-5)
+    assert after[0] < losses[-1]
+
+
+def test_keys_are_required_and_each_keys_models_are_its_own(service, monkeypatch):
+    import httpx
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    url = service["url"]
+    r = httpx.post(f"{url}/api/v1/create_session", json={})
+    assert r.status_code == 401 and r.json()["field"] == "x-api-key"
+    r = httpx.post(f"{url}/api/v1/create_session", json={}, headers={"X-API-Key": "tml-not-a-key"})
+    assert r.status_code == 401
+
+    alice = client(service).create_lora_training_client(base_model=service["model"], rank=4).result()
+    path = alice.save_weights_for_sampler("mine").result().path
+    bob = client(service, "bob")
+    with pytest.raises(tinker.NotFoundError, match="sampler_weights"):
+        bob.create_sampling_client(model_path=path).result()
+    headers = {"X-API-Key": service["key"]["bob"]}
+    r = httpx.post(f"{url}/api/v1/get_info", json={"model_id": alice.model_id}, headers=headers)
+    assert r.status_code == 404 and r.json()["field"] == "model_id"
+    r = httpx.post(f"{url}/api/v1/retrieve_future", json={"request_id": "0" * 32}, headers=headers)
+    assert r.status_code == 404
+
+
+def test_bad_calls_name_their_field_and_the_service_keeps_serving(service, monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    sc = client(service)
+    with pytest.raises(tinker.BadRequestError, match="base_model"):
+        sc.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()
+    with pytest.raises(tinker.BadRequestError, match="lora_config.rank"):
+        sc.create_lora_training_client(base_model=service["model"], rank=0).result()
+    tc = sc.create_lora_training_client(base_model=service["model"], rank=4).result()
+    tok = tc.get_tokenizer()
+    data = [datum(tok, *EXAMPLES[0])]
+    with pytest.raises(tinker.RequestFailedError, match="loss_fn"):
+        tc.forward_backward(data, "stable_reinforce").result()
+    # a failed call poisons the SDK's client (its rule): a new one on the same model goes on
+    tc = sc.create_lora_training_client(base_model=service["model"], rank=4).result()
+    short = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3], "weights": [1, 1]}
+    )
+    with pytest.raises(tinker.RequestFailedError, match=r"data\[0\].loss_fn_inputs.target_tokens"):
+        tc.forward_backward([short], "cross_entropy").result()
+    trained = sc.create_lora_training_client(base_model=service["model"], rank=4).result()
+    sampler = trained.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(tok.encode("hello"))
+    with pytest.raises(tinker.BadRequestError, match="sampling_params.stop"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, stop=["\n"])).result()
+    with pytest.raises(tinker.BadRequestError, match=r"prompt.chunks\[0\].tokens"):
+        sampler.sample(types.ModelInput.from_ints([10**7]), 1, types.SamplingParams(max_tokens=4)).result()
+    out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=3, stop=[])).result()
+    assert len(out.sequences[0].tokens) == 3 and out.sequences[0].stop_reason == "length"
+
+
+def _cookbook(service, args: list[str], log_path: Path) -> list[dict]:
+    env = dict(
+        os.environ,
+        TINKER_BASE_URL=service["url"],
+        TINKER_API_KEY=service["key"]["alice"],
+        TINKER_TELEMETRY="0",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+    )
+    common = [f"model_name={service['model']}", "renderer_name=qwen3_instruct", f"base_url={service['url']}"]
+    common += [f"log_path={log_path}", "behavior_if_log_dir_exists=delete", "lora_rank=8"]
+    out = log_path.with_suffix(".out")
+    with open(out, "w") as f:
+        rc = subprocess.run(
+            [sys.executable, "-m", *args, *common], env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600
+        )
+    assert rc.returncode == 0, out.read_text()[-3000:]
+    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_cookbooks_supervised_recipe_runs_unchanged_and_its_loss_falls(service, tmp_path):
+    """tinker_cookbook.recipes.chat_sl.train on 8 of the cookbook's example conversations, 3 epochs."""
+    import tinker_cookbook
+
+    convs = (Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl").read_text().splitlines()
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("\n".join(convs[:8]) + "\n")
+    args = ["tinker_cookbook.recipes.chat_sl.train", f"dataset={data}", "batch_size=8", "max_length=512"]
+    rows = _cookbook(service, [*args, "learning_rate=2e-4", "num_epochs=3", "save_every=2"], tmp_path / "sl")
+    nll = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
+    assert len(nll) == 3 and nll[-1] < nll[0], nll
+    saved = [json.loads(line) for line in (tmp_path / "sl" / "checkpoints.jsonl").read_text().splitlines()]
+    assert saved[-1]["name"] == "final" and saved[-1]["sampler_path"].startswith("tinker://")
+
+
+def test_the_cookbooks_rl_recipe_runs_unchanged(service, tmp_path):
+    """tinker_cookbook.recipes.math_rl.train on its arithmetic environment, importance sampling, 2 steps:
+    the engine's per-token log-probs and the trainer's agree (the recipe's own kl_sample_train metric)."""
+    args = ["tinker_cookbook.recipes.math_rl.train", "env=arithmetic", "group_size=4", "groups_per_batch=4"]
+    args += ["max_tokens=16", "learning_rate=1e-4", "loss_fn=importance_sampling", "max_steps=2", "eval_every=0"]
+    rows = _cookbook(service, [*args, "save_every=1"], tmp_path / "rl")
+    steps = [r for r in rows if "env/all/reward/total" in r]
+    assert len(steps) == 2
+    assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-3 for r in steps), steps
+    saved = [json.loads(line) for line in (tmp_path / "rl" / "checkpoints.jsonl").read_text().splitlines()]
+    assert saved[-1]["name"] == "final"
