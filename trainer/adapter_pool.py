@@ -24,7 +24,7 @@ import torch
 
 from sample_buffer.vision import model_class
 from trainer.lora import LoraConfig
-from trainer.token_losses import LOSSES, LossInputError
+from trainer.token_losses import LOSSES, NEEDS, LossInputError
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class AdapterPool:
         if fn is None:
             raise LossInputError("loss_fn", f"{loss_fn!r} is not served (served: {sorted(LOSSES)})")
         a = self._activate(name)
-        checked = [self._check(i, d) for i, d in enumerate(data)]
+        checked = [self._check(i, d, NEEDS[loss_fn]) for i, d in enumerate(data)]
         self.model.train(backward)  # adapter dropout only while training
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(data)
         total = 0.0
@@ -154,7 +154,7 @@ class AdapterPool:
             a.pending += 1
         return out, total
 
-    def _check(self, i: int, d: Datum) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def _check(self, i: int, d: Datum, needs: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         where = f"data[{i}]"
         n = len(d.tokens)
         if n == 0:
@@ -174,6 +174,9 @@ class AdapterPool:
             )
         if int(target.min()) < 0 or int(target.max()) >= self.vocab_size:
             raise LossInputError(f"{where}.loss_fn_inputs.target_tokens", f"an id outside [0, {self.vocab_size})")
+        for key in needs:
+            if key not in d.inputs:
+                raise LossInputError(f"{where}.loss_fn_inputs.{key}", "required by this loss")
         inputs = {}
         for key, v in d.inputs.items():
             t = torch.as_tensor(np.array(v))

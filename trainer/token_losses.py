@@ -83,6 +83,16 @@ def dro(lp: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> torch.Ten
     return -(lp * adv - 0.5 * beta * (lp - q) ** 2).sum()
 
 
+# What each loss reads from ``loss_fn_inputs`` besides target_tokens: checked for every datum before
+# any is computed, so a bad call adds no gradient at all.
+NEEDS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("weights",),
+    "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+}
+
 LOSSES: dict[str, LossFn] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,

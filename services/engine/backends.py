@@ -49,6 +49,9 @@ class Backend:
     engine: str | None = None
     transports: frozenset[str] = ALL_TRANSPORTS  # the weight transports it receives
     applies_deltas: bool = False  # http_buckets with delta: true (rollout/engines/weight_delta.py)
+    # LoRA adapters per request (SGLang's /load_lora_adapter and lora_path) as rollmesh starts it: what
+    # `rollmesh serve tinker` samples with (SGLang has them with --enable-lora, not wired into its launch yet)
+    serves_adapters: bool = False
     releases_memory: bool = True  # gives GPU memory back while a colocated trainer trains
     uses_gpu: bool = True
     torch_threads: bool = False  # a torch process in rollmesh's hands: `rollmesh run` sets its num_threads
@@ -86,6 +89,7 @@ BACKENDS: dict[str, Backend] = {
         "rollout.engines.embedded.engine:EmbeddedEngine",
         torch_threads=True,
         applies_deltas=True,
+        serves_adapters=True,
     ),
     # vLLM loads new weights from disk or over a group; it keeps its memory (no sleep mode wired).
     "vllm": Backend(

@@ -264,14 +264,15 @@ def _start_engine(cfg) -> tuple[object | None, str]:
     """The engine the service samples with: ``tinker.engine_url``, or an embedded one it starts."""
     from pathlib import Path
 
+    from services.engine.backends import backend
     from services.processes import start_engine_process
 
     if cfg.tinker.engine_url:
         return None, cfg.tinker.engine_url
-    if cfg.engine.type != "embedded":
+    if not backend(cfg.engine).serves_adapters:
         raise ValueError(
-            f"engine.type: {cfg.engine.type!r} — the tinker service starts an embedded engine (the one that serves "
-            "LoRA adapters here); give tinker.engine_url to use another"
+            f"engine.type: {cfg.engine.type!r} serves no LoRA adapters as rollmesh starts it (the embedded engine "
+            "does); give tinker.engine_url to use an engine started otherwise"
         )
     root = Path(cfg.tinker.root).resolve()
     extra = [f"load_roots=[{root}]", f"max_loaded_loras={cfg.tinker.max_loaded_adapters}"]

@@ -1,0 +1,86 @@
+"""The Tinker API's protobuf, both ways, against the SDK's own encoder and decoders."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.tinker import wire
+
+tinker = pytest.importorskip("tinker", reason="the tinker SDK is a dev dependency (make setup installs it)")
+from tinker import types  # noqa: E402
+from tinker.proto import request_conv, response_conv  # noqa: E402
+
+
+def _request(data, loss_fn="ppo", config=None) -> bytes:
+    req = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config),
+        model_id="m",
+        seq_id=3,
+    )
+    return request_conv.forward_backward_request_to_proto(req).SerializeToString()
+
+
+def test_a_request_the_sdk_encodes_reads_back_dense_and_sparse():
+    import torch
+
+    top = torch.zeros(8, 6, dtype=torch.long)
+    top[1, 2], top[6, 0] = 7, 9  # mostly zeros: the SDK sends it as CSR
+    sparse = types.TensorData.from_torch_sparse(top)
+    assert sparse.sparse_crow_indices is not None
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "advantages": [0.0, 0.5, 0.5, -1.0]},
+        ),
+        types.Datum(
+            model_input=types.ModelInput.from_ints(list(range(8))),
+            loss_fn_inputs={"target_tokens": sparse},
+        ),
+    ]
+    got = wire.read_forward_backward(_request(data, config={"clip_low_threshold": 0.7}))
+    assert (got.model_id, got.seq_id, got.loss_fn, got.forward_only) == ("m", 3, "ppo", False)
+    assert got.config == {"clip_low_threshold": pytest.approx(0.7)}
+    np.testing.assert_array_equal(got.data[0].tokens, [5, 6, 7, 8])
+    np.testing.assert_array_equal(got.data[0].inputs["target_tokens"], [6, 7, 8, 9])
+    np.testing.assert_allclose(got.data[0].inputs["advantages"], [0.0, 0.5, 0.5, -1.0])
+    np.testing.assert_array_equal(got.data[1].inputs["target_tokens"], top.numpy())
+
+
+def test_results_read_back_with_the_sdks_decoders():
+    lps = [np.array([-1.0, -2.5], np.float32), np.array([-0.25], np.float32)]
+    out = response_conv.deserialize_forward_backward_output(wire.forward_backward_output(lps, {"loss:sum": 3.75}))
+    assert out.metrics == {"loss:sum": 3.75}
+    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-1.0, -2.5], [-0.25]]
+    seqs = [wire.Sequence([4, 2], [-0.5, -0.125], True), wire.Sequence([9], [-3.0], False)]
+    res = response_conv.deserialize_sample_response(wire.sample_response(seqs, np.array([np.nan, -1.5])))
+    assert [(s.tokens, s.logprobs, s.stop_reason) for s in res.sequences] == [
+        ([4, 2], [-0.5, -0.125], "stop"),
+        ([9], [-3.0], "length"),
+    ]
+    assert res.prompt_logprobs == [None, -1.5]
+
+
+def test_malformed_requests_name_the_field():
+    pb = wire.pb()
+    with pytest.raises(wire.WireError, match="body"):
+        wire.read_forward_backward(b"\xff\xff\xff")
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = b"\x01\x00\x00"  # 3 bytes: not int32s
+    with pytest.raises(wire.WireError, match=r"data\[0\].model_input\[0\]"):
+        wire.read_forward_backward(msg.SerializeToString())
+    d.model_input[0].encoded_text.tokens = np.array([1, 2], "<i4").tobytes()
+    t = d.loss_fn_inputs["weights"]
+    t.dtype, t.dense = pb.DTYPE_FLOAT32, np.ones(3, "<f4").tobytes()
+    t.shape.extend([2])  # 3 values, a shape of 2
+    with pytest.raises(wire.WireError, match=r"data\[0\].loss_fn_inputs.weights"):
+        wire.read_forward_backward(msg.SerializeToString())
+    del t.shape[:]
+    t.shape.extend([1, 2])
+    t.ClearField("dense")
+    t.sparse_csr.crow_indices = np.array([0, 5], "<i8").tobytes()
+    t.sparse_csr.col_indices = np.array([0], "<i8").tobytes()
+    t.sparse_csr.values = np.ones(1, "<f4").tobytes()
+    with pytest.raises(wire.WireError, match="crow_indices"):
+        wire.read_forward_backward(msg.SerializeToString())
