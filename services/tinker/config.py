@@ -40,7 +40,10 @@ class TinkerConfig(BaseModel):
     )
     max_models_per_key: int = Field(8, ge=1, description="Training models one key may hold at once.")
     micro_batch_tokens: int = Field(
-        4096, ge=64, description="Padded tokens per forward/backward pass; a call's data is split into such passes."
+        1024,
+        ge=64,
+        description="Padded tokens per forward/backward pass; a call's data is split into such passes (the logits "
+        "of a pass, tokens × vocabulary floats, and their gradient bound the service's memory).",
     )
     default_max_tokens: int = Field(256, ge=1, description="A sample's max_tokens when the client sets none.")
     poll_hold_s: float = Field(

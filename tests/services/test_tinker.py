@@ -63,6 +63,10 @@ def datum(tok, inp: str, out: str) -> types.Datum:
     )
 
 
+def losses_now(tc, data) -> float:
+    return tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+
 def test_the_sdk_loop_trains_samples_what_it_trained_and_resumes(service, monkeypatch):
     """The SDK's own loop (its README's): forward_backward + optim_step, the loss falls; the sampler's
     tokens carry the log-probs the trainer computes for them; a saved state resumes with its optimizer."""
@@ -106,6 +110,16 @@ def test_the_sdk_loop_trains_samples_what_it_trained_and_resumes(service, monkey
     after = [c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (tc, resumed)]
     assert after[0] == pytest.approx(after[1], rel=1e-5)
     assert after[0] < losses[-1]
+
+    # a custom loss (the SDK's: its gradient as cross_entropy's weights) moves the model as its formula says
+    def neg_nll(data, logprobs):
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs))
+        return loss, {"custom_nll": float(loss)}
+
+    custom = tc.forward_backward_custom(data, neg_nll).result()
+    assert custom.metrics["custom_nll"] == pytest.approx(losses_now(tc, data), rel=1e-4)
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert losses_now(tc, data) < custom.metrics["custom_nll"]
 
 
 def test_keys_are_required_and_each_keys_models_are_its_own(service, monkeypatch):
