@@ -138,6 +138,8 @@ class AdapterPool:
             raise LossInputError("loss_fn", f"{loss_fn!r} is not served (served: {sorted(LOSSES)})")
         a = self._activate(name)
         checked = [self._check(i, d, NEEDS[loss_fn]) for i, d in enumerate(data)]
+        if len({c[1].dim() for c in checked}) > 1:
+            raise LossInputError("data", "target_tokens of one shape in a call: all [N] or all [N, K]")
         self.model.train(backward)  # adapter dropout only while training
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(data)
         total = 0.0
@@ -174,15 +176,22 @@ class AdapterPool:
             )
         if int(target.min()) < 0 or int(target.max()) >= self.vocab_size:
             raise LossInputError(f"{where}.loss_fn_inputs.target_tokens", f"an id outside [0, {self.vocab_size})")
-        for key in needs:
-            if key not in d.inputs:
-                raise LossInputError(f"{where}.loss_fn_inputs.{key}", "required by this loss")
         inputs = {}
         for key, v in d.inputs.items():
             t = torch.as_tensor(np.array(v))
             if t.dim() == 0 or t.shape[0] != n:
                 raise LossInputError(f"{where}.loss_fn_inputs.{key}", f"shape {tuple(t.shape)} for {n} input tokens")
             inputs[key] = t.to(self.device)
+        for key in needs:  # the loss's own inputs: a value per target, finite
+            t = inputs.get(key)
+            if t is None:
+                raise LossInputError(f"{where}.loss_fn_inputs.{key}", "required by this loss")
+            if t.shape != target.shape:
+                raise LossInputError(
+                    f"{where}.loss_fn_inputs.{key}", f"shape {tuple(t.shape)}, target_tokens {tuple(target.shape)}"
+                )
+            if not bool(torch.isfinite(t.float()).all()):
+                raise LossInputError(f"{where}.loss_fn_inputs.{key}", "a NaN or infinite value")
         return tokens, target, inputs
 
     def _micro_batches(self, lengths: list[int]) -> list[list[int]]:

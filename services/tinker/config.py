@@ -33,17 +33,24 @@ class TinkerConfig(BaseModel):
     engine_url: str | None = Field(
         None,
         description="An engine already serving model_path with `root` among its load_roots (its API takes the "
-        "control token); none: the service starts an embedded engine of its own (the `engine` section).",
+        "control token); none: the service starts an embedded engine of model_path itself (engine.type must serve "
+        "adapters; its other engine settings are the defaults).",
     )
     max_loaded_adapters: int = Field(
         8, ge=1, description="Sampler weights the engine holds at once; the least recently used is unloaded first."
+    )
+    session_idle_s: float = Field(
+        600.0,
+        ge=30,
+        description="A session not heard from for this long (the SDK sends a heartbeat every 10 s) is finished: its "
+        "training models' adapters are freed (saved weights stay on disk).",
     )
     max_models_per_key: int = Field(8, ge=1, description="Training models one key may hold at once.")
     micro_batch_tokens: int = Field(
         1024,
         ge=64,
         description="Padded tokens per forward/backward pass; a call's data is split into such passes (the logits "
-        "of a pass, tokens × vocabulary floats, and their gradient bound the service's memory).",
+        "of a pass are tokens × vocabulary floats; a single longer datum is one pass of its own).",
     )
     default_max_tokens: int = Field(256, ge=1, description="A sample's max_tokens when the client sets none.")
     poll_hold_s: float = Field(

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 API = "/api/v1"
 OPEN = ("/health", "/metrics", f"{API}/healthz")
 PROTO = "application/x-protobuf"
+JSON_BODY_BYTES = 8 * 2**20
 
 
 def error(status: int, message: str, field: str = "") -> JSONResponse:
@@ -45,12 +46,17 @@ def error(status: int, message: str, field: str = "") -> JSONResponse:
 def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int) -> FastAPI:
     """``keys`` None: no key is asked for (``auth.disabled``; every caller is ``anonymous``)."""
     app = FastAPI(title="rollmesh Tinker API", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    # JSON bodies are small (a sample's prompt is the largest); forward_backward's data is the big one
+    app.add_middleware(BodyLimit, max_bytes=JSON_BODY_BYTES, routes={f"{API}/forward_backward": max_body_bytes})
     counts = service.counts
 
     @app.exception_handler(TinkerError)
     async def _refused(_: Request, e: TinkerError) -> JSONResponse:
         return error(e.status, str(e), e.field)
+
+    @app.exception_handler(wire.WireError)
+    async def _malformed(_: Request, e: wire.WireError) -> JSONResponse:
+        return error(400, str(e), e.field)  # never a 5xx: the SDK would send it again for minutes
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -61,17 +67,7 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
         log.exception("unexpected error")
         return error(500, f"internal error: {type(e).__name__}: {e}")
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if request.url.path in OPEN:
-            return await call_next(request)
-        key = request.headers.get("x-api-key")
-        owner = "anonymous" if keys is None else (keys.owner(f"Bearer {key}") if key else None)
-        if owner is None:
-            counts[("auth", "refused")] += 1
-            return error(401, "x-api-key: a valid API key is required (the SDK's api_key)", "x-api-key")
-        request.state.owner = owner
-        return await call_next(request)
+    app.add_middleware(KeyCheck, keys=keys, counts=counts)  # outermost: before the body limit reads a byte
 
     async def body(request: Request) -> dict:
         try:
@@ -82,9 +78,20 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
             raise TinkerError("body", "a JSON object")
         return data
 
-    def future(request: Request, route: str, work, proto: bool = False, **extra) -> dict:
+    def future(request: Request, route: str, make, proto: bool = False, samples: int = 0) -> dict:
+        """Start ``make()``'s work and answer its request id. A call sent again with its idempotency key
+        (the SDK retries a POST whose answer it lost) gets the first one's answer, and runs once."""
+        owner, key = request.state.owner, request.headers.get("x-idempotency-key")
+        if key and (seen := service.answered(owner, key)) is not None:
+            return seen
+        work = make()
         counts[(route, "accepted")] += 1
-        return {"request_id": service.submit(request.state.owner, _counted(route, work), proto), **extra}
+        answer = {"request_id": service.submit(owner, _counted(route, work), proto)}
+        if samples:  # asample: an id per sample, which the SDK puts on its sequences
+            answer["sample_sequence_ids"] = [f"{answer['request_id']}:{i}" for i in range(samples)]
+        if key:
+            service.remember(owner, key, answer)
+        return answer
 
     async def _counted(route: str, work):
         try:
@@ -100,8 +107,9 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
     # ---------------------------------------------------------------- client bootstrap, sessions
     @app.post(f"{API}/client/config")
     async def client_config():
-        # a static key (no JWT exchange), plain httpx, calls of a model in seq_id order, protobuf uncompressed
-        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False}
+        # a static key (no JWT exchange), protobuf uncompressed. The SDK's own transport (pyqwest), as its
+        # default: over httpx, a cookbook run lost one poll's answer each step and waited 45 s for its timeout.
+        return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
 
     @app.post(f"{API}/client/dynamic_config")
     async def dynamic_config():
@@ -127,7 +135,7 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
     @app.post(f"{API}/session_heartbeat")
     async def heartbeat(request: Request):
         b = await body(request)
-        service._session(request.state.owner, str(b.get("session_id", "")))
+        service.heartbeat(request.state.owner, str(b.get("session_id", "")))
         return {"type": "session_heartbeat"}
 
     @app.post(f"{API}/sessions/{{sid}}/finish")
@@ -142,7 +150,8 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
     # ---------------------------------------------------------------- training
     @app.post(f"{API}/create_model")
     async def create_model(request: Request):
-        return future(request, "create_model", service.create_model(request.state.owner, await body(request)))
+        b = await body(request)
+        return future(request, "create_model", lambda: service.create_model(request.state.owner, b))
 
     @app.post(f"{API}/get_info")
     async def get_info(request: Request):
@@ -151,32 +160,42 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
     @app.post(f"{API}/unload_model")
     async def unload_model(request: Request):
         b = await body(request)
-        return future(request, "unload_model", service.unload_model(request.state.owner, str(b.get("model_id", ""))))
+        return future(
+            request, "unload_model", lambda: service.unload_model(request.state.owner, str(b.get("model_id", "")))
+        )
 
     @app.post(f"{API}/forward_backward")
     async def forward_backward(request: Request):
         if request.headers.get("content-encoding", "identity") != "identity":
             raise TinkerError("content-encoding", "compressed bodies are not taken (client/config says so)")
-        req = wire.read_forward_backward(await request.body())
-        service.model(request.state.owner, req.model_id)  # an unknown model: 404 now, not in a future
-        return future(request, "forward_backward", service.forward_backward(request.state.owner, req), proto=True)
+        msg = wire.parse_forward_backward(await request.body())
+        m = service.model(request.state.owner, msg.model_id)  # an unknown model: 404 now, not in a future
+        req = service.checked_call(m, int(msg.seq_id), lambda: wire.read_forward_backward(msg))
+        return future(
+            request, "forward_backward", lambda: service.forward_backward(request.state.owner, req), proto=True
+        )
 
     @app.post(f"{API}/optim_step")
     async def optim_step(request: Request):
-        return future(request, "optim_step", service.optim_step(request.state.owner, await body(request)))
+        b = await body(request)
+        return future(request, "optim_step", lambda: service.optim_step(request.state.owner, b))
 
     @app.post(f"{API}/save_weights")
     async def save_weights(request: Request):
-        return future(request, "save_weights", service.save_weights(request.state.owner, await body(request)))
+        b = await body(request)
+        return future(request, "save_weights", lambda: service.save_weights(request.state.owner, b))
 
     @app.post(f"{API}/save_weights_for_sampler")
     async def save_for_sampler(request: Request):
         b = await body(request)
-        return future(request, "save_weights_for_sampler", service.save_weights_for_sampler(request.state.owner, b))
+        return future(
+            request, "save_weights_for_sampler", lambda: service.save_weights_for_sampler(request.state.owner, b)
+        )
 
     @app.post(f"{API}/load_weights")
     async def load_weights(request: Request):
-        return future(request, "load_weights", service.load_weights(request.state.owner, await body(request)))
+        b = await body(request)
+        return future(request, "load_weights", lambda: service.load_weights(request.state.owner, b))
 
     # ---------------------------------------------------------------- sampling
     @app.post(f"{API}/create_sampling_session")
@@ -191,10 +210,8 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
     @app.post(f"{API}/asample")
     async def asample(request: Request):
         b = await body(request)
-        sampler, tokens, params, n = service.check_sample(request.state.owner, b)
-        work = service.sample(sampler, tokens, params, n, bool(b.get("prompt_logprobs")))
-        rid_future = future(request, "asample", work, proto=True)
-        return {**rid_future, "sample_sequence_ids": [f"{rid_future['request_id']}:{i}" for i in range(n)]}
+        make = lambda: service.sample(request.state.owner, b)  # noqa: E731
+        return future(request, "asample", make, proto=True, samples=b.get("num_samples", 1))
 
     # ---------------------------------------------------------------- results
     @app.post(f"{API}/retrieve_future")
@@ -219,6 +236,27 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class KeyCheck:
+    """ASGI middleware: the SDK's ``X-API-Key`` checked before anything else (the body unread); the
+    key's name goes to ``request.state.owner``. (Pure ASGI: Starlette's ``BaseHTTPMiddleware`` lost
+    the answers of some long polls answered while another poll of the client was in flight.)"""
+
+    def __init__(self, app, keys: KeyRing | None, counts) -> None:
+        self.app, self.keys, self.counts = app, keys, counts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN:
+            return await self.app(scope, receive, send)
+        key = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None)
+        owner = "anonymous" if self.keys is None else (self.keys.owner(f"Bearer {key}") if key else None)
+        if owner is None:
+            self.counts[("auth", "refused")] += 1
+            response = error(401, "x-api-key: a valid API key is required (the SDK's api_key)", "x-api-key")
+            return await response(scope, receive, send)
+        scope.setdefault("state", {})["owner"] = owner
+        return await self.app(scope, receive, send)
 
 
 class _Collector:
@@ -320,6 +358,7 @@ def serve(cfg) -> None:
         )
         server.install_signal_handlers = lambda: None  # serve_until_signal owns SIGTERM
         task = asyncio.create_task(server.serve())
+        expiry = asyncio.create_task(_expire_forever(service))
         log.info(
             "tinker service on http://%s:%d: base model %r, engine %s",
             config.host,
@@ -329,6 +368,7 @@ def serve(cfg) -> None:
         )
 
         async def cleanup() -> None:
+            expiry.cancel()
             await service.close()
             await engine.close()
             if engine_proc is not None:
@@ -341,6 +381,16 @@ def serve(cfg) -> None:
     finally:
         if engine_proc is not None:
             stop_process(engine_proc)
+
+
+async def _expire_forever(service: TinkerService) -> None:
+    every = min(30.0, service.config.session_idle_s / 4)
+    while True:
+        await asyncio.sleep(every)
+        try:
+            await service.expire()
+        except Exception:  # noqa: BLE001 (logged; the next round tries again)
+            log.exception("expiring idle sessions failed")
 
 
 def _cuda() -> bool:

@@ -14,9 +14,11 @@ key's name in ``root/MODEL/owner``, so a restarted service still knows whose the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import re
+import time
 import uuid
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +61,8 @@ class Model:
     adapter: str  # its name in the pool
     lora: LoraConfig
     next_seq: int = 1
+    claimed: set[int] = field(default_factory=set)  # seq ids a call holds (a second call with one is refused)
+    broken: str = ""  # why no call can run any more (a call before them never came)
     turn: asyncio.Condition = field(default_factory=asyncio.Condition)
     ephemeral: itertools.count = field(default_factory=itertools.count)
 
@@ -88,15 +92,20 @@ class TinkerService:
         self.root = Path(config.root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.sessions: dict[str, str] = {}  # session id -> owner
+        self.seen: dict[str, float] = {}  # session id -> when it was last heard from (monotonic)
         self.session_seq: Counter[str] = Counter()  # sampling_session_seq_id fallbacks
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
         self.results: OrderedDict[str, Result] = OrderedDict()
+        self._answers: OrderedDict[tuple[str, str], dict] = OrderedDict()  # (key owner, idempotency key) -> answer
         self._trainer = ThreadPoolExecutor(1, thread_name_prefix="tinker-train")
         self._adapters = itertools.count()
         self._loaded: OrderedDict[Path, str] = OrderedDict()  # weights dir -> engine adapter name (LRU)
         self._busy: Counter[str] = Counter()  # engine adapter name -> samples in flight
         self._load_lock = asyncio.Lock()
+        self._idle = asyncio.Condition()  # notified when a sample releases its adapter
+        self._pending: Counter[str] = Counter()  # models being created, per key
+        self._creating: set[str] = set()
         self.counts: Counter[tuple[str, str]] = Counter()
         self.trained_tokens = 0
         self.sampled_tokens = 0
@@ -113,6 +122,15 @@ class TinkerService:
                 break  # never drop what is still running
             del self.results[old]
         return rid
+
+    def answered(self, owner: str, key: str) -> dict | None:
+        """The answer already given to the call with idempotency ``key``, if any."""
+        return self._answers.get((owner, key))
+
+    def remember(self, owner: str, key: str, answer: dict) -> None:
+        self._answers[(owner, key)] = answer
+        while len(self._answers) > self.config.keep_results:
+            self._answers.popitem(last=False)
 
     async def retrieve(self, owner: str, rid: str, hold_s: float) -> Result | None:
         """The finished result of ``rid``; None if it is not done within ``hold_s``."""
@@ -132,12 +150,28 @@ class TinkerService:
     def create_session(self, owner: str) -> str:
         sid = str(uuid.uuid4())
         self.sessions[sid] = owner
+        self.seen[sid] = time.monotonic()
         return sid
 
     def _session(self, owner: str, sid: str) -> str:
         if self.sessions.get(sid) != owner:
             raise unknown("session_id", sid)
         return sid
+
+    def heartbeat(self, owner: str, sid: str) -> None:
+        self.seen[self._session(owner, sid)] = time.monotonic()
+
+    async def expire(self, now: float | None = None) -> list[str]:
+        """Finish the sessions not heard from (no heartbeat: the SDK sends one every 10 s) for
+        ``session_idle_s``: a client that died without closing gives its adapters back."""
+        now = time.monotonic() if now is None else now
+        idle = [sid for sid, t in self.seen.items() if now - t > self.config.session_idle_s]
+        for sid in idle:
+            log.info(
+                "session %s of %s: no heartbeat for %.0f s, finished", sid, self.sessions[sid], now - self.seen[sid]
+            )
+            await self.finish_session(self.sessions[sid], sid)
+        return idle
 
     async def finish_session(self, owner: str, sid: str) -> None:
         """Frees what the session held: its models' adapters (saved weights stay on disk)."""
@@ -148,6 +182,8 @@ class TinkerService:
         for s in [s for s in self.samplers.values() if s.id.startswith(sid + ":")]:
             del self.samplers[s.id]
         del self.sessions[sid]
+        self.seen.pop(sid, None)
+        self.session_seq.pop(sid, None)
 
     # ------------------------------------------------------------------ models
     def _check_base(self, base_model: str | None) -> None:
@@ -173,9 +209,13 @@ class TinkerService:
         mid = f"{sid}:train:{seq}"
         if mid in self.models:
             raise TinkerError("model_seq_id", f"{seq} is taken in this session")
-        if sum(m.owner == owner for m in self.models.values()) >= self.config.max_models_per_key:
+        if sum(m.owner == owner for m in self.models.values()) + self._pending[owner] >= self.config.max_models_per_key:
             raise TinkerError("", f"this key holds {self.config.max_models_per_key} models (tinker.max_models_per_key)")
+        if mid in self._creating:
+            raise TinkerError("model_seq_id", f"{seq} is being created in this session")
         model = Model(mid, owner, sid, f"m{next(self._adapters)}", lora)
+        self._creating.add(mid)
+        self._pending[owner] += 1
         (self.root / mid).mkdir(parents=True, exist_ok=True)
         (self.root / mid / "owner").write_text(owner)
         return model
@@ -185,15 +225,25 @@ class TinkerService:
         self._check_base(body.get("base_model"))
         _adamw_only(body.get("optimizer_config"))
         lora, seed = self._lora(body.get("lora_config") or {})
-        model = self._new_model(owner, body.get("session_id", ""), int(body.get("model_seq_id", 0)), lora)
+        model = self._new_model(owner, str(body.get("session_id", "")), _int(body, "model_seq_id"), lora)
 
         async def create() -> dict:
-            await self._train(self.pool.add, model.adapter, lora, seed)
-            self.models[model.id] = model
+            async with self._created(model):
+                await self._train(self.pool.add, model.adapter, lora, seed)
+                self.models[model.id] = model
             log.info("model %s (%s): rank %d on %s", model.id, owner, lora.rank, lora.target_modules)
             return {"model_id": model.id, "type": "create_model"}
 
         return create()
+
+    @contextlib.asynccontextmanager
+    async def _created(self, m: Model):
+        """A model being made counts against its key's limit (and holds its id) until it is made or not."""
+        try:
+            yield
+        finally:
+            self._creating.discard(m.id)
+            self._pending[m.owner] -= 1
 
     def model(self, owner: str, mid: str) -> Model:
         m = self.models.get(mid)
@@ -225,20 +275,44 @@ class TinkerService:
     async def _in_order(self, m: Model, seq: int, fn, *args):
         """Run ``fn(*args)`` on the training thread once every call of ``m`` before ``seq`` has run."""
         async with m.turn:
-            try:
-                await asyncio.wait_for(m.turn.wait_for(lambda: m.next_seq >= seq), self.config.order_timeout_s)
-            except TimeoutError:
-                raise TinkerError(
-                    "seq_id", f"{seq}: call {m.next_seq} never came ({self.config.order_timeout_s} s)", "server"
-                ) from None
-            if m.next_seq != seq:
+            if seq in m.claimed or seq < m.next_seq:
                 raise TinkerError("seq_id", f"{seq} was used already (next: {m.next_seq})")
+            m.claimed.add(seq)
+            try:
+                await asyncio.wait_for(
+                    m.turn.wait_for(lambda: m.next_seq >= seq or m.broken), self.config.order_timeout_s
+                )
+            except TimeoutError:
+                m.broken = f"call {m.next_seq} never came ({self.config.order_timeout_s} s); create a new client"
+                m.turn.notify_all()
+            if m.broken:
+                raise TinkerError("seq_id", f"{seq}: {m.broken}", "server")
         try:
             return await self._train(fn, *args)
         finally:
             async with m.turn:
+                m.claimed.discard(seq)
                 m.next_seq = seq + 1
                 m.turn.notify_all()
+
+    def _checked(self, m: Model, body: dict, check):
+        seq = _int(body, "seq_id")
+        return seq, self.checked_call(m, seq, check)
+
+    def checked_call(self, m: Model, seq: int, check):
+        """``check()``'s result; if it refuses call ``seq`` (a 400 now), the call's turn still passes, so
+        the calls numbered after it do not wait for one that will never run."""
+        try:
+            return check()
+        except (TinkerError, wire.WireError):
+            asyncio.ensure_future(self._pass_turn(m, seq))
+            raise
+
+    async def _pass_turn(self, m: Model, seq: int) -> None:
+        try:
+            await self._in_order(m, seq, _nothing)
+        except TinkerError:
+            pass  # its number was taken or the model is broken: nothing waits on this one
 
     async def forward_backward(self, owner: str, req: wire.ForwardBackwardRequest) -> bytes:
         m = self.model(owner, req.model_id)
@@ -257,19 +331,24 @@ class TinkerService:
 
     def optim_step(self, owner: str, body: dict):
         m = self.model(owner, body.get("model_id", ""))
-        adam = _adam(body.get("adam_params"))
+        seq, adam = self._checked(m, body, lambda: _adam(body.get("adam_params")))
 
         async def step() -> dict:
-            metrics = await self._in_order(m, int(body.get("seq_id", 0)), self.pool.optim_step, m.adapter, adam)
-            return {"metrics": metrics, "type": "optim_step"}
+            metrics = await self._in_order(m, seq, self.pool.optim_step, m.adapter, adam)
+            # JSON takes no NaN or inf (the SDK's parser refuses them): a diverged number is left out
+            return {"metrics": {k: v for k, v in metrics.items() if np.isfinite(v)}, "type": "optim_step"}
 
         return step()
 
     # ------------------------------------------------------------------ weights
-    def _dir(self, mid: str, kind: str, name: str) -> Path:
-        if not NAME.match(name):
+    def _dir(self, mid: str, kind: str, name: str, overwrite: bool | None = None) -> Path:
+        """Where ``name`` of ``kind`` lives; ``overwrite`` False: refused if it exists (None: not asked)."""
+        if not NAME.fullmatch(name) or set(name) == {"."}:
             raise TinkerError("path", f"{name!r}: a name of letters, digits, '.', '_' and '-' (at most 128)")
-        return self.root / mid / kind / name
+        d = self.root / mid / kind / name
+        if overwrite is False and d.exists():
+            raise TinkerError("path", f"{name!r} is saved already; choose another name")
+        return d
 
     def _parse(self, owner: str, path: str, kind: str) -> Path:
         """A ``tinker://MODEL/KIND/NAME`` path this key saved, as its directory."""
@@ -288,10 +367,10 @@ class TinkerService:
     def save_weights(self, owner: str, body: dict):
         m = self.model(owner, body.get("model_id", ""))
         name = str(body.get("path") or "")
-        d = self._dir(m.id, "weights", name)
+        seq, d = self._checked(m, body, lambda: self._dir(m.id, "weights", name, body.get("overwrite", False)))
 
         async def save() -> dict:
-            await self._in_order(m, int(body.get("seq_id", 0)), self.pool.save_state, m.adapter, d)
+            await self._in_order(m, seq, self.pool.save_state, m.adapter, d)
             return {"path": f"tinker://{m.id}/weights/{name}", "type": "save_weights"}
 
         return save()
@@ -302,11 +381,12 @@ class TinkerService:
         ephemeral = name is None
         if ephemeral:  # save_weights_and_get_sampling_client: a sampler of these weights, no name to keep
             name = f"ephemeral-{next(m.ephemeral)}"
-        d = self._dir(m.id, "sampler_weights", str(name))
+        # never over weights an engine may hold under their old contents: a name is saved once
+        seq, d = self._checked(m, body, lambda: self._dir(m.id, "sampler_weights", str(name), overwrite=False))
         path = f"tinker://{m.id}/sampler_weights/{name}"
 
         async def save() -> dict:
-            await self._in_order(m, int(body.get("seq_id", 0)), self.pool.save_adapter, m.adapter, d)
+            await self._in_order(m, seq, self.pool.save_adapter, m.adapter, d)
             if not ephemeral:
                 return {"path": path, "type": "save_weights_for_sampler"}
             sid = self._new_sampler(owner, m.session, body.get("sampling_session_seq_id"), d, path)
@@ -320,21 +400,24 @@ class TinkerService:
         if "model_id" in body:  # the deprecated form: into an existing model
             m = self.model(owner, body["model_id"])
 
+            seq = _int(body, "seq_id")
+
             async def into() -> dict:
-                await self._in_order(m, int(body.get("seq_id", 0)), self._replace, m, d, optimizer)
+                await self._in_order(m, seq, self._replace, m, d, optimizer)
                 return {"model_id": m.id, "path": body["path"], "type": "load_weights"}
 
             return into()
         self._check_base(body.get("base_model"))
         lora = LoraConfig(rank=1, target_modules=self.pool.targets(True, False, False))  # replaced by the saved one
-        m = self._new_model(owner, body.get("session_id", ""), int(body.get("model_seq_id", 0)), lora)
+        m = self._new_model(owner, str(body.get("session_id", "")), _int(body, "model_seq_id"), lora)
 
         async def create() -> dict:
-            try:
-                m.lora = await self._train(self.pool.load_state, m.adapter, d, optimizer)
-            except ValueError as e:
-                raise TinkerError("path", str(e)) from None
-            self.models[m.id] = m
+            async with self._created(m):
+                try:
+                    m.lora = await self._train(self.pool.load_state, m.adapter, d, optimizer)
+                except ValueError as e:
+                    raise TinkerError("path", str(e)) from None
+                self.models[m.id] = m
             return {"model_id": m.id, "path": body["path"], "type": "load_weights"}
 
         return create()
@@ -373,8 +456,8 @@ class TinkerService:
         s = self.sampler(owner, sampler_id)
         return {"sampler_id": s.id, "base_model": self.base_model, "model_path": s.model_path}
 
-    def check_sample(self, owner: str, body: dict) -> tuple[Sampler, list[int], SamplingParams, int]:
-        """Everything a sample needs, checked before it is accepted (a 400 names what is wrong)."""
+    def sample(self, owner: str, body: dict):
+        """Everything a sample needs, checked before it is accepted (a 400 names what is wrong); the work."""
         if "sampling_session_id" in body:
             s = self.sampler(owner, body["sampling_session_id"])
         elif body.get("model_path"):
@@ -391,7 +474,8 @@ class TinkerService:
         if body.get("target_prompt_logprobs") is not None:
             raise TinkerError("target_prompt_logprobs", "not served yet")
         tokens = prompt_tokens(body.get("prompt"), self.pool.vocab_size)
-        return s, tokens, self._sampling_params(body.get("sampling_params") or {}), n
+        params = self._sampling_params(body.get("sampling_params") or {})
+        return self._sample(s, tokens, params, n, bool(body.get("prompt_logprobs")))
 
     def _sampling_params(self, p: dict) -> SamplingParams:
         stop = p.get("stop")
@@ -399,9 +483,12 @@ class TinkerService:
             raise TinkerError("sampling_params.stop", "stop strings are not served yet: give stop token ids")
         if stop is not None and not (isinstance(stop, list) and all(isinstance(x, int) for x in stop)):
             raise TinkerError("sampling_params.stop", f"{stop!r}: a list of token ids")
+        max_tokens = p.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1 << 16):
+            raise TinkerError("sampling_params.max_tokens", f"{max_tokens!r}: an integer in [1, 65536]")
         try:
             return SamplingParams(
-                max_new_tokens=p.get("max_tokens") or self.config.default_max_tokens,
+                max_new_tokens=max_tokens or self.config.default_max_tokens,
                 temperature=p.get("temperature", 1.0),
                 top_p=p.get("top_p", 1.0),
                 top_k=p.get("top_k", -1),
@@ -415,9 +502,10 @@ class TinkerService:
             where = ".".join(str(x) for x in err["loc"])
             raise TinkerError(f"sampling_params.{where}", err["msg"]) from None
 
-    async def sample(self, s: Sampler, tokens: list[int], params: SamplingParams, n: int, prompt_lp: bool) -> bytes:
+    async def _sample(self, s: Sampler, tokens: list[int], params: SamplingParams, n: int, prompt_lp: bool) -> bytes:
         seed = params.sampling_seed
         async with self._adapter(s.weights) as lora:
+            # every request ends (or fails) before the adapter is let go: none still uses it when unloaded
             results = await asyncio.gather(
                 *(
                     self.engine.generate(
@@ -427,8 +515,12 @@ class TinkerService:
                         lora_path=lora,
                     )
                     for i in range(n)
-                )
+                ),
+                return_exceptions=True,
             )
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
         seqs = [wire.Sequence(r.output_ids, r.behavior_logprobs, r.finish_reason.value == "stop") for r in results]
         self.sampled_tokens += sum(len(r.output_ids) for r in results)
         scores = await self._train(self.pool.score, tokens, s.weights) if prompt_lp else None
@@ -439,18 +531,26 @@ class TinkerService:
 
     async def _acquire(self, weights: Path | None) -> str | None:
         """The engine's name of the adapter in ``weights`` (loaded now if it is not; the least
-        recently used idle one unloaded to make room), held until ``_release``."""
+        recently used idle one unloaded to make room, waiting for one to be idle), held until
+        ``_release``."""
         if weights is None:
             return None
+        deadline = asyncio.get_running_loop().time() + self.config.generate_timeout_s
         async with self._load_lock:
             name = self._loaded.get(weights)
+            while name is None and len(self._loaded) >= self.config.max_loaded_adapters:
+                idle = next((d for d, a in self._loaded.items() if not self._busy[a]), None)
+                if idle is not None:
+                    await self.engine.unload_lora_adapter(self._loaded[idle])
+                    self._busy.pop(self._loaded.pop(idle), None)  # forgotten once the engine let it go
+                    continue
+                async with self._idle:  # every one is sampling: wait for one to end
+                    left = deadline - asyncio.get_running_loop().time()
+                    try:
+                        await asyncio.wait_for(self._idle.wait(), max(left, 0.01))
+                    except TimeoutError:
+                        raise TinkerError("", "every loaded adapter stayed in use; try again", "server", 503) from None
             if name is None:
-                while len(self._loaded) >= self.config.max_loaded_adapters:
-                    idle = next((d for d, a in self._loaded.items() if not self._busy[a]), None)
-                    if idle is None:
-                        raise TinkerError("", "every loaded adapter is in use; try again", "server", 503)
-                    old = self._loaded.pop(idle)
-                    await self.engine.unload_lora_adapter(old)
                 name = f"a{next(self._adapters)}"
                 await self.engine.load_lora_adapter(name, str(weights))
                 self._loaded[weights] = name
@@ -458,9 +558,11 @@ class TinkerService:
             self._busy[name] += 1
             return name
 
-    def _release(self, name: str | None) -> None:
+    async def _release(self, name: str | None) -> None:
         if name is not None:
             self._busy[name] -= 1
+            async with self._idle:
+                self._idle.notify_all()
 
     async def close(self) -> None:
         self._trainer.shutdown(wait=False, cancel_futures=True)
@@ -475,7 +577,18 @@ class _Using:
         return self.name
 
     async def __aexit__(self, *exc) -> None:
-        self.service._release(self.name)
+        await self.service._release(self.name)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _int(body: dict, key: str) -> int:
+    v = body.get(key, 0)
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**31:
+        raise TinkerError(key, f"{v!r}: an integer in [0, 2^31)")
+    return v
 
 
 def _adamw_only(optimizer) -> None:

@@ -56,12 +56,20 @@ def _array(raw: bytes, dtype, field: str, count: int | None = None) -> np.ndarra
     return a
 
 
-def tensor(msg, field: str) -> np.ndarray:
-    """A ``Tensor`` message (dense or CSR; an empty shape: 1-D) as an array."""
+MAX_PER_POSITION = 1024  # K of a [N, K] input (top-K distillation targets)
+
+
+def tensor(msg, field: str, rows: int | None = None) -> np.ndarray:
+    """A ``Tensor`` message (dense or CSR; an empty shape: 1-D) as an array. ``rows``: the length its
+    first dimension must have (the datum's tokens), checked before anything is allocated."""
     dtype = _dtype(msg.dtype, field)
     shape = [int(s) for s in msg.shape]
     if any(s < 0 for s in shape) or len(shape) > 2:
         raise WireError(field, f"shape {shape}: 1-D or 2-D tensors only")
+    if rows is not None and shape and shape[0] != rows:
+        raise WireError(field, f"shape {shape} for {rows} input tokens")
+    if len(shape) == 2 and shape[1] > MAX_PER_POSITION:
+        raise WireError(field, f"shape {shape}: at most {MAX_PER_POSITION} values per position")
     if msg.WhichOneof("encoding") == "sparse_csr":
         if len(shape) != 2:
             raise WireError(field, "a sparse tensor needs a 2-D shape")
@@ -81,7 +89,8 @@ def tensor(msg, field: str) -> np.ndarray:
     return data.reshape(shape) if shape else data.copy()
 
 
-def read_forward_backward(raw: bytes) -> ForwardBackwardRequest:
+def parse_forward_backward(raw: bytes):
+    """The message, its model and call number read; its data not yet (``read_forward_backward``)."""
     from google.protobuf.message import DecodeError
 
     msg = pb().ForwardBackwardRequest()
@@ -89,6 +98,11 @@ def read_forward_backward(raw: bytes) -> ForwardBackwardRequest:
         msg.ParseFromString(raw)
     except DecodeError as e:
         raise WireError("body", f"not a ForwardBackwardRequest: {e}") from None
+    return msg
+
+
+def read_forward_backward(raw_or_msg) -> ForwardBackwardRequest:
+    msg = parse_forward_backward(raw_or_msg) if isinstance(raw_or_msg, bytes) else raw_or_msg
     config = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         if v.WhichOneof("value") == "number":
@@ -101,7 +115,7 @@ def read_forward_backward(raw: bytes) -> ForwardBackwardRequest:
                 raise WireError(f"data[{i}].model_input[{j}]", f"{c.WhichOneof('chunk')} chunks are not served (text)")
             chunks.append(_array(c.encoded_text.tokens, np.int32, f"data[{i}].model_input[{j}]"))
         tokens = np.concatenate(chunks).astype(np.int64) if chunks else np.zeros(0, np.int64)
-        inputs = {k: tensor(t, f"data[{i}].loss_fn_inputs.{k}") for k, t in d.loss_fn_inputs.items()}
+        inputs = {k: tensor(t, f"data[{i}].loss_fn_inputs.{k}", len(tokens)) for k, t in d.loss_fn_inputs.items()}
         data.append(Datum(tokens, inputs))
     return ForwardBackwardRequest(msg.model_id, int(msg.seq_id), msg.loss_fn, config, bool(msg.forward_only), data)
 
@@ -116,8 +130,11 @@ def forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float
     field = rec.fields["logprobs"]
     field.dtype = p.DTYPE_FLOAT32
     arrays = [np.ascontiguousarray(a, dtype="<f4") for a in logprobs]
-    if arrays and arrays[0].ndim == 2:
-        field.trailing_shape.extend([arrays[0].shape[1]])
+    trailing = {a.shape[1:] for a in arrays}
+    if len(trailing) > 1:  # one record has one trailing shape (the pool refuses a call mixing them)
+        raise ValueError(f"logprobs of shapes {sorted(trailing)} in one call")
+    if trailing and (shape := trailing.pop()):
+        field.trailing_shape.extend(shape)
     field.data = b"".join(a.tobytes() for a in arrays)
     field.offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype("<i8").tobytes()
     for k, v in metrics.items():

@@ -77,9 +77,13 @@ def test_malformed_requests_name_the_field():
     with pytest.raises(wire.WireError, match=r"data\[0\].loss_fn_inputs.weights"):
         wire.read_forward_backward(msg.SerializeToString())
     del t.shape[:]
-    t.shape.extend([1, 2])
+    t.shape.extend([2, 10**8])  # a few bytes declaring 800 MB: refused before anything is allocated
     t.ClearField("dense")
-    t.sparse_csr.crow_indices = np.array([0, 5], "<i8").tobytes()
+    with pytest.raises(wire.WireError, match="at most 1024 values per position"):
+        wire.read_forward_backward(msg.SerializeToString())
+    del t.shape[:]
+    t.shape.extend([2, 2])
+    t.sparse_csr.crow_indices = np.array([0, 5, 5], "<i8").tobytes()
     t.sparse_csr.col_indices = np.array([0], "<i8").tobytes()
     t.sparse_csr.values = np.ones(1, "<f4").tobytes()
     with pytest.raises(wire.WireError, match="crow_indices"):
