@@ -98,12 +98,13 @@ class AdapterPool:
         peft = PeftLoraConfig(
             r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, target_modules=config.target_modules
         )
-        if seed is not None:
-            torch.manual_seed(seed)  # A's initialization
-        if self.model is None:
-            self.model = get_peft_model(self.base, peft, adapter_name=name)
-        else:
-            self.model.add_adapter(name, peft)
+        with torch.random.fork_rng(devices=[]):  # a seed for A's initialization, not for the process
+            if seed is not None:
+                torch.manual_seed(seed)
+            if self.model is None:
+                self.model = get_peft_model(self.base, peft, adapter_name=name)
+            else:
+                self.model.add_adapter(name, peft)
         self.model.to(self.device)
         self.model.set_adapter(name)
         params = [p for n, p in self.model.named_parameters() if f".{name}." in n and ".lora_" in n]
@@ -295,6 +296,8 @@ class AdapterPool:
         out = self.save_adapter(name, out_dir)
         if a.optimizer is not None:
             torch.save(a.optimizer.state_dict(), out / OPTIMIZER_FILE)
+        else:  # no step yet: no optimizer state (not an older save's, when overwriting)
+            (out / OPTIMIZER_FILE).unlink(missing_ok=True)
         (out / STATE_FILE).write_text(json.dumps({"steps": a.steps, "lora": a.config.model_dump()}))
         return out
 

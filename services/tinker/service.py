@@ -29,6 +29,7 @@ import numpy as np
 
 from rollout.engines.http_engine import EngineRejected, EngineUnavailable
 from rollout.sampling import SamplingParams
+from sample_buffer.trajectory import FinishReason
 from services.tinker import wire
 from services.tinker.config import TinkerConfig
 from trainer.adapter_pool import AdamParams, AdapterPool
@@ -521,7 +522,10 @@ class TinkerService:
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
-        seqs = [wire.Sequence(r.output_ids, r.behavior_logprobs, r.finish_reason.value == "stop") for r in results]
+        ended = {r.finish_reason for r in results} - {FinishReason.STOP, FinishReason.LENGTH}
+        if ended:  # cut short by the engine: not a sample the client may train on as if complete
+            raise TinkerError("", f"the engine ended a sample early ({sorted(ended)[0]}); sample again", "server")
+        seqs = [wire.Sequence(r.output_ids, r.behavior_logprobs, r.finish_reason is FinishReason.STOP) for r in results]
         self.sampled_tokens += sum(len(r.output_ids) for r in results)
         scores = await self._train(self.pool.score, tokens, s.weights) if prompt_lp else None
         return wire.sample_response(seqs, scores)

@@ -125,7 +125,7 @@ def test_the_sdk_loop_trains_samples_what_it_trained_and_resumes(service, client
     # a custom loss (the SDK's: its gradient as cross_entropy's weights) moves the model as its formula says
     def neg_nll(data, logprobs):
         loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs))
-        return loss, {"custom_nll": float(loss)}
+        return loss, {"custom_nll": float(loss.detach())}
 
     custom = tc.forward_backward_custom(data, neg_nll).result()
     assert custom.metrics["custom_nll"] == pytest.approx(losses_now(tc, data), rel=1e-4)
@@ -168,7 +168,8 @@ def test_bad_calls_name_their_field_and_the_service_keeps_serving(service, clien
     # a failed call poisons the SDK's client (its rule): a new one on the same model goes on
     tc = sc.create_lora_training_client(base_model=service["model"], rank=4).result()
     short = types.Datum(
-        model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [2, 3], "weights": [1, 1]}
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3], "weights": [1, 1, 1]},
     )
     with pytest.raises(tinker.BadRequestError, match=r"data\[0\].loss_fn_inputs.target_tokens"):
         tc.forward_backward([short], "cross_entropy").result()
