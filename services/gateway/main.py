@@ -18,6 +18,7 @@ from services.gateway.server import create_app, expire_forever
 from services.grpc_util import serve_until_signal
 from services.llm_proxy.client import ProxyClient, ProxyGenerate
 from services.sample_buffer.client import BufferClient
+from services.uvicorn_serving import start_uvicorn
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +49,8 @@ def build_sessions(
     return AgentSessions(config.sessions, renderer, ProxyGenerate(proxy), admission=controller, sink=buffer)
 
 
-class _Uvicorn:
-    """A uvicorn server under ``serve_until_signal``, which stops what it runs with ``stop(grace)``."""
-
-    def __init__(self, server, task: asyncio.Task) -> None:
-        self.server, self.task = server, task
-
-    async def stop(self, grace: float) -> None:
-        self.server.should_exit = True
-        await asyncio.wait([self.task], timeout=grace)
-
-
 def serve(cfg) -> None:
     """``cfg``: the whole run config (the gateway's section and the mesh's addresses)."""
-    import uvicorn
-
     config = cfg.gateway
     keys = key_ring(config, cfg.auth)  # before anything starts: no key file, no gateway
 
@@ -78,19 +66,7 @@ def serve(cfg) -> None:
         tokenizer = config.tokenizer_path or cfg.model_path
         sessions = build_sessions(config, cfg.model_path, tokenizer, proxy, buffer, controller)
         app = create_app(sessions, config, keys)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host=config.host,
-                port=config.port,
-                log_level="warning",
-                access_log=False,
-                ssl_certfile=cfg.auth.tls.cert_path if cfg.auth.tls else None,
-                ssl_keyfile=cfg.auth.tls.key_path if cfg.auth.tls else None,
-            )
-        )
-        server.install_signal_handlers = lambda: None  # serve_until_signal owns SIGTERM
-        task = asyncio.create_task(server.serve())
+        serving = start_uvicorn(app, config.host, config.port, cfg.auth)
         lease = asyncio.create_task(controller.keep_lease(5.0))
         expiry = asyncio.create_task(expire_forever(sessions, min(30.0, config.sessions.idle_s / 2)))
         log.info("agent gateway on http://%s:%d (model %r)", config.host, config.port, config.model_name)
@@ -100,6 +76,6 @@ def serve(cfg) -> None:
             expiry.cancel()
             await asyncio.gather(proxy.close(), buffer.close(), controller.close())
 
-        return _Uvicorn(server, task), cleanup
+        return serving, cleanup
 
     serve_until_signal(start)

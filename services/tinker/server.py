@@ -319,13 +319,13 @@ def _start_engine(cfg) -> tuple[object | None, str]:
 
 def serve(cfg) -> None:
     """``cfg``: the whole run config (``tinker``, ``model_path``, ``engine``, ``auth``)."""
-    import uvicorn
     from transformers import AutoConfig
 
     from services.auth import ensure_token
     from services.grpc_util import serve_until_signal
     from services.llm_proxy.server import engine_client
     from services.processes import stop_process
+    from services.uvicorn_serving import start_uvicorn
     from trainer.adapter_pool import AdapterPool
 
     config = cfg.tinker
@@ -333,11 +333,9 @@ def serve(cfg) -> None:
     if not config.engine_url:  # its own engine's API takes the control token: one of this process's own if none is set
         ensure_token(cfg.auth)
     engine_proc, engine_url = _start_engine(cfg)
-    device = (
-        "cuda"
-        if cfg.trainer.device == "auto" and _cuda()
-        else ("cpu" if cfg.trainer.device == "auto" else cfg.trainer.device)
-    )
+    device = cfg.trainer.device
+    if device == "auto":
+        device = "cuda" if _cuda() else "cpu"
 
     async def start():
         pool = await asyncio.to_thread(AdapterPool, cfg.model_path, device, config.micro_batch_tokens)
@@ -345,19 +343,7 @@ def serve(cfg) -> None:
         engine = engine_client(engine_url, cfg.auth, timeout_s=config.generate_timeout_s)
         service = TinkerService(config, pool, engine, cfg.model_path, arch)
         app = create_app(service, keys, config.max_body_bytes)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host=config.host,
-                port=config.port,
-                log_level="warning",
-                access_log=False,
-                ssl_certfile=cfg.auth.tls.cert_path if cfg.auth.tls else None,
-                ssl_keyfile=cfg.auth.tls.key_path if cfg.auth.tls else None,
-            )
-        )
-        server.install_signal_handlers = lambda: None  # serve_until_signal owns SIGTERM
-        task = asyncio.create_task(server.serve())
+        serving = start_uvicorn(app, config.host, config.port, cfg.auth)
         expiry = asyncio.create_task(_expire_forever(service))
         log.info(
             "tinker service on http://%s:%d: base model %r, engine %s",
@@ -374,7 +360,7 @@ def serve(cfg) -> None:
             if engine_proc is not None:
                 stop_process(engine_proc)
 
-        return _Uvicorn(server, task), cleanup
+        return serving, cleanup
 
     try:
         serve_until_signal(start)
@@ -397,12 +383,3 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-class _Uvicorn:
-    def __init__(self, server, task: asyncio.Task) -> None:
-        self.server, self.task = server, task
-
-    async def stop(self, grace: float) -> None:
-        self.server.should_exit = True
-        await asyncio.wait([self.task], timeout=grace)
