@@ -13,8 +13,9 @@ setup: $(STAMP)
 
 # Servers and tools the tests start themselves (on free loopback ports), from Debian packages:
 # redis-server, prometheus + promtool, docker-compose (only `config` is run: no Docker daemon),
-# bubblewrap (the code reward's sandbox).
-APT_TOOLS := redis-server:redis-server prometheus:prometheus promtool:prometheus docker-compose:docker-compose bwrap:bubblewrap
+# bubblewrap (the code reward's sandbox), slurm-wlm + munge (a real SLURM cluster, started by the
+# launcher's tests in a private folder).
+APT_TOOLS := redis-server:redis-server prometheus:prometheus promtool:prometheus docker-compose:docker-compose bwrap:bubblewrap sbatch:slurm-wlm
 servers:
 	@missing=""; for t in $(APT_TOOLS); do command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ]; then \

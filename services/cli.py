@@ -5,11 +5,12 @@ bottom: config, mesh, evaluation, trainer, summary); the other subcommands live 
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 
 import typer
 
-from services.commands import bench, data, serve
+from services.commands import bench, data, launch, serve
 from services.commands.common import SetOpt, load_or_exit
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="rollmesh: asynchronous RL post-training mesh")
@@ -17,6 +18,12 @@ app.command("make-dataset")(data.make_dataset)
 app.command("init-model")(data.init_model)
 app.add_typer(serve.app, name="serve")
 app.add_typer(bench.app, name="bench")
+app.add_typer(launch.app, name="launch")
+
+
+class Launcher(StrEnum):
+    local = "local"
+    slurm = "slurm"
 
 
 @app.command()
@@ -24,12 +31,16 @@ def run(
     config: Path = typer.Argument(..., help="Run config (YAML)."),
     set_: list[str] = SetOpt,
     fresh: bool = typer.Option(False, "--fresh", help="Delete the run directory's checkpoints instead of resuming."),
+    launcher: Launcher = typer.Option(
+        Launcher.local,
+        help="local: every process here; slurm: job steps of the SLURM job this runs in (`rollmesh launch slurm`).",
+    ),
 ) -> None:
     """Start the whole mesh locally, train, evaluate, shut down; prints a final summary line."""
     load_or_exit(config, set_)  # fail fast on a bad config, before any process starts
     from services.run import run_mesh
 
-    raise typer.Exit(run_mesh(config, set_, fresh))
+    raise typer.Exit(run_mesh(config, set_, fresh, launcher.value))
 
 
 @app.command("config")
@@ -78,6 +89,26 @@ def compare(
         return
     for name, row in result.items():
         typer.echo(f"{name}: " + "  ".join(f"{k} {v}" for k, v in row.items()))
+
+
+@app.command()
+def health(
+    address: str = typer.Argument(..., help="host:port of a gRPC service, or an HTTP base URL with --http."),
+    http: bool = typer.Option(False, "--http", help="An HTTP service (engine, gateway): GET ADDRESS/health."),
+    timeout_s: float = typer.Option(3.0, "--timeout-s", min=0.1, help="How long to wait for SERVING / 200."),
+) -> None:
+    """Exit 0 if the service answers healthy within the timeout, else 1 (containers' health checks;
+    health needs no token)."""
+    from services.processes import wait_grpc_healthy, wait_http_healthy
+
+    try:
+        if http:
+            wait_http_healthy(address.rstrip("/") + "/health", timeout_s)
+        else:
+            wait_grpc_healthy(address, timeout_s)
+    except TimeoutError as e:
+        typer.echo(f"unhealthy: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command("gateway-key")

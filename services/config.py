@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rollout.engines.embedded.config import EngineConfig
 from rollout.proxy.config import ProxyConfig
@@ -68,6 +68,36 @@ class RunConfig(BaseModel):
     max_restarts: int = Field(
         5, ge=0, description="Times a service (or the trainer) that exits is started again before the run gives up."
     )
+
+
+class SlurmConfig(BaseModel):
+    """`rollmesh launch slurm`: the batch job the mesh runs in (services/slurm.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_name: str = Field("rollmesh", description="The job's name (squeue, sacct).")
+    partition: str | None = Field(None, description="The partition to submit to; none: the cluster's default.")
+    time_limit: str | None = Field(
+        None, description="The job's time limit in Slurm's format (1-00:00:00); none: the partition's."
+    )
+    engine_nodes: int = Field(
+        0,
+        ge=0,
+        description="Nodes of their own for the engines (run.num_engines spread over them, each taking its "
+        "node's GPUs in turn); 0: one node runs everything.",
+    )
+    gpus_per_node: int = Field(0, ge=0, description="GPUs the job asks of each node (--gres=gpu:N); 0: none.")
+    sbatch_args: list[str] = Field(
+        default_factory=list, description="More sbatch options, each as one argument (--account=X, --qos=Y)."
+    )
+    submit_timeout_s: float = Field(60.0, gt=0, description="How long sbatch may take to answer.")
+
+    @field_validator("time_limit", mode="before")
+    @classmethod
+    def _quoted(cls, value):
+        if isinstance(value, int):  # YAML 1.1 reads 2:00:00 as 7200 and 120 as a number
+            raise ValueError(f"write it as a quoted string in Slurm's format ('2:00:00', '1-00:00:00'), got {value}")
+        return value
 
 
 class MeshConfig(BaseModel):
@@ -143,6 +173,9 @@ class RollmeshConfig(BaseModel):
         default_factory=TrainerProcessConfig, description="The training loop and the trainer process around it."
     )
     run: RunConfig = Field(default_factory=RunConfig, description="`rollmesh run`: how the local mesh is laid out.")
+    slurm: SlurmConfig = Field(
+        default_factory=SlurmConfig, description="`rollmesh launch slurm`: the mesh as a SLURM batch job."
+    )
     devices: DeviceMapConfig = Field(
         default_factory=DeviceMapConfig, description="Which GPUs serve engines and which train (device_map.py)."
     )

@@ -18,6 +18,8 @@ from services.auth import Role
 from services.device_map import Placement
 from services.processes import (
     DATA_ONLY,
+    LOCAL,
+    Host,
     free_port,
     serve_command,
     start_engine_process,
@@ -42,11 +44,12 @@ class Mesh:
     reward: str = ""  # the reward service's address, where the run starts one
     env_manager: str = ""  # the EnvManager's gRPC address, where the run starts one
     agent_key: str = ""  # the file holding the key `rollmesh run` issued its agents (no key file given)
+    hosts: Hosts = field(default_factory=lambda: Hosts())  # where each process runs
 
-    def metrics_port(self, job: str) -> str:
-        """A free loopback port for ``job``'s /metrics, recorded as a scrape target."""
+    def metrics_port(self, job: str, host: Host = LOCAL) -> str:
+        """A free port for ``job``'s /metrics on ``host``, recorded as a scrape target."""
         port = free_port()
-        self.metrics.setdefault(job, []).append(f"127.0.0.1:{port}")
+        self.metrics.setdefault(job, []).append(f"{host.address}:{port}")
         return str(port)
 
     def write_scrape_targets(self, path: Path) -> None:
@@ -63,6 +66,18 @@ class Mesh:
     def stop(self) -> None:
         for s in reversed(self.services):
             stop_process(s.proc)
+
+
+@dataclass
+class Hosts:
+    """Where each process of the mesh runs: all here on loopback (``rollmesh run``), or job steps on
+    the nodes of a SLURM allocation (``services/slurm.py``): the engines on theirs, the rest on one."""
+
+    services: Host = LOCAL  # LLMProxy, SampleBuffer, controller, reward, EnvManager, gateway, trainer
+    engines: list[Host] = field(default_factory=list)  # engine i's; none listed: ``services``
+
+    def engine(self, i: int) -> Host:
+        return self.engines[i % len(self.engines)] if self.engines else self.services
 
 
 # The processes that hold the control token (services/auth.py): the LLMProxy, the AsyncController
@@ -90,13 +105,16 @@ def start_mesh(
     logs: Path,
     placement: Placement | None = None,
     hold_rollouts: bool = False,
+    hosts: Hosts | None = None,
 ) -> Mesh:
     """Engines → LLMProxy → SampleBuffer → AsyncController → (reward service) → EnvManager, each
-    healthy before the next (engines on the GPUs ``placement`` gives them). On any failure
-    everything started so far is stopped. ``hold_rollouts``: the EnvManager waits for ``Start``."""
+    healthy before the next (engines on the GPUs ``placement`` gives them, on ``hosts``). On any
+    failure everything started so far is stopped. ``hold_rollouts``: the EnvManager waits for ``Start``."""
     placement = placement or Placement([None] * cfg.run.num_engines, None, cfg.run.trainer_procs)
-    mesh = Mesh([], [], "", "", "")
-    up = dict(config_path=str(config_path), timeout_s=cfg.run.startup_timeout_s, auth=cfg.auth)
+    hosts = hosts or Hosts()
+    mesh = Mesh([], [], "", "", "", hosts=hosts)
+    host = hosts.services
+    up = dict(config_path=str(config_path), timeout_s=cfg.run.startup_timeout_s, auth=cfg.auth, host=host)
     try:
 
         def engine(i):
@@ -108,6 +126,8 @@ def start_mesh(
                 str(config_path),
                 cfg.auth,
                 cuda_env(placement.engines[i]),
+                hosts.engine(i),
+                logs / f"engine-{i}.log",
             )
 
         with ThreadPoolExecutor(cfg.run.num_engines) as pool:  # engines load in parallel
@@ -130,7 +150,7 @@ def start_mesh(
             [
                 *overrides,
                 f"proxy.engine_urls=[{','.join(mesh.engine_urls)}]",
-                f"proxy.metrics_port={mesh.metrics_port('llm-proxy')}",
+                f"proxy.metrics_port={mesh.metrics_port('llm-proxy', host)}",
             ],
             log_path=logs / "proxy.log",
             **up,
@@ -139,7 +159,7 @@ def start_mesh(
         proc, mesh.buffer = start_service_process(
             "sample-buffer",
             "buffer",
-            [*overrides, f"buffer.metrics_port={mesh.metrics_port('sample-buffer')}"],
+            [*overrides, f"buffer.metrics_port={mesh.metrics_port('sample-buffer', host)}"],
             log_path=logs / "buffer.log",
             roles=DATA_ONLY,
             **up,
@@ -149,7 +169,7 @@ def start_mesh(
             *overrides,
             f"mesh.proxy={mesh.proxy}",
             f"mesh.buffer={mesh.buffer}",
-            f"controller.metrics_port={mesh.metrics_port('controller')}",
+            f"controller.metrics_port={mesh.metrics_port('controller', host)}",
         ]
         proc, mesh.controller = start_service_process(
             "controller", "controller", ctl, log_path=logs / "controller.log", **up
@@ -159,7 +179,7 @@ def start_mesh(
             proc, mesh.reward = start_service_process(
                 "reward",
                 "reward_service",
-                [*overrides, *mesh.wiring, f"reward_service.metrics_port={mesh.metrics_port('reward')}"],
+                [*overrides, *mesh.wiring, f"reward_service.metrics_port={mesh.metrics_port('reward', host)}"],
                 log_path=logs / "reward.log",
                 roles=DATA_ONLY,
                 **up,
@@ -173,7 +193,7 @@ def start_mesh(
             mesh.metrics["gateway"] = [mesh.gateway.split("://", 1)[1]]  # /metrics beside the API
             mesh.services.append(Supervised("gateway", proc, logs / "gateway.log", roles=DATA_ONLY))
         else:
-            env = [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager')}"]
+            env = [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager', host)}"]
             held = ["env_manager.autostart=false"] if hold_rollouts else []
             proc, mesh.env_manager = start_service_process(
                 "env-manager", "env_manager", [*env, *held], log_path=logs / "env_manager.log", roles=DATA_ONLY, **up
@@ -206,14 +226,16 @@ def agent_key(run_dir: Path, mesh: Mesh) -> Path:
 def start_trainer(
     config_path: Path, overrides: list[str], mesh: Mesh, log_path: Path, procs: int = 1, gpus: str | None = None
 ):
-    """The trainer process; with ``procs`` > 1, ``procs`` ranks under torchrun (rank 0 serves /metrics);
-    ``gpus``: its ``CUDA_VISIBLE_DEVICES``."""
-    port = f"train_loop.metrics_port={mesh.metrics_port('trainer')}"
-    cmd = serve_command("trainer", "trainer", [*overrides, *mesh.wiring, port], str(config_path))
+    """The trainer process (on the mesh's services host); with ``procs`` > 1, ``procs`` ranks under
+    torchrun (rank 0 serves /metrics); ``gpus``: its ``CUDA_VISIBLE_DEVICES``."""
+    host = mesh.hosts.services
+    port = f"train_loop.metrics_port={mesh.metrics_port('trainer', host)}"
+    where = [f"train_loop.{o}" for o in host.bind("metrics_host")]
+    cmd = serve_command("trainer", "trainer", [*overrides, *mesh.wiring, port, *where], str(config_path))
     if procs > 1:  # python -m torch.distributed.run ... -m services.cli serve trainer ...
         cmd = [cmd[0], "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs), *cmd[1:]]
     return subprocess.Popen(
-        cmd,
+        host.command(cmd, cuda_env(gpus)),
         stdout=open(log_path, "ab"),  # noqa: SIM115 (closed with the process)
         stderr=subprocess.STDOUT,
         env=dict(os.environ, **cuda_env(gpus)),  # both tokens: it reads the buffer and updates weights

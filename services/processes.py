@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,30 @@ import httpx
 from services.auth import AuthConfig, Role, ensure_provider_token, environment_of, grpc_sync_channel
 
 DATA_ONLY = frozenset({Role.DATA})
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where a service process runs: here on loopback (``LOCAL``), or as a SLURM job step on a node of
+    the allocation (``services/slurm.py``): ``address`` is what the service binds and what the others
+    dial; ``wrap`` is put before its command (``srun ... --nodelist NODE``)."""
+
+    address: str = "127.0.0.1"
+    wrap: tuple[str, ...] = ()
+
+    def command(self, cmd: list[str], env: dict[str, str] | None = None) -> list[str]:
+        """``cmd`` as this host runs it; ``env``'s variables set in the process itself (a job step's
+        environment is Slurm's to set: ``CUDA_VISIBLE_DEVICES`` among others)."""
+        if not self.wrap:
+            return cmd
+        return [*self.wrap, *(["env", *(f"{k}={v}" for k, v in env.items())] if env else []), *cmd]
+
+    def bind(self, key: str = "host") -> list[str]:
+        """The override that makes a service listen where others reach it (none here: loopback)."""
+        return [] if self == LOCAL else [f"{key}={self.address}"]
+
+
+LOCAL = Host()
 
 
 _HANDED_OUT: set[int] = set()
@@ -115,15 +140,17 @@ def start_service_process(
     log_path: Path | None = None,
     auth: AuthConfig | None = None,
     roles: frozenset[Role] = frozenset(Role),
+    host: Host = LOCAL,
 ):
-    """Run ``rollmesh serve SERVICE`` on a free port with ``SECTION.key=value`` overrides, holding the
-    tokens of ``roles`` only; returns (process, gRPC address) once its health check says SERVING."""
+    """Run ``rollmesh serve SERVICE`` on a free port (on ``host``) with ``SECTION.key=value`` overrides,
+    holding the tokens of ``roles`` only; returns (process, gRPC address) once its health check says
+    SERVING."""
     port = free_port()
-    cmd = serve_command(service, section, [f"port={port}", *overrides], config_path)
+    cmd = host.command(serve_command(service, section, [f"port={port}", *host.bind(), *overrides], config_path))
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives as long as the process)
     stderr = subprocess.STDOUT if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=stderr, env=environment_of(roles))
-    address = f"127.0.0.1:{port}"
+    address = f"{host.address}:{port}"
     try:
         wait_grpc_healthy(address, timeout_s, proc, auth)
     except BaseException:
@@ -144,26 +171,34 @@ def start_engine_process(
     config_path: str | None = None,
     auth: AuthConfig | None = None,
     env: dict[str, str] | None = None,
+    host: Host = LOCAL,
+    log_path: Path | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """Run ``rollmesh serve engine`` as its own process (``env``: added to this one's, whose data
-    token it does not get: an engine's API is control); returns (process, base URL) once healthy
-    (``https://`` when ``auth`` has TLS).
-    Its output goes to an unnamed temporary file (a pipe nobody reads would block it) and is shown
-    if it fails to start."""
+    """Run ``rollmesh serve engine`` as its own process on ``host`` (``env``: set in it beyond this
+    one's, whose data token it does not get: an engine's API is control); returns (process, base URL)
+    once healthy (``https://`` when ``auth`` has TLS).
+    Its output goes to ``log_path``, else to an unnamed temporary file (a pipe nobody reads would
+    block it); its end is shown if it fails to start."""
     import tempfile
 
     port = port or free_port()
-    cmd = serve_command("engine", "engine", [f"model_path={model_path}", f"port={port}", *(extra or [])], config_path)
-    out = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the process)
-    proc = subprocess.Popen(
-        cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(engine_environment(), PYTHONUNBUFFERED="1", **(env or {}))
+    cmd = serve_command(
+        "engine", "engine", [f"model_path={model_path}", f"port={port}", *host.bind(), *(extra or [])], config_path
     )
-    url = f"{auth.scheme if auth else 'http'}://127.0.0.1:{port}"
+    out = open(log_path, "ab+") if log_path else tempfile.TemporaryFile()  # noqa: SIM115 (the process's)
+    start = out.tell()
+    proc = subprocess.Popen(
+        host.command(cmd, env if host.wrap else None),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=dict(engine_environment(), PYTHONUNBUFFERED="1", **(env or {})),
+    )
+    url = f"{auth.scheme if auth else 'http'}://{host.address}:{port}"
     try:
         wait_http_healthy(url + "/health", timeout_s, proc, auth)
     except BaseException as e:
         stop_process(proc)
-        out.seek(0)
+        out.seek(start)
         log_tail = out.read().decode(errors="replace")[-3000:]
         raise RuntimeError(f"engine on port {port} failed to start: {e}\n{log_tail}") from e
     return proc, url
@@ -176,14 +211,15 @@ def start_gateway_process(
     config_path: str | None = None,
     log_path: Path | None = None,
     auth: AuthConfig | None = None,
+    host: Host = LOCAL,
 ) -> tuple[subprocess.Popen, str]:
-    """Run ``rollmesh serve gateway`` on ``port`` (agents are told where), holding the data token only;
-    returns (process, base URL) once ``/health`` answers."""
-    cmd = serve_command("gateway", "gateway", [f"port={port}", *overrides], config_path)
+    """Run ``rollmesh serve gateway`` on ``port`` of ``host`` (agents are told where), holding the data
+    token only; returns (process, base URL) once ``/health`` answers."""
+    cmd = host.command(serve_command("gateway", "gateway", [f"port={port}", *host.bind(), *overrides], config_path))
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives as long as the process)
     stderr = subprocess.STDOUT if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=stderr, env=environment_of(DATA_ONLY))
-    url = f"{auth.scheme if auth else 'http'}://127.0.0.1:{port}"
+    url = f"{auth.scheme if auth else 'http'}://{host.address}:{port}"
     try:
         wait_http_healthy(url + "/health", timeout_s, proc, auth)
     except BaseException:

@@ -21,26 +21,30 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 
 from services import run_dir as rundir
+from services import slurm
 from services.auth import ensure_token
 from services.config import load_config
 from services.cpu_threads import thread_overrides, usable_cores
 from services.device_map import gpus_per_engine, place, visible_gpus
 from services.env_manager.client import EnvManagerClient
 from services.evaluation import evaluator
-from services.mesh import Mesh, cuda_env, start_mesh, start_trainer
+from services.mesh import Hosts, Mesh, cuda_env, start_mesh, start_trainer
 from services.metrics import serve_metrics
 from services.processes import stop_process
 from services.run_progress import RunProgress
 from services.supervisor import GaveUp, RestartsCollector, Supervised
 
 
-def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> int:
+def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False, launcher: str = "local") -> int:
+    """``launcher`` local: every process here on loopback; slurm: job steps of this SLURM job
+    (``services/slurm.py``, which `rollmesh launch slurm` submits)."""
     cfg = load_config(config_path, overrides)
     console = Console(soft_wrap=True)  # a log file gets whole lines, not lines wrapped at 80 columns
-    try:  # before anything starts: a GPU the map names must be here
+    try:  # before anything starts: a GPU the map names must be here, and the nodes the job needs
         visible = visible_gpus() if cfg.devices.placement != "none" else []
         placement = place(cfg.devices, cfg.run.num_engines, gpus_per_engine(cfg.engine), cfg.run.trainer_procs, visible)
-    except ValueError as e:
+        hosts = Hosts() if launcher == "local" else slurm.allocation_hosts(cfg, placement)
+    except (ValueError, slurm.SlurmError) as e:
         console.print(f"[red]config error: {e}[/]")
         return 2
     ensure_token(cfg.auth)  # one per run, inherited by every process started below
@@ -56,7 +60,7 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False) -> in
     trainer: Supervised | None = None
     t0 = time.time()
     try:
-        mesh = start_mesh(cfg, config_path, overrides, logs, placement, hold_rollouts=True)
+        mesh = start_mesh(cfg, config_path, overrides, logs, placement, hold_rollouts=True, hosts=hosts)
         cfg.mesh.reward = mesh.reward or cfg.mesh.reward  # the held-out evaluation scores there too
         _announce(mesh, console)
         heldout = HeldOutLog(evaluator(cfg), mesh.proxy, cfg, run_dir, console)

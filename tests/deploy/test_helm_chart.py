@@ -404,3 +404,47 @@ def test_every_rollmesh_pod_runs_as_the_images_unprivileged_user_with_the_sandbo
         assert "bubblewrap util-linux" in text and "useradd --uid 10001" in text, dockerfile
         users = [line for line in text.splitlines() if line.startswith("USER ")]
         assert users and users[-1] == "USER 10001", dockerfile  # what the services run as
+
+
+# Kubernetes' own OpenAPI schemas (kubernetes-validate's bundled copies, strict: an unknown field is
+# an error, as `kubectl apply --validate=strict` makes it), for the oldest and newest versions it has
+# that a supported cluster runs. A CRD's kind (the ServiceMonitor) has no schema there: listed apart.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+CRD_KINDS = {"ServiceMonitor"}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (),
+        ("placement.mode=colocated", "engine.kind=embedded", "engine.replicas=2"),
+        ("auth.tls.secretName=mesh-tls",),
+        ("gateway.enabled=true", "gateway.keysSecret=agent-keys"),
+        ("reward.enabled=true", "config.env_manager.reward.type=service"),
+        ("redis.enabled=false", "redis.externalUrl=redis://cache:6379/2", "serviceMonitor.enabled=false"),
+    ],
+    ids=["defaults", "colocated", "tls", "gateway", "reward", "external-redis"],
+)
+def test_every_rendered_object_is_valid_against_kubernetes_schemas(values):
+    import kubernetes_validate
+
+    docs = render(*values)
+    checked = set()
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1", doc["apiVersion"]
+            continue
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} on Kubernetes {version}: {e.message} at {e.path}")
+        checked.add(doc["kind"])
+    assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "Secret"} <= checked, checked
+    # the validator does refuse what a cluster would: a field Kubernetes does not know, a wrong type
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    for path, value in ((("spec", "replica"), 1), (("spec", "replicas"), "two")):
+        bad = yaml.safe_load(yaml.safe_dump(deployment))
+        bad[path[0]][path[1]] = value
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
