@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: setup run test proto lint format bench model clean servers vllm gpu-check examples
+.PHONY: setup run test deploy-test proto lint format bench model clean servers vllm gpu-check examples
 
 setup: $(STAMP)
 
@@ -16,11 +16,16 @@ setup: $(STAMP)
 # bubblewrap (the code reward's sandbox), slurm-wlm + munge (a real SLURM cluster, started by the
 # launcher's tests in a private folder).
 APT_TOOLS := redis-server:redis-server prometheus:prometheus promtool:prometheus docker-compose:docker-compose bwrap:bubblewrap sbatch:slurm-wlm
-servers:
-	@missing=""; for t in $(APT_TOOLS); do command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
+# Installs the Debian packages of those of $(1) (command:package pairs) whose command is missing.
+define apt_tools
+	@missing=""; for t in $(1); do command -v $${t%%:*} >/dev/null || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing (Debian packages)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
+endef
+
+servers:
+	$(call apt_tools,$(APT_TOOLS))
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -105,8 +110,16 @@ examples: $(STAMP) servers models/tiny-digits/config.json $(SMOLLM2)/config.json
 test: $(STAMP) servers $(SMOLLM2)/config.json $(VLLM_STAMP)
 	@# Two workers (pytest-xdist; tests/conftest.py schedules what must share one), then the tests that
 	@# time a process against the clock, alone. Exit 5 (nothing selected, e.g. by -k) is not a failure.
-	$(PY) -m pytest -q -n 2 -m "not serial" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(PY) -m pytest -q -m serial --durations=5 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -n 2 -m "not serial and not deploy" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m "serial and not deploy" --durations=5 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# The compose stack in real containers (tests/deploy/test_compose_stack.py): a Docker engine of its
+# own, images built from a Debian base it makes with debootstrap. Minutes of builds, so not part of
+# `make test`; CI runs it after. Its last line is a JSON of build and start-up times.
+DEPLOY_TOOLS := dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap iptables-save:iptables
+deploy-test: $(STAMP) servers
+	$(call apt_tools,$(DEPLOY_TOOLS))
+	$(PY) -m pytest -q -s -m deploy tests/deploy/test_compose_stack.py $(PYTEST_ARGS)
 
 proto: $(STAMP)
 	$(PY) -m services.protogen
