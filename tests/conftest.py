@@ -30,9 +30,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # `make test` runs two workers (pytest-xdist). Tests that share something machine-wide run on one
 # worker: a module's costly service (a Tinker service, a SLURM cluster), the session's vLLM servers
 # (started once, not once a worker) and the code sandbox's uids (uid_base + slot in every process:
-# two processes' runs would share one process limit, so a fork bomb in one could starve the other). The scheduler below reads these groups off the test ids:
-# xdist's own `--dist loadgroup` marks them by rewriting `item._nodeid`, which pytest 9.2 no longer
-# reads (its ids live in `_id`), and the "grouped" tests had been spread over both workers.
+# two processes' runs would share one process limit, so a fork bomb in one could starve the other).
+# The scheduler below reads these groups off the test ids: xdist's own `--dist loadgroup` marks them
+# by rewriting `item._nodeid`, which pytest 9.2 no longer reads (its ids live in `_id`), and the
+# "grouped" tests had been spread over both workers.
 _GROUPS = {
     # One Tinker service (its base model and engine) for the file, not one on each worker.
     "tinker": ("tests/services/test_tinker.py",),
