@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from services.auth import CONTROL_TOKEN_ENV, TOKEN_ENV, ensure_token
+from services.auth import CONTROL_TOKEN_ENV, TOKEN_ENV, ensure_token, environment_of
 from services.mesh import Hosts
 from services.processes import Host
 
@@ -45,7 +46,7 @@ def check_gpus(cfg) -> None:
         )
     if slurm.engine_nodes:
         per_node = -(-cfg.run.num_engines // slurm.engine_nodes) * _gpus_per_engine(cfg)
-        if cfg.devices.placement != "none" and per_node > slurm.gpus_per_node:
+        if slurm.gpus_per_node and per_node > slurm.gpus_per_node:
             raise ValueError(
                 f"slurm.gpus_per_node: {slurm.gpus_per_node}, but each engine node runs engines of {per_node} GPU(s) "
                 f"(run.num_engines={cfg.run.num_engines} over slurm.engine_nodes={slurm.engine_nodes})"
@@ -56,15 +57,26 @@ def check_gpus(cfg) -> None:
             )
 
 
+def check_transport(cfg) -> None:
+    """A collective weight group meets at one address, which engines on other nodes would have to
+    reach: not wired up across nodes yet (disk and http_buckets are)."""
+    if cfg.slurm.engine_nodes and "master_address" in type(cfg.train_loop.publisher).model_fields:
+        raise ValueError(
+            f"train_loop.publisher: {cfg.train_loop.publisher.type} across nodes (slurm.engine_nodes="
+            f"{cfg.slurm.engine_nodes}) is not supported yet; use disk or http_buckets"
+        )
+
+
 def _gpus_per_engine(cfg) -> int:
     from services.device_map import gpus_per_engine
 
     return gpus_per_engine(cfg.engine)
 
 
-def job_script(cfg, config_path: Path, overrides: list[str], fresh: bool, folder: Path) -> str:
+def job_script(cfg, config_path: Path, overrides: list[str], folder: Path) -> str:
     """The batch script: ``#SBATCH`` options from ``cfg.slurm``, the tokens read from ``tokens.env``,
-    then ``rollmesh run --launcher slurm`` with this interpreter and working directory."""
+    then ``rollmesh run --launcher slurm`` with this interpreter and working directory. Never
+    ``--fresh``: a job Slurm requeues (a node lost, preemption) resumes from its last checkpoint."""
     slurm = cfg.slurm
     opts = [f"--job-name={slurm.job_name}", f"--nodes={1 + slurm.engine_nodes}", "--ntasks-per-node=1"]
     opts += ["--exclusive", f"--output={folder / 'job-%j.out'}", "--open-mode=append"]
@@ -73,7 +85,6 @@ def job_script(cfg, config_path: Path, overrides: list[str], fresh: bool, folder
     opts += [f"--gres=gpu:{slurm.gpus_per_node}"] if slurm.gpus_per_node else []
     opts += slurm.sbatch_args
     run = [sys.executable, "-m", "services.cli", "run", str(config_path.resolve()), "--launcher", "slurm"]
-    run += ["--fresh"] if fresh else []
     for o in overrides:
         run += ["--set", o]
     lines = ["#!/bin/bash", *(f"#SBATCH {shlex.quote(o)}" for o in opts)]
@@ -104,17 +115,26 @@ def submit(
 ) -> tuple[str, Path]:
     """Write the job and submit it; returns (job id, script). ``dry_run``: write only (job id "")."""
     check_gpus(cfg)
-    folder = Path(cfg.train_loop.run_dir).resolve() / "slurm"
+    check_transport(cfg)
+    run_dir = Path(cfg.train_loop.run_dir).resolve()
+    folder = run_dir / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o700)
     write_tokens(cfg, folder)
     script = folder / "job.sh"
-    script.write_text(job_script(cfg, config_path, overrides, fresh, folder))
+    script.write_text(job_script(cfg, config_path, overrides, folder))
     if dry_run:
         return "", script
-    try:
+    if fresh:  # here, once: not in the script a requeued job runs again
+        for sub in ("checkpoints", "weights"):
+            shutil.rmtree(run_dir / sub, ignore_errors=True)
+    try:  # sbatch hands its environment to the job, and Slurm stores it: no token in it
         done = subprocess.run(
-            ["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=cfg.slurm.submit_timeout_s
+            ["sbatch", "--parsable", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=cfg.slurm.submit_timeout_s,
+            env=environment_of(frozenset()),
         )
     except FileNotFoundError:
         raise SlurmError(
@@ -137,6 +157,8 @@ def submit(
 def _scontrol(*args: str) -> str:
     try:
         done = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S)
+    except FileNotFoundError:
+        raise SlurmError("scontrol is not installed here: --launcher slurm runs on a node of a SLURM job") from None
     except subprocess.TimeoutExpired:
         raise SlurmError(f"scontrol {' '.join(args)}: no answer within {SCONTROL_TIMEOUT_S:g}s") from None
     if done.returncode != 0:

@@ -213,7 +213,7 @@ def test_the_quickstart_trains_reports_and_resumes_where_it_stopped(tmp_path):
     run_dir = tmp_path / "run"
     sync = ("train_loop.checkpoint_every=8", "controller.async_ratio=0")
     proc = subprocess.run(
-        quickstart_cmd(model, run_dir, "train_loop.steps=8", *sync), capture_output=True, text=True, timeout=400
+        quickstart_cmd(model, run_dir, "train_loop.steps=8", *sync), capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     before = re.search(r"held-out accuracy before training: ([\d.]+)", proc.stdout)
@@ -226,7 +226,7 @@ def test_the_quickstart_trains_reports_and_resumes_where_it_stopped(tmp_path):
     assert f"reward curve: {run_dir / 'reward_curve.png'}" in proc.stdout
 
     proc = subprocess.run(
-        quickstart_cmd(model, run_dir, "train_loop.steps=10", *sync), capture_output=True, text=True, timeout=300
+        quickstart_cmd(model, run_dir, "train_loop.steps=10", *sync), capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     at_resume = re.search(r"held-out accuracy at resume: ([\d.]+)", proc.stdout)

@@ -100,7 +100,10 @@ def debian_base(docker: DockerDaemon, folder: Path, tag: str = f"local/debian:{D
     if done.returncode != 0:
         raise RuntimeError(f"debootstrap failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
     tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-    docker.run("docker", "import", "-", tag, stdin=tar.stdout, timeout=300)
-    tar.wait(60)
-    shutil.rmtree(root)
+    try:
+        docker.run("docker", "import", "-", tag, stdin=tar.stdout, timeout=300)
+    finally:
+        tar.kill()
+        tar.wait(60)
+        shutil.rmtree(root)
     return tag

@@ -18,6 +18,18 @@ import time
 from pathlib import Path
 
 
+def pids_with(needle: str) -> list[int]:
+    """Live processes whose command line holds ``needle``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and needle.encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,6 +153,21 @@ class SlurmCluster:
             for line in out.splitlines()
             if line.startswith("StepId=")
         ]
+
+    def cancel_all(self, needle: str, timeout_s: float = 60.0) -> None:
+        """Cancel every job, then wait until no process whose command line holds ``needle`` (the
+        tests' folder) is left: stopping slurmd would leave its steps' processes running."""
+        if self.procs:
+            for job in self.run("squeue", "--noheader", "--format=%i", check=False).stdout.split():
+                self.run("scancel", "--full", job, check=False)
+        deadline = time.monotonic() + timeout_s
+        while pids_with(needle) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in pids_with(needle):  # what Slurm did not end in time
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
 
     def stop(self) -> None:
         for p in reversed(self.procs):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from services.config import ConfigError, load_config
-from services.slurm import check_gpus, engine_node_gpus, job_script
-from tests.deploy.slurm_cluster import SlurmCluster
+from services.slurm import check_gpus, check_transport, engine_node_gpus, job_script
+from tests.deploy.slurm_cluster import SlurmCluster, pids_with
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,17 +25,20 @@ ROOT = Path(__file__).resolve().parents[2]
 def cluster(tmp_path_factory):
     c = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
     yield c
+    c.cancel_all(str(tmp_path_factory.getbasetemp()))  # nothing of a failed test's job outlives it
     c.stop()
 
 
-def launch(cluster: SlurmCluster, *args: str) -> subprocess.CompletedProcess:
+def launch(cluster: SlurmCluster, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "services.cli", "launch", "slurm", "examples/quickstart.yaml", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=cluster.env, cwd=ROOT, timeout=120)
+    env = dict(cluster.env, **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 
 
 def quickstart(model: str, run_dir: Path, steps: int) -> list[str]:
     sets = [f"model_path={model}", f"train_loop.run_dir={run_dir}", f"train_loop.steps={steps}"]
     sets += ["slurm.engine_nodes=1", "run.heldout_path=null", "controller.async_ratio=0"]
+    sets += ["slurm.time_limit='10:00'"]  # Slurm's own backstop, whatever the test does
     return [a for s in sets for a in ("--set", s)]
 
 
@@ -44,76 +47,75 @@ def steps_done(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def pids_of(needle: str) -> list[int]:
-    """Live processes whose command line holds ``needle`` (this test's run directory)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and needle.encode() in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
-            pass
-    return found
-
-
-def wait_for(what, timeout_s: float, message: str):
+def wait_for(what, timeout_s: float, message):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if value := what():
             return value
         time.sleep(0.5)
-    raise TimeoutError(message)
+    raise TimeoutError(message() if callable(message) else message)
 
 
 @pytest.mark.timeout(400)
 def test_the_quickstart_runs_as_job_steps_and_a_killed_step_is_restarted(cluster, tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    done = launch(cluster, *quickstart(tiny_model, run_dir, 4))
+    secret = "a-token-of-the-users-own"  # from the launching shell: in tokens.env, and nowhere Slurm keeps
+    done = launch(cluster, *quickstart(tiny_model, run_dir, 12), env={"ROLLMESH_TOKEN": secret})
     assert done.returncode == 0, done.stderr
     job = done.stdout.split()[-1]
     assert f"scancel {job}" in done.stdout
     out = run_dir / "slurm" / f"job-{job}.out"
-    # The services as steps: the engine on the second node, the rest on the first.
-    steps = wait_for(
-        lambda: (s := cluster.steps(job)) and {x["Name"] for x in s} >= {"engine", "rollmesh"} and s,
-        120,
-        f"no engine and service steps: {out.read_text() if out.exists() else ''}",
-    )
-    assert {x["NodeList"] for x in steps if x["Name"] == "engine"} == {"n1"}, steps
-    assert {x["NodeList"] for x in steps if x["Name"] == "rollmesh"} == {"n0"}, steps
-    wait_for(lambda: steps_done(run_dir) >= 1, 180, f"no step trained: {out.read_text()}")
-    # SIGKILL the LLMProxy's process: its step ends, and the run starts it again as a new step.
-    proxy = [p for p in pids_of(str(run_dir)) if b"llm-proxy" in Path(f"/proc/{p}/cmdline").read_bytes()]
-    proxy = [p for p in proxy if Path(f"/proc/{p}/cmdline").read_bytes().startswith(sys.executable.encode())]
-    assert len(proxy) == 1, proxy
-    os.kill(proxy[0], signal.SIGKILL)
-    ended = cluster.wait_job(job, 240)
+    try:
+        # The services as steps: the engine on the second node, the rest on the first.
+        steps = wait_for(
+            lambda: (s := cluster.steps(job)) and {x["Name"] for x in s} >= {"engine", "rollmesh"} and s,
+            120,
+            f"no engine and service steps: {out.read_text() if out.exists() else ''}",
+        )
+        assert {x["NodeList"] for x in steps if x["Name"] == "engine"} == {"n1"}, steps
+        assert {x["NodeList"] for x in steps if x["Name"] == "rollmesh"} == {"n0"}, steps
+        wait_for(lambda: steps_done(run_dir) >= 1, 180, f"no step trained: {out.read_text()}")
+        # SIGKILL the LLMProxy's process: its step ends, and the run starts it again as a new step.
+        proxy = [p for p in pids_with(str(run_dir)) if b"llm-proxy" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        proxy = [p for p in proxy if Path(f"/proc/{p}/cmdline").read_bytes().startswith(sys.executable.encode())]
+        assert len(proxy) == 1, proxy
+        os.kill(proxy[0], signal.SIGKILL)
+        ended = cluster.wait_job(job, 240)
+    finally:
+        cluster.run("scancel", job, check=False)
     log = out.read_text()
     assert ended["JobState"] == "COMPLETED" and ended["ExitCode"] == "0:0", (ended, log[-3000:])
     assert "llm-proxy exited" in log and "restart 1" in log, log[-3000:]
     assert "http://127.0.0.2:" in log, log[-3000:]  # the engine, dialled at the second node's address
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(range(1, 13))
     assert (run_dir / "logs" / "engine-0.log").exists() and (run_dir / "logs" / "proxy.log").exists()
-    # The tokens: in a file only this user reads, never in the script Slurm keeps.
-    tokens = (run_dir / "slurm" / "tokens.env").read_text()
-    assert oct((run_dir / "slurm" / "tokens.env").stat().st_mode & 0o777) == "0o600"
-    secret = tokens.split("ROLLMESH_TOKEN=", 1)[1].split()[0]
+    # The tokens: in a file only this user reads; not in the script, the job's output or Slurm's state.
+    tokens = run_dir / "slurm" / "tokens.env"
+    assert f"ROLLMESH_TOKEN={secret}" in tokens.read_text() and oct(tokens.stat().st_mode & 0o777) == "0o600"
     assert secret not in (run_dir / "slurm" / "job.sh").read_text() and secret not in log
-    assert not pids_of(str(run_dir)), "a process of the run outlived its job"
+    kept = [p for p in (cluster.dir / "state").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not kept, kept
+    assert not pids_with(str(run_dir)), "a process of the run outlived its job"
 
 
 @pytest.mark.timeout(300)
-def test_scancel_stops_every_step(cluster, tiny_model, tmp_path):
+def test_sigterm_to_the_run_stops_every_step(cluster, tiny_model, tmp_path):
+    """SIGTERM to the batch step alone (`scancel --batch`): the run stops its steps itself. (A plain
+    `scancel` has Slurm signal every step as well.)"""
     run_dir = tmp_path / "run"
     done = launch(cluster, *quickstart(tiny_model, run_dir, 200))
     assert done.returncode == 0, done.stderr
     job = done.stdout.split()[-1]
-    # once the engine and the first services are up as steps (the mesh starting, nothing to lose)
-    wait_for(lambda: len(cluster.steps(job)) >= 4, 120, "the services' steps did not start")
-    cluster.run("scancel", job)
-    ended = cluster.wait_job(job, 60)
-    assert ended["JobState"] == "CANCELLED", ended
-    wait_for(lambda: not pids_of(str(run_dir)), 30, f"left running: {pids_of(str(run_dir))}")
+    try:
+        # once the engine and the first services are up as steps (the mesh starting, nothing to lose)
+        wait_for(lambda: len(cluster.steps(job)) >= 4, 120, "the services' steps did not start")
+        cluster.run("scancel", "--batch", "--signal=TERM", job)
+        ended = cluster.wait_job(job, 60)
+    finally:
+        cluster.run("scancel", job, check=False)
+    assert ended["JobState"] in ("FAILED", "CANCELLED"), ended  # interrupted: the run exits 130
+    assert "interrupted: stopping the mesh" in (run_dir / "slurm" / f"job-{job}.out").read_text()
+    wait_for(lambda: not pids_with(str(run_dir)), 30, lambda: f"left running: {pids_with(str(run_dir))}")
 
 
 def test_a_job_asking_for_gpus_the_cluster_lacks_is_refused_naming_the_option(cluster, tiny_model, tmp_path):
@@ -132,7 +134,7 @@ def test_launcher_slurm_outside_a_job_says_how_to_submit(tmp_path):
     assert "SLURM_JOB_ID is not set" in done.stdout and "rollmesh launch slurm" in done.stdout
 
 
-def test_gpus_the_job_does_not_ask_for_are_refused_before_submitting():
+def test_what_the_job_could_not_place_is_refused_before_submitting():
     cfg = load_config(
         None,
         ["devices.placement=disaggregated", "devices.engine_gpus=[0]", "devices.trainer_gpus=[1]"],
@@ -144,6 +146,14 @@ def test_gpus_the_job_does_not_ask_for_are_refused_before_submitting():
     cfg = load_config(None, ["run.num_engines=4", "slurm.engine_nodes=8"])
     with pytest.raises(ValueError, match="slurm.engine_nodes: 8 nodes for run.num_engines=4"):
         check_gpus(cfg)
+    # engines of their own nodes take GPUs whenever the job asks for some, whatever `devices` says
+    cfg = load_config(None, ["run.num_engines=4", "slurm.engine_nodes=1", "slurm.gpus_per_node=2"])
+    with pytest.raises(ValueError, match="each engine node runs engines of 4 GPU"):
+        check_gpus(cfg)
+    # a collective weight group does not reach across nodes yet
+    cfg = load_config(None, ["slurm.engine_nodes=1", "train_loop.publisher.type=collective", "trainer.dtype=float32"])
+    with pytest.raises(ValueError, match="train_loop.publisher: collective across nodes"):
+        check_transport(cfg)
 
 
 def test_engines_take_their_nodes_gpus_in_turn():
@@ -155,10 +165,10 @@ def test_engines_take_their_nodes_gpus_in_turn():
 def test_the_job_script_holds_options_and_no_secret(tmp_path):
     cfg = load_config(None, ["slurm.partition=gpu", "slurm.time_limit='2:00:00'", "slurm.gpus_per_node=8"])
     cfg.slurm.sbatch_args = ["--account=rl"]
-    text = job_script(cfg, Path("examples/quickstart.yaml"), ["train_loop.steps=3"], True, tmp_path)
+    text = job_script(cfg, Path("examples/quickstart.yaml"), ["train_loop.steps=3"], tmp_path)
     for line in ("#SBATCH --partition=gpu", "#SBATCH --time=2:00:00", "#SBATCH --gres=gpu:8", "#SBATCH --account=rl"):
         assert line in text
-    assert "--launcher slurm --fresh --set train_loop.steps=3" in text
+    assert "--launcher slurm --set train_loop.steps=3" in text and "--fresh" not in text  # a requeue resumes
     assert f". {tmp_path / 'tokens.env'}" in text and "TOKEN=" not in text
     with pytest.raises(ConfigError, match="slurm.time_limit: .*quoted string"):  # YAML's 2:00:00 is 7200
         load_config(None, ["slurm.time_limit=2:00:00"])
