@@ -156,14 +156,20 @@ class SlurmCluster:
 
     def cancel_all(self, needle: str, timeout_s: float = 60.0) -> None:
         """Cancel every job, then wait until no process whose command line holds ``needle`` (the
-        tests' folder) is left: stopping slurmd would leave its steps' processes running."""
+        tests' folder) is left but the cluster's own daemons: stopping slurmd would leave its steps'
+        processes running."""
         if self.procs:
             for job in self.run("squeue", "--noheader", "--format=%i", check=False).stdout.split():
                 self.run("scancel", "--full", job, check=False)
+        daemons = {p.pid for p in self.procs}
+
+        def left() -> list[int]:
+            return [pid for pid in pids_with(needle) if pid not in daemons]
+
         deadline = time.monotonic() + timeout_s
-        while pids_with(needle) and time.monotonic() < deadline:
+        while left() and time.monotonic() < deadline:
             time.sleep(0.5)
-        for pid in pids_with(needle):  # what Slurm did not end in time
+        for pid in left():  # what Slurm did not end in time
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
