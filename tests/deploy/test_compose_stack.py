@@ -183,14 +183,14 @@ def test_the_cpu_profile_trains_in_containers_and_down_leaves_nothing(docker, tm
         # every service with a health check turns healthy by it
         def health() -> dict[str, str]:
             ids = compose("ps", "-q").stdout.split()
-            out = docker.run(
-                "docker", "inspect", "--format", "{{.Name}} {{if .State.Health}}{{.State.Health.Status}}{{end}}", *ids
-            )
+            fmt = '{{index .Config.Labels "com.docker.compose.service"}} '
+            fmt += "{{if .State.Health}}{{.State.Health.Status}}{{end}}"
+            out = docker.run("docker", "inspect", "--format", fmt, *ids)
             return dict((line.split() + [""])[:2] for line in out.stdout.splitlines())
 
         checked = {"redis", "engine-cpu", "llm-proxy", "sample-buffer", "controller", "env-manager", "reward"}
         states = wait_for(
-            lambda: (h := health()) and all(v == "healthy" for k, v in h.items() if k in checked) and h,
+            lambda: (h := health()) and checked <= set(h) and all(h[k] == "healthy" for k in checked) and h,
             300,
             lambda: f"not healthy: {health()}\n{compose('logs', '--tail', '30', check=False).stdout[-4000:]}",
         )
