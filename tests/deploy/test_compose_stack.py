@@ -33,6 +33,7 @@ import pytest
 import yaml
 
 from tests.deploy.docker_host import DockerDaemon, debian_base
+from tests.deploy.waiting import wait_for as _wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -103,6 +104,10 @@ def docker(tmp_path_factory):
     assert host_state() == before, "the Docker engine changed the host's firewall or links"
 
 
+def wait_for(what, timeout_s: float, message):
+    return _wait_for(what, timeout_s, message, every_s=2)  # each look runs docker-compose: not too often
+
+
 def build_images(docker: DockerDaemon, folder: Path) -> dict[str, float]:
     """The base, the CPU image and the Redis/Prometheus stand-in; seconds each took."""
     took = {}
@@ -141,15 +146,6 @@ def build_images(docker: DockerDaemon, folder: Path) -> dict[str, float]:
     )  # fmt: skip
     took["infra_image_s"] = time.monotonic() - t
     return took
-
-
-def wait_for(what, timeout_s: float, message):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := what():
-            return value
-        time.sleep(2)
-    raise TimeoutError(message() if callable(message) else message)
 
 
 @pytest.mark.timeout(900)

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import pytest
 from services.config import ConfigError, load_config
 from services.slurm import check_gpus, check_transport, engine_node_gpus, job_script
 from tests.deploy.slurm_cluster import SlurmCluster, pids_with
+from tests.deploy.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,15 +45,6 @@ def quickstart(model: str, run_dir: Path, steps: int) -> list[str]:
 def steps_done(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def wait_for(what, timeout_s: float, message):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := what():
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(message() if callable(message) else message)
 
 
 @pytest.mark.timeout(400)
