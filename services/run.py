@@ -166,7 +166,8 @@ def _supervise(
     supervised = [*mesh.services, trainer]
     registry = CollectorRegistry()
     registry.register(RestartsCollector(supervised))
-    serve_metrics(registry, "127.0.0.1", int(mesh.metrics_port("launcher")), "rollmesh run")
+    host = mesh.hosts.services  # (under SLURM: the first node's address, where Prometheus reaches it)
+    serve_metrics(registry, host.address, int(mesh.metrics_port("launcher", host)), "rollmesh run")
     mesh.write_scrape_targets(run_dir / "prometheus_targets.json")
     console.print(f"metrics: Prometheus file_sd targets in {run_dir / 'prometheus_targets.json'}")
     progress = RunProgress(console, cfg.train_loop.steps, step0)

@@ -78,6 +78,9 @@ def test_the_quickstart_runs_as_job_steps_and_a_killed_step_is_restarted(cluster
     assert ended["JobState"] == "COMPLETED" and ended["ExitCode"] == "0:0", (ended, log[-3000:])
     assert "llm-proxy exited" in log and "restart 1" in log, log[-3000:]
     assert "http://127.0.0.2:" in log, log[-3000:]  # the engine, dialled at the second node's address
+    targets = {t["labels"]["job"]: t["targets"] for t in json.loads((run_dir / "prometheus_targets.json").read_text())}
+    assert all(t.startswith("127.0.0.2:") for t in targets["engine"]), targets  # scraped where it runs
+    assert all(t.startswith("127.0.0.1:") for t in targets["launcher"] + targets["trainer"]), targets
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(range(1, 13))
     assert (run_dir / "logs" / "engine-0.log").exists() and (run_dir / "logs" / "proxy.log").exists()
     # The tokens: in a file only this user reads; not in the script, the job's output or Slurm's state.
