@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    c.runs = tmp_path_factory.mktemp("slurm_runs")  # the jobs' run directories, and only theirs
     yield c
-    c.cancel_all(str(tmp_path_factory.getbasetemp()))  # nothing of a failed test's job outlives it
+    c.cancel_all(str(c.runs))  # nothing of a failed test's job outlives it (other tests' processes do)
     c.stop()
 
 
@@ -49,7 +50,7 @@ def steps_done(run_dir: Path) -> int:
 
 @pytest.mark.timeout(400)
 def test_the_quickstart_runs_as_job_steps_and_a_killed_step_is_restarted(cluster, tiny_model, tmp_path):
-    run_dir = tmp_path / "run"
+    run_dir = cluster.runs / tmp_path.name
     secret = "a-token-of-the-users-own"  # from the launching shell: in tokens.env, and nowhere Slurm keeps
     done = launch(cluster, *quickstart(tiny_model, run_dir, 12), env={"ROLLMESH_TOKEN": secret})
     assert done.returncode == 0, done.stderr
@@ -96,7 +97,7 @@ def test_the_quickstart_runs_as_job_steps_and_a_killed_step_is_restarted(cluster
 def test_sigterm_to_the_run_stops_every_step(cluster, tiny_model, tmp_path):
     """SIGTERM to the batch step alone (`scancel --batch`): the run stops its steps itself. (A plain
     `scancel` has Slurm signal every step as well.)"""
-    run_dir = tmp_path / "run"
+    run_dir = cluster.runs / tmp_path.name
     done = launch(cluster, *quickstart(tiny_model, run_dir, 200))
     assert done.returncode == 0, done.stderr
     job = done.stdout.split()[-1]
