@@ -91,6 +91,13 @@ def wait_http_healthy(
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
 
 
+RECONNECT_FAST = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
+
+
 def wait_grpc_healthy(
     address: str, timeout_s: float, proc: subprocess.Popen | None = None, auth: AuthConfig | None = None
 ) -> None:
@@ -100,7 +107,9 @@ def wait_grpc_healthy(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc_sync_channel(address, auth or AuthConfig(disabled=True)) as ch:
+    # gRPC waits 1 s, then 1.6x longer each time, before it connects again to a server that was not
+    # listening yet: a process that takes 3 s to start would be seen up to 2 s late. Poll every 0.1 s.
+    with grpc_sync_channel(address, auth or AuthConfig(disabled=True), RECONNECT_FAST) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:

@@ -40,6 +40,7 @@ _GROUPS = {
     "slurm": ("tests/deploy/test_slurm.py",),  # one cluster (munged, slurmctld, two slurmd)
     "vllm": (
         "tests/services/test_vllm_engine.py",
+        "tests/services/test_vllm_lora.py",
         "tests/services/test_llm_proxy.py",
         "::test_rollmesh_run_on_vllm_engines",
     ),

@@ -19,8 +19,16 @@ class Engines(list):
 
 
 # vLLM without torch.compile: it starts in about half the time, and the tests measure behaviour,
-# not speed. Two cores: the engines start one after the other.
-VLLM_TEST_ENGINE = ["type=vllm", "enforce_eager=true", "context_length=1024", "max_running_requests=32"]
+# not speed. Two cores: the engines start one after the other. LoRA on (tests/services/test_vllm_lora.py):
+# every other vLLM test then also checks that serving adapters changes nothing else.
+VLLM_TEST_ENGINE = [
+    "type=vllm",
+    "enforce_eager=true",
+    "context_length=1024",
+    "max_running_requests=32",
+    "max_loaded_loras=4",
+    *TEST_LOAD_ROOTS,
+]
 
 
 def start_vllm_engines(model: str, n: int) -> Engines:

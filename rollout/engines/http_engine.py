@@ -120,8 +120,16 @@ class HTTPEngineClient:
             await self._session.close()
 
     async def _request(
-        self, method: str, path: str, timeout_s: float | None, session: aiohttp.ClientSession | None = None, **kwargs
+        self,
+        method: str,
+        path: str,
+        timeout_s: float | None,
+        session: aiohttp.ClientSession | None = None,
+        plain: bool = False,
+        **kwargs,
     ) -> dict:
+        """The JSON object the engine answers; ``plain``: a 2xx answer in plain text is ``{"message": text}``
+        (vLLM's adapter routes answer so)."""
         url = self.base_url + path
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
@@ -140,6 +148,8 @@ class HTTPEngineClient:
             raise EngineUnavailable(f"{url}: HTTP {status}: {text[:200]}")
         if not text.strip():
             return {}  # SGLang's /health and /abort_request: 200, no body
+        if plain:
+            return {"message": text}
         try:
             body = json.loads(text)
         except ValueError:

@@ -49,9 +49,11 @@ class Backend:
     engine: str | None = None
     transports: frozenset[str] = ALL_TRANSPORTS  # the weight transports it receives
     applies_deltas: bool = False  # http_buckets with delta: true (rollout/engines/weight_delta.py)
-    # LoRA adapters per request (SGLang's /load_lora_adapter and lora_path) as rollmesh starts it: what
-    # `rollmesh serve tinker` samples with (SGLang has them with --enable-lora, not wired into its launch yet)
+    # LoRA adapters per request (SGLang's /load_lora_adapter and lora_path) as rollmesh starts it with
+    # engine.max_loaded_loras: what `rollmesh serve tinker` samples with (SGLang has them with
+    # --enable-lora, not wired into its launch yet)
     serves_adapters: bool = False
+    adapts_lm_head: bool = True  # its adapters may adapt the output layer (vLLM serves no LoRA on lm_head)
     releases_memory: bool = True  # gives GPU memory back while a colocated trainer trains
     uses_gpu: bool = True
     torch_threads: bool = False  # a torch process in rollmesh's hands: `rollmesh run` sets its num_threads
@@ -96,6 +98,8 @@ BACKENDS: dict[str, Backend] = {
         VLLMEngineConfig,
         "vllm",
         "services.engine.vllm_server:serve",
+        serves_adapters=True,
+        adapts_lm_head=False,
         transports=frozenset({"disk", "collective"}),
         releases_memory=False,
         routing_settings=(("enable_return_routed_experts", True),),  # a GPU build only (vllm_server.py)

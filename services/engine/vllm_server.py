@@ -3,7 +3,9 @@ virtual environment, switched on for RL.
 
 What it switches on (``rollout/engines/vllm/client.py`` uses each): the token-in/token-out API
 (``--enable-scale-out``), the RL control endpoints (``VLLM_SERVER_DEV_MODE=1``), rollmesh's worker
-extension and token check (``vllm_plugin/rollmesh_vllm.py``, put on vLLM's ``PYTHONPATH``).
+extension, token check and load-root check (``vllm_plugin/rollmesh_vllm.py``, put on vLLM's
+``PYTHONPATH``), and with ``max_loaded_loras`` LoRA adapters loaded at run time (``--enable-lora``,
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
                 "replay on CPU: engine.type embedded)"
             )
         argv.append("--enable-return-routed-experts")
+    if cfg.max_loaded_loras:
+        argv += ["--enable-lora", "--max-loras", str(cfg.max_loaded_loras), "--max-lora-rank", str(cfg.max_lora_rank)]
     if cfg.context_length:
         argv += ["--max-model-len", str(cfg.context_length)]
     if cfg.enforce_eager:
@@ -92,11 +96,15 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
     argv += cfg.extra_args
     bearer = auth.bearer(Role.CONTROL)  # an engine's API is control; raises when this process has no control token
     env = environment_of({Role.CONTROL})
+    if cfg.max_loaded_loras:  # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.update(
         VLLM_SERVER_DEV_MODE="1",
         PYTHONPATH=os.pathsep.join(p for p in (str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")) if p),
         ROLLMESH_CONTROL_TOKEN=bearer.removeprefix("Bearer ") if bearer else "",
         **({AUTH_DISABLED_ENV: "1"} if bearer is None else {}),  # the plugin serves open only when told
+        # the plugin loads adapters and weights only from below these (the served model's own folder, load_roots)
+        ROLLMESH_LOAD_ROOTS=os.pathsep.join(str(Path(r).resolve()) for r in (model, *cfg.load_roots)),
         PYTHONUNBUFFERED="1",
         HF_HUB_OFFLINE="1",  # models load from local paths only, never from a hub
     )

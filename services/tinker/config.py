@@ -32,9 +32,9 @@ class TinkerConfig(BaseModel):
     )
     engine_url: str | None = Field(
         None,
-        description="An engine already serving model_path with `root` among its load_roots (its API takes the "
-        "control token); none: the service starts an embedded engine of model_path itself (engine.type must serve "
-        "adapters; its other engine settings are the defaults).",
+        description="An engine of engine.type already serving model_path with `root` among its load_roots and "
+        "LoRA on (its API takes the control token); none: the service starts one of model_path itself (engine.type "
+        "embedded or vllm; its other engine settings are the defaults).",
     )
     max_loaded_adapters: int = Field(
         8, ge=1, description="Sampler weights the engine holds at once; the least recently used is unloaded first."

@@ -309,11 +309,11 @@ def _start_engine(cfg) -> tuple[object | None, str]:
         return None, cfg.tinker.engine_url
     if not backend(cfg.engine).serves_adapters:
         raise ValueError(
-            f"engine.type: {cfg.engine.type!r} serves no LoRA adapters as rollmesh starts it (the embedded engine "
-            "does); give tinker.engine_url to use an engine started otherwise"
+            f"engine.type: {cfg.engine.type!r} serves no LoRA adapters as rollmesh starts it (embedded and vllm "
+            "engines do); give tinker.engine_url to use an engine started otherwise"
         )
     root = Path(cfg.tinker.root).resolve()
-    extra = [f"load_roots=[{root}]", f"max_loaded_loras={cfg.tinker.max_loaded_adapters}"]
+    extra = [f"type={cfg.engine.type}", f"load_roots=[{root}]", f"max_loaded_loras={cfg.tinker.max_loaded_adapters}"]
     return start_engine_process(cfg.model_path, None, extra, cfg.run.startup_timeout_s, None, cfg.auth)
 
 
@@ -322,6 +322,7 @@ def serve(cfg) -> None:
     from transformers import AutoConfig
 
     from services.auth import ensure_token
+    from services.engine.backends import backend
     from services.grpc_util import serve_until_signal
     from services.llm_proxy.server import engine_client
     from services.processes import stop_process
@@ -340,8 +341,9 @@ def serve(cfg) -> None:
     async def start():
         pool = await asyncio.to_thread(AdapterPool, cfg.model_path, device, config.micro_batch_tokens)
         arch = AutoConfig.from_pretrained(cfg.model_path, local_files_only=True).model_type
-        engine = engine_client(engine_url, cfg.auth, timeout_s=config.generate_timeout_s)
-        service = TinkerService(config, pool, engine, cfg.model_path, arch)
+        api = backend(cfg.engine).api  # tinker.engine_url: an engine of the configured type
+        engine = engine_client(engine_url, cfg.auth, api, timeout_s=config.generate_timeout_s)
+        service = TinkerService(config, pool, engine, cfg.model_path, arch, backend(cfg.engine).adapts_lm_head)
         app = create_app(service, keys, config.max_body_bytes)
         serving = start_uvicorn(app, config.host, config.port, cfg.auth)
         expiry = asyncio.create_task(_expire_forever(service))

@@ -84,9 +84,12 @@ class Result:
 
 
 class TinkerService:
-    def __init__(self, config: TinkerConfig, pool: AdapterPool, engine, model_path: str, arch: str) -> None:
-        """``engine``: a client of the engine serving ``model_path`` (SGLang's API, the control token)."""
-        self.config, self.pool, self.engine = config, pool, engine
+    def __init__(
+        self, config: TinkerConfig, pool: AdapterPool, engine, model_path: str, arch: str, lm_head: bool = True
+    ) -> None:
+        """``engine``: a client of the engine serving ``model_path`` (the control token); ``lm_head``:
+        whether it serves adapters of the output layer (``train_unembed``)."""
+        self.config, self.pool, self.engine, self.lm_head = config, pool, engine, lm_head
         self.model_path = str(Path(model_path).resolve())
         self.base_model = config.base_model or self.model_path
         self.arch = arch
@@ -197,6 +200,12 @@ class TinkerService:
         rank = cfg.get("rank", 32)
         if not isinstance(rank, int) or not 1 <= rank <= 1024:
             raise TinkerError("lora_config.rank", f"{rank!r}: an integer in [1, 1024]")
+        if cfg.get("train_unembed", True) and not self.lm_head:
+            raise TinkerError(
+                "lora_config.train_unembed",
+                "this service samples with vLLM, which serves no adapter of the output layer: "
+                "create the model with train_unembed=False",
+            )
         targets = self.pool.targets(
             cfg.get("train_attn", True), cfg.get("train_mlp", True), cfg.get("train_unembed", True)
         )
@@ -640,7 +649,7 @@ def user_error(e: Exception) -> TinkerError | None:
     if isinstance(e, LossInputError | wire.WireError):
         return TinkerError(e.field, str(e).removeprefix(e.field + ": "))
     if isinstance(e, EngineRejected):
-        return TinkerError(e.field or "sample", str(e))
+        return TinkerError(e.field or "sample", str(e).removeprefix(f"{e.field}: "))
     if isinstance(e, EngineUnavailable):
         return TinkerError("", f"the engine did not answer: {e}", "server", 503)
     return None

@@ -87,15 +87,19 @@ def generate_payload(
     top_logprobs: int = 0,
     routing_start: int | None = None,
     image_data: list[str] | None = None,
+    lora_path: str | None = None,
 ) -> dict:
     """The body of ``POST /inference/v1/generate`` (vLLM's ``GenerateRequest``). Images go as its
-    ``content_parts`` (data URLs; vLLM expands each one-token placeholder in ``token_ids``)."""
+    ``content_parts`` (data URLs; vLLM expands each one-token placeholder in ``token_ids``). A
+    loaded adapter is named as the request's ``model`` (vLLM serves each adapter as a model)."""
     sampling = vllm_sampling(sampling_params, return_logprob, top_logprobs)
     if routing_start:  # skip the prompt positions an earlier turn's routing covered
         sampling["routed_experts_prompt_start"] = routing_start
     payload = {"token_ids": input_ids, "sampling_params": sampling}
     if rid is not None:
         payload["request_id"] = rid
+    if lora_path is not None:
+        payload["model"] = lora_path
     if image_data:
         payload["content_parts"] = [{"type": "image_url", "url": _data_url(x)} for x in image_data]
     return payload
@@ -216,12 +220,36 @@ class VLLMClient(HTTPEngineClient):
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
         image_data: list[str] | None = None,
+        lora_path: str | None = None,
     ) -> EngineResult:
         """As ``SGLangClient.generate``: ``on_tokens`` streams it (vLLM's ``stream: true``);
         ``return_routed_experts`` reads the routing a server started with
-        ``--enable-return-routed-experts`` sends (it sends none otherwise)."""
+        ``--enable-return-routed-experts`` sends (it sends none otherwise); ``lora_path``: a loaded
+        adapter's name. Tokens are labelled with the base weights' versions: vLLM keeps no version
+        of an adapter (a caller that reloads one names each version anew)."""
         start = routed_experts_start_len if return_routed_experts else None
-        payload = generate_payload(input_ids, sampling_params, rid, return_logprob, top_logprobs, start, image_data)
+        payload = generate_payload(
+            input_ids, sampling_params, rid, return_logprob, top_logprobs, start, image_data, lora_path
+        )
+        try:
+            return await self._generate(payload, input_ids, return_logprob, top_logprobs, on_tokens, start, timeout_s)
+        except EngineRejected as e:
+            if lora_path is not None and e.status == 404:  # vLLM: "The model `name` does not exist."
+                raise EngineRejected(
+                    f"lora_path: no adapter named {lora_path!r} is loaded (/load_lora_adapter first)", "lora_path"
+                ) from e
+            raise
+
+    async def _generate(
+        self,
+        payload: dict,
+        input_ids: list[int],
+        return_logprob: bool,
+        top_logprobs: int,
+        on_tokens: OnTokens | None,
+        start: int | None,
+        timeout_s: float | None,
+    ) -> EngineResult:
         t0 = time.perf_counter()
         if on_tokens is None:
             body = await self._post("/inference/v1/generate", timeout_s, json=payload)
@@ -239,6 +267,28 @@ class VLLMClient(HTTPEngineClient):
         if not result.output_ids and result.weight_version < 0:
             result.weight_version = (await self.model_info()).get("weight_version", -1)
         return result
+
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float = 60.0) -> dict:
+        """Serve the PEFT adapter in directory ``path`` as ``name`` (vLLM's ``/v1/load_lora_adapter``,
+        with ``max_loaded_loras`` above 0). vLLM answers an adapter it cannot load (a rank over
+        ``max_lora_rank``, a module or a shape the base model lacks) with HTTP 500 and its reason,
+        having registered nothing: that is the caller's adapter, not a failed engine."""
+        body = {"lora_name": name, "lora_path": path}
+        try:
+            return await self._request("POST", "/v1/load_lora_adapter", timeout_s, plain=True, json=body)
+        except EngineRejected as e:  # vLLM: 404 for a path without an adapter, 400 for a name in use
+            raise EngineRejected(str(e), e.field or ("lora_path" if e.status == 404 else "lora_name"), e.status) from e
+        except EngineUnavailable as e:
+            if "HTTP 500" not in str(e):
+                raise
+            raise EngineRejected(f"lora_path: vLLM cannot load the adapter in {path!r}: {e}", "lora_path") from e
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float = 30.0) -> dict:
+        body = {"lora_name": name}
+        try:
+            return await self._request("POST", "/v1/unload_lora_adapter", timeout_s, plain=True, json=body)
+        except EngineRejected as e:
+            raise EngineRejected(str(e), "lora_name", e.status) from e
 
     async def abort(self, rid: str | None = None, abort_all: bool = False, timeout_s: float = 5.0) -> dict:
         if not rid and not abort_all:

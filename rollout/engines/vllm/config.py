@@ -47,6 +47,16 @@ class VLLMEngineConfig(EngineServerConfig):
         description="--enable-return-routed-experts: MoE routing for replay (trainer.moe.routing: replay "
         "switches it on). Needs vLLM's GPU build: its CPU build cannot record routing.",
     )
+    max_loaded_loras: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="LoRA adapters served at once (vLLM's --enable-lora --max-loras): /load_lora_adapter and a "
+        "request's lora_path then work. 0: no LoRA (vLLM decodes faster without its LoRA layers).",
+    )
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        16, description="The largest adapter rank vLLM accepts (--max-lora-rank; it sizes the LoRA buffers)."
+    )
     served_model_name: str | None = Field(None, description="Name in vLLM's OpenAI API; default the path.")
     extra_args: list[str] = Field(
         default_factory=list, description="Further `vllm serve` flags, as given: [--tensor-parallel-size, '2']."

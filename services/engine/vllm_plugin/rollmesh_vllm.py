@@ -21,6 +21,9 @@ vLLM environment has no rollmesh installed.
   worker joins; each bucket's tensors are received, checksummed as rollmesh's
   ``rollout/engines/weight_group.py`` does (a test compares the two), and loaded with the model's
   ``load_weights`` at the last bucket.
+- **Loads from the load roots only.** Adapters (``/v1/load_lora_adapter``) and weights from disk
+  load only from below ``$ROLLMESH_LOAD_ROOTS`` (the served model's folder and ``engine.load_roots``),
+  as the embedded engine's routes do: never a directory a caller points anywhere.
 - **A token on every endpoint.** vLLM's ``--api-key`` guards only ``/v1``, ``/inference`` and
   similar; its RL control endpoints (``/pause``, ``/collective_rpc``, ``/update_weight_version``)
   stay open. ``BearerCheck`` asks for ``Authorization: Bearer $ROLLMESH_CONTROL_TOKEN`` everywhere but
@@ -42,6 +45,18 @@ except ImportError:  # pragma: no cover
     _layer_utils = None
 
 EXEMPT_PATHS = frozenset({"/health", "/metrics"})
+ADAPTER_LOAD = "/v1/load_lora_adapter"
+MAX_LOAD_BODY = 64 * 1024  # a load request is a name and a path
+
+
+def loadable(path: str, field: str) -> str:
+    """``path`` resolved, when it lies below one of ``$ROLLMESH_LOAD_ROOTS``; else ``ValueError``
+    naming ``field``. Links are resolved first, so none leads out."""
+    roots = [r for r in os.environ.get("ROLLMESH_LOAD_ROOTS", "").split(os.pathsep) if r]
+    real = os.path.realpath(path)
+    if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+        raise ValueError(f"{field}: {path!r} is not below the engine's load roots (engine.load_roots)")
+    return real
 
 
 def _live_cpu_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
@@ -55,6 +70,13 @@ if _layer_utils is not None and hasattr(_layer_utils, "dispatch_cpu_unquantized_
     _layer_utils.dispatch_cpu_unquantized_gemm = _live_cpu_linear
 
 
+def _weight_names(model: torch.nn.Module) -> set[str]:
+    """The model's own weights by the names ``load_weights`` reports: with LoRA on, vLLM wraps each
+    adapted layer and its weight is listed as ``<layer>.base_layer.weight`` (its LoRA buffers are
+    not parameters)."""
+    return {name.replace(".base_layer.", ".") for name, _ in model.named_parameters()}
+
+
 class RollmeshWorker:
     """Methods vLLM adds to its worker class; the LLMProxy calls them through ``/collective_rpc``."""
 
@@ -64,7 +86,7 @@ class RollmeshWorker:
         the model's tensors is an error."""
         from safetensors import safe_open
 
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        files = sorted(glob.glob(os.path.join(loadable(path, "model_path"), "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"model_path: no *.safetensors in {path!r}")
 
@@ -76,7 +98,7 @@ class RollmeshWorker:
 
         model = self.model_runner.model
         loaded = set(model.load_weights(tensors()))
-        missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+        missing = sorted(_weight_names(model) - loaded)
         if missing:  # a partial checkpoint would leave old and new weights mixed: say so
             raise ValueError(f"model_path: {path!r} lacks {len(missing)} of the model's tensors: {missing[:5]}")
         return len(loaded)
@@ -146,7 +168,7 @@ class RollmeshWorker:
             self._rollmesh_staged = {}
             model = self.model_runner.model
             loaded = set(model.load_weights(iter(staged.items())))
-            missing = sorted({n for n, _ in model.named_parameters()} - loaded)
+            missing = sorted(_weight_names(model) - loaded)
             if missing:
                 raise ValueError(f"names: {len(missing)} of the model's tensors were not sent: {missing[:5]}")
         return h.hexdigest()[:16]
@@ -166,9 +188,17 @@ def _abort(pg) -> None:
             continue
 
 
+async def _refuse(send, status: int, field: str, message: str, headers: tuple = ()) -> None:
+    body = json.dumps({"object": "error", "code": status, "field": field, "message": message}).encode()
+    headers = [(b"content-type", b"application/json"), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 class BearerCheck:
     """ASGI middleware: 401 without ``Authorization: Bearer $ROLLMESH_CONTROL_TOKEN``. No token refuses to
-    start, unless ``ROLLMESH_AUTH_DISABLED=1`` says auth is off on purpose (an empty token is not)."""
+    start, unless ``ROLLMESH_AUTH_DISABLED=1`` says auth is off on purpose (an empty token is not).
+    Then an adapter load is let through only from below the load roots (``loadable``)."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -188,16 +218,36 @@ class BearerCheck:
                 return
             if not hmac.compare_digest(got, self.expected):
                 why = "wrong" if got else "missing"
-                body = json.dumps(
-                    {
-                        "object": "error",
-                        "code": 401,
-                        "field": "authorization",
-                        "message": f"authorization: {why} bearer token",
-                    }
-                ).encode()
-                headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
-                await send({"type": "http.response.start", "status": 401, "headers": headers})
-                await send({"type": "http.response.body", "body": body})
-                return
+                www = ((b"www-authenticate", b"Bearer"),)
+                return await _refuse(send, 401, "authorization", f"authorization: {why} bearer token", www)
+        if scope["type"] == "http" and scope["path"] == ADAPTER_LOAD:
+            return await self._adapter_load(scope, receive, send)
         await self.app(scope, receive, send)
+
+    async def _adapter_load(self, scope, receive, send):
+        """Read the (small) body, check its ``lora_path``, and hand vLLM the same body."""
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > MAX_LOAD_BODY:
+                return await _refuse(send, 413, "body", f"body: over {MAX_LOAD_BODY} bytes")
+        try:
+            path = json.loads(body).get("lora_path")
+            loadable(path if isinstance(path, str) else "", "lora_path")
+        except (ValueError, AttributeError) as e:  # not JSON, not an object, or outside the roots
+            msg = str(e) if str(e).startswith("lora_path") else f"lora_path: not a JSON object with it ({e})"
+            return await _refuse(send, 400, "lora_path", msg)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the client's disconnect, as vLLM expects
+
+        await self.app(scope, replay, send)
