@@ -118,11 +118,6 @@ def run(
     """Time ``repeats`` updates through each of ``transports``; returns the medians. ``model_path``:
     serve and train that model instead of a random one of ``hidden_size`` x ``layers``;
     ``engine_env``: added to the engines' environment (``CUDA_VISIBLE_DEVICES``)."""
-    from services.llm_proxy.client import ProxyClient
-    from services.weight_transports.collective import CollectivePublisher
-    from trainer.config import TrainerConfig
-    from trainer.engine import TrainEngine
-
     for name, value, low in (
         ("hidden-size", hidden_size, 64),
         ("layers", layers, 1),
@@ -132,6 +127,12 @@ def run(
     ):
         if value < low:
             raise BadOption(f"--{name}: must be >= {low}, got {value}")
+    # imported once the options are checked: a refusal takes no torch import
+    from services.llm_proxy.client import ProxyClient
+    from services.weight_transports.collective import CollectivePublisher
+    from trainer.config import TrainerConfig
+    from trainer.engine import TrainEngine
+
     procs = []
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-weights-") as tmp:
         model = Path(model_path) if model_path else _model(Path(tmp) / "model", hidden_size, layers)

@@ -74,13 +74,7 @@ def test_plan_reads_the_workload_from_a_run_config(tmp_path, tiny_model):
 
 
 def test_the_cli_names_a_bad_option_without_a_traceback():
-    import subprocess
-    import sys
+    from tests.cli import rollmesh
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "ceiling", "--groups-per-step", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and "groups_per_step" in proc.stderr and "Traceback" not in proc.stderr
+    res = rollmesh("bench", "ceiling", "--groups-per-step", "0")
+    assert res.exit_code == 2 and "groups_per_step" in res.stderr and isinstance(res.exception, SystemExit)

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from tests.cli import rollmesh
+
 
 def _bench(tiny_model, *args: str) -> dict:
     cmd = [
@@ -71,17 +73,5 @@ def test_tail_batching_with_over_provisioned_members(tiny_model):
 
 
 def test_an_unknown_scenario_is_refused_by_name(tiny_model):
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "bench",
-        "async",
-        "--model",
-        tiny_model,
-        "--tail",
-        "--scenario",
-        "async_2",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--scenario: unknown ['async_2']" in proc.stderr
+    res = rollmesh("bench", "async", "--model", tiny_model, "--tail", "--scenario", "async_2")
+    assert res.exit_code == 2 and "--scenario: unknown ['async_2']" in res.stderr

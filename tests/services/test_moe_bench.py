@@ -3,10 +3,8 @@ dense model."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 from services.bench.moe_bench import mismatch
+from tests.cli import rollmesh
 
 
 def test_the_mismatch_with_replay_is_measured_against_the_free_routers(tiny_moe):
@@ -19,7 +17,6 @@ def test_the_mismatch_with_replay_is_measured_against_the_free_routers(tiny_moe)
 
 
 def test_bench_moe_refuses_a_dense_model(tiny_model):
-    cmd = [sys.executable, "-m", "services.cli", "bench", "moe", "--model", tiny_model, "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "has no mixture-of-experts layers" in proc.stderr, proc.stderr[-2000:]
-    assert "{" not in proc.stdout  # no result line
+    res = rollmesh("bench", "moe", "--model", tiny_model, "--json")
+    assert res.exit_code == 2 and "has no mixture-of-experts layers" in res.stderr, res.stderr[-2000:]
+    assert "{" not in res.stdout  # no result line

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from tests.cli import rollmesh
+
 
 def test_bench_offpolicy_prints_its_table_and_writes_its_plot(tiny_model, tmp_path):
     out_dir = tmp_path / "out"
@@ -45,9 +47,8 @@ def test_bench_offpolicy_prints_its_table_and_writes_its_plot(tiny_model, tmp_pa
 
 
 def test_bench_offpolicy_refuses_a_bad_option():
-    cmd = [sys.executable, "-m", "services.cli", "bench", "offpolicy", "--loss", "sgd"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--loss: unknown ['sgd']" in proc.stderr
+    res = rollmesh("bench", "offpolicy", "--loss", "sgd")
+    assert res.exit_code == 2 and "--loss: unknown ['sgd']" in res.stderr
 
 
 def test_a_run_that_restarted_a_service_says_which_from_the_supervisors_own_report():

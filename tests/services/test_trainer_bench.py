@@ -9,10 +9,16 @@ import sys
 
 import torch
 
+from tests.cli import rollmesh
+
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "services.cli", "bench", "trainer", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def _refused(*args: str):
+    return rollmesh("bench", "trainer", *args)
 
 
 def test_bench_trainer_prints_throughput_in_mixed_precision_with_checkpointing():
@@ -28,8 +34,8 @@ def test_bench_trainer_prints_throughput_in_mixed_precision_with_checkpointing()
 
 
 def test_bench_trainer_refuses_an_unknown_shape():
-    proc = _bench("--shape", "llama-70b")
-    assert proc.returncode == 2 and "--shape: one of" in proc.stderr
+    res = _refused("--shape", "llama-70b")
+    assert res.exit_code == 2 and "--shape: one of" in res.stderr
 
 
 def test_the_qwen2_half_billion_shape_has_its_parameter_count():
@@ -80,9 +86,9 @@ def test_the_workloads_share_what_they_say():
 
 
 def test_bench_trainer_refuses_an_unknown_workload_and_options_it_would_ignore():
-    proc = _bench("--workload", "chess")
-    assert proc.returncode == 2 and "--workload: one of" in proc.stderr
-    proc = _bench("--workload", "grpo", "--mixed-precision")
-    assert proc.returncode == 2 and "not with --mixed-precision" in proc.stderr
-    proc = _bench("--workload", "grpo", "--trajectories", "8")
-    assert proc.returncode == 2 and "--trajectories: grpo trains groups of 16, got 8" in proc.stderr
+    res = _refused("--workload", "chess")
+    assert res.exit_code == 2 and "--workload: one of" in res.stderr
+    res = _refused("--workload", "grpo", "--mixed-precision")
+    assert res.exit_code == 2 and "not with --mixed-precision" in res.stderr
+    res = _refused("--workload", "grpo", "--trajectories", "8")
+    assert res.exit_code == 2 and "--trajectories: grpo trains groups of 16, got 8" in res.stderr

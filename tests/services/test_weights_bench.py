@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from tests.cli import rollmesh
+
 
 def test_bench_weights_times_every_cpu_transport():
     cmd = [
@@ -38,9 +40,8 @@ def test_bench_weights_times_every_cpu_transport():
 
 
 def test_bench_weights_refuses_a_bad_option():
-    cmd = [sys.executable, "-m", "services.cli", "bench", "weights", "--engines", "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--engines: must be >= 1" in proc.stderr
+    res = rollmesh("bench", "weights", "--engines", "0")
+    assert res.exit_code == 2 and "--engines: must be >= 1" in res.stderr
 
 
 def test_bench_weights_delta_compares_whole_delta_and_adapter_updates_over_training_steps(tiny_model, tmp_path):
@@ -65,10 +66,10 @@ def test_bench_weights_delta_compares_whole_delta_and_adapter_updates_over_train
         out["encoding_bytes_mb_sparse"], out["encoding_bytes_mb_changed_tensors"]
     )
     # Options of the other mode are refused, not ignored; so is a run of fewer than two steps.
-    refused = subprocess.run([*cmd, "--layers", "2"], capture_output=True, text=True, timeout=60)
+    refused = rollmesh(*cmd[3:], "--layers", "2")
     assert (
-        refused.returncode == 2
+        refused.exit_code == 2
         and "--delta: trains the config's model on two engines, not with --layers" in refused.stderr
     )
-    one = subprocess.run([*cmd, "--steps", "1"], capture_output=True, text=True, timeout=120)
-    assert one.returncode == 2 and "--steps: must be >= 2" in one.stderr
+    one = rollmesh(*cmd[3:], "--steps", "1")
+    assert one.exit_code == 2 and "--steps: must be >= 2" in one.stderr
