@@ -197,6 +197,24 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
         b = await body(request)
         return future(request, "load_weights", lambda: service.load_weights(request.state.owner, b))
 
+    # ---------------------------------------------------------------- the REST client: runs and checkpoints
+    @app.get(f"{API}/training_runs/{{run_id}}")
+    async def training_run(run_id: str, request: Request):
+        return service.training_run(request.state.owner, run_id)
+
+    @app.get(f"{API}/training_runs/{{run_id}}/checkpoints")
+    async def list_checkpoints(run_id: str, request: Request):
+        return service.checkpoints(request.state.owner, run_id)
+
+    @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
+    async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):
+        await service.delete_checkpoint(request.state.owner, run_id, checkpoint_id)
+        return None
+
+    @app.post(f"{API}/weights_info")
+    async def weights_info(request: Request):
+        return service.weights_info(request.state.owner, await body(request))
+
     # ---------------------------------------------------------------- sampling
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request):

@@ -206,6 +206,50 @@ def _cookbook(service, args: list[str], log_path: Path) -> list[dict]:
     return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_the_rest_client_lists_reads_and_deletes_a_keys_checkpoints(service, client):
+    """The SDK's RestClient: a run and its checkpoints (what the cookbook reads on resume), a path's
+    weights info, and deleting a checkpoint, sampler weights the engine holds included; another
+    key sees none of it."""
+    sc = client()
+    tc = sc.create_lora_training_client(base_model=service["model"], rank=4).result()
+    state = tc.save_state("r1").result().path
+    sampler_path = tc.save_weights_for_sampler("s1").result().path
+    sampler = sc.create_sampling_client(model_path=sampler_path)
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()  # the engine now holds s1
+    rest = sc.create_rest_client()
+
+    run = rest.get_training_run(tc.model_id).result()
+    base = str(Path(service["model"]).resolve())  # the service names its base model by its absolute path
+    assert run.training_run_id == tc.model_id and run.base_model == base and run.lora_rank == 4
+    assert run.last_checkpoint.tinker_path == state and run.last_sampler_checkpoint.tinker_path == sampler_path
+    assert rest.get_training_run_by_tinker_path(state).result().training_run_id == tc.model_id
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert {(c.checkpoint_id, c.checkpoint_type) for c in listed} == {
+        ("weights/r1", "training"),
+        ("sampler_weights/s1", "sampler"),
+    }
+    assert all(c.size_bytes > 0 for c in listed)
+    info = rest.get_weights_info_by_tinker_path(state).result()
+    assert info.is_lora and info.lora_rank == 4 and info.base_model == base
+
+    other = client("bob").create_rest_client()
+    for call in (lambda: other.list_checkpoints(tc.model_id), lambda: other.delete_checkpoint_from_tinker_path(state)):
+        with pytest.raises(tinker.NotFoundError):
+            call().result()
+
+    rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+    assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["weights/r1"]
+    with pytest.raises(tinker.NotFoundError):
+        sc.create_sampling_client(model_path=sampler_path).sample(
+            prompt, 1, types.SamplingParams(max_tokens=2)
+        ).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+    rest.delete_checkpoint_from_tinker_path(state).result()
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
+
+
 def test_the_cookbooks_supervised_recipe_runs_unchanged_and_its_loss_falls(service, tmp_path):
     """tinker_cookbook.recipes.chat_sl.train on the cookbook's 4 shortest example conversations, 3 epochs
     (a step's forward and backward of a 135M model take about a second per 100 tokens on two cores)."""
