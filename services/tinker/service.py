@@ -56,6 +56,21 @@ class TinkerError(Exception):
 CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}  # tinker://RUN/KIND/NAME: the SDK's types
 
 
+EXPIRES = "expires_at"  # beside saved weights with a ttl_seconds: when they go (Unix time)
+
+
+def _ttl(body: dict) -> float | None:
+    ttl = body.get("ttl_seconds")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0):
+        raise TinkerError("ttl_seconds", f"{ttl!r}: a number of seconds above 0, or null (kept until deleted)")
+    return ttl
+
+
+def _expires(d: Path, ttl: float | None) -> None:
+    if ttl is not None:
+        (d / EXPIRES).write_text(repr(time.time() + ttl))
+
+
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat()
 
@@ -193,7 +208,25 @@ class TinkerService:
                 "session %s of %s: no heartbeat for %.0f s, finished", sid, self.sessions[sid], now - self.seen[sid]
             )
             await self.finish_session(self.sessions[sid], sid)
+        await self._expire_checkpoints()
         return idle
+
+    async def _expire_checkpoints(self) -> None:
+        """Delete the saved weights whose ``ttl_seconds`` has passed (sampler weights a sample is
+        using wait for the next round)."""
+        now = time.time()
+        for stamp in self.root.glob(f"*/*/*/{EXPIRES}"):
+            d = stamp.parent
+            try:
+                due = float(stamp.read_text()) <= now
+            except (OSError, ValueError):  # deleted meanwhile, or being written
+                continue
+            if d.parent.name in CHECKPOINT_KINDS and due:
+                try:
+                    await self._remove(d)
+                    log.info("%s/%s/%s: its ttl_seconds passed, deleted", d.parent.parent.name, d.parent.name, d.name)
+                except TinkerError:  # in use now
+                    continue
 
     async def finish_session(self, owner: str, sid: str) -> None:
         """Frees what the session held: its models' adapters (saved weights stay on disk)."""
@@ -395,10 +428,12 @@ class TinkerService:
     def save_weights(self, owner: str, body: dict):
         m = self.model(owner, body.get("model_id", ""))
         name = str(body.get("path") or "")
-        seq, d = self._checked(m, body, lambda: self._dir(m.id, "weights", name, body.get("overwrite", False)))
+        check = lambda: (self._dir(m.id, "weights", name, body.get("overwrite", False)), _ttl(body))  # noqa: E731
+        seq, (d, ttl) = self._checked(m, body, check)
 
         async def save() -> dict:
             await self._in_order(m, seq, self.pool.save_state, m.adapter, d)
+            _expires(d, ttl)
             return {"path": f"tinker://{m.id}/weights/{name}", "type": "save_weights"}
 
         return save()
@@ -410,11 +445,13 @@ class TinkerService:
         if ephemeral:  # save_weights_and_get_sampling_client: a sampler of these weights, no name to keep
             name = f"ephemeral-{next(m.ephemeral)}"
         # never over weights an engine may hold under their old contents: a name is saved once
-        seq, d = self._checked(m, body, lambda: self._dir(m.id, "sampler_weights", str(name), overwrite=False))
+        check = lambda: (self._dir(m.id, "sampler_weights", str(name), overwrite=False), _ttl(body))  # noqa: E731
+        seq, (d, ttl) = self._checked(m, body, check)
         path = f"tinker://{m.id}/sampler_weights/{name}"
 
         async def save() -> dict:
             await self._in_order(m, seq, self.pool.save_adapter, m.adapter, d)
+            _expires(d, ttl)
             if not ephemeral:
                 return {"path": path, "type": "save_weights_for_sampler"}
             sid = self._new_sampler(owner, m.session, body.get("sampling_session_seq_id"), d, path)
@@ -489,6 +526,7 @@ class TinkerService:
                         "time": _iso(config.stat().st_mtime),
                         "tinker_path": f"tinker://{run_id}/{kind}/{d.name}",
                         "size_bytes": sum(f.stat().st_size for f in d.rglob("*") if f.is_file()),
+                        "expires_at": _iso(float((d / EXPIRES).read_text())) if (d / EXPIRES).is_file() else None,
                     }
                 )
         return {"checkpoints": sorted(found, key=lambda c: (c["time"], c["checkpoint_id"]))}
@@ -532,7 +570,10 @@ class TinkerService:
         if kind not in CHECKPOINT_KINDS:
             raise TinkerError("checkpoint_id", f"{checkpoint_id!r}: weights/NAME or sampler_weights/NAME")
         self._run(owner, run_id)
-        d = self._parse(owner, f"tinker://{run_id}/{checkpoint_id}", kind)
+        await self._remove(self._parse(owner, f"tinker://{run_id}/{checkpoint_id}", kind))
+        log.info("deleted %s/%s (%s)", run_id, checkpoint_id, owner)
+
+    async def _remove(self, d: Path) -> None:
         async with self._load_lock:
             name = self._loaded.get(d)
             if name is not None:
@@ -541,7 +582,6 @@ class TinkerService:
                 await self.engine.unload_lora_adapter(name)
                 self._busy.pop(self._loaded.pop(d), None)
             shutil.rmtree(d)
-        log.info("deleted %s/%s (%s)", run_id, checkpoint_id, owner)
 
     def create_sampling_session(self, owner: str, body: dict) -> str:
         path = body.get("model_path")

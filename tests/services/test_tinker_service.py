@@ -97,3 +97,24 @@ def test_losses_refuse_inputs_that_would_break_midway(pool):
             pool.forward_backward("z", [Datum(tokens[:-1], good), Datum(tokens[:-1], bad)], "ppo", {})
     assert all(p.grad is None for p in pool.adapters["z"].params)
     pool.remove("z")
+
+
+def test_saved_weights_with_a_ttl_are_listed_with_it_and_deleted_once_it_passes(pool, tiny_model, tmp_path):
+    async def main():
+        svc = _service(pool, tiny_model, tmp_path)
+        _, m = await _model(svc)
+        with pytest.raises(TinkerError, match="ttl_seconds"):
+            svc.save_weights("alice", {"model_id": m.id, "seq_id": 1, "path": "x", "ttl_seconds": -5})
+        short = {"model_id": m.id, "seq_id": 2, "path": "short", "ttl_seconds": 0.01}
+        await asyncio.wait_for(svc.save_weights("alice", short), 30)
+        await asyncio.wait_for(svc.save_weights("alice", {"model_id": m.id, "seq_id": 3, "path": "kept"}), 30)
+        listed = {c["checkpoint_id"]: c["expires_at"] for c in svc.checkpoints("alice", m.id)["checkpoints"]}
+        assert listed["weights/kept"] is None and listed["weights/short"] is not None
+        await asyncio.sleep(0.05)  # past its expiry time
+        await svc.expire()
+        assert [c["checkpoint_id"] for c in svc.checkpoints("alice", m.id)["checkpoints"]] == ["weights/kept"]
+        with pytest.raises(TinkerError, match="no training_run_id"):
+            svc.checkpoints("bob", m.id)
+        svc.pool.remove(m.adapter)
+
+    asyncio.run(main())

@@ -52,7 +52,7 @@ class VLLMEngineConfig(EngineServerConfig):
         ge=0,
         le=1024,
         description="LoRA adapters served at once (vLLM's --enable-lora --max-loras): /load_lora_adapter and a "
-        "request's lora_path then work. 0: no LoRA (vLLM decodes faster without its LoRA layers).",
+        "request's lora_path then work. 0: no LoRA layers (on vLLM's CPU build LoRA also turns torch.compile off).",
     )
     max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
         16, description="The largest adapter rank vLLM accepts (--max-lora-rank; it sizes the LoRA buffers)."
