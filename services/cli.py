@@ -96,16 +96,19 @@ def health(
     address: str = typer.Argument(..., help="host:port of a gRPC service, or an HTTP base URL with --http."),
     http: bool = typer.Option(False, "--http", help="An HTTP service (engine, gateway): GET ADDRESS/health."),
     timeout_s: float = typer.Option(3.0, "--timeout-s", min=0.1, help="How long to wait for SERVING / 200."),
+    config: Path = typer.Option(None, "--config", help="The run config: its auth.tls (a TLS mesh) is spoken."),
+    set_: list[str] = SetOpt,
 ) -> None:
     """Exit 0 if the service answers healthy within the timeout, else 1 (containers' health checks;
-    health needs no token)."""
+    health needs no token, but a TLS service needs its CA: --config or --set auth.tls.ca_path=...)."""
     from services.processes import wait_grpc_healthy, wait_http_healthy
 
+    auth = load_or_exit(config, set_).auth if config is not None or set_ else None
     try:
         if http:
-            wait_http_healthy(address.rstrip("/") + "/health", timeout_s)
+            wait_http_healthy(address.rstrip("/") + "/health", timeout_s, auth=auth)
         else:
-            wait_grpc_healthy(address, timeout_s)
+            wait_grpc_healthy(address, timeout_s, auth=auth)
     except TimeoutError as e:
         typer.echo(f"unhealthy: {e}", err=True)
         raise typer.Exit(1) from None

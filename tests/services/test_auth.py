@@ -233,6 +233,11 @@ def test_a_service_without_a_token_refuses_to_start_unless_auth_is_disabled(tmp_
         stop_process(open_)
 
 
+def _health(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "services.cli", "health", *args, "--timeout-s", "3"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory):
     """A CA made here and a certificate it signs for 127.0.0.1: what a test cluster would mount."""
@@ -255,6 +260,10 @@ def test_tls_from_client_to_buffer_and_through_the_proxy_to_an_https_engine(tls,
         assert url.startswith("https://")
         with pytest.raises(httpx.HTTPError):  # plaintext finds nobody
             httpx.get(url.replace("https://", "http://") + "/health", timeout=5)
+        # `rollmesh health` (the containers' checks) speaks TLS with the run's CA, and only then is healthy
+        ca = f"auth.tls.ca_path={tls.ca_path}"
+        assert _health("--http", url, "--set", ca).returncode == 0
+        assert _health("--http", url).returncode == 1
 
         async def main():
             direct = await engine_client(url, auth).generate([1, 2], {"max_new_tokens": 2})
@@ -267,6 +276,10 @@ def test_tls_from_client_to_buffer_and_through_the_proxy_to_an_https_engine(tls,
             ]
             plain = BufferClient(f"127.0.0.1:{buf_server.bound_port}", auth=AuthConfig(), timeout_s=3)
             try:
+                grpc_address = f"127.0.0.1:{buf_server.bound_port}"
+                assert (await asyncio.to_thread(_health, grpc_address, "--set", ca)).returncode == 0
+                unhealthy = await asyncio.to_thread(_health, grpc_address)
+                assert unhealthy.returncode == 1 and "unhealthy" in unhealthy.stderr
                 out = await clients[0].generate([1, 2, 3], 3)
                 assert len(out.output_ids) >= 1  # client -TLS-> proxy -HTTPS-> engine
                 assert (await clients[1].put(make_group("g0"))).accepted
