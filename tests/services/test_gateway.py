@@ -496,6 +496,7 @@ def test_a_langgraph_react_agent_runs_its_tool_loop_with_the_models_own_template
                     temperature=0.0,
                     max_tokens=128,
                     max_retries=0,
+                    timeout=60,  # a turn that hangs fails here, naming the call, not at the test's timeout
                     streaming=streaming,
                 )
                 agent = create_react_agent(llm, [add], prompt=INSTRUCTIONS)
@@ -503,7 +504,9 @@ def test_a_langgraph_react_agent_runs_its_tool_loop_with_the_models_own_template
                 state = (await http.get(f"{url}/v1/sessions/{made['id']}")).json()
                 assert state["requests"] == 2 and state["branches"] == 1, state  # two turns, one conversation
             refused = []
-            llm = ChatOpenAI(model="rollmesh-policy", base_url=url + "/v1", api_key="key-alice", max_retries=0)
+            llm = ChatOpenAI(
+                model="rollmesh-policy", base_url=url + "/v1", api_key="key-alice", max_retries=0, timeout=60
+            )
             for method in ("json_schema", "json_mode"):
                 try:
                     await llm.with_structured_output(Sum, method=method).ainvoke("Add 3 and 4.")
