@@ -106,8 +106,8 @@ def _rank_64(tensors, config):
 def test_bad_adapters_and_requests_are_refused_by_field_and_the_engine_keeps_serving(
     vllm_engines, tiny_model, adapters, tmp_path
 ):
-    outside = tmp_path.parent / "elsewhere"  # a link inside the roots that leads out of them
-    link = tmp_path / "link"
+    missing = tmp_path.parent / "elsewhere"  # below the roots, but no adapter there
+    link = tmp_path / "link"  # a link inside the roots that leads out of them
     link.symlink_to("/etc")
 
     async def main():
@@ -125,7 +125,7 @@ def test_bad_adapters_and_requests_are_refused_by_field_and_the_engine_keeps_ser
             await expect("unknown", client.generate(PROMPTS[0], GREEDY, lora_path="t2-zz"))
             await expect("outside", client.load_lora_adapter("t2-c", "/etc"))
             await expect("link", client.load_lora_adapter("t2-c", str(link)))
-            await expect("missing", client.load_lora_adapter("t2-c", str(outside)))
+            await expect("missing", client.load_lora_adapter("t2-c", str(missing)))
             await expect("wide", client.load_lora_adapter("t2-c", _variant(tmp_path, adapters, "wide", _wider)))
             await expect("rank", client.load_lora_adapter("t2-c", _variant(tmp_path, adapters, "r64", _rank_64)))
             await expect("weights", client.update_weights_from_disk("/etc", 7))
@@ -160,9 +160,16 @@ def test_bad_adapters_and_requests_are_refused_by_field_and_the_engine_keeps_ser
     with httpx.Client(base_url=vllm_engines[0], headers=http_headers(AuthConfig()), timeout=30) as c:
         models = {m["id"] for m in c.get("/v1/models").json()["data"]}
         assert not {m for m in models if m.startswith("t2-")}, models  # nothing half-loaded stays
-        # no other route loads an adapter (vLLM's SageMaker adapter routes are not mounted)
-        assert c.post("/adapters", json={"name": "t2-x", "src": "/etc"}).status_code == 404
-        assert c.post("/v1/load_lora_adapter", content=b"[1]").status_code == 400
+        # no other route loads an adapter or weights from a caller's path: vLLM's SageMaker adapter routes
+        # and its own /collective_rpc methods (reload_weights takes any path) are refused by the plugin
+        sagemaker = c.post("/adapters", json={"name": "t2-x", "src": str(adapters["b"][0])})
+        assert sagemaker.status_code == 403 and sagemaker.json()["field"] == "path", sagemaker.text
+        rpc = c.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": "/etc"}})
+        assert rpc.status_code == 403 and rpc.json()["field"] == "method", rpc.text
+        relative = c.post("/v1/load_lora_adapter", json={"lora_name": "t2-r", "lora_path": "a"})
+        assert relative.status_code == 400 and relative.json()["field"] == "lora_path", relative.text
+        not_object = c.post("/v1/load_lora_adapter", content=b"[1]")
+        assert not_object.status_code == 400 and not_object.json()["field"] == "lora_path", not_object.text
         assert c.post("/v1/load_lora_adapter", content=b"x" * 70000).status_code == 413
 
 

@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover
 
 EXEMPT_PATHS = frozenset({"/health", "/metrics"})
 ADAPTER_LOAD = "/v1/load_lora_adapter"
+COLLECTIVE_RPC = "/collective_rpc"
 MAX_LOAD_BODY = 64 * 1024  # a load request is a name and a path
 
 
@@ -220,12 +221,22 @@ class BearerCheck:
                 why = "wrong" if got else "missing"
                 www = ((b"www-authenticate", b"Bearer"),)
                 return await _refuse(send, 401, "authorization", f"authorization: {why} bearer token", www)
-        if scope["type"] == "http" and scope["path"] == ADAPTER_LOAD:
-            return await self._adapter_load(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # routes match after the root path (vLLM's --root-path)
+            path = path[len(root) :]
+        if path == "/adapters" or path.startswith("/adapters/"):  # vLLM's SageMaker loads: unchecked paths
+            return await _refuse(send, 403, "path", "path: adapters load through /v1/load_lora_adapter only")
+        if path in (ADAPTER_LOAD, COLLECTIVE_RPC):
+            return await self._checked_body(path, scope, receive, send)
         await self.app(scope, receive, send)
 
-    async def _adapter_load(self, scope, receive, send):
-        """Read the (small) body, check its ``lora_path``, and hand vLLM the same body."""
+    async def _checked_body(self, path, scope, receive, send):
+        """Read the (small) body, check it, and hand vLLM the body it checked: an adapter's
+        ``lora_path`` as the absolute path below a root it resolves to; ``/collective_rpc`` only for
+        rollmesh's own worker methods (vLLM's ``reload_weights`` would load from any path)."""
         body, more = b"", True
         while more:
             message = await receive()
@@ -236,11 +247,25 @@ class BearerCheck:
             if len(body) > MAX_LOAD_BODY:
                 return await _refuse(send, 413, "body", f"body: over {MAX_LOAD_BODY} bytes")
         try:
-            path = json.loads(body).get("lora_path")
-            loadable(path if isinstance(path, str) else "", "lora_path")
-        except (ValueError, AttributeError) as e:  # not JSON, not an object, or outside the roots
-            msg = str(e) if str(e).startswith("lora_path") else f"lora_path: not a JSON object with it ({e})"
-            return await _refuse(send, 400, "lora_path", msg)
+            data = json.loads(body)
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, RecursionError) as e:
+            field = "lora_path" if path == ADAPTER_LOAD else "method"
+            return await _refuse(send, 400, field, f"{field}: the body is not a JSON object with it ({e})")
+        if path == COLLECTIVE_RPC:
+            method = data.get("method")
+            if not (isinstance(method, str) and method.startswith("rollmesh_")):
+                return await _refuse(send, 403, "method", f"method: {method!r}: only rollmesh's worker methods")
+        else:
+            lora = data.get("lora_path")
+            if not isinstance(lora, str) or not os.path.isabs(lora):
+                return await _refuse(send, 400, "lora_path", f"lora_path: {lora!r}: an absolute directory")
+            try:
+                data["lora_path"] = loadable(lora, "lora_path")
+            except ValueError as e:
+                return await _refuse(send, 400, "lora_path", str(e))
+            body = json.dumps(data).encode()
         sent = False
 
         async def replay():
