@@ -417,8 +417,7 @@ class TinkerService:
         if len(parts) != 3 or parts[1] != kind:
             raise TinkerError("path", f"{path!r} is not a tinker://MODEL_ID/{kind}/NAME path")
         mid, _, name = parts
-        owner_file = self.root / mid / "owner"
-        if "/" in mid or mid in ("", ".", "..") or not owner_file.is_file() or owner_file.read_text() != owner:
+        if not self._owns(owner, mid):
             raise TinkerError("path", f"{path!r}: no such weights of this key", status=404)
         d = self._dir(mid, kind, name)
         if not (d / "adapter_config.json").is_file():
@@ -505,17 +504,28 @@ class TinkerService:
         return sampler_id
 
     # ------------------------------------------------------------------ the REST client's runs and checkpoints
-    def _run(self, owner: str, run_id: str) -> Path:
-        """The directory of training run ``run_id`` (a model id) of this key: its saved weights outlive
-        the model (and the service: the owner is written beside them)."""
+    def _owns(self, owner: str, run_id: str) -> bool:
+        """Whether training run ``run_id`` (a model id) is this key's: its saved weights outlive the
+        model (and the service: the owner is written beside them)."""
         owner_file = self.root / run_id / "owner"
-        if "/" in run_id or run_id in ("", ".", "..") or not owner_file.is_file() or owner_file.read_text() != owner:
+        return (
+            "/" not in run_id
+            and run_id not in ("", ".", "..")
+            and owner_file.is_file()
+            and owner_file.read_text() == owner
+        )
+
+    def _run(self, owner: str, run_id: str) -> Path:
+        if not self._owns(owner, run_id):
             raise unknown("training_run_id", run_id)
         return self.root / run_id
 
     def checkpoints(self, owner: str, run_id: str) -> dict:
         """``CheckpointsListResponse``: the run's saved states and sampler weights, oldest first."""
-        run, found = self._run(owner, run_id), []
+        return {"checkpoints": self._saved(self._run(owner, run_id), run_id)}
+
+    def _saved(self, run: Path, run_id: str) -> list[dict]:
+        found = []
         for kind, ctype in CHECKPOINT_KINDS.items():
             for config in (run / kind).glob("*/adapter_config.json"):
                 d = config.parent
@@ -529,12 +539,12 @@ class TinkerService:
                         "expires_at": _iso(float((d / EXPIRES).read_text())) if (d / EXPIRES).is_file() else None,
                     }
                 )
-        return {"checkpoints": sorted(found, key=lambda c: (c["time"], c["checkpoint_id"]))}
+        return sorted(found, key=lambda c: (c["time"], c["checkpoint_id"]))
 
     def training_run(self, owner: str, run_id: str) -> dict:
         """``TrainingRun``: what the run is and its last checkpoints (the cookbook reads it on resume)."""
         run = self._run(owner, run_id)
-        saved = self.checkpoints(owner, run_id)["checkpoints"]
+        saved = self._saved(run, run_id)
         last = {
             t: next((c for c in reversed(saved) if c["checkpoint_type"] == t), None) for t in ("training", "sampler")
         }

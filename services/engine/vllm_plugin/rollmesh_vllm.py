@@ -52,7 +52,8 @@ MAX_LOAD_BODY = 64 * 1024  # a load request is a name and a path
 
 def loadable(path: str, field: str) -> str:
     """``path`` resolved, when it lies below one of ``$ROLLMESH_LOAD_ROOTS``; else ``ValueError``
-    naming ``field``. Links are resolved first, so none leads out."""
+    naming ``field``. The path's own links are resolved first (a link to elsewhere is refused);
+    links among the files inside the directory are not followed up here."""
     roots = [r for r in os.environ.get("ROLLMESH_LOAD_ROOTS", "").split(os.pathsep) if r]
     real = os.path.realpath(path)
     if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
