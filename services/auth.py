@@ -254,15 +254,19 @@ class RefusedCollector:
         yield family
 
 
-def _refusal(got: bytes | str | None, expected: str, other: str | None = None) -> str | None:
+def _matches(got: bytes | str | None, bearer: str) -> bool:
+    if got is None:
+        return False
+    return hmac.compare_digest(got.encode() if isinstance(got, str) else got, bearer.encode())
+
+
+def _refusal(got: bytes | str | None, expected: str, others: tuple[str, ...] = ()) -> str | None:
     """None when ``got`` is the expected header; else why not, counted: "missing", "wrong", or
-    "role" (it is ``other``, the token of a role this method does not take)."""
-    if got is not None:
-        got = got.encode() if isinstance(got, str) else got
-        if hmac.compare_digest(got, expected.encode()):
-            return None
+    "role" (it is one of ``others``, tokens of a role this method does not take)."""
+    if _matches(got, expected):
+        return None
     reason = "missing" if got is None else "wrong"
-    if other is not None and got is not None and hmac.compare_digest(got, other.encode()):
+    if any(_matches(got, o) for o in others):
         reason = "role"
     REFUSED[reason] += 1
     return reason
@@ -280,8 +284,8 @@ class TokenCheck(grpc.aio.ServerInterceptor):
     """Server side: every RPC but health checks carries ``authorization: Bearer <token>`` of its
     method's role (``bearers``: role → the bearer this server checks; a role it does not serve has none)."""
 
-    def __init__(self, bearers: dict[Role, str]) -> None:
-        self.bearers = bearers
+    def __init__(self, bearers: dict[Role, str], runs: RunTokens | None = None) -> None:
+        self.bearers, self.runs = bearers, runs
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -289,9 +293,12 @@ class TokenCheck(grpc.aio.ServerInterceptor):
             return handler
         got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
         role = role_of(details.method)
-        other = self.bearers.get(Role.CONTROL if role is Role.DATA else Role.DATA)
+        other_role = Role.CONTROL if role is Role.DATA else Role.DATA
+        if self.runs is not None and self.runs.run_of(got, role) is not None:
+            return handler  # a run that shares this service, in its role
+        others = (self.bearers.get(other_role), *(self.runs.bearers[other_role].values() if self.runs else ()))
         # (A role this server does not serve: no header can match "\0", and the refusal is counted.)
-        reason = _refusal(got, self.bearers.get(role) or "\0", other)
+        reason = _refusal(got, self.bearers.get(role) or "\0", tuple(o for o in others if o))
         if reason is None:
             return handler
         code = grpc.StatusCode.PERMISSION_DENIED if reason == "role" else grpc.StatusCode.UNAUTHENTICATED
@@ -345,13 +352,47 @@ def grpc_server_credentials(auth: AuthConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(auth.tls.read("key_path"), auth.tls.read("cert_path"))])
 
 
-def grpc_server_interceptors(auth: AuthConfig, service: str) -> list[grpc.aio.ServerInterceptor]:
+def grpc_server_interceptors(
+    auth: AuthConfig, service: str, runs: RunTokens | None = None
+) -> list[grpc.aio.ServerInterceptor]:
     """The token check of gRPC service ``service`` (``package.Service``): ``AuthError`` when this
-    process lacks a token of a role the service's methods take."""
+    process lacks a token of a role the service's methods take. ``runs``: the tokens of runs that
+    share it, taken too (the handlers tell the runs apart with ``runs.of``)."""
     if auth.disabled:
         server_bearer(auth, service)  # the warning and the gauge
         return []
-    return [TokenCheck({role: auth.bearer(role) for role in roles_served(service)})]
+    return [TokenCheck({role: auth.bearer(role) for role in roles_served(service)}, runs)]
+
+
+class RunTokens:
+    """The data and control tokens of the runs that share a service (``proxy.runs``), read from the
+    environment variables each run names: a call's token says which run makes it."""
+
+    def __init__(self, runs: dict, auth: AuthConfig, section: str = "proxy.runs") -> None:
+        if auth.disabled and runs:
+            raise AuthError(f"{section}: runs are told apart by their tokens, so not with auth.disabled")
+        self.bearers: dict[Role, dict[str, str]] = {Role.DATA: {}, Role.CONTROL: {}}
+        for name, run in runs.items():
+            for role, field in ((Role.DATA, "token_env"), (Role.CONTROL, "control_token_env")):
+                env = getattr(run, field)
+                value = os.environ.get(env)
+                if not value:
+                    raise AuthError(
+                        f"{section}.{name}.{field}: ${env} is not set; it holds the {role} token of run {name}'s mesh"
+                    )
+                self.bearers[role][name] = "Bearer " + value
+        every = [b for by_run in self.bearers.values() for b in by_run.values()]
+        every += [auth.bearer(r) for r in Role if auth.holds(r)] if runs else []
+        if len(set(every)) != len(every):
+            raise AuthError(f"{section}: every run's two tokens differ from each other run's and from this mesh's")
+
+    def run_of(self, got: bytes | str | None, role: Role) -> str | None:
+        return next((name for name, b in self.bearers[role].items() if _matches(got, b)), None)
+
+    def of(self, context) -> str:
+        """The run a call that passed ``TokenCheck`` comes from; "" for this mesh's own tokens."""
+        got = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        return next((r for role in Role if (r := self.run_of(got, role)) is not None), "")
 
 
 def grpc_channel(address: str, auth: AuthConfig, options: list) -> grpc.aio.Channel:

@@ -39,7 +39,12 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_engines: int = Field(1, ge=1, description="Engine processes behind the LLMProxy.")
+    num_engines: int = Field(
+        1,
+        ge=0,
+        description="Engine processes behind the LLMProxy. 0: start neither engines nor a proxy, and use the "
+        "LLMProxy at mesh.proxy, whose proxy.runs knows this run by its tokens (docs/shared-pool.md).",
+    )
     rollout: Literal["env_manager", "gateway"] = Field(
         "env_manager",
         description="Who makes the rollouts: the EnvManager running episodes, or external agents through the "
@@ -197,6 +202,22 @@ class RollmeshConfig(BaseModel):
             self.engine.load_roots = [str(Path(self.train_loop.run_dir) / "weights")]
         return self
 
+    def _check_served_adapter(self, engine, lora) -> None:
+        """The engines can serve this policy's adapter by name (disk with adapter: true)."""
+        if not engine.serves_adapters:
+            raise ValueError(
+                f"train_loop.publisher.adapter: engine.type {self.engine.type!r} serves no LoRA adapters "
+                "(embedded and vllm do)"
+            )
+        if not engine.adapts_lm_head and "lm_head" in lora.target_modules:
+            raise ValueError(f"trainer.lora.target_modules: engine.type {self.engine.type!r} adapts no lm_head")
+        slots = getattr(self.engine, "max_loaded_loras", None)
+        if slots is not None and slots < 2:  # the new version loads before the old one goes
+            raise ValueError("engine.max_loaded_loras: at least 2 to serve an adapter that is updated (old and new)")
+        rank = getattr(self.engine, "max_lora_rank", None)
+        if rank is not None and lora.rank > rank:
+            raise ValueError(f"trainer.lora.rank: {lora.rank} is over engine.max_lora_rank {rank}")
+
     @model_validator(mode="after")
     def _buckets_need_weights(self) -> RollmeshConfig:
         publisher, engine = self.train_loop.publisher, backend(self.engine)
@@ -213,8 +234,9 @@ class RollmeshConfig(BaseModel):
         fields = type(publisher).model_fields
         if "encoding" in fields:  # tensor handles (ipc), written as this engine reads them
             publisher.encoding = engine.handle_encoding
+        served = kind == "disk" and publisher.adapter  # an adapter the engines serve by name, not merge
         for partial in ("delta", "adapter"):  # updates that send less than every weight
-            if not getattr(publisher, partial, False):
+            if not getattr(publisher, partial, False) or served:
                 continue
             if not engine.applies_deltas:
                 raise ValueError(
@@ -223,12 +245,16 @@ class RollmeshConfig(BaseModel):
                 )
             publisher._engine_dtype = self.engine.dtype  # made (and checked) in the dtype the engines hold
         if getattr(publisher, "adapter", False):
-            if getattr(self.trainer, "lora", None) is None:
+            lora = getattr(self.trainer, "lora", None)
+            if lora is None:
                 raise ValueError("train_loop.publisher.adapter: the policy must train LoRA adapters (trainer.lora)")
-            if self.trainer.dtype != "float32":  # the engines merge from the float32 upcast of their files
+            if served:
+                self._check_served_adapter(engine, lora)
+            elif self.trainer.dtype != "float32":  # the engines merge from the float32 upcast of their files
                 raise ValueError("train_loop.publisher.adapter: needs trainer.dtype float32 (the merge's base)")
-            if publisher.delta:
+            elif publisher.delta:
                 raise ValueError("train_loop.publisher: adapter or delta, not both (an adapter update is smaller)")
+        self.controller._adapter_updates = served
         if "master_address" in fields and publisher.master_address not in self.proxy.weight_group_hosts:
             self.proxy.weight_group_hosts.append(publisher.master_address)  # the one place it is said
         if self.devices.placement == "colocated" and not engine.releases_memory:

@@ -14,7 +14,13 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.auth import AuthConfig, grpc_channel, grpc_server_credentials, grpc_server_interceptors
+from services.auth import (
+    AuthConfig,
+    RunTokens,
+    grpc_channel,
+    grpc_server_credentials,
+    grpc_server_interceptors,
+)
 
 
 def decode(cls: type[Message], raw: bytes) -> Message:
@@ -178,13 +184,15 @@ async def start_server(
     port: int,
     options: list | None = None,
     auth: AuthConfig | None = None,
+    runs: RunTokens | None = None,
 ) -> grpc.aio.Server:
     """Start a grpc.aio server with health checking; returns it started (``port`` 0 picks one).
-    Every call but health checks must carry ``auth``'s token (default: from the environment)."""
+    Every call but health checks must carry ``auth``'s token (default: from the environment), or
+    the token of one of the ``runs`` that share the service."""
     auth = auth or AuthConfig()
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS, *(options or [])],
-        interceptors=grpc_server_interceptors(auth, service_name),
+        interceptors=grpc_server_interceptors(auth, service_name, runs),
     )
     server.add_generic_rpc_handlers((handler,))
     health_servicer = health.aio.HealthServicer()

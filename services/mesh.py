@@ -116,46 +116,10 @@ def start_mesh(
     host = hosts.services
     up = dict(config_path=str(config_path), timeout_s=cfg.run.startup_timeout_s, auth=cfg.auth, host=host)
     try:
-
-        def engine(i):
-            return start_engine_process(
-                cfg.engine.model_path,
-                free_port(),
-                overrides,
-                cfg.run.startup_timeout_s,
-                str(config_path),
-                cfg.auth,
-                cuda_env(placement.engines[i]),
-                hosts.engine(i),
-                logs / f"engine-{i}.log",
-            )
-
-        with ThreadPoolExecutor(cfg.run.num_engines) as pool:  # engines load in parallel
-            futures = [pool.submit(engine, i) for i in range(cfg.run.num_engines)]
-        started = [f.result() for f in futures if f.exception() is None]
-        mesh.services += [
-            Supervised(
-                f"engine-{i}", p, logs / f"engine-{i}.log", env=cuda_env(placement.engines[i]), roles=ENGINE_ROLES
-            )
-            for i, (p, _) in enumerate(started)
-        ]
-        mesh.engine_urls += [u for _, u in started]
-        mesh.metrics["engine"] = [u.split("://", 1)[1] for u in mesh.engine_urls]  # /metrics beside the API
-        for f in futures:
-            if f.exception() is not None:
-                raise f.exception()
-        proc, mesh.proxy = start_service_process(
-            "llm-proxy",
-            "proxy",
-            [
-                *overrides,
-                f"proxy.engine_urls=[{','.join(mesh.engine_urls)}]",
-                f"proxy.metrics_port={mesh.metrics_port('llm-proxy', host)}",
-            ],
-            log_path=logs / "proxy.log",
-            **up,
-        )
-        mesh.services.append(Supervised("llm-proxy", proc, logs / "proxy.log"))
+        if cfg.run.num_engines:
+            _start_engines_and_proxy(cfg, config_path, overrides, logs, placement, mesh, up)
+        else:  # a shared pool's: this run's tokens tell it which run's lane its calls are
+            mesh.proxy = cfg.mesh.proxy
         proc, mesh.buffer = start_service_process(
             "sample-buffer",
             "buffer",
@@ -207,6 +171,49 @@ def start_mesh(
         mesh.stop()
         raise
     return mesh
+
+
+def _start_engines_and_proxy(cfg, config_path, overrides, logs, placement, mesh: Mesh, up: dict) -> None:
+    """The engines (in parallel, on the GPUs ``placement`` gives them), then the LLMProxy in front."""
+    hosts, host = mesh.hosts, mesh.hosts.services
+
+    def engine(i):
+        return start_engine_process(
+            cfg.engine.model_path,
+            free_port(),
+            overrides,
+            cfg.run.startup_timeout_s,
+            str(config_path),
+            cfg.auth,
+            cuda_env(placement.engines[i]),
+            hosts.engine(i),
+            logs / f"engine-{i}.log",
+        )
+
+    with ThreadPoolExecutor(cfg.run.num_engines) as pool:  # engines load in parallel
+        futures = [pool.submit(engine, i) for i in range(cfg.run.num_engines)]
+    started = [f.result() for f in futures if f.exception() is None]
+    mesh.services += [
+        Supervised(f"engine-{i}", p, logs / f"engine-{i}.log", env=cuda_env(placement.engines[i]), roles=ENGINE_ROLES)
+        for i, (p, _) in enumerate(started)
+    ]
+    mesh.engine_urls += [u for _, u in started]
+    mesh.metrics["engine"] = [u.split("://", 1)[1] for u in mesh.engine_urls]  # /metrics beside the API
+    for f in futures:
+        if f.exception() is not None:
+            raise f.exception()
+    proc, mesh.proxy = start_service_process(
+        "llm-proxy",
+        "proxy",
+        [
+            *overrides,
+            f"proxy.engine_urls=[{','.join(mesh.engine_urls)}]",
+            f"proxy.metrics_port={mesh.metrics_port('llm-proxy', host)}",
+        ],
+        log_path=logs / "proxy.log",
+        **up,
+    )
+    mesh.services.append(Supervised("llm-proxy", proc, logs / "proxy.log"))
 
 
 def agent_key(run_dir: Path, mesh: Mesh) -> Path:

@@ -96,7 +96,7 @@ def _interrupt(signum, frame):  # stop the mesh on SIGTERM as on Ctrl-C, never l
 
 
 def _announce(mesh: Mesh, console: Console) -> None:
-    console.print(f"[green]engines[/] {', '.join(mesh.engine_urls)}")
+    console.print(f"[green]engines[/] {', '.join(mesh.engine_urls) or 'shared, behind the LLMProxy'}")
     console.print(f"[green]mesh up[/] proxy {mesh.proxy}, buffer {mesh.buffer}, controller {mesh.controller}")
     if mesh.gateway:
         key = f"the key in {mesh.agent_key}" if mesh.agent_key else "a key of gateway.api_keys_path"

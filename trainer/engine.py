@@ -674,6 +674,15 @@ class TrainEngine:
 
         return export_hf(self.model, self.config.model_path, out_dir, state)
 
+    def export_adapter(self, out_dir):
+        """Write the LoRA policy's adapter as PEFT does (``trainer.export.export_adapter``); rank 0
+        writes, the others return None."""
+        from trainer.export import export_adapter
+
+        if self.config.lora is None:
+            raise ValueError("export_adapter: the policy has no LoRA adapters (trainer.lora)")
+        return export_adapter(self.model, out_dir)
+
     def _clip(self, model) -> float:
         params = [p for p in model.parameters() if p.grad is not None]
         if self.config.grad_clip is None:

@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+
+
+class SharedRunConfig(BaseModel):
+    """A training run that shares this proxy's engines (``rollout/proxy/lanes.py``): its requests
+    are served with its own LoRA adapter, and its suspend and weight updates touch them only. The
+    run's mesh calls this proxy with its own tokens, which is how the proxy knows the run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_env: str = Field(
+        ...,
+        min_length=1,
+        description="The environment variable holding the run's data token (its mesh's auth.token): its "
+        "generation requests.",
+    )
+    control_token_env: str = Field(
+        ...,
+        min_length=1,
+        description="The environment variable holding the run's control token (its mesh's auth.control_token): "
+        "its suspend, resume and adapter updates.",
+    )
 
 
 class ProxyConfig(BaseModel):
@@ -48,6 +72,19 @@ class ProxyConfig(BaseModel):
         "master_address is refused, so no caller can aim the engines at a host:port of its choosing. A run "
         "config adds its train_loop.publisher.master_address itself.",
     )
+    runs: dict[str, SharedRunConfig] = Field(
+        default_factory=dict,
+        description="Other training runs served on these engines, by name (lower-case letters, digits, - and _), "
+        "each with its own tokens and LoRA adapter (docs/shared-pool.md); none: the engines serve this run only.",
+    )
     affinity_capacity: int = Field(
         100_000, ge=0, description="Trajectory→engine affinity entries kept (LRU); 0 disables affinity."
     )
+
+    @field_validator("runs")
+    @classmethod
+    def _run_names(cls, runs: dict[str, SharedRunConfig]) -> dict[str, SharedRunConfig]:
+        for name in runs:
+            if not _RUN_NAME.match(name):
+                raise ValueError(f"{name!r}: a run's name is 1 to 32 lower-case letters, digits, - or _")
+        return runs

@@ -10,6 +10,9 @@ re-submits prompt + partial tokens so they finish under the new weights (abort-a
 the re-prefill costs little next to waiting for the longest generation to drain); ``abort``
 returns them to the caller as aborted; ``in_place`` pauses the engines with requests inside.
 Every token keeps the weight version that produced it.
+
+Several training runs can share the engines, each in a lane of its own (``rollout/proxy/lanes.py``):
+its requests are served with its LoRA adapter, and its suspend and updates touch only them.
 """
 
 from __future__ import annotations
@@ -24,13 +27,13 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
 
 import numpy as np
 
 from rollout.engines.http_engine import EngineRejected, EngineUnavailable, OnTokens, int_version
 from rollout.engines.sglang.client import SGLangClient
 from rollout.proxy.config import ProxyConfig
+from rollout.proxy.lanes import Lane, SuspendMode
 from rollout.proxy.router import EngineSlot, Router
 from rollout.sampling import SamplingParams
 from sample_buffer import routing
@@ -39,7 +42,6 @@ from sample_buffer.vision import MAX_IMAGE_BYTES, MAX_IMAGES, data_url
 
 log = logging.getLogger(__name__)
 
-SuspendMode = Literal["continue", "abort", "in_place"]
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and vLLM's default --max-logprobs
 _ENGINE_PAUSE_MODE = {"continue": "abort", "abort": "abort", "in_place": "in_place"}
 # What a WeightBucket's bytes hold ("" is safetensors).
@@ -96,6 +98,7 @@ class _InFlight:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     on_tokens: OnTokens | None = None
     streamed: int = 0  # tokens handed to on_tokens
+    lane: Lane | None = None  # whose request it is (set by ``generate``)
     slot: EngineSlot | None = None
     engine_rid: str = ""
     t0: float = field(default_factory=time.perf_counter)
@@ -165,6 +168,12 @@ _UPDATE_FAILURE_CAUSES = {
     TimeoutError: "timeout",
     ValueError: "bad_response",
 }
+
+
+def _done(slot: EngineSlot, version: int) -> dict:
+    return {"engine": slot.name, "success": True, "weight_version": version, "message": "", "cause": ""}
+
+
 _NO_ENGINE = {
     "engine": "",
     "success": False,
@@ -181,16 +190,13 @@ class LLMProxy:
         slots = [EngineSlot(name=f"engine-{i}", url=u) for i, u in enumerate(config.engine_urls)]
         self.router = Router(slots, config.affinity_capacity)
         self.clients = {s.name: client_factory(s.url, timeout_s=config.request_timeout_s) for s in slots}
-        self._open = asyncio.Event()
-        self._open.set()
-        self._mode: SuspendMode = "continue"
-        self._suspend_epoch = 0  # bumped by every suspend: tells a segment it was cut by one
+        self.base = Lane("")  # the run that owns the engines' weights
+        self.lanes = {"": self.base, **{name: Lane(name) for name in config.runs}}
         self._in_flight: dict[str, _InFlight] = {}
         self._last_update: tuple[str, int] | None = None  # (model_path, version) every engine should serve
         self._bucket_update: _BucketUpdate | None = None  # an in-memory update under way
         self._group: _GroupPlan | None = None  # the collective transport's group, once planned
         self._lease: asyncio.Task | None = None  # colocated: ends a memory release the trainer never ended
-        self.weight_version = 0
         self.counters: Counter[str] = Counter()
         self._seq = itertools.count()
         self._health_task: asyncio.Task | None = None
@@ -213,18 +219,46 @@ class LLMProxy:
 
     @property
     def suspended(self) -> bool:
-        return not self._open.is_set()
+        return self.base.suspended
+
+    @property
+    def weight_version(self) -> int:
+        """The proxy's own run's version."""
+        return self.base.version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.base.version = version
+
+    def lane(self, run: str) -> Lane:
+        """``run``'s lane ("": the proxy's own); ``RequestInvalid`` naming ``run`` for one it does not serve."""
+        lane = self.lanes.get(run)
+        if lane is None:
+            raise RequestInvalid("run", f"{run!r} is not one of proxy.runs {sorted(self.lanes)[1:]}")
+        return lane
+
+    def owns_weights(self, run: str, what: str) -> None:
+        """Refuse ``what`` (a call that changes the engines themselves: their weights, memory or
+        groups) to a run that shares them."""
+        if run:
+            raise RequestInvalid(
+                "run",
+                f"{run!r} shares this proxy's engines: {what} would change them for every run; a shared run "
+                "publishes its adapter (train_loop.publisher: {type: disk, adapter: true})",
+            )
 
     # ------------------------------------------------------------------ generate
-    async def generate(self, req: ProxyRequest, on_tokens: OnTokens | None = None) -> ProxyResult:
-        """Generate ``req``. ``on_tokens`` streams it: each piece of new tokens is handed over as the
-        engine makes it, across weight updates. An engine that fails after handing some over ends
-        the request as aborted (a retry elsewhere would hand tokens over again)."""
+    async def generate(self, req: ProxyRequest, on_tokens: OnTokens | None = None, run: str = "") -> ProxyResult:
+        """Generate ``req`` for ``run`` (its lane's gate and adapter). ``on_tokens`` streams it: each
+        piece of new tokens is handed over as the engine makes it, across weight updates. An engine
+        that fails after handing some over ends the request as aborted (a retry elsewhere would
+        hand tokens over again)."""
         _validate(req)
+        lane = self.lane(run)
         req.request_id = req.request_id or uuid.uuid4().hex
         if req.request_id in self._in_flight:
             raise RequestInvalid("request_id", f"{req.request_id!r} is already in flight")
-        fl = _InFlight(req, ProxyResult(request_id=req.request_id), on_tokens=on_tokens)
+        fl = _InFlight(req, ProxyResult(request_id=req.request_id), on_tokens=on_tokens, lane=lane)
         deadline = fl.t0 + (req.timeout_s or self.config.request_timeout_s)
         self._in_flight[req.request_id] = fl
         self.counters["requests"] += 1
@@ -251,7 +285,7 @@ class LLMProxy:
                     return
                 raise NoEngineAvailable(f"no engine in rotation ({len(failed)} failed this request)")
             params = req.sampling_params.model_copy(update={"max_new_tokens": max_new - len(res.output_ids)})
-            epoch = self._suspend_epoch
+            epochs = (self.base.epoch, fl.lane.epoch)
             t_call = time.perf_counter()
             try:
                 out = await self._call_engine(fl, slot, req.input_ids + res.output_ids, params, deadline)
@@ -297,7 +331,8 @@ class LLMProxy:
             if fl.aborted.is_set() or time.perf_counter() >= deadline:
                 res.finish_reason = FinishReason.ABORT if fl.aborted.is_set() else FinishReason.TIMEOUT
                 return
-            if self._suspend_epoch == epoch or self._mode != "continue":
+            cut = self._cut_by(fl.lane, epochs)
+            if cut is None or cut.mode != "continue":
                 res.finish_reason = FinishReason.ABORT  # aborted at the engine by someone else, or abort mode
                 return
             if len(res.output_ids) >= max_new:
@@ -305,18 +340,31 @@ class LLMProxy:
                 return
             # Suspended in "continue" mode: wait for resume, then go on from the partial tokens.
 
+    def _cut_by(self, lane: Lane, epochs: tuple[int, int]) -> Lane | None:
+        """The lane whose suspend cut a segment begun at ``epochs``: the proxy's own (it pauses every
+        engine), else ``lane``'s; None when neither suspended since."""
+        if self.base.epoch != epochs[0]:
+            return self.base
+        return lane if lane.epoch != epochs[1] else None
+
     async def _wait_open(self, fl: _InFlight, deadline: float) -> bool:
-        if self._open.is_set() and not fl.aborted.is_set():
-            return True
+        """Wait until neither the proxy's gate nor the request's lane's is closed."""
         t0 = time.perf_counter()
-        waiters = [asyncio.ensure_future(self._open.wait()), asyncio.ensure_future(fl.aborted.wait())]
         try:
-            await asyncio.wait(waiters, timeout=max(0.0, deadline - time.perf_counter()), return_when="FIRST_COMPLETED")
+            while not fl.aborted.is_set():
+                closed = next((g for g in (self.base.gate, fl.lane.gate) if not g.is_set()), None)
+                remaining = deadline - time.perf_counter()
+                if closed is None or remaining <= 0:
+                    return closed is None
+                waiters = [asyncio.ensure_future(closed.wait()), asyncio.ensure_future(fl.aborted.wait())]
+                try:
+                    await asyncio.wait(waiters, timeout=remaining, return_when="FIRST_COMPLETED")
+                finally:
+                    for w in waiters:
+                        w.cancel()
+            return False
         finally:
-            for w in waiters:
-                w.cancel()
             fl.result.queue_time_s += time.perf_counter() - t0
-        return self._open.is_set() and not fl.aborted.is_set()
 
     async def _call_engine(self, fl: _InFlight, slot: EngineSlot, ids: list[int], params: dict, deadline: float):
         """One engine call. On the deadline, abort it there and take the partial output back."""
@@ -333,6 +381,9 @@ class LLMProxy:
             extra["return_routed_experts"] = True
         if fl.request.images:  # a continuation sends them again: its prompt's placeholders are expanded anew
             extra["image_data"] = fl.image_data
+        lane, adapter, version = fl.lane, fl.lane.adapter, fl.lane.version  # what this segment is served with
+        if adapter is not None:
+            extra["lora_path"] = adapter
         if fl.on_tokens is not None:
 
             def on_tokens(new: list[int]) -> None:
@@ -353,15 +404,25 @@ class LLMProxy:
                 if not done:
                     task.cancel()
                     return None
-            return task.result()
+            out = task.result()
+            if lane is not self.base or adapter is not None:
+                # A lane's version is its run's, whatever the base weights' (vLLM reports no adapter's)
+                out.token_versions, out.weight_version = [version] * len(out.output_ids), version
+            return out
         finally:
             slot.in_flight -= 1
             slot.outstanding_tokens -= cost
             fl.slot = None
 
     # ------------------------------------------------------------------ control
-    async def abort(self, request_id: str = "", abort_all: bool = False) -> int:
-        victims = [f for rid, f in self._in_flight.items() if abort_all or rid == request_id]
+    async def abort(self, request_id: str = "", abort_all: bool = False, run: str = "") -> int:
+        """Abort a request, or all; a run that shares the engines aborts its own requests only."""
+        lane = self.lane(run)
+        victims = [
+            f
+            for rid, f in self._in_flight.items()
+            if (abort_all or rid == request_id) and (lane is self.base or f.lane is lane)
+        ]
         for fl in victims:
             fl.aborted.set()
         calls = [
@@ -372,27 +433,53 @@ class LLMProxy:
         await asyncio.gather(*calls, return_exceptions=True)
         return len(victims)
 
-    async def suspend(self, mode: SuspendMode = "continue", timeout_s: float = 0.0) -> int:
+    async def suspend(self, mode: SuspendMode = "continue", timeout_s: float = 0.0, run: str = "") -> int:
         if mode not in _ENGINE_PAUSE_MODE:
             raise RequestInvalid("mode", f"must be one of {sorted(_ENGINE_PAUSE_MODE)}, got {mode!r}")
         _check_timeout(timeout_s)
-        self._mode = mode
-        self._suspend_epoch += 1
-        self._open.clear()
+        lane = self.lane(run)
+        if lane is not self.base:
+            return await self._suspend_lane(lane, mode, timeout_s)
+        lane.mode = mode
+        lane.epoch += 1
+        lane.gate.clear()
         n = len(self._in_flight)
         timeout = timeout_s or self.config.control_timeout_s
         await self._fan_out(lambda c: c.pause(_ENGINE_PAUSE_MODE[mode], timeout_s=timeout), "pause")
         self.counters["suspends"] += 1
         return n
 
-    async def resume(self, timeout_s: float = 0.0) -> None:
+    async def _suspend_lane(self, lane: Lane, mode: SuspendMode, timeout_s: float) -> int:
+        """Stop one run's requests, no other's: close its gate and abort its engine calls (``continue``
+        re-submits them after ``resume``, with the adapter it then has)."""
+        if mode == "in_place":
+            raise RequestInvalid(
+                "mode",
+                f"run {lane.name!r} shares its engines: they pause every request or none (SGLang, vLLM), so a "
+                "shared run suspends in continue or abort mode (controller.suspend_mode)",
+            )
+        lane.mode = mode
+        lane.epoch += 1
+        lane.gate.clear()
+        mine = [f for f in self._in_flight.values() if f.lane is lane]
+        timeout = timeout_s or self.config.control_timeout_s
+        calls = [self.clients[f.slot.name].abort(f.engine_rid, timeout_s=timeout) for f in mine if f.slot is not None]
+        await asyncio.gather(*calls, return_exceptions=True)  # one that fails ends at its deadline, as any
+        self.counters["suspends"] += 1
+        return len(mine)
+
+    async def resume(self, timeout_s: float = 0.0, run: str = "") -> None:
         _check_timeout(timeout_s)
+        lane = self.lane(run)
+        if lane is not self.base:
+            lane.gate.set()
+            return
         if self._lease is not None:  # the update that follows a memory release resumes: the lease is done
             self._lease.cancel()
             self._lease = None
         timeout = timeout_s or self.config.control_timeout_s
         await self._fan_out(lambda c: c.resume(timeout_s=timeout), "resume")
-        self._open.set()
+        self.base.gate.set()
 
     # ------------------------------------------------------------------ colocated engines
     async def release_memory(self, tags: list[str], lease_s: float, timeout_s: float = 0.0) -> tuple[bool, list[dict]]:
@@ -437,8 +524,12 @@ class LLMProxy:
         ok = bool(slots) and all(r["success"] for r in results)
         return ok, (list(results) if slots else [_NO_ENGINE])
 
-    async def update_weights(self, model_path: str, version: int, timeout_s: float = 0.0) -> tuple[bool, list[dict]]:
+    async def update_weights(
+        self, model_path: str, version: int, timeout_s: float = 0.0, run: str = "", adapter: bool = False
+    ) -> tuple[bool, list[dict]]:
         """Load ``model_path`` on every engine in rotation; succeed only if all confirm ``version``.
+        ``adapter``: it is a LoRA adapter (PEFT's directory) the engines serve by name to ``run``'s
+        requests, over unchanged base weights; a run that shares the engines publishes nothing else.
 
         Engines out of rotation are brought to this version before they rejoin (health loop).
         """
@@ -446,10 +537,63 @@ class LLMProxy:
             raise RequestInvalid("model_path", "must not be empty")
         _check_timeout(timeout_s)
         timeout = timeout_s or self.config.update_weights_timeout_s
+        lane = self.lane(run)
+        if adapter:
+            return await self._update_adapter(lane, model_path, version, timeout)
+        self.owns_weights(run, "a full-weight update")
         self._bucket_update = None  # a whole directory supersedes an in-memory update under way
         slots = [s for s in self.router.engines if s.healthy]
         results = await asyncio.gather(*(self._load_from_disk(s, model_path, version, timeout) for s in slots))
-        return self._updated(slots, list(results), model_path, version)
+        ok, results = self._updated(slots, list(results), model_path, version)
+        if ok and lane.adapter is not None:  # the policy is the new full weights now
+            await self._swap_adapter(lane, None, "", version, slots)
+        return ok, results
+
+    # ------------------------------------------------------------------ adapters
+    async def _update_adapter(self, lane: Lane, path: str, version: int, timeout: float) -> tuple[bool, list[dict]]:
+        """Every engine in rotation loads the adapter in ``path`` under a new name; once all have, the
+        lane's requests use it and its previous adapter is unloaded. Version 0 is the base weights
+        (a new LoRA policy computes what its base does): the lane's adapter is dropped. A failure
+        unloads what was loaded and leaves the lane as it was."""
+        slots = [s for s in self.router.engines if s.healthy]
+        name = lane.adapter_name(version) if version else None
+        if name is None:
+            results = [_done(s, version) for s in slots]
+        else:
+            results = list(await asyncio.gather(*(self._load_adapter(s, name, path, version, timeout) for s in slots)))
+        ok, results = self._outcome(slots, results)
+        if not ok:
+            loaded = [s for s, r in zip(slots, results) if r["success"]]
+            if name is not None:
+                await self._unload(name, loaded)
+            return ok, results
+        await self._swap_adapter(lane, name, path, version, slots)
+        self.counters["weight_updates"] += 1
+        return ok, results
+
+    async def _swap_adapter(self, lane: Lane, name: str | None, path: str, version: int, slots: list) -> None:
+        old, lane.adapter, lane.path, lane.version = lane.adapter, name, path, version
+        lane.held = {s.name: version for s in slots}
+        if old is not None:
+            await self._unload(old, [s for s in self.router.engines if s.healthy])
+
+    async def _load_adapter(self, slot: EngineSlot, name: str, path: str, version: int, timeout: float) -> dict:
+        try:
+            await asyncio.wait_for(self.clients[slot.name].load_lora_adapter(name, path, timeout_s=timeout), timeout)
+        except (EngineUnavailable, EngineRejected, TimeoutError, ValueError) as e:
+            cause = _UPDATE_FAILURE_CAUSES.get(type(e), "error")
+            return {"engine": slot.name, "success": False, "weight_version": -1, "message": str(e), "cause": cause}
+        return _done(slot, version)
+
+    async def _unload(self, name: str, slots: list[EngineSlot]) -> None:
+        """Unload adapter ``name`` where it was loaded. One that stays (an engine that fails the call)
+        costs memory only: no request names it again."""
+        timeout = self.config.control_timeout_s
+        calls = [self.clients[s.name].unload_lora_adapter(name, timeout_s=timeout) for s in slots]
+        for s, r in zip(slots, await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(r, Exception):
+                self.counters["adapter_unload_failures"] += 1
+                log.warning("engine %s: unloading adapter %s failed: %s", s.name, name, r)
 
     async def update_weights_bucket(
         self,
@@ -693,6 +837,8 @@ class LLMProxy:
         if slot.healthy:
             log.warning("engine %s (%s) out of rotation: %s", slot.name, slot.url, why)
         slot.healthy = False
+        for lane in self.lanes.values():  # it may come back without them (a restarted engine)
+            lane.held.pop(slot.name, None)
         slot.failures_total += 1
         self.counters["engine_failures"] += 1
 
@@ -723,14 +869,30 @@ class LLMProxy:
                 res = await self._load_from_disk(slot, *self._last_update, self.config.update_weights_timeout_s)
                 if not res["success"]:
                     return
+            if not await self._reload_adapters(slot):
+                return
             if self.suspended:
-                await client.pause(_ENGINE_PAUSE_MODE[self._mode], timeout_s=self.config.control_timeout_s)
+                await client.pause(_ENGINE_PAUSE_MODE[self.base.mode], timeout_s=self.config.control_timeout_s)
             else:
                 await client.resume(timeout_s=self.config.control_timeout_s)
         except (EngineUnavailable, EngineRejected, ValueError):
             return
         log.info("engine %s (%s) back in rotation", slot.name, slot.url)
         slot.healthy = True
+
+    async def _reload_adapters(self, slot: EngineSlot) -> bool:
+        """Bring a rejoining engine every lane's adapter (one that restarted has none; one that only
+        missed health checks holds them already: unloaded first)."""
+        for lane in self.lanes.values():
+            if lane.adapter is None or lane.held.get(slot.name) == lane.version:
+                continue
+            with contextlib.suppress(EngineUnavailable, EngineRejected, TimeoutError):
+                await self.clients[slot.name].unload_lora_adapter(lane.adapter, timeout_s=self.config.control_timeout_s)
+            timeout = self.config.update_weights_timeout_s
+            if not (await self._load_adapter(slot, lane.adapter, lane.path, lane.version, timeout))["success"]:
+                return False
+            lane.held[slot.name] = lane.version
+        return True
 
     async def _health_loop(self) -> None:
         while True:
@@ -740,12 +902,20 @@ class LLMProxy:
             except Exception:  # the loop must outlive any single probe
                 log.exception("health check round failed")
 
-    def stats(self) -> dict:
+    def stats(self, run: str = "") -> dict:
+        """As ``run`` sees it: its lane's gate, requests and version, and each engine's version of
+        its policy (for a lane with an adapter, the adapter's version the engine holds, -1: none)."""
+        lane = self.lane(run)
+        engines = [vars(s).copy() for s in self.router.engines]
+        if lane is not self.base or lane.adapter is not None:
+            for e in engines:
+                e["weight_version"] = lane.held.get(e["name"], -1) if lane.adapter else lane.version
+        mine = [f for f in self._in_flight.values() if lane is self.base or f.lane is lane]
         return {
-            "suspended": self.suspended,
-            "in_flight": len(self._in_flight),
+            "suspended": self.suspended or lane.suspended,
+            "in_flight": len(mine),
             "requests_total": self.counters["requests"],
             "retries_total": self.counters["retries"],
-            "weight_version": self.weight_version,
-            "engines": [vars(s).copy() for s in self.router.engines],
+            "weight_version": lane.version,
+            "engines": engines,
         }

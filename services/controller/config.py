@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 
 class ControllerConfig(BaseModel):
@@ -56,6 +56,9 @@ class ControllerConfig(BaseModel):
         "slots: it died and did not come back under its name. EnvManagers report at least every "
         "env_manager.heartbeat_s, so keep this several of those.",
     )
+    # The run publishes a LoRA adapter the engines serve by name (train_loop.publisher: disk with
+    # adapter), so restoring a version loads an adapter: set when the run config loads.
+    _adapter_updates: bool = PrivateAttr(False)
     host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
     port: int = Field(50053, ge=0, le=65535, description="gRPC port.")
     metrics_port: int = Field(9103, ge=0, le=65535, description="Prometheus /metrics port; 0 disables it.")

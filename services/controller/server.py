@@ -30,8 +30,9 @@ class ProxyControl:
 
     _MODES = {"continue": llm_proxy_pb2.SUSPEND_MODE_CONTINUE, "in_place": llm_proxy_pb2.SUSPEND_MODE_IN_PLACE}
 
-    def __init__(self, client: ProxyClient, timeout_s: float, mode: str = "continue") -> None:
+    def __init__(self, client: ProxyClient, timeout_s: float, mode: str = "continue", adapter: bool = False) -> None:
         self.client, self.timeout_s, self.mode = client, timeout_s, self._MODES[mode]
+        self.adapter = adapter  # the versions' directories are LoRA adapters the engines serve by name
 
     async def suspend(self) -> None:
         await self.client.suspend(self.mode, timeout_s=self.timeout_s)
@@ -45,7 +46,7 @@ class ProxyControl:
         return [stats.weight_version, *(e.weight_version for e in stats.engines if e.healthy)]
 
     async def update_weights(self, model_path: str, version: int) -> None:
-        res = await self.client.update_weights(model_path, version, timeout_s=self.timeout_s)
+        res = await self.client.update_weights(model_path, version, timeout_s=self.timeout_s, adapter=self.adapter)
         if not res.success:
             raise RuntimeError("; ".join(f"{e.engine}: {e.message}" for e in res.engines if not e.success))
 
@@ -240,7 +241,11 @@ async def start_controller(
     proxy_client = ProxyClient(proxy_address, timeout_s=config.control_timeout_s, auth=auth)
     buffer = BufferCounts(BufferClient(buffer_address, config.control_timeout_s, auth)) if buffer_address else None
     clients = _Clients(proxy_client, buffer)
-    ctl = AsyncController(config, ProxyControl(proxy_client, config.control_timeout_s, config.suspend_mode), buffer)
+    ctl = AsyncController(
+        config,
+        ProxyControl(proxy_client, config.control_timeout_s, config.suspend_mode, config._adapter_updates),
+        buffer,
+    )
     try:
         await ctl.restore()  # before serving: nothing is admitted until the engines serve the saved version
     except BaseException:

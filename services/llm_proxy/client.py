@@ -78,9 +78,12 @@ class ProxyClient:
         return await self.stub.Abort(pb.AbortRequest(request_id=request_id, abort_all=abort_all), timeout=30)
 
     async def update_weights(
-        self, model_path: str, weight_version: int, timeout_s: float = 120.0
+        self, model_path: str, weight_version: int, timeout_s: float = 120.0, adapter: bool = False
     ) -> pb.UpdateWeightsResponse:
-        req = pb.UpdateWeightsRequest(model_path=model_path, weight_version=weight_version, timeout_s=timeout_s)
+        """``adapter``: ``model_path`` is a LoRA adapter served to this caller's run by name."""
+        req = pb.UpdateWeightsRequest(
+            model_path=model_path, weight_version=weight_version, timeout_s=timeout_s, adapter=adapter
+        )
         return await self.stub.UpdateWeights(req, timeout=timeout_s + 10)
 
     async def update_weights_bucket(

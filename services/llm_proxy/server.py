@@ -16,7 +16,7 @@ from rollout.engines.http_engine import HTTPEngineClient
 from rollout.proxy import LLMProxy, ProxyConfig, ProxyRequest, RequestInvalid
 from rollout.proxy.proxy import UPDATE_FAILURE_CAUSES, NoEngineAvailable
 from sample_buffer.trajectory import FinishReason
-from services.auth import AuthConfig, http_headers
+from services.auth import AuthConfig, RunTokens, http_headers
 from services.convert import finish_to_pb, routed_experts_to_pb, sampling_from_pb
 from services.engine.backends import ENGINE_APIS
 from services.grpc_util import serve_until_signal, start_server, unary_service
@@ -86,6 +86,23 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "rollmesh_proxy_retries", "Requests retried on another engine", value=p.counters["retries"]
         )
+        runs = {
+            "version": GaugeMetricFamily(
+                "rollmesh_proxy_run_weight_version", "A shared run's policy version (proxy.runs)", labels=["run"]
+            ),
+            "suspended": GaugeMetricFamily(
+                "rollmesh_proxy_run_suspended", "1 while a shared run's requests are suspended", labels=["run"]
+            ),
+            "in_flight": GaugeMetricFamily(
+                "rollmesh_proxy_run_in_flight_requests", "A shared run's Generate calls in flight", labels=["run"]
+            ),
+        }
+        for name in list(p.lanes)[1:]:
+            st = p.stats(name)
+            runs["version"].add_metric([name], st["weight_version"])
+            runs["suspended"].add_metric([name], float(p.lanes[name].suspended))
+            runs["in_flight"].add_metric([name], st["in_flight"])
+        yield from runs.values()
 
 
 class ProxyMetrics:
@@ -175,10 +192,22 @@ def _response(res) -> pb.GenerateResponse:
     )
 
 
-def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHandler:
+def build_handler(proxy: LLMProxy, metrics: ProxyMetrics, runs: RunTokens | None = None) -> grpc.GenericRpcHandler:
+    """``runs``: the tokens of the runs that share the engines (``proxy.runs``); a call's token
+    decides whose lane it acts on, never a field of the request."""
+
+    def run_of(ctx) -> str:
+        return runs.of(ctx) if runs is not None else ""
+
+    async def owner_only(ctx, what: str) -> None:
+        try:
+            proxy.owns_weights(run_of(ctx), what)
+        except RequestInvalid as e:
+            await ctx.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+
     async def generate(req: pb.GenerateRequest, ctx) -> pb.GenerateResponse:
         try:
-            res = await proxy.generate(_request(req))
+            res = await proxy.generate(_request(req), run=run_of(ctx))
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NoEngineAvailable as e:
@@ -192,7 +221,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
         preq = _request(req)
         preq.request_id = preq.request_id or uuid.uuid4().hex  # known here: the abort below needs it
         pieces: asyncio.Queue[list[int]] = asyncio.Queue()
-        task = asyncio.ensure_future(proxy.generate(preq, on_tokens=pieces.put_nowait))
+        task = asyncio.ensure_future(proxy.generate(preq, on_tokens=pieces.put_nowait, run=run_of(ctx)))
         try:
             async for ids in until_done(pieces, task):
                 yield pb.GenerateChunk(output_ids=ids)
@@ -213,33 +242,39 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
     async def abort(req: pb.AbortRequest, ctx) -> pb.AbortResponse:
         if not req.request_id and not req.abort_all:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: give one or set abort_all")
-        return pb.AbortResponse(num_aborted=await proxy.abort(req.request_id, req.abort_all))
+        return pb.AbortResponse(num_aborted=await proxy.abort(req.request_id, req.abort_all, run_of(ctx)))
 
     async def suspend(req: pb.SuspendRequest, ctx) -> pb.SuspendResponse:
         if req.mode not in _MODES:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode: unknown suspend mode {req.mode}")
         try:
-            return pb.SuspendResponse(num_in_flight=await proxy.suspend(_MODES[req.mode], req.timeout_s))
+            n = await proxy.suspend(_MODES[req.mode], req.timeout_s, run_of(ctx))
+            return pb.SuspendResponse(num_in_flight=n)
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def resume(req: pb.ResumeRequest, ctx) -> pb.ResumeResponse:
         try:
-            await proxy.resume(req.timeout_s)
+            await proxy.resume(req.timeout_s, run_of(ctx))
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.ResumeResponse()
 
     async def update_weights(req: pb.UpdateWeightsRequest, ctx) -> pb.UpdateWeightsResponse:
+        if not req.adapter:
+            await owner_only(ctx, "a full-weight update")
         try:
             with metrics.update_seconds.time():
-                ok, results = await proxy.update_weights(req.model_path, req.weight_version, req.timeout_s)
+                ok, results = await proxy.update_weights(
+                    req.model_path, req.weight_version, req.timeout_s, run_of(ctx), req.adapter
+                )
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         metrics.observe_update(ok, results)
         return pb.UpdateWeightsResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
 
     async def update_weights_bucket(pieces, ctx) -> pb.UpdateWeightsResponse:
+        await owner_only(ctx, "an in-memory weight update")
         req, data = await receive_bucket(pieces, ctx)
         try:
             ok, results = await proxy.update_weights_bucket(
@@ -260,6 +295,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
         return pb.UpdateWeightsResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
 
     async def init_weights_group(req: pb.InitWeightsGroupRequest, ctx) -> pb.InitWeightsGroupResponse:
+        await owner_only(ctx, "a weight-update group")
         try:
             world, engines = await proxy.init_weights_group(
                 req.master_address, req.master_port, req.group_name, req.backend, req.timeout_s
@@ -269,6 +305,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
         return pb.InitWeightsGroupResponse(world_size=world, engines=engines)
 
     async def update_weights_distributed(req: pb.DistributedBucket, ctx) -> pb.UpdateWeightsResponse:
+        await owner_only(ctx, "a collective weight update")
         try:
             ok, results = await proxy.update_weights_distributed(
                 req.weight_version,
@@ -288,6 +325,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
         return pb.UpdateWeightsResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
 
     async def release_memory(req: pb.MemoryRequest, ctx) -> pb.MemoryResponse:
+        await owner_only(ctx, "releasing memory")
         try:
             ok, results = await proxy.release_memory(list(req.tags), req.lease_s, req.timeout_s)
         except RequestInvalid as e:
@@ -295,6 +333,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
         return pb.MemoryResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
 
     async def resume_memory(req: pb.MemoryRequest, ctx) -> pb.MemoryResponse:
+        await owner_only(ctx, "taking memory back")
         try:
             ok, results = await proxy.resume_memory(list(req.tags), req.timeout_s)
         except RequestInvalid as e:
@@ -302,7 +341,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics) -> grpc.GenericRpcHand
         return pb.MemoryResponse(success=ok, engines=[pb.EngineUpdateResult(**r) for r in results])
 
     async def stats(req: pb.StatsRequest, ctx) -> pb.ProxyStats:
-        s = proxy.stats()
+        s = proxy.stats(run_of(ctx))
         engines = [
             pb.EngineStats(
                 name=e["name"],
@@ -367,15 +406,17 @@ async def start_proxy(config: ProxyConfig, auth: AuthConfig | None = None) -> tu
     (default: from the environment) guards its RPCs and goes with every call to an engine."""
     auth = auth or AuthConfig()
     clients = functools.partial(engine_client, auth=auth, api=config.engine_api)
+    runs = RunTokens(config.runs, auth)  # before anything starts: a run without its tokens is refused
     proxy = await LLMProxy(config, client_factory=clients).start()
     metrics = ProxyMetrics(proxy)
     server = await start_server(
-        build_handler(proxy, metrics),
+        build_handler(proxy, metrics, runs),
         SERVICE,
         config.host,
         config.port,
         [*BOUNDED_WINDOW_OPTIONS, ("grpc.max_receive_message_length", PROXY_MAX_MESSAGE_BYTES)],
         auth=auth,
+        runs=runs,
     )
     serve_metrics(metrics.registry, config.host, config.metrics_port, "LLMProxy")
     return server, proxy

@@ -4,6 +4,10 @@ under ``RUN_DIR/weights/v<version>``, and the LLMProxy has every engine load it
 back to, what an engine that rejoins is brought up to, and what every other transport writes
 first (before generation is suspended).
 
+With ``adapter: true`` a LoRA policy's adapter alone is written (PEFT's directory, bytes in
+proportion to the rank), and the engines serve it by name beside their unchanged base weights
+(``rollout/proxy/lanes.py``): how a run that shares another's engines publishes.
+
 Engine side (``add_engine_routes``): the embedded engine's ``/update_weights_from_disk``, which loads
 only below the model's directory and ``engine.load_roots``; SGLang's and vLLM's own routes.
 """
@@ -24,18 +28,26 @@ from trainer.ports import PublishError
 
 
 class DiskPublisher:
-    def __init__(self, proxy: ProxyClient | None, run_dir: str | Path, keep_versions: int = 2) -> None:
+    def __init__(
+        self, proxy: ProxyClient | None, run_dir: str | Path, keep_versions: int = 2, adapter: bool = False
+    ) -> None:
         self.proxy, self.weights_dir, self.keep = proxy, Path(run_dir) / "weights", keep_versions
+        self.adapter = adapter
         self.path = ""  # the exported version's directory (rank 0)
+        self.stats: dict[str, float] = {}
 
     def export(self, engine, version: int, state: dict | None = None) -> str:
-        out = engine.export(self.weights_dir / f"v{version}", state)  # every rank gathers, rank 0 writes
+        out_dir = self.weights_dir / f"v{version}"
+        # every rank gathers, rank 0 writes
+        out = engine.export_adapter(out_dir) if self.adapter else engine.export(out_dir, state)
         self.path = "" if out is None else str(out)
+        if out is not None:
+            self.stats = {"weight_update_bytes": sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())}
         return self.path
 
     async def load(self, version: int, timeout_s: float) -> None:
         try:
-            res = await self.proxy.update_weights(self.path, version, timeout_s=timeout_s)
+            res = await self.proxy.update_weights(self.path, version, timeout_s=timeout_s, adapter=self.adapter)
         except grpc.aio.AioRpcError as e:
             raise PublishError(f"LLMProxy: {project_error(e)}") from None
         if not res.success:
@@ -54,9 +66,15 @@ class DiskPublisherConfig(BaseModel):
     sends_tensors: ClassVar[bool] = False  # more than a directory: the trainer must hold real weights
     colocates: ClassVar[bool] = True  # works with the trainer and an engine on one GPU
     type: Literal["disk"] = Field("disk", description="Every engine loads the exported directory.")
+    adapter: bool = Field(
+        False,
+        description="A LoRA policy (trainer.lora): write its adapter alone (PEFT's directory, bytes in proportion "
+        "to the rank), which the engines serve by name beside their unchanged base weights. A run that shares "
+        "another's engines (proxy.runs) publishes this way.",
+    )
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> DiskPublisher:
-        return DiskPublisher(proxy, run_dir, keep_versions)
+        return DiskPublisher(proxy, run_dir, keep_versions, self.adapter)
 
 
 class UpdateFromDiskReq(BaseModel):

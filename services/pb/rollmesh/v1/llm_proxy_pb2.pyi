@@ -150,14 +150,16 @@ class ResumeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("model_path", "weight_version", "timeout_s")
+    __slots__ = ("model_path", "weight_version", "timeout_s", "adapter")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     weight_version: int
     timeout_s: float
-    def __init__(self, model_path: _Optional[str] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    adapter: bool
+    def __init__(self, model_path: _Optional[str] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., adapter: _Optional[bool] = ...) -> None: ...
 
 class EngineUpdateResult(_message.Message):
     __slots__ = ("engine", "success", "weight_version", "message", "cause")

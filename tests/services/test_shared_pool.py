@@ -1,0 +1,205 @@
+"""Two training runs on one LLMProxy and its engines (``proxy.runs``, rollout/proxy/lanes.py), over
+real gRPC and two real embedded engine processes: each run's requests are served with its own LoRA
+adapter at its own version, a run's suspend stops its requests only, and a run's tokens reach
+nothing of another run's nor the engines' base weights."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import grpc
+import pytest
+from pydantic import SecretStr
+
+from rollout.proxy import ProxyConfig
+from services.auth import AuthConfig, AuthError, RunTokens
+from services.llm_proxy.client import ProxyClient
+from services.llm_proxy.server import start_proxy
+from services.pb.rollmesh.v1 import common_pb2
+from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
+from services.processes import start_engine_process, stop_process
+from tests.engines import TEST_LOAD_ROOTS
+from tests.rollout.test_engine_lora import PROMPTS, _adapter, _greedy
+
+RUNS = {"math": ("RM_TEST_MATH_TOKEN", "RM_TEST_MATH_CONTROL"), "code": ("RM_TEST_CODE_TOKEN", "RM_TEST_CODE_CONTROL")}
+N = 12  # what _greedy generates
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("shared_adapters")
+    return {name: (root / name, _adapter(tiny_model, root / name, seed)) for name, seed in (("a", 1), ("b", 2))}
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_model):
+    procs = [start_engine_process(tiny_model, extra=TEST_LOAD_ROOTS) for _ in range(2)]
+    yield [url for _, url in procs]
+    for p, _ in procs:
+        stop_process(p)
+
+
+@pytest.fixture
+def run_tokens(monkeypatch) -> dict[str, AuthConfig]:
+    """Each run's tokens in the proxy's environment; each run's own auth (what its mesh holds)."""
+    out = {}
+    for name, (data_env, control_env) in RUNS.items():
+        data, control = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
+        monkeypatch.setenv(data_env, data)
+        monkeypatch.setenv(control_env, control)
+        out[name] = AuthConfig(token=SecretStr(data), control_token=SecretStr(control))
+    return out
+
+
+def run(scenario, urls, run_tokens):
+    """A proxy serving runs math and code; ``scenario(clients, proxy)`` with one client per run and
+    the pool's own ("")."""
+
+    async def main():
+        runs = {name: {"token_env": d, "control_token_env": c} for name, (d, c) in RUNS.items()}
+        config = ProxyConfig(engine_urls=urls, port=0, metrics_port=0, health_check_interval_s=0.2, runs=runs)
+        server, proxy = await start_proxy(config)
+        address = f"127.0.0.1:{server.bound_port}"
+        clients = {"": ProxyClient(address)} | {n: ProxyClient(address, auth=a) for n, a in run_tokens.items()}
+        try:
+            return await scenario(clients, proxy)
+        finally:
+            await asyncio.gather(*(c.close() for c in clients.values()))
+            await server.stop(0)
+            await proxy.close()
+
+    return asyncio.run(main())
+
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+async def publish(client: ProxyClient, path, version: int) -> pb.UpdateWeightsResponse:
+    """What a shared run's controller and trainer do: suspend its requests, load, resume."""
+    await client.suspend(pb.SUSPEND_MODE_CONTINUE)
+    try:
+        return await client.update_weights(str(path), version, adapter=True)
+    finally:
+        await client.resume()
+
+
+def test_each_run_is_served_its_own_adapter_at_its_own_version(pool, tiny_model, adapters, run_tokens):
+    base = [_greedy(tiny_model, None, p) for p in PROMPTS]
+    want = {k: [_greedy(tiny_model, adapters[k][1], p) for p in PROMPTS] for k in ("a", "b")}
+
+    async def answers(client):
+        outs = await asyncio.gather(*(client.generate(p, N, **GREEDY) for p in PROMPTS))
+        return [list(o.output_ids) for o in outs], {v for o in outs for v in o.token_versions}
+
+    async def scenario(clients, proxy):
+        assert await answers(clients["math"]) == (base, {0})  # a new LoRA policy is its base
+        assert (await publish(clients["math"], adapters["a"][0], 1)).success
+        assert (await publish(clients["code"], adapters["b"][0], 7)).success
+        # both runs and the pool's own at once, over both engines: each gets its own policy
+        got = await asyncio.gather(*(answers(clients[r]) for r in ("math", "code", "")))
+        assert got == [(want["a"], {1}), (want["b"], {7}), (base, {0})]
+        stats = {r: await clients[r].stats() for r in ("math", "code", "")}
+        assert [stats[r].weight_version for r in ("math", "code", "")] == [1, 7, 0]
+        assert {e.weight_version for e in stats["code"].engines} == {7}  # each engine holds code's v7
+
+        # A new version replaces the old: the old adapter is unloaded from every engine.
+        assert (await publish(clients["math"], adapters["b"][0], 2)).success
+        assert await answers(clients["math"]) == (want["b"], {2})
+        assert proxy.counters["adapter_unload_failures"] == 0
+        # Version 0 is the base again (a restore to the start).
+        assert (await publish(clients["code"], tiny_model, 0)).success
+        assert await answers(clients["code"]) == (base, {0})
+
+        # An adapter an engine cannot load: the update fails naming it, and the run keeps its policy.
+        res = await publish(clients["math"], "/nonexistent/adapter", 3)
+        assert not res.success and all("lora_path" in e.message for e in res.engines)
+        assert await answers(clients["math"]) == (want["b"], {2})
+
+    run(scenario, pool, run_tokens)
+
+
+def test_a_runs_suspend_stops_its_requests_only_and_they_continue_under_its_new_adapter(
+    pool, tiny_model, adapters, run_tokens
+):
+    from tests.services.proxy_waits import decoding
+
+    async def scenario(clients, proxy):
+        assert (await publish(clients["math"], adapters["a"][0], 1)).success
+        long = asyncio.ensure_future(clients["math"].generate([1, 2, 3], 600, **GREEDY))
+        await decoding(proxy)
+        assert (await clients["math"].suspend(pb.SUSPEND_MODE_CONTINUE)).num_in_flight == 1
+        assert (await clients["math"].stats()).suspended and not (await clients["code"].stats()).suspended
+        # code's requests (and the pool's own) run while math's wait: no engine was paused
+        other = await asyncio.gather(
+            clients["code"].generate([1, 5], N, **GREEDY), clients[""].generate([1], N, **GREEDY)
+        )
+        assert [len(o.output_ids) for o in other] == [N, N] and not long.done()
+        ok = await clients["math"].update_weights(str(adapters["b"][0]), 2, adapter=True)
+        await clients["math"].resume()
+        out = await long
+        assert ok.success and len(out.output_ids) == 600 and out.num_segments >= 2
+        versions = list(out.token_versions)  # its first tokens under v1, the rest under v2, in order
+        assert versions == sorted(versions) and set(versions) == {1, 2}
+
+        # A run's abort reaches its own requests only.
+        mine = asyncio.ensure_future(clients["math"].generate([1, 4], 600, **GREEDY))
+        theirs = asyncio.ensure_future(clients["code"].generate([1, 6], 200, **GREEDY))
+        await decoding(proxy)
+        await asyncio.sleep(0.1)
+        await clients["math"].abort(abort_all=True)
+        assert (await mine).finish_reason == common_pb2.FINISH_REASON_ABORT
+        assert len((await theirs).output_ids) == 200
+
+    run(scenario, pool, run_tokens)
+
+
+def test_a_runs_tokens_reach_neither_the_base_weights_nor_another_run(pool, tiny_model, adapters, run_tokens):
+    async def code(clients, status, call):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call
+        assert e.value.code() == status, e.value.details()
+        return e.value.details()
+
+    async def scenario(clients, proxy):
+        math = clients["math"]
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        # the base weights are the pool's: a full-weight update, buckets, memory, groups
+        assert "run" in await code(clients, denied, math.update_weights(tiny_model, 1))
+        assert "shares this proxy's engines" in await code(clients, denied, math.release_memory(60.0, ["kv_cache"]))
+        # in-place suspends pause whole engines: refused naming the mode
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        assert "mode" in await code(clients, invalid, math.suspend(pb.SUSPEND_MODE_IN_PLACE))
+        # a run's data token is not its control token
+        data = run_tokens["math"].token
+        data_only = ProxyClient(math.address, auth=AuthConfig(token=data, control_token=data))
+        try:
+            await code(clients, denied, data_only.suspend(pb.SUSPEND_MODE_CONTINUE))
+        finally:
+            await data_only.close()
+        stranger = ProxyClient(math.address, auth=AuthConfig(token=SecretStr("x"), control_token=SecretStr("y")))
+        try:
+            await code(clients, grpc.StatusCode.UNAUTHENTICATED, stranger.generate([1], N, **GREEDY))
+        finally:
+            await stranger.close()
+        # code's update and suspend never touch math's lane
+        assert (await publish(clients["code"], adapters["a"][0], 4)).success
+        assert (await math.stats()).weight_version == 0 and not proxy.lanes["math"].suspended
+
+    run(scenario, pool, run_tokens)
+
+
+def test_run_tokens_are_required_distinct_and_never_with_auth_disabled(monkeypatch, run_tokens):
+    runs = ProxyConfig(runs={n: {"token_env": d, "control_token_env": c} for n, (d, c) in RUNS.items()}).runs
+    mesh = AuthConfig(token=SecretStr("mesh-data"), control_token=SecretStr("mesh-control"))
+    assert set(RunTokens(runs, mesh).bearers[next(iter(RunTokens(runs, mesh).bearers))]) == set(RUNS)
+    monkeypatch.delenv("RM_TEST_CODE_CONTROL")
+    with pytest.raises(AuthError, match=r"proxy.runs.code.control_token_env: \$RM_TEST_CODE_CONTROL is not set"):
+        RunTokens(runs, mesh)
+    monkeypatch.setenv("RM_TEST_CODE_CONTROL", "mesh-data")  # one of the mesh's own
+    with pytest.raises(AuthError, match="differ"):
+        RunTokens(runs, mesh)
+    with pytest.raises(AuthError, match="auth.disabled"):
+        RunTokens(runs, AuthConfig(disabled=True))
+    with pytest.raises(ValueError, match="lower-case"):
+        ProxyConfig(runs={"Math!": {"token_env": "A", "control_token_env": "B"}})
