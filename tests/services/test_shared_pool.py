@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from pathlib import Path
 
 import grpc
 import pytest
@@ -203,3 +204,70 @@ def test_run_tokens_are_required_distinct_and_never_with_auth_disabled(monkeypat
         RunTokens(runs, AuthConfig(disabled=True))
     with pytest.raises(ValueError, match="lower-case"):
         ProxyConfig(runs={"Math!": {"token_env": "A", "control_token_env": "B"}})
+
+
+@pytest.mark.timeout(600)
+def test_two_lora_runs_train_side_by_side_on_one_engine_pool(tiny_model, tmp_path, monkeypatch, run_tokens):
+    """`rollmesh run` twice with run.num_engines 0 against one engine behind one LLMProxy that knows
+    both runs: each trains its own LoRA policy, publishes only its adapter, and ends with the proxy
+    serving it its last version; the engine's base weights never change."""
+    import json
+    import os
+    import subprocess
+
+    from services.auth import CONTROL_TOKEN_ENV, TOKEN_ENV
+    from services.processes import start_service_process
+    from tests.test_run_e2e import quickstart_cmd
+
+    engine, url = start_engine_process(tiny_model, extra=[f"load_roots=[{tmp_path}]"])
+    runs = ", ".join(f"{n}: {{token_env: {d}, control_token_env: {c}}}" for n, (d, c) in RUNS.items())
+    proxy, address = start_service_process(
+        "llm-proxy", "proxy", [f"engine_urls=[{url}]", "metrics_port=0", f"runs={{{runs}}}"]
+    )
+    steps = 2
+    procs = {}
+    try:
+        for name, auth in run_tokens.items():
+            cmd = quickstart_cmd(
+                tiny_model,
+                tmp_path / name,
+                "run.num_engines=0",
+                f"mesh.proxy={address}",
+                "trainer.lora={rank: 4, alpha: 8}",
+                "train_loop.publisher={type: disk, adapter: true}",
+                f"train_loop.steps={steps}",
+                "controller.groups_per_step=2",
+                "buffer.filter_zero_variance=false",
+                "run.heldout_path=null",
+            )
+            env = dict(os.environ)  # the run's own tokens: how the proxy knows it
+            env[TOKEN_ENV], env[CONTROL_TOKEN_ENV] = (
+                auth.token.get_secret_value(),
+                auth.control_token.get_secret_value(),
+            )
+            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        outs = {name: p.communicate(timeout=500)[0] for name, p in procs.items()}
+        for name, p in procs.items():
+            assert p.returncode == 0, outs[name][-3000:]
+            assert f"final: steps={steps} " in outs[name]
+            records = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            assert [r["step"] for r in records] == list(range(1, steps + 1))
+            adapter = tmp_path / name / "weights" / f"v{steps}"
+            assert (adapter / "adapter_config.json").is_file()  # PEFT's directory, not a model
+            model_bytes = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors"))
+            assert 0 < records[-1]["weight_update_bytes"] < model_bytes / 10
+
+        async def served():
+            clients = [ProxyClient(address, auth=a) for a in run_tokens.values()] + [ProxyClient(address)]
+            try:
+                return [(await c.stats()).weight_version for c in clients]
+            finally:
+                await asyncio.gather(*(c.close() for c in clients))
+
+        assert asyncio.run(served()) == [steps, steps, 0]  # each run's last version; the base untouched
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        stop_process(proxy)
+        stop_process(engine)
