@@ -43,6 +43,7 @@ _GROUPS = {
         "tests/services/test_vllm_lora.py",
         "tests/services/test_llm_proxy.py",
         "::test_rollmesh_run_on_vllm_engines",
+        "::test_each_run_is_served_its_own_adapter_at_its_own_version[vllm]",
     ),
     "sandbox": (
         "tests/rollout/test_sandbox.py",

@@ -41,6 +41,12 @@ def pool(tiny_model):
         stop_process(p)
 
 
+@pytest.fixture(params=["embedded", "vllm"])
+def either_pool(request):
+    """The runs' first test runs on the embedded engines and on vLLM's (the session's)."""
+    return request.getfixturevalue({"embedded": "pool", "vllm": "vllm_engines"}[request.param])
+
+
 @pytest.fixture
 def run_tokens(monkeypatch) -> dict[str, AuthConfig]:
     """Each run's tokens in the proxy's environment; each run's own auth (what its mesh holds)."""
@@ -59,7 +65,10 @@ def run(scenario, urls, run_tokens):
 
     async def main():
         runs = {name: {"token_env": d, "control_token_env": c} for name, (d, c) in RUNS.items()}
-        config = ProxyConfig(engine_urls=urls, port=0, metrics_port=0, health_check_interval_s=0.2, runs=runs)
+        api = getattr(urls, "api", "sglang")
+        config = ProxyConfig(
+            engine_urls=urls, engine_api=api, port=0, metrics_port=0, health_check_interval_s=0.2, runs=runs
+        )
         server, proxy = await start_proxy(config)
         address = f"127.0.0.1:{server.bound_port}"
         clients = {"": ProxyClient(address)} | {n: ProxyClient(address, auth=a) for n, a in run_tokens.items()}
@@ -85,7 +94,7 @@ async def publish(client: ProxyClient, path, version: int) -> pb.UpdateWeightsRe
         await client.resume()
 
 
-def test_each_run_is_served_its_own_adapter_at_its_own_version(pool, tiny_model, adapters, run_tokens):
+def test_each_run_is_served_its_own_adapter_at_its_own_version(either_pool, tiny_model, adapters, run_tokens):
     base = [_greedy(tiny_model, None, p) for p in PROMPTS]
     want = {k: [_greedy(tiny_model, adapters[k][1], p) for p in PROMPTS] for k in ("a", "b")}
 
@@ -116,8 +125,10 @@ def test_each_run_is_served_its_own_adapter_at_its_own_version(pool, tiny_model,
         res = await publish(clients["math"], "/nonexistent/adapter", 3)
         assert not res.success and all("lora_path" in e.message for e in res.engines)
         assert await answers(clients["math"]) == (want["b"], {2})
+        assert (await publish(clients["math"], tiny_model, 0)).success  # (the engines hold no adapter of ours)
+        assert proxy.counters["adapter_unload_failures"] == 0
 
-    run(scenario, pool, run_tokens)
+    run(scenario, either_pool, run_tokens)
 
 
 def test_a_runs_suspend_stops_its_requests_only_and_they_continue_under_its_new_adapter(
@@ -186,6 +197,52 @@ def test_a_runs_tokens_reach_neither_the_base_weights_nor_another_run(pool, tiny
         # code's update and suspend never touch math's lane
         assert (await publish(clients["code"], adapters["a"][0], 4)).success
         assert (await math.stats()).weight_version == 0 and not proxy.lanes["math"].suspended
+
+    run(scenario, pool, run_tokens)
+
+
+def test_a_shared_runs_controller_rolls_back_and_restores_its_adapter(pool, tiny_model, adapters, run_tokens, tmp_path):
+    """The controller of a run that publishes adapters (train_loop.publisher disk with adapter) sends
+    them as adapters when it rolls an update back and when it restores its version at a restart."""
+    from services.controller.config import ControllerConfig
+    from services.controller.server import start_controller
+
+    async def scenario(clients, proxy):
+        math = proxy.lanes["math"]
+
+        async def controller():
+            config = ControllerConfig(
+                initial_model_path=tiny_model, port=0, metrics_port=0, state_path=str(tmp_path / "ctl.json")
+            )
+            config._adapter_updates = True
+            return await start_controller(config, clients["math"].address, auth=run_tokens["math"])
+
+        server, ctl, ctl_clients = await controller()
+        try:
+            update = await ctl.begin_update(1)
+            assert math.suspended and not proxy.lanes["code"].suspended
+            assert (await clients["math"].update_weights(str(adapters["a"][0]), 1, adapter=True)).success
+            await ctl.commit_update(update, 1, str(adapters["a"][0]))
+            assert not math.suspended and (math.version, math.path) == (1, str(adapters["a"][0]))
+            update = await ctl.begin_update(2)
+            assert (await clients["math"].update_weights(str(adapters["b"][0]), 2, adapter=True)).success
+            await ctl.abort_update(update, "the trainer failed")  # back to v1: adapter a
+            assert (math.version, math.path, math.suspended) == (1, str(adapters["a"][0]), False)
+        finally:
+            await server.stop(0)
+            await ctl.close()
+            await ctl_clients.close()
+        # A new proxy lane (a restarted proxy's) and a restarted controller: v1's adapter again.
+        await clients["math"].update_weights(tiny_model, 0, adapter=True)
+        assert math.adapter is None
+        server, ctl, ctl_clients = await controller()
+        try:
+            assert ctl.version == 1 and (math.version, math.path) == (1, str(adapters["a"][0]))
+        finally:
+            await server.stop(0)
+            await ctl.close()
+            await ctl_clients.close()
+        await clients["math"].update_weights(tiny_model, 0, adapter=True)
 
     run(scenario, pool, run_tokens)
 
