@@ -17,7 +17,7 @@ from services.config_docs import config_keys, render
 DOCS = [Path("README.md"), *sorted(Path("docs").glob("*.md")), *sorted(Path("examples").rglob("*.md"))]
 # A backticked dotted name (optionally `=value` or `: value` after it): `env_manager.scheduling: tail`.
 DOTTED = re.compile(r"`([a-z_][a-z_0-9]*(?:\.[a-z_][a-z_0-9]*)+)(?:\s*[=:][^`]*)?`")
-FILE_SUFFIXES = {"py", "json", "jsonl", "yaml", "md", "png", "jinja", "proto", "txt", "toml"}
+FILE_SUFFIXES = {"py", "json", "jsonl", "yaml", "md", "png", "jinja", "proto", "txt", "toml", "sh"}
 # Named in the docs, and not config keys: fields of a trajectory's metadata, and SGLang's launcher.
 NOT_CONFIG = {
     "metadata.timeout",
