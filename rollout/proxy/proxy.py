@@ -192,7 +192,8 @@ class LLMProxy:
         self.clients = {s.name: client_factory(s.url, timeout_s=config.request_timeout_s) for s in slots}
         self.base = Lane("")  # the run that owns the engines' weights
         self.lanes = {"": self.base, **{name: Lane(name) for name in config.runs}}
-        self._in_flight: dict[str, _InFlight] = {}
+        # by (run, request id): one run's ids never meet another's (nor tell it which are in flight)
+        self._in_flight: dict[tuple[str, str], _InFlight] = {}
         self._last_update: tuple[str, int] | None = None  # (model_path, version) every engine should serve
         self._bucket_update: _BucketUpdate | None = None  # an in-memory update under way
         self._group: _GroupPlan | None = None  # the collective transport's group, once planned
@@ -256,16 +257,17 @@ class LLMProxy:
         _validate(req)
         lane = self.lane(run)
         req.request_id = req.request_id or uuid.uuid4().hex
-        if req.request_id in self._in_flight:
+        key = (lane.name, req.request_id)
+        if key in self._in_flight:
             raise RequestInvalid("request_id", f"{req.request_id!r} is already in flight")
         fl = _InFlight(req, ProxyResult(request_id=req.request_id), on_tokens=on_tokens, lane=lane)
         deadline = fl.t0 + (req.timeout_s or self.config.request_timeout_s)
-        self._in_flight[req.request_id] = fl
+        self._in_flight[key] = fl
         self.counters["requests"] += 1
         try:
             await self._run(fl, deadline)
         finally:
-            del self._in_flight[req.request_id]
+            del self._in_flight[key]
         fl.result.e2e_latency_s = time.perf_counter() - fl.t0
         self.counters[f"finished_{fl.result.finish_reason}"] += 1
         return fl.result
@@ -420,7 +422,7 @@ class LLMProxy:
         lane = self.lane(run)
         victims = [
             f
-            for rid, f in self._in_flight.items()
+            for (_, rid), f in self._in_flight.items()
             if (abort_all or rid == request_id) and (lane is self.base or f.lane is lane)
         ]
         for fl in victims:

@@ -95,7 +95,9 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
         argv += ["--ssl-certfile", auth.tls.cert_path, "--ssl-keyfile", auth.tls.key_path]
     argv += cfg.extra_args
     bearer = auth.bearer(Role.CONTROL)  # an engine's API is control; raises when this process has no control token
-    env = environment_of({Role.CONTROL})
+    # vLLM's LoRA resolvers load an adapter a request names from where these point (a cache folder, a
+    # hub): not in a rollmesh engine, which loads adapters only from its load roots.
+    env = {k: v for k, v in environment_of({Role.CONTROL}).items() if not k.startswith("VLLM_LORA_RESOLVER")}
     if cfg.max_loaded_loras:  # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.update(

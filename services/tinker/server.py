@@ -361,7 +361,9 @@ def serve(cfg) -> None:
         arch = AutoConfig.from_pretrained(cfg.model_path, local_files_only=True).model_type
         api = backend(cfg.engine).api  # tinker.engine_url: an engine of the configured type
         engine = engine_client(engine_url, cfg.auth, api, timeout_s=config.generate_timeout_s)
-        service = TinkerService(config, pool, engine, cfg.model_path, arch, backend(cfg.engine).adapts_lm_head)
+        serves = backend(cfg.engine)
+        max_rank = getattr(cfg.engine, "max_lora_rank", None)
+        service = TinkerService(config, pool, engine, cfg.model_path, arch, serves.adapts_lm_head, max_rank)
         app = create_app(service, keys, config.max_body_bytes)
         serving = start_uvicorn(app, config.host, config.port, cfg.auth)
         expiry = asyncio.create_task(_expire_forever(service))

@@ -118,11 +118,20 @@ class Result:
 
 class TinkerService:
     def __init__(
-        self, config: TinkerConfig, pool: AdapterPool, engine, model_path: str, arch: str, lm_head: bool = True
+        self,
+        config: TinkerConfig,
+        pool: AdapterPool,
+        engine,
+        model_path: str,
+        arch: str,
+        lm_head: bool = True,
+        max_rank: int | None = None,
     ) -> None:
         """``engine``: a client of the engine serving ``model_path`` (the control token); ``lm_head``:
-        whether it serves adapters of the output layer (``train_unembed``)."""
+        whether it serves adapters of the output layer (``train_unembed``); ``max_rank``: the largest
+        adapter rank it serves (vLLM's ``engine.max_lora_rank``), None: any."""
         self.config, self.pool, self.engine, self.lm_head = config, pool, engine, lm_head
+        self.max_rank = max_rank
         self.model_path = str(Path(model_path).resolve())
         self.base_model = config.base_model or self.model_path
         self.arch = arch
@@ -251,6 +260,11 @@ class TinkerService:
         rank = cfg.get("rank", 32)
         if not isinstance(rank, int) or not 1 <= rank <= 1024:
             raise TinkerError("lora_config.rank", f"{rank!r}: an integer in [1, 1024]")
+        if self.max_rank is not None and rank > self.max_rank:  # else it trains, and its sampler fails to load
+            raise TinkerError(
+                "lora_config.rank",
+                f"{rank} is over the largest the engine serves ({self.max_rank}: engine.max_lora_rank)",
+            )
         if cfg.get("train_unembed", True) and not self.lm_head:
             raise TinkerError(
                 "lora_config.train_unembed",

@@ -36,7 +36,8 @@ def _client(url: str):
     return engine_client(url, AuthConfig(), "vllm", timeout_s=120)
 
 
-def test_the_command_switches_lora_on_only_when_asked(tiny_model, tmp_path):
+def test_the_command_switches_lora_on_only_when_asked(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_LORA_RESOLVER_CACHE_DIR", str(tmp_path))  # would load adapters by name from there
     auth = AuthConfig(token="data", control_token="t0k")
     argv, env = vllm_command(VLLMEngineConfig(model_path=tiny_model), auth)
     assert "--enable-lora" not in argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
@@ -44,6 +45,7 @@ def test_the_command_switches_lora_on_only_when_asked(tiny_model, tmp_path):
     argv, env = vllm_command(cfg, auth)
     assert "--enable-lora" in argv and argv[argv.index("--max-loras") + 1] == "3"
     assert argv[argv.index("--max-lora-rank") + 1] == "32" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert not [k for k in env if k.startswith("VLLM_LORA_RESOLVER")]
     roots = env["ROLLMESH_LOAD_ROOTS"].split(os.pathsep)
     assert roots == [os.path.realpath(tiny_model), os.path.realpath(tmp_path)]
     with pytest.raises(ValueError, match="max_lora_rank"):
@@ -210,6 +212,8 @@ def test_the_tinker_service_samples_its_clients_weights_through_vllm(vllm_engine
             sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=key)
             with pytest.raises(tinker.BadRequestError, match="train_unembed"):  # vLLM adapts no lm_head
                 sc.create_lora_training_client(base_model=tiny_model, rank=8).result()
+            with pytest.raises(tinker.BadRequestError, match="max_lora_rank"):  # the SDK's default rank is 32
+                sc.create_lora_training_client(base_model=tiny_model, train_unembed=False).result()
             tc = sc.create_lora_training_client(base_model=tiny_model, rank=8, seed=0, train_unembed=False).result()
             tokens = [1, 30, 31, 32, 33, 34, 35, 36, 37, 38]
             data = [
