@@ -90,10 +90,12 @@ def run(
     lora_rank: int = 0,
 ) -> dict:
     """``steps`` training steps, each published whole to one engine and as a delta to another;
-    ``lora_rank``: train LoRA adapters of that rank instead, and publish their factors alone to a
-    third engine too (``adapter``)."""
+    ``lora_rank``: train LoRA adapters of that rank instead, publish their factors alone to a
+    third engine too (``adapter``), and over disk: whole to a fourth (``disk``), the adapter's
+    directory to a fifth that serves it by name (``served``: disk with ``adapter: true``)."""
     from services.config import load_config
     from services.llm_proxy.client import ProxyClient
+    from services.weight_transports.disk import DiskPublisher
     from services.weight_transports.http_buckets import BucketPublisher
     from trainer.engine import TrainEngine
 
@@ -107,9 +109,11 @@ def run(
         raise BadOption(f"--config: {cfg.model_path} has no model (make {cfg.model_path}/config.json builds it)")
     trainer = TrainEngine(cfg.trainer)
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    progress(f"model: {cfg.model_path} ({n_params / 1e6:.0f} M parameters), lr {cfg.trainer.lr:g}; 2 engines")
+    kinds = ("full", "delta", "adapter", "disk", "served") if lora_rank else ("full", "delta")
+    progress(
+        f"model: {cfg.model_path} ({n_params / 1e6:.0f} M parameters), lr {cfg.trainer.lr:g}; {len(kinds)} engines"
+    )
     batches = _batches(trainer, cfg.env_manager.dataset_path, steps, prompts, cfg.env_manager.group_size, seed=0)
-    kinds = ("full", "delta", "adapter") if lora_rank else ("full", "delta")
     procs, out = [], {k: [] for k in kinds}
     shares, stats = [], []
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-delta-") as tmp:
@@ -138,6 +142,8 @@ def run(
                         publishers["adapter"] = BucketPublisher(
                             clients[2], Path(tmp) / "adapter", bucket_mb=bucket_mb, adapter_dtype="bfloat16"
                         )
+                        publishers["disk"] = DiskPublisher(clients[3], Path(tmp) / "disk")
+                        publishers["served"] = DiskPublisher(clients[4], Path(tmp) / "served", adapter=True)
                     for i, batch in enumerate(batches):
                         t0 = time.perf_counter()
                         metrics = trainer.train_step(batch)
@@ -153,16 +159,18 @@ def run(
                             f"delta {out['delta'][-1]['bytes'] / 1e6:.1f} MB in {out['delta'][-1]['load_s']:.2f} s"
                             + (
                                 f", adapter {out['adapter'][-1]['bytes'] / 1e6:.2f} MB in "
-                                f"{out['adapter'][-1]['load_s']:.2f} s"
+                                f"{out['adapter'][-1]['load_s']:.2f} s; disk whole {out['disk'][-1]['load_s']:.2f} s, "
+                                f"served adapter {out['served'][-1]['bytes'] / 1e6:.2f} MB in "
+                                f"{out['served'][-1]['load_s']:.2f} s"
                                 if lora_rank
                                 else ""
                             )
                             + (f" ({shares[-1]:.2%} of values changed)" if i else "")
                         )
                     for kind, publisher in publishers.items():
-                        if publisher.delta_fallbacks:
+                        if getattr(publisher, "delta_fallbacks", 0):
                             raise RuntimeError(f"{publisher.delta_fallbacks} {kind} update(s) fell back to whole ones")
-                    return [await _checksum(u) for u in urls]
+                    return [await _checksum(u) for u in urls[:3]]  # (served: the base weights, unchanged)
                 finally:
                     for c in clients:
                         await c.close()
@@ -204,6 +212,14 @@ def run(
                 "adapter_load_s": round(med(out["adapter"], "load_s"), 3),
                 "bytes_ratio_full_vs_adapter": round(med(out["full"], "bytes") / med(out["adapter"], "bytes"), 1),
                 "load_speedup_adapter": round(med(out["full"], "load_s") / med(out["adapter"], "load_s"), 2),
+                "disk_full_bytes_mb": round(med(out["disk"], "bytes") / 1e6, 1),
+                "disk_full_export_s": round(med(out["disk"], "export_s"), 3),
+                "disk_full_load_s": round(med(out["disk"], "load_s"), 3),
+                "served_adapter_bytes_mb": round(med(out["served"], "bytes") / 1e6, 3),
+                "served_adapter_export_s": round(med(out["served"], "export_s"), 3),
+                "served_adapter_load_s": round(med(out["served"], "load_s"), 3),
+                "bytes_ratio_disk_full_vs_served": round(med(out["disk"], "bytes") / med(out["served"], "bytes"), 1),
+                "load_speedup_served": round(med(out["disk"], "load_s") / med(out["served"], "load_s"), 2),
             }
             if lora_rank
             else {}
