@@ -3,7 +3,8 @@
 #   examples/shared-pool/run.sh math examples/smollm2-math-lora.yaml
 #   examples/shared-pool/run.sh code examples/code/smollm2-code.yaml
 # Its mesh (buffer, controller, EnvManager, trainer) starts no engines of its own: it calls the
-# pool's LLMProxy with the tokens the pool knows the run by, and publishes its adapter alone.
+# pool's LLMProxy with the tokens the pool knows the run by, and publishes its adapter alone, below
+# the folder pool.yaml gives it (proxy.runs.NAME.adapter_root: runs/shared-NAME/weights).
 set -eu
 name=$1
 config=$2

@@ -29,6 +29,13 @@ class SharedRunConfig(BaseModel):
         description="The environment variable holding the run's control token (its mesh's auth.control_token): "
         "its suspend, resume and adapter updates.",
     )
+    adapter_root: str = Field(
+        ...,
+        min_length=1,
+        description="The folder the run publishes its adapters in (its train_loop.run_dir's weights folder, "
+        "below one of the engines' engine.load_roots): an update naming any other is refused, so that no run "
+        "loads another's adapter. Links are resolved where the proxy runs.",
+    )
 
 
 class ProxyConfig(BaseModel):

@@ -7,19 +7,24 @@ runs share one pool without touching each other's weights. A lane has its own su
 version and adapter; suspending it stops only its requests (the engines keep generating for the
 others: SGLang and vLLM pause all requests or none, so a lane never pauses an engine).
 
-An adapter is loaded under a fresh name per update (``run@vN.k``), so a failed update unloads
-what it loaded and leaves the previous adapter serving; the previous one is unloaded once the new
-one is loaded everywhere.
+An adapter is loaded under a fresh name per update (``run@vN.<proxy tag><k>``), so a failed update
+unloads what it loaded and leaves the previous adapter serving; the previous one is unloaded once
+the new one is loaded everywhere. An adapter that an engine keeps (in use, or the engine was away,
+or a proxy before this one loaded it) is found by its name (``ADAPTER_NAME``) and unloaded later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Literal
 
 SuspendMode = Literal["continue", "abort", "in_place"]
+ADAPTER_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*@v\d+\.[0-9a-f]{6}\d+$")  # what only lanes name adapters
+_TAG = secrets.token_hex(3)  # this proxy's: a restarted proxy's names never meet its predecessor's
 _NAMES = itertools.count()
 
 
@@ -39,6 +44,10 @@ class Lane:
     adapter: str | None = None  # the engines' name of the adapter its requests use; None: the base weights
     path: str = ""  # the adapter's directory (an engine that rejoins loads it)
     held: dict[str, int] = field(default_factory=dict)  # engine → version of this lane's adapter it holds
+    root: str | None = None  # a shared run's adapters must lie below this (proxy.runs.NAME.adapter_root)
+    updating: asyncio.Lock = field(default_factory=asyncio.Lock)  # one adapter update at a time
+    requests: int = 0
+    retries: int = 0
 
     @property
     def label(self) -> str:
@@ -50,4 +59,4 @@ class Lane:
 
     def adapter_name(self, version: int) -> str:
         """A name no earlier load used: a retried or rolled-back version never meets its old self."""
-        return f"{self.label}@v{version}.{next(_NAMES)}"
+        return f"{self.label}@v{version}.{_TAG}{next(_NAMES)}"

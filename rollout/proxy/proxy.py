@@ -27,13 +27,14 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import numpy as np
 
 from rollout.engines.http_engine import EngineRejected, EngineUnavailable, OnTokens, int_version
 from rollout.engines.sglang.client import SGLangClient
 from rollout.proxy.config import ProxyConfig
-from rollout.proxy.lanes import Lane, SuspendMode
+from rollout.proxy.lanes import ADAPTER_NAME, Lane, SuspendMode
 from rollout.proxy.router import EngineSlot, Router
 from rollout.sampling import SamplingParams
 from sample_buffer import routing
@@ -191,7 +192,10 @@ class LLMProxy:
         self.router = Router(slots, config.affinity_capacity)
         self.clients = {s.name: client_factory(s.url, timeout_s=config.request_timeout_s) for s in slots}
         self.base = Lane("")  # the run that owns the engines' weights
-        self.lanes = {"": self.base, **{name: Lane(name) for name in config.runs}}
+        self.lanes = {"": self.base, **{name: Lane(name, root=r.adapter_root) for name, r in config.runs.items()}}
+        self._stale: dict[str, set[str]] = {}  # engine → adapters to unload (in use, or its unload failed)
+        self._loading: set[str] = set()  # adapters being loaded: never stale
+        self._look_again: set[str] = set()  # engines to list the adapters of at the next health round
         # by (run, request id): one run's ids never meet another's (nor tell it which are in flight)
         self._in_flight: dict[tuple[str, str], _InFlight] = {}
         self._last_update: tuple[str, int] | None = None  # (model_path, version) every engine should serve
@@ -210,6 +214,8 @@ class LLMProxy:
         versions = {s.weight_version for s in self.router.engines if s.healthy}
         if len(versions) == 1:
             self.weight_version = versions.pop()
+        if len(self.lanes) > 1:  # what a predecessor loaded for the lanes is no lane's now
+            await asyncio.gather(*(self._tidy(s, sweep=True) for s in self.router.engines if s.healthy))
         self._health_task = asyncio.create_task(self._health_loop())
         return self
 
@@ -264,6 +270,7 @@ class LLMProxy:
         deadline = fl.t0 + (req.timeout_s or self.config.request_timeout_s)
         self._in_flight[key] = fl
         self.counters["requests"] += 1
+        lane.requests += 1
         try:
             await self._run(fl, deadline)
         finally:
@@ -300,6 +307,7 @@ class LLMProxy:
                 if len(failed) > self.config.max_retries:
                     raise NoEngineAvailable(f"{len(failed)} engines failed this request; last: {e}") from e
                 self.counters["retries"] += 1
+                fl.lane.retries += 1
                 continue
             except EngineRejected as e:
                 field = e.field or "input_ids"
@@ -334,7 +342,7 @@ class LLMProxy:
                 res.finish_reason = FinishReason.ABORT if fl.aborted.is_set() else FinishReason.TIMEOUT
                 return
             cut = self._cut_by(fl.lane, epochs)
-            if cut is None or cut.mode != "continue":
+            if not cut or any(lane.mode != "continue" for lane in cut):
                 res.finish_reason = FinishReason.ABORT  # aborted at the engine by someone else, or abort mode
                 return
             if len(res.output_ids) >= max_new:
@@ -342,12 +350,11 @@ class LLMProxy:
                 return
             # Suspended in "continue" mode: wait for resume, then go on from the partial tokens.
 
-    def _cut_by(self, lane: Lane, epochs: tuple[int, int]) -> Lane | None:
-        """The lane whose suspend cut a segment begun at ``epochs``: the proxy's own (it pauses every
-        engine), else ``lane``'s; None when neither suspended since."""
-        if self.base.epoch != epochs[0]:
-            return self.base
-        return lane if lane.epoch != epochs[1] else None
+    def _cut_by(self, lane: Lane, epochs: tuple[int, int]) -> list[Lane]:
+        """The lanes whose suspends cut a segment begun at ``epochs``: the proxy's own (it pauses
+        every engine) and the request's (none: someone else aborted it)."""
+        cut = [self.base] if self.base.epoch != epochs[0] else []
+        return cut + [lane] if lane is not self.base and lane.epoch != epochs[1] else cut
 
     async def _wait_open(self, fl: _InFlight, deadline: float) -> bool:
         """Wait until neither the proxy's gate nor the request's lane's is closed."""
@@ -418,12 +425,12 @@ class LLMProxy:
 
     # ------------------------------------------------------------------ control
     async def abort(self, request_id: str = "", abort_all: bool = False, run: str = "") -> int:
-        """Abort a request, or all; a run that shares the engines aborts its own requests only."""
+        """Abort a request of ``run``'s, or all of them (the proxy's own run: every run's)."""
         lane = self.lane(run)
         victims = [
             f
-            for (_, rid), f in self._in_flight.items()
-            if (abort_all or rid == request_id) and (lane is self.base or f.lane is lane)
+            for (owner, rid), f in self._in_flight.items()
+            if (abort_all and (lane is self.base or f.lane is lane)) or (rid == request_id and owner == lane.name)
         ]
         for fl in victims:
             fl.aborted.set()
@@ -541,43 +548,64 @@ class LLMProxy:
         timeout = timeout_s or self.config.update_weights_timeout_s
         lane = self.lane(run)
         if adapter:
-            return await self._update_adapter(lane, model_path, version, timeout)
+            async with lane.updating:  # two at once could end on the older one
+                return await self._update_adapter(lane, model_path, version, timeout)
         self.owns_weights(run, "a full-weight update")
         self._bucket_update = None  # a whole directory supersedes an in-memory update under way
         slots = [s for s in self.router.engines if s.healthy]
         results = await asyncio.gather(*(self._load_from_disk(s, model_path, version, timeout) for s in slots))
-        ok, results = self._updated(slots, list(results), model_path, version)
-        if ok and lane.adapter is not None:  # the policy is the new full weights now
-            await self._swap_adapter(lane, None, "", version, slots)
-        return ok, results
+        return await self._updated(slots, list(results), model_path, version)
 
     # ------------------------------------------------------------------ adapters
+    def _check_root(self, lane: Lane, path: str) -> None:
+        """A shared run loads adapters from below its own folder only (never another run's)."""
+        if lane.root is None:
+            return
+        root = Path(lane.root).resolve()
+        if not Path(path).is_absolute() or not Path(path).resolve().is_relative_to(root):
+            raise RequestInvalid(
+                "model_path",
+                f"must be an absolute path below run {lane.name}'s folder (proxy.runs.{lane.name}.adapter_root)",
+            )
+
     async def _update_adapter(self, lane: Lane, path: str, version: int, timeout: float) -> tuple[bool, list[dict]]:
         """Every engine in rotation loads the adapter in ``path`` under a new name; once all have, the
         lane's requests use it and its previous adapter is unloaded. Version 0 is the base weights
         (a new LoRA policy computes what its base does): the lane's adapter is dropped. A failure
         unloads what was loaded and leaves the lane as it was."""
-        slots = [s for s in self.router.engines if s.healthy]
         name = lane.adapter_name(version) if version else None
+        if name is not None:
+            self._check_root(lane, path)
+        slots = [s for s in self.router.engines if s.healthy]
         if name is None:
             results = [_done(s, version) for s in slots]
         else:
-            results = list(await asyncio.gather(*(self._load_adapter(s, name, path, version, timeout) for s in slots)))
+            self._loading.add(name)
+            try:
+                loads = (self._load_adapter(s, name, path, version, timeout) for s in slots)
+                results = list(await asyncio.gather(*loads))
+            finally:
+                self._loading.discard(name)
         ok, results = self._outcome(slots, results)
         if not ok:
-            loaded = [s for s, r in zip(slots, results) if r["success"]]
             if name is not None:
-                await self._unload(name, loaded)
+                await self._unload(name, [s for s, r in zip(slots, results) if r["success"]])
             return ok, results
         await self._swap_adapter(lane, name, path, version, slots)
         self.counters["weight_updates"] += 1
         return ok, results
 
     async def _swap_adapter(self, lane: Lane, name: str | None, path: str, version: int, slots: list) -> None:
+        """Serve ``name`` (None: the base weights) to ``lane`` from now on; unload its previous one.
+        An engine that joined during the update gets the new one now; one that left, on its return."""
         old, lane.adapter, lane.path, lane.version = lane.adapter, name, path, version
-        lane.held = {s.name: version for s in slots}
+        lane.held = {s.name: version for s in slots if s.healthy}
+        if name is not None:
+            for s in self.router.engines:
+                if s.healthy and s.name not in lane.held and not await self._reload_adapters(s):
+                    self._take_out(s, f"cannot load adapter {name}")
         if old is not None:
-            await self._unload(old, [s for s in self.router.engines if s.healthy])
+            await self._unload(old, self.router.engines)
 
     async def _load_adapter(self, slot: EngineSlot, name: str, path: str, version: int, timeout: float) -> dict:
         try:
@@ -588,14 +616,42 @@ class LLMProxy:
         return _done(slot, version)
 
     async def _unload(self, name: str, slots: list[EngineSlot]) -> None:
-        """Unload adapter ``name`` where it was loaded. One that stays (an engine that fails the call)
-        costs memory only: no request names it again."""
-        timeout = self.config.control_timeout_s
-        calls = [self.clients[s.name].unload_lora_adapter(name, timeout_s=timeout) for s in slots]
-        for s, r in zip(slots, await asyncio.gather(*calls, return_exceptions=True)):
-            if isinstance(r, Exception):
-                self.counters["adapter_unload_failures"] += 1
-                log.warning("engine %s: unloading adapter %s failed: %s", s.name, name, r)
+        """Unload adapter ``name`` from ``slots``; what an engine keeps is unloaded later."""
+        for s in slots:
+            self._stale.setdefault(s.name, set()).add(name)
+        await asyncio.gather(*(self._unload_stale(s) for s in slots if s.healthy))
+
+    async def _unload_stale(self, slot: EngineSlot) -> None:
+        """Unload the adapters ``slot`` should not hold. One it refuses to unload (a request still
+        uses it; or it has none of that name) is looked for again at the next health round, one it
+        fails to answer for is tried again then (``_tidy``)."""
+        stale = self._stale.get(slot.name, set())
+        for name in sorted(stale):
+            try:
+                await self.clients[slot.name].unload_lora_adapter(name, timeout_s=self.config.control_timeout_s)
+            except EngineRejected:
+                self._look_again.add(slot.name)
+            except (EngineUnavailable, TimeoutError) as e:
+                log.info("engine %s: unloading adapter %s later (%s)", slot.name, name, e)
+                continue
+            stale.discard(name)
+
+    async def _tidy(self, slot: EngineSlot, sweep: bool = False) -> None:
+        """Unload what ``slot`` should not hold: the adapters marked stale, and with ``sweep`` (or
+        after a refusal) every lane's adapter it lists that no lane serves now (a predecessor
+        proxy's, one loaded while it was away, one a request was still using)."""
+        if sweep or slot.name in self._look_again:
+            self._look_again.discard(slot.name)
+            try:
+                names = await self.clients[slot.name].lora_adapters(self.config.control_timeout_s)
+            except (EngineUnavailable, EngineRejected, ValueError) as e:
+                log.warning("engine %s: cannot list its adapters (%s)", slot.name, e)
+                names = []
+            current = {lane.adapter for lane in self.lanes.values()} | self._loading
+            stale = {n for n in names if ADAPTER_NAME.match(n) and n not in current}
+            self._stale.setdefault(slot.name, set()).update(stale)
+        if self._stale.get(slot.name):
+            await self._unload_stale(slot)
 
     async def update_weights_bucket(
         self,
@@ -779,17 +835,20 @@ class LLMProxy:
         self._bucket_update = None
         late = [s for s in self.router.engines if s.healthy and s not in update.slots]
         results += await asyncio.gather(*(self._load_from_disk(s, restore_path, version, timeout) for s in late))
-        return self._updated(update.slots + late, results, restore_path, version)
+        return await self._updated(update.slots + late, results, restore_path, version)
 
-    def _updated(
+    async def _updated(
         self, slots: list[EngineSlot], results: list[dict], path: str, version: int
     ) -> tuple[bool, list[dict]]:
-        """The end of an update: ``version`` is the mesh's only if every engine confirmed it."""
+        """The end of a full-weight update: ``version`` is the mesh's only if every engine confirmed
+        it, and the proxy's own requests are served by these weights, with no adapter."""
         ok, results = self._outcome(slots, results)
         if ok:
             self._last_update = (path, version)
             self.weight_version = version
             self.counters["weight_updates"] += 1
+            if self.base.adapter is not None:
+                await self._swap_adapter(self.base, None, "", version, slots)
         return ok, results
 
     def _outcome(self, slots: list[EngineSlot], results: list[dict]) -> tuple[bool, list[dict]]:
@@ -863,6 +922,7 @@ class LLMProxy:
             return
         slot.failed_probes = 0
         if slot.healthy:
+            await self._tidy(slot)
             return
         try:  # rejoin only at the mesh's weight version, and in the mesh's suspend state
             info = await client.model_info(self.config.health_check_timeout_s)
@@ -884,7 +944,10 @@ class LLMProxy:
 
     async def _reload_adapters(self, slot: EngineSlot) -> bool:
         """Bring a rejoining engine every lane's adapter (one that restarted has none; one that only
-        missed health checks holds them already: unloaded first)."""
+        missed health checks holds them already: unloaded first), and unload the ones it holds
+        that no lane serves."""
+        if len(self.lanes) > 1 or self.base.adapter is not None:
+            await self._tidy(slot, sweep=True)
         for lane in self.lanes.values():
             if lane.adapter is None or lane.held.get(slot.name) == lane.version:
                 continue
@@ -912,12 +975,24 @@ class LLMProxy:
         if lane is not self.base or lane.adapter is not None:
             for e in engines:
                 e["weight_version"] = lane.held.get(e["name"], -1) if lane.adapter else lane.version
-        mine = [f for f in self._in_flight.values() if lane is self.base or f.lane is lane]
+        if lane is self.base:
+            return {
+                "suspended": self.suspended,
+                "in_flight": len(self._in_flight),
+                "requests_total": self.counters["requests"],
+                "retries_total": self.counters["retries"],
+                "weight_version": lane.version,
+                "engines": engines,
+            }
+        mine = [f for f in self._in_flight.values() if f.lane is lane]
+        for e in engines:  # a shared run sees its own requests on each engine, not the others' load
+            e |= {"url": "", "outstanding_tokens": 0, "requests_total": 0}
+            e["in_flight"] = sum(f.slot is not None and f.slot.name == e["name"] for f in mine)
         return {
             "suspended": self.suspended or lane.suspended,
             "in_flight": len(mine),
-            "requests_total": self.counters["requests"],
-            "retries_total": self.counters["retries"],
+            "requests_total": lane.requests,
+            "retries_total": lane.retries,
             "weight_version": lane.version,
             "engines": engines,
         }

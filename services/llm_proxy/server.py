@@ -235,7 +235,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics, runs: RunTokens | None
             yield pb.GenerateChunk(result=_response(res))
         finally:
             if not task.done():  # the caller went away mid-stream
-                await proxy.abort(preq.request_id)
+                await proxy.abort(preq.request_id, run=run_of(ctx))
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await asyncio.wait_for(task, proxy.config.abort_grace_s)
 

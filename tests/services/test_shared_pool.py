@@ -14,8 +14,9 @@ import pytest
 from pydantic import SecretStr
 
 from rollout.proxy import ProxyConfig
+from rollout.sampling import SamplingParams
 from services.auth import AuthConfig, AuthError, RunTokens
-from services.llm_proxy.client import ProxyClient
+from services.llm_proxy.client import ProxyClient, generate_request
 from services.llm_proxy.server import start_proxy
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
@@ -31,6 +32,24 @@ N = 12  # what _greedy generates
 def adapters(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("shared_adapters")
     return {name: (root / name, _adapter(tiny_model, root / name, seed)) for name, seed in (("a", 1), ("b", 2))}
+
+
+@pytest.fixture
+def both(adapters) -> dict[str, str]:
+    """Both runs may load both adapters."""
+    root = adapters["a"][0].parent
+    return {"math": root, "code": root}
+
+
+async def in_flight(proxy, run: str, rid: str) -> None:
+    """Until ``run``'s request ``rid`` is at an engine, plus a few tokens' time."""
+    for _ in range(3000):
+        fl = proxy._in_flight.get((run, rid))
+        if fl is not None and fl.slot is not None:
+            await asyncio.sleep(0.05)
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{run}'s request {rid} never reached an engine")
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +78,17 @@ def run_tokens(monkeypatch) -> dict[str, AuthConfig]:
     return out
 
 
-def run(scenario, urls, run_tokens):
-    """A proxy serving runs math and code; ``scenario(clients, proxy)`` with one client per run and
-    the pool's own ("")."""
+def shared(roots: dict[str, str]) -> dict:
+    """``proxy.runs``: math and code, their tokens' variables and adapter folders."""
+    return {n: {"token_env": d, "control_token_env": c, "adapter_root": str(roots[n])} for n, (d, c) in RUNS.items()}
+
+
+def run(scenario, urls, run_tokens, roots: dict[str, str]):
+    """A proxy serving runs math and code (their adapters below ``roots``); ``scenario(clients,
+    proxy)`` with one client per run and the pool's own ("")."""
 
     async def main():
-        runs = {name: {"token_env": d, "control_token_env": c} for name, (d, c) in RUNS.items()}
+        runs = shared(roots)
         api = getattr(urls, "api", "sglang")
         config = ProxyConfig(
             engine_urls=urls, engine_api=api, port=0, metrics_port=0, health_check_interval_s=0.2, runs=runs
@@ -94,7 +118,7 @@ async def publish(client: ProxyClient, path, version: int) -> pb.UpdateWeightsRe
         await client.resume()
 
 
-def test_each_run_is_served_its_own_adapter_at_its_own_version(either_pool, tiny_model, adapters, run_tokens):
+def test_each_run_is_served_its_own_adapter_at_its_own_version(either_pool, tiny_model, adapters, run_tokens, both):
     base = [_greedy(tiny_model, None, p) for p in PROMPTS]
     want = {k: [_greedy(tiny_model, adapters[k][1], p) for p in PROMPTS] for k in ("a", "b")}
 
@@ -116,30 +140,28 @@ def test_each_run_is_served_its_own_adapter_at_its_own_version(either_pool, tiny
         # A new version replaces the old: the old adapter is unloaded from every engine.
         assert (await publish(clients["math"], adapters["b"][0], 2)).success
         assert await answers(clients["math"]) == (want["b"], {2})
-        assert proxy.counters["adapter_unload_failures"] == 0
+        assert not any(proxy._stale.values())  # every old adapter unloaded
         # Version 0 is the base again (a restore to the start).
         assert (await publish(clients["code"], tiny_model, 0)).success
         assert await answers(clients["code"]) == (base, {0})
 
         # An adapter an engine cannot load: the update fails naming it, and the run keeps its policy.
-        res = await publish(clients["math"], "/nonexistent/adapter", 3)
-        assert not res.success and all("lora_path" in e.message for e in res.engines)
+        res = await publish(clients["math"], both["math"] / "missing", 3)
+        assert not res.success and all(e.cause == "rejected" and e.message for e in res.engines)
         assert await answers(clients["math"]) == (want["b"], {2})
         assert (await publish(clients["math"], tiny_model, 0)).success  # (the engines hold no adapter of ours)
-        assert proxy.counters["adapter_unload_failures"] == 0
+        assert not any(proxy._stale.values())  # every old adapter unloaded
 
-    run(scenario, either_pool, run_tokens)
+    run(scenario, either_pool, run_tokens, both)
 
 
 def test_a_runs_suspend_stops_its_requests_only_and_they_continue_under_its_new_adapter(
-    pool, tiny_model, adapters, run_tokens
+    pool, tiny_model, adapters, run_tokens, both
 ):
-    from tests.services.proxy_waits import decoding
-
     async def scenario(clients, proxy):
         assert (await publish(clients["math"], adapters["a"][0], 1)).success
-        long = asyncio.ensure_future(clients["math"].generate([1, 2, 3], 600, **GREEDY))
-        await decoding(proxy)
+        long = asyncio.ensure_future(clients["math"].generate([1, 2, 3], 600, request_id="long", **GREEDY))
+        await in_flight(proxy, "math", "long")
         assert (await clients["math"].suspend(pb.SUSPEND_MODE_CONTINUE)).num_in_flight == 1
         assert (await clients["math"].stats()).suspended and not (await clients["code"].stats()).suspended
         # code's requests (and the pool's own) run while math's wait: no engine was paused
@@ -150,23 +172,38 @@ def test_a_runs_suspend_stops_its_requests_only_and_they_continue_under_its_new_
         ok = await clients["math"].update_weights(str(adapters["b"][0]), 2, adapter=True)
         await clients["math"].resume()
         out = await long
-        assert ok.success and len(out.output_ids) == 600 and out.num_segments >= 2
-        versions = list(out.token_versions)  # its first tokens under v1, the rest under v2, in order
-        assert versions == sorted(versions) and set(versions) == {1, 2}
+        assert ok.success and len(out.output_ids) == 600 and out.num_segments >= 2  # cut, then continued
+        versions = list(out.token_versions)  # any tokens made before the cut under v1, the rest under v2
+        assert versions == sorted(versions) and versions[-1] == 2 and set(versions) <= {1, 2}
 
-        # A run's abort reaches its own requests only.
-        mine = asyncio.ensure_future(clients["math"].generate([1, 4], 600, **GREEDY))
-        theirs = asyncio.ensure_future(clients["code"].generate([1, 6], 200, **GREEDY))
-        await decoding(proxy)
-        await asyncio.sleep(0.1)
-        await clients["math"].abort(abort_all=True)
+        # A run's abort reaches its own requests only, even one of the same id.
+        mine = asyncio.ensure_future(clients["math"].generate([1, 4], 600, request_id="x", **GREEDY))
+        theirs = asyncio.ensure_future(clients["code"].generate([1, 6], 200, request_id="x", **GREEDY))
+        await in_flight(proxy, "math", "x")
+        await in_flight(proxy, "code", "x")
+        assert (await clients["code"].abort(request_id="nobody's")).num_aborted == 0
+        assert (await clients["math"].abort(abort_all=True)).num_aborted == 1
         assert (await mine).finish_reason == common_pb2.FINISH_REASON_ABORT
         assert len((await theirs).output_ids) == 200
+        # A run whose stream goes away aborts its request, not another's of the same id.
+        theirs = asyncio.ensure_future(clients["code"].generate([1, 6], 300, request_id="y", **GREEDY))
+        sp = SamplingParams(max_new_tokens=600, **GREEDY)
+        req = generate_request([1, 4], sp, "y", "", 0.0, 0, False, ())
+        stream = clients["math"].stub.GenerateStream(req, timeout=60)
+        await stream.read()
+        stream.cancel()
+        assert len((await theirs).output_ids) == 300
 
-    run(scenario, pool, run_tokens)
+    run(scenario, pool, run_tokens, both)
 
 
 def test_a_runs_tokens_reach_neither_the_base_weights_nor_another_run(pool, tiny_model, adapters, run_tokens):
+    """math publishes below adapters/a, code below adapters/b."""
+    a, b = adapters["a"][0], adapters["b"][0]
+    link = a / "code"  # math's folder holds a link to code's: followed, and refused
+    if not link.is_symlink():
+        link.symlink_to(b)
+
     async def code(clients, status, call):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await call
@@ -178,7 +215,22 @@ def test_a_runs_tokens_reach_neither_the_base_weights_nor_another_run(pool, tiny
         denied = grpc.StatusCode.PERMISSION_DENIED
         # the base weights are the pool's: a full-weight update, buckets, memory, groups
         assert "run" in await code(clients, denied, math.update_weights(tiny_model, 1))
-        assert "shares this proxy's engines" in await code(clients, denied, math.release_memory(60.0, ["kv_cache"]))
+        refused = [
+            math.update_weights_bucket(1, 0, b"x", True, str(a)),
+            math.init_weights_group("127.0.0.1", 29500, "g", "gloo"),
+            math.update_weights_distributed(1, 0, [("w", "float32", [1])], True, str(a), ""),
+            math.release_memory(60.0, ["kv_cache"]),
+            math.resume_memory(["kv_cache"]),
+        ]
+        for call in refused:
+            assert "shares this proxy's engines" in await code(clients, denied, call)
+        # another run's adapter: not below its own folder, even through a link
+        for path in (b, link, "adapters/a"):
+            details = await code(
+                clients, grpc.StatusCode.INVALID_ARGUMENT, math.update_weights(str(path), 1, adapter=True)
+            )
+            assert "model_path" in details and "adapter_root" in details
+        assert (await math.update_weights(str(a), 1, adapter=True)).success
         # in-place suspends pause whole engines: refused naming the mode
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         assert "mode" in await code(clients, invalid, math.suspend(pb.SUSPEND_MODE_IN_PLACE))
@@ -194,14 +246,19 @@ def test_a_runs_tokens_reach_neither_the_base_weights_nor_another_run(pool, tiny
             await code(clients, grpc.StatusCode.UNAUTHENTICATED, stranger.generate([1], N, **GREEDY))
         finally:
             await stranger.close()
-        # code's update and suspend never touch math's lane
-        assert (await publish(clients["code"], adapters["a"][0], 4)).success
-        assert (await math.stats()).weight_version == 0 and not proxy.lanes["math"].suspended
+        # code's update and suspend never touch math's lane; its stats show none of math's
+        assert (await publish(clients["code"], b, 4)).success
+        assert (await math.stats()).weight_version == 1 and not proxy.lanes["math"].suspended
+        await math.generate([1], N, **GREEDY)
+        stats = await clients["code"].stats()
+        assert stats.requests_total == 0 and all(e.url == "" for e in stats.engines)
 
-    run(scenario, pool, run_tokens)
+    run(scenario, pool, run_tokens, {"math": a, "code": b})
 
 
-def test_a_shared_runs_controller_rolls_back_and_restores_its_adapter(pool, tiny_model, adapters, run_tokens, tmp_path):
+def test_a_shared_runs_controller_rolls_back_and_restores_its_adapter(
+    pool, tiny_model, adapters, run_tokens, tmp_path, both
+):
     """The controller of a run that publishes adapters (train_loop.publisher disk with adapter) sends
     them as adapters when it rolls an update back and when it restores its version at a restart."""
     from services.controller.config import ControllerConfig
@@ -244,11 +301,45 @@ def test_a_shared_runs_controller_rolls_back_and_restores_its_adapter(pool, tiny
             await ctl_clients.close()
         await clients["math"].update_weights(tiny_model, 0, adapter=True)
 
-    run(scenario, pool, run_tokens)
+    run(scenario, pool, run_tokens, both)
+
+
+def test_adapters_no_lane_serves_are_unloaded_after_a_proxy_restart_and_a_full_update(
+    pool, tiny_model, adapters, run_tokens, both
+):
+    """A proxy that stops with adapters loaded leaves them on the engines: its successor unloads
+    them. The proxy's own run may serve an adapter too, until a full-weight update replaces it."""
+    from services.llm_proxy.server import engine_client
+
+    async def loaded() -> list[list[str]]:
+        clients = [engine_client(u) for u in pool]
+        try:
+            return [sorted(await c.lora_adapters()) for c in clients]
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+
+    async def first(clients, proxy):
+        assert (await publish(clients["math"], adapters["a"][0], 1)).success
+        assert (await publish(clients[""], adapters["b"][0], 1)).success  # the pool's own run, an adapter
+        names = await loaded()
+        assert names[0] == names[1] and len(names[0]) == 2
+
+    async def second(clients, proxy):
+        assert await loaded() == [[], []]  # a new proxy serves no lane's adapter yet: none stay loaded
+        assert (await publish(clients[""], adapters["b"][0], 1)).success
+        got = await clients[""].generate(PROMPTS[0], N, **GREEDY)
+        assert list(got.output_ids) == _greedy(tiny_model, adapters["b"][1], PROMPTS[0])
+        assert (await clients[""].update_weights(tiny_model, 2)).success  # whole weights: the adapter goes
+        got = await clients[""].generate(PROMPTS[0], N, **GREEDY)
+        assert list(got.output_ids) == _greedy(tiny_model, None, PROMPTS[0]) and set(got.token_versions) == {2}
+        assert await loaded() == [[], []]
+
+    run(first, pool, run_tokens, both)
+    run(second, pool, run_tokens, both)
 
 
 def test_run_tokens_are_required_distinct_and_never_with_auth_disabled(monkeypatch, run_tokens):
-    runs = ProxyConfig(runs={n: {"token_env": d, "control_token_env": c} for n, (d, c) in RUNS.items()}).runs
+    runs = ProxyConfig(runs=shared({"math": "/m", "code": "/c"})).runs
     mesh = AuthConfig(token=SecretStr("mesh-data"), control_token=SecretStr("mesh-control"))
     assert set(RunTokens(runs, mesh).bearers[next(iter(RunTokens(runs, mesh).bearers))]) == set(RUNS)
     monkeypatch.delenv("RM_TEST_CODE_CONTROL")
@@ -260,7 +351,7 @@ def test_run_tokens_are_required_distinct_and_never_with_auth_disabled(monkeypat
     with pytest.raises(AuthError, match="auth.disabled"):
         RunTokens(runs, AuthConfig(disabled=True))
     with pytest.raises(ValueError, match="lower-case"):
-        ProxyConfig(runs={"Math!": {"token_env": "A", "control_token_env": "B"}})
+        ProxyConfig(runs={"Math!": {"token_env": "A", "control_token_env": "B", "adapter_root": "/m"}})
 
 
 @pytest.mark.timeout(600)
@@ -277,7 +368,10 @@ def test_two_lora_runs_train_side_by_side_on_one_engine_pool(tiny_model, tmp_pat
     from tests.test_run_e2e import quickstart_cmd
 
     engine, url = start_engine_process(tiny_model, extra=[f"load_roots=[{tmp_path}]"])
-    runs = ", ".join(f"{n}: {{token_env: {d}, control_token_env: {c}}}" for n, (d, c) in RUNS.items())
+    runs = ", ".join(
+        f"{n}: {{token_env: {d}, control_token_env: {c}, adapter_root: {tmp_path / n / 'weights'}}}"
+        for n, (d, c) in RUNS.items()
+    )
     proxy, address = start_service_process(
         "llm-proxy", "proxy", [f"engine_urls=[{url}]", "metrics_port=0", f"runs={{{runs}}}"]
     )

@@ -414,6 +414,7 @@ class EmbeddedEngine(SchedulerCommands):
             "max_context_length": self.max_context,
             "device": str(self.device),
             "memory_released": sorted(self._released),
+            "lora_adapters": sorted(self.adapters.by_name.copy()),  # (rollmesh's: SGLang reports none)
         }
 
     # ----------------------------------------------------------------- scheduler thread

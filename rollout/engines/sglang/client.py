@@ -203,6 +203,10 @@ class SGLangClient(HTTPEngineClient):
     async def server_info(self, timeout_s: float = 5.0) -> dict:
         return await self._get("/get_server_info", timeout_s)
 
+    async def lora_adapters(self, timeout_s: float = 5.0) -> list[str]:
+        """The names of the LoRA adapters loaded (the embedded engine's server info lists them)."""
+        return list((await self.server_info(timeout_s)).get("lora_adapters", []))
+
     async def init_weights_update_group(
         self,
         master_address: str,

@@ -360,6 +360,11 @@ class VLLMClient(HTTPEngineClient):
     async def server_info(self, timeout_s: float = 5.0) -> dict:
         return {"tp_size": 1}  # rollmesh starts vLLM with one worker (tensor parallelism: not yet)
 
+    async def lora_adapters(self, timeout_s: float = 5.0) -> list[str]:
+        """The names of the LoRA adapters loaded: vLLM lists each as a model with a parent."""
+        models = (await self._get("/v1/models", timeout_s)).get("data", [])
+        return [m["id"] for m in models if isinstance(m, dict) and m.get("parent")]
+
     async def init_weights_update_group(
         self,
         master_address: str,
