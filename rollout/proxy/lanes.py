@@ -20,6 +20,7 @@ import itertools
 import re
 import secrets
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 SuspendMode = Literal["continue", "abort", "in_place"]
@@ -44,7 +45,7 @@ class Lane:
     adapter: str | None = None  # the engines' name of the adapter its requests use; None: the base weights
     path: str = ""  # the adapter's directory (an engine that rejoins loads it)
     held: dict[str, int] = field(default_factory=dict)  # engine → version of this lane's adapter it holds
-    root: str | None = None  # a shared run's adapters must lie below this (proxy.runs.NAME.adapter_root)
+    root: Path | None = None  # a shared run's adapters must lie below this (proxy.runs.NAME.adapter_root)
     updating: asyncio.Lock = field(default_factory=asyncio.Lock)  # one adapter update at a time
     requests: int = 0
     retries: int = 0

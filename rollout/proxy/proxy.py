@@ -171,6 +171,14 @@ _UPDATE_FAILURE_CAUSES = {
 }
 
 
+def _root(run: str, folder: str) -> Path:
+    """A shared run's adapter folder, resolved once (it must exist: the pool's operator makes it)."""
+    try:
+        return Path(folder).resolve(strict=True)
+    except OSError as e:
+        raise ValueError(f"proxy.runs.{run}.adapter_root: {folder} is not a folder here ({e})") from None
+
+
 def _done(slot: EngineSlot, version: int) -> dict:
     return {"engine": slot.name, "success": True, "weight_version": version, "message": "", "cause": ""}
 
@@ -192,10 +200,15 @@ class LLMProxy:
         self.router = Router(slots, config.affinity_capacity)
         self.clients = {s.name: client_factory(s.url, timeout_s=config.request_timeout_s) for s in slots}
         self.base = Lane("")  # the run that owns the engines' weights
-        self.lanes = {"": self.base, **{name: Lane(name, root=r.adapter_root) for name, r in config.runs.items()}}
+        self.lanes = {
+            "": self.base,
+            **{name: Lane(name, root=_root(name, r.adapter_root)) for name, r in config.runs.items()},
+        }
         self._stale: dict[str, set[str]] = {}  # engine → adapters to unload (in use, or its unload failed)
         self._loading: set[str] = set()  # adapters being loaded: never stale
         self._look_again: set[str] = set()  # engines to list the adapters of at the next health round
+        self._slot_locks = {s.name: asyncio.Lock() for s in slots}  # one adapter chore per engine at a time
+        self._tidying: dict[str, asyncio.Task] = {}  # the health loop's, per engine
         # by (run, request id): one run's ids never meet another's (nor tell it which are in flight)
         self._in_flight: dict[tuple[str, str], _InFlight] = {}
         self._last_update: tuple[str, int] | None = None  # (model_path, version) every engine should serve
@@ -214,8 +227,8 @@ class LLMProxy:
         versions = {s.weight_version for s in self.router.engines if s.healthy}
         if len(versions) == 1:
             self.weight_version = versions.pop()
-        if len(self.lanes) > 1:  # what a predecessor loaded for the lanes is no lane's now
-            await asyncio.gather(*(self._tidy(s, sweep=True) for s in self.router.engines if s.healthy))
+        # what a predecessor proxy loaded for its lanes is no lane's now
+        await asyncio.gather(*(self._tidy(s, sweep=True) for s in self.router.engines if s.healthy))
         self._health_task = asyncio.create_task(self._health_loop())
         return self
 
@@ -353,7 +366,8 @@ class LLMProxy:
     def _cut_by(self, lane: Lane, epochs: tuple[int, int]) -> list[Lane]:
         """The lanes whose suspends cut a segment begun at ``epochs``: the proxy's own (it pauses
         every engine) and the request's (none: someone else aborted it)."""
-        cut = [self.base] if self.base.epoch != epochs[0] else []
+        # (an in-place pause of the proxy's own holds requests inside the engines: it cuts none)
+        cut = [self.base] if self.base.epoch != epochs[0] and self.base.mode != "in_place" else []
         return cut + [lane] if lane is not self.base and lane.epoch != epochs[1] else cut
 
     async def _wait_open(self, fl: _InFlight, deadline: float) -> bool:
@@ -557,53 +571,63 @@ class LLMProxy:
         return await self._updated(slots, list(results), model_path, version)
 
     # ------------------------------------------------------------------ adapters
-    def _check_root(self, lane: Lane, path: str) -> None:
-        """A shared run loads adapters from below its own folder only (never another run's)."""
+    def _rooted(self, lane: Lane, path: str) -> str:
+        """``path`` resolved, if it is an existing folder below a shared run's own folder (resolved
+        once, at start: a link the run puts in place of its folder later leads nowhere else)."""
         if lane.root is None:
-            return
-        root = Path(lane.root).resolve()
-        if not Path(path).is_absolute() or not Path(path).resolve().is_relative_to(root):
+            return path
+        try:
+            resolved = Path(path).resolve(strict=True) if Path(path).is_absolute() else None
+        except OSError:
+            resolved = None
+        if resolved is None or not resolved.is_relative_to(lane.root):
             raise RequestInvalid(
                 "model_path",
-                f"must be an absolute path below run {lane.name}'s folder (proxy.runs.{lane.name}.adapter_root)",
+                f"must be an existing absolute path below run {lane.name}'s folder {lane.root} "
+                f"(proxy.runs.{lane.name}.adapter_root)",
             )
+        return str(resolved)  # the engines get no link to follow
 
     async def _update_adapter(self, lane: Lane, path: str, version: int, timeout: float) -> tuple[bool, list[dict]]:
-        """Every engine in rotation loads the adapter in ``path`` under a new name; once all have, the
-        lane's requests use it and its previous adapter is unloaded. Version 0 is the base weights
-        (a new LoRA policy computes what its base does): the lane's adapter is dropped. A failure
-        unloads what was loaded and leaves the lane as it was."""
+        """Every engine in rotation loads the adapter in ``path`` under a new name; once all have (and
+        any engine that joined meanwhile), the lane's requests use it and its previous adapter is
+        unloaded. Version 0 is the base weights (a new LoRA policy computes what its base does): the
+        lane's adapter is dropped. A failure unloads what was loaded and leaves the lane as it was."""
         name = lane.adapter_name(version) if version else None
-        if name is not None:
-            self._check_root(lane, path)
         slots = [s for s in self.router.engines if s.healthy]
         if name is None:
             results = [_done(s, version) for s in slots]
         else:
+            path = self._rooted(lane, path)
             self._loading.add(name)
             try:
-                loads = (self._load_adapter(s, name, path, version, timeout) for s in slots)
-                results = list(await asyncio.gather(*loads))
+                results = list(
+                    await asyncio.gather(*(self._load_adapter(s, name, path, version, timeout) for s in slots))
+                )
+                ok, results = self._outcome(slots, results)
+                late = [s for s in self.router.engines if s.healthy and s not in slots] if ok else []
+                for s, r in zip(
+                    late, await asyncio.gather(*(self._load_adapter(s, name, path, version, timeout) for s in late))
+                ):
+                    if not r["success"]:
+                        self._take_out(s, f"cannot load adapter {name}: {r['message']}")
+            except BaseException:  # cancelled midway: any engine may hold it
+                self._mark_stale(name, slots)
+                raise
             finally:
                 self._loading.discard(name)
-        ok, results = self._outcome(slots, results)
-        if not ok:
-            if name is not None:
-                await self._unload(name, [s for s, r in zip(slots, results) if r["success"]])
-            return ok, results
-        await self._swap_adapter(lane, name, path, version, slots)
+            if not ok:  # everywhere: a load that timed out here may still land there
+                await self._unload(name, slots)
+                return ok, results
+        await self._swap_adapter(lane, name, path, version)
         self.counters["weight_updates"] += 1
-        return ok, results
+        return True, results
 
-    async def _swap_adapter(self, lane: Lane, name: str | None, path: str, version: int, slots: list) -> None:
+    async def _swap_adapter(self, lane: Lane, name: str | None, path: str, version: int) -> None:
         """Serve ``name`` (None: the base weights) to ``lane`` from now on; unload its previous one.
-        An engine that joined during the update gets the new one now; one that left, on its return."""
+        An engine away now gets it when it rejoins."""
         old, lane.adapter, lane.path, lane.version = lane.adapter, name, path, version
-        lane.held = {s.name: version for s in slots if s.healthy}
-        if name is not None:
-            for s in self.router.engines:
-                if s.healthy and s.name not in lane.held and not await self._reload_adapters(s):
-                    self._take_out(s, f"cannot load adapter {name}")
+        lane.held = {s.name: version for s in self.router.engines if s.healthy}
         if old is not None:
             await self._unload(old, self.router.engines)
 
@@ -615,43 +639,50 @@ class LLMProxy:
             return {"engine": slot.name, "success": False, "weight_version": -1, "message": str(e), "cause": cause}
         return _done(slot, version)
 
+    def _mark_stale(self, name: str, slots: list[EngineSlot]) -> None:
+        """``name`` is to be unloaded from those of ``slots`` in rotation (one away is swept when it
+        comes back)."""
+        for s in slots:
+            if s.healthy:
+                self._stale.setdefault(s.name, set()).add(name)
+
     async def _unload(self, name: str, slots: list[EngineSlot]) -> None:
         """Unload adapter ``name`` from ``slots``; what an engine keeps is unloaded later."""
-        for s in slots:
-            self._stale.setdefault(s.name, set()).add(name)
-        await asyncio.gather(*(self._unload_stale(s) for s in slots if s.healthy))
-
-    async def _unload_stale(self, slot: EngineSlot) -> None:
-        """Unload the adapters ``slot`` should not hold. One it refuses to unload (a request still
-        uses it; or it has none of that name) is looked for again at the next health round, one it
-        fails to answer for is tried again then (``_tidy``)."""
-        stale = self._stale.get(slot.name, set())
-        for name in sorted(stale):
-            try:
-                await self.clients[slot.name].unload_lora_adapter(name, timeout_s=self.config.control_timeout_s)
-            except EngineRejected:
-                self._look_again.add(slot.name)
-            except (EngineUnavailable, TimeoutError) as e:
-                log.info("engine %s: unloading adapter %s later (%s)", slot.name, name, e)
-                continue
-            stale.discard(name)
+        self._mark_stale(name, slots)
+        await asyncio.gather(*(self._tidy(s) for s in slots if s.healthy))
 
     async def _tidy(self, slot: EngineSlot, sweep: bool = False) -> None:
         """Unload what ``slot`` should not hold: the adapters marked stale, and with ``sweep`` (or
         after a refusal) every lane's adapter it lists that no lane serves now (a predecessor
         proxy's, one loaded while it was away, one a request was still using)."""
+        async with self._slot_locks[slot.name]:
+            await self._tidy_locked(slot, sweep)
+
+    async def _tidy_locked(self, slot: EngineSlot, sweep: bool) -> None:
         if sweep or slot.name in self._look_again:
             self._look_again.discard(slot.name)
             try:
                 names = await self.clients[slot.name].lora_adapters(self.config.control_timeout_s)
             except (EngineUnavailable, EngineRejected, ValueError) as e:
-                log.warning("engine %s: cannot list its adapters (%s)", slot.name, e)
+                log.debug("engine %s: cannot list its adapters (%s)", slot.name, e)
                 names = []
+                if not sweep:
+                    self._look_again.add(slot.name)
             current = {lane.adapter for lane in self.lanes.values()} | self._loading
             stale = {n for n in names if ADAPTER_NAME.match(n) and n not in current}
             self._stale.setdefault(slot.name, set()).update(stale)
-        if self._stale.get(slot.name):
-            await self._unload_stale(slot)
+        stale = self._stale.get(slot.name, set())
+        for name in sorted(stale):
+            try:
+                await self.clients[slot.name].unload_lora_adapter(name, timeout_s=self.config.control_timeout_s)
+            except EngineRejected as e:  # still in use (or not there): its list tells, next round
+                log.info("engine %s: adapter %s not unloaded yet (%s)", slot.name, name, e)
+                self.counters["adapter_unloads_refused"] += 1
+                self._look_again.add(slot.name)
+            except (EngineUnavailable, TimeoutError) as e:
+                log.info("engine %s: unloading adapter %s later (%s)", slot.name, name, e)
+                continue
+            stale.discard(name)
 
     async def update_weights_bucket(
         self,
@@ -848,7 +879,8 @@ class LLMProxy:
             self.weight_version = version
             self.counters["weight_updates"] += 1
             if self.base.adapter is not None:
-                await self._swap_adapter(self.base, None, "", version, slots)
+                async with self.base.updating:  # not racing an adapter update of its own
+                    await self._swap_adapter(self.base, None, "", version)
         return ok, results
 
     def _outcome(self, slots: list[EngineSlot], results: list[dict]) -> tuple[bool, list[dict]]:
@@ -922,7 +954,9 @@ class LLMProxy:
             return
         slot.failed_probes = 0
         if slot.healthy:
-            await self._tidy(slot)
+            chore = self._tidying.get(slot.name)
+            if (self._stale.get(slot.name) or slot.name in self._look_again) and (chore is None or chore.done()):
+                self._tidying[slot.name] = asyncio.ensure_future(self._tidy(slot))  # never holding up the round
             return
         try:  # rejoin only at the mesh's weight version, and in the mesh's suspend state
             info = await client.model_info(self.config.health_check_timeout_s)
@@ -944,20 +978,26 @@ class LLMProxy:
 
     async def _reload_adapters(self, slot: EngineSlot) -> bool:
         """Bring a rejoining engine every lane's adapter (one that restarted has none; one that only
-        missed health checks holds them already: unloaded first), and unload the ones it holds
-        that no lane serves."""
-        if len(self.lanes) > 1 or self.base.adapter is not None:
-            await self._tidy(slot, sweep=True)
-        for lane in self.lanes.values():
-            if lane.adapter is None or lane.held.get(slot.name) == lane.version:
-                continue
-            with contextlib.suppress(EngineUnavailable, EngineRejected, TimeoutError):
-                await self.clients[slot.name].unload_lora_adapter(lane.adapter, timeout_s=self.config.control_timeout_s)
-            timeout = self.config.update_weights_timeout_s
-            if not (await self._load_adapter(slot, lane.adapter, lane.path, lane.version, timeout))["success"]:
-                return False
-            lane.held[slot.name] = lane.version
-        return True
+        missed health checks holds them already: unloaded first), having unloaded the ones it
+        holds that no lane serves. False when a load fails, or a lane's adapter changed meanwhile
+        (the next health round tries again)."""
+        async with self._slot_locks[slot.name]:
+            self._stale.pop(slot.name, None)  # what it holds is listed now
+            await self._tidy_locked(slot, sweep=True)
+            for lane in self.lanes.values():
+                adapter, path, version = lane.adapter, lane.path, lane.version
+                if adapter is None or lane.held.get(slot.name) == version:
+                    continue
+                with contextlib.suppress(EngineUnavailable, EngineRejected, TimeoutError):
+                    await self.clients[slot.name].unload_lora_adapter(adapter, timeout_s=self.config.control_timeout_s)
+                timeout = self.config.update_weights_timeout_s
+                if not (await self._load_adapter(slot, adapter, path, version, timeout))["success"]:
+                    return False
+                if lane.adapter != adapter:  # updated while this one loaded: what it got is stale already
+                    self._stale.setdefault(slot.name, set()).add(adapter)
+                    return False
+                lane.held[slot.name] = version
+            return True
 
     async def _health_loop(self) -> None:
         while True:

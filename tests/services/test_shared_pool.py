@@ -41,6 +41,21 @@ def both(adapters) -> dict[str, str]:
     return {"math": root, "code": root}
 
 
+async def loaded(urls) -> list[list[str]]:
+    """The adapters each engine lists."""
+    from services.llm_proxy.server import engine_client
+
+    clients = [engine_client(u, api=getattr(urls, "api", "sglang")) for u in urls]
+    try:
+        return [sorted(await c.lora_adapters()) for c in clients]
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
+def serving(proxy) -> list[str]:
+    return sorted(lane.adapter for lane in proxy.lanes.values() if lane.adapter is not None)
+
+
 async def in_flight(proxy, run: str, rid: str) -> None:
     """Until ``run``'s request ``rid`` is at an engine, plus a few tokens' time."""
     for _ in range(3000):
@@ -140,17 +155,18 @@ def test_each_run_is_served_its_own_adapter_at_its_own_version(either_pool, tiny
         # A new version replaces the old: the old adapter is unloaded from every engine.
         assert (await publish(clients["math"], adapters["b"][0], 2)).success
         assert await answers(clients["math"]) == (want["b"], {2})
-        assert not any(proxy._stale.values())  # every old adapter unloaded
+        assert await loaded(either_pool) == [serving(proxy)] * 2  # the old one unloaded everywhere
         # Version 0 is the base again (a restore to the start).
         assert (await publish(clients["code"], tiny_model, 0)).success
         assert await answers(clients["code"]) == (base, {0})
 
         # An adapter an engine cannot load: the update fails naming it, and the run keeps its policy.
-        res = await publish(clients["math"], both["math"] / "missing", 3)
+        res = await publish(clients["math"], both["math"], 3)  # a folder, and no adapter in it
         assert not res.success and all(e.cause == "rejected" and e.message for e in res.engines)
         assert await answers(clients["math"]) == (want["b"], {2})
-        assert (await publish(clients["math"], tiny_model, 0)).success  # (the engines hold no adapter of ours)
-        assert not any(proxy._stale.values())  # every old adapter unloaded
+        assert await loaded(either_pool) == [serving(proxy)] * 2  # the failed one unloaded too
+        assert (await publish(clients["math"], tiny_model, 0)).success
+        assert await loaded(either_pool) == [[], []]
 
     run(scenario, either_pool, run_tokens, both)
 
@@ -191,8 +207,15 @@ def test_a_runs_suspend_stops_its_requests_only_and_they_continue_under_its_new_
         req = generate_request([1, 4], sp, "y", "", 0.0, 0, False, ())
         stream = clients["math"].stub.GenerateStream(req, timeout=60)
         await stream.read()
+        await in_flight(proxy, "code", "y")
+        aborted = proxy.counters["finished_abort"]
         stream.cancel()
         assert len((await theirs).output_ids) == 300
+        for _ in range(200):  # the proxy aborts math's at the engine
+            if ("math", "y") not in proxy._in_flight:
+                break
+            await asyncio.sleep(0.05)
+        assert ("math", "y") not in proxy._in_flight and proxy.counters["finished_abort"] == aborted + 1
 
     run(scenario, pool, run_tokens, both)
 
@@ -309,37 +332,28 @@ def test_adapters_no_lane_serves_are_unloaded_after_a_proxy_restart_and_a_full_u
 ):
     """A proxy that stops with adapters loaded leaves them on the engines: its successor unloads
     them. The proxy's own run may serve an adapter too, until a full-weight update replaces it."""
-    from services.llm_proxy.server import engine_client
-
-    async def loaded() -> list[list[str]]:
-        clients = [engine_client(u) for u in pool]
-        try:
-            return [sorted(await c.lora_adapters()) for c in clients]
-        finally:
-            await asyncio.gather(*(c.close() for c in clients))
 
     async def first(clients, proxy):
         assert (await publish(clients["math"], adapters["a"][0], 1)).success
         assert (await publish(clients[""], adapters["b"][0], 1)).success  # the pool's own run, an adapter
-        names = await loaded()
-        assert names[0] == names[1] and len(names[0]) == 2
+        assert await loaded(pool) == [serving(proxy)] * 2 and len(serving(proxy)) == 2
 
     async def second(clients, proxy):
-        assert await loaded() == [[], []]  # a new proxy serves no lane's adapter yet: none stay loaded
+        assert await loaded(pool) == [[], []]  # a new proxy serves no lane's adapter yet: none stay loaded
         assert (await publish(clients[""], adapters["b"][0], 1)).success
         got = await clients[""].generate(PROMPTS[0], N, **GREEDY)
         assert list(got.output_ids) == _greedy(tiny_model, adapters["b"][1], PROMPTS[0])
         assert (await clients[""].update_weights(tiny_model, 2)).success  # whole weights: the adapter goes
         got = await clients[""].generate(PROMPTS[0], N, **GREEDY)
         assert list(got.output_ids) == _greedy(tiny_model, None, PROMPTS[0]) and set(got.token_versions) == {2}
-        assert await loaded() == [[], []]
+        assert await loaded(pool) == [[], []]
 
     run(first, pool, run_tokens, both)
     run(second, pool, run_tokens, both)
 
 
 def test_run_tokens_are_required_distinct_and_never_with_auth_disabled(monkeypatch, run_tokens):
-    runs = ProxyConfig(runs=shared({"math": "/m", "code": "/c"})).runs
+    runs = ProxyConfig(runs=shared({"math": "/m", "code": "/c"})).runs  # (folders: the proxy checks them)
     mesh = AuthConfig(token=SecretStr("mesh-data"), control_token=SecretStr("mesh-control"))
     assert set(RunTokens(runs, mesh).bearers[next(iter(RunTokens(runs, mesh).bearers))]) == set(RUNS)
     monkeypatch.delenv("RM_TEST_CODE_CONTROL")
@@ -350,6 +364,10 @@ def test_run_tokens_are_required_distinct_and_never_with_auth_disabled(monkeypat
         RunTokens(runs, mesh)
     with pytest.raises(AuthError, match="auth.disabled"):
         RunTokens(runs, AuthConfig(disabled=True))
+    from rollout.proxy import LLMProxy
+
+    with pytest.raises(ValueError, match="proxy.runs.math.adapter_root: /m is not a folder"):
+        LLMProxy(ProxyConfig(runs=shared({"math": "/m", "code": "/"})))  # made by the pool's operator first
     with pytest.raises(ValueError, match="lower-case"):
         ProxyConfig(runs={"Math!": {"token_env": "A", "control_token_env": "B", "adapter_root": "/m"}})
 
@@ -368,6 +386,8 @@ def test_two_lora_runs_train_side_by_side_on_one_engine_pool(tiny_model, tmp_pat
     from tests.test_run_e2e import quickstart_cmd
 
     engine, url = start_engine_process(tiny_model, extra=[f"load_roots=[{tmp_path}]"])
+    for name in RUNS:  # the pool's operator makes each run's folder
+        (tmp_path / name / "weights").mkdir(parents=True)
     runs = ", ".join(
         f"{n}: {{token_env: {d}, control_token_env: {c}, adapter_root: {tmp_path / n / 'weights'}}}"
         for n, (d, c) in RUNS.items()
