@@ -86,6 +86,11 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "rollmesh_proxy_retries", "Requests retried on another engine", value=p.counters["retries"]
         )
+        yield CounterMetricFamily(
+            "rollmesh_proxy_adapter_unloads_refused",
+            "Adapter unloads an engine refused (in use): tried again later",
+            value=p.counters["adapter_unloads_refused"],
+        )
         runs = {
             "version": GaugeMetricFamily(
                 "rollmesh_proxy_run_weight_version", "A shared run's policy version (proxy.runs)", labels=["run"]
