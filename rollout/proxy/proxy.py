@@ -616,8 +616,9 @@ class LLMProxy:
                 raise
             finally:
                 self._loading.discard(name)
-            if not ok:  # everywhere: a load that timed out here may still land there
-                await self._unload(name, slots)
+            if not ok:  # where it loaded, and where a load that timed out here may still land
+                maybe = [s for s, r in zip(slots, results) if r["success"] or r["cause"] in ("timeout", "unavailable")]
+                await self._unload(name, maybe)
                 return ok, results
         await self._swap_adapter(lane, name, path, version)
         self.counters["weight_updates"] += 1
@@ -676,7 +677,7 @@ class LLMProxy:
             try:
                 await self.clients[slot.name].unload_lora_adapter(name, timeout_s=self.config.control_timeout_s)
             except EngineRejected as e:  # still in use (or not there): its list tells, next round
-                log.info("engine %s: adapter %s not unloaded yet (%s)", slot.name, name, e)
+                log.debug("engine %s: adapter %s not unloaded yet (%s)", slot.name, name, e)
                 self.counters["adapter_unloads_refused"] += 1
                 self._look_again.add(slot.name)
             except (EngineUnavailable, TimeoutError) as e:
