@@ -448,13 +448,15 @@ class LLMProxy:
         ]
         for fl in victims:
             fl.aborted.set()
+        await self._abort_at_engines(victims, self.config.control_timeout_s)
+        return len(victims)
+
+    async def _abort_at_engines(self, flights: list[_InFlight], timeout: float) -> None:
+        """Abort the engine calls of ``flights`` (one whose abort fails ends at its deadline)."""
         calls = [
-            self.clients[fl.slot.name].abort(fl.engine_rid, timeout_s=self.config.control_timeout_s)
-            for fl in victims
-            if fl.slot is not None
+            self.clients[f.slot.name].abort(f.engine_rid, timeout_s=timeout) for f in flights if f.slot is not None
         ]
         await asyncio.gather(*calls, return_exceptions=True)
-        return len(victims)
 
     async def suspend(self, mode: SuspendMode = "continue", timeout_s: float = 0.0, run: str = "") -> int:
         if mode not in _ENGINE_PAUSE_MODE:
@@ -486,8 +488,7 @@ class LLMProxy:
         lane.gate.clear()
         mine = [f for f in self._in_flight.values() if f.lane is lane]
         timeout = timeout_s or self.config.control_timeout_s
-        calls = [self.clients[f.slot.name].abort(f.engine_rid, timeout_s=timeout) for f in mine if f.slot is not None]
-        await asyncio.gather(*calls, return_exceptions=True)  # one that fails ends at its deadline, as any
+        await self._abort_at_engines(mine, timeout)
         self.counters["suspends"] += 1
         return len(mine)
 
@@ -633,12 +634,12 @@ class LLMProxy:
             await self._unload(old, self.router.engines)
 
     async def _load_adapter(self, slot: EngineSlot, name: str, path: str, version: int, timeout: float) -> dict:
-        try:
-            await asyncio.wait_for(self.clients[slot.name].load_lora_adapter(name, path, timeout_s=timeout), timeout)
-        except (EngineUnavailable, EngineRejected, TimeoutError, ValueError) as e:
-            cause = _UPDATE_FAILURE_CAUSES.get(type(e), "error")
-            return {"engine": slot.name, "success": False, "weight_version": -1, "message": str(e), "cause": cause}
-        return _done(slot, version)
+        """One engine's load of a lane's adapter, as ``_engine_update`` reports any engine's part."""
+        res = await self._engine_update(
+            slot, -1, False, timeout, lambda c: c.load_lora_adapter(name, path, timeout_s=timeout)
+        )
+        res["weight_version"] = version if res["success"] else -1  # the lane's, not the base weights'
+        return res
 
     def _mark_stale(self, name: str, slots: list[EngineSlot]) -> None:
         """``name`` is to be unloaded from those of ``slots`` in rotation (one away is swept when it

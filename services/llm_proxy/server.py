@@ -105,7 +105,7 @@ class _EngineCollector:
         for name in list(p.lanes)[1:]:
             st = p.stats(name)
             runs["version"].add_metric([name], st["weight_version"])
-            runs["suspended"].add_metric([name], float(p.lanes[name].suspended))
+            runs["suspended"].add_metric([name], float(st["suspended"]))
             runs["in_flight"].add_metric([name], st["in_flight"])
         yield from runs.values()
 
