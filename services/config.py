@@ -252,7 +252,7 @@ class RollmeshConfig(BaseModel):
                 self._check_served_adapter(engine, lora)
             elif self.trainer.dtype != "float32":  # the engines merge from the float32 upcast of their files
                 raise ValueError("train_loop.publisher.adapter: needs trainer.dtype float32 (the merge's base)")
-            elif publisher.delta:
+            elif getattr(publisher, "delta", False):
                 raise ValueError("train_loop.publisher: adapter or delta, not both (an adapter update is smaller)")
         self.controller._adapter_updates = served
         if "master_address" in fields and publisher.master_address not in self.proxy.weight_group_hosts:

@@ -186,6 +186,14 @@ def test_delta_updates_are_made_in_the_engines_dtype_for_engines_that_apply_them
         load_config(None, ["train_loop.publisher={type: http_buckets, adapter: true, delta: true}", lora])
     with pytest.raises(ConfigError, match="train_loop.publisher.delta: engine.type 'sglang' applies no delta updates"):
         load_config(None, [delta, "engine={type: sglang}"])
+    for kind in ("ipc", "collective"):  # the factors handed over or broadcast; the engines merge them too
+        other = f"train_loop.publisher={{type: {kind}, adapter: true}}"
+        publisher = load_config(None, [other, lora, "engine.dtype=bfloat16"]).train_loop.publisher
+        assert publisher._engine_dtype == "bfloat16" and publisher.build(None, "r", 2).adapter_dtype == "bfloat16"
+        with pytest.raises(ConfigError, match="adapter: the policy must train LoRA adapters"):
+            load_config(None, [other])
+        with pytest.raises(ConfigError, match="publisher.adapter: engine.type 'sglang' applies no adapter updates"):
+            load_config(None, [other, lora, "engine={type: sglang}"])
 
 
 def test_routing_replay_has_the_rollout_record_routing_and_the_engines_send_it(tiny_model):

@@ -143,5 +143,5 @@ def bucket_checksum(tensors: dict[str, torch.Tensor]) -> str:
     for name, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
         h.update(f"{name}|{dtype_name(t.dtype)}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-dim: a scale
     return h.hexdigest()[:16]

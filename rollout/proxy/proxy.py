@@ -46,7 +46,16 @@ log = logging.getLogger(__name__)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and vLLM's default --max-logprobs
 _ENGINE_PAUSE_MODE = {"continue": "abort", "abort": "abort", "in_place": "in_place"}
 # What a WeightBucket's bytes hold ("" is safetensors).
-BUCKET_FORMATS = ("", "safetensors", "safetensors_delta", "safetensors_adapter", "tensor_handles")
+BUCKET_FORMATS = (
+    "",
+    "safetensors",
+    "safetensors_delta",
+    "safetensors_adapter",
+    "tensor_handles",
+    "tensor_handles_adapter",
+)
+# Formats whose final bucket carries the checksum of the weights the update makes.
+CHECKED_FORMATS = ("safetensors_delta", "safetensors_adapter", "tensor_handles_adapter")
 
 
 class RequestInvalid(ValueError):
@@ -706,16 +715,21 @@ class LLMProxy:
         instead. Any failure ends the update: the caller rolls back and starts again from bucket 0.
         ``fmt``: what ``data`` holds, safetensors bytes (default), a delta in safetensors against
         ``base_version`` whose result has ``checksum`` (``safetensors_delta``), a LoRA policy's
-        factors whose result has ``checksum`` (``safetensors_adapter``), or ``tensor_handles`` (``ipc``).
+        factors whose result has ``checksum`` (``safetensors_adapter``), or ``tensor_handles`` (``ipc``;
+        ``tensor_handles_adapter``: handles to those factors).
         """
         if fmt not in BUCKET_FORMATS:
             raise RequestInvalid("format", f"must be one of {', '.join(BUCKET_FORMATS[1:])}, got {fmt!r}")
-        if fmt in ("safetensors_delta", "safetensors_adapter") and final and not checksum:
+        if fmt in CHECKED_FORMATS and final and not checksum:
             raise RequestInvalid("checksum", f"a {fmt} update's final bucket carries the checksum of the result")
 
         def send(c, timeout: float):
             if fmt == "tensor_handles":
                 return c.update_weights_from_tensor(data.decode("ascii"), version if final else None, timeout_s=timeout)
+            if fmt == "tensor_handles_adapter":
+                return c.update_weights_from_tensor(
+                    data.decode("ascii"), version if final else None, timeout_s=timeout, adapter=True, checksum=checksum
+                )
             if fmt == "safetensors_delta":
                 return c.update_weights_from_safetensors(
                     data, version, final, timeout_s=timeout, base_version=base_version, checksum=checksum
@@ -787,12 +801,20 @@ class LLMProxy:
         restore_path: str,
         checksum: str,
         timeout_s: float = 0.0,
+        adapter: bool = False,
+        result_checksum: str = "",
     ) -> tuple[bool, list[dict]]:
         """One bucket of a collective update (the ``collective`` transport): every engine of the
         group receives the tensors the trainer broadcasts. Like ``update_weights_bucket``, and
-        each engine's ``checksum`` of what it received must match the trainer's where it reports one."""
+        each engine's ``checksum`` of what it received must match the trainer's where it reports one.
+        ``adapter``: the tensors are a LoRA policy's factors, and the final bucket's result must have
+        ``result_checksum``."""
         if not names or not len(names) == len(dtypes) == len(shapes):
             raise RequestInvalid("tensors", "at least one tensor, each with a name, a dtype and a shape")
+        if adapter and final and not result_checksum:
+            raise RequestInvalid(
+                "result_checksum", "an adapter update's final bucket carries the checksum of the result"
+            )
         group = self._group
         if group is None:
             raise RequestInvalid("group_name", "no weight-update group: InitWeightsGroup first")
@@ -820,8 +842,9 @@ class LLMProxy:
                 return ok, results
 
         def send(c, timeout: float):
+            extra = {"adapter": True, "checksum": result_checksum} if adapter else {}
             return c.update_weights_from_distributed(
-                names, dtypes, shapes, group.name, version if final else None, timeout_s=timeout
+                names, dtypes, shapes, group.name, version if final else None, timeout_s=timeout, **extra
             )
 
         return await self._bucket(version, index, final, restore_path, timeout_s, send, checksum, group.slots)

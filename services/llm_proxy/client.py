@@ -138,8 +138,11 @@ class ProxyClient:
         restore_path: str = "",
         checksum: str = "",
         timeout_s: float = 120.0,
+        adapter: bool = False,
+        result_checksum: str = "",
     ) -> pb.UpdateWeightsResponse:
-        """``tensors``: (name, dtype, shape) of each tensor, in the order they are broadcast."""
+        """``tensors``: (name, dtype, shape) of each tensor, in the order they are broadcast;
+        ``adapter``: a LoRA policy's factors, the final bucket's result has ``result_checksum``."""
         metas = [pb.TensorMeta(name=n, dtype=d, shape=s) for n, d, s in tensors]
         req = pb.DistributedBucket(
             weight_version=weight_version,
@@ -149,6 +152,8 @@ class ProxyClient:
             restore_path=restore_path,
             checksum=checksum,
             timeout_s=timeout_s,
+            adapter=adapter,
+            result_checksum=result_checksum,
         )
         return await self.stub.UpdateWeightsDistributed(req, timeout=timeout_s + 10)
 

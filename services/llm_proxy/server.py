@@ -322,6 +322,8 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics, runs: RunTokens | None
                 req.restore_path,
                 req.checksum,
                 req.timeout_s,
+                req.adapter,
+                req.result_checksum,
             )
         except RequestInvalid as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

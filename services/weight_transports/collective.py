@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
@@ -40,6 +41,8 @@ from trainer.ports import PublishError
 
 if TYPE_CHECKING:
     from rollout.engines.weight_group import WeightGroup
+
+log = logging.getLogger(__name__)
 
 
 def _wg():
@@ -61,6 +64,7 @@ class CollectivePublisher:
         master_address: str = "127.0.0.1",
         master_port: int = 0,
         group_name: str = "weight_update_group",
+        adapter_dtype: str | None = None,
     ) -> None:
         self.proxy, self.max_bytes = proxy, bucket_mb << 20
         self.backend, self.address, self.port, self.group_name = backend, master_address, master_port, group_name
@@ -68,26 +72,75 @@ class CollectivePublisher:
         self.group: WeightGroup | None = None
         self._buckets: list[tuple[dict, str]] = []  # (tensors, checksum) of the exported version
         self.groups_made = 0
+        # Adapter-only updates of a LoRA policy (``adapter_dtype``: the engines' dtype, the result's
+        # checksum's): the factors are broadcast, the engines merge them (as ``http_buckets``').
+        self.adapter_dtype = adapter_dtype
+        self._result: str = ""  # an adapter update's: the checksum of the weights it makes
+        self._state: dict = {}  # ... and the weights, broadcast whole only if it fails
+        self.delta_fallbacks = 0
+        self.stats: dict[str, float] = {}  # what the last load sent (the step's metrics)
 
     def export(self, engine, version: int) -> str:
+        import torch
+
         from trainer.export import weight_buckets
 
         state = engine.full_weights()  # every rank gathers; rank 0 gets the weights
+        factors = engine.adapter_factors() if self.adapter_dtype else {}  # gathered by every rank too
         path = self.restore.export(engine, version, state)
+        self._buckets, self._result, self._state = [], "", {}
+        if not path:
+            return path
         # Checksummed now, before generation is suspended: the suspension only waits for the transfer.
-        self._buckets = [(b, _wg().bucket_checksum(b)) for b in weight_buckets(state, self.max_bytes)] if path else []
+        if self.adapter_dtype is not None:
+            from rollout.engines import weight_delta
+            from rollout.engines.embedded.weights import weights_checksum
+            from services.weight_transports.http_buckets import by_layer
+
+            self._result = weights_checksum(weight_delta.cast(state, getattr(torch, self.adapter_dtype)))
+            self._state = state
+            self._buckets = [(b, _wg().bucket_checksum(b)) for b in by_layer(factors, self.max_bytes)]
+            return path
+        self._buckets = [(b, _wg().bucket_checksum(b)) for b in weight_buckets(state, self.max_bytes)]
         return path
 
     async def load(self, version: int, timeout_s: float) -> None:
         buckets, self._buckets = self._buckets, []
+        result, self._result = self._result, ""
+        state, self._state = self._state, {}  # held only until this update is sent
         if not buckets:
             raise PublishError(f"no weights exported for version {version}")
         deadline = time.monotonic() + timeout_s
+        self.stats = {}
+        if result:
+            try:
+                await self._broadcast(version, buckets, deadline, timeout_s, result)
+                self.stats = {"weight_update_bytes": _nbytes(buckets), "weight_delta_fallbacks": self.delta_fallbacks}
+                return
+            except PublishError as e:  # an engine refused or missed it: broadcast every weight
+                self.delta_fallbacks += 1
+                log.warning("version %d: the adapter update failed (%s); broadcasting every weight", version, e)
+                from trainer.export import weight_buckets
+
+                buckets = [(b, _wg().bucket_checksum(b)) for b in weight_buckets(state, self.max_bytes)]
+                if not buckets:
+                    raise PublishError(f"no weights exported for version {version}") from None
+        await self._broadcast(version, buckets, deadline, timeout_s)
+        self.stats = {"weight_update_bytes": _nbytes(buckets)}
+        if self.adapter_dtype is not None:
+            self.stats["weight_delta_fallbacks"] = self.delta_fallbacks
+
+    async def _broadcast(
+        self, version: int, buckets: list, deadline: float, timeout_s: float, result: str = ""
+    ) -> None:
+        """Send ``buckets`` in order over the group (made first if there is none); ``result``: they
+        are a LoRA policy's factors and the weights they make have that checksum."""
         try:
             if self.group is None:
                 await self._make_group(deadline, timeout_s)
             for i, (tensors, checksum) in enumerate(buckets):
-                await self._bucket(version, i, tensors, checksum, i == len(buckets) - 1, deadline, len(buckets))
+                final = i == len(buckets) - 1
+                await self._bucket(version, i, tensors, checksum, final, deadline, len(buckets), result)
         except BaseException:
             self.close()  # peers blocked in a broadcast fail now; the next update makes a new group
             raise
@@ -127,13 +180,14 @@ class CollectivePublisher:
         self.groups_made += 1
 
     async def _bucket(
-        self, version: int, i: int, tensors: dict, checksum: str, final: bool, deadline: float, n: int
+        self, version: int, i: int, tensors: dict, checksum: str, final: bool, deadline: float, n: int, result: str
     ) -> None:
         left = self._left(deadline, f"bucket {i} of {n}")
         metas = [(name, _wg().dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()]
+        adapter = {"adapter": True, "result_checksum": result if final else ""} if result else {}
         call = asyncio.ensure_future(
             self.proxy.update_weights_distributed(
-                version, i, metas, final, self.restore.path if final else "", checksum, left
+                version, i, metas, final, self.restore.path if final else "", checksum, left, **adapter
             )
         )
         send = asyncio.ensure_future(asyncio.to_thread(_wg().send, self.group, tensors))
@@ -167,6 +221,10 @@ class CollectivePublisher:
             raise PublishError(f"bucket {i} of {n}: broadcast failed: {e}") from None
 
 
+def _nbytes(buckets: list[tuple[dict, str]]) -> int:
+    return sum(t.numel() * t.element_size() for tensors, _ in buckets for t in tensors.values())
+
+
 class CollectivePublisherConfig(BaseModel):
     """``collective``: the trainer broadcasts the weights over a group the engines join (SGLang's
     ``/init_weights_update_group`` contract): NCCL between GPUs, gloo on CPU."""
@@ -190,6 +248,14 @@ class CollectivePublisherConfig(BaseModel):
     )
     master_port: int = Field(0, ge=0, le=65535, description="The store's port; 0 picks a free one per group.")
     group_name: str = Field("weight_update_group", min_length=1, description="The group's name on the engines.")
+    adapter: bool = Field(
+        False,
+        description="A LoRA policy (trainer.lora): broadcast only each adapted layer's factors; the engines "
+        "compute the layer's weight from their base as the trainer merges it, checked against the whole state's "
+        "checksum; any failure broadcasts every weight. Embedded engines only.",
+    )
+    # The engines' dtype, the checksum's: engine.dtype's, set when the run config loads.
+    _engine_dtype: str = PrivateAttr("float32")
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int):
         import torch
@@ -204,6 +270,7 @@ class CollectivePublisherConfig(BaseModel):
             self.master_address,
             self.master_port,
             self.group_name,
+            self._engine_dtype if self.adapter else None,
         )
 
 
@@ -235,6 +302,14 @@ class DistributedUpdateReq(BaseModel):
     abort_all_requests: bool = False
     weight_version: str | int | None = Field(None, description="Given on an update's last bucket: apply them all.")
     load_format: str | None = None
+    adapter: bool = Field(
+        False,
+        description="rollmesh: the tensors are a LoRA policy's factors (rollout/engines/embedded/adapter_sync.py), "
+        "merged into the engine's base weights.",
+    )
+    checksum: str = Field(
+        "", max_length=64, description="rollmesh, an adapter update's last bucket: the checksum of the result."
+    )
 
 
 class DestroyGroupReq(BaseModel):
@@ -290,6 +365,10 @@ def add_engine_routes(app, side: EngineSide) -> None:
             raise EngineError("group_name", f"no group {req.group_name!r}: call /init_weights_update_group first")
         group, join = groups[req.group_name]
         try:  # checked before receiving: a refusal closes the group, so the trainer stops at once
+            if req.adapter and not hasattr(engine, "stage_adapter"):
+                raise EngineError("adapter", "this engine applies no adapter-only updates")
+            if req.adapter and version is not None and not req.checksum:
+                raise EngineError("checksum", "an adapter update's last bucket carries the checksum of the result")
             if not len(req.names) == len(req.dtypes) == len(req.shapes):
                 raise EngineError(
                     "dtypes",
@@ -303,20 +382,24 @@ def add_engine_routes(app, side: EngineSide) -> None:
                 }
             except (ValueError, RuntimeError) as e:
                 raise EngineError("shapes" if "dtype" not in str(e) else "dtypes", str(e)) from None
-            engine.check_tensors(meta)
+            (engine.check_adapter if req.adapter else engine.check_tensors)(meta)
         except EngineError:
             leave(req.group_name)
             raise
         key = ("group", req.group_name, join)
+        stage = engine.stage_adapter if req.adapter else engine.stage_tensors
         try:
             tensors = await asyncio.to_thread(wg.receive, group, req.names, req.dtypes, req.shapes)
             checksum = await asyncio.to_thread(wg.bucket_checksum, tensors)
-            staged = await asyncio.to_thread(engine.stage_tensors, tensors, key)
+            staged = await asyncio.to_thread(stage, tensors, key)
         except Exception as e:  # a rank that died or timed out: this group is over
             leave(req.group_name)
             return failed(f"receiving {len(req.names)} tensors from group {req.group_name!r} failed: {e}")
         if version is None:
             return {"success": True, "message": f"staged {staged} tensors", "received_checksum": checksum}
+        if req.adapter:
+            res = await asyncio.wrap_future(engine.commit_adapter(version, req.checksum, key))
+            return {"success": True, "message": "updated from adapters", **res, "received_checksum": checksum}
         res = await asyncio.wrap_future(engine.commit_staged(version, key))
         return {"success": True, "message": "updated", **res, "received_checksum": checksum}
 

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 class BucketPublisher:
     format = "safetensors"  # what each bucket's bytes hold (WeightBucket.format)
+    adapter_format = "safetensors_adapter"  # ... when they hold a LoRA policy's factors
 
     def __init__(
         self,
@@ -83,8 +84,8 @@ class BucketPublisher:
         # Serialized now, before generation is suspended: the suspension only waits for the transfer.
         if self.adapter_dtype is not None:
             checksum = weights_checksum(weight_delta.cast(state, getattr(torch, self.adapter_dtype)))
-            buckets = [self._serialize(b) for b in _by_layer(factors, self.max_bytes)]
-            self._delta = _Delta("safetensors_adapter", None, checksum, buckets, None)
+            buckets = [self._serialize(b) for b in by_layer(factors, self.max_bytes)]
+            self._delta = _Delta(self.adapter_format, None, checksum, buckets, None)
             self._state = state
             return path
         if self.delta_dtype is None:
@@ -181,14 +182,14 @@ class BucketPublisher:
 class _Delta:
     """An update that sends less than every weight: a delta, or a LoRA policy's factors."""
 
-    format: str  # safetensors_delta | safetensors_adapter
+    format: str  # safetensors_delta | safetensors_adapter | tensor_handles_adapter
     base_version: int | None  # a delta: what every engine must hold
     checksum: str  # of the weights after it (weights_checksum, as the engine computes it)
     buckets: list[bytes]
     stats: DeltaStats | None  # a delta's
 
 
-def _by_layer(factors: dict, max_bytes: int):
+def by_layer(factors: dict, max_bytes: int):
     """A LoRA policy's factors in buckets of at most ``max_bytes``, each layer's three in one."""
     bucket, size = {}, 0
     for name, t in factors.items():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from services.llm_proxy.client import ProxyClient
 from services.weight_transports.common import EngineSide
@@ -24,6 +24,7 @@ class IpcPublisher(BucketPublisher):
     byte of them crosses a socket."""
 
     format = "tensor_handles"
+    adapter_format = "tensor_handles_adapter"
 
     def __init__(self, *args, encoding: str = "rollmesh", **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -82,9 +83,20 @@ class IpcPublisherConfig(BaseModel):
         description="How the handles are written: rollmesh's own format, read by code (the embedded engine), "
         "or SGLang's pickled one, which SGLang reads itself; set from the engine (services/engine/backends.py).",
     )
+    adapter: bool = Field(
+        False,
+        description="A LoRA policy (trainer.lora): hand over only each adapted layer's factors; the engines "
+        "compute the layer's weight from their base as the trainer merges it, checked against the whole state's "
+        "checksum; any failure hands over every weight. Embedded engines only.",
+    )
+    # The engines' dtype, the checksum's: engine.dtype's, set when the run config loads.
+    _engine_dtype: str = PrivateAttr("float32")
 
     def build(self, proxy: ProxyClient | None, run_dir: str, keep_versions: int) -> IpcPublisher:
-        return IpcPublisher(proxy, run_dir, keep_versions, self.bucket_mb, encoding=self.encoding)
+        adapter_dtype = self._engine_dtype if self.adapter else None
+        return IpcPublisher(
+            proxy, run_dir, keep_versions, self.bucket_mb, adapter_dtype=adapter_dtype, encoding=self.encoding
+        )
 
 
 class TensorUpdateReq(BaseModel):
@@ -94,6 +106,14 @@ class TensorUpdateReq(BaseModel):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | int | None = Field(None, description="Given on an update's last bucket: apply them all.")
+    adapter: bool = Field(
+        False,
+        description="rollmesh: the tensors are a LoRA policy's factors (rollout/engines/embedded/adapter_sync.py), "
+        "merged into the engine's base weights.",
+    )
+    checksum: str = Field(
+        "", max_length=64, description="rollmesh, an adapter update's last bucket: the checksum of the result."
+    )
 
 
 def add_engine_routes(app, side: EngineSide) -> None:
@@ -110,9 +130,14 @@ def add_engine_routes(app, side: EngineSide) -> None:
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(req: TensorUpdateReq):
         version = side.parse_version(req.weight_version)
+        if req.adapter and not hasattr(engine, "stage_adapter"):
+            raise EngineError("adapter", "this engine applies no adapter-only updates")
+        if req.adapter and version is not None and not req.checksum:
+            raise EngineError("checksum", "an adapter update's last bucket carries the checksum of the result")
+        check = engine.check_adapter if req.adapter else engine.check_tensors
         try:  # one rank here: the first payload is this engine's; its shapes checked before it is mapped
             payload = req.serialized_named_tensors[0]
-            shared = await asyncio.to_thread(tensor_handles.loads, payload, engine.check_tensors)
+            shared = await asyncio.to_thread(tensor_handles.loads, payload, check)
         except EngineError:  # the model's check: its own field
             raise
         except ValueError as e:
@@ -120,8 +145,12 @@ def add_engine_routes(app, side: EngineSide) -> None:
         # Copied out of the sender's memory now: it may reuse that memory once this call returns.
         mine = await asyncio.to_thread(own_copy, shared)
         del shared
-        staged = await asyncio.to_thread(engine.stage_tensors, mine, ("tensor",))
+        stage = engine.stage_adapter if req.adapter else engine.stage_tensors
+        staged = await asyncio.to_thread(stage, mine, ("tensor",))
         if version is None:
             return {"success": True, "message": f"staged {staged} tensors"}
+        if req.adapter:
+            res = await asyncio.wrap_future(engine.commit_adapter(version, req.checksum, ("tensor",)))
+            return {"success": True, "message": "updated from adapters", **res}
         res = await asyncio.wrap_future(engine.commit_staged(version, ("tensor",)))
         return {"success": True, "message": "updated", **res}

@@ -11,7 +11,9 @@ import time
 import grpc
 import httpx
 import pytest
+import torch
 
+from rollout.engines.weight_group import bucket_checksum
 from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
 from services.weight_transports.collective import CollectivePublisher
@@ -98,7 +100,7 @@ def test_an_engine_dying_mid_broadcast_fails_the_update_at_once_and_rolls_it_bac
     assert again and mesh.controller.version == 1 and final[0] == "1" and final[1] != before[1]
 
 
-def test_bad_collective_input_is_refused_by_name_and_everything_keeps_serving(engine_url, tiny_model, tmp_path):
+def test_bad_collective_input_is_refused_by_name_and_everything_keeps_serving(engine_url, tiny_model, tmp_path, caplog):
     async def main():
         errors = {}
         async with httpx.AsyncClient(base_url=engine_url, timeout=10, headers=http_headers(AuthConfig())) as c:
@@ -115,6 +117,11 @@ def test_bad_collective_input_is_refused_by_name_and_everything_keeps_serving(en
         async with local_mesh(engine_url, tiny_model) as mesh:
             with pytest.raises(grpc.aio.AioRpcError) as no_group:
                 await mesh.proxy_client.update_weights_distributed(1, 0, [("x", "float32", [1])], True, "r")
+            with pytest.raises(grpc.aio.AioRpcError) as no_result:  # an adapter update's result unchecked
+                await mesh.proxy_client.update_weights_distributed(
+                    1, 0, [("x.lora_A", "float32", [1, 1])], True, "r", adapter=True
+                )
+            errors["no_result"] = (no_result.value.code(), no_result.value.details())
             with pytest.raises(grpc.aio.AioRpcError) as bad_backend:
                 await mesh.proxy_client.init_weights_group("127.0.0.1", 1234, "g", "mpi")
             # A host the config does not allow: the engines are never pointed at it.
@@ -132,10 +139,27 @@ def test_bad_collective_input_is_refused_by_name_and_everything_keeps_serving(en
             with pytest.raises(Exception, match="no_such_weight") as refused:
                 await publisher.load(1, 20)
             took = time.monotonic() - t0
+            # Adapter factors for a layer the model lacks: refused before they are received, and the
+            # publisher broadcasts every weight instead (a new group: the refusal closed the first).
+            factors = {
+                "model.no_such.lora_A": torch.ones(2, 128),
+                "model.no_such.lora_B": torch.ones(128, 2),
+                "model.no_such.lora_scaling": torch.tensor(2.0),
+            }
+            adapted = CollectivePublisher(mesh.proxy_client, tmp_path / "run", bucket_mb=1, adapter_dtype="float32")
+            adapted._buckets = [(factors, bucket_checksum(factors))]
+            adapted._result, adapted._state = "0" * 16, engine.full_weights()
+            adapted.restore.export(engine, 2, adapted._state)  # the directory an engine that rejoins loads
+            await adapted.load(2, 20)
+            version, _ = await _engine_state(engine_url)
             out = await mesh.proxy_client.generate([1, 2, 3], 2, ignore_eos=True)
-        return errors, no_group.value, bad_backend.value, refused.value, took, out, publisher
+        return errors, no_group.value, bad_backend.value, refused.value, took, out, publisher, adapted, version
 
-    errors, no_group, bad_backend, refused, took, out, publisher = asyncio.run(main())
+    errors, no_group, bad_backend, refused, took, out, publisher, adapted, version = asyncio.run(main())
+    assert adapted.delta_fallbacks == 1 and adapted.groups_made == 2 and version == "2"
+    assert "'model.no_such' is not a linear layer" in caplog.text  # the engine's reason, passed on
+    code, details = errors["no_result"]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("result_checksum:")
     assert errors["nccl"]["field"] == "backend" and "gloo" in errors["nccl"]["message"]
     code, details = errors["elsewhere"]
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("master_address: '203.0.113.7' is not")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from rollout.engines import weight_delta
+from rollout.engines import tensor_handles, weight_delta
 from rollout.engines.sglang.client import EngineRejected
 from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
@@ -183,8 +183,20 @@ def test_an_engine_without_deltas_refuses_one(make_engine_process, tiny_model):
     asyncio.run(main())
 
 
+def _adapter_publisher(transport: str, client, run):
+    """``transport``'s publisher of a LoRA policy's factors to bfloat16 engines."""
+    from services.weight_transports.collective import CollectivePublisher
+    from services.weight_transports.ipc import IpcPublisher
+
+    if transport == "collective":
+        return CollectivePublisher(client, run, bucket_mb=1, backend="gloo", adapter_dtype="bfloat16")
+    kind = IpcPublisher if transport == "ipc" else BucketPublisher
+    return kind(client, run, bucket_mb=1, adapter_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("transport", ["http_buckets", "ipc", "collective"])
 def test_a_lora_policy_sends_only_its_factors_and_falls_back_to_every_weight(
-    make_engine_process, tiny_model, tiny_model_b, tmp_path
+    transport, make_engine_process, tiny_model, tiny_model_b, tmp_path
 ):
     from tests.trainer.helpers import toy_batch
     from trainer.config import TrainerConfig
@@ -202,8 +214,7 @@ def test_a_lora_policy_sends_only_its_factors_and_falls_back_to_every_weight(
 
     async def main():
         async with local_mesh(urls, tiny_model, async_ratio=1, groups_per_step=1) as mesh:
-            publisher = BucketPublisher(mesh.proxy_client, run, bucket_mb=1, adapter_dtype="bfloat16")
-            loop = _loop(mesh, tmp_path, trainer, publisher)
+            loop = _loop(mesh, tmp_path, trainer, _adapter_publisher(transport, mesh.proxy_client, run))
             out = {"first": await publish(loop)}  # version 1: the factors alone
             out["reload"] = await _load(urls[0], run / "weights/v1", 1)  # the whole weights of v1
             # Engine 1 holds other weights than its base's outside the adapted layers: the result's
@@ -212,19 +223,24 @@ def test_a_lora_policy_sends_only_its_factors_and_falls_back_to_every_weight(
             out["other"] = await publish(loop)  # version 2
             out["again"] = await publish(loop)  # version 3: the factors alone again
             out["reload3"] = await _load(urls[1], run / "weights/v3", 3)
-            return out
+            return out, loop.publisher
 
-    out = asyncio.run(main())
+    out, publisher = asyncio.run(main())
     ok, first, states = out["first"]
-    whole = sum(f.stat().st_size for f in (run / "weights/v3").glob("*.safetensors"))
-    assert ok and first["weight_delta_fallbacks"] == 0 and first["weight_update_bytes"] < whole / 20
+    assert ok and first["weight_delta_fallbacks"] == 0
     assert states[0] == states[1] and states[0][0] == "1" and out["reload"]["checksum"] == states[0][1]
     ok, other, states = out["other"]
-    assert ok and other["weight_delta_fallbacks"] == 1 and other["weight_update_bytes"] > whole / 2
+    assert ok and other["weight_delta_fallbacks"] == 1 and other["weight_update_bytes"] > first["weight_update_bytes"]
     assert states[0] == states[1] and states[0][0] == "2"
     ok, again, states = out["again"]
     assert ok and again["weight_delta_fallbacks"] == 1 and again["weight_update_bytes"] == first["weight_update_bytes"]
     assert states[0] == states[1] and states[0][0] == "3" and out["reload3"]["checksum"] == states[0][1]
+    if transport != "ipc":  # ipc's bytes are its handles': the tensors stay in shared memory
+        whole = sum(f.stat().st_size for f in (run / "weights/v3").glob("*.safetensors"))
+        assert first["weight_update_bytes"] < whole / 20 < whole / 2 < other["weight_update_bytes"]
+    assert publisher._buckets == []  # nothing held once the update ended
+    if transport == "collective":
+        assert publisher.groups_made == 2  # the failed adapter update closed the first group
 
 
 def test_bad_adapter_updates_are_refused_naming_the_field(make_engine_process):
@@ -260,6 +276,21 @@ def test_bad_adapter_updates_are_refused_naming_the_field(make_engine_process):
             "no_checksum": await _post(url, save(good), weight_version=1, adapter="true", final="true"),
             "sum": await _post(url, save(good), weight_version=1, adapter="true", final="true", checksum="0" * 16),
         }
+        # The same through ipc's handles (SGLang's /update_weights_from_tensor, rollmesh's adapter field).
+        unknown = tensor_handles.dumps([(k.replace("q_proj", "qq"), v) for k, v in good.items()])
+        handles = tensor_handles.dumps(list(good.items()))
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=30, headers=http_headers(AuthConfig())) as c:
+                for key, payload, extra in [
+                    ("ipc_unknown", unknown.payload, {}),
+                    ("ipc_no_checksum", handles.payload, {"weight_version": "1"}),
+                    ("ipc_sum", handles.payload, {"weight_version": "1", "checksum": "0" * 16}),
+                ]:
+                    body = {"serialized_named_tensors": [payload], "adapter": True, **extra}
+                    answers[key] = await c.post("/update_weights_from_tensor", json=body)
+        finally:
+            unknown.close()
+            handles.close()
         return before, answers, await _engine_state(url)
 
     before, answers, after = asyncio.run(main())
@@ -269,6 +300,9 @@ def test_bad_adapter_updates_are_refused_naming_the_field(make_engine_process):
         ("shape", "tensors"),
         ("no_checksum", "checksum"),
         ("sum", "checksum"),
+        ("ipc_unknown", "tensors"),
+        ("ipc_no_checksum", "checksum"),
+        ("ipc_sum", "checksum"),
     ]:
         assert answers[key].status_code == 400 and field in answers[key].text, (key, answers[key].text)
     assert "needs lora_A, lora_B and lora_scaling" in answers["no_scaling"].text

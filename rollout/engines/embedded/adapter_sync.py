@@ -16,8 +16,9 @@ from rollout.engines.embedded.lora import misfit
 A, B, SCALING = ".lora_A", ".lora_B", ".lora_scaling"
 
 
-def split(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-    """A bucket's tensors by layer: (A, B, scaling). Raises ``ValueError`` naming what is malformed."""
+def split(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A bucket's tensors by layer: (A, B, scaling), real or on the meta device (a collective
+    update's, checked before it is received). Raises ``ValueError`` naming what is malformed."""
     layers = {}
     for key in tensors:
         suffix = next((s for s in (A, B, SCALING) if key.endswith(s)), None)
@@ -35,7 +36,7 @@ def split(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, tor
             )
         if not (a.is_floating_point() and b.is_floating_point()):
             raise ValueError(f"{layer!r}: factors must be floating point")
-        out[layer] = (a, b, float(s))
+        out[layer] = (a, b, s)
     return out
 
 
@@ -84,7 +85,7 @@ def apply(model: torch.nn.Module, layers: dict, base: dict[str, torch.Tensor]) -
         for name, (a, b, scaling) in layers.items():
             w = modules[name].weight
             undo.append((w, None, w.to("cpu", copy=True)))
-            merged = base[name + ".weight"].float() + scaling * low_rank(a, b)
+            merged = base[name + ".weight"].float() + float(scaling) * low_rank(a, b)
             w.copy_(merged.to(w.dtype))
     except BaseException:
         restore(undo)

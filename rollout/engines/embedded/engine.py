@@ -344,21 +344,33 @@ class EmbeddedEngine(SchedulerCommands):
         ``checksum`` (``weights_checksum``); otherwise put back what it changed and fail."""
         return self._call(lambda: self._commit_delta(version, base_version, checksum))
 
-    def stage_adapter(self, tensors: dict[str, torch.Tensor], version: int) -> int:
-        """Validate a bucket of a LoRA policy's factors (``adapter_sync``) for ``version`` and hold
-        it until ``commit_adapter``; returns the staged count."""
+    def check_adapter(self, tensors: dict[str, torch.Tensor]) -> dict:
+        """A bucket of a LoRA policy's factors (``adapter_sync``; real, or on the meta device) by
+        layer; ``EngineError`` naming what this model cannot take."""
         try:
             layers = adapter_sync.split(tensors)
             adapter_sync.check(self.model, layers)
+        except ValueError as e:
+            raise EngineError("tensors", str(e)) from None
+        return layers
+
+    def stage_adapter(self, tensors: dict[str, torch.Tensor], update: object) -> int:
+        """Validate a bucket of a LoRA policy's factors (``adapter_sync``) of ``update`` (a key:
+        the version, or a collective update's) and hold it until ``commit_adapter``; returns the
+        staged count."""
+        layers = self.check_adapter(tensors)
+        try:
             self._read_base([n + ".weight" for n in layers])
         except ValueError as e:
             raise EngineError("tensors", str(e)) from None
-        return self._call(lambda: self._stage(layers, ("adapter", version))).result()
+        return self._call(lambda: self._stage(layers, ("adapter", update))).result()
 
-    def commit_adapter(self, version: int, checksum: str) -> Future:
-        """Set every staged layer to its base + scaling · B A between two steps and serve ``version``,
-        if the weights then have ``checksum``; otherwise put them back and fail."""
-        return self._call(lambda: self._commit_adapter(version, checksum))
+    def commit_adapter(self, version: int, checksum: str, update: object = None) -> Future:
+        """Set every layer staged for ``update`` (default: ``version``) to its base + scaling · B A
+        between two steps and serve ``version``, if the weights then have ``checksum``; otherwise
+        put them back and fail."""
+        key = ("adapter", version if update is None else update)
+        return self._call(lambda: self._commit_adapter(version, checksum, key))
 
     def _read_base(self, names: list[str]) -> None:
         # In the caller's thread: file reads. The base is the model directory this engine started
@@ -712,8 +724,8 @@ class EmbeddedEngine(SchedulerCommands):
                 "base_version", f"the delta is against version {base_version}; this engine holds {self.weight_version}"
             )
 
-    def _commit_adapter(self, version: int, checksum: str) -> dict:
-        staged = self._take_staged(("adapter", version))
+    def _commit_adapter(self, version: int, checksum: str, update: object) -> dict:
+        staged = self._take_staged(update)
         undo = adapter_sync.apply(self.model, staged, self._adapter_base)
         return self._verified(undo, version, checksum, f"version {self.weight_version} is served unchanged")
 

@@ -235,23 +235,37 @@ class SGLangClient(HTTPEngineClient):
         group_name: str,
         weight_version: int | None,
         timeout_s: float = 120.0,
+        adapter: bool = False,
+        checksum: str = "",
     ) -> dict:
         """Receive one bucket that rank 0 broadcasts; ``weight_version`` (the last bucket only)
-        makes the engine serve it. The answer's ``weight_version`` is an int (-1: none named)."""
+        makes the engine serve it. The answer's ``weight_version`` is an int (-1: none named).
+        ``adapter`` (rollmesh's): the tensors are a LoRA policy's factors, and the last bucket's
+        result must have ``checksum``."""
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": True}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if adapter:
+            body |= {"adapter": True, "checksum": checksum}
         res = await self._post("/update_weights_from_distributed", timeout_s, json=body)
         return res if weight_version is None else await self._with_version(res, timeout_s)
 
     async def update_weights_from_tensor(
-        self, payload: str, weight_version: int | None, timeout_s: float = 120.0
+        self,
+        payload: str,
+        weight_version: int | None,
+        timeout_s: float = 120.0,
+        adapter: bool = False,
+        checksum: str = "",
     ) -> dict:
         """Tensors passed by handle (``rollout/engines/tensor_handles.py``) from a process on the same
-        machine; ``weight_version`` (the last bucket only) makes the engine serve them."""
+        machine; ``weight_version`` (the last bucket only) makes the engine serve them. ``adapter``
+        (rollmesh's): a LoRA policy's factors, the last bucket's result must have ``checksum``."""
         body = {"serialized_named_tensors": [payload], "flush_cache": True}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if adapter:
+            body |= {"adapter": True, "checksum": checksum}
         res = await self._post("/update_weights_from_tensor", timeout_s, json=body)
         return res if weight_version is None else await self._with_version(res, timeout_s)
 

@@ -238,7 +238,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DistributedBucket(_message.Message):
-    __slots__ = ("weight_version", "index", "tensors", "final", "restore_path", "checksum", "timeout_s")
+    __slots__ = ("weight_version", "index", "tensors", "final", "restore_path", "checksum", "timeout_s", "adapter", "result_checksum")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,8 @@ class DistributedBucket(_message.Message):
     RESTORE_PATH_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    RESULT_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     index: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
@@ -253,7 +255,9 @@ class DistributedBucket(_message.Message):
     restore_path: str
     checksum: str
     timeout_s: float
-    def __init__(self, weight_version: _Optional[int] = ..., index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., final: _Optional[bool] = ..., restore_path: _Optional[str] = ..., checksum: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    adapter: bool
+    result_checksum: str
+    def __init__(self, weight_version: _Optional[int] = ..., index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., final: _Optional[bool] = ..., restore_path: _Optional[str] = ..., checksum: _Optional[str] = ..., timeout_s: _Optional[float] = ..., adapter: _Optional[bool] = ..., result_checksum: _Optional[str] = ...) -> None: ...
 
 class MemoryRequest(_message.Message):
     __slots__ = ("tags", "lease_s", "timeout_s")
