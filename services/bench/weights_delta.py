@@ -92,11 +92,15 @@ def run(
     """``steps`` training steps, each published whole to one engine and as a delta to another;
     ``lora_rank``: train LoRA adapters of that rank instead, publish their factors alone to a
     third engine too (``adapter``), and over disk: whole to a fourth (``disk``), the adapter's
-    directory to a fifth that serves it by name (``served``: disk with ``adapter: true``)."""
+    directory to a fifth that serves it by name (``served``: disk with ``adapter: true``). The
+    first and third engines also take each version over ``ipc`` and ``collective``, whole and as
+    factors (an update is absolute: the same version again replaces the same weights)."""
     from services.config import load_config
     from services.llm_proxy.client import ProxyClient
+    from services.weight_transports.collective import CollectivePublisher
     from services.weight_transports.disk import DiskPublisher
     from services.weight_transports.http_buckets import BucketPublisher
+    from services.weight_transports.ipc import IpcPublisher
     from trainer.engine import TrainEngine
 
     for name, value, low in (("steps", steps, 2), ("prompts", prompts, 1), ("bucket-mb", bucket_mb, 1)):
@@ -109,12 +113,14 @@ def run(
         raise BadOption(f"--config: {cfg.model_path} has no model (make {cfg.model_path}/config.json builds it)")
     trainer = TrainEngine(cfg.trainer)
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    kinds = ("full", "delta", "adapter", "disk", "served") if lora_rank else ("full", "delta")
+    kinds = ("full", "delta", "adapter", "disk", "served") if lora_rank else ("full", "delta")  # an engine each
+    # ... and over ipc and collective, to the full and adapter engines: whole, then the factors alone
+    others = ("ipc", "ipc_adapter", "collective", "collective_adapter") if lora_rank else ()
     progress(
         f"model: {cfg.model_path} ({n_params / 1e6:.0f} M parameters), lr {cfg.trainer.lr:g}; {len(kinds)} engines"
     )
     batches = _batches(trainer, cfg.env_manager.dataset_path, steps, prompts, cfg.env_manager.group_size, seed=0)
-    procs, out = [], {k: [] for k in kinds}
+    procs, out = [], {k: [] for k in (*kinds, *others)}
     shares, stats = [], []
     with tempfile.TemporaryDirectory(prefix="rollmesh-bench-delta-") as tmp:
         try:
@@ -144,6 +150,14 @@ def run(
                         )
                         publishers["disk"] = DiskPublisher(clients[3], Path(tmp) / "disk")
                         publishers["served"] = DiskPublisher(clients[4], Path(tmp) / "served", adapter=True)
+                        for kind in others:
+                            client, where = clients[2 if "adapter" in kind else 0], Path(tmp) / kind
+                            factors = {"adapter_dtype": "bfloat16"} if "adapter" in kind else {}
+                            publishers[kind] = (
+                                IpcPublisher(client, where, bucket_mb=bucket_mb, **factors)
+                                if kind.startswith("ipc")
+                                else CollectivePublisher(client, where, bucket_mb=bucket_mb, **factors)
+                            )
                     for i, batch in enumerate(batches):
                         t0 = time.perf_counter()
                         metrics = trainer.train_step(batch)
@@ -161,7 +175,10 @@ def run(
                                 f", adapter {out['adapter'][-1]['bytes'] / 1e6:.2f} MB in "
                                 f"{out['adapter'][-1]['load_s']:.2f} s; disk whole {out['disk'][-1]['load_s']:.2f} s, "
                                 f"served adapter {out['served'][-1]['bytes'] / 1e6:.2f} MB in "
-                                f"{out['served'][-1]['load_s']:.2f} s"
+                                f"{out['served'][-1]['load_s']:.2f} s; ipc whole {out['ipc'][-1]['load_s']:.2f} s, "
+                                f"factors {out['ipc_adapter'][-1]['load_s']:.2f} s; collective whole "
+                                f"{out['collective'][-1]['load_s']:.2f} s, factors "
+                                f"{out['collective_adapter'][-1]['load_s']:.2f} s"
                                 if lora_rank
                                 else ""
                             )
@@ -220,8 +237,22 @@ def run(
                 "served_adapter_load_s": round(med(out["served"], "load_s"), 3),
                 "bytes_ratio_disk_full_vs_served": round(med(out["disk"], "bytes") / med(out["served"], "bytes"), 1),
                 "load_speedup_served": round(med(out["disk"], "load_s") / med(out["served"], "load_s"), 2),
+                **_others(out, med),
             }
             if lora_rank
             else {}
         ),
     }
+
+
+def _others(out: dict, med) -> dict:
+    """ipc and collective, whole and as factors (ipc's bytes are its handles': not reported)."""
+    row = {}
+    for kind in ("ipc", "collective"):
+        whole, factors = out[kind], out[f"{kind}_adapter"]
+        row[f"{kind}_full_load_s"] = round(med(whole, "load_s"), 3)
+        row[f"{kind}_adapter_load_s"] = round(med(factors, "load_s"), 3)
+        row[f"load_speedup_{kind}_adapter"] = round(med(whole, "load_s") / med(factors, "load_s"), 2)
+    row["collective_full_bytes_mb"] = round(med(out["collective"], "bytes") / 1e6, 1)
+    row["collective_adapter_bytes_mb"] = round(med(out["collective_adapter"], "bytes") / 1e6, 3)
+    return row

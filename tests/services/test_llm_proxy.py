@@ -227,15 +227,13 @@ def test_requests_still_queued_at_a_suspend_keep_their_engine_and_get_all_their_
         assert len(out.output_ids) == 40 and len(r.ids) == (len(p) + 40 - 1) * r.ids_per_token
 
 
-def test_routing_asked_of_a_dense_model_is_invalid_argument_naming_the_field(make_engine_process):
-    _, url = make_engine_process()
-
+def test_routing_asked_of_a_dense_model_is_invalid_argument_naming_the_field(embedded_engines):
     async def scenario(client, proxy):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await client.generate([1, 2, 3], 2, return_routed_experts=True)
         return e.value, await client.generate([1, 2, 3], 2)
 
-    error, ok = run(scenario, [url])
+    error, ok = run(scenario, embedded_engines)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details().startswith("return_routed_experts:") and "no mixture-of-experts layers" in error.details()
     assert len(ok.output_ids) == 2  # and the proxy keeps serving

@@ -53,17 +53,20 @@ def test_bench_weights_delta_compares_whole_delta_and_adapter_updates_over_train
     )
     cmd = [sys.executable, "-m", "services.cli", "bench", "weights", "--delta", "--config", str(config)]
     # LoRA adapters of rank 2: a third engine gets their factors alone (and two more, over disk).
-    args = [*cmd, "--steps", "3", "--bucket-mb", "1", "--lora-rank", "2", "--json"]
+    args = [*cmd, "--steps", "2", "--bucket-mb", "1", "--lora-rank", "2", "--json"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["steps"] == 3 and out["engine_dtype"] == "bfloat16" and out["checksums_equal"] is True
+    assert out["steps"] == 2 and out["engine_dtype"] == "bfloat16" and out["checksums_equal"] is True
     assert 0 < out["changed_share_min"] <= out["changed_share_median"] <= out["changed_share_max"] <= 1
     assert out["full_bytes_mb"] > 0 and out["delta_bytes_mb"] > 0 and out["full_load_s"] > 0 < out["delta_load_s"]
     assert out["lora_rank"] == 2 and out["adapter_bytes_mb"] < out["delta_bytes_mb"] < out["full_bytes_mb"]
     assert out["bytes_ratio_full_vs_adapter"] > 10 and out["adapter_load_s"] > 0
     # and over disk: whole to a fourth engine, the adapter's directory to a fifth that serves it by name
     assert out["served_adapter_bytes_mb"] * 10 < out["disk_full_bytes_mb"] and out["served_adapter_load_s"] > 0
+    # and over ipc and collective, whole and as factors, to the first and third engines
+    assert out["collective_adapter_bytes_mb"] * 10 < out["collective_full_bytes_mb"]
+    assert all(out[f"{k}_{w}_load_s"] > 0 for k in ("ipc", "collective") for w in ("full", "adapter"))
     assert out["encoding_bytes_mb_chosen"] <= min(
         out["encoding_bytes_mb_sparse"], out["encoding_bytes_mb_changed_tensors"]
     )
