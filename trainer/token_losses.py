@@ -83,6 +83,21 @@ def dro(lp: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> torch.Ten
     return -(lp * adv - 0.5 * beta * (lp - q) ** 2).sum()
 
 
+def gspo(lp: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> torch.Tensor:
+    """GSPO-token: PPO's clipped objective on the sequence's ratio s, the geometric mean of π/q over
+    the tokens ``sequence_ratio_mask`` marks; each token carries s's value and its own log π's
+    gradient (s_t = sg[s] · π/sg[π]), so per-token advantages still work."""
+    q = _need(inputs, "logprobs", lp.shape[0])
+    adv = _need(inputs, "advantages", lp.shape[0])
+    mask = _need(inputs, "sequence_ratio_mask", lp.shape[0]) != 0
+    if not mask.any():  # the mean over no token: NaN in every gradient
+        raise LossInputError("loss_fn_inputs.sequence_ratio_mask", "marks no token; the sequence ratio needs one")
+    log_s = (lp.detach() - q)[mask].mean()
+    ratio = torch.exp(log_s + lp - lp.detach())
+    low, high = _clip_range(config)
+    return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv).sum()
+
+
 # What each loss reads from ``loss_fn_inputs`` besides target_tokens: checked for every datum before
 # any is computed, so a bad call adds no gradient at all.
 NEEDS: dict[str, tuple[str, ...]] = {
@@ -91,6 +106,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "ppo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
     "dro": ("logprobs", "advantages"),
+    "gspo": ("logprobs", "advantages", "sequence_ratio_mask"),
 }
 
 LOSSES: dict[str, LossFn] = {
@@ -99,4 +115,5 @@ LOSSES: dict[str, LossFn] = {
     "ppo": ppo,
     "cispo": cispo,
     "dro": dro,
+    "gspo": gspo,
 }

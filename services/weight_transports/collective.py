@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
-from services.weight_transports.common import EngineSide, engine_failures, failed
+from services.weight_transports.common import AdapterFields, EngineSide, engine_failures, failed
 from services.weight_transports.disk import DiskPublisher
 from trainer.ports import PublishError
 
@@ -292,7 +292,7 @@ class InitGroupReq(BaseModel):
     backend: str = Field("nccl", description="gloo (CPU) or nccl (CUDA); SGLang's default is nccl.")
 
 
-class DistributedUpdateReq(BaseModel):
+class DistributedUpdateReq(AdapterFields):
     model_config = ConfigDict(extra="forbid")
     names: list[str] = Field(min_length=1)
     dtypes: list[str]
@@ -302,14 +302,6 @@ class DistributedUpdateReq(BaseModel):
     abort_all_requests: bool = False
     weight_version: str | int | None = Field(None, description="Given on an update's last bucket: apply them all.")
     load_format: str | None = None
-    adapter: bool = Field(
-        False,
-        description="rollmesh: the tensors are a LoRA policy's factors (rollout/engines/embedded/adapter_sync.py), "
-        "merged into the engine's base weights.",
-    )
-    checksum: str = Field(
-        "", max_length=64, description="rollmesh, an adapter update's last bucket: the checksum of the result."
-    )
 
 
 class DestroyGroupReq(BaseModel):
@@ -365,10 +357,7 @@ def add_engine_routes(app, side: EngineSide) -> None:
             raise EngineError("group_name", f"no group {req.group_name!r}: call /init_weights_update_group first")
         group, join = groups[req.group_name]
         try:  # checked before receiving: a refusal closes the group, so the trainer stops at once
-            if req.adapter and not hasattr(engine, "stage_adapter"):
-                raise EngineError("adapter", "this engine applies no adapter-only updates")
-            if req.adapter and version is not None and not req.checksum:
-                raise EngineError("checksum", "an adapter update's last bucket carries the checksum of the result")
+            req.check_adapter(engine, version)
             if not len(req.names) == len(req.dtypes) == len(req.shapes):
                 raise EngineError(
                     "dtypes",

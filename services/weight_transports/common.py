@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 
 def engine_failures(res) -> str:
     """The engines' errors of an UpdateWeights* reply, one clause each."""
@@ -31,3 +33,26 @@ def failed(message: str):
     from fastapi.responses import JSONResponse
 
     return JSONResponse(status_code=500, content={"success": False, "message": message})
+
+
+class AdapterFields(BaseModel):
+    """rollmesh's fields on SGLang's tensor and distributed update requests: an adapter-only update
+    of a LoRA policy, whose factors the engine merges into its base weights."""
+
+    adapter: bool = Field(
+        False,
+        description="rollmesh: the tensors are a LoRA policy's factors (rollout/engines/embedded/adapter_sync.py), "
+        "merged into the engine's base weights.",
+    )
+    checksum: str = Field(
+        "", max_length=64, description="rollmesh, an adapter update's last bucket: the checksum of the result."
+    )
+
+    def check_adapter(self, engine, version: int | None) -> None:
+        """``EngineError`` naming the field if this engine cannot take the adapter update asked for."""
+        from rollout.engines.contract import EngineError
+
+        if self.adapter and not hasattr(engine, "stage_adapter"):
+            raise EngineError("adapter", "this engine applies no adapter-only updates")
+        if self.adapter and version is not None and not self.checksum:
+            raise EngineError("checksum", "an adapter update's last bucket carries the checksum of the result")

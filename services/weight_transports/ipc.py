@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from services.llm_proxy.client import ProxyClient
-from services.weight_transports.common import EngineSide
+from services.weight_transports.common import AdapterFields, EngineSide
 from services.weight_transports.http_buckets import BucketPublisher
 
 
@@ -99,21 +99,13 @@ class IpcPublisherConfig(BaseModel):
         )
 
 
-class TensorUpdateReq(BaseModel):
+class TensorUpdateReq(AdapterFields):
     model_config = ConfigDict(extra="forbid")
     serialized_named_tensors: list[str] = Field(min_length=1, description="One payload per tensor-parallel rank.")
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | int | None = Field(None, description="Given on an update's last bucket: apply them all.")
-    adapter: bool = Field(
-        False,
-        description="rollmesh: the tensors are a LoRA policy's factors (rollout/engines/embedded/adapter_sync.py), "
-        "merged into the engine's base weights.",
-    )
-    checksum: str = Field(
-        "", max_length=64, description="rollmesh, an adapter update's last bucket: the checksum of the result."
-    )
 
 
 def add_engine_routes(app, side: EngineSide) -> None:
@@ -130,10 +122,7 @@ def add_engine_routes(app, side: EngineSide) -> None:
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(req: TensorUpdateReq):
         version = side.parse_version(req.weight_version)
-        if req.adapter and not hasattr(engine, "stage_adapter"):
-            raise EngineError("adapter", "this engine applies no adapter-only updates")
-        if req.adapter and version is not None and not req.checksum:
-            raise EngineError("checksum", "an adapter update's last bucket carries the checksum of the result")
+        req.check_adapter(engine, version)
         check = engine.check_adapter if req.adapter else engine.check_tensors
         try:  # one rank here: the first payload is this engine's; its shapes checked before it is mapped
             payload = req.serialized_named_tensors[0]

@@ -150,8 +150,11 @@ def test_bad_collective_input_is_refused_by_name_and_everything_keeps_serving(en
             adapted._buckets = [(factors, bucket_checksum(factors))]
             adapted._result, adapted._state = "0" * 16, engine.full_weights()
             adapted.restore.export(engine, 2, adapted._state)  # the directory an engine that rejoins loads
-            await adapted.load(2, 20)
-            version, _ = await _engine_state(engine_url)
+            try:
+                await adapted.load(2, 20)
+                version, _ = await _engine_state(engine_url)
+            finally:  # the session's engine: back to the tiny model's weights, as other tests find it
+                await engine_client(engine_url).update_weights_from_disk(tiny_model, 0)
             out = await mesh.proxy_client.generate([1, 2, 3], 2, ignore_eos=True)
         return errors, no_group.value, bad_backend.value, refused.value, took, out, publisher, adapted, version
 

@@ -175,6 +175,21 @@ def test_bad_calls_name_their_field_and_the_service_keeps_serving(service, clien
         tc.forward_backward([short], "cross_entropy").result()
     fine = tc.forward_backward(data, "cross_entropy").result()  # the refused call's turn passed
     assert fine.metrics["loss:sum"] > 0
+    # GSPO: its sequence ratio over the tokens the mask marks; with the learner's own log-probs as q
+    # the ratio is 1 and the loss is -sum(A) over the datum
+    own = fine.loss_fn_outputs[0]["logprobs"].tolist()
+    n = len(own)
+    rl = types.Datum(
+        model_input=data[0].model_input,
+        loss_fn_inputs={
+            "target_tokens": data[0].loss_fn_inputs["target_tokens"],
+            "logprobs": own,
+            "advantages": [1.0] * n,
+            "sequence_ratio_mask": [0.0] * (n - 4) + [1.0] * 4,
+        },
+    )
+    gspo = tc.forward_backward([rl], "gspo").result()
+    assert abs(gspo.metrics["loss:sum"] + n) < 1e-3 * n
     trained = sc.create_lora_training_client(base_model=service["model"], rank=4).result()
     sampler = trained.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(tok.encode("hello"))

@@ -130,14 +130,17 @@ def test_the_policy_losses_are_their_formulas():
     lp = torch.tensor([-1.0, -0.5, -2.0], requires_grad=True)
     q = torch.tensor([-1.2, -0.5, -1.0])
     adv = torch.tensor([1.0, -1.0, 2.0])
-    inputs = {"logprobs": q, "advantages": adv, "weights": torch.tensor([0.0, 1.0, 0.5])}
+    mask = torch.tensor([1.0, 1.0, 0.0])  # GSPO's sequence ratio: over the first two tokens
+    inputs = {"logprobs": q, "advantages": adv, "weights": torch.tensor([0.0, 1.0, 0.5]), "sequence_ratio_mask": mask}
     r = torch.exp(lp - q)
+    s = torch.exp((lp.detach() - q)[:2].mean()) * torch.exp(lp - lp.detach())  # its value, each token's gradient
     want = {
         "cross_entropy": -(lp * inputs["weights"]).sum(),
         "importance_sampling": -(r * adv).sum(),
         "ppo": -torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv).sum(),
         "cispo": -(r.clamp(0.8, 1.2).detach() * lp * adv).sum(),
         "dro": -(lp * adv - 0.025 * (lp - q) ** 2).sum(),
+        "gspo": -torch.minimum(s * adv, s.clamp(0.8, 1.2) * adv).sum(),
     }
     for name, fn in LOSSES.items():
         got = fn(lp, inputs, {})
@@ -148,3 +151,11 @@ def test_the_policy_losses_are_their_formulas():
     # PPO's clip: a ratio of e (above 1.2) with a positive advantage has no gradient
     (g,) = torch.autograd.grad(LOSSES["ppo"](lp, {**inputs, "logprobs": lp.detach() - 1}, {}), lp)
     assert g[0] == 0 and g[2] == 0
+    # GSPO clips the sequence: every token's ratio is exp(mean(0.2, 0)) = 1.105, inside the range, so
+    # each gradient is that value times its advantage; a sequence ratio of e clips them all (A > 0)
+    (g,) = torch.autograd.grad(LOSSES["gspo"](lp, inputs, {}), lp)
+    torch.testing.assert_close(g, -torch.exp(torch.tensor(0.1)) * adv)
+    (g,) = torch.autograd.grad(LOSSES["gspo"](lp, {**inputs, "logprobs": lp.detach() - 1}, {}), lp)
+    assert g[0] == 0 and g[2] == 0 and g[1] != 0  # A < 0: min takes the unclipped ratio
+    with pytest.raises(LossInputError, match="sequence_ratio_mask"):
+        LOSSES["gspo"](lp, {**inputs, "sequence_ratio_mask": torch.zeros(3)}, {})
