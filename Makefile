@@ -50,8 +50,10 @@ $(STAMP): pyproject.toml
 	# which PyPI mirrors may lack and only Inkling/Kimi models use: the dependencies its recipes import.
 	$(PIP) $(INSTALL) --no-deps tinker-cookbook==0.6.1
 	$(PIP) $(INSTALL) chz blobfile datasets pylatexenc
-	@# What every engine and trainer process imports, compiled once here rather than by the first few at once.
-	$(PY) -c "import services.engine.server, trainer.engine, transformers.models.qwen2.modeling_qwen2"
+	@# What every engine and trainer process imports (and the Tinker tests' SDK and cookbook), compiled once
+	@# here rather than by the first few processes at once.
+	$(PY) -c "import services.engine.server, trainer.engine, transformers.models.qwen2.modeling_qwen2, \
+	  services.cli, openai, tinker, tinker_cookbook.recipes.math_rl.train, tinker_cookbook.recipes.chat_sl.train"
 	touch $(STAMP)
 
 $(MODEL)/config.json: | $(STAMP)
