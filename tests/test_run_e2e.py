@@ -35,6 +35,7 @@ def _processes_with(variable: str) -> list[int]:
     return found
 
 
+@pytest.mark.timeout(480)  # a mesh with a reward service and two trainer ranks, beside the other worker
 def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     """With the episodes and the held-out answers scored by a reward service the run starts
     (`reward: {type: service}`; the quickstart's other runs score in the EnvManager), and the trainer
@@ -56,7 +57,8 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     # No token in the environment: rollmesh run makes one for the run and every service gets it.
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    log = (run_dir / "logs" / "trainer.log").read_text()
+    trainer_log = run_dir / "logs" / "trainer.log"
+    log = trainer_log.read_text() if trainer_log.exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log[-3000:]
     assert "trainer: 2 rank(s)" in log and "weights over http_buckets" in log
     final = re.search(

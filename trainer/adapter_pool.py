@@ -24,7 +24,7 @@ import torch
 
 from sample_buffer.vision import model_class
 from trainer.lora import LoraConfig
-from trainer.token_losses import LOSSES, NEEDS, LossInputError
+from trainer.token_losses import CHECKS, LOSSES, NEEDS, LossInputError
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class AdapterPool:
         if fn is None:
             raise LossInputError("loss_fn", f"{loss_fn!r} is not served (served: {sorted(LOSSES)})")
         a = self._activate(name)
-        checked = [self._check(i, d, NEEDS[loss_fn]) for i, d in enumerate(data)]
+        checked = [self._check(i, d, loss_fn) for i, d in enumerate(data)]
         if len({c[1].dim() for c in checked}) > 1:
             raise LossInputError("data", "target_tokens of one shape in a call: all [N] or all [N, K]")
         self.model.train(backward)  # adapter dropout only while training
@@ -157,7 +157,7 @@ class AdapterPool:
             a.pending += 1
         return out, total
 
-    def _check(self, i: int, d: Datum, needs: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def _check(self, i: int, d: Datum, loss_fn: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
         where = f"data[{i}]"
         n = len(d.tokens)
         if n == 0:
@@ -183,7 +183,7 @@ class AdapterPool:
             if t.dim() == 0 or t.shape[0] != n:
                 raise LossInputError(f"{where}.loss_fn_inputs.{key}", f"shape {tuple(t.shape)} for {n} input tokens")
             inputs[key] = t.to(self.device)
-        for key in needs:  # the loss's own inputs: a value per target, finite
+        for key in NEEDS[loss_fn]:  # the loss's own inputs: a value per target, finite
             t = inputs.get(key)
             if t is None:
                 raise LossInputError(f"{where}.loss_fn_inputs.{key}", "required by this loss")
@@ -193,6 +193,11 @@ class AdapterPool:
                 )
             if not bool(torch.isfinite(t.float()).all()):
                 raise LossInputError(f"{where}.loss_fn_inputs.{key}", "a NaN or infinite value")
+        if loss_fn in CHECKS:
+            try:
+                CHECKS[loss_fn](target, inputs)
+            except LossInputError as e:
+                raise LossInputError(f"{where}.{e.field}", e.message) from None
         return tokens, target, inputs
 
     def _micro_batches(self, lengths: list[int]) -> list[list[int]]:

@@ -25,7 +25,7 @@ class LossInputError(ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.message = field, message
 
 
 def _need(inputs: Inputs, key: str, n: int) -> torch.Tensor:
@@ -108,6 +108,19 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "dro": ("logprobs", "advantages"),
     "gspo": ("logprobs", "advantages", "sequence_ratio_mask"),
 }
+
+
+def _gspo_inputs(target: torch.Tensor, inputs: Inputs) -> None:
+    """GSPO's ratio is a sequence's: one target per position, and a mask that marks a token."""
+    if target.dim() != 1:
+        raise LossInputError("loss_fn_inputs.target_tokens", "gspo takes one target per position, not [N, K]")
+    if not bool((inputs["sequence_ratio_mask"] != 0).any()):
+        raise LossInputError("loss_fn_inputs.sequence_ratio_mask", "marks no token; the sequence ratio needs one")
+
+
+# What a loss asks of a datum beyond NEEDS (its inputs present, shaped as the targets, finite),
+# checked with them: a datum that would fail midway fails before any gradient is added.
+CHECKS: dict[str, Callable[[torch.Tensor, Inputs], None]] = {"gspo": _gspo_inputs}
 
 LOSSES: dict[str, LossFn] = {
     "cross_entropy": cross_entropy,

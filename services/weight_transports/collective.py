@@ -92,7 +92,7 @@ class CollectivePublisher:
         if not path:
             return path
         # Checksummed now, before generation is suspended: the suspension only waits for the transfer.
-        if self.adapter_dtype is not None:
+        if self.adapter_dtype is not None and factors:  # (none: nothing adapted, every weight goes)
             from rollout.engines import weight_delta
             from rollout.engines.embedded.weights import weights_checksum
             from services.weight_transports.http_buckets import by_layer

@@ -82,7 +82,7 @@ class BucketPublisher:
         if not path:
             return path
         # Serialized now, before generation is suspended: the suspension only waits for the transfer.
-        if self.adapter_dtype is not None:
+        if self.adapter_dtype is not None and factors:  # (none: nothing adapted, every weight goes)
             checksum = weights_checksum(weight_delta.cast(state, getattr(torch, self.adapter_dtype)))
             buckets = [self._serialize(b) for b in by_layer(factors, self.max_bytes)]
             self._delta = _Delta(self.adapter_format, None, checksum, buckets, None)

@@ -154,6 +154,7 @@ def test_bad_collective_input_is_refused_by_name_and_everything_keeps_serving(en
                 await adapted.load(2, 20)
                 version, _ = await _engine_state(engine_url)
             finally:  # the session's engine: back to the tiny model's weights, as other tests find it
+                adapted.close()
                 await engine_client(engine_url).update_weights_from_disk(tiny_model, 0)
             out = await mesh.proxy_client.generate([1, 2, 3], 2, ignore_eos=True)
         return errors, no_group.value, bad_backend.value, refused.value, took, out, publisher, adapted, version

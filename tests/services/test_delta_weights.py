@@ -273,6 +273,13 @@ def test_bad_adapter_updates_are_refused_naming_the_field(make_engine_process):
                 adapter="true",
                 final="false",
             ),
+            "rank": await _post(
+                url,
+                save(good | {f"{layer}.lora_A": torch.ones(1025, 128), f"{layer}.lora_B": torch.ones(128, 1025)}),
+                weight_version=1,
+                adapter="true",
+                final="false",
+            ),
             "no_checksum": await _post(url, save(good), weight_version=1, adapter="true", final="true"),
             "sum": await _post(url, save(good), weight_version=1, adapter="true", final="true", checksum="0" * 16),
         }
@@ -298,6 +305,7 @@ def test_bad_adapter_updates_are_refused_naming_the_field(make_engine_process):
         ("no_scaling", "tensors"),
         ("unknown", "tensors"),
         ("shape", "tensors"),
+        ("rank", "tensors"),
         ("no_checksum", "checksum"),
         ("sum", "checksum"),
         ("ipc_unknown", "tensors"),
@@ -306,4 +314,5 @@ def test_bad_adapter_updates_are_refused_naming_the_field(make_engine_process):
     ]:
         assert answers[key].status_code == 400 and field in answers[key].text, (key, answers[key].text)
     assert "needs lora_A, lora_B and lora_scaling" in answers["no_scaling"].text
+    assert "rank 1025 outside [1, 1024]" in answers["rank"].text
     assert after == before

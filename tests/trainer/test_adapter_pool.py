@@ -120,6 +120,12 @@ def test_bad_inputs_name_their_field_before_anything_is_computed(pool):
         pool.forward_backward("x", [good], "no_such_loss", {})
     with pytest.raises(LossInputError, match=r"data\[0\].loss_fn_inputs.logprobs"):
         pool.forward_backward("x", [good], "ppo", {})
+    # GSPO: a datum whose mask marks no token fails the call before the first datum's gradient is added
+    n = len(good.tokens)
+    rl = {**good.inputs, "logprobs": np.zeros(n), "advantages": np.ones(n), "sequence_ratio_mask": np.ones(n)}
+    empty = Datum(good.tokens, {**rl, "sequence_ratio_mask": np.zeros(n)})
+    with pytest.raises(LossInputError, match=r"data\[1\].loss_fn_inputs.sequence_ratio_mask: marks no token"):
+        pool.forward_backward("x", [Datum(good.tokens, rl), empty], "gspo", {})
     assert all(p.grad is None for p in pool.adapters["x"].params)  # nothing half-computed
     with pytest.raises(LossInputError, match="lora_config"):
         pool.add("y", LoraConfig(rank=2, target_modules=["not_a_layer"]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engines.embedded.lora import misfit
+from rollout.engines.embedded.lora import MAX_RANK, misfit
 
 A, B, SCALING = ".lora_A", ".lora_B", ".lora_scaling"
 
@@ -34,8 +34,10 @@ def split(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, tor
             raise ValueError(
                 f"{layer!r}: A [r, in], B [out, r] and a scalar scaling, got {tuple(a.shape)}, {tuple(b.shape)}"
             )
-        if not (a.is_floating_point() and b.is_floating_point()):
-            raise ValueError(f"{layer!r}: factors must be floating point")
+        if not 1 <= a.shape[0] <= MAX_RANK:  # bounds what a receive allocates: in and out are the layer's
+            raise ValueError(f"{layer!r}: rank {a.shape[0]} outside [1, {MAX_RANK}]")
+        if not (a.is_floating_point() and b.is_floating_point() and s.is_floating_point()):
+            raise ValueError(f"{layer!r}: factors and scaling must be floating point")
         out[layer] = (a, b, s)
     return out
 

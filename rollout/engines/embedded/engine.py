@@ -358,7 +358,9 @@ class EmbeddedEngine(SchedulerCommands):
         """Validate a bucket of a LoRA policy's factors (``adapter_sync``) of ``update`` (a key:
         the version, or a collective update's) and hold it until ``commit_adapter``; returns the
         staged count."""
-        layers = self.check_adapter(tensors)
+        # On the CPU, where the base is read and the http route's tensors arrive: the merge is computed
+        # there, the same bits whichever route (a CUDA handle, an NCCL receive) brought the factors.
+        layers = self.check_adapter({k: t.cpu() for k, t in tensors.items()})
         try:
             self._read_base([n + ".weight" for n in layers])
         except ValueError as e:
