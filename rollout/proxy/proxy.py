@@ -724,12 +724,10 @@ class LLMProxy:
             raise RequestInvalid("checksum", f"a {fmt} update's final bucket carries the checksum of the result")
 
         def send(c, timeout: float):
-            if fmt == "tensor_handles":
-                return c.update_weights_from_tensor(data.decode("ascii"), version if final else None, timeout_s=timeout)
-            if fmt == "tensor_handles_adapter":
-                return c.update_weights_from_tensor(
-                    data.decode("ascii"), version if final else None, timeout_s=timeout, adapter=True, checksum=checksum
-                )
+            if fmt.startswith("tensor_handles"):
+                extra = {"adapter": True, "checksum": checksum} if fmt == "tensor_handles_adapter" else {}
+                payload = data.decode("ascii")
+                return c.update_weights_from_tensor(payload, version if final else None, timeout_s=timeout, **extra)
             if fmt == "safetensors_delta":
                 return c.update_weights_from_safetensors(
                     data, version, final, timeout_s=timeout, base_version=base_version, checksum=checksum

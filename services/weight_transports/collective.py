@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
-from services.weight_transports.common import AdapterFields, EngineSide, engine_failures, failed
+from services.weight_transports.common import AdapterFields, EngineSide, engine_failures, failed, held_checksum
 from services.weight_transports.disk import DiskPublisher
 from trainer.ports import PublishError
 
@@ -81,8 +81,6 @@ class CollectivePublisher:
         self.stats: dict[str, float] = {}  # what the last load sent (the step's metrics)
 
     def export(self, engine, version: int) -> str:
-        import torch
-
         from trainer.export import weight_buckets
 
         state = engine.full_weights()  # every rank gathers; rank 0 gets the weights
@@ -93,11 +91,9 @@ class CollectivePublisher:
             return path
         # Checksummed now, before generation is suspended: the suspension only waits for the transfer.
         if self.adapter_dtype is not None and factors:  # (none: nothing adapted, every weight goes)
-            from rollout.engines import weight_delta
-            from rollout.engines.embedded.weights import weights_checksum
             from services.weight_transports.http_buckets import by_layer
 
-            self._result = weights_checksum(weight_delta.cast(state, getattr(torch, self.adapter_dtype)))
+            self._result = held_checksum(state, self.adapter_dtype)
             self._state = state
             self._buckets = [(b, _wg().bucket_checksum(b)) for b in by_layer(factors, self.max_bytes)]
             return path

@@ -28,6 +28,17 @@ class EngineSide:
     load_roots: list[str] = field(default_factory=list)  # where /update_weights_from_disk may load from
 
 
+def held_checksum(state: dict, dtype: str) -> str:
+    """The checksum of ``state`` as engines holding ``dtype`` compute it (``weights_checksum``):
+    what an update that sends less than every weight must leave them with."""
+    import torch
+
+    from rollout.engines import weight_delta
+    from rollout.engines.embedded.weights import weights_checksum
+
+    return weights_checksum(weight_delta.cast(state, getattr(torch, dtype)))
+
+
 def failed(message: str):
     """A receive that failed on the engine's side (a peer, a file): 500, SGLang's shape."""
     from fastapi.responses import JSONResponse

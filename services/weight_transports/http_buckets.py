@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
-from services.weight_transports.common import INT64_MAX, INT64_MIN, EngineSide, engine_failures
+from services.weight_transports.common import INT64_MAX, INT64_MIN, EngineSide, engine_failures, held_checksum
 from services.weight_transports.disk import DiskPublisher
 from services.wire_limits import MAX_WEIGHT_BUCKET_MB
 from trainer.ports import PublishError
@@ -83,7 +83,7 @@ class BucketPublisher:
             return path
         # Serialized now, before generation is suspended: the suspension only waits for the transfer.
         if self.adapter_dtype is not None and factors:  # (none: nothing adapted, every weight goes)
-            checksum = weights_checksum(weight_delta.cast(state, getattr(torch, self.adapter_dtype)))
+            checksum = held_checksum(state, self.adapter_dtype)
             buckets = [self._serialize(b) for b in by_layer(factors, self.max_bytes)]
             self._delta = _Delta(self.adapter_format, None, checksum, buckets, None)
             self._state = state
