@@ -118,7 +118,7 @@ examples: $(STAMP) servers models/tiny-digits/config.json $(SMOLLM2)/config.json
 	provider=$$!; .venv/bin/rollmesh run examples/agentic/digit_retry.yaml --fresh; rc=$$?; kill $$provider; exit $$rc
 
 # What the tests need. pip works on one core: `make test` builds the two environments side by side.
-test-setup: $(STAMP) $(VLLM_STAMP) servers $(SMOLLM2)/config.json
+test-setup: $(STAMP) $(VLLM_STAMP) servers $(SMOLLM2)/config.json models/tiny-digits/config.json
 
 test:
 	@$(MAKE) --no-print-directory -j2 test-setup

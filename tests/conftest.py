@@ -9,7 +9,7 @@ import pytest
 
 from services.auth import CONTROL_TOKEN_ENV, PROVIDER_TOKEN_ENV, TOKEN_ENV
 from services.processes import start_engine_process, stop_process
-from tests.engines import TEST_LOAD_ROOTS, start_vllm_engines
+from tests.engines import TEST_LOAD_ROOTS, EnginePool, start_vllm_engines
 from trainer.tiny_model import TinyModelConfig, build_tiny_model
 
 # Every service a test starts, in this process or as a child, checks these tokens (each its roles');
@@ -159,6 +159,18 @@ def smollm2() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_digits() -> str:
+    """The quickstart's model (examples/quickstart.yaml): the tiny model after its format-only warm-up,
+    as `make test` builds it (built here if a bare pytest runs first)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "models" / "tiny-digits"
+    if not (path / "config.json").exists():
+        build_tiny_model(path, TinyModelConfig(digit_prior_steps=100))  # the Makefile's recipe
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_b(tmp_path_factory) -> str:
     """Same architecture, other weights: what a weight update switches to."""
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_b"), TinyModelConfig(seed=1)))
@@ -181,17 +193,42 @@ def vllm_engines(tiny_model):
         stop_process(p, 30)
 
 
+@pytest.fixture(scope="session")
+def engine_pool():
+    pool = EnginePool()
+    yield pool
+    pool.close()
+
+
+# What a pooled engine may be started with: the session's models (never one a test wrote into its own
+# folder), and no argument but the data type.
+_POOLED_EXTRAS = {(), ("dtype=bfloat16",)}
+
+
 @pytest.fixture
-def make_engine_process(tiny_model):
-    """Start extra engine processes for one test; all are stopped after it."""
-    procs = []
+def make_engine_process(tiny_model, engine_pool, request):
+    """Engine processes for one test: an idle one of the pool's where one fits, reset as new
+    (tests/engines.py), else a new process. After the test each is given back to the pool, or stopped."""
+    session_models = {
+        tiny_model,
+        *(request.getfixturevalue(f) for f in ("tiny_vl", "tiny_moe") if f in request.fixturenames),
+    }
+    taken, procs = [], []
 
     def start(port: int | None = None, model: str | None = None, extra: tuple[str, ...] = ()):
-        proc, url = start_engine_process(model or tiny_model, port, extra=[*TEST_LOAD_ROOTS, *extra])
-        procs.append(proc)
+        model = model or tiny_model
+        args = [*TEST_LOAD_ROOTS, *extra]
+        if port is None and model in session_models and tuple(extra) in _POOLED_EXTRAS:
+            proc, url = engine_pool.start(model, args)
+            taken.append((model, args, proc, url))
+        else:
+            proc, url = start_engine_process(model, port, extra=args)
+            procs.append(proc)
         return proc, url
 
     yield start
+    for model, args, proc, url in taken:
+        engine_pool.give_back(model, args, proc, url)
     for p in procs:
         stop_process(p)
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 import tempfile
 
-from services.processes import start_engine_process
+import httpx
+
+from services.auth import AuthConfig, http_headers
+from services.processes import start_engine_process, stop_process
 
 # The tests' embedded engines load weights the tests export under their temporary directories.
 TEST_LOAD_ROOTS = [f"load_roots=[{tempfile.gettempdir()}]"]
@@ -34,3 +38,66 @@ VLLM_TEST_ENGINE = [
 def start_vllm_engines(model: str, n: int) -> Engines:
     started = [start_engine_process(model, extra=VLLM_TEST_ENGINE, timeout_s=300) for _ in range(n)]
     return Engines([u for _, u in started], "vllm", [p for p, _ in started])
+
+
+class EnginePool:
+    """Idle embedded engine processes of this test process, kept between tests: starting one costs
+    about 6 s of a core (importing torch and transformers), and `make test` started over a hundred.
+
+    A test's engine comes back here only if it is alive and ``reset`` puts it back exactly as a fresh
+    one starts: generating, no memory released, no adapters, the model's weights (the checksum a fresh
+    engine of the same arguments reported) at version 0. Anything else (killed, frozen, a reset that
+    fails or times out) is stopped, and the next test gets a new process."""
+
+    def __init__(self, max_idle: int = 4) -> None:
+        self.max_idle = max_idle  # ~0.4 GB each
+        self.idle: list[tuple[tuple, subprocess.Popen, str]] = []
+        self.fresh_checksum: dict[tuple, str] = {}
+
+    def start(self, model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+        key = (model, *extra)
+        for i, (k, proc, url) in enumerate(self.idle):
+            if k == key:
+                del self.idle[i]
+                return proc, url
+        proc, url = start_engine_process(model, extra=extra)
+        if key not in self.fresh_checksum:
+            self.fresh_checksum[key] = self._info(url)["weights_checksum"]
+        return proc, url
+
+    def give_back(self, model: str, extra: list[str], proc: subprocess.Popen, url: str) -> None:
+        key = (model, *extra)
+        if proc.poll() is None and self._reset(key, model, url):
+            self.idle.append((key, proc, url))
+            while len(self.idle) > self.max_idle:
+                stop_process(self.idle.pop(0)[1])
+        else:
+            stop_process(proc)
+
+    def close(self) -> None:
+        for _, proc, _ in self.idle:
+            stop_process(proc)
+        self.idle.clear()
+
+    @staticmethod
+    def _info(url: str) -> dict:
+        r = httpx.get(url + "/get_model_info", headers=http_headers(AuthConfig()), timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def _reset(self, key: tuple, model: str, url: str) -> bool:
+        try:
+            with httpx.Client(base_url=url, headers=http_headers(AuthConfig()), timeout=10) as c:
+                c.post("/continue_generation").raise_for_status()
+                c.post("/abort_request", json={"abort_all": True}).raise_for_status()
+                if self._info(url)["memory_released"]:
+                    c.post("/resume_memory_occupation").raise_for_status()
+                for name in self._info(url)["lora_adapters"]:
+                    c.post("/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
+                body = {"model_path": model, "weight_version": "0"}
+                c.post("/update_weights_from_disk", json=body).raise_for_status()
+                info = self._info(url)
+                ok = (info["weight_version"], info["weights_checksum"], info["memory_released"], info["lora_adapters"])
+                return ok == ("0", self.fresh_checksum[key], [], []) and c.get("/health_generate").status_code == 200
+        except (httpx.HTTPError, KeyError, ValueError):
+            return False

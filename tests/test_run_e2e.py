@@ -170,7 +170,7 @@ def test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_se
 
 # Two mesh start-ups and 5 steps; the bound leaves room for the other worker's vLLM tests beside it.
 @pytest.mark.timeout(600)
-def test_the_quickstart_trains_reports_resumes_where_it_stopped_and_stops_on_sigterm(tmp_path):
+def test_the_quickstart_trains_reports_resumes_where_it_stopped_and_stops_on_sigterm(tiny_digits, tmp_path):
     """The quickstart cut to 4 synchronous steps: it reports the held-out accuracy before and after,
     its progress and its reward curve; then the whole mesh starts again in the same run directory:
     the engines serve the checkpoint's weights from the start (held-out accuracy as at step 4), the
@@ -179,9 +179,7 @@ def test_the_quickstart_trains_reports_resumes_where_it_stopped_and_stops_on_sig
     moves the policy towards rewarded answers is tests/trainer/test_engine.py's. (It asserted learning
     within 50 steps here until one run of many did not: 50 steps of 1,280 answers each are a curve,
     not a behaviour.)"""
-    from trainer.tiny_model import TinyModelConfig, build_tiny_model
-
-    model = str(build_tiny_model(tmp_path / "tiny-digits", TinyModelConfig(digit_prior_steps=100)))
+    model = tiny_digits
     run_dir = tmp_path / "run"
     sync = ("train_loop.checkpoint_every=4", "controller.async_ratio=0")
     proc = subprocess.run(
@@ -253,20 +251,18 @@ def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained
 
 @pytest.mark.parametrize(
     "example, env, provider_args",
-    [
-        ("calculator", "calculator", ["dataset_path=examples/math/sum1_train.jsonl", "reward=math_verify"]),
-        ("guess_number", "gem", ["env.reward_on_loss=0"]),
-    ],
+    [("calculator", "calculator", ["dataset_path=examples/math/sum1_train.jsonl", "reward=math_verify"])],
 )
 def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, example, env, provider_args):
     """The README's two commands for an agentic example: a provider process, then `rollmesh run`
-    (cut to 2 steps of 2 groups on the tiny model). Multi-turn episodes reach the trainer, over gRPC
-    (calculator) and over HTTP (GEM's guess_number). (digit_retry takes calculator's path with the
-    single-turn env's tries, tests/rollout/test_envs.py; `make examples` runs it.)"""
+    (cut to 2 steps of 2 groups on the tiny model). Multi-turn episodes reach the trainer over gRPC.
+    (The other examples take the same path with other environments, which tests cover on their own:
+    GEM's guess_number in tests/rollout/test_envs.py, a provider over HTTP in
+    tests/services/test_env_provider.py, digit_retry's tries in tests/rollout/test_envs.py; `make
+    examples` runs each whole.)"""
     from services.processes import start_provider_process, stop_process
 
-    provider, grpc_address, url = start_provider_process(env, provider_args)
-    address = grpc_address if example == "calculator" else url
+    provider, address, url = start_provider_process(env, provider_args)  # gRPC's address, HTTP's URL
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "services.cli", "run", f"examples/agentic/{example}.yaml"]
     overrides = [

@@ -18,19 +18,17 @@ from services.llm_proxy.client import ProxyClient
 from services.llm_proxy.server import engine_client, start_proxy
 from services.pb.rollmesh.v1 import common_pb2
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
-from services.processes import free_port, stop_process
+from services.processes import free_port
 from tests.engines import TEST_LOAD_ROOTS, Engines
 from tests.services.proxy_waits import decoding
 
 
 @pytest.fixture(scope="module")
-def embedded_engines(tiny_model):
-    from services.processes import start_engine_process
-
-    procs = [start_engine_process(tiny_model, extra=TEST_LOAD_ROOTS) for _ in range(2)]
-    yield Engines([url for _, url in procs])
-    for p, _ in procs:
-        stop_process(p)
+def embedded_engines(tiny_model, engine_pool):
+    started = [engine_pool.start(tiny_model, TEST_LOAD_ROOTS) for _ in range(2)]
+    yield Engines([url for _, url in started])
+    for proc, url in started:
+        engine_pool.give_back(tiny_model, TEST_LOAD_ROOTS, proc, url)
 
 
 @pytest.fixture(params=["embedded", "vllm"])

@@ -68,11 +68,11 @@ async def in_flight(proxy, run: str, rid: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_model):
-    procs = [start_engine_process(tiny_model, extra=TEST_LOAD_ROOTS) for _ in range(2)]
-    yield [url for _, url in procs]
-    for p, _ in procs:
-        stop_process(p)
+def pool(tiny_model, engine_pool):
+    started = [engine_pool.start(tiny_model, TEST_LOAD_ROOTS) for _ in range(2)]
+    yield [url for _, url in started]
+    for proc, url in started:
+        engine_pool.give_back(tiny_model, TEST_LOAD_ROOTS, proc, url)
 
 
 @pytest.fixture(params=["embedded", "vllm"])
