@@ -117,7 +117,8 @@ examples: $(STAMP) servers models/tiny-digits/config.json $(SMOLLM2)/config.json
 	  --set env_provider.dataset_path=examples/find_digit_train.jsonl --set env_provider.reward=digit_answer & \
 	provider=$$!; .venv/bin/rollmesh run examples/agentic/digit_retry.yaml --fresh; rc=$$?; kill $$provider; exit $$rc
 
-# What the tests need. pip works on one core: `make test` builds the two environments side by side.
+# What the tests need (the quickstart's model too: its e2e test runs on it). pip works on one core:
+# `make test` builds the two environments side by side.
 test-setup: $(STAMP) $(VLLM_STAMP) servers $(SMOLLM2)/config.json models/tiny-digits/config.json
 
 test:

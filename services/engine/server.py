@@ -19,6 +19,7 @@ import gc
 import inspect
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from fastapi import Body, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +28,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollout.engines.contract import EngineError, GenerateOutput
-from rollout.engines.embedded.engine import EmbeddedEngine
 from rollout.sampling import SamplingParams
 from sample_buffer import routing
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, Role, server_bearer
@@ -39,6 +39,9 @@ from services.metrics import histogram, init_labels
 from services.weight_transports import ENGINE_ROUTES
 from services.weight_transports.common import INT64_MAX, INT64_MIN, EngineSide
 from services.wire_limits import ENGINE_MAX_BODY_BYTES, MAX_WEIGHT_BUCKET_MB
+
+if TYPE_CHECKING:  # the simulated engine's server never imports torch
+    from rollout.engines.embedded.engine import EmbeddedEngine
 
 
 class GenerateReq(BaseModel):
