@@ -171,7 +171,7 @@ def test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_se
 # Two mesh start-ups and 5 steps; the bound leaves room for the other worker's vLLM tests beside it.
 @pytest.mark.timeout(600)
 def test_the_quickstart_trains_reports_resumes_where_it_stopped_and_stops_on_sigterm(tiny_digits, tmp_path):
-    """The quickstart cut to 4 synchronous steps: it reports the held-out accuracy before and after,
+    """The quickstart cut to 4 synchronous steps of 4 groups: it reports the held-out accuracy before and after,
     its progress and its reward curve; then the whole mesh starts again in the same run directory:
     the engines serve the checkpoint's weights from the start (held-out accuracy as at step 4), the
     trainer goes on at step 5 and the metrics continue; SIGTERM then stops it and every service. How
@@ -181,7 +181,8 @@ def test_the_quickstart_trains_reports_resumes_where_it_stopped_and_stops_on_sig
     not a behaviour.)"""
     model = tiny_digits
     run_dir = tmp_path / "run"
-    sync = ("train_loop.checkpoint_every=4", "controller.async_ratio=0")
+    # A quarter of its batch (4 groups of 8 a step): the steps, the report and the resume are what is tested.
+    sync = ("train_loop.checkpoint_every=4", "controller.async_ratio=0", "controller.groups_per_step=4")
     proc = subprocess.run(
         quickstart_cmd(model, run_dir, "train_loop.steps=4", *sync), capture_output=True, text=True, timeout=300
     )

@@ -397,15 +397,16 @@ def agent_model(tmp_path_factory, agent_tools):
     return build_tool_agent_model(tmp_path_factory.mktemp("agent-model"), agent_tools[1])
 
 
-def test_an_agents_sdk_agent_runs_its_tool_loop_and_its_session_is_trained_token_exact(agent_model, agent_tools):
+def test_an_agents_sdk_agent_runs_its_tool_loop_and_its_session_is_trained_token_exact(
+    agent_model, agent_tools, engine_pool
+):
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
 
-    from services.processes import start_engine_process, stop_process
     from tests.services.agent_model import INSTRUCTIONS, TEMPLATE
 
     set_tracing_disabled(True)  # tracing would export to OpenAI's servers
     add, _ = agent_tools
-    proc, url_engine = start_engine_process(agent_model)
+    proc, url_engine = engine_pool.start(agent_model, [])
 
     async def main():
         async with gateway(url_engine, agent_model, template=TEMPLATE) as (url, mesh, sessions):
@@ -441,7 +442,7 @@ def test_an_agents_sdk_agent_runs_its_tool_loop_and_its_session_is_trained_token
     try:
         result, state, batch, counters, run, deltas, streamed_state = asyncio.run(main())
     finally:
-        stop_process(proc)
+        engine_pool.give_back(agent_model, [], proc, url_engine)
     assert run.final_output == "The sum is 7." and len(deltas) > 2
     assert [item.output for item in run.new_items if item.type == "tool_call_output_item"] == [7]
     assert streamed_state["requests"] == 2 and streamed_state["branches"] == 1  # the streamed turns chain too
@@ -460,7 +461,7 @@ def test_an_agents_sdk_agent_runs_its_tool_loop_and_its_session_is_trained_token
     assert torch.allclose(generated, torch.tensor(traj.behavior_logprobs, dtype=torch.float32), atol=2e-3)
 
 
-def test_a_langgraph_react_agent_runs_its_tool_loop_with_the_models_own_template(agent_model):
+def test_a_langgraph_react_agent_runs_its_tool_loop_with_the_models_own_template(agent_model, engine_pool):
     """LangGraph's ReAct agent over langchain-openai's ChatOpenAI, plain and streamed, with the
     chat template the model itself ships; LangChain's structured output gets a 400 naming
     response_format (it was silently ignored, and the free text failed to parse far away)."""
@@ -470,7 +471,6 @@ def test_a_langgraph_react_agent_runs_its_tool_loop_with_the_models_own_template
     from langgraph.prebuilt import create_react_agent
     from pydantic import BaseModel
 
-    from services.processes import start_engine_process, stop_process
     from tests.services.agent_model import INSTRUCTIONS
 
     @tool
@@ -481,7 +481,7 @@ def test_a_langgraph_react_agent_runs_its_tool_loop_with_the_models_own_template
     class Sum(BaseModel):
         total: int
 
-    proc, url_engine = start_engine_process(agent_model)
+    proc, url_engine = engine_pool.start(agent_model, [])
 
     async def main():
         async with gateway(url_engine, agent_model, template="own") as (url, _, _):
@@ -518,7 +518,7 @@ def test_a_langgraph_react_agent_runs_its_tool_loop_with_the_models_own_template
     try:
         runs, refused = asyncio.run(main())
     finally:
-        stop_process(proc)
+        engine_pool.give_back(agent_model, [], proc, url_engine)
     for run in runs:
         tools = [m for m in run["messages"] if isinstance(m, ToolMessage)]
         assert [t.content for t in tools] == ["7"], run["messages"]  # the graph ran the tool the model asked for
