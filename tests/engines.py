@@ -44,7 +44,7 @@ class EnginePool:
     """Idle embedded engine processes of this test process, kept between tests: starting one costs
     about 6 s of a core (importing torch and transformers), and `make test` started over a hundred.
 
-    A test's engine comes back here only if it is alive and ``reset`` puts it back exactly as a fresh
+    A test's engine comes back here only if it is alive and a reset puts it back exactly as a fresh
     one starts: generating, no memory released, no adapters, the model's weights (the checksum a fresh
     engine of the same arguments reported) at version 0. Anything else (killed, frozen, a reset that
     fails or times out) is stopped, and the next test gets a new process."""
