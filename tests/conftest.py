@@ -165,7 +165,7 @@ def tiny_digits() -> str:
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "models" / "tiny-digits"
-    if not (path / "config.json").exists():
+    if not (path / "model.safetensors").exists():  # written after config.json
         build_tiny_model(path, TinyModelConfig(digit_prior_steps=100))  # the Makefile's recipe
     return str(path)
 
@@ -227,10 +227,12 @@ def make_engine_process(tiny_model, engine_pool, request):
         return proc, url
 
     yield start
-    for model, args, proc, url in taken:
-        engine_pool.give_back(model, args, proc, url)
-    for p in procs:
-        stop_process(p)
+    try:
+        for model, args, proc, url in taken:
+            engine_pool.give_back(model, args, proc, url)
+    finally:
+        for p in procs:
+            stop_process(p)
 
 
 @pytest.fixture(scope="session")

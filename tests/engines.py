@@ -46,8 +46,11 @@ class EnginePool:
 
     A test's engine comes back here only if it is alive and a reset puts it back exactly as a fresh
     one starts: generating, no memory released, no adapters, the model's weights (the checksum a fresh
-    engine of the same arguments reported) at version 0. Anything else (killed, frozen, a reset that
-    fails or times out) is stopped, and the next test gets a new process."""
+    engine of the same arguments reported) at version 0, out of the default weight-update group.
+    Anything else (killed, frozen, a reset that fails or times out) is stopped, and the next test gets
+    a new process. What a reset leaves: the engine's counters and metrics (a test reads them before and
+    after, as on the session's engine) and its sampler's random state (a test that compares samples
+    across engines sets their seed)."""
 
     def __init__(self, max_idle: int = 4) -> None:
         self.max_idle = max_idle  # ~0.4 GB each
@@ -61,8 +64,11 @@ class EnginePool:
                 del self.idle[i]
                 return proc, url
         proc, url = start_engine_process(model, extra=extra)
-        if key not in self.fresh_checksum:
-            self.fresh_checksum[key] = self._info(url)["weights_checksum"]
+        try:
+            self.fresh_checksum.setdefault(key, self._info(url)["weights_checksum"])
+        except BaseException:
+            stop_process(proc)
+            raise
         return proc, url
 
     def give_back(self, model: str, extra: list[str], proc: subprocess.Popen, url: str) -> None:
@@ -88,10 +94,12 @@ class EnginePool:
     def _reset(self, key: tuple, model: str, url: str) -> bool:
         try:
             with httpx.Client(base_url=url, headers=http_headers(AuthConfig()), timeout=10) as c:
-                c.post("/continue_generation").raise_for_status()
-                c.post("/abort_request", json={"abort_all": True}).raise_for_status()
                 if self._info(url)["memory_released"]:
                     c.post("/resume_memory_occupation").raise_for_status()
+                c.post("/continue_generation").raise_for_status()
+                c.post("/abort_request", json={"abort_all": True}).raise_for_status()
+                # A group a collective test left (its trainer gone): 400 when there is none.
+                c.post("/destroy_weights_update_group", json={"group_name": "weight_update_group"})
                 for name in self._info(url)["lora_adapters"]:
                     c.post("/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
                 body = {"model_path": model, "weight_version": "0"}

@@ -40,7 +40,7 @@ from services.weight_transports import ENGINE_ROUTES
 from services.weight_transports.common import INT64_MAX, INT64_MIN, EngineSide
 from services.wire_limits import ENGINE_MAX_BODY_BYTES, MAX_WEIGHT_BUCKET_MB
 
-if TYPE_CHECKING:  # the simulated engine's server never imports torch
+if TYPE_CHECKING:  # its module (the model code, transformers' modeling) only where an embedded engine runs
     from rollout.engines.embedded.engine import EmbeddedEngine
 
 
