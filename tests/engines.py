@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
+from contextlib import contextmanager
 
 import httpx
 
@@ -64,12 +65,26 @@ class EnginePool:
                 del self.idle[i]
                 return proc, url
         proc, url = start_engine_process(model, extra=extra)
-        try:
-            self.fresh_checksum.setdefault(key, self._info(url)["weights_checksum"])
-        except BaseException:
-            stop_process(proc)
-            raise
+        if key not in self.fresh_checksum:
+            try:
+                with _client(url) as c:
+                    self.fresh_checksum[key] = _info(c)["weights_checksum"]
+            except BaseException:
+                stop_process(proc)
+                raise
         return proc, url
+
+    @contextmanager
+    def borrowed(self, model: str, extra: list[str], n: int):
+        """``n`` engines' URLs for a module's tests, each given back after the last."""
+        started = []
+        try:
+            for _ in range(n):
+                started.append(self.start(model, extra))
+            yield [url for _, url in started]
+        finally:
+            for proc, url in started:
+                self.give_back(model, extra, proc, url)
 
     def give_back(self, model: str, extra: list[str], proc: subprocess.Popen, url: str) -> None:
         key = (model, *extra)
@@ -85,27 +100,32 @@ class EnginePool:
             stop_process(proc)
         self.idle.clear()
 
-    @staticmethod
-    def _info(url: str) -> dict:
-        r = httpx.get(url + "/get_model_info", headers=http_headers(AuthConfig()), timeout=10)
-        r.raise_for_status()
-        return r.json()
-
     def _reset(self, key: tuple, model: str, url: str) -> bool:
         try:
-            with httpx.Client(base_url=url, headers=http_headers(AuthConfig()), timeout=10) as c:
-                if self._info(url)["memory_released"]:
+            with _client(url) as c:
+                if _info(c)["memory_released"]:
                     c.post("/resume_memory_occupation").raise_for_status()
                 c.post("/continue_generation").raise_for_status()
                 c.post("/abort_request", json={"abort_all": True}).raise_for_status()
                 # A group a collective test left (its trainer gone): 400 when there is none.
                 c.post("/destroy_weights_update_group", json={"group_name": "weight_update_group"})
-                for name in self._info(url)["lora_adapters"]:
+                for name in _info(c)["lora_adapters"]:
                     c.post("/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
                 body = {"model_path": model, "weight_version": "0"}
                 c.post("/update_weights_from_disk", json=body).raise_for_status()
-                info = self._info(url)
+                info = _info(c)
                 ok = (info["weight_version"], info["weights_checksum"], info["memory_released"], info["lora_adapters"])
                 return ok == ("0", self.fresh_checksum[key], [], []) and c.get("/health_generate").status_code == 200
         except (httpx.HTTPError, KeyError, ValueError):
             return False
+
+
+def _client(url: str) -> httpx.Client:
+    """One client for every call of a reset (each new one builds an SSL context)."""
+    return httpx.Client(base_url=url, headers=http_headers(AuthConfig()), timeout=10)
+
+
+def _info(c: httpx.Client) -> dict:
+    r = c.get("/get_model_info")
+    r.raise_for_status()
+    return r.json()

@@ -25,10 +25,8 @@ from tests.services.proxy_waits import decoding
 
 @pytest.fixture(scope="module")
 def embedded_engines(tiny_model, engine_pool):
-    started = [engine_pool.start(tiny_model, TEST_LOAD_ROOTS) for _ in range(2)]
-    yield Engines([url for _, url in started])
-    for proc, url in started:
-        engine_pool.give_back(tiny_model, TEST_LOAD_ROOTS, proc, url)
+    with engine_pool.borrowed(tiny_model, TEST_LOAD_ROOTS, 2) as urls:
+        yield Engines(urls)
 
 
 @pytest.fixture(params=["embedded", "vllm"])

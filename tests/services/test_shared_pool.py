@@ -69,10 +69,8 @@ async def in_flight(proxy, run: str, rid: str) -> None:
 
 @pytest.fixture(scope="module")
 def pool(tiny_model, engine_pool):
-    started = [engine_pool.start(tiny_model, TEST_LOAD_ROOTS) for _ in range(2)]
-    yield [url for _, url in started]
-    for proc, url in started:
-        engine_pool.give_back(tiny_model, TEST_LOAD_ROOTS, proc, url)
+    with engine_pool.borrowed(tiny_model, TEST_LOAD_ROOTS, 2) as urls:
+        yield urls
 
 
 @pytest.fixture(params=["embedded", "vllm"])
