@@ -29,6 +29,7 @@ class Engines(list):
 VLLM_TEST_ENGINE = [
     "type=vllm",
     "enforce_eager=true",
+    "executor=uni",  # the worker in vLLM's engine core, as on one GPU: ~15 s less to start here
     "context_length=1024",
     "max_running_requests=32",
     "max_loaded_loras=4",

@@ -91,7 +91,7 @@ def test_rollmesh_run_on_vllm_engines(tiny_model, tmp_path):
     import yaml
 
     config = yaml.safe_load((Path("examples") / "quickstart.yaml").read_text())
-    config["engine"] = {"type": "vllm", "enforce_eager": True, "max_running_requests": 128}
+    config["engine"] = {"type": "vllm", "enforce_eager": True, "executor": "uni", "max_running_requests": 128}
     path = tmp_path / "vllm.yaml"
     path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"

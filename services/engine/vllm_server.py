@@ -89,6 +89,8 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
         argv += ["--max-model-len", str(cfg.context_length)]
     if cfg.enforce_eager:
         argv.append("--enforce-eager")
+    if cfg.executor == "uni":
+        argv += ["--distributed-executor-backend", "uni"]
     if cfg.served_model_name:
         argv += ["--served-model-name", cfg.served_model_name]
     if auth.tls and auth.tls.cert_path and auth.tls.key_path:  # (a CA alone is for clients)
@@ -100,6 +102,8 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
     env = {k: v for k, v in environment_of({Role.CONTROL}).items() if not k.startswith("VLLM_LORA_RESOLVER")}
     if cfg.max_loaded_loras:  # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if cfg.executor == "uni":  # else the CPU build swaps uni for mp (its OpenMP binding); the engine core stays apart
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.update(
         VLLM_SERVER_DEV_MODE="1",
         PYTHONPATH=os.pathsep.join(p for p in (str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")) if p),

@@ -43,6 +43,13 @@ def test_the_command_switches_on_what_the_client_needs(tiny_model):
     assert env["ROLLMESH_CONTROL_TOKEN"] == "t0k" and "ROLLMESH_TOKEN" not in env
     assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("services/engine/vllm_plugin")
     assert vllm_command(cfg, AuthConfig(disabled=True))[1]["ROLLMESH_CONTROL_TOKEN"] == ""
+    # By default vLLM picks its executor; `uni` keeps the worker in the engine core on the CPU build too.
+    assert "--distributed-executor-backend" not in argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    argv, env = vllm_command(cfg.model_copy(update={"executor": "uni", "extra_args": []}), AuthConfig(token="d"))
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else the CPU build swaps uni for its mp executor
+    with pytest.raises(ValueError, match="engine.executor: uni runs one worker on one device"):
+        VLLMEngineConfig(model_path=tiny_model, executor="uni", extra_args=["--tensor-parallel-size", "2"])
 
 
 def test_a_missing_environment_or_model_is_a_clear_error_not_a_hang(tiny_model, tmp_path):
