@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import base64
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -337,7 +339,10 @@ def test_the_bundled_redis_starts_as_rendered_and_takes_the_buffer_from_another_
     script = script.replace("--dir /data", f"--dir {tmp_path} --port {port}")
     assert "redis-server -" in script and password not in script
     env = {"PATH": "/usr/bin:/bin", **_secret_env(redis_pod, secret)}
-    proc = subprocess.Popen([*shell, script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The script's shell starts redis-server as its child: the session is killed whole, or redis outlives the test.
+    proc = subprocess.Popen(
+        [*shell, script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         client = redis.Redis(host=ip, port=port, password=password, socket_timeout=1)
         _wait_for_redis(client)
@@ -357,7 +362,7 @@ def test_the_bundled_redis_starts_as_rendered_and_takes_the_buffer_from_another_
         assert asyncio.run(put())
         assert client.config_get("appendfsync") == {"appendfsync": "always"}
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(10)
 
 
