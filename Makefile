@@ -126,7 +126,7 @@ test:
 	@# Two workers (pytest-xdist; tests/conftest.py schedules what must share one), then the tests that
 	@# time a process against the clock, alone. Exit 5 (nothing selected, e.g. by -k) is not a failure.
 	$(PY) -m pytest -q -n 2 -m "not serial and not deploy" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(PY) -m pytest -q -m "serial and not deploy" --durations=5 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m "serial and not deploy" --serial-files --durations=5 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The compose stack in real containers (tests/deploy/test_compose_stack.py): a Docker engine of its
 # own, images built from a Debian base it makes with debootstrap. Minutes of builds, so not part of

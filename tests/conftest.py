@@ -60,6 +60,24 @@ _FIRST = ("tests/test_run_e2e.py", "tests/services/test_async_bench.py")
 _SERIAL = ("tests/rollout/test_sandbox.py", "tests/rollout/test_reward_pool.py", "tests/deploy/test_prometheus.py")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--serial-files",
+        action="store_true",
+        help="collect only the files that hold serial tests (`make test`'s second run: importing the others took 7 s)",
+    )
+
+
+def pytest_ignore_collect(collection_path, config):
+    if (
+        config.getoption("serial_files")
+        and collection_path.name.startswith("test_")
+        and collection_path.suffix == ".py"
+    ):
+        return collection_path.relative_to(config.rootpath).as_posix() not in _SERIAL
+    return None
+
+
 def xdist_group_of(nodeid: str) -> str | None:
     """The group a test runs in (all of a group on one worker), or None: any worker."""
     return next((group for group, where in _GROUPS.items() if any(w in nodeid for w in where)), None)
