@@ -261,6 +261,14 @@ class SampleBuffer(ABC):
             raise ValueError("batch_id: must not be empty")
         return await self._ack(batch_id)
 
+    async def requeue(self) -> int:
+        """Every batch handed out and not acked goes back to the queue now (counted ``redelivered``
+        when handed out again):
+        its consumer is gone. The run's one consumer, a trainer, calls this as it starts; otherwise
+        what its dead predecessor held came back only at the visibility timeout, and admission, which
+        counts those groups as held, let nothing new be made meanwhile. Returns how many groups."""
+        return await self._requeue()
+
     async def stats(self) -> dict:
         return await self._stats()
 
@@ -287,6 +295,10 @@ class SampleBuffer(ABC):
     @abstractmethod
     async def _ack(self, batch_id: str) -> int:
         """Remove the groups ``batch_id`` still holds; count them ``consumed``."""
+
+    @abstractmethod
+    async def _requeue(self) -> int:
+        """Put every handed-out group back where it was in its queue; count them ``redelivered``."""
 
     @abstractmethod
     async def _forget(self, batch_id: str) -> None:

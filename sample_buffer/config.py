@@ -39,7 +39,10 @@ class BufferConfig(BaseModel):
         4096, ge=1, description="Groups held at most, handed-out-but-unacked included; put waits beyond it."
     )
     visibility_timeout_s: float = Field(
-        120.0, gt=0, description="A batch not acked within this is handed out again (its consumer died)."
+        120.0,
+        gt=0,
+        description="A batch not acked within this is handed out again (its consumer died; a trainer that starts "
+        "takes back its predecessor's at once).",
     )
     put_timeout_s: float = Field(
         30.0, ge=0, description="How long put waits on a full buffer when the caller gives none."

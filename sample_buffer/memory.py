@@ -38,14 +38,21 @@ class MemoryBuffer(SampleBuffer):
             self._arrived.set()
         return stored
 
-    def _redeliver_expired(self) -> None:
-        now = time.monotonic()
+    def _redeliver_expired(self, every: bool = False) -> int:
+        now, back = time.monotonic(), 0
         for batch_id, (t0, seqs) in list(self._batches.items()):
-            if now - t0 >= self.config.visibility_timeout_s:
+            if every or now - t0 >= self.config.visibility_timeout_s:
                 del self._batches[batch_id]
                 for s in seqs:
                     heapq.heappush(self._ready[self._entries[s][2]], s)
-                self._counters["redelivered"] += len(seqs)
+                back += len(seqs)
+        self._counters["redelivered"] += back  # (Redis counts them as they are handed out again)
+        if back:
+            self._arrived.set()
+        return back
+
+    async def _requeue(self) -> int:
+        return self._redeliver_expired(every=True)
 
     def _until_next_expiry(self) -> float:
         if not self._batches:

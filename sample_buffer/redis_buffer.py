@@ -206,6 +206,24 @@ class RedisBuffer(SampleBuffer):
         except RedisError as e:
             raise self._explain(e) from None
 
+    async def _requeue(self) -> int:
+        """Every pending entry gets the idle time of a batch past its visibility timeout (XCLAIM IDLE):
+        the next XAUTOCLAIM hands it out again and counts it ``redelivered``."""
+        idle_ms, back = int(self.config.visibility_timeout_s * 1000), 0
+        try:
+            await self._ensure_group()
+            for stream in self.streams.values():
+                pending = await self.redis.xpending_range(
+                    stream, GROUP, min="-", max="+", count=self.config.capacity_groups
+                )
+                if pending:
+                    ids = [p["message_id"] for p in pending]
+                    await self.redis.xclaim(stream, GROUP, "requeued", 0, ids, idle=idle_ms, justid=True)
+                    back += len(ids)
+            return back
+        except RedisError as e:
+            raise self._explain(e) from None
+
     async def _forget(self, batch_id: str) -> None:
         try:
             for stream in self.streams.values():

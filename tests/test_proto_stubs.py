@@ -44,7 +44,7 @@ def test_all_five_services_have_contracts():
         ),
         "EnvManager": (env_manager_pb2, {"Start", "Stop", "Stats"}),
         "EnvProvider": (env_provider_pb2, {"Describe", "Reset", "Step", "Close"}),
-        "SampleBuffer": (sample_buffer_pb2, {"Put", "Get", "Ack", "Stats"}),
+        "SampleBuffer": (sample_buffer_pb2, {"Put", "Get", "Ack", "Requeue", "Stats"}),
         "AsyncController": (
             controller_pb2,
             {"Admit", "Release", "BeginUpdate", "CommitUpdate", "AbortUpdate", "WatchVersion"},

@@ -227,8 +227,8 @@ class TrainLoop:
 
     async def join(self, wait_s: float = 120.0) -> None:
         """Before the first step (every rank): check the staleness bound against the controller's
-        and agree with it on the version. A controller that is not up yet is waited for up to
-        ``wait_s``.
+        and agree with it on the version, and take back what a dead predecessor held from the buffer.
+        A controller or buffer that is not up yet is waited for up to ``wait_s``.
 
         Another bound would drop samples as stale (trainer stricter) or train staler than promised
         (controller stricter): refused. Another version follows a restart. A controller ahead of
@@ -238,6 +238,8 @@ class TrainLoop:
         publish failed) gets the checkpoint's weights now, before any step trains.
         """
         theirs = self._from_rank0(await self._controller_version(wait_s) if self.rank == 0 else None)
+        if self.rank == 0:
+            await self._requeue_predecessors_batches(wait_s)
         mine = self.engine.version
         self.served_version = theirs
         if theirs > mine:
@@ -253,6 +255,14 @@ class TrainLoop:
             log.info("the controller is at version %d: publishing this checkpoint's version %d", theirs, mine)
             if not await self._publish():
                 log.warning("publishing version %d failed; the first step publishes again", mine)
+
+    async def _requeue_predecessors_batches(self, wait_s: float) -> None:
+        """A trainer is its run's one consumer: batches handed out before it started were a dead
+        predecessor's. They go back now; at their visibility timeout (minutes) they would, but the
+        controller counts them as made, so nothing new was generated meanwhile."""
+        n = await _retried("requeue", self.source.requeue, time.monotonic() + wait_s)
+        if n:
+            log.warning("%d groups handed out to a previous trainer and never acked are back in the buffer", n)
 
     async def _controller_version(self, wait_s: float) -> int:
         limits = await _retried("waiting for the controller", self.control.limits, time.monotonic() + wait_s)

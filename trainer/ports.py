@@ -34,6 +34,9 @@ class SampleSource(Protocol):
     async def ack(self, batch_id: str) -> int:
         """The batch was trained on: it is never handed out again."""
 
+    async def requeue(self) -> int:
+        """Every batch handed out and not acked goes back to the queue now (its consumer is gone)."""
+
 
 class Limits(NamedTuple):
     """What the controller admits under, and the version it is at."""

@@ -68,6 +68,9 @@ class BufferClient:
     async def ack(self, batch_id: str) -> int:
         return (await self._call(self.stub.Ack, pb.AckRequest(batch_id=batch_id), self.timeout_s)).num_acked
 
+    async def requeue(self) -> int:
+        return (await self._call(self.stub.Requeue, pb.RequeueRequest(), self.timeout_s)).num_requeued
+
     async def stats(self) -> pb.BufferStats:
         return await self.stub.Stats(pb.BufferStatsRequest(), timeout=self.timeout_s)
 

@@ -149,6 +149,12 @@ def build_handler(buffer: SampleBuffer, metrics: BufferMetrics, max_concurrent_p
         except BufferBackendError as e:
             await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
+    async def requeue(req: pb.RequeueRequest, ctx) -> pb.RequeueResponse:
+        try:
+            return pb.RequeueResponse(num_requeued=await buffer.requeue())
+        except BufferBackendError as e:
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
     async def stats(req: pb.BufferStatsRequest, ctx) -> pb.BufferStats:
         try:
             s = await buffer.stats()
@@ -170,6 +176,7 @@ def build_handler(buffer: SampleBuffer, metrics: BufferMetrics, max_concurrent_p
             "Put": (pb.PutRequest, put),
             "Get": (pb.GetRequest, get),
             "Ack": (pb.AckRequest, ack),
+            "Requeue": (pb.RequeueRequest, requeue),
             "Stats": (pb.BufferStatsRequest, stats),
         },
         slots={"Put": asyncio.Semaphore(max_concurrent_puts)},

@@ -90,6 +90,26 @@ def test_unacked_batch_is_redelivered_after_the_visibility_timeout(buffer_factor
     assert stats["consumed"] == 3 and stats["redelivered"] == 3 and stats["in_flight"] == 0
 
 
+def test_requeue_hands_a_dead_consumers_batches_out_again_at_once_in_their_order(buffer_factory):
+    """A trainer that starts requeues what its dead predecessor held: handed out again now, not at the
+    visibility timeout (an hour here), before newer groups; an ack of the dead one's batch consumes nothing."""
+
+    async def go():
+        buf = buffer_factory(visibility_timeout_s=3600)
+        for i in range(3):
+            await buf.put(make_group(f"q{i}"))
+        held = await buf.get(2, 0, 0, timeout_s=1)  # the predecessor's, never acked
+        back = await buf.requeue()
+        again = await buf.get(3, 0, 0, timeout_s=1)
+        late_ack, ack = await buf.ack(held.batch_id), await buf.ack(again.batch_id)
+        return held, back, again, late_ack, ack, await buf.requeue(), await buf.stats()
+
+    held, back, again, late_ack, ack, none_left, stats = run(go())
+    assert ids(held) == ["q0", "q1"] and back == 2 and ids(again) == ["q0", "q1", "q2"]
+    assert (late_ack, ack, none_left) == (0, 3, 0)
+    assert stats["consumed"] == 3 and stats["redelivered"] == 2 and stats["in_flight"] == 0
+
+
 def test_full_buffer_makes_put_wait_then_fail_clearly(buffer_factory):
     async def go():
         buf = buffer_factory(capacity_groups=2)

@@ -623,6 +623,7 @@ BUFFER_METHODS = {
     "Put": bpb.PutRequest(groups=[encode_group(make_group("raw", version=3))], timeout_s=1),
     "Get": bpb.GetRequest(num_groups=1, version=3, max_staleness=1, timeout_s=0.01),
     "Ack": bpb.AckRequest(batch_id="nobody"),
+    "Requeue": bpb.RequeueRequest(),
     "Stats": bpb.BufferStatsRequest(),
 }
 

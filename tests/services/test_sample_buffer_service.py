@@ -41,20 +41,23 @@ def run(scenario, redis_url: str, **kw):
     return asyncio.run(main())
 
 
-def test_put_get_ack_stats_over_grpc(redis_server):
+def test_put_get_requeue_ack_stats_over_grpc(redis_server):
     async def scenario(client):
         batcher = PutBatcher(client, max_groups=4)
         results = await asyncio.gather(*(batcher.put(make_group(f"s{i}", version=2)) for i in range(6)))
         flat = await client.put(make_group("flat", rewards=(1.0, 1.0)))
         stale = await client.put(make_group("old", version=0))
+        dead = await client.get(10, version=3, max_staleness=1, timeout_s=1)  # a consumer that died with it
+        requeued = await client.requeue()
         batch = await client.get(10, version=3, max_staleness=1, timeout_s=1)
         acked = await client.ack(batch.batch_id)
-        return results, flat, stale, batch, acked, await client.stats()
+        return results, flat, stale, dead, requeued, batch, acked, await client.stats()
 
-    results, flat, stale, batch, acked, stats = run(scenario, redis_server.url)
+    results, flat, stale, dead, requeued, batch, acked, stats = run(scenario, redis_server.url)
     assert all(r.accepted for r in results) and not flat.accepted and flat.reason == "filtered"
     assert stale.accepted
     assert sorted(g.group_id for g in batch.decode()) == sorted(f"s{i}" for i in range(6))
+    assert requeued == len(dead.groups) == 6 and stats.redelivered_total == 6 and stats.in_flight == 0
     assert acked == 6
     assert stats.put_total == 7 and stats.consumed_total == 6 and stats.depth == 0
     assert dict(stats.dropped_by_reason) == {"stale": 1, "filtered": 1, "capacity": 0, "corrupt": 0}

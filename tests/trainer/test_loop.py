@@ -245,6 +245,26 @@ def test_a_restarted_trainer_supersedes_the_update_its_predecessor_left_in_progr
     assert ctl.counters["updates_superseded"] == 1 and ctl.counters["updates_aborted"] == 2
 
 
+def test_a_restarted_trainer_takes_back_the_batch_its_predecessor_died_holding(tmp_path):
+    """Chaos run: the trainer killed just after its get waited the buffer's visibility timeout (2 min),
+    the controller admitting nothing new meanwhile (those groups were made). Its successor requeues
+    them as it joins and trains them at once."""
+
+    async def main():
+        loop, ctl, buf = make(tmp_path, visibility_timeout_s=3600)
+        await ctl.admit(2)
+        for g in ("a", "b"):
+            await buf.put(make_group(g))
+        await ctl.release(finished=2)
+        await buf.get(2, 0, 1, timeout_s=1)  # the dead trainer's, unacked
+        await loop.join()
+        return await loop.step(), await buf.stats()
+
+    m, stats = asyncio.run(main())
+    assert m is not None and m["group_ids"] == ["a", "b"] and m["published"]
+    assert stats["consumed"] == 2 and stats["redelivered"] == 2
+
+
 def test_a_trainer_ahead_of_the_controller_publishes_its_checkpoint_before_training(tmp_path):
     """A fresh controller (version 0) under a trainer resumed at version 5: the engines get the
     checkpoint's weights before any step, so no step trains on the initial model's samples."""

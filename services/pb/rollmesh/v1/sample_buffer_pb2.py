@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frollmesh/v1/sample_buffer.proto\x12\x0brollmesh.v1\"/\n\nPutRequest\x12\x0e\n\x06groups\x18\x01 \x03(\x0c\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"-\n\tPutResult\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"6\n\x0bPutResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.rollmesh.v1.PutResult\"[\n\nGetRequest\x12\x12\n\nnum_groups\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rmax_staleness\x18\x03 \x01(\x03\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"J\n\x0bGetResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x03(\x0c\x12\x19\n\x11num_dropped_stale\x18\x03 \x01(\x05\"\x1e\n\nAckRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\" \n\x0b\x41\x63kResponse\x12\x11\n\tnum_acked\x18\x01 \x01(\x05\"\x14\n\x12\x42ufferStatsRequest\"\xf7\x01\n\x0b\x42ufferStats\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\x03\x12\x11\n\tin_flight\x18\x02 \x01(\x03\x12\x11\n\tput_total\x18\x03 \x01(\x03\x12\x16\n\x0e\x63onsumed_total\x18\x04 \x01(\x03\x12H\n\x11\x64ropped_by_reason\x18\x05 \x03(\x0b\x32-.rollmesh.v1.BufferStats.DroppedByReasonEntry\x12\x19\n\x11redelivered_total\x18\x06 \x01(\x03\x1a\x36\n\x14\x44roppedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x80\x02\n\x0cSampleBuffer\x12\x38\n\x03Put\x12\x17.rollmesh.v1.PutRequest\x1a\x18.rollmesh.v1.PutResponse\x12\x38\n\x03Get\x12\x17.rollmesh.v1.GetRequest\x1a\x18.rollmesh.v1.GetResponse\x12\x38\n\x03\x41\x63k\x12\x17.rollmesh.v1.AckRequest\x1a\x18.rollmesh.v1.AckResponse\x12\x42\n\x05Stats\x12\x1f.rollmesh.v1.BufferStatsRequest\x1a\x18.rollmesh.v1.BufferStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frollmesh/v1/sample_buffer.proto\x12\x0brollmesh.v1\"/\n\nPutRequest\x12\x0e\n\x06groups\x18\x01 \x03(\x0c\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"-\n\tPutResult\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"6\n\x0bPutResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.rollmesh.v1.PutResult\"[\n\nGetRequest\x12\x12\n\nnum_groups\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rmax_staleness\x18\x03 \x01(\x03\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"J\n\x0bGetResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x03(\x0c\x12\x19\n\x11num_dropped_stale\x18\x03 \x01(\x05\"\x1e\n\nAckRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\" \n\x0b\x41\x63kResponse\x12\x11\n\tnum_acked\x18\x01 \x01(\x05\"\x10\n\x0eRequeueRequest\"\'\n\x0fRequeueResponse\x12\x14\n\x0cnum_requeued\x18\x01 \x01(\x05\"\x14\n\x12\x42ufferStatsRequest\"\xf7\x01\n\x0b\x42ufferStats\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\x03\x12\x11\n\tin_flight\x18\x02 \x01(\x03\x12\x11\n\tput_total\x18\x03 \x01(\x03\x12\x16\n\x0e\x63onsumed_total\x18\x04 \x01(\x03\x12H\n\x11\x64ropped_by_reason\x18\x05 \x03(\x0b\x32-.rollmesh.v1.BufferStats.DroppedByReasonEntry\x12\x19\n\x11redelivered_total\x18\x06 \x01(\x03\x1a\x36\n\x14\x44roppedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xc6\x02\n\x0cSampleBuffer\x12\x38\n\x03Put\x12\x17.rollmesh.v1.PutRequest\x1a\x18.rollmesh.v1.PutResponse\x12\x38\n\x03Get\x12\x17.rollmesh.v1.GetRequest\x1a\x18.rollmesh.v1.GetResponse\x12\x38\n\x03\x41\x63k\x12\x17.rollmesh.v1.AckRequest\x1a\x18.rollmesh.v1.AckResponse\x12\x44\n\x07Requeue\x12\x1b.rollmesh.v1.RequeueRequest\x1a\x1c.rollmesh.v1.RequeueResponse\x12\x42\n\x05Stats\x12\x1f.rollmesh.v1.BufferStatsRequest\x1a\x18.rollmesh.v1.BufferStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,12 +47,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACKREQUEST']._serialized_end=399
   _globals['_ACKRESPONSE']._serialized_start=401
   _globals['_ACKRESPONSE']._serialized_end=433
-  _globals['_BUFFERSTATSREQUEST']._serialized_start=435
-  _globals['_BUFFERSTATSREQUEST']._serialized_end=455
-  _globals['_BUFFERSTATS']._serialized_start=458
-  _globals['_BUFFERSTATS']._serialized_end=705
-  _globals['_BUFFERSTATS_DROPPEDBYREASONENTRY']._serialized_start=651
-  _globals['_BUFFERSTATS_DROPPEDBYREASONENTRY']._serialized_end=705
-  _globals['_SAMPLEBUFFER']._serialized_start=708
-  _globals['_SAMPLEBUFFER']._serialized_end=964
+  _globals['_REQUEUEREQUEST']._serialized_start=435
+  _globals['_REQUEUEREQUEST']._serialized_end=451
+  _globals['_REQUEUERESPONSE']._serialized_start=453
+  _globals['_REQUEUERESPONSE']._serialized_end=492
+  _globals['_BUFFERSTATSREQUEST']._serialized_start=494
+  _globals['_BUFFERSTATSREQUEST']._serialized_end=514
+  _globals['_BUFFERSTATS']._serialized_start=517
+  _globals['_BUFFERSTATS']._serialized_end=764
+  _globals['_BUFFERSTATS_DROPPEDBYREASONENTRY']._serialized_start=710
+  _globals['_BUFFERSTATS_DROPPEDBYREASONENTRY']._serialized_end=764
+  _globals['_SAMPLEBUFFER']._serialized_start=767
+  _globals['_SAMPLEBUFFER']._serialized_end=1093
 # @@protoc_insertion_point(module_scope)

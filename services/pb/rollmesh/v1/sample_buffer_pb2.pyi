@@ -62,6 +62,16 @@ class AckResponse(_message.Message):
     num_acked: int
     def __init__(self, num_acked: _Optional[int] = ...) -> None: ...
 
+class RequeueRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RequeueResponse(_message.Message):
+    __slots__ = ("num_requeued",)
+    NUM_REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    num_requeued: int
+    def __init__(self, num_requeued: _Optional[int] = ...) -> None: ...
+
 class BufferStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

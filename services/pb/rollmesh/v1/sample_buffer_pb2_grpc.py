@@ -50,6 +50,11 @@ class SampleBufferStub:
                 request_serializer=rollmesh_dot_v1_dot_sample__buffer__pb2.AckRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_v1_dot_sample__buffer__pb2.AckResponse.FromString,
                 _registered_method=True)
+        self.Requeue = channel.unary_unary(
+                '/rollmesh.v1.SampleBuffer/Requeue',
+                request_serializer=rollmesh_dot_v1_dot_sample__buffer__pb2.RequeueRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_v1_dot_sample__buffer__pb2.RequeueResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/rollmesh.v1.SampleBuffer/Stats',
                 request_serializer=rollmesh_dot_v1_dot_sample__buffer__pb2.BufferStatsRequest.SerializeToString,
@@ -79,6 +84,14 @@ class SampleBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Requeue(self, request, context):
+        """Every batch handed out and not acked goes back to the queue now, not at its visibility timeout:
+        its consumer is gone (a trainer calls this as it starts: what is out was its dead predecessor's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -102,6 +115,11 @@ def add_SampleBufferServicer_to_server(servicer, server):
                     servicer.Ack,
                     request_deserializer=rollmesh_dot_v1_dot_sample__buffer__pb2.AckRequest.FromString,
                     response_serializer=rollmesh_dot_v1_dot_sample__buffer__pb2.AckResponse.SerializeToString,
+            ),
+            'Requeue': grpc.unary_unary_rpc_method_handler(
+                    servicer.Requeue,
+                    request_deserializer=rollmesh_dot_v1_dot_sample__buffer__pb2.RequeueRequest.FromString,
+                    response_serializer=rollmesh_dot_v1_dot_sample__buffer__pb2.RequeueResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -191,6 +209,33 @@ class SampleBuffer:
             '/rollmesh.v1.SampleBuffer/Ack',
             rollmesh_dot_v1_dot_sample__buffer__pb2.AckRequest.SerializeToString,
             rollmesh_dot_v1_dot_sample__buffer__pb2.AckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Requeue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.v1.SampleBuffer/Requeue',
+            rollmesh_dot_v1_dot_sample__buffer__pb2.RequeueRequest.SerializeToString,
+            rollmesh_dot_v1_dot_sample__buffer__pb2.RequeueResponse.FromString,
             options,
             channel_credentials,
             insecure,
