@@ -262,11 +262,11 @@ class SampleBuffer(ABC):
         return await self._ack(batch_id)
 
     async def requeue(self) -> int:
-        """Every batch handed out and not acked goes back to the queue now (counted ``redelivered``
-        when handed out again):
-        its consumer is gone. The run's one consumer, a trainer, calls this as it starts; otherwise
-        what its dead predecessor held came back only at the visibility timeout, and admission, which
-        counts those groups as held, let nothing new be made meanwhile. Returns how many groups."""
+        """Every batch handed out and not acked goes back to the queue now, ahead of newer groups: its
+        consumer is gone, and no get may be in flight. The run's one consumer, a trainer, calls this as
+        it starts; otherwise what its dead predecessor held came back only at the visibility timeout,
+        and admission, which counts those groups as made, let nothing new be made meanwhile. Returns
+        how many groups went back (each counted ``redelivered`` once, like a timed-out batch's)."""
         return await self._requeue()
 
     async def stats(self) -> dict:
@@ -298,7 +298,7 @@ class SampleBuffer(ABC):
 
     @abstractmethod
     async def _requeue(self) -> int:
-        """Put every handed-out group back where it was in its queue; count them ``redelivered``."""
+        """Put every handed-out group back where it was in its queue; return how many."""
 
     @abstractmethod
     async def _forget(self, batch_id: str) -> None:

@@ -89,8 +89,8 @@ class MemoryBuffer(SampleBuffer):
         return out, stale
 
     async def _handed_out(self, batch_id: str) -> None:
-        _, seqs = self._batches[batch_id]
-        self._batches[batch_id] = (time.monotonic(), seqs)
+        if batch_id in self._batches:  # (a requeue meanwhile took it back)
+            self._batches[batch_id] = (time.monotonic(), self._batches[batch_id][1])
 
     def _queue(self, domain: str) -> str:
         """Batches by domain keep a queue per domain; otherwise every group is in one."""

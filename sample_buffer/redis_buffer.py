@@ -31,6 +31,7 @@ from sample_buffer.config import BufferConfig
 
 log = logging.getLogger(__name__)
 GROUP = b"trainers"
+REQUEUED = b"requeued"  # the consumer a requeue gives a dead one's entries to, until XAUTOCLAIM hands them out
 
 _APPEND = """
 local held = 0
@@ -207,19 +208,19 @@ class RedisBuffer(SampleBuffer):
             raise self._explain(e) from None
 
     async def _requeue(self) -> int:
-        """Every pending entry gets the idle time of a batch past its visibility timeout (XCLAIM IDLE):
-        the next XAUTOCLAIM hands it out again and counts it ``redelivered``."""
-        idle_ms, back = int(self.config.visibility_timeout_s * 1000), 0
+        """Every pending entry gets the idle time of a batch past its visibility timeout (XCLAIM IDLE,
+        a minute beyond it: Redis times idleness by its wall clock): the next XAUTOCLAIM hands it out
+        again and counts it ``redelivered``. Entries a requeue already took back are not counted again."""
+        idle_ms, back = int(self.config.visibility_timeout_s * 1000) + 60_000, 0
         try:
             await self._ensure_group()
             for stream in self.streams.values():
                 pending = await self.redis.xpending_range(
                     stream, GROUP, min="-", max="+", count=self.config.capacity_groups
                 )
-                if pending:
-                    ids = [p["message_id"] for p in pending]
-                    await self.redis.xclaim(stream, GROUP, "requeued", 0, ids, idle=idle_ms, justid=True)
-                    back += len(ids)
+                ids = [p["message_id"] for p in pending if p["consumer"] != REQUEUED]
+                if ids:
+                    back += len(await self.redis.xclaim(stream, GROUP, REQUEUED, 0, ids, idle=idle_ms, justid=True))
             return back
         except RedisError as e:
             raise self._explain(e) from None

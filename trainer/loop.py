@@ -227,8 +227,8 @@ class TrainLoop:
 
     async def join(self, wait_s: float = 120.0) -> None:
         """Before the first step (every rank): check the staleness bound against the controller's
-        and agree with it on the version, and take back what a dead predecessor held from the buffer.
-        A controller or buffer that is not up yet is waited for up to ``wait_s``.
+        and agree with it on the version (rank 0 then takes back from the buffer what a dead predecessor
+        held). A controller that is not up yet is waited for up to ``wait_s``.
 
         Another bound would drop samples as stale (trainer stricter) or train staler than promised
         (controller stricter): refused. Another version follows a restart. A controller ahead of
@@ -237,9 +237,7 @@ class TrainLoop:
         the next publish sends them. A controller behind (it started afresh, or the checkpoint's own
         publish failed) gets the checkpoint's weights now, before any step trains.
         """
-        theirs = self._from_rank0(await self._controller_version(wait_s) if self.rank == 0 else None)
-        if self.rank == 0:
-            await self._requeue_predecessors_batches(wait_s)
+        theirs = self._from_rank0(await self._rank0_start(wait_s) if self.rank == 0 else None)
         mine = self.engine.version
         self.served_version = theirs
         if theirs > mine:
@@ -256,11 +254,21 @@ class TrainLoop:
             if not await self._publish():
                 log.warning("publishing version %d failed; the first step publishes again", mine)
 
-    async def _requeue_predecessors_batches(self, wait_s: float) -> None:
+    async def _rank0_start(self, wait_s: float) -> int:
+        version = await self._controller_version(wait_s)
+        await self._requeue_predecessors_batches()
+        return version
+
+    async def _requeue_predecessors_batches(self) -> None:
         """A trainer is its run's one consumer: batches handed out before it started were a dead
-        predecessor's. They go back now; at their visibility timeout (minutes) they would, but the
-        controller counts them as made, so nothing new was generated meanwhile."""
-        n = await _retried("requeue", self.source.requeue, time.monotonic() + wait_s)
+        predecessor's. They go back now; at their visibility timeout (minutes) they would too, but the
+        controller counts them as made, so nothing new was generated meanwhile. Only a speed-up: a
+        buffer that cannot answer within a step's get timeout leaves them to that timeout."""
+        try:
+            n = await _retried("requeue", self.source.requeue, time.monotonic() + self.config.get_timeout_s)
+        except Exception as e:
+            log.warning("requeueing a previous trainer's unacked batches: %s; they return at the visibility timeout", e)
+            return
         if n:
             log.warning("%d groups handed out to a previous trainer and never acked are back in the buffer", n)
 

@@ -1,4 +1,4 @@
-"""Async gRPC client of the SampleBuffer: the training loop's ``SampleSource`` (get, ack) and,
+"""Async gRPC client of the SampleBuffer: the training loop's ``SampleSource`` (get, ack, requeue) and,
 through ``PutBatcher``, the rollout loop's ``SampleSink``. gRPC errors become the project's own."""
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ def test_the_command_switches_on_what_the_client_needs(tiny_model):
     argv, env = vllm_command(cfg.model_copy(update={"executor": "uni", "extra_args": []}), AuthConfig(token="d"))
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else the CPU build swaps uni for its mp executor
-    with pytest.raises(ValueError, match="engine.executor: uni runs one worker on one device"):
-        VLLMEngineConfig(model_path=tiny_model, executor="uni", extra_args=["--tensor-parallel-size", "2"])
+    with pytest.raises(ValueError, match=r"engine.executor: uni runs one worker on one device; .*--tensor-parallel"):
+        VLLMEngineConfig(model_path=tiny_model, executor="uni", extra_args=["--tensor_parallel_size=2"])
 
 
 def test_a_missing_environment_or_model_is_a_clear_error_not_a_hang(tiny_model, tmp_path):

@@ -265,6 +265,23 @@ def test_a_restarted_trainer_takes_back_the_batch_its_predecessor_died_holding(t
     assert stats["consumed"] == 2 and stats["redelivered"] == 2
 
 
+def test_a_buffer_that_cannot_requeue_leaves_the_batch_to_its_visibility_timeout(tmp_path, caplog):
+    """An older buffer without Requeue, or one down past a step's get timeout: the trainer starts anyway."""
+
+    async def main():
+        loop, ctl, buf = make(tmp_path)
+
+        async def unimplemented():
+            raise RuntimeError("UNIMPLEMENTED: Method not found: Requeue")
+
+        buf.requeue = unimplemented
+        await loop.join()
+        return loop
+
+    loop = asyncio.run(main())
+    assert loop.served_version == 0 and "return at the visibility timeout" in caplog.text
+
+
 def test_a_trainer_ahead_of_the_controller_publishes_its_checkpoint_before_training(tmp_path):
     """A fresh controller (version 0) under a trainer resumed at version 5: the engines get the
     checkpoint's weights before any step, so no step trains on the initial model's samples."""

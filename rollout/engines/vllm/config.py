@@ -72,8 +72,7 @@ class VLLMEngineConfig(EngineServerConfig):
     @model_validator(mode="after")
     def _one_process_one_device(self) -> VLLMEngineConfig:
         spread = {"--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--distributed-executor-backend"}
-        if self.executor == "uni" and spread & {a.split("=", 1)[0] for a in self.extra_args}:
-            raise ValueError(
-                "engine.executor: uni runs one worker on one device; extra_args spread the model or name an executor"
-            )
+        given = {a.split("=", 1)[0].replace("_", "-") for a in self.extra_args}  # vLLM reads _ as -
+        if self.executor == "uni" and (clash := sorted(spread & given)):
+            raise ValueError(f"engine.executor: uni runs one worker on one device; extra_args give {clash}")
         return self
