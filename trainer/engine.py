@@ -128,6 +128,9 @@ class _Step:
     stale: torch.Tensor
     weights: torch.Tensor | None
     loss: PolicyLossConfig  # the configured loss, its norm_len filled in
+    # π_prox (and the mismatch weights made from it) still to be filled in by each micro-batch's own
+    # forward: the step's one update runs at the proximal weights (TrainEngine._prox_from_update).
+    prox_pending: bool = False
 
 
 def lr_lambda(config: TrainerConfig, total_steps: int | None):
@@ -447,8 +450,12 @@ class TrainEngine:
         dropped = self._unroutable(batch) if self.replay else 0
         mask = batch.loss_mask.to(self.device)
         behav = batch.behavior_logprobs.to(self.device)
-        prox = self.logprobs(batch)  # the proximal policy: these weights, before this step
         ref = self._reference_logprobs(batch)
+        # The proximal policy: these weights, before this step. With one update per batch the update's
+        # own forward runs at exactly these weights, so π_prox is its log-probs, detached (filled in by
+        # _update): a separate forward would compute the same numbers again.
+        from_update = self._prox_from_update(ref)
+        prox = torch.zeros(mask.shape, device=self.device) if from_update else self.logprobs(batch)
         rewards = batch.rewards.to(self.device)
         if ref is not None and cfg.kl_in_reward:
             rewards = rewards - cfg.kl_coef * (kl_penalty(prox, ref, cfg.kl_estimator) * mask).sum(-1)
@@ -460,10 +467,20 @@ class TrainEngine:
             if batch.token_versions is None
             else ((batch.token_versions.to(self.device) < self.version) & mask.bool())
         )
-        weights = mismatch_weights(cfg.mismatch, prox, behav)
+        weights = None if from_update else mismatch_weights(cfg.mismatch, prox, behav)
         norm_len = cfg.loss.norm_len or int(_all_reduce(float(mask.shape[1]), dist.ReduceOp.MAX))
         loss = cfg.loss.model_copy(update={"norm_len": norm_len})  # the longest row of any rank
-        step = _Step(mask=mask, behav=behav, prox=prox, ref=ref, adv=adv, stale=stale, weights=weights, loss=loss)
+        step = _Step(
+            mask=mask,
+            behav=behav,
+            prox=prox,
+            ref=ref,
+            adv=adv,
+            stale=stale,
+            weights=weights,
+            loss=loss,
+            prox_pending=from_update,
+        )
         audited, before = {}, None
         if self.audit is not None:  # these weights are π_v: measured against older ones, then kept
             audited = self.audit.measure(self.model, batch, self.version, mask, behav, self.device)
@@ -479,6 +496,7 @@ class TrainEngine:
                         sums[k] += v
                     updates += 1
         self._free_routing()
+        weights = step.weights
         bounded = {} if start is None else self._bound_step(batch, start, prox, mask)
         self.scheduler.step()  # once per version: the schedule spans the run's steps
         if before is not None:
@@ -590,6 +608,14 @@ class TrainEngine:
             [r for g in order[i * len(order) // n : (i + 1) * len(order) // n] for r in groups[g]] for i in range(n)
         ]
 
+    def _prox_from_update(self, ref: torch.Tensor | None) -> bool:
+        """Whether π_prox can come from the step's update itself: one optimizer step over the whole
+        batch (one epoch, one mini-batch), and nothing needs π_prox before that update runs (a KL in
+        the reward, which shapes the advantages) or after it at the old weights (the trust region)."""
+        cfg = self.config
+        kl_first = ref is not None and cfg.kl_in_reward
+        return cfg.ppo_epochs == 1 and cfg.mini_batches == 1 and cfg.max_step_kl is None and not kl_first
+
     def _update(self, batch: TrainBatch, rows: list[int], s: _Step) -> dict[str, float] | None:
         """One optimizer step on ``rows`` (micro-batched, gradients accumulated); its metrics, or
         None where no rank had a token to train on."""
@@ -616,6 +642,11 @@ class TrainEngine:
                 (lp.sum() * 0.0).backward()
                 continue
             m = mask[micro]
+            if s.prox_pending:
+                s.prox[micro] = lp.detach()
+                if (w := mismatch_weights(cfg.mismatch, s.prox[micro], s.behav[micro])) is not None:
+                    s.weights = torch.zeros_like(s.prox) if s.weights is None else s.weights
+                    s.weights[micro] = w
             pg, metrics = policy_loss(
                 lp,
                 s.adv[micro],

@@ -300,3 +300,60 @@ def test_the_trust_region_pulls_a_step_back_under_its_kl_bound(tiny_model):
     w0 = engine(tiny_model).model.get_output_embeddings().weight
     move = lambda e: (e.model.get_output_embeddings().weight - w0).abs().max().item()  # noqa: E731
     assert move(bounded) == pytest.approx(move(free) / 2 ** m["step_halvings"], rel=1e-3)
+
+
+def _grads_and_metrics(eng: TrainEngine, batch) -> tuple[dict, list[torch.Tensor]]:
+    """One train_step's metrics and the gradients its optimizer stepped with."""
+    grads: list[torch.Tensor] = []
+    step = eng.optimizer.step
+
+    def record(*a, **kw):
+        grads.extend(p.grad.detach().clone() for p in eng.model.parameters() if p.grad is not None)
+        return step(*a, **kw)
+
+    eng.optimizer.step = record
+    return eng.train_step(batch), grads
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"loss": {"type": "decoupled_ppo"}},
+        {"loss": {"type": "ppo", "old_policy": "proximal"}, "mismatch": {"type": "truncate", "cap": 2.0}},
+        {"loss": {"type": "tis"}, "pack_sequences": True, "tree_packing": True, "micro_batch_tokens": 40},
+    ],
+)
+def test_one_update_a_batch_takes_the_proximal_log_probs_from_its_own_forward(tiny_model, kw, monkeypatch):
+    """With one optimizer step a batch, π_prox is the update's own forward (detached): no separate
+    forward runs, and the loss, every metric and the gradients equal the separate forward's to 1e-6."""
+    batch = toy_batch()
+    batch.token_versions = torch.where(batch.loss_mask.bool() & (batch.group_ids[:, None] == 1), -1, 0)
+    separate = engine(tiny_model, **kw)
+    monkeypatch.setattr(separate, "_prox_from_update", lambda ref: False)
+    want, want_grads = _grads_and_metrics(separate, batch)
+    fused = engine(tiny_model, **kw)
+    calls = []
+    monkeypatch.setattr(fused, "logprobs", lambda *a, **k: calls.append(a) or TrainEngine.logprobs(fused, *a, **k))
+    got, got_grads = _grads_and_metrics(fused, batch)
+    assert calls == [], "a separate proximal forward ran"
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, abs=1e-6), k
+    assert len(got_grads) == len(want_grads) > 0
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert (g - w).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "kw", [{"ppo_epochs": 2}, {"mini_batches": 2}, {"max_step_kl": 1e9}, {"ref_model_path": "SELF", "kl_in_reward": True}]
+)
+def test_the_proximal_forward_still_runs_where_an_update_needs_it_first(tiny_model, kw, monkeypatch):
+    """Several updates a batch (epochs, mini-batches), a trust region or a KL in the reward need π_prox
+    at the step's starting weights before (or after) the first update moves them: computed apart."""
+    kw = {k: tiny_model if v == "SELF" else v for k, v in kw.items()} | ({"kl_coef": 0.1} if "kl_in_reward" in kw else {})
+    eng = engine(tiny_model, **kw)
+    assert eng._prox_from_update(eng._reference_logprobs(toy_batch())) is False
+    calls = []
+    monkeypatch.setattr(eng, "logprobs", lambda *a, **k: calls.append(a) or TrainEngine.logprobs(eng, *a, **k))
+    eng.train_step(toy_batch())
+    assert len(calls) >= 1
