@@ -345,12 +345,14 @@ def test_one_update_a_batch_takes_the_proximal_log_probs_from_its_own_forward(ti
 
 
 @pytest.mark.parametrize(
-    "kw", [{"ppo_epochs": 2}, {"mini_batches": 2}, {"max_step_kl": 1e9}, {"ref_model_path": "SELF", "kl_in_reward": True}]
+    "kw",
+    [{"ppo_epochs": 2}, {"mini_batches": 2}, {"max_step_kl": 1e9}, {"ref_model_path": "SELF", "kl_in_reward": True}],
 )
 def test_the_proximal_forward_still_runs_where_an_update_needs_it_first(tiny_model, kw, monkeypatch):
     """Several updates a batch (epochs, mini-batches), a trust region or a KL in the reward need π_prox
     at the step's starting weights before (or after) the first update moves them: computed apart."""
-    kw = {k: tiny_model if v == "SELF" else v for k, v in kw.items()} | ({"kl_coef": 0.1} if "kl_in_reward" in kw else {})
+    kw = {k: tiny_model if v == "SELF" else v for k, v in kw.items()}
+    kw |= {"kl_coef": 0.1} if "kl_in_reward" in kw else {}
     eng = engine(tiny_model, **kw)
     assert eng._prox_from_update(eng._reference_logprobs(toy_batch())) is False
     calls = []
