@@ -172,3 +172,29 @@ def test_a_step_that_fails_while_admitting_answers_the_requests_it_admitted(engi
     # ignore_eos: a sampled EOS (1 in vocab) would end it after one token and fail this for no reason
     again = engine.submit("doomed", [1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)).result(T)
     assert len(again.output_ids) == 2
+
+
+def test_samples_of_one_prompt_admitted_together_share_its_prefill(engine, hf):
+    """A group's samples of one prompt, admitted in one step, are forwarded once: the copies take its
+    cache rows and last logits, then sample on their own. Each answer equals the same seed's alone,
+    its log-probs the teacher-forced ones; other prompts in the same step are their own rows."""
+    params = [SamplingParams(max_new_tokens=12, temperature=1.0, sampling_seed=s, ignore_eos=True) for s in range(6)]
+    alone = [engine.submit(f"alone{s}", PROMPTS[1], p).result(T).output_ids for s, p in enumerate(params)]
+    before = dict(engine.counters)
+    engine.pause("in_place").result(T)  # everything submitted now is admitted in one step
+    try:
+        futs = [engine.submit(f"shared{s}", PROMPTS[1], p) for s, p in enumerate(params)]
+        others = [engine.submit(f"other{i}", p, params[0]) for i, p in enumerate((PROMPTS[0], PROMPTS[2]))]
+    finally:
+        engine.resume().result(T)
+    outs = [f.result(T) for f in futs]
+    assert [o.output_ids for o in outs] == alone
+    assert len({tuple(o.output_ids) for o in outs}) > 1  # the copies sampled on their own
+    for o in outs:
+        ref = teacher_forced_logprobs(hf, PROMPTS[1], o.output_ids)
+        assert (ref - torch.tensor(o.behavior_logprobs)).abs().max().item() <= 1e-4
+    for p, f in zip((PROMPTS[0], PROMPTS[2]), others):
+        out = f.result(T)
+        assert (teacher_forced_logprobs(hf, p, out.output_ids) - torch.tensor(out.behavior_logprobs)).abs().max() <= 1e-4
+    assert engine.counters["prefill_shared_tokens"] - before.get("prefill_shared_tokens", 0) == 5 * len(PROMPTS[1])
+    assert engine.counters["prefill_tokens"] - before["prefill_tokens"] == len(PROMPTS[1]) + len(PROMPTS[0]) + 9

@@ -481,29 +481,38 @@ class EmbeddedEngine(SchedulerCommands):
         now = time.perf_counter()
         for r in group:
             r.t_admit = r.t_admit or now  # a retracted request keeps its first admission
+        # A context admitted more than once (a group's samples of one prompt) is forwarded once: its
+        # copies take the first one's cache rows and last logits, and sample on their own.
+        unique, copies, source = self._shared(group)
+        group, first_slot = unique + copies, self._batch.n
         try:
-            ids, positions, masks = self._batch.prefill([r.context for r in group], self.dtype)
-            self.adapters.select([r.lora for r in group], self.device)
+            ids, positions, masks = self._batch.prefill([r.context for r in unique], self.dtype)
+            self.adapters.select([r.lora for r in unique], self.device)
             out = self.model(
                 input_ids=ids,
-                position_ids=self._prefill_positions(group, positions),
+                position_ids=self._prefill_positions(unique, positions),
                 attention_mask=masks,
                 **{self._cache_arg: self._batch.cache},
                 use_cache=True,
-                **self._pixels(group),
+                **self._pixels(unique),
                 **self._keep_last,
             )
-            self.counters["prefill_tokens"] += sum(len(r.context) for r in group)
+            self.counters["prefill_tokens"] += sum(len(r.context) for r in unique)
+            self.counters["prefill_shared_tokens"] += sum(len(r.context) for r in copies)
             self.counters["prefill_batches"] += 1
+            last = out.logits[:, -1]
+            if copies:
+                self._batch.repeat([first_slot + i for i in source[len(unique) :]])
+                last = last.index_select(0, torch.tensor(source, device=last.device))
             tokens, logprobs = sample_next_tokens(
-                out.logits[:, -1], [r.params for r in group], [r.generator for r in group], self._sampler
+                last, [r.params for r in group], [r.generator for r in group], self._sampler
             )
-            tops = top_logprobs(out.logits[:, -1], [r.params for r in group], [r.top_n for r in group])
+            tops = top_logprobs(last, [r.params for r in group], [r.top_n for r in group])
             if self.capture is not None and any(r.routing for r in group):
                 experts = self.capture.take(*ids.shape)  # rows left-padded: a context ends in the last column
                 for i, r in enumerate(group):
                     if r.routing:
-                        r.route_prefill(experts[i, ids.shape[1] - len(r.context) :])
+                        r.route_prefill(experts[source[i], ids.shape[1] - len(r.context) :])
         except Exception:
             # Out of the queue, not yet running: the loop's handler fails only the running batch, so
             # these would never be answered (their callers hung). They fail with it.
@@ -513,6 +522,22 @@ class EmbeddedEngine(SchedulerCommands):
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         first = len(self._running) - len(group)
         self._leave({first + i for i, r in enumerate(group) if self._append(r, tokens[i], logprobs[i], tops[i])})
+
+    def _shared(self, group: list[_Request]) -> tuple[list[_Request], list[_Request], list[int]]:
+        """``group`` split into the requests whose context is new and the copies of one of those; and for
+        each of ``unique + copies``, the row of the prefill it takes its cache from. A copy has the same
+        context and adapter; a prompt with images is never shared (its pixels are its own)."""
+        first: dict[tuple, int] = {}
+        unique: list[_Request] = []
+        copies: list[tuple[_Request, int]] = []
+        for r in group:
+            key = (tuple(r.context), r.lora) if r.vision is None else (id(r),)
+            if key in first:
+                copies.append((r, first[key]))
+            else:
+                first[key] = len(unique)
+                unique.append(r)
+        return unique, [r for r, _ in copies], list(range(len(unique))) + [i for _, i in copies]
 
     def _prefill_positions(self, group: list[_Request], positions: torch.Tensor) -> torch.Tensor:
         """The group's rotary positions: the batch's [B, T] (left-padded), or Qwen2-VL's [3, B, T]."""

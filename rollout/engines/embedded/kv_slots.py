@@ -129,6 +129,22 @@ class KVSlots:
         self.lengths += lengths
         return ids.to(self.device), positions, masks
 
+    def repeat(self, sources: list[int]) -> None:
+        """New rows after the running ones, each a copy of slot ``sources[j]``'s cache: requests whose
+        context equals one just prefilled share its forward (a group's samples of one prompt)."""
+        if not sources:
+            return
+        first, n = self.n, max(self.lengths[i] for i in sources)
+        self._reserve(first + len(sources), n)
+        src = torch.tensor(sources, device=self.device)
+        for layer in self.layers:
+            if layer.is_initialized:
+                if layer.keys.shape[0] < self.capacity[0] or layer.keys.shape[2] < self.capacity[1]:
+                    self._grow(layer)
+                layer.keys[first : first + len(sources), :, :n] = layer.keys[src, :, :n]
+                layer.values[first : first + len(sources), :, :n] = layer.values[src, :, :n]
+        self.lengths += [self.lengths[i] for i in sources]
+
     def decode(self, last_tokens: list[int], dtype: torch.dtype):
         """Inputs of one decode step over every running row: (input_ids, position_ids, masks)."""
         pos = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
