@@ -195,6 +195,7 @@ def test_samples_of_one_prompt_admitted_together_share_its_prefill(engine, hf):
         assert (ref - torch.tensor(o.behavior_logprobs)).abs().max().item() <= 1e-4
     for p, f in zip((PROMPTS[0], PROMPTS[2]), others):
         out = f.result(T)
-        assert (teacher_forced_logprobs(hf, p, out.output_ids) - torch.tensor(out.behavior_logprobs)).abs().max() <= 1e-4
+        ref = teacher_forced_logprobs(hf, p, out.output_ids)
+        assert (ref - torch.tensor(out.behavior_logprobs)).abs().max().item() <= 1e-4
     assert engine.counters["prefill_shared_tokens"] - before.get("prefill_shared_tokens", 0) == 5 * len(PROMPTS[1])
     assert engine.counters["prefill_tokens"] - before["prefill_tokens"] == len(PROMPTS[1]) + len(PROMPTS[0]) + 9
