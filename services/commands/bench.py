@@ -320,6 +320,43 @@ def bench_weights(
     emit(checked(run, hidden_size, layers, engines, repeats, bucket_mb, progress_printer(json_)), json_)
 
 
+@app.command("peers")
+def bench_peers(
+    task: list[str] = typer.Option(
+        ["quickstart", "math"], "--task", help="Tasks to run (repeatable): quickstart, math (SmolLM2)."
+    ),
+    steps: int = typer.Option(None, help="Steps of each task (default: the task's own: 300, 10)."),
+    seed: int = typer.Option(0, help="Seed of both sides (prompt order, sampling, initialisation)."),
+    out: Path = typer.Option(None, help="Also write the result here (docs/bench/peers.json)."),
+    peers_venv: Path = typer.Option(Path(".venv-peers"), help="TRL's environment (built here on first use)."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """rollmesh against TRL's GRPOTrainer, side by side on the same tasks: seconds a step, time to the
+    held-out target, tokens/s, CPU per process, where a rollmesh step's time goes, the FLOP floor."""
+    from services.bench.peers_bench import PeersUnavailable, run
+
+    try:
+        result = checked(run, task, seed, steps, out, peers_venv, progress_printer(json_))
+    except PeersUnavailable as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    emit(_peers_summary(result), json_)
+
+
+def _peers_summary(result: dict) -> dict:
+    """The table's rows (per task: each side's step time and the ratios); the details in the JSON."""
+    rows: dict = {}
+    for name, t in result["tasks"].items():
+        rows[f"{name}.trl_step_s"] = t["trl"]["step_s_median"]
+        rows[f"{name}.rollmesh_step_s"] = t["rollmesh"]["step_s_median"]
+        rows[f"{name}.step_speedup"] = t["step_speedup"]
+        if "time_to_target_speedup" in t:
+            rows[f"{name}.time_to_target_speedup"] = t["time_to_target_speedup"]
+        rows[f"{name}.heldout_after_trl"] = t["heldout_after"]["trl"]
+        rows[f"{name}.heldout_after_rollmesh"] = t["heldout_after"]["rollmesh"]
+    return rows | {"details": result}
+
+
 @app.command("chaos")
 def bench_chaos(
     model: Path = typer.Option(Path("models/tiny"), help="Model directory (make model builds models/tiny)."),
