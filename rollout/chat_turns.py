@@ -22,6 +22,9 @@ warning, and the trajectory says so (``metadata["chat_render"] == "alone"``).
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
+from collections import OrderedDict
 
 ROLES = ("user", "tool")  # who may speak after the assistant: the environment says which
 log = logging.getLogger(__name__)
@@ -33,9 +36,27 @@ def token_ids(rendered) -> list[int]:
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
 
 
+# Each tokenizer's rendered first turns, text -> ids, most recent last (kept with the tokenizer).
+_RENDERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_RENDERED_MAX = 4096
+_rendered_lock = threading.Lock()
+
+
 def render_prompt(tokenizer, text: str) -> list[int]:
-    """The first turn: one user message and the generation prompt, as the template gives it."""
-    return token_ids(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    """The first turn: one user message and the generation prompt, as the template gives it. A
+    group's members render the same prompt: it is rendered once and kept (the last few thousand)."""
+    with _rendered_lock:
+        seen = _RENDERED.setdefault(tokenizer, OrderedDict())
+        ids = seen.get(text)
+        if ids is not None:
+            seen.move_to_end(text)
+            return list(ids)
+    rendered = token_ids(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    with _rendered_lock:
+        seen[text] = tuple(rendered)
+        if len(seen) > _RENDERED_MAX:
+            seen.popitem(last=False)
+    return rendered
 
 
 class NotAPrefix(ValueError):

@@ -193,10 +193,12 @@ class RolloutConfig(TaskConfig):
     tail_batching: TailBatchingConfig = Field(
         default_factory=lambda: TailBatchingConfig(), description="Tail batching's knobs (scheduling: tail)."
     )
-    replicate_prompts: bool = Field(
-        True,
-        description="Send a prompt's n samples as n independently routed requests; false keeps them on one "
-        "engine, like a single request with n samples.",
+    replicate_prompts: bool | None = Field(
+        None,
+        description="true: a prompt's n samples go as n independently routed requests (spread over the "
+        "engines); false: as one request of n samples on one engine, the prompt's prefill shared (a group's "
+        "members whose first turn asks the same). None: true where the run has several engines or its engine "
+        "samples no n at once (vLLM), false otherwise (a pool outside a run: false).",
     )
     seed: int = Field(0, description="Prompts are visited in a shuffled order drawn from this seed.")
     return_routed_experts: bool = Field(

@@ -49,6 +49,20 @@ def _retrieve(task: asyncio.Task) -> None:
 
 
 @dataclass
+class _FirstTurns:
+    """A group's first generations, gathered until every member has asked (or ended without asking):
+    the members that ask the same are sent as one request of n samples (``replicate_prompts`` false),
+    any other alone. Every later turn goes alone."""
+
+    waiting_for: int  # members that have neither asked nor ended
+    asks: dict[str, tuple[list[int], SamplingParams, float, asyncio.Future]] = field(default_factory=dict)
+    alone: set[str] = field(default_factory=set)  # members whose first call went alone (images)
+
+    def settled(self, tid: str) -> bool:
+        return tid in self.asks or tid in self.alone
+
+
+@dataclass
 class _GroupState:
     """A group being rolled out, as far as staleness is concerned."""
 
@@ -58,6 +72,7 @@ class _GroupState:
     tokens: dict[str, int] = field(default_factory=dict)  # generated so far, by member
     stale: bool = False
     images: dict[str, bytes] = field(default_factory=dict)  # the members' images, by content hash
+    first_turns: _FirstTurns | None = None  # while the members' first generations are gathered
 
 
 class RolloutLoop:
@@ -106,6 +121,16 @@ class RolloutLoop:
         self._tasks: list[asyncio.Task] = []
         self._stopped = False
         self._refusals = RefusalGate()
+        # One request a group (its prompt's prefill shared) where the engine takes one; the members as
+        # requests of their own where the prompt is replicated, routing is asked, or redundant members
+        # must not wait for the slowest (a group's request answers when its last sample ends).
+        self._group_requests = (
+            not config.replicate_prompts
+            and not config.return_routed_experts
+            and not config.redundant_members
+            and hasattr(engine, "generate_group")
+        )
+        self._sending: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ the loop
     def next_row(self) -> Pick:
@@ -130,6 +155,8 @@ class RolloutLoop:
         gid = f"{self.id_prefix}{named}p{pick.row}-{n}"
         size = self.members(pick)
         state = self._rolling[gid] = _GroupState(running={f"{gid}/{i}" for i in range(size)}, pick=pick)
+        if self._group_requests and size > 1:
+            state.first_turns = _FirstTurns(waiting_for=size)
         try:  # generate → reward, every episode on its own, scored by its env the moment it ends
             trajectories = await self._first_members(domain, pick.row, gid, state, size, barrier)
         finally:
@@ -252,6 +279,10 @@ class RolloutLoop:
         finally:
             self.running_episodes -= 1
             state.running.discard(tid)
+            turns = state.first_turns
+            if turns is not None and not turns.settled(tid):  # ended without asking: not waited for
+                turns.waiting_for -= 1
+                self._send_first_turns(gid, state)
         if len(t.token_versions):
             state.finished_starts.append(t.start_version)
             await self._abort_stale_groups()  # a finished member may reveal the group is already too old
@@ -264,7 +295,19 @@ class RolloutLoop:
         generation's deadline. The request id is the trajectory id (one request at a time per
         trajectory); without prompt replication the route is the group, so a prompt's samples
         share an engine."""
-        route = tid if self.config.replicate_prompts else tid.rsplit("/", 1)[0]
+        gid = tid.rsplit("/", 1)[0]
+        state = self._rolling.get(gid)
+        turns = state.first_turns if state is not None else None
+        if turns is not None and not turns.settled(tid):
+            turns.waiting_for -= 1
+            if not images:  # gathered: answered once every member has asked
+                asked = asyncio.get_running_loop().create_future()
+                turns.asks[tid] = (ids, sampling, time.monotonic() + timeout_s, asked)
+                self._send_first_turns(gid, state)
+                return await asked
+            turns.alone.add(tid)
+            self._send_first_turns(gid, state)
+        route = tid if self.config.replicate_prompts else gid
         deadline, delay = time.monotonic() + timeout_s, 0.1
         extra = {"return_routed_experts": True} if self.config.return_routed_experts else {}
         extra |= {"images": images} if images else {}
@@ -279,6 +322,63 @@ class RolloutLoop:
                 return gen
             except TransientError as e:
                 if deadline - time.monotonic() - delay <= 0:  # the next try would start past the deadline
+                    raise
+                self.observer.generate_retried(e.code)
+                await asyncio.sleep(delay)
+                delay = min(5.0, 2 * delay)
+
+    def _send_first_turns(self, gid: str, state: _GroupState) -> None:
+        """Once no member is still to ask: the asks with the same prompt and sampling go as one request
+        of n samples, the rest alone (each answer to its member's waiting call)."""
+        turns = state.first_turns
+        if turns is None or turns.waiting_for > 0:
+            return
+        state.first_turns = None  # every later call goes alone
+        alike: dict[tuple, list[str]] = {}
+        for tid, (ids, sampling, _, _) in turns.asks.items():
+            alike.setdefault((tuple(ids), sampling.model_dump_json()), []).append(tid)
+        for tids in alike.values():
+            task = asyncio.create_task(self._send(gid, state, {t: turns.asks[t] for t in tids}))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, gid: str, state: _GroupState, asks: dict) -> None:
+        """One gathered request: its answers (or its failure) handed to the members that asked."""
+        tids = list(asks)
+        ids, sampling, _, _ = asks[tids[0]]
+        deadline = min(a[2] for a in asks.values())
+        try:
+            if len(tids) == 1:
+                gens = [await self.generate(ids, sampling, tids[0], deadline - time.monotonic())]
+            else:
+                gens = await self._generate_group(ids, sampling, tids, gid, deadline)
+        except Exception as e:  # each member's call raises it, in its own episode
+            for _, _, _, asked in asks.values():
+                if not asked.done():
+                    asked.set_exception(e)
+            return
+        except asyncio.CancelledError:  # the loop stopped: so do the members' calls
+            for _, _, _, asked in asks.values():
+                asked.cancel()
+            raise
+        for tid, gen in zip(tids, gens, strict=True):
+            if len(tids) > 1:
+                state.tokens[tid] = state.tokens.get(tid, 0) + len(gen.output_ids)
+            if not (asked := asks[tid][3]).done():
+                asked.set_result(gen)
+
+    async def _generate_group(
+        self, ids: list[int], sampling: SamplingParams, tids: list[str], gid: str, deadline: float
+    ) -> list[Generation]:
+        """``tids``' samples of one prompt in one call, retried as ``generate`` retries one."""
+        delay = 0.1
+        while True:
+            try:
+                return await self.engine.generate_group(
+                    ids, sampling, request_ids=tids, route=gid, timeout_s=deadline - time.monotonic()
+                )
+            except TransientError as e:
+                if deadline - time.monotonic() - delay <= 0:
                     raise
                 self.observer.generate_retried(e.code)
                 await asyncio.sleep(delay)

@@ -110,6 +110,11 @@ class Generate(Protocol):
     async def abort(self, request_id: str) -> None:
         """Stop a running generation; it returns its partial output as ``abort``."""
 
+    # A Generate may also take a group's samples in one call (the LLMProxy's GenerateGroup); the loop
+    # uses it where it exists (``RolloutConfig.replicate_prompts`` false), one call a member otherwise:
+    #   async def generate_group(input_ids, sampling, *, request_ids, route, timeout_s) -> list[Generation]
+    # Each sample is in flight under its own request id (``abort`` takes it).
+
 
 class SampleSink(Protocol):
     """The SampleBuffer as the rollout loop sees it."""

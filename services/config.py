@@ -301,6 +301,21 @@ class RollmeshConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _a_group_is_one_request(self) -> RollmeshConfig:
+        """A group's samples as one request where one engine samples them at once (prompt replication
+        spreads them where there are several engines, or where the engine samples one a request)."""
+        em, samples_n = self.env_manager, backend(self.engine).samples_n
+        if em.replicate_prompts is None:
+            em.replicate_prompts = self.run.num_engines != 1 or not samples_n
+        elif em.replicate_prompts is False and not samples_n:
+            raise ValueError(
+                f"env_manager.replicate_prompts: false sends a group's samples as one request of n, which "
+                f"engine.type {self.engine.type!r} is not sent (its prefix cache shares the prompt among n "
+                "requests): leave it unset or set it true"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _devices_fit_the_run(self) -> RollmeshConfig:
         check_shape(self.devices, self.run.num_engines, gpus_per_engine(self.engine), self.run.trainer_procs)
         if self.devices.placement != "none" and not backend(self.engine).uses_gpu:

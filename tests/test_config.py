@@ -283,3 +283,16 @@ def test_domains_weigh_the_buffers_batches_and_a_run_of_one_task_keeps_one_queue
 def test_a_bad_domain_is_refused_at_load_naming_the_domain_and_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_a_group_is_one_request_where_one_engine_samples_n_and_replicated_otherwise():
+    """env_manager.replicate_prompts unset: false (a group's samples as one request of n) with one engine
+    that samples n at once; true with several engines, or vLLM (its prefix cache shares n requests'
+    prompt). Set false where the engine is not sent n: refused, naming engine.type and the field."""
+    assert load_config(None, []).env_manager.replicate_prompts is False
+    assert load_config(None, ["run.num_engines=2"]).env_manager.replicate_prompts is True
+    assert load_config(None, ["engine.type=vllm"]).env_manager.replicate_prompts is True
+    assert load_config(None, ["engine.type=sglang"]).env_manager.replicate_prompts is False
+    assert load_config(None, ["env_manager.replicate_prompts=true"]).env_manager.replicate_prompts is True
+    with pytest.raises(ConfigError, match=r"env_manager.replicate_prompts: false .* engine.type 'vllm'"):
+        load_config(None, ["engine.type=vllm", "env_manager.replicate_prompts=false"])

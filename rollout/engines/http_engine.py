@@ -126,10 +126,11 @@ class HTTPEngineClient:
         timeout_s: float | None,
         session: aiohttp.ClientSession | None = None,
         plain: bool = False,
+        listed: bool = False,
         **kwargs,
     ) -> dict:
         """The JSON object the engine answers; ``plain``: a 2xx answer in plain text is ``{"message": text}``
-        (vLLM's adapter routes answer so)."""
+        (vLLM's adapter routes answer so); ``listed``: a JSON list of objects (a batch's answers)."""
         url = self.base_url + path
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
@@ -154,8 +155,11 @@ class HTTPEngineClient:
             body = json.loads(text)
         except ValueError:
             body = None
+        if listed and isinstance(body, list) and all(isinstance(b, dict) for b in body):
+            return body
         if not isinstance(body, dict):  # not an engine we can speak with: take it out of rotation
-            raise EngineUnavailable(f"{url}: HTTP {status} with a body that is not a JSON object: {text[:200]!r}")
+            what = "a list of JSON objects" if listed else "a JSON object"
+            raise EngineUnavailable(f"{url}: HTTP {status} with a body that is not {what}: {text[:200]!r}")
         return body
 
     async def _post_events(self, path: str, timeout_s: float | None, **kwargs) -> AsyncIterator[dict]:

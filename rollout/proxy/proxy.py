@@ -25,7 +25,7 @@ import math
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -44,6 +44,7 @@ from sample_buffer.vision import MAX_IMAGE_BYTES, MAX_IMAGES, data_url
 log = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and vLLM's default --max-logprobs
+MAX_GROUP_SAMPLES = 1024  # samples one generate_group may ask (the engine server's sampling_params.n bound)
 _ENGINE_PAUSE_MODE = {"continue": "abort", "abort": "abort", "in_place": "in_place"}
 # What a WeightBucket's bytes hold ("" is safetensors).
 BUCKET_FORMATS = (
@@ -301,21 +302,137 @@ class LLMProxy:
         self.counters[f"finished_{fl.result.finish_reason}"] += 1
         return fl.result
 
-    async def _run(self, fl: _InFlight, deadline: float) -> None:
-        req, res = fl.request, fl.result
-        max_new = req.sampling_params.max_new_tokens
+    async def generate_group(self, req: ProxyRequest, request_ids: list[str], run: str = "") -> list[ProxyResult]:
+        """``len(request_ids)`` samples of ``req``'s prompt, each in flight under its own id (``abort``
+        takes one): one engine call for all of them where the engine samples a prompt ``n`` times in
+        one request (its prefill shared), then each on its own like ``generate`` (a sample cut by a
+        weight update continues alone; a failed engine's samples are retried one by one)."""
+        _validate(req)
+        if not request_ids or len(set(request_ids)) != len(request_ids) or not all(request_ids):
+            raise RequestInvalid("request_ids", "one distinct, non-empty id per sample")
+        if len(request_ids) > MAX_GROUP_SAMPLES:
+            raise RequestInvalid("request_ids", f"{len(request_ids)} samples; at most {MAX_GROUP_SAMPLES} a request")
+        if req.top_logprobs or req.return_routed_experts or req.images:
+            raise RequestInvalid("request_ids", "a group's samples take no top_logprobs, routed experts or images")
+        lane = self.lane(run)
+        taken = [rid for rid in request_ids if (lane.name, rid) in self._in_flight]
+        if taken:
+            raise RequestInvalid("request_ids", f"{taken[0]!r} is already in flight")
+        flights = [
+            _InFlight(replace(req, request_id=rid), ProxyResult(request_id=rid), lane=lane) for rid in request_ids
+        ]
+        deadline = flights[0].t0 + (req.timeout_s or self.config.request_timeout_s)
+        for fl in flights:
+            self._in_flight[(lane.name, fl.request.request_id)] = fl
+        self.counters["requests"] += len(flights)
+        self.counters["group_requests"] += 1
+        lane.requests += len(flights)
+
+        async def each(fl: _InFlight, first: tuple | None) -> None:
+            try:
+                await self._run(fl, deadline, first)
+            finally:
+                del self._in_flight[(lane.name, fl.request.request_id)]
+            fl.result.e2e_latency_s = time.perf_counter() - fl.t0
+            self.counters[f"finished_{fl.result.finish_reason}"] += 1
+
+        try:
+            firsts = await self._first_segment(flights, deadline)
+        except BaseException:
+            for fl in flights:
+                del self._in_flight[(lane.name, fl.request.request_id)]
+            raise
+        await asyncio.gather(*(each(fl, first) for fl, first in zip(flights, firsts)))
+        return [fl.result for fl in flights]
+
+    async def _first_segment(self, flights: list[_InFlight], deadline: float) -> list[tuple | None]:
+        """The group's first engine call, shared; for each sample, what ``_run`` continues from (None:
+        nothing yet, it starts on its own: no engine samples n at once here, or the engine failed)."""
+        nothing: list[tuple | None] = [None] * len(flights)
+        head = flights[0]
+        if not await self._wait_open(head, deadline):
+            return nothing  # each sample's own wait ends it (aborted, or at the deadline)
+        slot = self.router.pick(head.request.route, frozenset())
+        client = self.clients.get(slot.name) if slot is not None else None
+        if client is None or not hasattr(client, "generate_samples") or head.lane.adapter is not None:
+            return nothing
+        epochs, t_call = (self.base.epoch, head.lane.epoch), time.perf_counter()
+        try:
+            outs = await self._call_engine_samples(flights, slot, deadline)
+        except EngineUnavailable as e:
+            self._take_out(slot, str(e))
+            return nothing
+        except EngineRejected as e:
+            field = e.field or "input_ids"
+            raise RequestInvalid(field, str(e).removeprefix(f"{field}: ")) from e
+        return [(slot, out, t_call, epochs) for out in outs]
+
+    async def _call_engine_samples(self, flights: list[_InFlight], slot: EngineSlot, deadline: float) -> list:
+        """One engine call for every sample of ``flights`` (``_call_engine``'s bookkeeping, per sample);
+        on the deadline each is aborted there and its partial output taken back (None: not in time)."""
+        req = flights[0].request
+        for fl in flights:
+            fl.slot, fl.engine_rid = slot, f"{fl.request.request_id}#{next(self._seq)}"
+        cost = (len(req.input_ids) + req.sampling_params.max_new_tokens) * len(flights)
+        slot.in_flight += len(flights)
+        slot.outstanding_tokens += cost
+        slot.requests_total += 1
+        client, grace = self.clients[slot.name], self.config.abort_grace_s
+        remaining = max(0.001, deadline - time.perf_counter())
+        rids = [fl.engine_rid for fl in flights]
+        call = client.generate_samples(req.input_ids, req.sampling_params, rids, timeout_s=remaining + grace)
+        task = asyncio.ensure_future(call)
+        try:
+            done, _ = await asyncio.wait([task], timeout=remaining)
+            if not done:
+                self.counters["deadline_aborts"] += 1
+                await self._abort_at_engines(flights, grace)
+                done, _ = await asyncio.wait([task], timeout=grace)
+                if not done:
+                    task.cancel()
+                    return [None] * len(flights)
+            return task.result()
+        finally:
+            slot.in_flight -= len(flights)
+            slot.outstanding_tokens -= cost
+            for fl in flights:
+                fl.slot = None
+
+    async def _run(self, fl: _InFlight, deadline: float, first: tuple | None = None) -> None:
+        """Generate ``fl`` to its end, segment after segment; ``first``: a segment already called
+        (``generate_group``'s shared one: its slot, output, start and the epochs it began at)."""
+        res = fl.result
         failed: set[str] = set()
+        while True:
+            if first is not None:
+                (slot, out, t_call, epochs), first = first, None
+                if out is None:  # the shared call's deadline passed without the partial back
+                    res.finish_reason = FinishReason.TIMEOUT
+                    return
+            else:
+                got = await self._segment(fl, deadline, failed)
+                if got is None:
+                    return
+                slot, out, t_call, epochs = got
+            if self._absorb(fl, slot, out, t_call, epochs, deadline):
+                return
+
+    async def _segment(self, fl: _InFlight, deadline: float, failed: set[str]) -> tuple | None:
+        """One engine call for the rest of ``fl`` (retried on other engines); None when the request
+        ended without one (its finish reason set)."""
+        req, res = fl.request, fl.result
         while True:
             if not await self._wait_open(fl, deadline):
                 res.finish_reason = FinishReason.ABORT if fl.aborted.is_set() else FinishReason.TIMEOUT
-                return
+                return None
             slot = self.router.pick(req.route, frozenset(failed))
             if slot is None:
                 if res.output_ids:  # keep what was generated; the caller decides
                     res.finish_reason = FinishReason.ABORT
-                    return
+                    return None
                 raise NoEngineAvailable(f"no engine in rotation ({len(failed)} failed this request)")
-            params = req.sampling_params.model_copy(update={"max_new_tokens": max_new - len(res.output_ids)})
+            left = req.sampling_params.max_new_tokens - len(res.output_ids)
+            params = req.sampling_params.model_copy(update={"max_new_tokens": left})
             epochs = (self.base.epoch, fl.lane.epoch)
             t_call = time.perf_counter()
             try:
@@ -336,41 +453,48 @@ class LLMProxy:
                 raise RequestInvalid(field, str(e).removeprefix(f"{field}: ")) from e
             if out is None:  # deadline passed and the engine did not give the partial back in time
                 res.finish_reason = FinishReason.TIMEOUT
-                return
-            if res.num_segments == 0:
-                # the engine's count: a vision-language prompt's placeholders expanded (later segments'
-                # prompts hold the output so far)
-                res.prompt_tokens = out.prompt_tokens or len(req.input_ids)
-                res.queue_time_s += out.queue_time_s or 0.0
-                if out.ttft_s is not None and out.output_ids:
-                    res.ttft_s = t_call - fl.t0 + out.ttft_s
-            res.num_segments += 1
-            res.output_ids += out.output_ids
-            res.behavior_logprobs += out.behavior_logprobs
-            res.token_versions += out.token_versions
-            res.top_logprobs += out.top_logprobs
-            try:  # a continuation re-forwards the earlier tokens under the new weights: its routing replaces theirs
-                res.routed_experts = routing.latest(res.routed_experts, out.routed_experts, out.routed_experts_start)
-            except routing.RoutingError as e:
-                log.warning("request %s: %s; its routing is dropped", req.request_id, e)
-                self.counters["routing_dropped"] += 1
-                res.routed_experts = None  # incomplete: the trainer drops the trajectory rather than guess
-                req.return_routed_experts = False  # and no later segment fills it in
-            res.weight_version, res.engine = out.weight_version, slot.name
-            if out.finish_reason != FinishReason.ABORT:
-                res.finish_reason = out.finish_reason
-                return
-            if fl.aborted.is_set() or time.perf_counter() >= deadline:
-                res.finish_reason = FinishReason.ABORT if fl.aborted.is_set() else FinishReason.TIMEOUT
-                return
-            cut = self._cut_by(fl.lane, epochs)
-            if not cut or any(lane.mode != "continue" for lane in cut):
-                res.finish_reason = FinishReason.ABORT  # aborted at the engine by someone else, or abort mode
-                return
-            if len(res.output_ids) >= max_new:
-                res.finish_reason = FinishReason.LENGTH
-                return
-            # Suspended in "continue" mode: wait for resume, then go on from the partial tokens.
+                return None
+            return slot, out, t_call, epochs
+
+    def _absorb(self, fl: _InFlight, slot: EngineSlot, out, t_call: float, epochs: tuple, deadline: float) -> bool:
+        """Add one segment's output to ``fl``'s result; True when the request is done (its finish
+        reason set), False when a suspend in continue mode cut it and it goes on after resume."""
+        req, res = fl.request, fl.result
+        max_new = req.sampling_params.max_new_tokens
+        if res.num_segments == 0:
+            # the engine's count: a vision-language prompt's placeholders expanded (later segments'
+            # prompts hold the output so far)
+            res.prompt_tokens = out.prompt_tokens or len(req.input_ids)
+            res.queue_time_s += out.queue_time_s or 0.0
+            if out.ttft_s is not None and out.output_ids:
+                res.ttft_s = t_call - fl.t0 + out.ttft_s
+        res.num_segments += 1
+        res.output_ids += out.output_ids
+        res.behavior_logprobs += out.behavior_logprobs
+        res.token_versions += out.token_versions
+        res.top_logprobs += out.top_logprobs
+        try:  # a continuation re-forwards the earlier tokens under the new weights: its routing replaces theirs
+            res.routed_experts = routing.latest(res.routed_experts, out.routed_experts, out.routed_experts_start)
+        except routing.RoutingError as e:
+            log.warning("request %s: %s; its routing is dropped", req.request_id, e)
+            self.counters["routing_dropped"] += 1
+            res.routed_experts = None  # incomplete: the trainer drops the trajectory rather than guess
+            req.return_routed_experts = False  # and no later segment fills it in
+        res.weight_version, res.engine = out.weight_version, slot.name
+        if out.finish_reason != FinishReason.ABORT:
+            res.finish_reason = out.finish_reason
+            return True
+        if fl.aborted.is_set() or time.perf_counter() >= deadline:
+            res.finish_reason = FinishReason.ABORT if fl.aborted.is_set() else FinishReason.TIMEOUT
+            return True
+        cut = self._cut_by(fl.lane, epochs)
+        if not cut or any(lane.mode != "continue" for lane in cut):
+            res.finish_reason = FinishReason.ABORT  # aborted at the engine by someone else, or abort mode
+            return True
+        if len(res.output_ids) >= max_new:
+            res.finish_reason = FinishReason.LENGTH
+            return True
+        return False  # suspended in "continue" mode: it goes on from the partial tokens after resume
 
     def _cut_by(self, lane: Lane, epochs: tuple[int, int]) -> list[Lane]:
         """The lanes whose suspends cut a segment begun at ``epochs``: the proxy's own (it pauses

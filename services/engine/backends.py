@@ -61,6 +61,10 @@ class Backend:
     # MoE routing replay: whether its answers can carry each position's experts, and engine.<key> = value
     # that makes them (None: it cannot)
     routing_settings: tuple[tuple[str, object], ...] | None = ()
+    # Samples n of one prompt in one request, its prefill shared (SGLang's sampling_params.n): a group's
+    # samples travel as one request (env_manager.replicate_prompts false). vLLM's client sends n
+    # requests, whose prefill vLLM's prefix cache shares.
+    samples_n: bool = True
     # How the ``ipc`` transport writes tensor handles for it (rollout/engines/tensor_handles.py):
     # rollmesh's own format, read by code, or SGLang's pickled one, which SGLang reads itself.
     handle_encoding: Literal["rollmesh", "sglang"] = "rollmesh"
@@ -102,6 +106,7 @@ BACKENDS: dict[str, Backend] = {
         adapts_lm_head=False,
         transports=frozenset({"disk", "collective"}),
         releases_memory=False,
+        samples_n=False,
         routing_settings=(("enable_return_routed_experts", True),),  # a GPU build only (vllm_server.py)
     ),
     # SGLang frees GPU memory only with its memory saver.

@@ -33,7 +33,7 @@ from sample_buffer import routing
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, Role, server_bearer
 from services.body_limit import BodyLimit
 from services.engine.lora_routes import add_lora_routes
-from services.engine.sglang_fields import strip_request
+from services.engine.sglang_fields import expand_samples, strip_request
 from services.http_errors import bad_request, install_error_handlers
 from services.metrics import histogram, init_labels
 from services.weight_transports import ENGINE_ROUTES
@@ -265,7 +265,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
     async def generate(body: dict = Body(...)):
         try:
             ignored: list[str] = []
-            req = GenerateReq.model_validate(strip_request(body, GENERATE_FIELDS, ignored))
+            req = GenerateReq.model_validate(strip_request(expand_samples(body), GENERATE_FIELDS, ignored))
             for name in ignored:  # a label per name SGLang's own tools send; the rest together
                 metrics.ignored.labels(name if name in COUNTED_IGNORED else "other").inc()
         except ValidationError as e:

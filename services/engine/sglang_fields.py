@@ -69,7 +69,6 @@ DEFAULT_ONLY_SAMPLING = {
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
     "min_new_tokens": 0,
-    "n": 1,
     "json_schema": None,
     "regex": None,
     "ebnf": None,
@@ -94,6 +93,39 @@ def _strip(fields: dict, inert: frozenset, default_only: dict, where: str) -> di
             )
         if name not in inert and name not in default_only:
             out[name] = value
+    return out
+
+
+MAX_SAMPLES = 1024  # samples one /generate may ask of a prompt (SGLang's parallel sampling, sampling_params.n)
+
+
+def expand_samples(body: dict) -> dict:
+    """SGLang's parallel sampling, ``sampling_params.n`` > 1 on one prompt, as the batch it stands for:
+    the prompt ``n`` times, each sample with its own rid (a list of ``n``, or SGLang's ``{rid}_{i}``
+    from one), the answer a list of ``n``. The engine forwards a prompt admitted several times once
+    (its samples share the prefill) and samples each on its own."""
+    params = body.get("sampling_params")
+    if not isinstance(params, dict) or "n" not in params:
+        return body
+    n = params["n"]
+    if type(n) is not int or not 1 <= n <= MAX_SAMPLES:
+        raise EngineError("sampling_params.n", f"must be an integer in [1, {MAX_SAMPLES}], got {n!r}")
+    params = {k: v for k, v in params.items() if k != "n"}
+    if n == 1:
+        return body | {"sampling_params": params}
+    prompt = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
+    if not prompt or isinstance(prompt, list) and isinstance(prompt[0], list) or body.get("stream"):
+        raise EngineError("sampling_params.n", "n > 1 takes one prompt, not a batch or a stream")
+    rid = body.get("rid")
+    if isinstance(rid, list) and len(rid) != n:
+        raise EngineError("rid", f"got {len(rid)} ids for n = {n} samples")
+    out = body | {"sampling_params": [params] * n, "rid": rid if isinstance(rid, list) else None}
+    out["input_ids" if body.get("input_ids") is not None else "text"] = [prompt] * n
+    if isinstance(rid, str):
+        out["rid"] = [f"{rid}_{i}" for i in range(n)]
+    if body.get("image_data") is not None:
+        images = body["image_data"]
+        out["image_data"] = [[images] if isinstance(images, str) else list(images)] * n
     return out
 
 

@@ -208,24 +208,44 @@ class ProxyGenerate:
                     raise TransientError("the LLMProxy's stream ended without a result")
         except grpc.aio.AioRpcError as e:  # our own cancellation arrives as CancelledError instead
             raise project_error(e) from None
-        tops = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in res.top_logprobs]
-        experts = None
-        if res.HasField("routed_experts"):
-            try:
-                experts = routed_experts_from_pb(res.routed_experts)
-            except RoutingError as e:  # the proxy's bug, not this episode's: its routing is dropped
-                log.warning("request %s: %s", request_id, e)
-        return Generation(
-            list(res.output_ids),
-            list(res.behavior_logprobs),
-            list(res.token_versions),
-            finish_from_pb(res.finish_reason),
-            tops,
-            experts,
+        return _generation(res, request_id)
+
+    async def generate_group(
+        self, input_ids: list[int], sampling: SamplingParams, *, request_ids: list[str], route: str, timeout_s: float
+    ) -> list[Generation]:
+        """``len(request_ids)`` samples of one prompt in one LLMProxy call (``GenerateGroup``)."""
+        req = pb.GenerateGroupRequest(
+            request=generate_request(input_ids, sampling, "", route, timeout_s), request_ids=request_ids
         )
+        try:
+            res = await self.client.stub.GenerateGroup(req, timeout=timeout_s + 5.0)
+        except grpc.aio.AioRpcError as e:
+            raise project_error(e) from None
+        if len(res.samples) != len(request_ids):
+            raise TransientError(f"the LLMProxy answered {len(res.samples)} samples of {len(request_ids)}")
+        return [_generation(r, rid) for r, rid in zip(res.samples, request_ids, strict=True)]
 
     async def abort(self, request_id: str) -> None:
         try:
             await self.client.abort(request_id=request_id)
         except grpc.aio.AioRpcError as e:
             raise project_error(e) from None
+
+
+def _generation(res: pb.GenerateResponse, request_id: str) -> Generation:
+    """A GenerateResponse in the trajectory's names."""
+    tops = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in res.top_logprobs]
+    experts = None
+    if res.HasField("routed_experts"):
+        try:
+            experts = routed_experts_from_pb(res.routed_experts)
+        except RoutingError as e:  # the proxy's bug, not this episode's: its routing is dropped
+            log.warning("request %s: %s", request_id, e)
+    return Generation(
+        list(res.output_ids),
+        list(res.behavior_logprobs),
+        list(res.token_versions),
+        finish_from_pb(res.finish_reason),
+        tops,
+        experts,
+    )

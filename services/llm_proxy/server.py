@@ -220,6 +220,17 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics, runs: RunTokens | None
         metrics.observe(res)
         return _response(res)
 
+    async def generate_group(req: pb.GenerateGroupRequest, ctx) -> pb.GenerateGroupResponse:
+        try:
+            results = await proxy.generate_group(_request(req.request), list(req.request_ids), run=run_of(ctx))
+        except RequestInvalid as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NoEngineAvailable as e:
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        for res in results:
+            metrics.observe(res)
+        return pb.GenerateGroupResponse(samples=[_response(res) for res in results])
+
     async def generate_stream(req: pb.GenerateRequest, ctx):
         """Chunks of new tokens as the engines make them, then the result. A caller that goes away
         aborts the generation."""
@@ -368,6 +379,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics, runs: RunTokens | None
         SERVICE,
         {
             "Generate": (pb.GenerateRequest, generate),
+            "GenerateGroup": (pb.GenerateGroupRequest, generate_group),
             "Abort": (pb.AbortRequest, abort),
             "Suspend": (pb.SuspendRequest, suspend),
             "Resume": (pb.ResumeRequest, resume),

@@ -7,6 +7,7 @@ real services in tests/services/test_env_manager.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import threading
 import time
@@ -85,6 +86,24 @@ class ScriptedEngine:
             self.held[request_id].set()
 
 
+class GroupedEngine(ScriptedEngine):
+    """Also takes a group's samples in one call, as the LLMProxy's GenerateGroup: each sample answered
+    as ``generate`` answers it, all of them once the last is done."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.group_calls: list[list[str]] = []
+
+    async def generate_group(self, input_ids, sampling, *, request_ids, route, timeout_s) -> list[Generation]:
+        self.group_calls.append(list(request_ids))
+        if self.transient:  # the whole call fails, as the LLMProxy's does
+            self.transient -= 1
+            raise TransientError("UNAVAILABLE", "no engine in rotation")
+        assert route == request_ids[0].rsplit("/", 1)[0]  # the group's own route: one engine
+        one = functools.partial(ScriptedEngine.generate, self, input_ids, sampling, route=route, timeout_s=timeout_s)
+        return list(await asyncio.gather(*(one(request_id=rid) for rid in request_ids)))
+
+
 class Recorder(RolloutObserver):
     def __init__(self) -> None:
         self.outcomes: list[str] = []
@@ -111,13 +130,14 @@ def make_loop(
     filter_zero_variance=False,
     capacity=4096,
     put_timeout_s=30.0,
+    grouped=False,
     **cfg,
 ):
     controller = AsyncController(ControllerConfig(async_ratio=async_ratio, groups_per_step=groups_per_step))
     buffer = MemoryBuffer(
         BufferConfig(filter_zero_variance=filter_zero_variance, capacity_groups=capacity, put_timeout_s=put_timeout_s)
     )
-    engine = ScriptedEngine(controller, **(engine_kw or {}))
+    engine = (GroupedEngine if grouped else ScriptedEngine)(controller, **(engine_kw or {}))
     cfg = {"group_size": 2, "num_workers": 4, "reward": "exact_match", "admit_poll_s": 0.005, **cfg}
     config = RolloutConfig(**cfg)
     loop = RolloutLoop(
@@ -531,3 +551,64 @@ def test_while_admission_is_refused_one_worker_asks_and_the_others_wait_for_it()
     assert counts[-1] >= 30, polls  # the asker
     assert all(n <= 2 for n in counts[:-1]), polls  # the rest: refused once (twice if a wait ran out)
     assert put == 4
+
+
+@pytest.mark.parametrize("replicate", [False, True, None])
+def test_a_groups_samples_go_as_one_request_unless_its_prompt_is_replicated(replicate):
+    """replicate_prompts false (or unset, outside a run): a group's members ask the same first turn,
+    and it goes as one request of n samples on the group's route; true: n requests of their own. Every
+    member gets its own answer either way, and the slots are accounted alike."""
+
+    async def main():
+        reply = lambda rid: "7" if rid[-1] in "02" else "1"  # noqa: E731
+        loop, ctl, buffer, engine = make_loop(
+            {"reply": reply}, grouped=True, group_size=4, async_ratio=3, replicate_prompts=replicate
+        )
+        assert await loop.admit(3) == 3
+        outcomes = await loop.run_admitted(3)
+        batch = await buffer.get(3, version=0, max_staleness=3, timeout_s=0)
+        return outcomes, batch.decode(), engine, ctl
+
+    outcomes, groups, engine, ctl = asyncio.run(main())
+    assert outcomes == ["put"] * 3 and ctl.finished == 3 and ctl.in_flight == 0
+    for g in groups:
+        assert [t.reward for t in g.trajectories] == [1.0, 0.0, 1.0, 0.0]
+    assert engine.calls == 12  # every sample answered once
+    if replicate:
+        assert engine.group_calls == []
+    else:  # one call a group, its members in the order they asked
+        want = [[f"{g.group_id}/{i}" for i in range(4)] for g in groups]
+        assert sorted(sorted(c) for c in engine.group_calls) == sorted(want)
+
+
+def test_a_member_that_ends_before_asking_is_not_waited_for_and_the_rest_go_together():
+    """Member 1 of every group fails its reset (env_error): the group's request is sent once the other
+    two have asked, as one request of their two samples."""
+
+    async def main():
+        loop, ctl, buffer, engine = _faulty_loop({"1": "reset"}, grouped=True)
+        assert await loop.admit(2) == 2
+        outcomes = await loop.run_admitted(2)
+        return outcomes, engine, loop
+
+    outcomes, engine, loop = asyncio.run(main())
+    assert outcomes == ["put", "put"] and loop.counters["members_dropped_env_error"] == 2
+    assert sorted(len(c) for c in engine.group_calls) == [2, 2]
+    assert all(not rid.endswith("/1") for call in engine.group_calls for rid in call)
+
+
+def test_a_groups_request_is_retried_on_a_transient_failure_and_redundant_members_go_alone():
+    async def main():
+        loop, _, _, engine = make_loop({"transient": 2}, grouped=True, group_size=3)
+        assert await loop.admit(1) == 1
+        outcomes = await loop.run_admitted(1)
+        retries = list(loop.observer.retries)
+        redundant, _, _, alone = make_loop(grouped=True, group_size=2, redundant_members=1)
+        assert await redundant.admit(1) == 1
+        return outcomes, retries, engine, await redundant.run_admitted(1), alone
+
+    outcomes, retries, engine, redundant, alone = asyncio.run(main())
+    assert outcomes == ["put"] and retries == ["UNAVAILABLE", "UNAVAILABLE"]
+    assert len(engine.group_calls) == 3 and engine.calls == 3  # two failed tries, then three samples
+    # A group's request answers when its last sample ends; redundant rollout must not wait for it.
+    assert redundant == ["put"] and alone.group_calls == [] and alone.calls == 3

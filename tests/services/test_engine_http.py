@@ -88,12 +88,47 @@ def test_batch_generate_and_logprobs_match_teacher_forcing(engine_url, tiny_mode
         ({"input_ids": [1] * 5000}, "input_ids"),  # longer than the context: the prompt, not max_new_tokens
         ({"input_ids": [1], "sampling_params": {"top_k": 2**70}}, "sampling_params.top_k"),
         ({"input_ids": [1], "sampling_params": {"sampling_seed": 2**64}}, "sampling_params.sampling_seed"),
+        ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n"),
+        ({"input_ids": [1], "sampling_params": {"n": 10**6}}, "sampling_params.n"),
+        ({"input_ids": [1], "sampling_params": {"n": 2.5}}, "sampling_params.n"),
+        ({"input_ids": [[1], [2]], "sampling_params": {"n": 2}}, "sampling_params.n"),  # one prompt's samples
+        ({"input_ids": [1], "sampling_params": {"n": 2}, "stream": True}, "sampling_params.n"),
+        ({"input_ids": [1], "sampling_params": {"n": 3}, "rid": ["a", "b"]}, "rid"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(engine_url, payload, field):
     r = post(engine_url, "/generate", json=payload)
     assert r.status_code == 400, r.text
     assert r.json()["field"] == field, r.json()
+
+
+def test_parallel_sampling_is_n_samples_of_one_prompt_each_with_its_rid(engine_url, tiny_model):
+    """SGLang's sampling_params.n: a list of n answers, each sampled on its own, each under its own rid
+    (SGLang's {rid}_{i} from one rid, or a list), each's log-probs the teacher-forced ones."""
+    prompt = [1, 50, 51, 52]
+    r = post(
+        engine_url,
+        "/generate",
+        json={
+            "input_ids": prompt,
+            "rid": "par",
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, "n": 4},
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [b["meta_info"]["id"] for b in body] == [f"par_{i}" for i in range(4)]
+    assert len({tuple(b["output_ids"]) for b in body}) > 1
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    for b in body:
+        ids = b["output_ids"]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1], -1)
+        ref = lp.gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        assert (ref - torch.tensor(parse_generate_response(b).behavior_logprobs)).abs().max() < 1e-4
+    listed = post(engine_url, "/generate", json={"input_ids": prompt, "rid": ["a", "b"], "sampling_params": {"n": 2}})
+    assert [b["meta_info"]["id"] for b in listed.json()] == ["a", "b"]
 
 
 def test_malformed_json_is_a_400_and_the_server_keeps_serving(engine_url):

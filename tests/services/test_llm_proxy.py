@@ -476,3 +476,72 @@ def test_images_through_the_proxy_and_across_an_update_with_bad_ones_named(make_
     assert list(spanned.output_ids[:6]) == list(one.output_ids)  # the continuation saw the image again
     assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
     assert [e.details().split(":")[0] for e in errors] == ["images[0]", "image_data[0]", "image_data"]
+
+
+def _group(prompt, n, max_new, route="g", **sampling):
+    request = pb.GenerateRequest(
+        input_ids=prompt, route=route, sampling_params=pb.SamplingParams(max_new_tokens=max_new, **sampling)
+    )
+    return pb.GenerateGroupRequest(request=request, request_ids=[f"{route}/{i}" for i in range(n)])
+
+
+def test_a_groups_samples_are_one_engine_call_each_answered_on_its_own(two_engines):
+    """GenerateGroup: 4 samples of one prompt, in request_ids' order, each sampled on its own; one engine
+    call for all of them where the engine samples n at once (the embedded engine), 4 on vLLM (its
+    prefix cache shares the prompt). Bad groups are INVALID_ARGUMENT naming request_ids."""
+
+    async def scenario(client, proxy):
+        before = {e.name: e.requests_total for e in (await client.stats()).engines}
+        out = await client.stub.GenerateGroup(_group([1, 40, 41], 4, 24, ignore_eos=True, temperature=1.0), timeout=60)
+        after = {e.name: e.requests_total for e in (await client.stats()).engines}
+        errors = {}
+        dup = _group([1, 2], 2, 2)
+        dup.request_ids[:] = ["same", "same"]
+        tops = _group([1, 2], 2, 2)
+        tops.request.top_logprobs = 2
+        for name, req in {"duplicate": dup, "empty": _group([1, 2], 0, 2), "top_logprobs": tops}.items():
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.stub.GenerateGroup(req, timeout=30)
+            errors[name] = (e.value.code(), e.value.details())
+        return out, {k: after[k] - before.get(k, 0) for k in after}, errors, await client.generate([1, 2], 2)
+
+    out, calls, errors, ok = run(scenario, two_engines)
+    assert [s.request_id for s in out.samples] == [f"g/{i}" for i in range(4)]
+    assert all(len(s.output_ids) == 24 == len(s.behavior_logprobs) == len(s.token_versions) for s in out.samples)
+    assert len({tuple(s.output_ids) for s in out.samples}) > 1  # sampled on their own
+    assert len({s.engine for s in out.samples}) == 1  # the group's route: one engine
+    assert sum(calls.values()) == (1 if getattr(two_engines, "api", "sglang") == "sglang" else 4)
+    for name, (code, details) in errors.items():
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request_ids:"), (name, details)
+    assert len(ok.output_ids) == 2
+
+
+def test_a_groups_sample_aborts_alone_and_the_rest_continue_across_an_update(make_engine_process, tiny_model_b):
+    """A group of 3 long samples in one engine call: sample 0 aborted by its own id ends alone (abort,
+    its tokens so far); a suspend → update → resume cuts the other two, which each continue on their
+    own under the new weights, every token tagged with the version that made it."""
+    _, url = make_engine_process()
+
+    async def scenario(client, proxy):
+        req = _group([1, 30, 31, 32], 3, 600, temperature=1.0, ignore_eos=True)
+        task = asyncio.ensure_future(client.stub.GenerateGroup(req, timeout=120))
+        await decoding(proxy)
+        await client.abort(request_id="g/0")
+        await asyncio.sleep(0.05)
+        suspended = await client.suspend(pb.SUSPEND_MODE_CONTINUE)
+        await client.update_weights(tiny_model_b, 1)
+        await client.resume()
+        return suspended, await task, await client.stats()
+
+    suspended, out, stats = run(scenario, [url])
+    first, *rest = out.samples
+    assert first.finish_reason == common_pb2.FINISH_REASON_ABORT and 0 < len(first.output_ids) < 600
+    assert set(first.token_versions) == {0}
+    assert suspended.num_in_flight == 3  # the aborted sample's answer comes back with the group's call
+    for s in rest:
+        assert s.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(s.output_ids) == 600
+        assert s.num_segments == 2 and s.weight_version == 1
+        versions = list(s.token_versions)
+        switch = versions.index(1)
+        assert 0 < switch and set(versions[:switch]) == {0} and set(versions[switch:]) == {1}
+    assert stats.engines[0].requests_total == 1 + 2  # the group's call, then each continuation alone

@@ -137,6 +137,26 @@ class SGLangClient(HTTPEngineClient):
             raise EngineUnavailable(f"{self.base_url}/generate: a stream without an answer")
         return parse_generate_response(join_events(events), start)
 
+    async def generate_samples(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        rids: list[str],
+        timeout_s: float | None = None,
+        lora_path: str | None = None,
+    ) -> list[EngineResult]:
+        """``len(rids)`` samples of one prompt in one request (SGLang's parallel sampling,
+        ``sampling_params.n``): the engine forwards the prompt once and samples each on its own; each
+        sample is in flight under its own rid (``abort`` takes it)."""
+        params = sampling_params.model_dump(exclude_none=True) | {"n": len(rids)}
+        payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": list(rids)}
+        if lora_path is not None:
+            payload["lora_path"] = lora_path
+        body = await self._post("/generate", timeout_s, json=payload, listed=True)
+        if not isinstance(body, list) or len(body) != len(rids):
+            raise EngineUnavailable(f"{self.base_url}/generate: asked {len(rids)} samples, got no list of them")
+        return [parse_generate_response(b) for b in body]
+
     async def abort(self, rid: str | None = None, abort_all: bool = False, timeout_s: float = 5.0) -> dict:
         return await self._post("/abort_request", timeout_s, json={"rid": rid or "", "abort_all": abort_all})
 

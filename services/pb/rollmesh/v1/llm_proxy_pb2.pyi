@@ -57,6 +57,20 @@ class GenerateRequest(_message.Message):
     images: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, request_id: _Optional[str] = ..., route: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., return_routed_experts: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class GenerateGroupRequest(_message.Message):
+    __slots__ = ("request", "request_ids")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerateGroupResponse(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    def __init__(self, samples: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...
+
 class RoutedExperts(_message.Message):
     __slots__ = ("ids", "ids_per_token", "itemsize")
     IDS_FIELD_NUMBER: _ClassVar[int]

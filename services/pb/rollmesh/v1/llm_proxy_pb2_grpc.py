@@ -40,6 +40,11 @@ class LLMProxyStub:
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateGroup = channel.unary_unary(
+                '/rollmesh.v1.LLMProxy/GenerateGroup',
+                request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateGroupRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateGroupResponse.FromString,
+                _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/rollmesh.v1.LLMProxy/GenerateStream',
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateRequest.SerializeToString,
@@ -103,6 +108,14 @@ class LLMProxyServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateGroup(self, request, context):
+        """A group's samples of one prompt in one call: each in flight under its own request id (Abort takes
+        it); the engine forwards the prompt once where it samples n at once (the embedded engine, SGLang).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -191,6 +204,11 @@ def add_LLMProxyServicer_to_server(servicer, server):
                     request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateRequest.FromString,
                     response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateResponse.SerializeToString,
             ),
+            'GenerateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateGroup,
+                    request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateGroupRequest.FromString,
+                    response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateGroupResponse.SerializeToString,
+            ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
                     request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateRequest.FromString,
@@ -275,6 +293,33 @@ class LLMProxy:
             '/rollmesh.v1.LLMProxy/Generate',
             rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateRequest.SerializeToString,
             rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.v1.LLMProxy/GenerateGroup',
+            rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateGroupRequest.SerializeToString,
+            rollmesh_dot_v1_dot_llm__proxy__pb2.GenerateGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
