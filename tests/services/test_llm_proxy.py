@@ -543,5 +543,5 @@ def test_a_groups_sample_aborts_alone_and_the_rest_continue_across_an_update(mak
         assert s.num_segments == 2 and s.weight_version == 1
         versions = list(s.token_versions)
         switch = versions.index(1)
-        assert 0 < switch and set(versions[:switch]) == {0} and set(versions[switch:]) == {1}
+        assert switch > 0 and set(versions[:switch]) == {0} and set(versions[switch:]) == {1}
     assert stats.engines[0].requests_total == 1 + 2  # the group's call, then each continuation alone
