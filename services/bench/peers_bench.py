@@ -239,14 +239,15 @@ PHASES = ("time_get_s", "time_train_s", "time_publish_s", "time_export_s", "time
 
 
 def step_profile(steps: list[dict]) -> dict[str, float]:
-    """Median seconds a step spends in each phase the trainer times (waiting for the batch, training,
-    publishing and its parts), and the rest (metrics, logging)."""
-    out = {k.removeprefix("time_"): statistics.median(s.get(k, 0.0) for s in steps) for k in PHASES}
-    walls = [s["wall"] for s in steps]
-    if len(walls) > 1:
-        step = statistics.median(b - a for a, b in zip(walls, walls[1:]))
-        out["step_s"] = step
-        out["other_s"] = step - out["get_s"] - out["train_s"] - out["publish_s"]
+    """Mean seconds a step spends in each phase the trainer times (waiting for the batch, training,
+    publishing and its parts: means, since a wait may come every other step), the step itself
+    (median and mean) and what is left of it (metrics, logging, checkpoints)."""
+    out = {k.removeprefix("time_"): statistics.mean(s.get(k, 0.0) for s in steps) for k in PHASES}
+    if len(steps) > 1:
+        walls = [b["wall"] - a["wall"] for a, b in zip(steps, steps[1:])]
+        timed = [sum(s.get(k, 0.0) for k in PHASES[:3]) for s in steps[1:]]
+        out["step_s_median"], out["step_s_mean"] = statistics.median(walls), statistics.mean(walls)
+        out["other_s"] = statistics.mean(w - t for w, t in zip(walls, timed))
     return out
 
 
