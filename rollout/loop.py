@@ -245,9 +245,9 @@ class RolloutLoop:
         if drain and self._tasks:
             await asyncio.wait(self._tasks[:1], timeout=timeout_s or None)
         abandoned = self.running_episodes
-        for t in self._tasks:
+        for t in [*self._tasks, *self._sending]:  # a gathered group's request goes with its members
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._sending, return_exceptions=True)
         self._tasks = []
         return abandoned
 
@@ -349,7 +349,7 @@ class RolloutLoop:
         deadline = min(a[2] for a in asks.values())
         try:
             if len(tids) == 1:
-                gens = [await self.generate(ids, sampling, tids[0], deadline - time.monotonic())]
+                gens = [await self.generate(ids, sampling, tids[0], max(0.001, deadline - time.monotonic()))]
             else:
                 gens = await self._generate_group(ids, sampling, tids, gid, deadline)
         except Exception as e:  # each member's call raises it, in its own episode
@@ -374,9 +374,8 @@ class RolloutLoop:
         delay = 0.1
         while True:
             try:
-                return await self.engine.generate_group(
-                    ids, sampling, request_ids=tids, route=gid, timeout_s=deadline - time.monotonic()
-                )
+                left = max(0.001, deadline - time.monotonic())  # the members' wait to be gathered came off it
+                return await self.engine.generate_group(ids, sampling, request_ids=tids, route=gid, timeout_s=left)
             except TransientError as e:
                 if deadline - time.monotonic() - delay <= 0:
                     raise

@@ -10,6 +10,9 @@ from typing import Literal
 # abort: running requests end now with their partial output; retract: they go back to the queue
 # (their KV dropped) and run again after resume; in_place: they stay, KV and all, until resume.
 PauseMode = Literal["abort", "retract", "in_place"]
+# Samples of one prompt one request may ask (SGLang's parallel sampling, sampling_params.n; the
+# LLMProxy's GenerateGroup): a group's, with room for the largest groups peers run.
+MAX_SAMPLES = 1024
 
 
 class EngineError(ValueError):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rollout.engines.contract import MAX_SAMPLES
 from rollout.engines.http_engine import EngineRejected, EngineUnavailable, OnTokens, int_version
 from rollout.engines.sglang.client import SGLangClient
 from rollout.proxy.config import ProxyConfig
@@ -44,7 +45,6 @@ from sample_buffer.vision import MAX_IMAGE_BYTES, MAX_IMAGES, data_url
 log = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and vLLM's default --max-logprobs
-MAX_GROUP_SAMPLES = 1024  # samples one generate_group may ask (the engine server's sampling_params.n bound)
 _ENGINE_PAUSE_MODE = {"continue": "abort", "abort": "abort", "in_place": "in_place"}
 # What a WeightBucket's bytes hold ("" is safetensors).
 BUCKET_FORMATS = (
@@ -310,8 +310,8 @@ class LLMProxy:
         _validate(req)
         if not request_ids or len(set(request_ids)) != len(request_ids) or not all(request_ids):
             raise RequestInvalid("request_ids", "one distinct, non-empty id per sample")
-        if len(request_ids) > MAX_GROUP_SAMPLES:
-            raise RequestInvalid("request_ids", f"{len(request_ids)} samples; at most {MAX_GROUP_SAMPLES} a request")
+        if len(request_ids) > MAX_SAMPLES:
+            raise RequestInvalid("request_ids", f"{len(request_ids)} samples; at most {MAX_SAMPLES} a request")
         if req.top_logprobs or req.return_routed_experts or req.images:
             raise RequestInvalid("request_ids", "a group's samples take no top_logprobs, routed experts or images")
         lane = self.lane(run)

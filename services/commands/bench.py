@@ -347,9 +347,10 @@ def _peers_summary(result: dict) -> dict:
     """The table's rows (per task: each side's step time and the ratios); the details in the JSON."""
     rows: dict = {}
     for name, t in result["tasks"].items():
-        rows[f"{name}.trl_step_s"] = t["trl"]["step_s_median"]
-        rows[f"{name}.rollmesh_step_s"] = t["rollmesh"]["step_s_median"]
-        rows[f"{name}.step_speedup"] = t["step_speedup"]
+        rows[f"{name}.trl_wall_s"] = t["trl"]["train_wall_s"]
+        rows[f"{name}.rollmesh_wall_s"] = t["rollmesh"]["train_wall_s"]
+        rows[f"{name}.wall_speedup_same_steps"] = t["wall_speedup_same_steps"]
+        rows[f"{name}.step_speedup_median"] = t["step_speedup"]
         if "time_to_target_speedup" in t:
             rows[f"{name}.time_to_target_speedup"] = t["time_to_target_speedup"]
         rows[f"{name}.heldout_after_trl"] = t["heldout_after"]["trl"]

@@ -14,7 +14,7 @@ unknown name stays an error, as it is in SGLang's ``SamplingParams``.
 
 from __future__ import annotations
 
-from rollout.engines.contract import EngineError
+from rollout.engines.contract import MAX_SAMPLES, EngineError
 
 INERT_REQUEST = frozenset(
     {
@@ -94,9 +94,6 @@ def _strip(fields: dict, inert: frozenset, default_only: dict, where: str) -> di
         if name not in inert and name not in default_only:
             out[name] = value
     return out
-
-
-MAX_SAMPLES = 1024  # samples one /generate may ask of a prompt (SGLang's parallel sampling, sampling_params.n)
 
 
 def expand_samples(body: dict) -> dict:
