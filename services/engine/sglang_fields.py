@@ -96,6 +96,12 @@ def _strip(fields: dict, inert: frozenset, default_only: dict, where: str) -> di
     return out
 
 
+# Prompt tokens n samples may hold in all (n × the prompt; a text prompt counts its characters): about
+# what a request body of the engine's largest size holds as token ids, so n never grows a small body
+# past what one could send anyway.
+MAX_SAMPLED_TOKENS = 1 << 22
+
+
 def expand_samples(body: dict) -> dict:
     """SGLang's parallel sampling, ``sampling_params.n`` > 1 on one prompt, as the batch it stands for:
     the prompt ``n`` times, each sample with its own rid (a list of ``n``, or SGLang's ``{rid}_{i}``
@@ -111,8 +117,13 @@ def expand_samples(body: dict) -> dict:
     if n == 1:
         return body | {"sampling_params": params}
     prompt = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
-    if not prompt or isinstance(prompt, list) and isinstance(prompt[0], list) or body.get("stream"):
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], list | str)
+    if not prompt or batch or body.get("stream"):
         raise EngineError("sampling_params.n", "n > 1 takes one prompt, not a batch or a stream")
+    if n * len(prompt) > MAX_SAMPLED_TOKENS:  # what a small body may not grow into
+        raise EngineError(
+            "sampling_params.n", f"{n} samples of a {len(prompt)}-token prompt: at most {MAX_SAMPLED_TOKENS} tokens"
+        )
     rid = body.get("rid")
     if isinstance(rid, list) and len(rid) != n:
         raise EngineError("rid", f"got {len(rid)} ids for n = {n} samples")

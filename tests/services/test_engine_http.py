@@ -93,6 +93,8 @@ def test_batch_generate_and_logprobs_match_teacher_forcing(engine_url, tiny_mode
         ({"input_ids": [1], "sampling_params": {"n": 2.5}}, "sampling_params.n"),
         ({"input_ids": [[1], [2]], "sampling_params": {"n": 2}}, "sampling_params.n"),  # one prompt's samples
         ({"input_ids": [1], "sampling_params": {"n": 2}, "stream": True}, "sampling_params.n"),
+        ({"text": ["a", "b"], "sampling_params": {"n": 2}}, "sampling_params.n"),
+        ({"input_ids": [1] * 5000, "sampling_params": {"n": 1000}}, "sampling_params.n"),  # 5 M tokens from 20 KB
         ({"input_ids": [1], "sampling_params": {"n": 3}, "rid": ["a", "b"]}, "rid"),
     ],
 )
