@@ -296,3 +296,8 @@ def test_a_group_is_one_request_where_one_engine_samples_n_and_replicated_otherw
     assert load_config(None, ["env_manager.replicate_prompts=true"]).env_manager.replicate_prompts is True
     with pytest.raises(ConfigError, match=r"env_manager.replicate_prompts: false .* engine.type 'vllm'"):
         load_config(None, ["engine.type=vllm", "env_manager.replicate_prompts=false"])
+
+
+def test_the_audit_is_refused_with_packed_rows_naming_both():
+    with pytest.raises(ConfigError, match="audit_versions: not with pack_sequences"):
+        load_config(None, ["trainer.audit_versions=2", "trainer.pack_sequences=true"])

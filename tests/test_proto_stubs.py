@@ -29,6 +29,7 @@ def test_all_five_services_have_contracts():
             llm_proxy_pb2,
             {
                 "Generate",
+                "GenerateGroup",
                 "GenerateStream",
                 "Abort",
                 "Suspend",

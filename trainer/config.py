@@ -202,6 +202,9 @@ class TrainerConfig(BaseModel):
         if self.tree_packing and self.moe.routing == "replay":
             # replayed experts are laid out per sequence, and a shared prefix has no single sequence
             raise ValueError("tree_packing: not with moe.routing 'replay' yet (set one of them off)")
+        if self.audit_versions and self.pack_sequences:
+            # the audit forwards its older weights unpacked, through the model's packed attention
+            raise ValueError("audit_versions: not with pack_sequences yet (set pack_sequences and tree_packing off)")
         return self
 
     @model_validator(mode="after")

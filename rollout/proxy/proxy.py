@@ -371,17 +371,17 @@ class LLMProxy:
         """One engine call for every sample of ``flights`` (``_call_engine``'s bookkeeping, per sample);
         on the deadline each is aborted there and its partial output taken back (None: not in time)."""
         req = flights[0].request
-        for fl in flights:
-            fl.slot, fl.engine_rid = slot, f"{fl.request.request_id}#{next(self._seq)}"
+        rid = f"{req.request_id}#{next(self._seq)}"  # sample i's at the engine: SGLang's f"{rid}_{i}"
+        for i, fl in enumerate(flights):
+            fl.slot, fl.engine_rid = slot, f"{rid}_{i}"
         cost = (len(req.input_ids) + req.sampling_params.max_new_tokens) * len(flights)
         slot.in_flight += len(flights)
         slot.outstanding_tokens += cost
         slot.requests_total += 1
         client, grace = self.clients[slot.name], self.config.abort_grace_s
         remaining = max(0.001, deadline - time.perf_counter())
-        rids = [fl.engine_rid for fl in flights]
-        call = client.generate_samples(req.input_ids, req.sampling_params, rids, timeout_s=remaining + grace)
-        task = asyncio.ensure_future(call)
+        n, timeout = len(flights), remaining + grace
+        task = asyncio.ensure_future(client.generate_samples(req.input_ids, req.sampling_params, rid, n, timeout))
         try:
             done, _ = await asyncio.wait([task], timeout=remaining)
             if not done:

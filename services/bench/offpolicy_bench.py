@@ -91,7 +91,8 @@ def _command(example: str, model: str, run_dir: Path, v: Variant, steps: int, se
         f"env_manager.seed={seed}",
     ] + [f"trainer.{k}={x}" for k, x in LOSSES[v.loss].items()]
     sets += [f"trainer.lr={v.lr}"] if v.lr is not None else []
-    sets += ["trainer.audit_versions=2"] if audit else []
+    # The audit forwards unpacked (trainer.audit_versions): the examples' tree training goes off with it.
+    sets += ["trainer.audit_versions=2", "trainer.pack_sequences=false", "trainer.tree_packing=false"] if audit else []
     cmd = [sys.executable, "-m", "services.cli", "run", EXAMPLES[example][0], "--fresh"]
     return cmd + [a for s in sets for a in ("--set", s)]
 

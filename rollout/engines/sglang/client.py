@@ -141,20 +141,21 @@ class SGLangClient(HTTPEngineClient):
         self,
         input_ids: list[int],
         sampling_params: SamplingParams,
-        rids: list[str],
+        rid: str,
+        n: int,
         timeout_s: float | None = None,
         lora_path: str | None = None,
     ) -> list[EngineResult]:
-        """``len(rids)`` samples of one prompt in one request (SGLang's parallel sampling,
-        ``sampling_params.n``): the engine forwards the prompt once and samples each on its own; each
-        sample is in flight under its own rid (``abort`` takes it)."""
-        params = sampling_params.model_dump(exclude_none=True) | {"n": len(rids)}
-        payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": list(rids)}
+        """``n`` samples of one prompt in one request (SGLang's parallel sampling, ``sampling_params.n``):
+        the engine forwards the prompt once and samples each on its own; sample i is in flight as
+        ``{rid}_{i}`` (SGLang's own naming of a parallel sample's rid; ``abort`` takes it)."""
+        params = sampling_params.model_dump(exclude_none=True) | {"n": n}
+        payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}
         if lora_path is not None:
             payload["lora_path"] = lora_path
         body = await self._post("/generate", timeout_s, json=payload, listed=True)
-        if not isinstance(body, list) or len(body) != len(rids):
-            raise EngineUnavailable(f"{self.base_url}/generate: asked {len(rids)} samples, got no list of them")
+        if not isinstance(body, list) or len(body) != n:
+            raise EngineUnavailable(f"{self.base_url}/generate: asked {n} samples, got no list of them")
         return [parse_generate_response(b) for b in body]
 
     async def abort(self, rid: str | None = None, abort_all: bool = False, timeout_s: float = 5.0) -> dict:
