@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 DROP_CAUSES = ("timeout", "env_error", "raised", "redundant", "image_token")
 
 
+async def _one(generation) -> list[Generation]:
+    """One awaited generation, as the one-element list ``RolloutLoop._retried`` takes."""
+    return [await generation]
+
+
 def _retrieve(task: asyncio.Task) -> None:
     """A cancelled member's end is nobody's business; reading it keeps asyncio from warning."""
     if not task.cancelled():
@@ -308,24 +313,35 @@ class RolloutLoop:
             turns.alone.add(tid)
             self._send_first_turns(gid, state)
         route = tid if self.config.replicate_prompts else gid
-        deadline, delay = time.monotonic() + timeout_s, 0.1
         extra = {"return_routed_experts": True} if self.config.return_routed_experts else {}
         extra |= {"images": images} if images else {}
+
+        def call(left: float):
+            return self.engine.generate(ids, sampling, request_id=tid, route=route, timeout_s=left, **extra)
+
+        (gen,) = await self._retried(lambda left: _one(call(left)), gid, [tid], time.monotonic() + timeout_s)
+        return gen
+
+    async def _retried(self, call, gid: str, tids: list[str], deadline: float) -> list[Generation]:
+        """``call(seconds left)``, the generations of ``tids``, retried on a ``TransientError`` with
+        backoff while the next try would start before ``deadline``; each member's tokens are counted
+        in its group (what a member cancelled later will have cost)."""
+        delay = 0.1
         while True:
             try:
-                gen = await self.engine.generate(
-                    ids, sampling, request_id=tid, route=route, timeout_s=deadline - time.monotonic(), **extra
-                )
-                state = self._rolling.get(tid.rsplit("/", 1)[0])
-                if state is not None:  # what a member cancelled later will have cost
-                    state.tokens[tid] = state.tokens.get(tid, 0) + len(gen.output_ids)
-                return gen
+                gens = await call(max(0.001, deadline - time.monotonic()))
+                break
             except TransientError as e:
                 if deadline - time.monotonic() - delay <= 0:  # the next try would start past the deadline
                     raise
                 self.observer.generate_retried(e.code)
                 await asyncio.sleep(delay)
                 delay = min(5.0, 2 * delay)
+        state = self._rolling.get(gid)
+        if state is not None:
+            for tid, gen in zip(tids, gens, strict=True):
+                state.tokens[tid] = state.tokens.get(tid, 0) + len(gen.output_ids)
+        return gens
 
     def _send_first_turns(self, gid: str, state: _GroupState) -> None:
         """Once no member is still to ask: the asks with the same prompt and sampling go as one request
@@ -338,11 +354,11 @@ class RolloutLoop:
         for tid, (ids, sampling, _, _) in turns.asks.items():
             alike.setdefault((tuple(ids), sampling.model_dump_json()), []).append(tid)
         for tids in alike.values():
-            task = asyncio.create_task(self._send(gid, state, {t: turns.asks[t] for t in tids}))
+            task = asyncio.create_task(self._send(gid, {t: turns.asks[t] for t in tids}))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
-    async def _send(self, gid: str, state: _GroupState, asks: dict) -> None:
+    async def _send(self, gid: str, asks: dict) -> None:
         """One gathered request: its answers (or its failure) handed to the members that asked."""
         tids = list(asks)
         ids, sampling, _, _ = asks[tids[0]]
@@ -351,7 +367,11 @@ class RolloutLoop:
             if len(tids) == 1:
                 gens = [await self.generate(ids, sampling, tids[0], max(0.001, deadline - time.monotonic()))]
             else:
-                gens = await self._generate_group(ids, sampling, tids, gid, deadline)
+
+                def call(left: float):
+                    return self.engine.generate_group(ids, sampling, request_ids=tids, route=gid, timeout_s=left)
+
+                gens = await self._retried(call, gid, tids, deadline)
         except Exception as e:  # each member's call raises it, in its own episode
             for _, _, _, asked in asks.values():
                 if not asked.done():
@@ -362,26 +382,8 @@ class RolloutLoop:
                 asked.cancel()
             raise
         for tid, gen in zip(tids, gens, strict=True):
-            if len(tids) > 1:
-                state.tokens[tid] = state.tokens.get(tid, 0) + len(gen.output_ids)
             if not (asked := asks[tid][3]).done():
                 asked.set_result(gen)
-
-    async def _generate_group(
-        self, ids: list[int], sampling: SamplingParams, tids: list[str], gid: str, deadline: float
-    ) -> list[Generation]:
-        """``tids``' samples of one prompt in one call, retried as ``generate`` retries one."""
-        delay = 0.1
-        while True:
-            try:
-                left = max(0.001, deadline - time.monotonic())  # the members' wait to be gathered came off it
-                return await self.engine.generate_group(ids, sampling, request_ids=tids, route=gid, timeout_s=left)
-            except TransientError as e:
-                if deadline - time.monotonic() - delay <= 0:
-                    raise
-                self.observer.generate_retried(e.code)
-                await asyncio.sleep(delay)
-                delay = min(5.0, 2 * delay)
 
     async def _first_members(
         self, domain: Domain, row: int, gid: str, state: _GroupState, size: int, barrier

@@ -310,8 +310,8 @@ class RollmeshConfig(BaseModel):
         elif em.replicate_prompts is False and not samples_n:
             raise ValueError(
                 f"env_manager.replicate_prompts: false sends a group's samples as one request of n, which "
-                f"engine.type {self.engine.type!r} is not sent (its prefix cache shares the prompt among n "
-                "requests): leave it unset or set it true"
+                f"rollmesh's client for engine.type {self.engine.type!r} does not send (its prefix cache "
+                "shares the prompt among n requests): leave it unset or set it true"
             )
         return self
 

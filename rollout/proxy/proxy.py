@@ -294,13 +294,17 @@ class LLMProxy:
         self._in_flight[key] = fl
         self.counters["requests"] += 1
         lane.requests += 1
+        await self._served(fl, deadline)
+        return fl.result
+
+    async def _served(self, fl: _InFlight, deadline: float, first: tuple | None = None) -> None:
+        """``fl`` (registered in flight) run to its end, then out of flight and counted by how it ended."""
         try:
-            await self._run(fl, deadline)
+            await self._run(fl, deadline, first)
         finally:
-            del self._in_flight[key]
+            del self._in_flight[(fl.lane.name, fl.request.request_id)]
         fl.result.e2e_latency_s = time.perf_counter() - fl.t0
         self.counters[f"finished_{fl.result.finish_reason}"] += 1
-        return fl.result
 
     async def generate_group(self, req: ProxyRequest, request_ids: list[str], run: str = "") -> list[ProxyResult]:
         """``len(request_ids)`` samples of ``req``'s prompt, each in flight under its own id (``abort``
@@ -327,22 +331,13 @@ class LLMProxy:
         self.counters["requests"] += len(flights)
         self.counters["group_requests"] += 1
         lane.requests += len(flights)
-
-        async def each(fl: _InFlight, first: tuple | None) -> None:
-            try:
-                await self._run(fl, deadline, first)
-            finally:
-                del self._in_flight[(lane.name, fl.request.request_id)]
-            fl.result.e2e_latency_s = time.perf_counter() - fl.t0
-            self.counters[f"finished_{fl.result.finish_reason}"] += 1
-
         try:
             firsts = await self._first_segment(flights, deadline)
         except BaseException:
             for fl in flights:
                 del self._in_flight[(lane.name, fl.request.request_id)]
             raise
-        await asyncio.gather(*(each(fl, first) for fl, first in zip(flights, firsts)))
+        await asyncio.gather(*(self._served(fl, deadline, first) for fl, first in zip(flights, firsts)))
         return [fl.result for fl in flights]
 
     async def _first_segment(self, flights: list[_InFlight], deadline: float) -> list[tuple | None]:
@@ -354,7 +349,9 @@ class LLMProxy:
             return nothing  # each sample's own wait ends it (aborted, or at the deadline)
         slot = self.router.pick(head.request.route, frozenset())
         client = self.clients.get(slot.name) if slot is not None else None
-        if client is None or not hasattr(client, "generate_samples") or head.lane.adapter is not None:
+        # A run's own lane, or an adapter (each token's version is theirs: ``_call_engine``): a sample a call.
+        own = head.lane is not self.base or head.lane.adapter is not None
+        if client is None or not hasattr(client, "generate_samples") or own:
             return nothing
         epochs, t_call = (self.base.epoch, head.lane.epoch), time.perf_counter()
         try:
@@ -373,15 +370,28 @@ class LLMProxy:
         req = flights[0].request
         rid = f"{req.request_id}#{next(self._seq)}"  # sample i's at the engine: SGLang's f"{rid}_{i}"
         for i, fl in enumerate(flights):
-            fl.slot, fl.engine_rid = slot, f"{rid}_{i}"
+            fl.engine_rid = f"{rid}_{i}"
         cost = (len(req.input_ids) + req.sampling_params.max_new_tokens) * len(flights)
+        client = self.clients[slot.name]
+
+        def call(timeout_s: float):
+            return client.generate_samples(req.input_ids, req.sampling_params, rid, len(flights), timeout_s)
+
+        outs = await self._on_engine_until(flights, slot, cost, call, deadline)
+        return [None] * len(flights) if outs is None else outs
+
+    async def _on_engine_until(self, flights: list[_InFlight], slot: EngineSlot, cost: int, call, deadline: float):
+        """``call(timeout_s)``, one engine call for ``flights``, with its load on ``slot`` counted while it
+        runs. On the deadline they are aborted there and the partial output taken back within
+        ``abort_grace_s``; None if it does not come."""
+        for fl in flights:
+            fl.slot = slot
         slot.in_flight += len(flights)
         slot.outstanding_tokens += cost
         slot.requests_total += 1
-        client, grace = self.clients[slot.name], self.config.abort_grace_s
+        grace = self.config.abort_grace_s
         remaining = max(0.001, deadline - time.perf_counter())
-        n, timeout = len(flights), remaining + grace
-        task = asyncio.ensure_future(client.generate_samples(req.input_ids, req.sampling_params, rid, n, timeout))
+        task = asyncio.ensure_future(call(remaining + grace))
         try:
             done, _ = await asyncio.wait([task], timeout=remaining)
             if not done:
@@ -390,7 +400,7 @@ class LLMProxy:
                 done, _ = await asyncio.wait([task], timeout=grace)
                 if not done:
                     task.cancel()
-                    return [None] * len(flights)
+                    return None
             return task.result()
         finally:
             slot.in_flight -= len(flights)
@@ -524,14 +534,8 @@ class LLMProxy:
 
     async def _call_engine(self, fl: _InFlight, slot: EngineSlot, ids: list[int], params: dict, deadline: float):
         """One engine call. On the deadline, abort it there and take the partial output back."""
-        fl.slot, fl.engine_rid = slot, f"{fl.request.request_id}#{next(self._seq)}"
-        cost = len(ids) + params.max_new_tokens
-        slot.in_flight += 1
-        slot.outstanding_tokens += cost
-        slot.requests_total += 1
+        fl.engine_rid = f"{fl.request.request_id}#{next(self._seq)}"
         client = self.clients[slot.name]
-        grace = self.config.abort_grace_s
-        remaining = max(0.001, deadline - time.perf_counter())
         extra = {"top_logprobs": fl.request.top_logprobs} if fl.request.top_logprobs else {}
         if fl.request.return_routed_experts:  # every position: a continuation's forward routes them anew
             extra["return_routed_experts"] = True
@@ -547,28 +551,15 @@ class LLMProxy:
                 fl.on_tokens(new)
 
             extra["on_tokens"] = on_tokens
-        task = asyncio.ensure_future(
-            client.generate(ids, params, rid=fl.engine_rid, timeout_s=remaining + grace, **extra)
-        )
-        try:
-            done, _ = await asyncio.wait([task], timeout=remaining)
-            if not done:
-                self.counters["deadline_aborts"] += 1
-                with contextlib.suppress(EngineUnavailable, EngineRejected):
-                    await client.abort(fl.engine_rid, timeout_s=grace)
-                done, _ = await asyncio.wait([task], timeout=grace)
-                if not done:
-                    task.cancel()
-                    return None
-            out = task.result()
-            if lane is not self.base or adapter is not None:
-                # A lane's version is its run's, whatever the base weights' (vLLM reports no adapter's)
-                out.token_versions, out.weight_version = [version] * len(out.output_ids), version
-            return out
-        finally:
-            slot.in_flight -= 1
-            slot.outstanding_tokens -= cost
-            fl.slot = None
+
+        def call(timeout_s: float):
+            return client.generate(ids, params, rid=fl.engine_rid, timeout_s=timeout_s, **extra)
+
+        out = await self._on_engine_until([fl], slot, len(ids) + params.max_new_tokens, call, deadline)
+        if out is not None and (lane is not self.base or adapter is not None):
+            # A lane's version is its run's, whatever the base weights' (vLLM reports no adapter's)
+            out.token_versions, out.weight_version = [version] * len(out.output_ids), version
+        return out
 
     # ------------------------------------------------------------------ control
     async def abort(self, request_id: str = "", abort_all: bool = False, run: str = "") -> int:

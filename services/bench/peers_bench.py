@@ -163,7 +163,7 @@ def _cpu_between(first: dict, last: dict) -> dict[str, float]:
     return roles
 
 
-def run_rollmesh(task: Task, out_dir: Path, seed: int, progress=print) -> dict:
+def run_rollmesh(task: Task, out_dir: Path, seed: int) -> dict:
     """``rollmesh run`` of the example, as a user runs it, with its CPU per process sampled."""
     run_dir = out_dir / "rollmesh"
     sets = [
@@ -274,22 +274,18 @@ def step_flops(config: str, answer_tokens: float) -> float:
     (each prompt once a group), and the training's forward and backward (3×) over the trained
     sequences (a group's prompt once: tree training), 2 × parameters a token each. ``answer_tokens``:
     the tokens a step generates."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from rollout.chat_turns import render_prompt
     from services.config import load_config
 
     cfg = load_config(Path(config), [])
     model_cfg = AutoConfig.from_pretrained(cfg.model_path, local_files_only=True)
-    import torch
-
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_cfg).parameters())
     em = cfg.env_manager
     rows = [json.loads(x) for x in Path(em.dataset_path).read_text().splitlines() if x.strip()]
-    from transformers import AutoTokenizer
-
-    from rollout.chat_turns import render_prompt
-
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     prompt = statistics.mean(len(render_prompt(tok, r["prompt"])) for r in rows[:64])
     groups, size = cfg.controller.groups_per_step, em.group_size
@@ -324,7 +320,7 @@ def run(
             progress(f"{name}: TRL {TRL_VERSION}, {task.steps} steps")
             trl = run_trl(python, task, tmp, seed)
             progress(f"{name}: TRL {trl['step_s_median']:.3f} s a step; rollmesh, {task.steps} steps")
-            mesh = run_rollmesh(task, tmp, seed, progress)
+            mesh = run_rollmesh(task, tmp, seed)
             progress(f"{name}: rollmesh {mesh['step_s_median']:.3f} s a step")
         flops = step_flops(task.config, mesh["generated_tokens_per_step"])
         floor_s = flops / (result["machine"]["matmul_gflops_all"] * 1e9)
