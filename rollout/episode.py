@@ -15,13 +15,13 @@ import asyncio
 import inspect
 import logging
 import re
-import threading
 import time
 from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.budgets import EpisodeClock
+from rollout.call_threads import run_in_thread
 from rollout.chat_turns import Conversation
 from rollout.envs.base import Env, Observation
 from rollout.ports import Generation, RolloutObserver
@@ -125,9 +125,10 @@ _CONTEXT_FULL = re.compile(r"model's context|context length", re.IGNORECASE)
 
 
 async def env_call(fn, arg, timeout_s: float):
-    """``fn(arg)`` within ``timeout_s``. A synchronous call runs in a daemon thread of its own: a
-    Python thread cannot be stopped, so one that hangs is left behind with its env (each episode
-    builds its own), instead of holding a slot of a shared pool that every other episode needs."""
+    """``fn(arg)`` within ``timeout_s``. A synchronous call runs in a daemon thread of its own
+    (``call_threads``: reused once its call returns): a Python thread cannot be stopped, so one that
+    hangs is left behind with its env (each episode builds its own), instead of holding a slot of a
+    shared pool that every other episode needs."""
     if inspect.iscoroutinefunction(fn):
         # An environment that calls out (a remote provider) is told its deadline, to pass it on, and
         # is given a moment beyond it to say why it missed it (no provider up is the provider's
@@ -151,7 +152,7 @@ async def env_call(fn, arg, timeout_s: float):
         except RuntimeError:  # the event loop closed while this call hung: nobody is waiting
             pass
 
-    threading.Thread(target=call, name=f"env-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    run_in_thread(call)
     return await asyncio.wait_for(done, timeout_s)
 
 

@@ -34,7 +34,8 @@ class ControllerConfig(BaseModel):
         "re-submitted with their partial tokens after resume (re-prefilled under the new weights). in_place: "
         "engines pause with their requests inside and go on after the load without a round trip through the "
         "proxy (no abort, no re-submission). What happens to their KV cache is the engine's: the embedded engine "
-        "drops it and re-prefills each running request under the new weights; SGLang's in-place pause keeps it.",
+        "re-prefills each running request under the new weights, or keeps it (engine.kv_on_update: keep); "
+        "SGLang's in-place pause keeps it.",
     )
     control_timeout_s: float = Field(30.0, gt=0, description="Timeout of each suspend/resume/restore call.")
     reconcile_s: float = Field(

@@ -86,3 +86,34 @@ def test_incompatible_model_is_refused(engine, tmp_path):
     with pytest.raises(EngineError, match="model_path: .* does not fit the served model"):
         engine.load_weights_from_disk(str(other), 5).result(T)
     assert engine.weight_version == 0
+
+
+def test_kv_on_update_keep_goes_on_over_the_old_weights_cache(tiny_model, tiny_model_b):
+    """engine.kv_on_update keep (SGLang's in-place pause): nothing is re-prefilled. The tokens after the
+    switch are what the new model generates greedily over the cache the old one wrote for everything
+    forwarded before the switch; each is tagged with the new version."""
+    engine = EmbeddedEngine(EngineConfig(model_path=tiny_model, kv_on_update="keep")).start()
+    try:
+        fut = engine.submit("long", PROMPT, SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True))
+        wait_decoding(engine, "long")
+        engine.pause("in_place").result(T)
+        prefilled = engine.counters["prefill_tokens"]
+        assert engine.load_weights_from_disk(tiny_model_b, 1).result(T)["retracted"] == 0
+        engine.resume().result(T)
+        out = fut.result(T)
+        assert engine.counters["prefill_tokens"] == prefilled  # the running request was not prefilled again
+    finally:
+        engine.shutdown()
+    switch = out.token_versions.index(1)
+    assert 0 < switch < 300 and set(out.token_versions[switch:]) == {1}
+    a = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    b = AutoModelForCausalLM.from_pretrained(tiny_model_b).eval()
+    with torch.no_grad():  # the old model's cache of all but the last token sampled before the switch
+        cache = a(torch.tensor([PROMPT + out.output_ids[: switch - 1]]), use_cache=True).past_key_values
+        token, after = out.output_ids[switch - 1], []
+        for _ in range(300 - switch):  # the new model decodes on over it
+            logits = b(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
+            token = int(logits[0, -1].argmax())
+            after.append(token)
+    assert out.output_ids[switch:] == after
+    assert out.output_ids[:switch] == greedy(a, PROMPT, switch)

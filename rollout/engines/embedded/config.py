@@ -30,6 +30,15 @@ class EngineConfig(EngineServerConfig):
         description="torch intra-op threads; 0: `rollmesh run` gives each torch process it starts an equal share "
         "of the cores (two with a thread per core each decoded 10x slower), torch's default elsewhere.",
     )
+    kv_on_update: Literal["recompute", "keep"] = Field(
+        "recompute",
+        description="What a weight update does to the cache of the requests running across it (kept inside "
+        "the engine by controller.suspend_mode: in_place). recompute: they are re-prefilled under the new "
+        "weights. keep: as SGLang's in-place pause, they go on over the keys and values the old weights wrote "
+        "(no re-prefill, which on two cores cost SmolLM2 ~10 s of each step); their later tokens are sampled "
+        "from the new weights over that cache, reported with those log-probs and tagged with the new version, "
+        "so the loss's importance ratios are those of the tokens as sampled.",
+    )
     served_model_name: str | None = Field(None, description="Name reported by /model_info; default the path.")
     max_loaded_loras: int = Field(
         8, ge=1, le=1024, description="LoRA adapters served at once (/load_lora_adapter refuses more): their memory."

@@ -781,7 +781,7 @@ class EmbeddedEngine(SchedulerCommands):
         return self._verified(undo, version, checksum, f"version {base_version} is served unchanged")
 
     def _bump_version(self, version: int | None) -> dict:
-        retracted = self._retract_running()
+        retracted = self._retract_running() if self.config.kv_on_update == "recompute" else 0
         self.weight_version = self.weight_version + 1 if version is None else int(version)
         self.counters["weight_updates"] += 1
         return {"weight_version": self.weight_version, "checksum": self.checksum, "retracted": retracted}
