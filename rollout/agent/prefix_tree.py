@@ -83,6 +83,7 @@ class SessionTree:
         self._prompts: dict[str, PromptNode] = {}
         self._generations: dict[str, GenerationNode] = {}
         self.forks = 0  # requests that started a new branch off (or beside) an existing one
+        self.tokens = 0  # held: every prompt node's and generation's tokens
 
     def prepare(self, messages: list[dict], tools: list | None = None) -> Prepared:
         """The prompt for ``messages``: a known one, an extension of a known generation, or a new root."""
@@ -98,29 +99,31 @@ class SessionTree:
                 rendered = self.renderer.after(base.parent.text, base.generation.output_ids, messages, j, tools)
             except NotAPrefix:
                 break  # rendered whole below: a new root
-            self.forks += bool(base.children)  # something else already continued this turn: a branch
             node = PromptNode.of(keys[-1], base, rendered)
-            base.children.append(node)
-            self._prompts[node.key] = node
             ids = path_ids(node)
             return Prepared(node, ids, len(rendered.ids), len(ids) - len(rendered.ids))
         rendered = self.renderer.whole(messages, tools)
-        if self.roots:
-            self.forks += 1
-        node = PromptNode.of(keys[-1], None, rendered)
-        self.roots.append(node)
-        self._prompts[node.key] = node
-        return Prepared(node, rendered.ids, len(rendered.ids), 0)
+        return Prepared(PromptNode.of(keys[-1], None, rendered), rendered.ids, len(rendered.ids), 0)
 
     def prepare_ids(self, ids: list[int]) -> Prepared:
         """A raw prompt (``/v1/completions``): its own root, reused when the same ids come again."""
         key = "ids:" + hashlib.sha256(repr(ids).encode()).hexdigest()[:32]
         if (node := self._prompts.get(key)) is not None:
             return Prepared(node, list(ids), 0, len(ids))
-        node = PromptNode(key, None, list(ids), "")
-        self.roots.append(node)
-        self._prompts[key] = node
-        return Prepared(node, list(ids), len(ids), 0)
+        return Prepared(PromptNode(key, None, list(ids), ""), list(ids), len(ids), 0)
+
+    def _attach(self, node: PromptNode) -> PromptNode:
+        """``node`` in the tree, once: a request's choices share it, and of two requests of the same
+        messages the first one's is kept. Nothing enters before its generation is recorded, so a
+        request refused (too long, over a limit) or cut leaves nothing behind."""
+        if (known := self._prompts.get(node.key)) is not None:
+            return known
+        siblings = self.roots if node.parent is None else node.parent.children
+        self.forks += bool(siblings)  # something else already continued this turn (or began beside it)
+        siblings.append(node)
+        self._prompts[node.key] = node
+        self.tokens += len(node.ids)
+        return node
 
     def record(
         self, prompt: PromptNode, generation: Generation, key: str | None = None, temperature: float = 1.0
@@ -129,8 +132,10 @@ class SessionTree:
         key once the agent appends the assistant message it was answered with
         (``conversation_keys``), so that a request continuing it finds it. None: nothing continues
         it (a raw completion)."""
+        prompt = self._attach(prompt)
         node = GenerationNode(key or "", prompt, generation, temperature)
         prompt.children.append(node)
+        self.tokens += len(generation.output_ids)
         if key:
             self._generations.setdefault(key, node)  # n choices alike: the first one is continued
         return node

@@ -56,6 +56,15 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "x-rollmesh-session"
 
 
+async def _released(body, release):
+    """``body``'s chunks, then ``release()``: once, at its end, on an error, or when the client goes."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        release()
+
+
 def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | None) -> FastAPI:
     """``keys`` None: no key is asked for (``auth.disabled``; every caller is ``anonymous``)."""
     app = FastAPI(title="rollmesh agent gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -118,9 +127,13 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
         in_flight[owner] += 1
         try:
             response = await call_next(request)
-        finally:
+        except BaseException:
             in_flight[owner] -= 1
+            raise
         counts[(_route(request.url.path), f"{response.status_code // 100}xx")] += 1
+        # In flight until its body is sent: a streamed answer's response starts with its first token,
+        # and counting it done then let any number of streams of one key generate at once.
+        response.body_iterator = _released(response.body_iterator, lambda: in_flight.subtract([owner]))
         return response
 
     def session_of(request: Request, session_id: str | None) -> Session | None:
@@ -185,8 +198,8 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
         images = await asyncio.to_thread(measure_images, vision, urls) if urls else []
         messages = body.rendered_messages(vision.placeholder if vision else "", images)
         tools = body.template_tools()
-        try:
-            prepared = sessions.prepare(session, messages, tools)
+        try:  # rendered off the event loop: a long prompt tokenizes for seconds (the tokenizer lets go of the GIL)
+            prepared = await asyncio.to_thread(sessions.prepare, session, messages, tools)
         except SessionError:
             raise
         except ImageError as e:  # a placeholder written in the text: the images no longer match
@@ -211,7 +224,7 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
     async def completions(request: Request, body: CompletionRequest, session_id: str | None = None):
         session = session_of(request, session_id)
         params = sampling(body, body.n)
-        prepared = sessions.prepare_text(session, body.prompt)
+        prepared = await asyncio.to_thread(sessions.prepare_text, session, body.prompt)
         check_prompt(prepared)
         args = (session, None, None, prepared, params, body.stops(), body.top_k())
         if body.stream:

@@ -64,7 +64,18 @@ class TinkerConfig(BaseModel):
         300.0, gt=0, description="How long a training call waits for the calls its seq_id says come first."
     )
     generate_timeout_s: float = Field(300.0, gt=0, description="Deadline of one sample on the engine.")
-    max_body_bytes: int = Field(256 * 2**20, ge=1024, description="Largest request body accepted (413 beyond).")
+    max_body_bytes: int = Field(
+        256 * 2**20,
+        ge=1024,
+        description="Largest request body accepted (413 beyond); a forward_backward's tensors may hold as many "
+        "values once read as this many bytes of float32 could (a sparse input is refused past it).",
+    )
+    max_calls_in_flight_per_key: int = Field(
+        32,
+        ge=1,
+        description="Calls of one key started and not yet finished (each holds its data until it runs); more are "
+        "refused with 429 before their body is read.",
+    )
     keep_results: int = Field(4096, ge=16, description="Finished results kept for clients to fetch (oldest dropped).")
 
     @field_validator("api_keys_path")

@@ -84,6 +84,7 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
         owner, key = request.state.owner, request.headers.get("x-idempotency-key")
         if key and (seen := service.answered(owner, key)) is not None:
             return seen
+        service.check_room(owner)
         work = make()
         counts[(route, "accepted")] += 1
         answer = {"request_id": service.submit(owner, _counted(route, work), proto)}
@@ -168,9 +169,11 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
     async def forward_backward(request: Request):
         if request.headers.get("content-encoding", "identity") != "identity":
             raise TinkerError("content-encoding", "compressed bodies are not taken (client/config says so)")
+        service.check_room(request.state.owner)  # before its body (up to max_body_bytes) is read
         msg = wire.parse_forward_backward(await request.body())
         m = service.model(request.state.owner, msg.model_id)  # an unknown model: 404 now, not in a future
-        req = service.checked_call(m, int(msg.seq_id), lambda: wire.read_forward_backward(msg))
+        limits = (service.pool.max_positions, max_body_bytes // 4)  # the values of a dense float32 body at most
+        req = service.checked_call(m, int(msg.seq_id), lambda: wire.read_forward_backward(msg, *limits))
         return future(
             request, "forward_backward", lambda: service.forward_backward(request.state.owner, req), proto=True
         )

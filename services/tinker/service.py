@@ -143,6 +143,7 @@ class TinkerService:
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
         self.results: OrderedDict[str, Result] = OrderedDict()
+        self._running: Counter[str] = Counter()  # calls started and not yet finished, by key
         self._answers: OrderedDict[tuple[str, str], dict] = OrderedDict()  # (key owner, idempotency key) -> answer
         self._trainer = ThreadPoolExecutor(1, thread_name_prefix="tinker-train")
         self._adapters = itertools.count()
@@ -162,12 +163,25 @@ class TinkerService:
         rid = uuid.uuid4().hex
         fut = asyncio.ensure_future(work)
         self.results[rid] = Result(owner, fut, proto)
+        self._running[owner] += 1
+        fut.add_done_callback(lambda _: self._running.subtract([owner]))
         while len(self.results) > self.config.keep_results:
             old, r = next(iter(self.results.items()))
             if not r.future.done():
                 break  # never drop what is still running
             del self.results[old]
         return rid
+
+    def check_room(self, owner: str) -> None:
+        """Refuse (429) a call of a key whose calls running fill its share: each holds its data (a
+        forward_backward's up to the body limit) until it has run."""
+        if self._running[owner] >= self.config.max_calls_in_flight_per_key:
+            raise TinkerError(
+                "request",
+                f"{self._running[owner]} calls of this key are running (tinker.max_calls_in_flight_per_key: "
+                f"{self.config.max_calls_in_flight_per_key}); retry once some have finished",
+                status=429,
+            )
 
     def answered(self, owner: str, key: str) -> dict | None:
         """The answer already given to the call with idempotency ``key``, if any."""

@@ -59,9 +59,24 @@ def _array(raw: bytes, dtype, field: str, count: int | None = None) -> np.ndarra
 MAX_PER_POSITION = 1024  # K of a [N, K] input (top-K distillation targets)
 
 
-def tensor(msg, field: str, rows: int | None = None) -> np.ndarray:
+class Cells:
+    """The values a request's tensors may take once read. A sparse tensor's values are few on the
+    wire and many once dense ([N, K] zeros but for them): a 4 MB body named two [100000, 1024] inputs
+    and took 800 MB. A request may hold as many as its body limit could carry densely, no more."""
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+    def take(self, n: int, field: str) -> None:
+        if n > self.left:
+            raise WireError(field, f"{n} values once read, over what the request has left of its {self.left}")
+        self.left -= n
+
+
+def tensor(msg, field: str, rows: int | None = None, cells: Cells | None = None) -> np.ndarray:
     """A ``Tensor`` message (dense or CSR; an empty shape: 1-D) as an array. ``rows``: the length its
-    first dimension must have (the datum's tokens), checked before anything is allocated."""
+    first dimension must have (the datum's tokens); ``cells``: the request's budget of values. Both
+    are checked before anything is allocated."""
     dtype = _dtype(msg.dtype, field)
     shape = [int(s) for s in msg.shape]
     if any(s < 0 for s in shape) or len(shape) > 2:
@@ -70,6 +85,8 @@ def tensor(msg, field: str, rows: int | None = None) -> np.ndarray:
         raise WireError(field, f"shape {shape} for {rows} input tokens")
     if len(shape) == 2 and shape[1] > MAX_PER_POSITION:
         raise WireError(field, f"shape {shape}: at most {MAX_PER_POSITION} values per position")
+    if cells is not None and shape:
+        cells.take(int(np.prod(shape)), field)
     if msg.WhichOneof("encoding") == "sparse_csr":
         if len(shape) != 2:
             raise WireError(field, "a sparse tensor needs a 2-D shape")
@@ -101,8 +118,13 @@ def parse_forward_backward(raw: bytes):
     return msg
 
 
-def read_forward_backward(raw_or_msg) -> ForwardBackwardRequest:
+def read_forward_backward(
+    raw_or_msg, max_tokens: int | None = None, max_values: int | None = None
+) -> ForwardBackwardRequest:
+    """The request's data. ``max_tokens``: a datum's most tokens (the model's positions);
+    ``max_values``: the most values its tensors may hold once read (``Cells``)."""
     msg = parse_forward_backward(raw_or_msg) if isinstance(raw_or_msg, bytes) else raw_or_msg
+    cells = None if max_values is None else Cells(max_values)
     config = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         if v.WhichOneof("value") == "number":
@@ -114,8 +136,13 @@ def read_forward_backward(raw_or_msg) -> ForwardBackwardRequest:
             if c.WhichOneof("chunk") != "encoded_text":
                 raise WireError(f"data[{i}].model_input[{j}]", f"{c.WhichOneof('chunk')} chunks are not served (text)")
             chunks.append(_array(c.encoded_text.tokens, np.int32, f"data[{i}].model_input[{j}]"))
+        n = sum(c.size for c in chunks)  # views of the body: nothing allocated yet
+        if max_tokens is not None and n > max_tokens:
+            raise WireError(f"data[{i}].model_input", f"{n} tokens, the model takes {max_tokens} at most")
         tokens = np.concatenate(chunks).astype(np.int64) if chunks else np.zeros(0, np.int64)
-        inputs = {k: tensor(t, f"data[{i}].loss_fn_inputs.{k}", len(tokens)) for k, t in d.loss_fn_inputs.items()}
+        inputs = {
+            k: tensor(t, f"data[{i}].loss_fn_inputs.{k}", len(tokens), cells) for k, t in d.loss_fn_inputs.items()
+        }
         data.append(Datum(tokens, inputs))
     return ForwardBackwardRequest(msg.model_id, int(msg.seq_id), msg.loss_fn, config, bool(msg.forward_only), data)
 

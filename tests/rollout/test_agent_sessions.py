@@ -218,6 +218,26 @@ def test_a_stop_string_cuts_text_and_tokens_where_it_completes(smollm2):
     assert cut_at_stop(tok, gen, ["five"]) == (gen, "one, two. three, four.", False)
 
 
+def test_a_stop_string_at_the_end_of_a_long_answer_is_found_in_a_few_decodes(smollm2):
+    """Every token prefix was decoded to find where the stop string completes: 4,096 decodes of up to
+    4,096 tokens (2 s on the event loop). Bisection: a dozen, cut at the same token as the scan."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    gen = generated(tok, "la " * 4000 + "THE END", None)
+    decodes = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            decodes.append(len(ids))
+            return tok.decode(ids, **kw)
+
+    cut, text, hit = cut_at_stop(Counting(), gen, ["END"])
+    assert hit and text == "la " * 4000 + "THE " and len(decodes) <= 2 + 13
+    first = next(k for k in range(1, len(gen.output_ids) + 1) if tok.decode(gen.output_ids[:k]).endswith("END"))
+    assert len(cut.output_ids) == first
+
+
 # ---------------------------------------------------------------- sessions and groups
 class Scripted:
     """The Generate port: answers each request with the next scripted text."""

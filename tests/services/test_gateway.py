@@ -186,8 +186,9 @@ def test_a_tool_agents_second_turn_renders_with_the_models_own_template(engine_u
                 answers.append(await c.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=3))
             return answers
 
-    answers = asyncio.run(main())
-    assert [a.choices[0].finish_reason for a in answers] == ["length", "length"]
+    answers = asyncio.run(main())  # answered, not refused (sampled: an early end of answer is the model's)
+    assert [len(a.choices) for a in answers] == [1, 1]
+    assert all(a.choices[0].finish_reason in ("length", "stop") and a.usage.completion_tokens <= 3 for a in answers)
 
 
 def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_url, tiny_model):

@@ -43,7 +43,7 @@ def service(smollm2, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_healthy(url + "/health", 180, proc)
-        yield {"url": url, "key": key, "model": smollm2, "dir": where}
+        yield {"url": url, "key": key, "model": smollm2, "dir": where, "pid": proc.pid}
     finally:
         stop_process(proc)
         log.close()
@@ -292,3 +292,34 @@ def test_the_cookbooks_rl_recipe_runs_unchanged(service, tmp_path):
     assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-3 for r in steps), steps
     saved = [json.loads(line) for line in (tmp_path / "rl" / "checkpoints.jsonl").read_text().splitlines()]
     assert saved[-1]["name"] == "final"
+
+
+def _peak_rss(pid: int, reset: bool = False) -> int:
+    """The process's peak resident memory in bytes (VmHWM); ``reset``: start the peak again from now."""
+    if reset:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_a_small_sparse_body_that_would_inflate_is_refused_in_bounded_memory(service, client):
+    """4 MB of protobuf naming two sparse [100000, 1024] inputs took the service from 254 to 1,040 MB.
+    Refused by the model's positions before anything dense is made; the service's peak memory stays."""
+    import httpx
+
+    from tests.services.test_tinker_wire import _sparse_datum
+
+    tc = client().create_lora_training_client(base_model=service["model"], rank=4).result()
+    msg = _sparse_datum(100_000, 1024)
+    msg.model_id = tc.model_id
+    body = msg.SerializeToString()
+    before = _peak_rss(service["pid"], reset=True)
+    r = httpx.post(
+        f"{service['url']}/api/v1/forward_backward",
+        content=body,
+        headers={"X-API-Key": service["key"]["alice"], "Content-Type": "application/x-protobuf"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["field"] == "data[0].model_input", r.text
+    assert "100000 tokens" in r.json()["detail"]
+    assert _peak_rss(service["pid"]) - before < 64 * 2**20  # the body's few MB, never the 800 MB it names

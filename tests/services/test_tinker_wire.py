@@ -88,3 +88,36 @@ def test_malformed_requests_name_the_field():
     t.sparse_csr.values = np.ones(1, "<f4").tobytes()
     with pytest.raises(wire.WireError, match="crow_indices"):
         wire.read_forward_backward(msg.SerializeToString())
+
+
+def _sparse_datum(tokens: int, cols: int):
+    """A datum of ``tokens`` tokens with two sparse [tokens, cols] inputs of one value each: a few bytes
+    on the wire, ``tokens`` × ``cols`` values each once dense."""
+    pb = wire.pb()
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.zeros(tokens, "<i4").tobytes()
+    for name in ("target_tokens", "weights"):
+        t = d.loss_fn_inputs[name]
+        t.dtype = pb.DTYPE_FLOAT32
+        t.shape.extend([tokens, cols])
+        crow = np.ones(tokens + 1, "<i8")
+        crow[0] = 0
+        t.sparse_csr.crow_indices = crow.tobytes()
+        t.sparse_csr.col_indices = np.zeros(1, "<i8").tobytes()
+        t.sparse_csr.values = np.ones(1, "<f4").tobytes()
+    return msg
+
+
+def test_a_sparse_body_is_bounded_by_the_values_it_makes_and_the_models_positions():
+    """A 4 MB body of two sparse [100000, 1024] inputs once took 800 MB; now it is refused before
+    anything dense is allocated: by the model's positions, and by the values a body may make."""
+    msg = _sparse_datum(100_000, 1024)
+    with pytest.raises(wire.WireError, match=r"data\[0\].model_input: 100000 tokens, the model takes 2048 at most"):
+        wire.read_forward_backward(msg, max_tokens=2048, max_values=2**20)
+    with pytest.raises(wire.WireError, match=r"data\[0\].loss_fn_inputs.\w+: 102400000 values once read"):
+        wire.read_forward_backward(msg, max_tokens=None, max_values=64 * 2**20)
+    small = _sparse_datum(4, 8)  # 2 × 32 values: within a budget of 64, not of 63
+    assert wire.read_forward_backward(small, max_tokens=4, max_values=64).data[0].inputs["weights"].shape == (4, 8)
+    with pytest.raises(wire.WireError, match=r"loss_fn_inputs.\w+: 32 values once read"):
+        wire.read_forward_backward(small, max_tokens=4, max_values=63)
