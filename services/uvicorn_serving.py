@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from services.auth import AuthConfig
+from services.http_limits import uvicorn_config
 
 
 class UvicornServing:
@@ -23,16 +24,7 @@ def start_uvicorn(app, host: str, port: int, auth: AuthConfig) -> UvicornServing
     ``serve_until_signal``'s, not uvicorn's."""
     import uvicorn
 
-    tls = auth.tls
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        ssl_certfile=tls.cert_path if tls else None,
-        ssl_keyfile=tls.key_path if tls else None,
-    )
+    config = uvicorn_config(app, host, port, auth)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None
     return UvicornServing(server, asyncio.create_task(server.serve()))

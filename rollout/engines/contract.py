@@ -13,6 +13,9 @@ PauseMode = Literal["abort", "retract", "in_place"]
 # Samples of one prompt one request may ask (SGLang's parallel sampling, sampling_params.n; the
 # LLMProxy's GenerateGroup): a group's, with room for the largest groups peers run.
 MAX_SAMPLES = 1024
+# Most likely tokens reported per position (top_logprobs_num): each is a [logprob, id, text] triple in
+# every position's answer, so the vocabulary's size made an answer of max_new_tokens × vocab triples.
+MAX_TOP_LOGPROBS = 64
 
 
 class EngineError(ValueError):

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollout.engines.contract import EngineError, GenerateOutput
+from rollout.engines.contract import MAX_TOP_LOGPROBS, EngineError, GenerateOutput
 from rollout.sampling import SamplingParams
 from sample_buffer import routing
 from services.auth import AuthConfig, BearerMiddleware, RefusedCollector, Role, server_bearer
@@ -35,6 +35,7 @@ from services.body_limit import BodyLimit
 from services.engine.lora_routes import add_lora_routes
 from services.engine.sglang_fields import expand_samples, strip_request
 from services.http_errors import bad_request, install_error_handlers
+from services.http_limits import uvicorn_config
 from services.metrics import histogram, init_labels
 from services.weight_transports import ENGINE_ROUTES
 from services.weight_transports.common import INT64_MAX, INT64_MIN, EngineSide
@@ -54,7 +55,9 @@ class GenerateReq(BaseModel):
     rid: str | list[str] | None = Field(None, description="Request id(s); generated when absent.")
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, description="With return_logprob: the most likely tokens at each position.")
+    top_logprobs_num: int = Field(
+        0, ge=0, le=MAX_TOP_LOGPROBS, description="With return_logprob: the most likely tokens at each position."
+    )
     stream: bool = Field(False, description="Server-sent events, one per token, then the whole answer (one prompt).")
     return_routed_experts: bool = Field(
         False,
@@ -477,14 +480,11 @@ def serve(engine_config, auth: AuthConfig) -> None:
     # freezing it keeps full GC passes from walking millions of objects (200+ ms pauses).
     gc.freeze()
     try:
-        config = uvicorn.Config(
+        config = uvicorn_config(
             create_app(engine, auth, [engine_config.model_path, *engine_config.load_roots]),
-            host=engine_config.host,
-            port=engine_config.port,
-            log_level="warning",
-            access_log=False,
-            ssl_certfile=auth.tls.cert_path if auth.tls else None,
-            ssl_keyfile=auth.tls.key_path if auth.tls else None,
+            engine_config.host,
+            engine_config.port,
+            auth,
         )
         _Server(config).run()
     finally:

@@ -36,6 +36,7 @@ from services.env_provider.config import EnvProviderConfig
 from services.env_provider.sessions import ProviderSessions, SessionError
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.http_errors import bad_request, install_error_handlers
+from services.http_limits import uvicorn_config
 from services.pb.rollmesh.v1 import env_provider_pb2 as pb
 from services.reward.ports import reward_ports
 
@@ -292,14 +293,11 @@ def serve(config: EnvProviderConfig, auth: AuthConfig, reward_address: str | Non
         sessions = build_sessions(config, mesh_auth, reward_address)
         server = await start_server(grpc_handler(sessions), SERVICE, config.host, config.grpc_port, auth=auth)
         http = uvicorn.Server(
-            uvicorn.Config(
+            uvicorn_config(
                 create_app(sessions, auth),
-                host=config.host,
-                port=config.http_port,
-                log_level="warning",
-                access_log=False,
-                ssl_certfile=auth.tls.cert_path if auth.tls else None,
-                ssl_keyfile=auth.tls.key_path if auth.tls else None,
+                config.host,
+                config.http_port,
+                auth,
                 ws="websockets-sansio",
                 ws_ping_interval=config.ws_ping_interval_s,
                 ws_ping_timeout=config.ws_ping_interval_s,

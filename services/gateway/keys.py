@@ -17,12 +17,14 @@ import fcntl
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import tempfile
 import time
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 PREFIX = "sha256:"
 
 
@@ -108,7 +110,12 @@ class KeyRing:
             self._checked = time.monotonic()
             try:
                 self._reload()
-            except (OSError, ValueError):  # a file mid-edit or gone: the keys read last stay
+            except FileNotFoundError:  # deleted: every key it held is revoked (an empty ring refuses all)
+                if self._hashes:
+                    log.warning("%s is gone: every key is refused until it is back", self.path)
+                self._set({})
+                self._seen = None
+            except (OSError, ValueError):  # a file mid-edit: the keys read last stay
                 pass
         if not authorization or not authorization.startswith("Bearer "):
             return None

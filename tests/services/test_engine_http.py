@@ -96,6 +96,7 @@ def test_batch_generate_and_logprobs_match_teacher_forcing(engine_url, tiny_mode
         ({"text": ["a", "b"], "sampling_params": {"n": 2}}, "sampling_params.n"),
         ({"input_ids": [1] * 5000, "sampling_params": {"n": 1000}}, "sampling_params.n"),  # 5 M tokens from 20 KB
         ({"input_ids": [1], "sampling_params": {"n": 3}, "rid": ["a", "b"]}, "rid"),
+        ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 65}, "top_logprobs_num"),  # at most 64
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(engine_url, payload, field):

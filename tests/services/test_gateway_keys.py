@@ -47,6 +47,18 @@ def test_a_revoked_key_stops_working_without_a_restart(tmp_path):
     assert ring.owner(bearer(other)) == "bob"
 
 
+def test_deleting_the_key_file_revokes_every_key(tmp_path):
+    """The keys read last once stayed valid with their file gone: deleting it revoked nothing."""
+    path = tmp_path / "keys.json"
+    key = issue_key(path, "alice")
+    ring = KeyRing(path=path, recheck_s=0.0)
+    assert ring.owner(bearer(key)) == "alice"
+    path.unlink()
+    assert ring.owner(bearer(key)) is None
+    again = issue_key(path, "alice")  # a new file: its keys, read afresh
+    assert ring.owner(bearer(again)) == "alice" and ring.owner(bearer(key)) is None
+
+
 def test_a_file_of_plain_keys_is_refused_at_load(tmp_path):
     path = tmp_path / "keys.json"
     path.write_text('{"alice": "k1"}')

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from rollout.engines import weight_delta
-from rollout.engines.contract import EngineError, GenerateOutput, PauseMode
+from rollout.engines.contract import MAX_TOP_LOGPROBS, EngineError, GenerateOutput, PauseMode
 from rollout.engines.embedded import adapter_sync
 from rollout.engines.embedded.attention import AttentionLayout, UnsupportedModel
 from rollout.engines.embedded.config import EngineConfig
@@ -248,8 +248,9 @@ class EmbeddedEngine(SchedulerCommands):
             raise EngineError(
                 "return_routed_experts", f"{self.hf_config.model_type} has no mixture-of-experts layers to report"
             )
-        if not 0 <= top_logprobs_num <= self.vocab_size:
-            raise EngineError("top_logprobs_num", f"must be in [0, {self.vocab_size}], got {top_logprobs_num}")
+        if not 0 <= top_logprobs_num <= min(MAX_TOP_LOGPROBS, self.vocab_size):
+            limit = min(MAX_TOP_LOGPROBS, self.vocab_size)
+            raise EngineError("top_logprobs_num", f"must be in [0, {limit}], got {top_logprobs_num}")
         fut: Future = Future()
         gen = None
         if params.sampling_seed is not None:
