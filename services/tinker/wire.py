@@ -69,7 +69,7 @@ class Cells:
 
     def take(self, n: int, field: str) -> None:
         if n > self.left:
-            raise WireError(field, f"{n} values once read, over what the request has left of its {self.left}")
+            raise WireError(field, f"{n} values once read, over the {self.left} the request has left")
         self.left -= n
 
 
