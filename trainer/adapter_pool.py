@@ -24,7 +24,7 @@ import torch
 
 from sample_buffer.vision import model_class
 from trainer.lora import LoraConfig
-from trainer.token_losses import CHECKS, LOSSES, NEEDS, LossInputError
+from trainer.token_losses import CHECKS, LOSSES, NEEDS, LossInputError, check_config
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class AdapterPool:
         fn = LOSSES.get(loss_fn)
         if fn is None:
             raise LossInputError("loss_fn", f"{loss_fn!r} is not served (served: {sorted(LOSSES)})")
+        check_config(config)
         a = self._activate(name)
         checked = [self._check(i, d, loss_fn) for i, d in enumerate(data)]
         if len({c[1].dim() for c in checked}) > 1:

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 # (the marker and `latest_checkpoint` live in trainer/durable.py, without torch: `rollmesh run` reads run directories)
+from trainer.checkpoint_reader import SafePlanner, SafeReader
 from trainer.durable import MARKER, swap_in
 from trainer.export import export_adapter
 
@@ -74,6 +75,13 @@ def save_checkpoint(engine, root: str | Path, keep_last: int | None = None) -> P
     return final
 
 
+def _load(state: dict, where: Path) -> None:
+    """``dcp.load`` that runs no code from the checkpoint (trainer/checkpoint_reader.py)."""
+    reader = SafeReader(where)
+    reader.read_metadata()  # a hostile file refused here, by name, not inside DCP's gathered exception
+    dcp.load(state, storage_reader=reader, planner=SafePlanner())
+
+
 def load_checkpoint(engine, path: str | Path) -> None:
     path = Path(path)
     if not (path / MARKER).exists():
@@ -81,14 +89,14 @@ def load_checkpoint(engine, path: str | Path) -> None:
     opts = _options(engine)
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=opts)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path / "state"))
+    _load(state, path / "state")
     set_state_dict(
         engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts
     )
     if engine.critic is not None:
         c_sd, co_sd = get_state_dict(engine.critic, engine.critic_optimizer)
         cstate = {"model": c_sd, "optim": co_sd}
-        dcp.load(cstate, checkpoint_id=str(path / "critic"))
+        _load(cstate, path / "critic")
         set_state_dict(
             engine.critic, engine.critic_optimizer, model_state_dict=cstate["model"], optim_state_dict=cstate["optim"]
         )

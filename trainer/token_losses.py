@@ -12,6 +12,7 @@ policies and normalizations), these are exactly what the caller asked for, token
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -116,6 +117,17 @@ def _gspo_inputs(target: torch.Tensor, inputs: Inputs) -> None:
         raise LossInputError("loss_fn_inputs.target_tokens", "gspo takes one target per position, not [N, K]")
     if not bool((inputs["sequence_ratio_mask"] != 0).any()):
         raise LossInputError("loss_fn_inputs.sequence_ratio_mask", "marks no token; the sequence ratio needs one")
+
+
+def check_config(config: dict[str, float]) -> None:
+    """A call's ``loss_fn_config``: every number finite (a NaN clip bound or β makes every gradient of
+    the call NaN, and the adapter's weights after its optim_step), a clip range that is one."""
+    for key, v in config.items():
+        if not math.isfinite(v):
+            raise LossInputError(f"loss_fn_config.{key}", f"{v!r}: a finite number")
+    low, high = _clip_range(config)
+    if not 0 <= low <= high:
+        raise LossInputError("loss_fn_config", f"clip thresholds {low}, {high}: 0 <= clip_low <= clip_high")
 
 
 # What a loss asks of a datum beyond NEEDS (its inputs present, shaped as the targets, finite),

@@ -454,3 +454,58 @@ def test_streamed_text_is_never_taken_back(base_tokenizer):  # noqa: F811
     assert "".join(held) == "a"  # "<tool" may become a call: held until it is known
     sent, s = feed("a <tool box", [], True)
     assert "".join(sent) + s.rest("a <tool box") == "a <tool box"  # it did not: all of it, in the end
+
+
+def test_streamed_text_in_any_chunks_is_the_answer_cut_at_its_first_stop(base_tokenizer):  # noqa: F811
+    """Fuzzed (hypothesis): text of many scripts and stop strings, fed in chunks of any size. What
+    was sent is never taken back, holds no stop string, and with the rest is the answer cut at its
+    first stop; the held tail is shorter than the longest stop."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from rollout.agent.text_stream import TextStream
+    from tests.services.test_fuzz import fuzz
+
+    tok, _ = tokenizer_for(base_tokenizer, "qwen2")
+    pieces = st.sampled_from(["a", " b", "é", "中文", "🙂", "\n", "END", "EN", "<tool", "  ", "x y", "..."])
+
+    @fuzz(150)
+    @given(data=st.data())
+    def run(data):
+        text = "".join(data.draw(st.lists(pieces, max_size=30)))
+        stop = data.draw(st.lists(st.sampled_from(["END", "中", "🙂\n", ". .", "x"]), max_size=3))
+        ids = tok.encode(text)
+        whole = tok.decode(ids, skip_special_tokens=True)
+        cuts = [whole.find(s) for s in stop if s in whole]
+        final = whole[: min(cuts)] if cuts else whole
+        stream, sent, i = TextStream(tok, stop, tools=False), "", 0
+        while i < len(ids):
+            k = data.draw(st.integers(1, 4))
+            sent += stream.push(ids[i : i + k])
+            assert final.startswith(sent), (sent, final)
+            i += k
+        held = len(final) - len(sent)
+        assert held == 0 if cuts else held < max(map(len, stop), default=1), (sent, final)
+        assert sent + stream.rest(final) == final
+
+    run()
+
+
+def test_a_long_stream_decodes_each_token_a_bounded_number_of_times(base_tokenizer):  # noqa: F811
+    """Each push decodes its new tokens and the few before them, not the answer so far: a 2,000-token
+    stream fed a token at a time decoded the whole answer every push (about 2 million ids) before."""
+    from rollout.agent.text_stream import TextStream
+
+    tok, _ = tokenizer_for(base_tokenizer, "qwen2")
+    decoded = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            decoded.append(len(ids))
+            return tok.decode(ids, **kw)
+
+    ids = tok.encode("The answer is 42, then 中文 and more; " * 200)[:2000]
+    stream = TextStream(Counting(), ["STOP HERE"], tools=True)
+    sent = "".join(stream.push([t]) for t in ids)
+    assert sum(decoded) < 8 * len(ids), sum(decoded)
+    assert tok.decode(ids).startswith(sent) and len(tok.decode(ids)) - len(sent) < len("STOP HERE")

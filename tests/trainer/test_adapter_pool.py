@@ -126,6 +126,14 @@ def test_bad_inputs_name_their_field_before_anything_is_computed(pool):
     empty = Datum(good.tokens, {**rl, "sequence_ratio_mask": np.zeros(n)})
     with pytest.raises(LossInputError, match=r"data\[1\].loss_fn_inputs.sequence_ratio_mask: marks no token"):
         pool.forward_backward("x", [Datum(good.tokens, rl), empty], "gspo", {})
+    # a NaN clip bound or β would make every gradient of the call NaN, and the adapter after its step
+    for config, field in (
+        ({"clip_low_threshold": float("nan")}, "loss_fn_config.clip_low_threshold: nan"),
+        ({"beta": float("inf")}, "loss_fn_config.beta: inf"),
+        ({"clip_low_threshold": 1.5, "clip_high_threshold": 1.2}, "loss_fn_config: clip thresholds"),
+    ):
+        with pytest.raises(LossInputError, match=field):
+            pool.forward_backward("x", [Datum(good.tokens, rl)], "ppo", config)
     assert all(p.grad is None for p in pool.adapters["x"].params)  # nothing half-computed
     with pytest.raises(LossInputError, match="lora_config"):
         pool.add("y", LoraConfig(rank=2, target_modules=["not_a_layer"]))

@@ -99,6 +99,50 @@ def test_checkpoint_resume_is_bit_for_bit(tiny_model, tmp_path):
     assert not planted.exists()
 
 
+def test_a_checkpoint_s_metadata_and_values_run_no_code_at_resume(tiny_model, tmp_path):
+    """torch's DCP reader unpickles ``.metadata`` and reads non-tensor values with
+    ``weights_only=False``; rollmesh's (trainer/checkpoint_reader.py) takes DCP's own classes only."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from trainer.checkpoint_reader import SafePlanner, SafeReader
+
+    first = engine(tiny_model)
+    first.train_step(toy_batch(seed=0))
+    path = save_checkpoint(first, tmp_path / "ckpt")
+    meta_file = path / "state" / ".metadata"
+    meta = SafeReader(path / "state").read_metadata()  # what DCP wrote reads back
+    assert meta.state_dict_metadata and all(i.relative_path.endswith(".distcp") for i in meta.storage_data.values())
+    original = meta_file.read_bytes()
+    planted = tmp_path / "ran"
+    for hostile, message in (
+        ({"x": _Planted(str(planted))}, "may not name pathlib.Path.touch|may not name"),
+        (["not metadata"], "not a checkpoint's metadata"),
+    ):
+        meta_file.write_bytes(pickle.dumps(hostile))
+        with pytest.raises(pickle.UnpicklingError, match=message):
+            load_checkpoint(engine(tiny_model), path)
+    assert not planted.exists()
+    key = next(iter(meta.storage_data))
+    meta.storage_data[key].relative_path = "../../elsewhere.distcp"  # a data file outside the checkpoint
+    meta_file.write_bytes(pickle.dumps(meta))
+    with pytest.raises(pickle.UnpicklingError, match="outside the checkpoint"):
+        load_checkpoint(engine(tiny_model), path)
+    meta_file.write_bytes(original)
+    resumed = engine(tiny_model)
+    load_checkpoint(resumed, path)  # the genuine one still resumes
+    assert resumed.step == 1
+    # a value that is not a tensor (an optimizer's lr) is read with weights_only: an object is refused
+    planner, raw = SafePlanner(), io.BytesIO()
+    torch.save(_Planted(str(planted)), raw)
+    raw.seek(0)
+    item = type("Item", (), {"dest_index": MetadataIndex("optim.param_groups.0.lr")})()
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        planner.load_bytes(item, raw)
+    assert not planted.exists()
+
+
 class _Planted:
     """Unpickling this writes a file: what a hostile checkpoint would do instead."""
 
