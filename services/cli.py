@@ -13,7 +13,14 @@ import typer
 from services.commands import bench, data, launch, serve
 from services.commands.common import SetOpt, load_or_exit
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="rollmesh: asynchronous RL post-training mesh")
+# Plain tracebacks: services write to log files, where rich's boxes (80 columns, with source) bury
+# the error, and `rollmesh run` shows a dying service's last lines, which must be the error's.
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="rollmesh: asynchronous RL post-training mesh",
+)
 app.command("make-dataset")(data.make_dataset)
 app.command("init-model")(data.init_model)
 app.add_typer(serve.app, name="serve")

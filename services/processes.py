@@ -57,6 +57,42 @@ def free_port() -> int:
             return port
 
 
+class StartupError(RuntimeError):
+    """A service that died, or never became healthy, while starting: its name, why, the last lines it
+    wrote and its log's path: what a person needs to see, instead of the launcher's own traceback."""
+
+    def __init__(self, service: str, reason: str, log_path: Path | None, last_lines: list[str]) -> None:
+        self.service, self.reason, self.log_path, self.last_lines = service, reason, log_path, last_lines
+        lines = [f"{service} {reason} during start-up", *(f"  | {x}" for x in last_lines)]
+        if log_path is not None:
+            lines.append(f"  its log: {log_path}")
+        super().__init__("\n".join(lines))
+
+
+def last_lines(log_path: Path | None, since: int = 0, n: int = 8) -> list[str]:
+    """The last ``n`` lines with text the log got after byte ``since`` (where this start began)."""
+    if log_path is None or not log_path.exists():
+        return []
+    with open(log_path, "rb") as f:
+        f.seek(max(since, log_path.stat().st_size - 64 * 1024))  # a traceback's end, not a whole log
+        return _text_lines(f.read().decode(errors="replace"), n)
+
+
+def _text_lines(text: str, n: int = 8) -> list[str]:
+    return [x.rstrip() for x in text.splitlines() if x.strip()][-n:]
+
+
+def _failed(service: str, e: BaseException, log_path: Path | None, lines: list[str]) -> StartupError:
+    reason = f"exited with code {e.code}" if isinstance(e, _Exited) else f"was not healthy in time ({e})"
+    return StartupError(service, reason, log_path, lines)
+
+
+class _Exited(RuntimeError):
+    def __init__(self, message: str, code: int | None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def _exited(proc: subprocess.Popen, what: str) -> RuntimeError:
     """The error of a process that died before it served, with the end of its output when it was piped."""
     out = ""
@@ -67,7 +103,8 @@ def _exited(proc: subprocess.Popen, what: str) -> RuntimeError:
             out = (data.decode(errors="replace") if isinstance(data, bytes) else data or "")[-2000:]
         except (OSError, ValueError):
             pass
-    return RuntimeError(f"process exited with code {proc.returncode} before {what}" + (f":\n{out}" if out else ""))
+    message = f"process exited with code {proc.returncode} before {what}" + (f":\n{out}" if out else "")
+    return _Exited(message, proc.returncode)
 
 
 def wait_http_healthy(
@@ -157,11 +194,15 @@ def start_service_process(
     port = free_port()
     cmd = host.command(serve_command(service, section, [f"port={port}", *host.bind(), *overrides], config_path))
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives as long as the process)
+    since = out.tell() if log_path else 0
     stderr = subprocess.STDOUT if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=stderr, env=environment_of(roles))
     address = f"{host.address}:{port}"
     try:
         wait_grpc_healthy(address, timeout_s, proc, auth)
+    except (_Exited, TimeoutError) as e:
+        stop_process(proc)
+        raise _failed(service, e, log_path, last_lines(log_path, since)) from None
     except BaseException:
         stop_process(proc)
         raise
@@ -205,11 +246,14 @@ def start_engine_process(
     url = f"{auth.scheme if auth else 'http'}://{host.address}:{port}"
     try:
         wait_http_healthy(url + "/health", timeout_s, proc, auth)
-    except BaseException as e:
+    except (_Exited, TimeoutError) as e:
         stop_process(proc)
-        out.seek(start)
-        log_tail = out.read().decode(errors="replace")[-3000:]
-        raise RuntimeError(f"engine on port {port} failed to start: {e}\n{log_tail}") from e
+        out.seek(max(start, out.seek(0, os.SEEK_END) - 64 * 1024))
+        lines = _text_lines(out.read().decode(errors="replace"))
+        raise _failed(f"engine on port {port}", e, log_path, lines) from None
+    except BaseException:
+        stop_process(proc)
+        raise
     return proc, url
 
 
@@ -227,10 +271,14 @@ def start_gateway_process(
     cmd = host.command(serve_command("gateway", "gateway", [f"port={port}", *host.bind(), *overrides], config_path))
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (lives as long as the process)
     stderr = subprocess.STDOUT if log_path else subprocess.DEVNULL
+    since = out.tell() if log_path else 0
     proc = subprocess.Popen(cmd, stdout=out, stderr=stderr, env=environment_of(DATA_ONLY))
     url = f"{auth.scheme if auth else 'http'}://{host.address}:{port}"
     try:
         wait_http_healthy(url + "/health", timeout_s, proc, auth)
+    except (_Exited, TimeoutError) as e:
+        stop_process(proc)
+        raise _failed("gateway", e, log_path, last_lines(log_path, since)) from None
     except BaseException:
         stop_process(proc)
         raise

@@ -1,6 +1,7 @@
 """`rollmesh run CONFIG`, from the command line to the end of the run; read top to bottom.
 
-1. Load the config; place engines and trainer on GPUs; make the run's token; share the cores.
+1. Load the config; check the credentials and files it names (`services/preflight.py`); place
+   engines and trainer on GPUs; make the run's token; share the cores.
 2. Prepare the run directory (resume from its last checkpoint, or start over).
 3. Start the mesh (`services/mesh.py`), the EnvManager holding its workers back.
 4. Measure the policy on held-out prompts, then let rollouts begin (EnvManager `Start`).
@@ -20,8 +21,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
+from services import preflight, slurm
 from services import run_dir as rundir
-from services import slurm
 from services.auth import ensure_token
 from services.config import load_config
 from services.cpu_threads import thread_overrides, usable_cores
@@ -30,7 +31,7 @@ from services.env_manager.client import EnvManagerClient
 from services.evaluation import evaluator
 from services.mesh import Hosts, Mesh, cuda_env, start_mesh, start_trainer
 from services.metrics import serve_metrics
-from services.processes import stop_process
+from services.processes import StartupError, stop_process
 from services.run_progress import RunProgress
 from services.supervisor import GaveUp, RestartsCollector, Supervised
 
@@ -46,6 +47,10 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False, launc
         hosts = Hosts() if launcher == "local" else slurm.allocation_hosts(cfg, placement)
     except (ValueError, slurm.SlurmError) as e:
         console.print(f"[red]config error: {e}[/]")
+        return 2
+    if missing := preflight.problems(cfg):  # credentials and files, before any process starts
+        for line in missing:
+            console.print(f"config error: {line}", style="red", markup=False, highlight=False)
         return 2
     ensure_token(cfg.auth)  # one per run, inherited by every process started below
     threads, line = thread_overrides(cfg, usable_cores())
@@ -80,6 +85,9 @@ def run_mesh(config_path: Path, overrides: list[str], fresh: bool = False, launc
         return 0
     except GaveUp as e:
         console.print(f"[red]{e}[/]")
+        return 1
+    except StartupError as e:  # its own last lines and log, not this launcher's traceback
+        console.print(str(e), style="red", markup=False, highlight=False)
         return 1
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the mesh[/]")

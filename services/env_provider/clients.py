@@ -117,7 +117,8 @@ class _HttpBase:
     def __init__(self, address: str, config: RemoteEnvConfig, auth: AuthConfig) -> None:
         self.address, self.config = address.rstrip("/"), config
         self._headers, self._ssl = http_headers(auth, Role.DATA), auth.client_ssl()
-        self._format = _formatter(config.observation_format) if config.observation_format else None
+        fmt = config.observation_format
+        self._format = function_at(fmt, "env.observation_format") if fmt else None
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -296,17 +297,18 @@ def _as_text(value) -> str | None:
     return None
 
 
-def _formatter(path: str):
-    """``module:function`` of the run's config (never a caller's), imported once."""
+def function_at(path: str, field: str):
+    """``module:function`` of the run's config (never a caller's), imported once; a ValueError
+    naming ``field`` if it does not import or is no function."""
     import importlib
 
     module, _, name = path.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name) if name else None
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"env.observation_format: {path!r}: {e}") from None
+        raise ValueError(f"{field}: {path!r}: {e}") from None
     if not callable(fn):
-        raise ValueError(f"env.observation_format: {path!r} is not 'module:function'")
+        raise ValueError(f"{field}: {path!r} is not 'module:function'")
     return fn
 
 

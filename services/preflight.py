@@ -1,0 +1,69 @@
+"""What a run needs before any of its processes starts: the credentials and files its config names.
+
+`rollmesh run` checks these right after the config loads and, if any is missing, prints one line
+each (the field or variable, what it is for) and exits 2 before it starts anything. Found later,
+the same problem kills a service during start-up, its reason only in that service's log.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from services.env_provider.clients import function_at
+
+
+def problems(cfg) -> list[str]:
+    """Everything the run ``cfg`` would stop on for want of a credential or a file, one line each."""
+    return [*_models(cfg), *_tasks(cfg), *_keys(cfg)]
+
+
+def _models(cfg) -> list[str]:
+    """The model directories the processes load from (the engines', the trainer's, a reference's)."""
+    named = {"trainer.model_path": cfg.trainer.model_path, "trainer.ref_model_path": cfg.trainer.ref_model_path}
+    if cfg.run.num_engines:  # (none: a shared pool serves the policy, no engine of this run loads it)
+        named["engine.model_path"] = getattr(cfg.engine, "model_path", None)
+    return [
+        f"{field}: no model at {path} (a directory with config.json: `rollmesh init-model` or a local copy)"
+        for field, path in named.items()
+        if path and not (Path(path) / "config.json").is_file()
+    ]
+
+
+def _tasks(cfg) -> list[str]:
+    """Each domain's data files, its remote providers' token and its formatting functions."""
+    if cfg.run.rollout == "gateway":  # external agents make the rollouts: no EnvManager runs
+        return []
+    out = []
+    for d in cfg.env_manager.task_domains():
+        where = "env_manager" if not d.name else f"env_manager.domains[{d.name}]"
+        env = d.env
+        if env.type != "remote" and d.generate is None and d.dataset_path and not Path(d.dataset_path).is_file():
+            out.append(f"{where}.dataset_path: no file {d.dataset_path} (the prompts to roll out, JSONL)")
+        if d.heldout_path and not Path(d.heldout_path).is_file():
+            out.append(f"{where}.heldout_path: no file {d.heldout_path} (the held-out prompts, JSONL)")
+        if env.type != "remote":
+            continue
+        if env.token_env and not cfg.auth.disabled and not os.environ.get(env.token_env):
+            out.append(
+                f"{where}.env.token_env: ${env.token_env} is not set: the token the environment providers at "
+                f"{', '.join(env.addresses)} check (their own, never the mesh's); export it, or set "
+                "env.token_env: null for providers that check none"
+            )
+        for key in ("observation_format", "action_format"):
+            if getattr(env, key, None):
+                try:
+                    function_at(getattr(env, key), f"env.{key}")
+                except ValueError as e:
+                    out.append(f"{where}.{e}")
+    if cfg.run.heldout_path and not Path(cfg.run.heldout_path).is_file():
+        out.append(f"run.heldout_path: no file {cfg.run.heldout_path} (the held-out prompts, JSONL)")
+    return out
+
+
+def _keys(cfg) -> list[str]:
+    """Key files a service checks callers against (a missing one would refuse every caller)."""
+    path = cfg.gateway.api_keys_path
+    if cfg.run.rollout == "gateway" and path and not Path(path).is_file():
+        return [f"gateway.api_keys_path: no file {path} (the agents' keys: `rollmesh gateway-key {path} NAME`)"]
+    return []
