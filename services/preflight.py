@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from services.env_provider.clients import function_at
-
 
 def problems(cfg) -> list[str]:
     """Everything the run ``cfg`` would stop on for want of a credential or a file, one line each."""
@@ -31,7 +29,8 @@ def _models(cfg) -> list[str]:
 
 
 def _tasks(cfg) -> list[str]:
-    """Each domain's data files, its remote providers' token and its formatting functions."""
+    """Each domain's data files and its remote providers' token (its formatting functions are
+    imported when the config loads)."""
     if cfg.run.rollout == "gateway":  # external agents make the rollouts: no EnvManager runs
         return []
     out = []
@@ -50,12 +49,6 @@ def _tasks(cfg) -> list[str]:
                 f"{', '.join(env.addresses)} check (their own, never the mesh's); export it, or set "
                 "env.token_env: null for providers that check none"
             )
-        for key in ("observation_format", "action_format"):
-            if getattr(env, key, None):
-                try:
-                    function_at(getattr(env, key), f"env.{key}")
-                except ValueError as e:
-                    out.append(f"{where}.{e}")
     if cfg.run.heldout_path and not Path(cfg.run.heldout_path).is_file():
         out.append(f"run.heldout_path: no file {cfg.run.heldout_path} (the held-out prompts, JSONL)")
     return out

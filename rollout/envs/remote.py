@@ -29,11 +29,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout.budgets import Budgets
 from rollout.envs import base
 from rollout.envs.base import StepResult
+from sample_buffer.registry import resolve
 from sample_buffer.vision import MAX_IMAGE_BYTES, MAX_IMAGES
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,9 @@ class ProviderError(Exception):
     answer, refused or dropped connection), ``garbage`` (an answer that is not the contract),
     ``refused`` (the provider answered with an error: a bad request, an unknown episode, its
     environment raised), ``observation`` (an observation that is empty, too long or not text)
-    ``action`` (an action longer than the provider takes), ``busy`` (at its limit of episodes:
-    another provider may take it) or ``timeout`` (``ProviderTimeout``)."""
+    ``action`` (an action longer than the provider takes), ``invalid_action`` (one the environment
+    refused as invalid, or action_format could not make: the episode ends, scored), ``busy`` (at
+    its limit of episodes: another provider may take it) or ``timeout`` (``ProviderTimeout``)."""
 
     def __init__(self, kind: str, message: str, retryable: bool | None = None) -> None:
         super().__init__(f"{kind}: {message}")
@@ -168,6 +170,19 @@ class RemoteEnvConfig(BaseModel):
         description="openenv: 'module:function' taking the observation (a dict) and returning the text the "
         "model sees, for shapes observation_key cannot say; it replaces observation_key.",
     )
+    action_format: str | None = Field(
+        None,
+        description="http/openenv: 'module:function' turning the model's text into the action the environment "
+        "takes (a typed one: an integer, a move): a dict of the action's fields, or the value of action_key. A "
+        "ValueError from it means the text is no valid action (as the environment's own validation error: the "
+        "episode ends with invalid_action_reward); another exception ends it as env_error.",
+    )
+    invalid_action_reward: float = Field(
+        0.0,
+        description="Reward of an episode whose action was not valid (action_format's ValueError, or the "
+        "environment's validation error): the policy's mistake, not the provider's. The episode ends there, its "
+        "tokens are trained on, the provider stays in rotation (rollmesh_env_invalid_actions_total).",
+    )
     token_env: str | None = Field(
         "ROLLMESH_PROVIDER_TOKEN",
         description="Environment variable with the providers' token, their own (never the mesh's); "
@@ -180,6 +195,19 @@ class RemoteEnvConfig(BaseModel):
         if len(set(addresses)) != len(addresses):
             raise ValueError("a provider is listed twice")
         return addresses
+
+    @field_validator("observation_format", "action_format")
+    @classmethod
+    def _importable(cls, path: str | None, info) -> str | None:
+        if path is not None and not callable(resolve(info.field_name, path, {})):
+            raise ValueError(f"{info.field_name}: {path!r} is not 'module:function'")
+        return path
+
+    @model_validator(mode="after")
+    def _typed_actions_over_json(self) -> RemoteEnvConfig:
+        if self.action_format and self.protocol == "grpc":
+            raise ValueError("action_format: a gRPC provider takes the model's text; typed actions are http/openenv")
+        return self
 
     def build(self, rows=None, reward_fn=None):
         raise ValueError("env.type remote: episodes need a provider pool; the EnvManager builds it (services/)")
@@ -309,6 +337,11 @@ class RemoteEnv:
                 obs = await member.client.step(self.episode_id, action, request_id, self._timeout(deadline))
                 break
             except (ProviderError, TimeoutError) as e:
+                if isinstance(e, ProviderError) and e.kind == "invalid_action":
+                    # the policy's mistake, not the provider's: the episode ends as any other does, scored,
+                    # its tokens trained on (the model must learn to answer validly), the provider kept
+                    self.pool.count("invalid_action")
+                    return StepResult(None, self.config.invalid_action_reward, True, {"invalid_action": str(e)})
                 self._failed(member, e)
                 # A step that failed may have been applied: again only where the provider dedupes it.
                 if not (_retryable(e) and idempotent) or attempt == self.config.step_retries:

@@ -189,6 +189,12 @@ class EnvMetrics(RolloutObserver):
             for event, n in sorted(counts.items()):
                 events.add_metric([event], n)
             yield events
+            yield CounterMetricFamily(
+                "rollmesh_env_invalid_actions",
+                "Episodes ended by an action the environment refused as invalid (the policy's, scored "
+                "env.invalid_action_reward; the provider kept in rotation)",
+                value=counts.get("invalid_action", 0),
+            )
 
     def timed_reward(self, reward_fn: Callable) -> Callable:
         """``reward_fn`` that records each call's latency."""

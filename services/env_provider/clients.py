@@ -117,8 +117,9 @@ class _HttpBase:
     def __init__(self, address: str, config: RemoteEnvConfig, auth: AuthConfig) -> None:
         self.address, self.config = address.rstrip("/"), config
         self._headers, self._ssl = http_headers(auth, Role.DATA), auth.client_ssl()
-        fmt = config.observation_format
+        fmt, act = config.observation_format, config.action_format
         self._format = function_at(fmt, "env.observation_format") if fmt else None
+        self._to_action = function_at(act, "env.action_format") if act else None
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -129,6 +130,24 @@ class _HttpBase:
                 connector=aiohttp.TCPConnector(limit=0, ssl=self._ssl if self._ssl is not None else True),
             )
         return self._session
+
+    def _action(self, text: str) -> dict:
+        """The action the environment takes: ``{action_key: text}``, or what ``env.action_format`` makes
+        of the text (its fields, or the value of action_key); its ValueError: no valid action."""
+        if self._to_action is None:
+            return {self.config.action_key: text}
+        try:
+            value = self._to_action(text)
+        except ValueError as e:  # the text says no action: the policy's mistake
+            raise ProviderError("invalid_action", f"env.action_format: {e}") from None
+        except Exception as e:  # the formatter's own bug: the episode's error, named
+            raise ProviderError("action", f"env.action_format raised {type(e).__name__}: {e}") from None
+        action = value if isinstance(value, dict) else {self.config.action_key: value}
+        try:
+            json.dumps(action)
+        except (TypeError, ValueError) as e:
+            raise ProviderError("action", f"env.action_format: not JSON: {e}") from None
+        return action
 
     async def _json(self, method: str, path: str, timeout_s: float, body: dict | None = None, params=None) -> dict:
         url = self.address + path
@@ -151,6 +170,8 @@ class _HttpBase:
             raise ProviderError("busy", f"{url}: {_message(data)}", retryable=True)
         if r.status > 500:  # 502/504 from a gateway: the provider is not answering (500: its environment raised)
             raise ProviderError("unreachable", f"{url}: HTTP {r.status}: {_message(data)}")
+        if r.status == 422 and path == "/step" and _action_invalid(data):
+            raise ProviderError("invalid_action", f"{url}: {_message(data)}")
         if r.status >= 400:
             raise ProviderError("refused", f"{url}: HTTP {r.status}: {_message(data)}")
         if not isinstance(data, dict):
@@ -228,6 +249,18 @@ def _budgets(declared) -> Budgets | None:
         raise ProviderError("garbage", f"budgets: {e}") from None
 
 
+def _action_invalid(data) -> bool:
+    """OpenEnv's 422 for an action its class does not validate (pydantic's errors, located in the
+    action's fields), not FastAPI's for a malformed request (located in ``body``): the first is the
+    policy's answer, the second would be this client's bug."""
+    errors = data.get("detail") if isinstance(data, dict) else None
+    return (
+        isinstance(errors, list)
+        and bool(errors)
+        and all(isinstance(e, dict) and (e.get("loc") or ["body"])[0] != "body" for e in errors)
+    )
+
+
 def _message(data) -> str:
     if isinstance(data, dict):
         return str(data.get("message") or data.get("detail") or data)[:300]
@@ -251,7 +284,7 @@ class HttpProviderClient(_HttpBase):
 
     async def step(self, episode_id: str, action: str, request_id: str, timeout_s: float) -> Observation:
         body = {
-            "action": {self.config.action_key: action},
+            "action": self._action(action),
             "episode_id": episode_id,
             "request_id": request_id,
             "timeout_s": timeout_s,
@@ -363,6 +396,9 @@ class OpenEnvClient(_HttpBase):
             if error.get("code") == "TIMEOUT":  # rollmesh's provider: its environment missed the deadline
                 await self._drop(episode_id)
                 raise ProviderTimeout(f"{self.address}/ws: {_message(error)}")
+            if error.get("code") == "VALIDATION_ERROR" and message["type"] == "step":  # (this client's are valid)
+                errors = str(error.get("errors"))[:300]  # the action's fields its class refused
+                raise ProviderError("invalid_action", f"{self.address}/ws: {_message(error)}: {errors}")
             if error.get("code") == "CAPACITY_REACHED":  # OpenEnv's: every session taken; the episode waits
                 await self._drop(episode_id)
                 raise ProviderError("busy", f"{self.address}/ws: {_message(error)}", retryable=True)
@@ -386,7 +422,7 @@ class OpenEnvClient(_HttpBase):
         return self._observation(await self._send(episode_id, {"type": "reset", "data": {"seed": seed}}, timeout_s))
 
     async def step(self, episode_id: str, action: str, request_id: str, timeout_s: float) -> Observation:
-        message = {"type": "step", "data": {self.config.action_key: action}}
+        message = {"type": "step", "data": self._action(action)}
         return self._observation(await self._send(episode_id, message, timeout_s))
 
     async def close_episode(self, episode_id: str, timeout_s: float) -> None:

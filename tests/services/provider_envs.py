@@ -194,3 +194,58 @@ class PictureEnv:
             self.seed += 1
             return StepResult(Observation("And this one?", (self.picture(self.seed),)), 0.0, False)
         return StepResult(None, float(action == str(self.seed % 10)), True)
+
+
+def openenv_grid_app():
+    """An OpenEnv server with a typed action and no text in its observation (a grid game), written
+    with openenv-core alone: ``{"move": 0..3}`` (up, down, left, right) from (0, 0); (0, 1) wins. An
+    answer its action class does not validate ("go up", 7) is refused with its validation error."""
+    from openenv.core.env_server import Environment, create_app
+    from openenv.core.env_server.types import Action, Observation, State
+    from pydantic import Field
+
+    class MoveAction(Action):
+        move: int = Field(ge=0, le=3)
+
+    class GridObservation(Observation):
+        position: list[int] = [0, 0]
+        legal: list[int] = [0, 1, 2, 3]
+
+    class GridEnv(Environment):
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._state, self.at = State(), [0, 0]
+
+        def reset(self, seed=None, episode_id=None, **kwargs) -> GridObservation:
+            self._state, self.at = State(episode_id=episode_id, step_count=0), [0, 0]
+            return GridObservation(position=self.at)
+
+        def step(self, action: MoveAction, timeout_s=None, **kwargs) -> GridObservation:
+            self._state.step_count += 1
+            dx, dy = [(0, 1), (0, -1), (-1, 0), (1, 0)][action.move]
+            self.at = [self.at[0] + dx, self.at[1] + dy]
+            won = self.at == [0, 1]
+            return GridObservation(position=self.at, reward=float(won), done=won or self._state.step_count >= 3)
+
+        @property
+        def state(self) -> State:
+            return self._state
+
+    return create_app(GridEnv, MoveAction, GridObservation, env_name="grid", max_concurrent_envs=16)
+
+
+def grid_text(observation: dict) -> str:
+    """An ``env.observation_format`` for the grid: its position and legal moves, as text."""
+    return f"You are at {observation['position']}; moves {observation['legal']} (0 up, 1 down, 2 left, 3 right)."
+
+
+def first_integer(text: str) -> dict:
+    """An ``env.action_format``: the answer's first integer as the move; no integer: no action."""
+    import re
+
+    found = re.search(r"-?\d+", text)
+    if found is None:
+        raise ValueError(f"no integer in {text[:40]!r}")
+    return {"move": int(found.group())}

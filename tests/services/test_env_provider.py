@@ -522,7 +522,7 @@ def test_an_openenv_servers_feedback_in_its_messages_reaches_the_model():
 
         listed = asyncio.run(play(observation_key=["messages", "prompt"]))
         formatted = asyncio.run(play(observation_format="tests.services.provider_envs:game_text"))
-        with pytest.raises(ValueError, match="env.observation_format: 'tests.services.provider_envs:nope'"):
+        with pytest.raises(ValueError, match="observation_format: cannot import 'tests.services.provider_envs:nope'"):
             pool_for("openenv", [url], observation_format="tests.services.provider_envs:nope")
 
         async def not_text():  # a formatter answering something else: the episode's fault, not the provider's
