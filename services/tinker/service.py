@@ -87,6 +87,23 @@ def unknown(what: str, value: str) -> TinkerError:
     return TinkerError(what, f"no {what.rsplit('.', 1)[-1]} {value!r} of this key", status=404)
 
 
+def _object(body: dict, key: str) -> dict:
+    """``body[key]``, an optional JSON object ({} when null or left out)."""
+    value = body.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TinkerError(key, f"{str(value)[:100]!r}: an object")
+    return value
+
+
+def _name(what: str, value) -> str:
+    """An id a JSON body gives: a string (a list or a number is no key of this service's tables)."""
+    if not isinstance(value, str):
+        raise TinkerError(what, f"{str(value)[:100]!r}: a string")
+    return value
+
+
 @dataclass
 class Model:
     id: str
@@ -214,7 +231,7 @@ class TinkerService:
         return sid
 
     def _session(self, owner: str, sid: str) -> str:
-        if self.sessions.get(sid) != owner:
+        if self.sessions.get(_name("session_id", sid)) != owner:
             raise unknown("session_id", sid)
         return sid
 
@@ -267,6 +284,8 @@ class TinkerService:
     def _check_base(self, base_model: str | None) -> None:
         if base_model is None:
             return
+        if not isinstance(base_model, str):
+            raise TinkerError("base_model", f"{base_model!r}: a model name")
         if base_model != self.base_model and str(Path(base_model).resolve()) != self.model_path:
             raise TinkerError("base_model", f"{base_model!r} is not served here (served: {self.base_model!r})")
 
@@ -313,7 +332,7 @@ class TinkerService:
         """Checks the call now (a bad one is answered 400) and returns the work to run."""
         self._check_base(body.get("base_model"))
         _adamw_only(body.get("optimizer_config"))
-        lora, seed = self._lora(body.get("lora_config") or {})
+        lora, seed = self._lora(_object(body, "lora_config"))
         model = self._new_model(owner, str(body.get("session_id", "")), _int(body, "model_seq_id"), lora)
 
         async def create() -> dict:
@@ -335,7 +354,7 @@ class TinkerService:
             self._pending[m.owner] -= 1
 
     def model(self, owner: str, mid: str) -> Model:
-        m = self.models.get(mid)
+        m = self.models.get(_name("model_id", mid))
         if m is None or m.owner != owner:
             raise unknown("model_id", mid)
         return m
@@ -526,7 +545,9 @@ class TinkerService:
         self._session(owner, sid)
         if seq is None:
             seq = self.session_seq[sid]
-        self.session_seq[sid] = max(self.session_seq[sid], int(seq) + 1)
+        if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 2**31:
+            raise TinkerError("sampling_session_seq_id", f"{seq!r}: an integer in [0, 2^31)")
+        self.session_seq[sid] = max(self.session_seq[sid], seq + 1)
         sampler_id = f"{sid}:sample:{seq}"
         self.samplers[sampler_id] = Sampler(sampler_id, owner, weights, path)
         return sampler_id
@@ -629,7 +650,7 @@ class TinkerService:
         return self._new_sampler(owner, body.get("session_id", ""), body.get("sampling_session_seq_id"), weights, path)
 
     def sampler(self, owner: str, sampler_id: str) -> Sampler:
-        s = self.samplers.get(sampler_id)
+        s = self.samplers.get(_name("sampling_session_id", sampler_id))
         if s is None or s.owner != owner:
             raise unknown("sampling_session_id", sampler_id)
         return s
@@ -656,7 +677,7 @@ class TinkerService:
         if body.get("target_prompt_logprobs") is not None:
             raise TinkerError("target_prompt_logprobs", "not served yet")
         tokens = prompt_tokens(body.get("prompt"), self.pool.vocab_size)
-        params = self._sampling_params(body.get("sampling_params") or {})
+        params = self._sampling_params(_object(body, "sampling_params"))
         return self._sample(s, tokens, params, n, bool(body.get("prompt_logprobs")))
 
     def _sampling_params(self, p: dict) -> SamplingParams:

@@ -1,6 +1,7 @@
 """`rollmesh serve tinker` against the official `tinker` SDK and two tinker-cookbook recipes, unchanged.
 
-One service (SmolLM2-135M-Instruct, its own embedded engine) for the module; two keys: alice's and bob's.
+One service (SmolLM2-135M-Instruct, its own embedded engine) for the module; three keys: alice's and bob's,
+and carol's for the fuzzed bodies.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ EXAMPLES = [("banana split", "ananab tilps"), ("quantum physics", "mutnauq scisy
 def service(smollm2, tmp_path_factory):
     where = tmp_path_factory.mktemp("tinker")
     keys = where / "keys.json"
-    key = {name: issue_key(keys, name, prefix="tml-") for name in ("alice", "bob")}
+    key = {name: issue_key(keys, name, prefix="tml-") for name in ("alice", "bob", "carol")}
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "tinker", "--set", f"model_path={smollm2}"]
     for k, v in {
@@ -323,3 +324,80 @@ def test_a_small_sparse_body_that_would_inflate_is_refused_in_bounded_memory(ser
     assert r.status_code == 400 and r.json()["field"] == "data[0].model_input", r.text
     assert "100000 tokens" in r.json()["detail"]
     assert _peak_rss(service["pid"]) - before < 64 * 2**20  # the body's few MB, never the 800 MB it names
+
+
+def test_hostile_json_bodies_get_a_4xx_naming_the_field_and_the_service_keeps_serving(service, client):
+    """Fuzzed (hypothesis, as the gateway's routes in test_fuzz_http.py): each JSON route's body as the
+    SDK sends it, cut short, not JSON, or one field given any JSON value. Every answer is a 200 or a
+    4xx whose body names the field (``{"detail", "field"}``), never a 5xx; every call it accepted
+    ends in a result or a refusal, never an internal error; the SDK's loop works afterwards."""
+    import time
+
+    import httpx
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from tests.services.test_fuzz import fuzz
+    from tests.services.test_fuzz_http import MUST_FAIL, damaged
+
+    sc = client("carol")
+    tc = sc.create_lora_training_client(base_model=service["model"], rank=4).result()
+    sid, mid = tc.model_id.split(":train:")[0], tc.model_id
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+    bodies = {
+        "create_model": {
+            "session_id": sid,
+            "model_seq_id": 900,
+            "base_model": service["model"],
+            "lora_config": {"rank": 4},
+        },
+        "optim_step": {"model_id": mid, "seq_id": 1, "adam_params": {"learning_rate": 1e-4, "beta1": 0.9}},
+        "save_weights": {"model_id": mid, "path": "fuzz", "seq_id": 2},
+        "save_weights_for_sampler": {"model_id": mid, "path": "fuzz-s", "seq_id": 3},
+        "load_weights": {"model_id": mid, "path": f"tinker://{mid}/weights/none", "seq_id": 4},
+        "get_info": {"model_id": mid},
+        "weights_info": {"tinker_path": f"tinker://{mid}/weights/none"},
+        "create_sampling_session": {"session_id": sid, "sampling_session_seq_id": 7, "base_model": service["model"]},
+        "asample": {
+            "base_model": service["model"],
+            "prompt": prompt,
+            "num_samples": 1,
+            "sampling_params": {"max_tokens": 2},
+        },
+        "session_heartbeat": {"session_id": sid},
+        "retrieve_future": {"request_id": "nothing"},
+        "unload_model": {"model_id": f"{sid}:train:999"},
+    }
+    http = httpx.Client(base_url=f"{service['url']}/api/v1", headers={"X-API-Key": service["key"]["carol"]}, timeout=60)
+    accepted = []
+
+    @fuzz(200)
+    @given(data=st.data())
+    def run(data):
+        route = data.draw(st.sampled_from(sorted(bodies)))
+        kind = data.draw(st.sampled_from(["truncated", "not_json", "value"]))
+        body, field = damaged(bodies[route], kind, data.draw)
+        r = http.post(f"/{route}", content=body, headers={"content-type": "application/json"})
+        what = f"{route} {kind} {body[:200]!r}: HTTP {r.status_code} {r.text[:300]}"
+        assert r.status_code == 200 or 400 <= r.status_code < 500, what
+        assert r.status_code != 200 or kind not in MUST_FAIL, what
+        if r.status_code == 200:
+            if "request_id" in r.json() and route != "retrieve_future":
+                accepted.append((what, r.json()["request_id"]))
+            return
+        err = r.json()
+        assert err["detail"] and (err["field"] or r.status_code in (404, 429)), what
+        assert kind == "value" or err["field"] == field, what
+
+    run()
+    deadline = time.monotonic() + 120
+    for what, rid in accepted:  # the calls it took end cleanly (or are still waiting their turn)
+        while time.monotonic() < deadline:
+            answer = http.post("/retrieve_future", json={"request_id": rid}).json()
+            if answer.get("type") != "try_again":
+                assert answer.get("category") != "server", f"{what} -> {answer}"
+                break
+    http.close()
+    fresh = sc.create_lora_training_client(base_model=service["model"], rank=4).result()
+    tok = fresh.get_tokenizer()
+    assert fresh.forward_backward([datum(tok, *EXAMPLES[0])], "cross_entropy").result().metrics["loss:sum"] > 0
