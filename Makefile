@@ -40,6 +40,9 @@ $(STAMP): pyproject.toml
 	# OpenEnv, for the tests that plug a server written with it into rollmesh (and its client into ours):
 	# without its dependencies, which bring a web UI (gradio) and model-hub clients the tests never use.
 	$(PIP) $(INSTALL) --no-deps openenv-core==0.3.0
+	# xgrammar, the embedded engine's constrained decoding (json_schema / regex / ebnf): without its
+	# dependencies, which bring triton (285 MB) for GPU kernels; its CPU bitmask needs tvm-ffi only.
+	$(PIP) $(INSTALL) --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# GEM's games (env.type gem); its pins (reasoning-gym 0.1.23) would downgrade the tasks' reasoning-gym.
 	$(PIP) $(INSTALL) --no-deps gem-llm==0.1.0
 	# SwanLab's tracker (train_loop.tracking.swanlab_project): it declares protobuf<7, which the gRPC stubs

@@ -7,7 +7,13 @@ samples with one; the proto message mirrors it field for field (``services/conve
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import json
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# A grammar's text at most (a tool-call schema is a few KB; xgrammar's compile time grows with it).
+MAX_GRAMMAR_CHARS = 65_536
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 class SamplingParams(BaseModel):
@@ -22,3 +28,39 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra tokens that end generation.")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
     sampling_seed: int | None = Field(None, description="Seed of this request's sampler: same seed, same tokens.")
+    json_schema: str | None = Field(
+        None,
+        max_length=MAX_GRAMMAR_CHARS,
+        description="Constrained decoding: the answer is JSON valid against this JSON schema (text). Each "
+        "token is sampled from the policy's distribution masked to what the grammar allows, and its "
+        "log-prob is that masked distribution's.",
+    )
+    regex: str | None = Field(
+        None, max_length=MAX_GRAMMAR_CHARS, description="Constrained decoding: the answer matches this regex."
+    )
+    ebnf: str | None = Field(
+        None,
+        max_length=MAX_GRAMMAR_CHARS,
+        description="Constrained decoding: the answer follows this EBNF grammar (GBNF, its rule 'root').",
+    )
+
+    @field_validator("json_schema")
+    @classmethod
+    def _json(cls, schema: str | None) -> str | None:
+        if schema is not None:
+            try:
+                json.loads(schema)
+            except ValueError as e:
+                raise ValueError(f"not JSON: {e}") from None
+        return schema
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> SamplingParams:
+        given = [f for f in GRAMMAR_FIELDS if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)}: one grammar a request")
+        return self
+
+    def grammar(self) -> tuple[str, str] | None:
+        """``(field, text)`` of the grammar the answer must follow, or None."""
+        return next(((f, getattr(self, f)) for f in GRAMMAR_FIELDS if getattr(self, f) is not None), None)

@@ -46,12 +46,14 @@ def sampling_from_pb(sp: proxy_pb.SamplingParams) -> SamplingParams:
         "ignore_eos": sp.ignore_eos,
         "stop_token_ids": list(sp.stop_token_ids),
     }
-    fields |= {n: getattr(sp, n) for n in ("temperature", "top_p", "top_k", "sampling_seed") if sp.HasField(n)}
+    optional = ("temperature", "top_p", "top_k", "sampling_seed", "json_schema", "regex", "ebnf")
+    fields |= {n: getattr(sp, n) for n in optional if sp.HasField(n)}
     try:
         return SamplingParams(**fields)
     except ValidationError as e:
         err = e.errors()[0]
-        raise RequestInvalid(f"sampling_params.{err['loc'][0]}", f"{err['msg']}, got {err.get('input')!r}") from None
+        where = f"sampling_params.{err['loc'][0]}" if err["loc"] else "sampling_params"  # (a rule of two fields)
+        raise RequestInvalid(where, f"{err['msg']}, got {str(err.get('input'))[:200]!r}") from None
 
 
 def routed_experts_to_pb(ids: np.ndarray) -> proxy_pb.RoutedExperts:

@@ -36,6 +36,20 @@ def bench_engine(
     emit(checked(run, str(model), num_prompts, max_new_tokens, batch_size, vllm, progress_printer(json_)), json_)
 
 
+@app.command("grammar")
+def bench_grammar(
+    model: Path = typer.Option(Path("models/smollm2"), help="Model directory (a chat model: `make model`'s SmolLM2)."),
+    num_prompts: int = typer.Option(32, help="Prompts, each sampled once plain and once under the schema."),
+    max_new_tokens: int = typer.Option(64, help="Tokens per answer at most."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """Constrained decoding (a tool call's JSON schema) vs plain sampling in the embedded engine:
+    tokens/s, masking time per step, compile time, valid answers, the cost of replaying the masks."""
+    from services.bench.grammar_bench import run
+
+    emit(checked(run, str(model), num_prompts, max_new_tokens, progress_printer(json_)), json_)
+
+
 @app.command("proxy")
 def bench_proxy(
     model: Path = typer.Option(Path("models/tiny"), help="Model directory."),

@@ -289,6 +289,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
             except EngineError as e:
                 field = e.field if not batched else e.field.replace("input_ids", f"input_ids[{i}]")
                 raise EngineError(field, e.message) from None
+        await compile_grammars(params, batched)
         images = images_of(req.image_data, n, batched)
         loras = loras_of(req.lora_path, n)
         extra = {}
@@ -325,6 +326,24 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
         # json.dumps directly: FastAPI's jsonable_encoder walks every element of the token lists
         # (~1 us each), which made weight updates wait seconds behind aborted long generations.
         return Response(json.dumps(body if batched else body[0]), media_type="application/json")
+
+    async def compile_grammars(params: list[SamplingParams], batched: bool) -> None:
+        """Each distinct grammar compiled before anything is queued, off the event loop and within its
+        deadline (``rollout/engines/embedded/grammar.py``); one that does not compile: 400, by field."""
+        seen: set = set()
+        for i, p in enumerate(params):
+            key = p.grammar()
+            if key is None or key in seen:
+                continue
+            seen.add(key)
+            if not hasattr(type(engine), "grammars"):  # (the property itself loads the tokenizer)
+                name = type(engine).__name__
+                raise EngineError(f"sampling_params.{key[0]}", f"{name} does not decode under grammars")
+            try:
+                await asyncio.to_thread(engine.grammars.compile_within, p)
+            except EngineError as e:
+                field = e.field.replace("sampling_params", f"sampling_params[{i}]") if batched else e.field
+                raise EngineError(field, e.message) from None
 
     async def _stream(
         rid: str, prompt: list[int], params: SamplingParams, return_logprob: bool, extra: dict, routing_start: int

@@ -69,10 +69,7 @@ DEFAULT_ONLY_SAMPLING = {
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
     "min_new_tokens": 0,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
+    "structural_tag": None,  # (json_schema, regex and ebnf are SamplingParams': constrained decoding)
     "custom_params": None,
     "logit_bias": None,
 }

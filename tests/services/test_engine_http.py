@@ -97,12 +97,45 @@ def test_batch_generate_and_logprobs_match_teacher_forcing(engine_url, tiny_mode
         ({"input_ids": [1] * 5000, "sampling_params": {"n": 1000}}, "sampling_params.n"),  # 5 M tokens from 20 KB
         ({"input_ids": [1], "sampling_params": {"n": 3}, "rid": ["a", "b"]}, "rid"),
         ({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 65}, "top_logprobs_num"),  # at most 64
+        # constrained decoding: a grammar that does not compile, two of them, or a batch's bad one, by field
+        ({"input_ids": [1], "sampling_params": {"regex": "(unclosed"}}, "sampling_params.regex"),
+        ({"input_ids": [1], "sampling_params": {"ebnf": "root ::= nothing"}}, "sampling_params.ebnf"),
+        ({"input_ids": [1], "sampling_params": {"json_schema": "{nope"}}, "sampling_params.json_schema"),
+        ({"input_ids": [1], "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "sampling_params"),
+        ({"input_ids": [1], "sampling_params": {"regex": "a" * 70_000}}, "sampling_params.regex"),
+        (
+            {"input_ids": [[1], [2]], "sampling_params": [{"regex": "a"}, {"regex": "("}]},
+            "sampling_params[1].regex",
+        ),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(engine_url, payload, field):
     r = post(engine_url, "/generate", json=payload)
     assert r.status_code == 400, r.text
     assert r.json()["field"] == field, r.json()
+
+
+def test_sglangs_grammar_params_constrain_the_answer(engine_url, tiny_model):
+    """SGLang's sampling params verbatim: each answer of a batch follows its own grammar (or none)."""
+    import json
+    import re
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"], "additionalProperties": False}
+    params = [
+        {"max_new_tokens": 48, "json_schema": json.dumps(schema)},
+        {"max_new_tokens": 16, "regex": "(red|blue)!"},
+        {"max_new_tokens": 16, "ebnf": 'root ::= "A" [0-9] "Z"'},
+        {"max_new_tokens": 4, "temperature": 0},
+    ]
+    r = post(engine_url, "/generate", json={"input_ids": [[1, 2, 3]] * 4, "sampling_params": params})
+    assert r.status_code == 200, r.text
+    texts = [tok.decode(a["output_ids"][:-1]) for a in r.json()[:3]]
+    assert json.loads(texts[0])["n"] in (1, 2)
+    assert re.fullmatch("(red|blue)!", texts[1]) and re.fullmatch("A[0-9]Z", texts[2]), texts
+    assert all(a["meta_info"]["finish_reason"]["type"] == "stop" for a in r.json()[:3])
 
 
 def test_parallel_sampling_is_n_samples_of_one_prompt_each_with_its_rid(engine_url, tiny_model):

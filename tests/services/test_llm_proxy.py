@@ -125,6 +125,36 @@ def test_bad_input_is_invalid_argument_and_the_proxy_keeps_serving(two_engines):
     assert len(ok.output_ids) >= 1
 
 
+def test_a_grammar_crosses_the_proxy_to_the_engine_or_is_refused_by_name(two_engines, tiny_model):
+    """SGLang's regex through the LLMProxy's gRPC: the embedded engine answers under it; vLLM's
+    client refuses it by name (its log-probs would not be the masked distribution's)."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    async def scenario(client, proxy):
+        def req(regex: str) -> pb.GenerateRequest:
+            return pb.GenerateRequest(
+                input_ids=[1, 2, 3], sampling_params=pb.SamplingParams(max_new_tokens=12, regex=regex)
+            )
+
+        outcomes = []
+        for regex in ("(cat|dog)s?", "(unclosed"):
+            try:
+                outcomes.append(await client.stub.Generate(req(regex), timeout=30))
+            except grpc.aio.AioRpcError as e:
+                outcomes.append((e.code(), e.details()))
+        return outcomes
+
+    answer, bad = run(scenario, two_engines)
+    assert bad[0] == grpc.StatusCode.INVALID_ARGUMENT and bad[1].startswith("sampling_params.regex"), bad
+    if getattr(two_engines, "api", "sglang") == "vllm":
+        assert answer[0] == grpc.StatusCode.INVALID_ARGUMENT and "embedded engine only" in answer[1], answer
+        return
+    text = AutoTokenizer.from_pretrained(tiny_model).decode(list(answer.output_ids)[:-1])
+    assert re.fullmatch("(cat|dog)s?", text) and answer.finish_reason == common_pb2.FINISH_REASON_STOP, text
+
+
 def test_suspend_update_resume_continues_from_partial_tokens(make_engine_process, tiny_model, tiny_model_b):
     _, url = make_engine_process()
     prompt = [1, 30, 31, 32]

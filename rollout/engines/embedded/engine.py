@@ -34,6 +34,7 @@ from rollout.engines.contract import MAX_TOP_LOGPROBS, EngineError, GenerateOutp
 from rollout.engines.embedded import adapter_sync
 from rollout.engines.embedded.attention import AttentionLayout, UnsupportedModel
 from rollout.engines.embedded.config import EngineConfig
+from rollout.engines.embedded.grammar import Grammars
 from rollout.engines.embedded.kv_slots import KVSlots
 from rollout.engines.embedded.lora import Adapters
 from rollout.engines.embedded.lora import read as read_adapter
@@ -75,6 +76,7 @@ class _Request:
     mrope: torch.Tensor | None = None  # Qwen2-VL: the prompt's 3-D rotary positions [3, len(prompt)] ...
     rope_delta: int = 0  # ... and what a later token's position adds to its index
     lora: str | None = None  # the adapter it is generated with (SGLang's lora_path: its name)
+    matcher: object = None  # constrained decoding: its grammar's state (xgrammar's GrammarMatcher)
 
     @property
     def context(self) -> list[int]:
@@ -142,6 +144,8 @@ class EmbeddedEngine(SchedulerCommands):
         self.checksum = weights_checksum(self.model.state_dict())
         self.model_path = config.model_path
         self.adapters = Adapters(self.model)  # LoRA adapters served per request
+        self._grammars: Grammars | None = None  # made at the first constrained request (``grammars``)
+        self._grammars_lock = threading.Lock()
         self._adapter_base: dict[str, torch.Tensor] = {}  # adapter-only updates: base weights, as the files hold them
 
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -191,6 +195,17 @@ class EmbeddedEngine(SchedulerCommands):
             return frozenset()
         return frozenset([eos] if isinstance(eos, int) else eos)
 
+    @property
+    def grammars(self) -> Grammars:
+        """The grammars of this model's tokenizer (``grammar.py``); made once, on first use."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+                self._grammars = Grammars(tokenizer, self.vocab_size, sorted(self.eos_ids))
+            return self._grammars
+
     # ----------------------------------------------------------------- public API (any thread)
     def validate(self, input_ids: list[int], params: SamplingParams) -> None:
         if not input_ids:
@@ -218,6 +233,12 @@ class EmbeddedEngine(SchedulerCommands):
             raise EngineError("sampling_params.top_k", f"must fit in 64 bits, got {params.top_k}")
         if params.sampling_seed is not None and not -(1 << 63) <= params.sampling_seed < 1 << 64:
             raise EngineError("sampling_params.sampling_seed", f"must fit in 64 bits, got {params.sampling_seed}")
+        if params.grammar() is not None and (params.ignore_eos or not self.eos_ids):
+            raise EngineError(
+                "sampling_params.ignore_eos" if params.ignore_eos else f"sampling_params.{params.grammar()[0]}",
+                "a grammar ends the answer at an end-of-sequence token"
+                + (": ignore_eos cannot be honoured with it" if params.ignore_eos else ", and this model names none"),
+            )
 
     def submit(
         self,
@@ -256,6 +277,7 @@ class EmbeddedEngine(SchedulerCommands):
         if params.sampling_seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        matcher = self.grammars.matcher(params) if params.grammar() is not None else None
         req = _Request(
             rid,
             list(input_ids),
@@ -268,6 +290,7 @@ class EmbeddedEngine(SchedulerCommands):
             routing=return_routed_experts,
             vision=vision,
             lora=lora,
+            matcher=matcher,
         )
         if self._mrope:  # in the caller's thread: index arithmetic only, no weights
             req.mrope, req.rope_delta = self._rope_index(req)
@@ -505,6 +528,7 @@ class EmbeddedEngine(SchedulerCommands):
             if copies:
                 self._batch.repeat([first_slot + i for i in source[len(unique) :]])
                 last = last.index_select(0, torch.tensor(source, device=last.device))
+            last = self._constrained(last, group)
             tokens, logprobs = sample_next_tokens(
                 last, [r.params for r in group], [r.generator for r in group], self._sampler
             )
@@ -580,16 +604,22 @@ class EmbeddedEngine(SchedulerCommands):
             for i, r in enumerate(self._running):
                 if r.routing:
                     r.route_decode(experts[i, 0])
+        last = self._constrained(out.logits[:, -1], self._running)
         tokens, logprobs = sample_next_tokens(
-            out.logits[:, -1],
-            [r.params for r in self._running],
-            [r.generator for r in self._running],
-            self._sampler,
+            last, [r.params for r in self._running], [r.generator for r in self._running], self._sampler
         )
-        tops = top_logprobs(out.logits[:, -1], [r.params for r in self._running], [r.top_n for r in self._running])
+        tops = top_logprobs(last, [r.params for r in self._running], [r.top_n for r in self._running])
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         self._leave({i for i, r in enumerate(self._running) if self._append(r, tokens[i], logprobs[i], tops[i])})
         self.counters["decode_steps"] += 1
+
+    def _constrained(self, logits: torch.Tensor, rows: list[_Request]) -> torch.Tensor:
+        """``logits`` with each constrained row masked to what its grammar allows next: what it samples
+        from and reports the log-probs of (μ is the masked distribution)."""
+        if all(r.matcher is None for r in rows):
+            return logits
+        self.counters["constrained_tokens"] += sum(r.matcher is not None for r in rows)
+        return self.grammars.masked(logits, [r.matcher for r in rows])
 
     def _leave(self, rows: set[int]) -> None:
         """Running rows ``rows`` leave the batch (finished or aborted); their slots are refilled."""
@@ -609,6 +639,9 @@ class EmbeddedEngine(SchedulerCommands):
         if req.on_token is not None:
             req.on_token(token, logprob, version)
         self.counters["generated_tokens"] += 1
+        if req.matcher is not None and not req.matcher.accept_token(token):  # the mask allowed it: a bug if so
+            self._finish(req, {"type": "abort", "message": f"token {token} is outside the request's grammar"})
+            return True
         if token in req.stop_ids:
             self._finish(req, {"type": "stop", "matched": token})
         elif len(req.output_ids) >= req.params.max_new_tokens or len(req.context) >= self.max_context:

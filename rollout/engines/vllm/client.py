@@ -61,6 +61,9 @@ _RESUME_RESERVE_S = 5.0
 def vllm_sampling(params: SamplingParams | dict, return_logprob: bool, top_logprobs: int = 0) -> dict:
     """SGLang's sampling names (rollmesh's) as vLLM's ``SamplingParams``; every value is sent."""
     p = params if isinstance(params, SamplingParams) else SamplingParams.model_validate(params)
+    if (grammar := p.grammar()) is not None:  # (vLLM reports log-probs before its grammar's mask by default)
+        field = f"sampling_params.{grammar[0]}"
+        raise EngineRejected(f"{field}: constrained decoding is served by the embedded engine only", field)
     out = {
         "max_tokens": p.max_new_tokens,
         "temperature": p.temperature,

@@ -1,0 +1,115 @@
+"""Constrained decoding in the embedded engine (SGLang's json_schema / regex / ebnf sampling params,
+xgrammar's token bitmask): answers follow their grammar, in one continuous batch with rows that are
+not constrained, and each token's log-prob is that of the masked distribution it was sampled from."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout.engines.contract import EngineError
+from rollout.engines.embedded.config import EngineConfig
+from rollout.engines.embedded.engine import EmbeddedEngine
+from rollout.sampling import SamplingParams
+
+T = 60
+SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"], "additionalProperties": False}
+REGEX = "(yes|no) [0-9]{2}"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    eng = EmbeddedEngine(EngineConfig(model_path=tiny_model, num_threads=1)).start()
+    yield eng
+    eng.shutdown()
+
+
+def _text(tok, out) -> str:
+    ids = out.output_ids[:-1] if out.finish_reason.get("type") == "stop" else out.output_ids
+    return tok.decode(ids)
+
+
+def test_answers_follow_their_grammar_beside_rows_that_are_not_constrained(engine, tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = tok.encode("hello there")
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    alone = engine.submit("alone", prompt, greedy).result(T).output_ids
+    futures = {}
+    for i in range(4):  # one prompt: its samples share a prefill, each with a matcher of its own
+        futures[f"re{i}"] = engine.submit(
+            f"re{i}", prompt, SamplingParams(max_new_tokens=32, sampling_seed=i, regex=REGEX)
+        )
+        schema = SamplingParams(max_new_tokens=64, sampling_seed=i, json_schema=json.dumps(SCHEMA))
+        futures[f"js{i}"] = engine.submit(f"js{i}", prompt, schema)
+    futures["plain"] = engine.submit("plain", prompt, greedy)
+    outs = {k: f.result(T) for k, f in futures.items()}
+    for k, out in outs.items():
+        if k == "plain":
+            assert out.output_ids == alone  # the masks of its neighbours changed nothing of its own
+            continue
+        assert out.finish_reason["type"] == "stop", (k, out.finish_reason)
+        text = _text(tok, out)
+        if k.startswith("re"):
+            assert re.fullmatch(REGEX, text), text
+        else:
+            assert json.loads(text)["a"] in ("x", "y") and set(json.loads(text)) == {"a"}, text
+    assert engine.counters["constrained_tokens"] >= sum(len(o.output_ids) for k, o in outs.items() if k != "plain")
+
+
+def test_a_constrained_tokens_logprob_is_the_masked_distributions(engine, tiny_model):
+    """μ of every constrained token equals log_softmax over the tokens its grammar allowed there
+    (replayed with a matcher over the answer); without the mask it would not."""
+    import xgrammar as xgr
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = tok.encode("a json please")
+    params = SamplingParams(max_new_tokens=64, temperature=1.0, sampling_seed=3, json_schema=json.dumps(SCHEMA))
+    out = engine.submit("mu", prompt, params).result(T)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.output_ids])).logits[0, len(prompt) - 1 : -1].float()
+    matcher = engine.grammars.matcher(params)
+    bitmask = xgr.allocate_token_bitmask(len(out.output_ids), logits.shape[-1])
+    for i, t in enumerate(out.output_ids):
+        matcher.fill_next_token_bitmask(bitmask, i)
+        assert matcher.accept_token(t)
+    masked = logits.clone()
+    xgr.apply_token_bitmask_inplace(masked, bitmask)
+    at = torch.arange(len(out.output_ids)), torch.tensor(out.output_ids)
+    with_mask = torch.log_softmax(masked, -1)[at]
+    without = torch.log_softmax(logits, -1)[at]
+    mu = torch.tensor(out.behavior_logprobs)
+    assert torch.allclose(mu, with_mask, atol=1e-4), (mu - with_mask).abs().max()
+    assert (without < mu - 0.5).any()  # the unmasked policy is far from μ on constrained tokens
+
+
+def test_a_grammar_that_does_not_compile_is_refused_by_field_and_the_engine_serves_on(engine):
+    for params, field in (
+        (SamplingParams(regex="(unclosed"), "sampling_params.regex"),
+        (SamplingParams(ebnf="root ::= missing_rule"), "sampling_params.ebnf"),
+        (SamplingParams(json_schema=json.dumps({"type": "no-such-type"})), "sampling_params.json_schema"),
+        (SamplingParams(regex="a", ignore_eos=True), "sampling_params.ignore_eos"),
+    ):
+        with pytest.raises(EngineError) as e:
+            engine.grammars.compile_within(params)
+            engine.submit("bad", [1, 2, 3], params)
+        assert e.value.field == field, (field, e.value)
+    with pytest.raises(ValueError, match="regex and ebnf: one grammar a request"):
+        SamplingParams(regex="a", ebnf='root ::= "a"')
+    with pytest.raises(ValueError, match="not JSON"):
+        SamplingParams(json_schema="{nope")
+    with pytest.raises(ValueError, match="at most 65536 characters"):
+        SamplingParams(regex="a" * 65_537)
+    out = engine.submit("after", [1, 2, 3], SamplingParams(max_new_tokens=4, regex="[ab]+")).result(T)
+    assert out.output_ids
+
+
+def test_an_episode_config_asking_for_a_grammar_is_refused_until_the_trainer_replays_masks():
+    from rollout.episode import EpisodeConfig
+
+    with pytest.raises(ValueError, match="json_schema: episodes are not decoded under a grammar yet"):
+        EpisodeConfig(sampling={"json_schema": json.dumps(SCHEMA)})
