@@ -32,7 +32,11 @@ class Grammars:
     """The compiled grammars of one engine's tokenizer, and a matcher per constrained request."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]) -> None:
-        import xgrammar as xgr
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            need = "constrained decoding needs xgrammar: pip install rollmesh[grammar]"
+            raise EngineError("sampling_params", need) from None
 
         self._xgr = xgr
         # The model's logits may be wider than the tokenizer's vocabulary (padding): the mask is as wide.
