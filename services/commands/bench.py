@@ -38,7 +38,10 @@ def bench_engine(
 
 @app.command("grammar")
 def bench_grammar(
-    model: Path = typer.Option(Path("models/smollm2"), help="Model directory (a chat model: `make model`'s SmolLM2)."),
+    model: Path = typer.Option(
+        Path("models/smollm2"),
+        help="Model directory (a chat model; SmolLM2: `rollmesh init-model --from smollm2-135m-instruct`).",
+    ),
     num_prompts: int = typer.Option(32, help="Prompts, each sampled once plain and once under the schema."),
     max_new_tokens: int = typer.Option(64, help="Tokens per answer at most."),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),

@@ -561,27 +561,25 @@ def test_openenvs_own_client_drives_a_rollmesh_provider():
     assert step.observation == {"content": "echo hello", "role": "tool"} and step.reward == pytest.approx(0.1)
 
 
-def test_the_rollout_loop_runs_multi_turn_episodes_on_a_provider(provider):
-    """The loop over the plain controller and the in-memory buffer, its episodes on a provider
-    process: one member of each group makes its environment raise; it is left out, counted by
-    kind, and the groups (two members each) are put with every slot accounted for."""
+def loop_on_providers(env: dict, reply, group_size: int, episode: dict | None = None, groups: int = 2):
+    """Run the rollout loop (the plain controller, the in-memory buffer, a scripted engine answering
+    ``reply(request id)``) with episodes on the providers ``env`` names, until ``groups`` are put;
+    returns (loop, controller, pool, the groups put)."""
     import functools
 
     from rollout.config import RolloutConfig
     from rollout.loop import RolloutLoop
     from sample_buffer.config import BufferConfig
     from sample_buffer.memory import MemoryBuffer
-    from sample_buffer.trajectory import FinishReason
     from services.controller.config import ControllerConfig
     from services.controller.controller import AsyncController
     from tests.rollout.test_loop import CharTokenizer, Recorder, ScriptedEngine, until
 
     async def main():
-        controller = AsyncController(ControllerConfig(async_ratio=0, groups_per_step=2))
+        controller = AsyncController(ControllerConfig(async_ratio=0, groups_per_step=groups))
         buffer = MemoryBuffer(BufferConfig())
-        engine = ScriptedEngine(controller, reply=lambda rid: {"0": "7", "1": "raise", "2": "8"}[rid[-1]])
-        env = {"type": "remote", "addresses": [provider["grpc"]], "num_seeds": 10}
-        config = RolloutConfig(group_size=3, num_workers=2, env=env, episode={"max_turns": 4}, admit_poll_s=0.005)
+        engine = ScriptedEngine(controller, reply=reply)
+        config = RolloutConfig(group_size=group_size, num_workers=2, env=env, episode=episode or {}, admit_poll_s=0.005)
         pool = build_pool(config.env, AuthConfig())
         loop = RolloutLoop(
             config,
@@ -596,14 +594,26 @@ def test_the_rollout_loop_runs_multi_turn_episodes_on_a_provider(provider):
         )
         try:
             await loop.start()
-            await until(lambda: loop.counters["groups_put"] >= 2, 20)
+            await until(lambda: loop.counters["groups_put"] >= groups, 20)
             await loop.stop()
         finally:
             await pool.aclose()
         batch = await buffer.get(10, version=0, max_staleness=0, timeout_s=0)
-        return loop, controller, batch.decode()
+        return loop, controller, pool, batch.decode()
 
-    loop, controller, groups = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_the_rollout_loop_runs_multi_turn_episodes_on_a_provider(provider):
+    """The loop over the plain controller and the in-memory buffer, its episodes on a provider
+    process: one member of each group makes its environment raise; it is left out, counted by
+    kind, and the groups (two members each) are put with every slot accounted for."""
+    from sample_buffer.trajectory import FinishReason
+    from tests.rollout.test_loop import CharTokenizer
+
+    env = {"type": "remote", "addresses": [provider["grpc"]], "num_seeds": 10}
+    reply = lambda rid: {"0": "7", "1": "raise", "2": "8"}[rid[-1]]  # noqa: E731
+    loop, controller, _, groups = loop_on_providers(env, reply, group_size=3, episode={"max_turns": 4})
     assert len(groups) == 2 and controller.in_flight == 0 and controller.finished == 2
     assert loop.counters["members_dropped_env_error"] == 2 and loop.observer.dropped == ["env_error"] * 2
     for g in groups:

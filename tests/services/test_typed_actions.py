@@ -111,47 +111,12 @@ def test_a_formatter_that_breaks_is_the_episodes_error_not_an_invalid_action(gri
 def test_the_rollout_loop_keeps_invalid_answers_for_training(grid):
     """Through the loop: members answering "go up" end as normal episodes (reward 0, tokens kept,
     loss mask on the answer), the groups are put; the EnvManager's metrics count them."""
-    import functools
-
-    from rollout.config import RolloutConfig
-    from rollout.loop import RolloutLoop
-    from sample_buffer.config import BufferConfig
-    from sample_buffer.memory import MemoryBuffer
     from sample_buffer.trajectory import FinishReason
-    from services.controller.config import ControllerConfig
-    from services.controller.controller import AsyncController
-    from tests.rollout.test_loop import CharTokenizer, Recorder, ScriptedEngine, until
+    from tests.services.test_env_provider import loop_on_providers
 
-    async def main():
-        controller = AsyncController(ControllerConfig(async_ratio=0, groups_per_step=2))
-        buffer = MemoryBuffer(BufferConfig())
-        engine = ScriptedEngine(controller, reply=lambda rid: {"0": "0", "1": "go up"}[rid[-1]])
-        env = {"type": "remote", "protocol": "openenv", "addresses": [grid], "observation_format": FORMAT}
-        config = RolloutConfig(
-            group_size=2, num_workers=2, env={**env, "action_key": "move", "token_env": None}, admit_poll_s=0.005
-        )
-        pool = build_pool(config.env, AuthConfig())
-        loop = RolloutLoop(
-            config,
-            rows=[{}] * 10,
-            tokenizer=CharTokenizer(),
-            reward_fn=None,
-            admission=controller,
-            engine=engine,
-            sink=buffer,
-            observer=Recorder(),
-            make_env=functools.partial(RemoteEnv, pool),
-        )
-        try:
-            await loop.start()
-            await until(lambda: loop.counters["groups_put"] >= 2, 20)
-            await loop.stop()
-        finally:
-            await pool.aclose()
-        batch = await buffer.get(10, version=0, max_staleness=0, timeout_s=0)
-        return loop, pool, batch.decode()
-
-    loop, pool, groups = asyncio.run(main())
+    env = {"type": "remote", "protocol": "openenv", "addresses": [grid], "observation_format": FORMAT}
+    env |= {"action_key": "move", "token_env": None}
+    loop, _, pool, groups = loop_on_providers(env, lambda rid: {"0": "0", "1": "go up"}[rid[-1]], group_size=2)
     assert len(groups) == 2 and loop.counters["members_dropped_env_error"] == 0
     for g in groups:
         by_member = {t.trajectory_id.rsplit("/", 1)[1]: t for t in g.trajectories}
