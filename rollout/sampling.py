@@ -50,8 +50,8 @@ class SamplingParams(BaseModel):
         if schema is not None:
             try:
                 json.loads(schema)
-            except ValueError as e:
-                raise ValueError(f"not JSON: {e}") from None
+            except (ValueError, RecursionError) as e:  # (nested thousands deep: RecursionError)
+                raise ValueError(f"not JSON: {type(e).__name__}: {str(e)[:200]}") from None
         return schema
 
     @model_validator(mode="after")

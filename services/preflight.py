@@ -18,8 +18,10 @@ def problems(cfg) -> list[str]:
 
 def _models(cfg) -> list[str]:
     """The model directories the processes load from (the engines', the trainer's, a reference's)."""
-    named = {"trainer.model_path": cfg.trainer.model_path, "trainer.ref_model_path": cfg.trainer.ref_model_path}
-    if cfg.run.num_engines:  # (none: a shared pool serves the policy, no engine of this run loads it)
+    named = {}
+    if cfg.trainer.type != "sim":  # (the simulated ones load no model: a tokenizer at most)
+        named = {"trainer.model_path": cfg.trainer.model_path, "trainer.ref_model_path": cfg.trainer.ref_model_path}
+    if cfg.run.num_engines and cfg.engine.type != "sim":  # (no engines: a shared pool serves the policy)
         named["engine.model_path"] = getattr(cfg.engine, "model_path", None)
     return [
         f"{field}: no model at {path} (a directory with config.json: `rollmesh init-model` or a local copy)"

@@ -55,8 +55,14 @@ class TextStream:
         decode = self.tokenizer.decode
         before = decode(self.ids[self._prefix : self._read], skip_special_tokens=True)
         after = decode(self.ids[self._prefix :], skip_special_tokens=True)
-        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
-            return False  # a character still cut in half (or nothing printable): wait for more
+        if after.endswith("\ufffd"):
+            return False  # a character still cut in half: wait for more
+        if not after.startswith(before):  # a decode that rewrote the text before (spaces cleaned up):
+            self.text = decode(self.ids, skip_special_tokens=True)  # the whole answer again, once
+            self._prefix, self._read, self._searched = max(0, len(self.ids) - 1), len(self.ids), 0
+            return True
+        if len(after) <= len(before):
+            return False  # nothing printable yet
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)
         return True

@@ -340,7 +340,7 @@ def create_app(engine: EmbeddedEngine, auth: AuthConfig | None = None, load_root
                 name = type(engine).__name__
                 raise EngineError(f"sampling_params.{key[0]}", f"{name} does not decode under grammars")
             try:
-                await asyncio.to_thread(engine.grammars.compile_within, p)
+                await asyncio.to_thread(lambda p=p: engine.grammars.compile_within(p))  # (its first use loads)
             except EngineError as e:
                 field = e.field.replace("sampling_params", f"sampling_params[{i}]") if batched else e.field
                 raise EngineError(field, e.message) from None

@@ -249,6 +249,9 @@ def _budgets(declared) -> Budgets | None:
         raise ProviderError("garbage", f"budgets: {e}") from None
 
 
+_REQUEST_PARTS = frozenset({"body", "query", "path", "header", "cookie"})  # FastAPI's, not an action's fields
+
+
 def _action_invalid(data) -> bool:
     """OpenEnv's 422 for an action its class does not validate (pydantic's errors, located in the
     action's fields), not FastAPI's for a malformed request (located in ``body``): the first is the
@@ -257,7 +260,7 @@ def _action_invalid(data) -> bool:
     return (
         isinstance(errors, list)
         and bool(errors)
-        and all(isinstance(e, dict) and (e.get("loc") or ["body"])[0] != "body" for e in errors)
+        and all(isinstance(e, dict) and (e.get("loc") or ["body"])[0] not in _REQUEST_PARTS for e in errors)
     )
 
 

@@ -460,6 +460,7 @@ class TinkerService:
 
     def _parse(self, owner: str, path: str, kind: str) -> Path:
         """A ``tinker://MODEL/KIND/NAME`` path this key saved, as its directory."""
+        path = _name("path", path)  # (a JSON body's model_path may be anything)
         parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
         if len(parts) != 3 or parts[1] != kind:
             raise TinkerError("path", f"{path!r} is not a tinker://MODEL_ID/{kind}/NAME path")

@@ -509,3 +509,22 @@ def test_a_long_stream_decodes_each_token_a_bounded_number_of_times(base_tokeniz
     sent = "".join(stream.push([t]) for t in ids)
     assert sum(decoded) < 8 * len(ids), sum(decoded)
     assert tok.decode(ids).startswith(sent) and len(tok.decode(ids)) - len(sent) < len("STOP HERE")
+
+
+def test_a_decode_that_rewrites_earlier_text_makes_the_stream_start_again_not_grow():
+    """A tokenizer whose decode of more tokens changes the text before them (spaces cleaned up before
+    punctuation): the stream decodes the whole answer again once, then goes on a few tokens at a time."""
+    from rollout.agent.text_stream import TextStream
+
+    vocab = ["x", " ", ".", "y", "z"]
+    decoded = []
+
+    class Cleaning:
+        def decode(self, ids, **kw):
+            decoded.append(len(ids))
+            return "".join(vocab[i] for i in ids).replace(" .", ".")
+
+    stream = TextStream(Cleaning(), [], tools=False)
+    sent = [stream.push([i]) for i in [0, 1, 2] + [3, 4] * 200]
+    assert sent[:2] == ["x", " "] and stream.text.startswith("x.yz")  # re-read whole once the "." came
+    assert max(decoded) <= 3 + 1 and sum(decoded) < 6 * len(stream.ids), (max(decoded), sum(decoded))

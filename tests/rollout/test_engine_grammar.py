@@ -102,6 +102,8 @@ def test_a_grammar_that_does_not_compile_is_refused_by_field_and_the_engine_serv
         SamplingParams(regex="a", ebnf='root ::= "a"')
     with pytest.raises(ValueError, match="not JSON"):
         SamplingParams(json_schema="{nope")
+    with pytest.raises(ValueError, match="not JSON: RecursionError"):  # nested too deep to parse: a clean refusal
+        SamplingParams(json_schema="[" * 60_000)
     with pytest.raises(ValueError, match="at most 65536 characters"):
         SamplingParams(regex="a" * 65_537)
     out = engine.submit("after", [1, 2, 3], SamplingParams(max_new_tokens=4, regex="[ab]+")).result(T)
@@ -113,3 +115,12 @@ def test_an_episode_config_asking_for_a_grammar_is_refused_until_the_trainer_rep
 
     with pytest.raises(ValueError, match="json_schema: episodes are not decoded under a grammar yet"):
         EpisodeConfig(sampling={"json_schema": json.dumps(SCHEMA)})
+
+
+def test_top_logprobs_under_a_grammar_are_the_tokens_it_allows(engine):
+    """A grammar that allows two tokens next: the top five are those two (finite), never -inf entries
+    (which JSON cannot carry)."""
+    out = engine.submit("tops", [1, 2, 3], SamplingParams(max_new_tokens=2, regex="[ab]"), top_logprobs_num=5).result(T)
+    first = out.top_logprobs[0]
+    assert 1 <= len(first) <= 2 and all(v > float("-inf") for _, v in first), first
+    assert abs(sum(torch.tensor([v for _, v in first]).exp().tolist()) - 1) < 1e-4  # all the masked mass

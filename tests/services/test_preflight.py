@@ -53,6 +53,9 @@ def test_every_missing_file_is_named_at_once(tiny_model, tmp_path):
     found = problems(cfg)
     assert [x.split(":")[0] for x in found] == ["trainer.model_path", "env_manager.dataset_path", "run.heldout_path"]
     assert all(str(tmp_path) in x for x in found), found
+    # the simulated engine loads no model: its model_path is a tokenizer's at most
+    sim = load_config("examples/quickstart.yaml", [f"model_path={tmp_path / 'tokenizer-only'}", "engine={type: sim}"])
+    assert not [x for x in problems(sim) if x.startswith("engine.")]
     proc = _run(quickstart_cmd(tmp_path / "no-model", tmp_path / "run"))
     assert proc.returncode == 2 and "engine.model_path: no model at" in proc.stdout, proc.stdout[-2000:]
 

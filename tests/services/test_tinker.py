@@ -357,7 +357,11 @@ def test_hostile_json_bodies_get_a_4xx_naming_the_field_and_the_service_keeps_se
         "load_weights": {"model_id": mid, "path": f"tinker://{mid}/weights/none", "seq_id": 4},
         "get_info": {"model_id": mid},
         "weights_info": {"tinker_path": f"tinker://{mid}/weights/none"},
-        "create_sampling_session": {"session_id": sid, "sampling_session_seq_id": 7, "base_model": service["model"]},
+        "create_sampling_session": {
+            "session_id": sid,
+            "sampling_session_seq_id": 7,
+            "model_path": f"tinker://{mid}/sampler_weights/none",
+        },
         "asample": {
             "base_model": service["model"],
             "prompt": prompt,

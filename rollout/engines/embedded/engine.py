@@ -202,7 +202,10 @@ class EmbeddedEngine(SchedulerCommands):
             if self._grammars is None:
                 from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+                except (OSError, ValueError) as e:
+                    raise EngineError("sampling_params", f"no tokenizer to build a grammar's mask with: {e}") from None
                 self._grammars = Grammars(tokenizer, self.vocab_size, sorted(self.eos_ids))
             return self._grammars
 

@@ -44,7 +44,8 @@ class Grammars:
         # only the tokenizer's eos_token).
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # its own cache has no bound (one compiled grammar per distinct text): ours keeps CACHE
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")  # one compile at a time
@@ -109,7 +110,8 @@ class Grammars:
         for j, i in enumerate(rows):
             matchers[i].fill_next_token_bitmask(bitmask, j)
         out = logits.float().clone()
-        picked = out[rows]
+        # On the CPU, whatever the logits' device: xgrammar's GPU path is a triton kernel, not installed
+        picked = out[rows].cpu()
         self._xgr.apply_token_bitmask_inplace(picked, bitmask)
-        out[rows] = picked
+        out[rows] = picked.to(out.device)
         return out

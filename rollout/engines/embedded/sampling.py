@@ -88,6 +88,6 @@ def top_logprobs(logits: torch.Tensor, params: list[SamplingParams], ks: list[in
         return out
     temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
     values, ids = token_logprobs(logits[rows], temps).topk(min(max(ks), logits.shape[-1]), dim=-1)
-    for j, i in enumerate(rows):
-        out[i] = list(zip(ids[j, : ks[i]].tolist(), values[j, : ks[i]].tolist()))
+    for j, i in enumerate(rows):  # (a grammar's mask leaves some tokens -inf: not among the likely ones)
+        out[i] = [(t, v) for t, v in zip(ids[j, : ks[i]].tolist(), values[j, : ks[i]].tolist()) if v > float("-inf")]
     return out
