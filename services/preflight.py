@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from services.engine.backends import backend
+
 
 def problems(cfg) -> list[str]:
     """Everything the run ``cfg`` would stop on for want of a credential or a file, one line each."""
@@ -21,7 +23,7 @@ def _models(cfg) -> list[str]:
     named = {}
     if cfg.trainer.type != "sim":  # (the simulated ones load no model: a tokenizer at most)
         named = {"trainer.model_path": cfg.trainer.model_path, "trainer.ref_model_path": cfg.trainer.ref_model_path}
-    if cfg.run.num_engines and cfg.engine.type != "sim":  # (no engines: a shared pool serves the policy)
+    if cfg.run.num_engines and backend(cfg.engine).loads_model:  # (none: a shared pool serves the policy)
         named["engine.model_path"] = getattr(cfg.engine, "model_path", None)
     return [
         f"{field}: no model at {path} (a directory with config.json: `rollmesh init-model` or a local copy)"

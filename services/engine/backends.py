@@ -56,6 +56,7 @@ class Backend:
     adapts_lm_head: bool = True  # its adapters may adapt the output layer (vLLM serves no LoRA on lm_head)
     releases_memory: bool = True  # gives GPU memory back while a colocated trainer trains
     uses_gpu: bool = True
+    loads_model: bool = True  # its model_path is a model's directory (the simulator's: a tokenizer's at most)
     torch_threads: bool = False  # a torch process in rollmesh's hands: `rollmesh run` sets its num_threads
     colocated_settings: tuple[tuple[str, object], ...] = ()  # engine.<key> = value when colocated
     # MoE routing replay: whether its answers can carry each position's experts, and engine.<key> = value
@@ -124,6 +125,7 @@ BACKENDS: dict[str, Backend] = {
         _IN_PROCESS,
         "rollout.engines.sim.engine:SimEngine",
         uses_gpu=False,
+        loads_model=False,
         routing_settings=None,
     ),
 }
