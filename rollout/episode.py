@@ -18,7 +18,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.budgets import EpisodeClock
 from rollout.call_threads import run_in_thread
@@ -63,18 +63,6 @@ class EpisodeConfig(BaseModel):
         "costs `penalty`; trajectories record turns_over_target, and rollmesh_env_turns_over_target_total counts "
         "them, so a policy can learn to answer within its budget. None: latency does not touch the reward.",
     )
-
-    @field_validator("sampling")
-    @classmethod
-    def _trained_distribution(cls, sampling: SamplingParams) -> SamplingParams:
-        # A constrained token is sampled from the masked distribution; the trainer's π is the unmasked
-        # one until it replays the grammar's masks, so its ratio π/μ would be biased on every such token.
-        if (grammar := sampling.grammar()) is not None:
-            raise ValueError(
-                f"{grammar[0]}: episodes are not decoded under a grammar yet (the trainer does not replay "
-                "its masks); the engine serves it to callers that do not train on the answers"
-            )
-        return sampling
 
 
 async def run_episode(
@@ -371,6 +359,8 @@ async def _run_episode(
             "turn_starts": turns,
             # the temperature each turn was sampled at: μ is at it, so the trainer's π must be too
             "turn_temperatures": [sampling.temperature] * len(turns),
+            # and under its grammar, if any: μ is the masked distribution's, so the trainer masks π too
+            **({"turn_grammars": [list(grammar)] * len(turns)} if (grammar := sampling.grammar()) else {}),
             **why,
             **({} if chat.exact else {"chat_render": "alone"}),
             **({"turns_over_target": over_target} if penalty is not None else {}),

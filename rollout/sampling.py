@@ -11,9 +11,7 @@ import json
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# A grammar's text at most (a tool-call schema is a few KB; xgrammar's compile time grows with it).
-MAX_GRAMMAR_CHARS = 65_536
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+from sample_buffer.trajectory import GRAMMAR_FIELDS, MAX_GRAMMAR_CHARS
 
 
 class SamplingParams(BaseModel):

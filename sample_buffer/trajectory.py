@@ -47,6 +47,12 @@ class PutRefusal(StrEnum):
     FULL = "full"  # the buffer stayed at capacity for the whole put timeout
 
 
+# Constrained decoding: the sampling params a grammar comes in (SGLang's names) and the longest text
+# one may have (a tool-call schema is a few KB; xgrammar's compile time grows with it). A turn decoded
+# under one records it (``metadata.turn_grammars``), so the trainer replays its masks.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 65_536
+
 # A domain's name: it becomes a Redis key and a Prometheus label, so a short plain word ("": none).
 DOMAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{0,64}")
 
@@ -132,6 +138,8 @@ class Trajectory:
             raise TrajectoryError(f"metadata: a map expected, got {type(self.metadata).__name__}")
         if "turn_temperatures" in self.metadata:
             self._check_turns(t)
+        if "turn_grammars" in self.metadata:
+            self._check_grammars()
         if self.routed_experts is not None:
             try:
                 routing_ids.check(self.routed_experts, t)
@@ -156,6 +164,26 @@ class Trajectory:
             raise TrajectoryError(f"metadata.turn_temperatures: one per turn_starts ({len(starts)}) expected")
         if not all(type(x) in (int, float) and 0 <= x < float("inf") for x in temps):
             raise TrajectoryError("metadata.turn_temperatures: finite numbers >= 0 expected")
+
+    def _check_grammars(self) -> None:
+        """A turn's grammar, null where it was free: the trainer masks π as the engine masked μ
+        (``trainer/grammar_masks.py``)."""
+        grammars, starts = self.metadata["turn_grammars"], self.metadata.get("turn_starts")
+        if not isinstance(grammars, list) or not isinstance(starts, list) or len(grammars) != len(starts):
+            raise TrajectoryError("metadata.turn_grammars: one per turn_starts expected")
+        for g in grammars:
+            ok = g is None or (
+                isinstance(g, list | tuple)
+                and len(g) == 2
+                and g[0] in GRAMMAR_FIELDS
+                and isinstance(g[1], str)
+                and len(g[1]) <= MAX_GRAMMAR_CHARS
+            )
+            if not ok:
+                raise TrajectoryError(
+                    f"metadata.turn_grammars: null or [field, text] (field one of {', '.join(GRAMMAR_FIELDS)}, "
+                    f"text at most {MAX_GRAMMAR_CHARS} characters) expected"
+                )
 
 
 @dataclass

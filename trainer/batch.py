@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from sample_buffer.trajectory import FinishReason, Group
+from trainer.grammar_masks import constrained_spans
 
 
 @dataclass
@@ -38,6 +39,15 @@ class TrainBatch:
     # Per trajectory: its images' encoded bytes, in the order of their placeholders in its tokens
     # (a vision-language model's; the trainer's ``Vision`` makes pixels of them). None: no images.
     images: list[tuple[bytes, ...]] | None = None
+    # Per trajectory: its turns decoded under a grammar, ``(start, end, field, text)`` (the generated
+    # tokens in [start, end) were sampled from a masked distribution; ``trainer/grammar_masks.py``).
+    # None: no trajectory has any.
+    grammar_spans: list[list[tuple[int, int, str, str]]] | None = None
+    # [B, T] long: which grammar (1 + its index among the batch's) sampled each constrained token, 0
+    # elsewhere: tree packing shares a token only where its mask is shared too.
+    grammar_tags: torch.Tensor | None = None
+    # Per trajectory: its constrained tokens' masks (``RowMasks``), replayed by the trainer once per batch.
+    grammar_masks: list | None = None
 
     @cached_property
     def sequences(self) -> list[torch.Tensor]:
@@ -57,6 +67,9 @@ class TrainBatch:
         temps = None if self.temperatures is None else self.temperatures[rows, :width]
         experts = None if self.routed_experts is None else [self.routed_experts[r] for r in rows]
         images = None if self.images is None else [self.images[r] for r in rows]
+        spans = None if self.grammar_spans is None else [self.grammar_spans[r] for r in rows]
+        tags = None if self.grammar_tags is None else self.grammar_tags[rows, :width]
+        masks = None if self.grammar_masks is None else [self.grammar_masks[r] for r in rows]
         return TrainBatch(
             ids,
             offsets,
@@ -68,6 +81,9 @@ class TrainBatch:
             temps,
             experts,
             images,
+            spans,
+            tags,
+            masks,
         )
 
 
@@ -91,12 +107,18 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
     behav = torch.zeros(len(trajs), width)
     versions = torch.full((len(trajs), width), -1, dtype=torch.long)
     temps = torch.ones(len(trajs), width)
+    spans = [constrained_spans(t.metadata, t.loss_mask, len(t.token_ids)) for _, t in trajs]
+    tags = torch.zeros(len(trajs), width, dtype=torch.long)
+    grammar_ids: dict[tuple[str, str], int] = {}
     for i, (_, t) in enumerate(trajs):
         m = torch.from_numpy(t.loss_mask.astype(np.float32))
         mask[i, : len(m)] = m
         behav[i, : len(m)][m > 0] = torch.from_numpy(t.behavior_logprobs.astype(np.float32))
         versions[i, : len(m)][m > 0] = torch.from_numpy(t.token_versions.astype(np.int64))
         _fill_temperatures(temps[i, : len(m)], t.metadata)
+        for start, end, field, text in spans[i]:
+            tag = grammar_ids.setdefault((field, text), len(grammar_ids) + 1)
+            tags[i, start:end] = m[start:end].long() * tag
     return TrainBatch(
         token_ids=torch.from_numpy(np.concatenate([t.token_ids for _, t in trajs]).astype(np.int64)),
         offsets=_offsets(lengths),
@@ -112,6 +134,8 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
         images=None
         if not any(t.images for _, t in trajs)
         else [tuple(groups[gi].images[h] for h in t.images) for gi, t in trajs],
+        grammar_spans=spans if grammar_ids else None,
+        grammar_tags=tags if grammar_ids else None,
     )
 
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import random
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from trainer import lora
 from trainer.advantages import compute_advantages, masked_mean
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
+from trainer.grammar_masks import GrammarReplay, ReplayError, RowMasks, mask_logits
 from trainer.loss_config import PolicyLossConfig
 from trainer.losses import (
     RATIO_METRICS,
@@ -36,7 +38,7 @@ from trainer.losses import (
     policy_loss,
     value_loss,
 )
-from trainer.packing import gather_token_logprobs, padded_inputs, plan_micro_batches, scale_by_temperature
+from trainer.packing import padded_inputs, plan_micro_batches, scale_by_temperature, scaled_token_logprobs
 from trainer.prefix_tree import build_layout, tree_tokens
 from trainer.routing import RoutingReplay, replay_ids, usable
 from trainer.varlen import KWARG, plan_attention, use_varlen
@@ -103,6 +105,30 @@ def _experts(batch: TrainBatch, rows: list[int]) -> list | None:
 def _images(batch: TrainBatch, rows: list[int]) -> list | None:
     """Each of ``rows``' images (None: no trajectory has any)."""
     return None if batch.images is None else [batch.images[r] for r in rows]
+
+
+def _grammar_masks(batch: TrainBatch, rows: list[int]) -> list | None:
+    """The constrained tokens' masks of ``rows`` (None: no row was decoded under a grammar)."""
+    return None if batch.grammar_masks is None else [batch.grammar_masks[r] for r in rows]
+
+
+def _grammar_tags(batch: TrainBatch, rows: list[int]) -> torch.Tensor | None:
+    return None if batch.grammar_tags is None else batch.grammar_tags[rows]
+
+
+def _mask_places(masks: list[RowMasks | None], place, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows of a forward's [N, V] logits that predict constrained tokens (``place(i, positions)``
+    says where sequence i's tokens are predicted) and each one's bitmask; None: nothing to mask."""
+    index, bits = [], []
+    for i, m in enumerate(masks or ()):
+        if m is None or not len(m.positions):
+            continue
+        keep = m.positions < lengths[i]  # a sequence cut at the model's positions: its tail is not computed
+        index.append(place(i, m.positions[keep]))
+        bits.append(m.bits[keep])
+    if not index:
+        return None
+    return torch.cat(index), torch.cat(bits)
 
 
 def _decoder_layers(model):
@@ -191,6 +217,7 @@ class TrainEngine:
                     use_varlen(m)
         # a vision-language policy: its trajectories' images become pixels for its vision tower
         self.vision = VisionInputs(self.model, config.model_path) if is_vision_model(config.model_path) else None
+        self.grammars: GrammarReplay | None = None  # made at the first batch with a constrained turn
         if self.vision is not None and config.tree_packing:
             # its images and 3-D positions are laid out per sequence; a shared prefix has no single one
             raise ValueError("trainer.tree_packing: text policies only (this one is vision-language)")
@@ -282,13 +309,24 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ forward passes
     def _forward(
-        self, model, seqs: list[list[int]], width: int, entropy: bool = False, temps=None, experts=None, images=None
+        self,
+        model,
+        seqs: list[list[int]],
+        width: int,
+        entropy: bool = False,
+        temps=None,
+        experts=None,
+        images=None,
+        masks=None,
+        tags=None,
     ):
         """Per-token log-probs (and entropies) of ``seqs``: [b, width], aligned to the tokens, each
         at its sampling temperature (``temps`` [b, width]; None: 1), as the engines report μ; with
         routing replay, each sequence's MoE layers use its ``experts`` (a list aligned to ``seqs``);
-        a vision-language policy sees each sequence's ``images`` (a list aligned to ``seqs``).
-        An empty ``seqs`` (a rank's filler micro-batch) runs one dummy token and returns [0, width]
+        a vision-language policy sees each sequence's ``images`` (a list aligned to ``seqs``);
+        a constrained token's distribution is masked to what its grammar allowed (``masks``, a list
+        of ``RowMasks`` aligned to ``seqs``; ``tags``: their grammar tags, for tree packing). An
+        empty ``seqs`` (a rank's filler micro-batch) runs one dummy token and returns [0, width]
         tensors still attached to the graph, so its backward joins the collectives."""
         replay = self.replay.get(id(model))
         if replay is not None:
@@ -302,7 +340,7 @@ class TrainEngine:
         if (limit := self._max_positions(model)) is not None:  # past it, positions the model never saw:
             seqs = [s[:limit] for s in seqs]  # not computed (train_step does not train on such a trajectory)
         if self.config.pack_sequences:
-            return self._packed_forward(model, seqs, width, entropy, temps, experts, images, replay)
+            return self._packed_forward(model, seqs, width, entropy, temps, experts, images, replay, masks, tags)
         ids, attn = padded_inputs(seqs, self.device)
         if replay is not None and experts is not None:
             replay.set(self._replay_ids(experts, {i: (i, 0) for i in range(len(seqs))}, ids.shape, replay))
@@ -310,24 +348,25 @@ class TrainEngine:
         with self._compute_precision():
             logits = model(input_ids=ids, attention_mask=attn, **extra).logits
         temps = None if temps is None else temps[:, : ids.shape[1]]
-        lp = gather_token_logprobs(logits, ids, temps) * attn
-        ent = (
-            torch.nn.functional.pad(entropy_from_logits(scale_by_temperature(logits, temps)[:, :-1]), (1, 0)) * attn
-            if entropy
-            else None
-        )
+        scaled = scale_by_temperature(logits, temps)
+        b, n, v = scaled.shape
+        # token p of sequence i is predicted at flat row i·n + p − 1
+        if (masked := _mask_places(masks, lambda i, p: i * n + p - 1, [len(x) for x in seqs])) is not None:
+            scaled = mask_logits(scaled.reshape(b * n, v), *(t.to(self.device) for t in masked)).view(b, n, v)
+        lp = scaled_token_logprobs(scaled, ids) * attn
+        ent = torch.nn.functional.pad(entropy_from_logits(scaled[:, :-1]), (1, 0)) * attn if entropy else None
         pad = width - lp.shape[1]
         if pad:
             lp = torch.nn.functional.pad(lp, (0, pad))
             ent = torch.nn.functional.pad(ent, (0, pad)) if entropy else None
         return lp, ent
 
-    def _packed_forward(self, model, seqs, width: int, entropy: bool, temps, experts, images, replay):
+    def _packed_forward(self, model, seqs, width: int, entropy: bool, temps, experts, images, replay, masks, tags):
         """``_forward`` over one packed row (``trainer/prefix_tree.py``): with tree packing each
         run of tokens that sequences share is computed once, and each token's log-prob is read
         from the logits of the token before it in its own sequence."""
         seqs = [s.tolist() if torch.is_tensor(s) else list(s) for s in seqs]
-        layout = build_layout(seqs, width, temps, share=self.config.tree_packing)
+        layout = build_layout(seqs, width, temps, share=self.config.tree_packing, tags=tags)
         ids, positions = layout.ids[None].to(self.device), layout.positions[None].to(self.device)
         extra = {}
         if not self.config.tree_packing:  # sequences lie whole in the row: these inputs place them
@@ -342,6 +381,9 @@ class TrainEngine:
         before = logits.index_select(0, layout.prev_index.to(self.device))  # [T, V]: what predicts each token
         row_temps = None if layout.temps is None else layout.temps.to(self.device)
         scaled = before.float() if row_temps is None else before.float() / row_temps[:, None]
+        # token p of sequence i is predicted at the packed row of token_index[i, p] (a shared token once)
+        if (masked := _mask_places(masks, lambda i, p: layout.token_index[i, p], [len(x) for x in seqs])) is not None:
+            scaled = mask_logits(scaled, *(t.to(self.device) for t in masked))
         first = layout.first.to(self.device)
         packed_lp = torch.log_softmax(scaled, -1).gather(-1, ids[0, :, None])[:, 0].masked_fill(first, 0.0)
         index = layout.token_index.to(self.device)
@@ -407,13 +449,22 @@ class TrainEngine:
     def logprobs(self, batch: TrainBatch, model=None, entropy: bool = False):
         """[B, T] log-probs of every token under ``model`` (default: the policy), no gradient."""
         model = model or self.model
+        self.replay_grammars(batch)
         width = batch.loss_mask.shape[1]
         out = torch.zeros(len(batch.sequences), width, device=self.device)
         ent = torch.zeros_like(out) if entropy else None
         for rows in self.micro_batches(batch):
             seqs = [batch.sequences[r] for r in rows]
             lp, e = self._forward(
-                model, seqs, width, entropy, _temperatures(batch, rows), _experts(batch, rows), _images(batch, rows)
+                model,
+                seqs,
+                width,
+                entropy,
+                _temperatures(batch, rows),
+                _experts(batch, rows),
+                _images(batch, rows),
+                _grammar_masks(batch, rows),
+                _grammar_tags(batch, rows),
             )
             out[rows] = lp
             if entropy:
@@ -446,6 +497,7 @@ class TrainEngine:
         mismatch weights are computed once, before the first update."""
         cfg = self.config
         self.model.train()
+        constrained = self.replay_grammars(batch)  # before the loss mask is read: it may leave tokens out
         too_long = self._too_long(batch)
         dropped = self._unroutable(batch) if self.replay else 0
         mask = batch.loss_mask.to(self.device)
@@ -512,6 +564,7 @@ class TrainEngine:
         if self.replay:
             out["routing_dropped"] = _all_reduce(float(dropped))
         out["too_long_dropped"] = _all_reduce(float(too_long))
+        out |= dict(zip(constrained, _all_reduce_all(list(constrained.values())), strict=True))
         out["reward_mean"] = _all_reduce(float(batch.rewards.sum())) / _all_reduce(float(len(batch.rewards)))
         if (cap := getattr(cfg.loss, "behavior_weight_cap", None)) is not None:  # decoupled PPO's sg(π_prox/μ)
             capped = ((prox - behav).exp() > cap) & mask.bool()
@@ -521,6 +574,40 @@ class TrainEngine:
         if self.critic is not None:
             out["value_loss"] = self._critic_step(batch, values, returns, mask)
         return out
+
+    def replay_grammars(self, batch: TrainBatch) -> dict[str, float]:
+        """The masks of the batch's constrained tokens, replayed once (``trainer/grammar_masks.py``)
+        into ``batch.grammar_masks``; a trajectory whose masks cannot be rebuilt has its constrained
+        tokens left out of the loss. Returns the batch's counts (empty where nothing was constrained)."""
+        if batch.grammar_spans is None:
+            return {}
+        if batch.grammar_masks is None:
+            if self.grammars is None:
+                vocab = int(self.model.config.get_text_config().vocab_size)
+                self.grammars = GrammarReplay(self.config.model_path, vocab)
+            batch.grammar_masks = [self._row_masks(batch, r, spans) for r, spans in enumerate(batch.grammar_spans)]
+        rows = [m for m in batch.grammar_masks if m is not None]
+        return {
+            "grammar_tokens": float(sum(len(m.positions) for m in rows)),
+            "grammar_tokens_excluded": float(sum(m.excluded for m in rows)),
+            "grammar_replay_s": sum(m.replay_s for m in rows),
+        }
+
+    def _row_masks(self, batch: TrainBatch, row: int, spans: list) -> RowMasks | None:
+        if not spans:
+            return None
+        started, mask = time.perf_counter(), batch.loss_mask[row]
+        try:
+            got = self.grammars.row_masks(batch.sequences[row], mask, spans)
+            got.replay_s = time.perf_counter() - started
+            return got
+        except ReplayError as e:  # trained on an unmasked π against a masked μ: biased, so not at all
+            excluded = 0
+            for start, end, *_ in spans:
+                excluded += int(mask[start:end].sum())
+                mask[start:end] = 0
+            log.warning("constrained tokens of trajectory %d left out of the loss: %s", row, e)
+            return RowMasks.none(excluded, time.perf_counter() - started)
 
     @staticmethod
     def _max_positions(model) -> int | None:
@@ -637,6 +724,8 @@ class TrainEngine:
                 _temperatures(batch, micro),
                 _experts(batch, micro),
                 _images(batch, micro),
+                _grammar_masks(batch, micro),
+                _grammar_tags(batch, micro),
             )
             if not micro:  # filler micro-batch: a zero loss that still runs the backward collectives
                 (lp.sum() * 0.0).backward()

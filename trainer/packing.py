@@ -52,6 +52,11 @@ def gather_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temps: torch.
 
     logits: [..., L, V]; ids: [..., L] → [..., L].
     """
-    logp = torch.log_softmax(scale_by_temperature(logits, temps)[..., :-1, :], dim=-1)
+    return scaled_token_logprobs(scale_by_temperature(logits, temps), ids)
+
+
+def scaled_token_logprobs(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``gather_token_logprobs`` of logits already at their temperature (and under any grammar's mask)."""
+    logp = torch.log_softmax(scaled[..., :-1, :], dim=-1)
     picked = logp.gather(-1, ids[..., 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0))

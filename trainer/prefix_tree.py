@@ -10,7 +10,8 @@ sit in every sequence that holds them.
 The tree is rebuilt here from the token ids rather than carried by the buffer: what a trajectory
 recorded is what is trained, whatever produced it (a group, a gateway session, an environment's
 turns), and branches cannot disagree on the tokens they share. A token is shared only where the
-sampling temperature it was scored at is shared too, so every log-prob stays each sequence's own.
+sampling temperature it was scored at (and the grammar that masked it) is shared too, so every
+log-prob stays each sequence's own.
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ class PackLayout:
         return {n.seq: (0, n.offset) for n in self.nodes}
 
 
-def _keys(seqs: list[list[int]], temps: list[list[float]] | None) -> list[tuple]:
-    if temps is None:
+def _keys(seqs: list[list[int]], temps: list[list[float]] | None, tags: list[list[int]] | None) -> list[tuple]:
+    """What makes two sequences' tokens one: the ids and, where given, each token's temperature and
+    grammar tag (so that a shared token's log-prob is every sharer's own)."""
+    columns = [c for c in (temps, tags) if c is not None]
+    if not columns:
         return [tuple(s) for s in seqs]
-    return [tuple(zip(s, t)) for s, t in zip(seqs, temps)]
+    return [tuple(zip(s, *(c[i] for c in columns))) for i, s in enumerate(seqs)]
 
 
 def _common(a: tuple, b: tuple) -> int:
@@ -122,12 +126,18 @@ def _build_nodes(keys: list[tuple]) -> list[Node]:
 
 
 def build_layout(
-    seqs: list[list[int]], width: int, temps: torch.Tensor | None = None, share: bool = True
+    seqs: list[list[int]],
+    width: int,
+    temps: torch.Tensor | None = None,
+    share: bool = True,
+    tags: torch.Tensor | None = None,
 ) -> PackLayout:
     """``seqs`` (token id lists) in one packed row; ``temps`` [b, >= longest] their tokens' sampling
-    temperatures (None: all 1); ``width``: the per-sequence tensors' width (>= the longest)."""
+    temperatures (None: all 1); ``tags`` [b, >= longest] their grammar tags (``TrainBatch.grammar_tags``;
+    None: none); ``width``: the per-sequence tensors' width (>= the longest)."""
     temp_rows = None if temps is None else [temps[i, : len(s)].tolist() for i, s in enumerate(seqs)]
-    keys = _keys(seqs, temp_rows)
+    tag_rows = None if tags is None else [tags[i, : len(s)].tolist() for i, s in enumerate(seqs)]
+    keys = _keys(seqs, temp_rows, tag_rows)
     # an empty sequence has no node (its token_index row stays 0, beyond its end)
     nodes = _build_nodes(keys) if share else [Node(i, 0, len(s), -1) for i, s in enumerate(seqs) if s]
     # In the row: roots, then the other nodes, each by how many keys they attend to and then by

@@ -57,6 +57,7 @@ class GenerationNode:
     parent: PromptNode
     generation: Generation
     temperature: float = 1.0  # what it was sampled at (its log-probs are at it)
+    grammar: tuple[str, str] | None = None  # the grammar it was decoded under (its log-probs are masked)
     children: list[PromptNode] = field(default_factory=list)
 
 
@@ -126,14 +127,20 @@ class SessionTree:
         return node
 
     def record(
-        self, prompt: PromptNode, generation: Generation, key: str | None = None, temperature: float = 1.0
+        self,
+        prompt: PromptNode,
+        generation: Generation,
+        key: str | None = None,
+        temperature: float = 1.0,
+        grammar: tuple[str, str] | None = None,
     ) -> GenerationNode:
-        """What the engine generated for ``prompt`` at ``temperature``; ``key``: the conversation's
+        """What the engine generated for ``prompt`` at ``temperature`` (under ``grammar``, a
+        ``SamplingParams.grammar()``, if any); ``key``: the conversation's
         key once the agent appends the assistant message it was answered with
         (``conversation_keys``), so that a request continuing it finds it. None: nothing continues
         it (a raw completion)."""
         prompt = self._attach(prompt)
-        node = GenerationNode(key or "", prompt, generation, temperature)
+        node = GenerationNode(key or "", prompt, generation, temperature, grammar)
         prompt.children.append(node)
         self.tokens += len(generation.output_ids)
         if key:
@@ -190,6 +197,11 @@ class Path:
     turn_temperatures: list[float]  # what each was sampled at
     finish_reason: FinishReason
     images: tuple[PromptImage, ...] = ()  # in the order their placeholders stand in token_ids
+    turn_grammars: tuple = ()  # each turn's grammar ([field, text]) or None: free
+
+    def grammar_metadata(self) -> dict:
+        """``turn_grammars`` for the trajectory's metadata where any turn had one."""
+        return {"turn_grammars": list(self.turn_grammars)} if any(self.turn_grammars) else {}
 
 
 def trajectory_path(tip: GenerationNode) -> Path:
@@ -204,6 +216,7 @@ def trajectory_path(tip: GenerationNode) -> Path:
     versions: list[int] = []
     starts: list[int] = []
     temperatures: list[float] = []
+    grammars: list[list[str] | None] = []
     images: list[PromptImage] = []
     for g in reversed(chain):
         images += g.parent.images
@@ -211,9 +224,11 @@ def trajectory_path(tip: GenerationNode) -> Path:
         mask += [0] * len(g.parent.ids)
         starts.append(len(ids))
         temperatures.append(g.temperature)
+        grammars.append(None if g.grammar is None else list(g.grammar))
         out = g.generation
         ids += out.output_ids
         mask += [1] * len(out.output_ids)
         logprobs += out.behavior_logprobs
         versions += out.token_versions
-    return Path(ids, mask, logprobs, versions, starts, temperatures, tip.generation.finish_reason, tuple(images))
+    finish = tip.generation.finish_reason
+    return Path(ids, mask, logprobs, versions, starts, temperatures, finish, tuple(images), tuple(grammars))

@@ -337,6 +337,7 @@ class AgentSessions:
                         "branch": i,
                         "turn_starts": p.turn_starts,
                         "turn_temperatures": p.turn_temperatures,
+                        **p.grammar_metadata(),
                     },
                 )
             )
@@ -426,7 +427,7 @@ class AgentSessions:
             before = session.tree.tokens
             for c, params in zip(choices, sampling, strict=True):
                 key = None if messages is None else conversation_keys([*messages, c.message], tools)[-1]
-                session.tree.record(prepared.node, c.generation, key, params.temperature)
+                session.tree.record(prepared.node, c.generation, key, params.temperature, params.grammar())
             if session.session_id in self.sessions:  # not forgotten while it generated
                 self.held[session.owner] += session.tree.tokens - before
         self.counters["tokens_rendered"] += prepared.rendered

@@ -2,9 +2,9 @@
 
 Requests accept fields this gateway does not act on (``user``, ``store``, ``parallel_tool_calls``,
 ``metadata``, ...) and ignore them, as OpenAI-compatible servers do, because agent frameworks
-send them; fields whose meaning it cannot honour are refused by name (``echo``; ``tool_choice``
-other than ``auto`` or ``none`` and ``response_format`` other than ``text``: forcing a call, JSON
-mode and schemas need constrained decoding, which no engine here does).
+send them; fields whose meaning it cannot honour are refused by name (``echo``). A forced tool
+call (``tool_choice: "required"`` or a named function) and ``response_format`` (``json_object``,
+``json_schema``) are decoded under a grammar (``rollout/agent/constraints.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import uuid
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollout.agent.constraints import ConstraintError, response_grammar, tool_call_grammar
 from rollout.agent.messages import IMAGES, text_of
 from rollout.agent.sessions import ChatResult, Choice, SessionError
 from sample_buffer.vision import (
@@ -70,13 +71,24 @@ class _Request(BaseModel):
     @classmethod
     def _format_we_can_honour(cls, fmt):
         # Silently ignored, a JSON mode or schema got free text, which the agent failed to parse far
-        # from the cause (LangChain's with_structured_output): refused by name instead.
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise ValueError(
-                f"type {fmt.get('type')!r}: only text; JSON mode and schemas need constrained decoding, "
-                "which no engine here does"
-            )
+        # from the cause (LangChain's with_structured_output): each one is followed or refused by name.
+        if fmt is None:
+            return fmt
+        if fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type {fmt.get('type')!r}: text, json_object or json_schema")
+        spec = fmt.get("json_schema")
+        if fmt.get("type") == "json_schema" and not (
+            isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict)
+        ):
+            raise ValueError("json_schema: an object {name, schema, strict} expected, its schema an object")
         return fmt
+
+    def grammar(self) -> tuple[str, str] | None:
+        """The grammar the answer is decoded under, as a sampling param ``(field, text)``; None: free."""
+        try:
+            return response_grammar(self.response_format)
+        except ConstraintError as e:
+            raise SessionError(str(e), e.field) from None
 
     @field_validator("stop")
     @classmethod
@@ -118,9 +130,37 @@ class ChatRequest(_Request):
     @field_validator("tool_choice")
     @classmethod
     def _choice_we_can_honour(cls, choice):
-        if choice not in (None, "auto", "none"):
-            raise ValueError("only auto or none: the gateway cannot force a call (no constrained decoding)")
+        if choice in (None, "auto", "none", "required"):
+            return choice
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(fn, dict)):
+            raise ValueError('auto, none, required or {"type": "function", "function": {"name": ...}}')
+        if not isinstance(fn.get("name"), str):
+            raise ValueError("function.name: a tool's name (a string) expected")
         return choice
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """Whether a tool call is forced, and which tool's (None: any offered one)."""
+        if self.tool_choice == "required":
+            return True, None
+        if isinstance(self.tool_choice, dict):
+            return True, self.tool_choice["function"]["name"]
+        return False, None
+
+    def grammar(self) -> tuple[str, str] | None:
+        forced, name = self.forced_tool()
+        if not forced:
+            return super().grammar()
+        if not self.tools:
+            raise SessionError("tool_choice: a call is forced but no tools are offered", "tool_choice")
+        if (self.response_format or {}).get("type", "text") != "text":
+            raise SessionError(
+                "response_format: a forced tool call and a response format cannot both hold", "response_format"
+            )
+        try:  # xgrammar's translation of the tools' schemas (cached): CPU work, for a thread
+            return tool_call_grammar(self.tools, name)
+        except ConstraintError as e:
+            raise SessionError(str(e), e.field) from None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -140,7 +140,7 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
         session_id = session_id or request.headers.get(SESSION_HEADER)
         return None if not session_id else sessions.get(session_id, request.state.owner)
 
-    def sampling(req, n: int) -> list[SamplingParams]:
+    async def sampling(req, n: int) -> list[SamplingParams]:
         wanted = req.requested_tokens() or config.default_max_tokens
         if wanted > config.max_completion_tokens:
             raise SessionError(
@@ -148,12 +148,15 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
             )
         if n > config.max_n:
             raise SessionError(f"n: {n} is over the gateway's {config.max_n}", "n")
+        # a forced call's grammar is built by xgrammar (imported on first use, then cached): off the loop
+        grammar = await asyncio.to_thread(req.grammar)
         return [
             SamplingParams(
                 max_new_tokens=wanted,
                 temperature=req.temperature,
                 top_p=req.top_p,
                 sampling_seed=None if req.seed is None else req.seed + i,
+                **({} if grammar is None else {grammar[0]: grammar[1]}),
             )
             for i in range(n)
         ]
@@ -192,7 +195,7 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
             raise SessionError(
                 f"messages: {len(body.messages)} is over the gateway's {config.max_messages}", "messages"
             )
-        params = sampling(body, body.n)
+        params = await sampling(body, body.n)
         vision = sessions.renderer.vision
         urls = body.image_urls(vision)
         images = await asyncio.to_thread(measure_images, vision, urls) if urls else []
@@ -223,7 +226,7 @@ def create_app(sessions: AgentSessions, config: GatewayConfig, keys: KeyRing | N
 
     async def completions(request: Request, body: CompletionRequest, session_id: str | None = None):
         session = session_of(request, session_id)
-        params = sampling(body, body.n)
+        params = await sampling(body, body.n)
         prepared = await asyncio.to_thread(sessions.prepare_text, session, body.prompt)
         check_prompt(prepared)
         args = (session, None, None, prepared, params, body.stops(), body.top_k())

@@ -110,11 +110,31 @@ def test_a_grammar_that_does_not_compile_is_refused_by_field_and_the_engine_serv
     assert out.output_ids
 
 
-def test_an_episode_config_asking_for_a_grammar_is_refused_until_the_trainer_replays_masks():
-    from rollout.episode import EpisodeConfig
+def test_an_episode_under_a_grammar_records_it_for_the_trainer_turn_by_turn(engine, tiny_model):
+    """An episode's sampling may name a grammar: each turn is decoded under it by the engine and the
+    trajectory records it per turn (``turn_grammars``), which the trainer replays (its masks)."""
+    import asyncio
 
-    with pytest.raises(ValueError, match="json_schema: episodes are not decoded under a grammar yet"):
-        EpisodeConfig(sampling={"json_schema": json.dumps(SCHEMA)})
+    from rollout.episode import EpisodeConfig, run_episode
+    from rollout.ports import Generation
+    from sample_buffer.trajectory import FinishReason
+    from tests.rollout.test_chat_turns import ScriptedChat
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    config = EpisodeConfig(max_turns=2, sampling={"json_schema": json.dumps(SCHEMA), "max_new_tokens": 48})
+    asked = []
+
+    async def generate(input_ids, sampling, trajectory_id, timeout_s):
+        asked.append(sampling.grammar())
+        out = await asyncio.wrap_future(engine.submit(f"{trajectory_id}-{len(asked)}", input_ids, sampling))
+        reason = FinishReason.of_engine(out.finish_reason.get("type"))
+        return Generation(out.output_ids, out.behavior_logprobs, [0] * len(out.output_ids), reason)
+
+    env = ScriptedChat([("user", "again"), None])
+    traj = asyncio.run(run_episode(env, 0, generate, tok, config, trajectory_id="t", group_id="g", prompt_id="p"))
+    assert asked == [("json_schema", json.dumps(SCHEMA))] * 2
+    assert traj.metadata["turn_grammars"] == [["json_schema", json.dumps(SCHEMA)]] * 2
+    assert [json.loads(a)["a"] in ("x", "y") for a in env.actions] == [True, True]  # each turn's answer follows it
 
 
 def test_top_logprobs_under_a_grammar_are_the_tokens_it_allows(engine):

@@ -630,4 +630,6 @@ def test_a_groups_request_is_retried_on_a_transient_failure_and_redundant_member
     assert outcomes == ["put"] and retries == ["UNAVAILABLE", "UNAVAILABLE"]
     assert len(engine.group_calls) == 3 and engine.calls == 3  # two failed tries, then three samples
     # A group's request answers when its last sample ends; redundant rollout must not wait for it.
-    assert redundant == ["put"] and alone.group_calls == [] and alone.calls == 3
+    # Its members go one by one: the two the group keeps, and the redundant one unless the group was
+    # full before that one's task ran (it is then cancelled unsent: a loaded machine's schedule).
+    assert redundant == ["put"] and alone.group_calls == [] and 2 <= alone.calls <= 3

@@ -205,16 +205,33 @@ def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_ur
                 "temperature": lambda: c.chat.completions.create(model="m", messages=USER, temperature=5),
                 "top_logprobs": lambda: c.chat.completions.create(model="m", messages=USER, top_logprobs=3),
                 "tool_choice": lambda: c.chat.completions.create(
+                    model="m", messages=USER, max_tokens=4, tool_choice="required"
+                ),
+                "tool_choice.function.name": lambda: c.chat.completions.create(
                     model="m",
                     messages=USER,
-                    tool_choice="required",
+                    max_tokens=4,
+                    tool_choice={"type": "function", "function": {"name": "mul"}},
                     tools=[{"type": "function", "function": {"name": "add", "parameters": {}}}],
+                ),
+                "tools": lambda: c.chat.completions.create(
+                    model="m",
+                    messages=USER,
+                    max_tokens=4,
+                    tool_choice="required",
+                    tools=[{"type": "function", "function": {"name": "add", "parameters": {"type": "frob"}}}],
                 ),
                 "max_tokens": lambda: c.chat.completions.create(model="m", messages=USER, max_tokens=10_000),
                 "role": lambda: c.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}]),
                 "messages": lambda: c.chat.completions.create(model="m", messages=[]),
                 "response_format": lambda: c.chat.completions.create(
-                    model="m", messages=USER, response_format={"type": "json_object"}
+                    model="m", messages=USER, response_format={"type": "xml"}
+                ),
+                "response_format.json_schema.schema": lambda: c.chat.completions.create(  # one with no grammar
+                    model="m",
+                    messages=USER,
+                    max_tokens=4,
+                    response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "frob"}}},
                 ),
                 "session": lambda: c.chat.completions.create(
                     model="m", messages=USER, extra_headers={"x-rollmesh-session": "sess-nope"}
@@ -258,10 +275,12 @@ def test_bad_requests_get_openais_errors_and_the_gateway_keeps_serving(engine_ur
 
     errors, after, other = asyncio.run(main())
     assert errors["key"][0] == 401 and errors["key"][1]["code"] == "invalid_api_key"
-    for field in ("temperature", "top_logprobs", "tool_choice", "max_tokens", "messages", "response_format"):
+    fields = ("temperature", "top_logprobs", "tool_choice", "max_tokens", "messages", "response_format")
+    for field in (*fields, "tool_choice.function.name", "tools", "response_format.json_schema.schema"):
         status, body = errors[field]
         assert status == 400 and body["param"] == field and body["type"] == "invalid_request_error", (field, body)
     assert errors["role"][0] == 400 and "wizard" in errors["role"][1]["message"]
+    assert errors["response_format.json_schema.schema"][1]["message"].endswith('Unsupported type "frob"')
     assert errors["session"][0] == 404
     status, body = errors["image"]
     assert status == 400 and body["param"] == "messages[0].content[0].image_url", body
@@ -462,10 +481,61 @@ def test_an_agents_sdk_agent_runs_its_tool_loop_and_its_session_is_trained_token
     assert torch.allclose(generated, torch.tensor(traj.behavior_logprobs, dtype=torch.float32), atol=2e-3)
 
 
+def test_an_agents_sdk_agent_that_forces_its_tool_call_is_trained_a_step_through_the_gateway(
+    agent_model, agent_tools, engine_pool
+):
+    """The Agents SDK's ``tool_choice="required"``: the first turn is decoded under the call's
+    grammar (the SDK then lets the model answer freely: ``reset_tool_choice``). The session is
+    trained a step: the constrained turn's masks are replayed, the free one's tokens left as they are."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+
+    from tests.services.agent_model import INSTRUCTIONS, TEMPLATE
+    from trainer.batch import batch_from_groups
+    from trainer.config import TrainerConfig
+    from trainer.engine import TrainEngine
+
+    set_tracing_disabled(True)  # tracing would export to OpenAI's servers
+    add, _ = agent_tools
+    proc, url_engine = engine_pool.start(agent_model, [])
+
+    async def main():
+        async with gateway(url_engine, agent_model, template=TEMPLATE) as (url, mesh, _):
+            http = httpx.AsyncClient(headers={"authorization": "Bearer key-alice"}, timeout=30)
+            made = (await http.post(url + "/v1/sessions", json={})).json()
+            model = OpenAIChatCompletionsModel(
+                model="rollmesh-policy",
+                openai_client=openai.AsyncOpenAI(base_url=made["base_url"], api_key="key-alice", max_retries=0),
+            )
+            settings = ModelSettings(temperature=0.0, max_tokens=128, tool_choice="required")
+            agent = Agent(name="adder", instructions=INSTRUCTIONS, tools=[add], model=model, model_settings=settings)
+            result = await Runner.run(agent, "Add 3 and 4.", max_turns=4)
+            await http.post(f"{url}/v1/sessions/{made['id']}/end", json={"reward": 1.0})
+            batch = await mesh.buffer_client.get(1, 0, 1, timeout_s=5.0)
+            await http.aclose()
+            return result, batch
+
+    try:
+        result, batch = asyncio.run(main())
+    finally:
+        engine_pool.give_back(agent_model, [], proc, url_engine)
+    assert [item.output for item in result.new_items if item.type == "tool_call_output_item"] == [7]
+    assert result.final_output == "The sum is 7."
+    [group] = [decode_group(g) for g in batch.groups]
+    [traj] = group.trajectories
+    forced, free = traj.metadata["turn_grammars"]
+    assert forced[0] == "ebnf" and "<tool_call>" in forced[1] and free is None
+    train = batch_from_groups([group])
+    eng = TrainEngine(TrainerConfig(model_path=agent_model, lr=1e-3))
+    out = eng.train_step(train)
+    first_turn = traj.metadata["turn_starts"][1] - traj.metadata["turn_starts"][0]
+    assert 0 < out["grammar_tokens"] <= first_turn and out["grammar_tokens_excluded"] == 0
+    assert out["tokens"] == traj.num_generated  # a group of one: its advantage is 0, but every token is in the step
+
+
 def test_a_langgraph_react_agent_runs_its_tool_loop_with_the_models_own_template(agent_model, engine_pool):
     """LangGraph's ReAct agent over langchain-openai's ChatOpenAI, plain and streamed, with the
-    chat template the model itself ships; LangChain's structured output gets a 400 naming
-    response_format (it was silently ignored, and the free text failed to parse far away)."""
+    chat template the model itself ships; LangChain's structured output (a JSON schema, JSON mode, a
+    forced function call) and ``bind_tools(tool_choice="any")`` are decoded under their grammars."""
     from langchain_core.messages import AIMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
@@ -504,20 +574,21 @@ def test_a_langgraph_react_agent_runs_its_tool_loop_with_the_models_own_template
                 runs.append(await agent.ainvoke({"messages": [("user", "Add 3 and 4.")]}))
                 state = (await http.get(f"{url}/v1/sessions/{made['id']}")).json()
                 assert state["requests"] == 2 and state["branches"] == 1, state  # two turns, one conversation
-            refused = []
             llm = ChatOpenAI(
                 model="rollmesh-policy", base_url=url + "/v1", api_key="key-alice", max_retries=0, timeout=60
             )
-            for method in ("json_schema", "json_mode"):
-                try:
-                    await llm.with_structured_output(Sum, method=method).ainvoke("Add 3 and 4.")
-                except openai.BadRequestError as e:
-                    refused.append(e.body)
+            shaped = [
+                await llm.with_structured_output(Sum, method=method).ainvoke("Add 3 and 4.")
+                for method in ("json_schema", "function_calling")
+            ]
+            # JSON mode holds the answer to an object, not to a schema (OpenAI's too): a dict, not a Sum
+            shaped.append(await llm.with_structured_output(Sum.model_json_schema(), method="json_mode").ainvoke("3+4"))
+            forced = await llm.bind_tools([add], tool_choice="any").ainvoke([("user", "Add 3 and 4.")])
             await http.aclose()
-            return runs, refused
+            return runs, shaped, forced
 
     try:
-        runs, refused = asyncio.run(main())
+        runs, shaped, forced = asyncio.run(main())
     finally:
         engine_pool.give_back(agent_model, [], proc, url_engine)
     for run in runs:
@@ -525,4 +596,87 @@ def test_a_langgraph_react_agent_runs_its_tool_loop_with_the_models_own_template
         assert [t.content for t in tools] == ["7"], run["messages"]  # the graph ran the tool the model asked for
         final = run["messages"][-1]
         assert isinstance(final, AIMessage) and final.content == "The sum is 7.", final
-    assert [r["param"] for r in refused] == ["response_format", "response_format"], refused
+    assert [type(x) for x in shaped] == [Sum, Sum, dict], shaped  # parsed by LangChain into the schema's class
+    assert [c["name"] for c in forced.tool_calls] == ["add"] and set(forced.tool_calls[0]["args"]) == {"a", "b"}
+
+
+SUM_SCHEMA = {
+    "type": "object",
+    "properties": {"total": {"type": "integer"}, "sure": {"type": "boolean"}},
+    "required": ["total", "sure"],
+    "additionalProperties": False,
+}
+
+
+def test_answers_follow_their_response_format_and_forced_calls_are_trained_on_policy(agent_model, engine_pool):
+    """OpenAI's client asks for a JSON schema, JSON mode and forced tool calls (``required`` and a
+    named function): every answer follows its form. The session's turns record their grammars, and
+    a training step on it replays their masks: π equals the engine's μ on every constrained token."""
+    import jsonschema
+
+    from tests.services.agent_model import INSTRUCTIONS
+    from trainer.batch import batch_from_groups
+    from trainer.config import TrainerConfig
+    from trainer.engine import TrainEngine
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                },
+            },
+        }
+    ]
+    first = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Add 3 and 4."}]
+    proc, url_engine = engine_pool.start(agent_model, [])
+
+    async def main():
+        async with gateway(url_engine, agent_model, template="own") as (url, mesh, _):
+            c = client(url)
+            fmt = {"type": "json_schema", "json_schema": {"name": "sum", "schema": SUM_SCHEMA, "strict": True}}
+            shaped = await c.chat.completions.create(
+                model="m", messages=USER, response_format=fmt, max_tokens=48, n=3, seed=1
+            )
+            mode = await c.chat.completions.create(
+                model="m", messages=USER, response_format={"type": "json_object"}, max_tokens=48, seed=2
+            )
+            http = httpx.AsyncClient(headers={"authorization": "Bearer key-alice"}, timeout=30)
+            made = (await http.post(url + "/v1/sessions", json={})).json()
+            s = openai.AsyncOpenAI(base_url=made["base_url"], api_key="key-alice", max_retries=0, timeout=60)
+            messages, calls = list(first), []
+            for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+                answer = await s.chat.completions.create(
+                    model="m", messages=messages, tools=tools, tool_choice=choice, max_tokens=96, temperature=0.8
+                )
+                msg = answer.choices[0].message
+                calls.append((answer.choices[0].finish_reason, msg.tool_calls))
+                messages += [msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": "c", "content": "7"}]
+            await http.post(f"{url}/v1/sessions/{made['id']}/end", json={"reward": 1.0})
+            batch = await mesh.buffer_client.get(1, 0, 1, timeout_s=5.0)
+            await http.aclose()
+            return shaped, mode, calls, batch
+
+    try:
+        shaped, mode, calls, batch = asyncio.run(main())
+    finally:
+        engine_pool.give_back(agent_model, [], proc, url_engine)
+    for choice in shaped.choices:
+        jsonschema.validate(json.loads(choice.message.content), SUM_SCHEMA)
+    assert isinstance(json.loads(mode.choices[0].message.content), dict)
+    for reason, tool_calls in calls:  # a call every turn, though the model's script ends its second with text
+        assert reason == "tool_calls" and [t.function.name for t in tool_calls] == ["add"]
+        assert set(json.loads(tool_calls[0].function.arguments)) == {"a", "b"}
+    [group] = [decode_group(g) for g in batch.groups]
+    [traj] = group.trajectories
+    assert [g[0] for g in traj.metadata["turn_grammars"]] == ["ebnf", "ebnf"]
+    train = batch_from_groups([group])
+    eng = TrainEngine(TrainerConfig(model_path=agent_model, lr=1e-3))
+    m = train.loss_mask.bool()
+    assert (eng.logprobs(train) - train.behavior_logprobs)[m].abs().max() < 2e-3  # on-policy under the masks
+    out = eng.train_step(train)
+    assert out["grammar_tokens"] == traj.num_generated and out["grammar_tokens_excluded"] == 0

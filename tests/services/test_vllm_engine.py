@@ -287,6 +287,51 @@ def test_vllm_logprobs_equal_the_trainers_teacher_forced_ones(vllm_engines, tiny
     assert max(deltas) < 1e-4
 
 
+def test_vllm_decodes_under_a_grammar_and_its_log_probs_are_the_masked_distributions(vllm_engines, tiny_model):
+    """SGLang's json_schema / regex / ebnf params reach vLLM as its structured outputs: each answer
+    follows its grammar, and its log-probs are the masked distribution's (vLLM masks the logits
+    before its sampler): the trainer, replaying the masks, computes the same; unmasked it does not."""
+    import re
+
+    from sample_buffer.trajectory import Group, Trajectory
+    from trainer.batch import batch_from_groups
+    from trainer.config import TrainerConfig
+    from trainer.engine import TrainEngine
+
+    schema = json.dumps({"type": "object", "properties": {"a": {"enum": ["x", "yy"]}}, "required": ["a"]})
+    grammars = [("regex", "(yes|no) [0-9]{1,2}"), ("json_schema", schema), ("ebnf", 'root ::= ("ab" | "c")+ "."')]
+
+    async def sample():
+        client = engine_client(vllm_engines[0], api="vllm")
+        try:
+            params = [
+                {"max_new_tokens": 40, "temperature": 0.8, "sampling_seed": 3, field: text} for field, text in grammars
+            ]
+            return await asyncio.gather(*(client.generate([1, 7, 20, 3], p) for p in params))
+        finally:
+            await client.close()
+
+    results = asyncio.run(sample())
+    trajs = []
+    for i, (res, (field, text)) in enumerate(zip(results, grammars, strict=True)):
+        assert res.finish_reason == "stop", (field, res.finish_reason)
+        n = len(res.output_ids)
+        meta = {"turn_starts": [4], "turn_temperatures": [0.8], "turn_grammars": [[field, text]]}
+        ids, mask = [1, 7, 20, 3, *res.output_ids], [0] * 4 + [1] * n
+        trajs.append(Trajectory(f"g/{i}", "g", "p", ids, mask, res.behavior_logprobs, [0] * n, 0.0, 0, metadata=meta))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    texts = [tok.decode(r.output_ids[:-1]) for r in results]  # the last is the end of sequence
+    assert re.fullmatch(grammars[0][1], texts[0]) and json.loads(texts[1])["a"] in ("x", "yy"), texts
+    assert re.fullmatch(r"(ab|c)+\.", texts[2]), texts
+    batch = batch_from_groups([Group("g", "p", trajs)])
+    eng, m = TrainEngine(TrainerConfig(model_path=tiny_model)), batch.loss_mask.bool()
+    assert (eng.logprobs(batch) - batch.behavior_logprobs)[m].abs().max() < 1e-4
+    batch.grammar_spans = batch.grammar_tags = batch.grammar_masks = None
+    assert (eng.logprobs(batch) - batch.behavior_logprobs)[m].abs().mean() > 0.05
+
+
 def test_vllm_frozen_engine_leaves_rotation_and_comes_back(vllm_engines):
     frozen = vllm_engines.procs[0]
 

@@ -6,7 +6,7 @@ computed from them, so the token is sampled from the masked, renormalised distri
 log-prob the engine reports (μ, and the top log-probs) is that distribution's: what the row was
 really sampled from. Unconstrained rows of the same batch are untouched.
 
-Compiling is bounded: a grammar's text is at most ``MAX_GRAMMAR_CHARS`` (``rollout.sampling``),
+Compiling is bounded: a grammar's text is at most ``MAX_GRAMMAR_CHARS`` (``sample_buffer.trajectory``),
 and the engine server compiles before it queues a request, off its event loop and with a deadline
 (``compile_within``); a grammar that does not compile is refused naming its field. Compiled
 grammars are kept (the last ``CACHE`` of them): an agent's every turn sends the same schema.

@@ -13,7 +13,9 @@ update is labelled token by token as on the embedded engine. The RL control endp
 Log-probs: the server runs with ``--logprobs-mode processed_logprobs`` (``rollmesh serve engine``
 sets it), so they are ``log_softmax(logits / temperature)`` as on SGLang and the embedded engine
 (vLLM's default ignores the temperature). With top-p or top-k below their defaults vLLM
-renormalises over the kept tokens where SGLang does not.
+renormalises over the kept tokens where SGLang does not. A grammar (``json_schema`` / ``regex`` /
+``ebnf``) goes as vLLM's ``structured_outputs``; vLLM masks the logits in place before its sampler,
+so those log-probs are the masked distribution's, as the trainer replays it.
 
 In place on vLLM: a weight update must drop the running requests' cached KV (vLLM resets its
 prefix cache only so), so they are recomputed with the new weights; the tokens after the update
@@ -51,6 +53,8 @@ log = logging.getLogger(__name__)
 
 # The proxy names pause modes as SGLang does; vLLM's "keep" freezes requests where they are.
 _PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
+# SGLang's grammar params as vLLM's structured outputs (its StructuredOutputsParams' fields)
+_STRUCTURED = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
 # vLLM prefixes the request id it was given; /abort_requests wants the prefixed one.
 _RID_PREFIX = "generate-tokens-"
 # Of an update's deadline, what is kept back for resuming a server the update paused: a timeout
@@ -61,9 +65,6 @@ _RESUME_RESERVE_S = 5.0
 def vllm_sampling(params: SamplingParams | dict, return_logprob: bool, top_logprobs: int = 0) -> dict:
     """SGLang's sampling names (rollmesh's) as vLLM's ``SamplingParams``; every value is sent."""
     p = params if isinstance(params, SamplingParams) else SamplingParams.model_validate(params)
-    if (grammar := p.grammar()) is not None:  # (vLLM reports log-probs before its grammar's mask by default)
-        field = f"sampling_params.{grammar[0]}"
-        raise EngineRejected(f"{field}: constrained decoding is served by the embedded engine only", field)
     out = {
         "max_tokens": p.max_new_tokens,
         "temperature": p.temperature,
@@ -75,6 +76,9 @@ def vllm_sampling(params: SamplingParams | dict, return_logprob: bool, top_logpr
     }
     if p.sampling_seed is not None:
         out["seed"] = p.sampling_seed
+    if (grammar := p.grammar()) is not None:  # vLLM's structured outputs (xgrammar, as the other engines)
+        field, text = grammar
+        out["structured_outputs"] = {_STRUCTURED[field]: text}
     if return_logprob:
         # vLLM keeps the sampled token and the first k - 1 others: one more, for the whole top k
         # when the sampled token is not among it (rollmesh serve engine raises --max-logprobs).
