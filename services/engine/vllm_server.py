@@ -70,6 +70,10 @@ def vllm_command(cfg: VLLMEngineConfig, auth: AuthConfig) -> tuple[list[str], di
         "processed_logprobs",  # log_softmax(logits / T), as SGLang's (default: T ignored)
         "--max-logprobs",
         "21",  # OpenAI's top 20, plus the sampled token vLLM lists first (vllm_client)
+        # grammars compiled by xgrammar, as the embedded engine and the trainer's replay do ("auto" may
+        # pick llguidance, whose EBNF is another dialect)
+        "--structured-outputs-config",
+        '{"backend": "xgrammar"}',
         "--worker-extension-cls",
         "rollmesh_vllm.RollmeshWorker",
         "--middleware",

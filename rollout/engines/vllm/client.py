@@ -112,6 +112,15 @@ def generate_payload(
     return payload
 
 
+def _grammar_at_fault(params: SamplingParams | dict, message: str) -> str | None:
+    """The grammar param a 400 is about (vLLM's messages name xgrammar's error, not our field)."""
+    p = params if isinstance(params, SamplingParams) else SamplingParams.model_validate(params)
+    grammar = p.grammar()
+    if grammar is None or not any(w in message.lower() for w in ("grammar", "regex", "schema", "json")):
+        return None
+    return f"sampling_params.{grammar[0]}"
+
+
 def _data_url(image: str) -> str:
     """vLLM takes data, HTTP or file URLs, not bare base64 (SGLang's other spelling)."""
     return image if image.startswith("data:") else data_url(base64.b64decode(image))
@@ -245,6 +254,8 @@ class VLLMClient(HTTPEngineClient):
                 raise EngineRejected(
                     f"lora_path: no adapter named {lora_path!r} is loaded (/load_lora_adapter first)", "lora_path"
                 ) from e
+            if (field := _grammar_at_fault(sampling_params, str(e))) is not None:
+                raise EngineRejected(f"{field}: {str(e)[:500]}", field, e.status) from e
             raise
 
     async def _generate(
