@@ -83,6 +83,10 @@ def sglang_command(cfg: SGLangEngineConfig, auth: AuthConfig) -> tuple[list[str]
         "--weight-version",
         str(cfg.weight_version),
         "--enable-metrics",
+        # grammars (json_schema / regex / ebnf) compiled by xgrammar, as the trainer replays their masks;
+        # SGLang masks the logits before its sampler, so its log-probs are the masked distribution's
+        "--grammar-backend",
+        "xgrammar",
     ]
     for flag, value in (
         ("--mem-fraction-static", cfg.mem_fraction_static),

@@ -144,3 +144,34 @@ def test_top_logprobs_under_a_grammar_are_the_tokens_it_allows(engine):
     first = out.top_logprobs[0]
     assert 1 <= len(first) <= 2 and all(v > float("-inf") for _, v in first), first
     assert abs(sum(torch.tensor([v for _, v in first]).exp().tolist()) - 1) < 1e-4  # all the masked mass
+
+
+def test_a_compile_past_its_deadline_does_not_hold_up_the_next_grammar(tiny_model):
+    """xgrammar's compile cannot be stopped: one past its deadline is refused and runs on alone,
+    while the next grammar compiles on a thread of its own (it waited behind it before); at most
+    ``MAX_OVERDUE`` such compiles run at once, past that a new grammar is refused by name."""
+    import threading
+    import time
+
+    from rollout.engines.embedded.grammar import MAX_OVERDUE, Grammars
+
+    grammars = Grammars(AutoTokenizer.from_pretrained(tiny_model), 256, [2])
+    gate, real = threading.Event(), grammars._compile
+    slow = {("regex", f"slow{i}") for i in range(MAX_OVERDUE)}
+    grammars._compile = lambda key: (key in slow and gate.wait(30), real(key))[1]  # held until the test says
+    try:
+        for i in range(MAX_OVERDUE):
+            with pytest.raises(EngineError, match="did not compile within 0.2 s"):
+                grammars.compile_within(SamplingParams(regex=f"slow{i}"), timeout_s=0.2)
+            if i + 1 < MAX_OVERDUE:  # below the bound: the next one is not held up behind the slow ones
+                grammars.compile_within(SamplingParams(regex=f"fast{i}"), timeout_s=5)
+        with pytest.raises(EngineError, match=f"{MAX_OVERDUE} grammars past their compile deadline") as e:
+            grammars.compile_within(SamplingParams(regex="next"), timeout_s=5)
+        assert e.value.field == "sampling_params.regex"
+    finally:
+        gate.set()
+    deadline = time.monotonic() + 10
+    while grammars._overdue and time.monotonic() < deadline:
+        time.sleep(0.01)
+    grammars.compile_within(SamplingParams(regex="next"), timeout_s=5)  # the slow ones ended: room again
+    assert grammars._cached(("regex", "slow0")) is not None  # and their compiles were kept

@@ -53,7 +53,7 @@ def test_the_command_carries_the_flags_rl_needs(tiny_model):
     assert flags["--model-path"] == str(Path(tiny_model).resolve()) and flags["--port"] == "31234"
     assert flags["--tp-size"] == "2" and flags["--mem-fraction-static"] == "0.6" and flags["--dtype"] == "bfloat16"
     assert flags["--weight-version"] == "7" and flags["--random-seed"] == "3" and "--enable-metrics" in flags
-    assert flags["--chunked-prefill-size"] == "4096"
+    assert flags["--chunked-prefill-size"] == "4096" and flags["--grammar-backend"] == "xgrammar"
     # The token is in a file only this user reads, never on the command line (ps shows it to all).
     secrets = Path(flags["--config"])
     assert "s3cret" not in " ".join(argv) and "--api-key" not in flags

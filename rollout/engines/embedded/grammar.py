@@ -26,6 +26,10 @@ from rollout.sampling import SamplingParams
 
 CACHE = 64  # compiled grammars kept
 COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer is refused (its compile goes on, alone, in the background)
+# Compiles past their deadline that may still run: xgrammar's cannot be stopped, so each one keeps its
+# thread (and a core) until it ends. The next grammar gets a fresh thread, not a place behind it;
+# while this many run, a new grammar is refused rather than another core given away.
+MAX_OVERDUE = 2
 
 
 class Grammars:
@@ -50,6 +54,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")  # one compile at a time
         self._pending: dict[tuple[str, str], Future] = {}
+        self._overdue: set[Future] = set()  # compiles past their deadline, still running
 
     def compile_within(self, params: SamplingParams, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
         """Compile ``params``' grammar (if any) into the cache, or raise ``EngineError`` naming its
@@ -57,13 +62,25 @@ class Grammars:
         key = params.grammar()
         if key is None or self._cached(key) is not None:
             return
+        field = f"sampling_params.{key[0]}"
         with self._lock:
-            future = self._pending.get(key) or self._pool.submit(self._compile, key)
-            self._pending[key] = future
+            future = self._pending.get(key)
+            if future is None:
+                if len(self._overdue) >= MAX_OVERDUE:
+                    busy = f"{len(self._overdue)} grammars past their compile deadline still compile here; retry later"
+                    raise EngineError(field, busy)
+                future = self._pending[key] = self._pool.submit(self._compile, key)
         try:
             future.result(timeout_s)
         except FutureTimeout:
-            raise EngineError(f"sampling_params.{key[0]}", f"did not compile within {timeout_s:g} s") from None
+            with self._lock:
+                if future not in self._overdue and not future.done():
+                    # its thread is taken until it ends: the next grammar compiles on a new one
+                    self._overdue.add(future)
+                    future.add_done_callback(self._overdue.discard)
+                    self._pool.shutdown(wait=False)
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            raise EngineError(field, f"did not compile within {timeout_s:g} s") from None
 
     def matcher(self, params: SamplingParams):
         """A fresh matcher for ``params``' grammar, or None when it has none (compiled here if the

@@ -31,6 +31,7 @@ p.add_argument("--weight-version", default="default")
 p.add_argument("--enable-metrics", action="store_true")
 p.add_argument("--enable-memory-saver", action="store_true")
 p.add_argument("--enable-return-routed-experts", action="store_true")
+p.add_argument("--grammar-backend", choices=["xgrammar", "outlines", "llguidance", "none"])  # the stand-in: xgrammar
 p.add_argument("--config")
 config_file = p.parse_known_args()[0].config
 if config_file and not config_file.endswith((".yaml", ".yml")):  # as SGLang's ConfigArgumentMerger
