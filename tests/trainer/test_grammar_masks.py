@@ -96,9 +96,8 @@ def test_a_training_step_counts_the_replayed_tokens_and_leaves_out_what_cannot_b
     its tokens are left out of the loss and counted, and the step trains on the rest."""
     bad = constrained_group.trajectories[3]
     meta = dict(bad.metadata, turn_grammars=[["regex", "q+"], ["regex", "q+"]])
-    broken = Trajectory(
-        "g/bad", "g", "p", bad.token_ids, bad.loss_mask, bad.behavior_logprobs, bad.token_versions, 0.0, 0, metadata=meta
-    )
+    parts = (bad.token_ids, bad.loss_mask, bad.behavior_logprobs, bad.token_versions)
+    broken = Trajectory("g/bad", "g", "p", *parts, 0.0, 0, metadata=meta)
     group = Group("g", "p", [*constrained_group.trajectories, broken])
     batch = batch_from_groups([group])
     before = batch.loss_mask.sum()
@@ -111,9 +110,9 @@ def test_a_training_step_counts_the_replayed_tokens_and_leaves_out_what_cannot_b
 
 
 def test_a_trajectorys_grammars_are_checked_where_it_is_made():
-    ids, mask = [1, 2, 3, 4], [0, 0, 1, 1]
+    tokens = ([1, 2, 3, 4], [0, 0, 1, 1], [-1.0, -1.0], [0, 0])
     meta = {"turn_starts": [2], "turn_temperatures": [1.0]}
     for grammars in ([["lark", "x"]], [["regex", 3]], [None, None], "regex", [["regex", "a" * 70_000]]):
         with pytest.raises(TrajectoryError, match="turn_grammars"):
-            Trajectory("t", "g", "p", ids, mask, [-1.0, -1.0], [0, 0], 0.0, 0, metadata=meta | {"turn_grammars": grammars})
-    Trajectory("t", "g", "p", ids, mask, [-1.0, -1.0], [0, 0], 0.0, 0, metadata=meta | {"turn_grammars": [None]})
+            Trajectory("t", "g", "p", *tokens, 0.0, 0, metadata=meta | {"turn_grammars": grammars})
+    Trajectory("t", "g", "p", *tokens, 0.0, 0, metadata=meta | {"turn_grammars": [None]})
