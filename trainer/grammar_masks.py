@@ -48,9 +48,12 @@ class ReplayError(RuntimeError):
 
 
 def allowed(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``bits`` [n, W] int32 (bit j of word w: token 32 w + j) as a bool mask [n, vocab]."""
-    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
-    unpacked = ((bits[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1).bool()  # the sign bit: -1 & 1 = 1
+    """``bits`` [n, W] int32 (bit j of word w: token 32 w + j) as a bool mask [n, vocab]. Read a byte
+    at a time (little-endian: byte k of word w holds tokens 32 w + 8 k ...): a quarter of the memory
+    an int32 a bit would take, which at a 49k vocabulary and a thousand tokens is 200 MB."""
+    as_bytes = bits.contiguous().view(torch.uint8)  # [n, 4 W]
+    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+    unpacked = ((as_bytes[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1).bool()
     if unpacked.shape[1] < vocab:  # logits wider than the grammar's vocabulary (padding rows): never allowed
         unpacked = torch.nn.functional.pad(unpacked, (0, vocab - unpacked.shape[1]))
     return unpacked[:, :vocab]
@@ -58,14 +61,15 @@ def allowed(bits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def mask_logits(scaled: torch.Tensor, index: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``scaled`` [N, V] (logits at their temperature) with each row ``index[k]`` limited to what
-    ``bits[k]`` allows. The lowest finite float, not -inf, stands for a refused token: its
-    probability is exactly 0 all the same, and an entropy's ``p · log p`` stays 0 instead of NaN.
-    Applied after the temperature (a finite minimum divided by a temperature below 1 overflows)."""
+    ``bits[k]`` allows, in place (a copy of all N rows cost a forward a sixth more). The lowest
+    finite float, not -inf, stands for a refused token: its probability is exactly 0 all the same,
+    and an entropy's ``p · log p`` stays 0 instead of NaN. Applied after the temperature (a finite
+    minimum divided by a temperature below 1 overflows)."""
     if not len(index):
         return scaled
-    rows = scaled.index_select(0, index)
-    rows = rows.masked_fill(~allowed(bits.to(scaled.device), scaled.shape[-1]), torch.finfo(scaled.dtype).min)
-    return scaled.index_copy(0, index, rows)
+    refused = ~allowed(bits.to(scaled.device), scaled.shape[-1])
+    rows = scaled.index_select(0, index).masked_fill(refused, torch.finfo(scaled.dtype).min)
+    return scaled.index_put_((index,), rows)
 
 
 def constrained_spans(metadata: dict, loss_mask, length: int) -> list[tuple[int, int, str, str]]:

@@ -4,8 +4,9 @@ The same chat prompts (a request for a tool call) are sampled twice in one engin
 grammar and under a tool call's JSON schema (``json_schema``): tokens per second of each, the
 engine's time in masking (xgrammar's bitmask filled per constrained row, applied to the logits),
 the schema's compile time (cold, then cached), whether every constrained answer parses and
-follows the schema, and what replaying the masks over the answers costs per 1,000 tokens (what a
-trainer that computes π under the same mask would pay on its side).
+follows the schema; then the trainer's side (``TrainEngine``): what replaying the answers' masks and
+applying them in its forward cost per 1,000 constrained tokens, and how far its π is from μ with
+the masks (the engines' numerics) and without (what the trainer computed before it replayed them).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def run(model: str, num_prompts: int, max_new_tokens: int, progress=print) -> dict:
-    import torch
     from transformers import AutoTokenizer
 
     from rollout.engines.embedded.config import EngineConfig
@@ -106,20 +106,9 @@ def run(model: str, num_prompts: int, max_new_tokens: int, progress=print) -> di
             except (ValueError, KeyError, TypeError):
                 pass
 
-        import xgrammar as xgr
-
-        replay_tokens, t = 0, time.perf_counter()
-        for o in tool:  # a trainer's side: the masks of an answer's tokens, rebuilt and applied
-            matcher = grammars.matcher(constrained)
-            bitmask = xgr.allocate_token_bitmask(len(o.output_ids), engine.vocab_size)
-            for i, token in enumerate(o.output_ids):
-                matcher.fill_next_token_bitmask(bitmask, i)
-                matcher.accept_token(token)
-            xgr.apply_token_bitmask_inplace(torch.zeros(len(o.output_ids), engine.vocab_size), bitmask)
-            replay_tokens += len(o.output_ids)
-        replay_s = time.perf_counter() - t
     finally:
         engine.shutdown()
+    trainer = _trainer_side(model, prompts, tool, schema, progress)
     plain_tokens = sum(len(o.output_ids) for o in plain)
     tool_tokens = sum(len(o.output_ids) for o in tool)
     return {
@@ -137,5 +126,54 @@ def run(model: str, num_prompts: int, max_new_tokens: int, progress=print) -> di
         "tokenizer_info_s": round(tokenizer_info_s, 3),
         "compile_cold_ms": round(1000 * compile_cold_s, 2),
         "compile_cached_ms": round(1000 * compile_cached_s, 3),
-        "replay_ms_per_1k_tokens": round(1000 * replay_s / max(1, replay_tokens) * 1000, 2),
+        **trainer,
+    }
+
+
+def _trainer_side(model: str, prompts: list, answers: list, schema: str, progress) -> dict:
+    """The trainer's cost of staying on-policy under the grammar: replaying the answers' masks
+    (``TrainEngine.replay_grammars``) and applying them in its forward, per 1,000 constrained
+    tokens; and how far its π is from the engine's μ with the masks and without."""
+    import torch
+
+    from sample_buffer.trajectory import Group, Trajectory
+    from trainer.batch import batch_from_groups
+    from trainer.config import TrainerConfig
+    from trainer.engine import TrainEngine
+
+    trajs = []
+    for i, (p, o) in enumerate(zip(prompts, answers, strict=True)):
+        n = len(o.output_ids)
+        meta = {"turn_starts": [len(p)], "turn_temperatures": [1.0], "turn_grammars": [["json_schema", schema]]}
+        ids, mask = [*p, *o.output_ids], [0] * len(p) + [1] * n
+        trajs.append(Trajectory(f"g/{i}", "g", "p", ids, mask, o.behavior_logprobs, [0] * n, 0.0, 0, metadata=meta))
+    eng = TrainEngine(TrainerConfig(model_path=model, micro_batch_tokens=8192))
+    eng.replay_grammars(batch_from_groups([Group("g", "p", trajs[:1])]))  # the tokenizer's info, once a run
+    batch = batch_from_groups([Group("g", "p", trajs)])
+    t = time.perf_counter()
+    counts = eng.replay_grammars(batch)
+    replay_s = time.perf_counter() - t
+    m = batch.loss_mask.bool()
+    free = batch_from_groups([Group("g", "p", trajs)])
+    free.grammar_spans = free.grammar_tags = None
+    eng.logprobs(batch)  # warm
+    masked_s, unmasked_s = float("inf"), float("inf")
+    for _ in range(3):  # alternating, the fastest of each: one forward's noise is the gap's size here
+        t = time.perf_counter()
+        masked = eng.logprobs(batch)
+        masked_s = min(masked_s, time.perf_counter() - t)
+        t = time.perf_counter()
+        unmasked = eng.logprobs(free)
+        unmasked_s = min(unmasked_s, time.perf_counter() - t)
+    tokens = counts["grammar_tokens"]
+    progress(f"trainer: {int(tokens)} constrained tokens replayed in {replay_s:.2f} s")
+    gap = lambda lp: (lp - batch.behavior_logprobs)[m].abs()  # noqa: E731
+    return {
+        "trainer_replay_ms_per_1k_tokens": round(1e6 * replay_s / max(1, tokens), 1),
+        "trainer_masked_forward_extra_ms_per_1k_tokens": round(1e6 * (masked_s - unmasked_s) / max(1, tokens), 1),
+        "trainer_forward_ms_per_1k_tokens": round(1e6 * unmasked_s / max(1, batch.num_tokens), 1),
+        "pi_mu_gap_masked_max": float(f"{float(gap(masked).max()):.2e}"),
+        "pi_mu_gap_unmasked_mean": round(float(gap(unmasked).mean()), 4),
+        "trainer_excluded_tokens": int(counts["grammar_tokens_excluded"]),
+        "torch_threads": torch.get_num_threads(),
     }
