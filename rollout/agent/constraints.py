@@ -20,17 +20,15 @@ import json
 import re
 from functools import lru_cache
 
+from rollout.agent.sessions import SessionError
 from sample_buffer.trajectory import MAX_GRAMMAR_CHARS
 
 ANY_OBJECT = json.dumps({"type": "object"})
 
 
-class ConstraintError(ValueError):
-    """A constraint that cannot be decoded under; ``field`` names the request's part."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+def _refused(field: str, message: str) -> SessionError:
+    """A 400 naming the request's part."""
+    return SessionError(f"{field}: {message}", field)
 
 
 def response_grammar(fmt: dict | None) -> tuple[str, str] | None:
@@ -63,17 +61,17 @@ def tool_call_grammar(tools: list[dict], name: str | None) -> tuple[str, str]:
                 }
             )
     if not calls:
-        raise ConstraintError("tool_choice.function.name", f"no tool named {name!r} is offered")
+        raise _refused("tool_choice.function.name", f"no tool named {name!r} is offered")
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return "ebnf", _ebnf("tools", _bounded("tools", schema), True)
 
 
 def _bounded(field: str, schema) -> str:
     if not isinstance(schema, dict):
-        raise ConstraintError(field, "a JSON schema (an object) expected")
+        raise _refused(field, "a JSON schema (an object) expected")
     text = json.dumps(schema, separators=(",", ":"))
     if len(text) > MAX_GRAMMAR_CHARS:
-        raise ConstraintError(field, f"a schema of {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
+        raise _refused(field, f"a schema of {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
     return text
 
 
@@ -83,18 +81,16 @@ def _ebnf(field: str, schema: str, tool_call: bool) -> str:
     try:
         import xgrammar as xgr
     except ImportError:
-        raise ConstraintError(
-            field, "decoding under a grammar needs xgrammar (pip install rollmesh[grammar])"
-        ) from None
+        raise _refused(field, "decoding under a grammar needs xgrammar (pip install rollmesh[grammar])") from None
     try:
         grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
     except Exception as e:  # xgrammar's errors name the schema's part, after its own time and source line
         why = re.sub(r"^\[[\d:]+\] \S+: ", "", str(e).strip())[:300]
-        raise ConstraintError(field, f"not a schema a grammar can follow: {why}") from None
+        raise _refused(field, f"not a schema a grammar can follow: {why}") from None
     if tool_call:
         opening = xgr.Grammar.from_ebnf('root ::= "<tool_call>" "\\n"?')
         grammar = xgr.Grammar.concat(opening, grammar, xgr.Grammar.from_ebnf('root ::= "\\n"? "</tool_call>"'))
     text = str(grammar)
     if len(text) > MAX_GRAMMAR_CHARS:
-        raise ConstraintError(field, f"its grammar is {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
+        raise _refused(field, f"its grammar is {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
     return text

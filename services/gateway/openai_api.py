@@ -15,7 +15,7 @@ import uuid
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rollout.agent.constraints import ConstraintError, response_grammar, tool_call_grammar
+from rollout.agent.constraints import response_grammar, tool_call_grammar
 from rollout.agent.messages import IMAGES, text_of
 from rollout.agent.sessions import ChatResult, Choice, SessionError
 from sample_buffer.vision import (
@@ -85,10 +85,7 @@ class _Request(BaseModel):
 
     def grammar(self) -> tuple[str, str] | None:
         """The grammar the answer is decoded under, as a sampling param ``(field, text)``; None: free."""
-        try:
-            return response_grammar(self.response_format)
-        except ConstraintError as e:
-            raise SessionError(str(e), e.field) from None
+        return response_grammar(self.response_format)
 
     @field_validator("stop")
     @classmethod
@@ -157,10 +154,7 @@ class ChatRequest(_Request):
             raise SessionError(
                 "response_format: a forced tool call and a response format cannot both hold", "response_format"
             )
-        try:  # xgrammar's translation of the tools' schemas (cached): CPU work, for a thread
-            return tool_call_grammar(self.tools, name)
-        except ConstraintError as e:
-            raise SessionError(str(e), e.field) from None
+        return tool_call_grammar(self.tools, name)  # xgrammar's translation (cached): CPU work, for a thread
 
     @field_validator("top_logprobs")
     @classmethod
