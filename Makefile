@@ -164,7 +164,7 @@ bench: $(STAMP) model servers models/tiny-digits/config.json $(VLLM_STAMP)
 	.venv/bin/rollmesh bench chaos --model $(MODEL) --json
 	.venv/bin/rollmesh bench offpolicy --model models/tiny-digits --json
 
-# The GPU path measured (docs/gpu.md): needs a CUDA GPU and torch's CUDA build (make gpu-check TORCH=torch);
+# The GPU path measured (docs/deploy.md, "The GPU check"): needs a CUDA GPU and torch's CUDA build (make gpu-check TORCH=torch);
 # not part of `make test`. Prints one JSON line; exits 2 without CUDA.
 gpu-check: $(STAMP)
 	$(PY) -m services.cli bench gpu --json

@@ -127,3 +127,11 @@ def test_every_relative_link_in_the_docs_points_at_a_file():
             if "://" not in target and not (path.parent / target).exists():
                 broken.append(f"{path}: {target}")
     assert not broken, broken
+
+
+def test_the_front_door_names_no_path_outside_the_repository_and_the_makefile_only_docs_that_exist():
+    """A clone has no ``../shared``: the README points only into the repository; every ``docs/...``
+    page the Makefile's comments name is there."""
+    assert "../" not in Path("README.md").read_text()
+    named = re.findall(r"docs/[\w./-]+\.md", Path("Makefile").read_text())
+    assert named and not [p for p in named if not Path(p).exists()], named
