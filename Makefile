@@ -56,7 +56,7 @@ $(STAMP): pyproject.toml
 	@# What every engine and trainer process imports (and the Tinker tests' SDK and cookbook), compiled once
 	@# here rather than by the first few processes at once.
 	$(PY) -c "import services.engine.server, trainer.engine, transformers.models.qwen2.modeling_qwen2, \
-	  services.cli, openai, tinker, tinker_cookbook.recipes.math_rl.train, tinker_cookbook.recipes.chat_sl.train"
+	  launch.cli, openai, tinker, tinker_cookbook.recipes.math_rl.train, tinker_cookbook.recipes.chat_sl.train"
 	touch $(STAMP)
 
 $(MODEL)/config.json: | $(STAMP)
@@ -167,7 +167,7 @@ bench: $(STAMP) model servers models/tiny-digits/config.json $(VLLM_STAMP)
 # The GPU path measured (docs/deploy.md, "The GPU check"): needs a CUDA GPU and torch's CUDA build (make gpu-check TORCH=torch);
 # not part of `make test`. Prints one JSON line; exits 2 without CUDA.
 gpu-check: $(STAMP)
-	$(PY) -m services.cli bench gpu --json
+	$(PY) -m launch.cli bench gpu --json
 
 clean:
 	rm -rf .venv .venv-vllm .pytest_cache .ruff_cache

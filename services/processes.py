@@ -21,7 +21,7 @@ DATA_ONLY = frozenset({Role.DATA})
 @dataclass(frozen=True)
 class Host:
     """Where a service process runs: here on loopback (``LOCAL``), or as a SLURM job step on a node of
-    the allocation (``services/slurm.py``): ``address`` is what the service binds and what the others
+    the allocation (``launch/slurm.py``): ``address`` is what the service binds and what the others
     dial; ``wrap`` is put before its command (``srun ... --nodelist NODE``)."""
 
     address: str = "127.0.0.1"
@@ -162,18 +162,24 @@ def wait_grpc_healthy(
     raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f}s")
 
 
+# The run config's top-level keys (``launch/config.py``'s ``RollmeshConfig``, which a service does not
+# import: tests/test_config.py keeps the two equal).
+RUN_CONFIG_KEYS = frozenset(
+    {"model_path", "mesh", "auth", "engine", "proxy", "buffer", "controller", "env_manager", "env_provider"}
+    | {"trainer", "gateway", "tinker", "reward_service", "train_loop", "run", "slurm", "devices"}
+)
+
+
 def serve_command(service: str, section: str, overrides: list[str], config_path: str | None = None) -> list[str]:
     """``rollmesh serve SERVICE [--config PATH] --set SECTION.key=value ...`` as an argv list; a
     ``key=value`` (or ``key.sub=value``) is the section's unless ``key`` is a top-level key of the run
     config (``model_path``, ``auth.disabled``)."""
-    from services.config import RollmeshConfig
-
-    cmd = [sys.executable, "-m", "services.cli", "serve", service]
+    cmd = [sys.executable, "-m", "launch.cli", "serve", service]
     if config_path:
         cmd += ["--config", str(config_path)]
     for o in overrides:
         top = o.split("=", 1)[0].split(".")[0]
-        cmd += ["--set", o if top in RollmeshConfig.model_fields else f"{section}.{o}"]
+        cmd += ["--set", o if top in RUN_CONFIG_KEYS else f"{section}.{o}"]
     return cmd
 
 

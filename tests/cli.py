@@ -7,6 +7,6 @@ from typer.testing import CliRunner, Result
 
 
 def rollmesh(*args: str) -> Result:
-    from services.cli import app
+    from launch.cli import app
 
     return CliRunner().invoke(app, [str(a) for a in args])

@@ -47,13 +47,13 @@ _GROUPS = {
     ),
     "sandbox": (
         "tests/rollout/test_sandbox.py",
-        "tests/services/test_reward_bench.py",
+        "tests/launch/test_reward_bench.py",
         "tests/services/test_reward_service.py",
         "::test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_set",
     ),
 }
 # The slowest files first, so that two workers share them rather than one ending the run alone.
-_FIRST = ("tests/test_run_e2e.py", "tests/services/test_async_bench.py")
+_FIRST = ("tests/test_run_e2e.py", "tests/launch/test_async_bench.py")
 # Marked `serial`: `make test` runs them after the two workers, alone on the machine. They time what a
 # process does against the clock (a sandbox's kill at its deadline, an event loop's longest stall, a
 # scrape within its interval), and under the other worker's load they failed.

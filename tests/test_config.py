@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import ConfigError, RollmeshConfig, load_config
+from launch.config import ConfigError, RollmeshConfig, load_config
 
 
 def test_defaults_and_overrides():
@@ -115,7 +115,7 @@ def test_every_config_field_is_documented():
 def test_rollmesh_run_refuses_a_bad_variant_before_anything_starts(override, key, tmp_path):
     from typer.testing import CliRunner
 
-    from services.cli import app
+    from launch.cli import app
 
     run_dir = tmp_path / "run"
     res = CliRunner().invoke(
@@ -250,7 +250,7 @@ def test_domains_weigh_the_buffers_batches_and_a_run_of_one_task_keeps_one_queue
     cfg = load_config(None, [DOMAINS])
     assert cfg.buffer.domain_weights == {"math": 3.0, "code": 1.0}  # set once, from the domains; held-out only: none
     assert load_config(None, []).buffer.domain_weights == {}
-    from services.mesh import needs_reward_service
+    from launch.mesh import needs_reward_service
 
     assert needs_reward_service(cfg)  # one domain's reward is the mesh's reward service
 
@@ -301,3 +301,12 @@ def test_a_group_is_one_request_where_one_engine_samples_n_and_replicated_otherw
 def test_the_audit_is_refused_with_packed_rows_naming_both():
     with pytest.raises(ConfigError, match="audit_versions: not with pack_sequences"):
         load_config(None, ["trainer.audit_versions=2", "trainer.pack_sequences=true"])
+
+
+def test_the_process_launcher_knows_the_run_configs_top_level_keys():
+    """``services/processes.py`` tells a top-level override from a section's without importing the
+    launcher's config (a service never imports ``launch/``): its list is the config's own."""
+    from launch.config import RollmeshConfig
+    from services.processes import RUN_CONFIG_KEYS
+
+    assert set(RUN_CONFIG_KEYS) == set(RollmeshConfig.model_fields)

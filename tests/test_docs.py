@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from services.config_docs import config_keys, render
+from launch.config_docs import config_keys, render
 
 DOCS = [Path("README.md"), *sorted(Path("docs").glob("*.md")), *sorted(Path("examples").rglob("*.md"))]
 # A backticked dotted name (optionally `=value` or `: value` after it): `env_manager.scheduling: tail`.
@@ -86,7 +86,7 @@ def test_config_show_prints_the_resolved_config_with_secrets_masked():
     cmd = [
         sys.executable,
         "-m",
-        "services.cli",
+        "launch.cli",
         "config",
         "--show",
         "examples/quickstart.yaml",
@@ -109,7 +109,7 @@ def test_config_show_names_a_bad_key_and_exits_2():
     cmd = [
         sys.executable,
         "-m",
-        "services.cli",
+        "launch.cli",
         "config",
         "--show",
         "examples/quickstart.yaml",

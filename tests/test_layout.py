@@ -6,9 +6,11 @@ import sys
 from pathlib import Path
 
 RULES = {
-    "rollout": {"trainer", "services"},
-    "trainer": {"rollout", "services"},
-    "sample_buffer": {"rollout", "trainer", "services"},
+    "rollout": {"trainer", "services", "launch"},
+    "trainer": {"rollout", "services", "launch"},
+    "sample_buffer": {"rollout", "trainer", "services", "launch"},
+    # the services (servers, clients, wire plumbing) never reach into the launcher, its CLI or benchmarks
+    "services": {"launch"},
 }
 
 
@@ -31,7 +33,7 @@ def test_the_loops_know_no_wire():
 
 
 def test_no_sglang_import_on_cpu_path():
-    for pkg in ("rollout", "services", "trainer", "sample_buffer"):
+    for pkg in ("rollout", "services", "trainer", "sample_buffer", "launch"):
         for f in Path(pkg).rglob("*.py"):
             assert not re.search(r"^\s*(import|from)\s+sglang", f.read_text(), re.M), f
 
@@ -42,8 +44,7 @@ def test_services_that_need_no_model_start_without_torch():
     of a restart)."""
     servers = "services.sample_buffer.server, services.controller.server, services.llm_proxy.server"
     code = (
-        f"import sys, services.config, {servers}; "
-        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+        f"import sys, launch.config, {servers}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", f"importing the config and the light servers imported {out.strip()}"
@@ -65,7 +66,7 @@ def test_ci_runs_make_test():
 def test_every_rollmesh_command_in_the_readme_exists():
     from typer.testing import CliRunner
 
-    from services.cli import app
+    from launch.cli import app
 
     found = re.findall(r"`rollmesh ((?:bench|serve) [a-z][a-z-]*|[a-z][a-z-]*)", Path("README.md").read_text())
     commands = set(found)
@@ -75,7 +76,7 @@ def test_every_rollmesh_command_in_the_readme_exists():
         assert res.exit_code == 0, f"`rollmesh {cmd}` in README.md does not exist: {res.output[-300:]}"
 
 
-PRODUCT = ("rollout", "trainer", "sample_buffer", "services")
+PRODUCT = ("rollout", "trainer", "sample_buffer", "services", "launch")
 
 
 def _product_modules() -> dict[str, Path]:

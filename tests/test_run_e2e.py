@@ -17,7 +17,7 @@ from services.auth import TOKEN_ENV
 
 def quickstart_cmd(model, run_dir, *overrides: str) -> list[str]:
     """``rollmesh run examples/quickstart.yaml`` on ``model``, writing to ``run_dir``, plus overrides."""
-    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml"]
+    cmd = [sys.executable, "-m", "launch.cli", "run", "examples/quickstart.yaml"]
     for o in (f"model_path={model}", f"train_loop.run_dir={run_dir}", *overrides):
         cmd += ["--set", o]
     return cmd
@@ -133,7 +133,7 @@ def test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_se
     path = tmp_path / "multi-domain.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "run", str(path)], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "launch.cli", "run", str(path)], capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout.split("held-out accuracy before training:", 1)[1].split("\n")[:6]
@@ -157,7 +157,7 @@ def test_the_multi_domain_example_trains_each_domain_and_scores_each_held_out_se
     # `rollmesh compare` reads the run back: the held-out scores it printed, the curve's two steps
     plot = tmp_path / "compare.png"
     cmp = subprocess.run(
-        [sys.executable, "-m", "services.cli", "compare", str(run_dir), "--out", str(plot), "--json"],
+        [sys.executable, "-m", "launch.cli", "compare", str(run_dir), "--out", str(plot), "--json"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -230,7 +230,7 @@ def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained
     LLMProxy, controller, SampleBuffer, redis-server, EnvManager and trainer each get SIGKILL 0.2 s
     after a step ends (the buffer on Redis); the run trains every step, and every group the buffer
     stored is accounted for. (The bench kills at random moments within a step.)"""
-    from services.bench.chaos_bench import SERVICES, run
+    from launch.bench.chaos_bench import SERVICES, run
 
     lines: list[str] = []
     result = run(tiny_model, steps_between=1, baseline=False, progress=lines.append, kill_delay_s=0.2)
@@ -265,7 +265,7 @@ def test_the_agentic_examples_run_through_a_provider(tiny_model, tmp_path, examp
 
     provider, address, url = start_provider_process(env, provider_args)  # gRPC's address, HTTP's URL
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "run", f"examples/agentic/{example}.yaml"]
+    cmd = [sys.executable, "-m", "launch.cli", "run", f"examples/agentic/{example}.yaml"]
     overrides = [
         f"model_path={tiny_model}",
         f"train_loop.run_dir={run_dir}",
@@ -299,7 +299,7 @@ def test_the_external_agent_example_trains_on_the_agents_sessions(tiny_model, tm
     from services.processes import free_port, wait_http_healthy
 
     port, run_dir = free_port(), tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "run", "examples/agent/train_agent.yaml"]
+    cmd = [sys.executable, "-m", "launch.cli", "run", "examples/agent/train_agent.yaml"]
     for o in [
         f"model_path={tiny_model}",
         f"train_loop.run_dir={run_dir}",
@@ -350,7 +350,7 @@ def test_the_vision_example_trains_on_pictures_through_the_whole_mesh(tiny_vl, t
 
     heldout, run_dir = tmp_path / "heldout.jsonl", tmp_path / "run"
     write_jsonl(digit_picture_rows(20, 1), heldout)
-    cmd = [sys.executable, "-m", "services.cli", "run", "examples/vision-digits.yaml", "--fresh"]
+    cmd = [sys.executable, "-m", "launch.cli", "run", "examples/vision-digits.yaml", "--fresh"]
     for o in (
         f"model_path={tiny_vl}",
         f"train_loop.run_dir={run_dir}",

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import yaml
 
+from launch.commands.serve import SERVICES
+from launch.config import load_config
 from services.auth import AuthConfig
-from services.commands.serve import SERVICES
-from services.config import load_config
 from services.engine.sglang_server import sglang_command
 
 ROOT = Path(__file__).resolve().parents[2]

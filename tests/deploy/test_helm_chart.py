@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launch.config import load_config
 from rollout.engines.sglang.config import SGLangEngineConfig
 from services.auth import AuthConfig, TlsConfig
-from services.config import load_config
 from services.engine.sglang_server import sglang_command
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "rollmesh"

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from services.config import load_config
+from launch.config import load_config
 from services.processes import free_port, stop_process
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -36,7 +36,7 @@ def _binary(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def live_mesh(tiny_model, tmp_path_factory):
-    from services.mesh import start_mesh, start_trainer
+    from launch.mesh import start_mesh, start_trainer
 
     run_dir = tmp_path_factory.mktemp("prom-run")
     overrides = [

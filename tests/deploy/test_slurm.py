@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.config import ConfigError, load_config
-from services.slurm import check_gpus, check_transport, engine_node_gpus, job_script
+from launch.config import ConfigError, load_config
+from launch.slurm import check_gpus, check_transport, engine_node_gpus, job_script
 from tests.deploy.slurm_cluster import SlurmCluster, pids_with
 from tests.deploy.waiting import wait_for
 
@@ -31,7 +31,7 @@ def cluster(tmp_path_factory):
 
 
 def launch(cluster: SlurmCluster, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "services.cli", "launch", "slurm", "examples/quickstart.yaml", *args]
+    cmd = [sys.executable, "-m", "launch.cli", "launch", "slurm", "examples/quickstart.yaml", *args]
     env = dict(cluster.env, **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 
@@ -123,7 +123,7 @@ def test_a_job_asking_for_gpus_the_cluster_lacks_is_refused_naming_the_option(cl
 
 def test_launcher_slurm_outside_a_job_says_how_to_submit(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    cmd = [sys.executable, "-m", "services.cli", "run", "examples/quickstart.yaml", "--launcher", "slurm"]
+    cmd = [sys.executable, "-m", "launch.cli", "run", "examples/quickstart.yaml", "--launcher", "slurm"]
     cmd += ["--set", f"train_loop.run_dir={tmp_path}"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     assert done.returncode == 2

@@ -2,9 +2,9 @@
 
 import pytest
 
+from launch.bench.ceiling_bench import plan
 from rollout.engines.sim.ceiling import ceiling, sweep
 from rollout.engines.sim.config import LengthModel, SimEngineConfig
-from services.bench.ceiling_bench import plan
 from trainer.sim import SimTrainerConfig
 
 SHAPE = dict(engines=2, max_running=64, groups_per_step=16, group_size=8, max_new_tokens=16384)
@@ -49,8 +49,8 @@ def test_the_sweep_shows_larger_steps_need_a_smaller_async_ratio():
 
 
 def test_plan_reads_the_workload_from_a_run_config(tmp_path, tiny_model):
-    from services.bench.async_bench import SCENARIOS, _config
-    from services.config import load_config
+    from launch.bench.async_bench import SCENARIOS, _config
+    from launch.config import load_config
 
     path = _config(
         tmp_path,

@@ -49,7 +49,7 @@ def test_make_dataset_cli_writes_jsonl_and_refuses_bad_options(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "services.cli",
+        "launch.cli",
         "make-dataset",
         "basic_arithmetic",
         "--out",
@@ -71,7 +71,7 @@ def test_make_dataset_cli_writes_jsonl_and_refuses_bad_options(tmp_path):
 
 def test_make_dataset_exclude_keeps_a_held_out_set_apart(tmp_path):
     """Item i comes from seed + i: seed 1's first five items are seed 0's last four and one more."""
-    base = [sys.executable, "-m", "services.cli", "make-dataset", "chain_sum", "--size", "5", "--param", "max_digits=3"]
+    base = [sys.executable, "-m", "launch.cli", "make-dataset", "chain_sum", "--size", "5", "--param", "max_digits=3"]
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     assert subprocess.run(base + ["--out", str(train), "--seed", "0"], capture_output=True, timeout=120).returncode == 0
     proc = subprocess.run(

@@ -31,8 +31,8 @@ from services.pb.rollmesh.v1 import controller_pb2, env_manager_pb2, llm_proxy_p
 from services.processes import free_port, start_engine_process, start_service_process, stop_process, wait_grpc_healthy
 from services.sample_buffer.client import BufferClient
 from services.sample_buffer.server import start_buffer_service
+from tests.launch.mesh import local_mesh
 from tests.sample_buffer.helpers import make_group
-from tests.services.mesh import local_mesh
 
 WRONG = [("authorization", "Bearer not-the-token")]
 
@@ -197,7 +197,7 @@ def test_a_service_without_a_token_refuses_to_start_unless_auth_is_disabled(tmp_
     cmd = [
         sys.executable,
         "-m",
-        "services.cli",
+        "launch.cli",
         "serve",
         "sample-buffer",
         "--set",
@@ -234,7 +234,7 @@ def test_a_service_without_a_token_refuses_to_start_unless_auth_is_disabled(tmp_
 
 
 def _health(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "services.cli", "health", *args, "--timeout-s", "3"]
+    cmd = [sys.executable, "-m", "launch.cli", "health", *args, "--timeout-s", "3"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from services.bench.domains_bench import DOMAINS, _config, run_mesh, shares
+from launch.bench.domains_bench import DOMAINS, _config, run_mesh, shares
 
 GROUPS_PER_STEP = 5  # weights 0.5/0.3/0.2: 2.5, 1.5 and 1 groups a step, so rounding shows
 

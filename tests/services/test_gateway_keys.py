@@ -14,7 +14,7 @@ from services.gateway.keys import KeyRing, hash_key, issue_key
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, timeout=60)
 
 
 def bearer(key: str) -> str:

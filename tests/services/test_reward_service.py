@@ -14,13 +14,13 @@ import grpc
 import httpx
 import pytest
 
+from launch.config import ConfigError, load_config
 from rollout.verifiers.service import ServiceRewardConfig
 from services.auth import AuthConfig, grpc_sync_channel
-from services.config import ConfigError, load_config
 from services.pb.rollmesh.v1 import reward_pb2 as pb
 from services.processes import free_port, serve_command, start_service_process, stop_process
 from services.reward.client import RewardClient
-from tests.services.mesh import local_mesh
+from tests.launch.mesh import local_mesh
 from tests.services.test_env_manager import two_groups_with
 
 
@@ -172,7 +172,7 @@ def test_a_judge_hosted_in_the_reward_service_scores_a_heldout_evaluation(engine
     Hosted in the reward service, it scores the evaluation's answers through the mesh's proxy: one
     judge generation per answer. (The tiny model's verdicts are noise: the pattern takes any text as
     the verdict '', worth 1, so every answer the judge gave a verdict on counts as right.)"""
-    from services.evaluation import heldout_accuracy
+    from launch.evaluation import heldout_accuracy
     from services.grpc_util import start_server
     from services.reward.ports import reward_ports
     from services.reward.server import RewardService, build_handler, hosted_reward

@@ -16,7 +16,7 @@ TOKEN = [("authorization", AuthConfig().bearer())]
 
 def test_proxy_process_serves_metrics_and_stops_on_sigterm(engine_url):
     port, metrics_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "llm-proxy", "-c", "examples/inference.yaml"]
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "llm-proxy", "-c", "examples/inference.yaml"]
     cmd += ["--set", f"proxy.engine_urls=[{engine_url}]", "--set", f"proxy.port={port}"]
     cmd += ["--set", f"proxy.metrics_port={metrics_port}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -30,7 +30,7 @@ def service(smollm2, tmp_path_factory):
     keys = where / "keys.json"
     key = {name: issue_key(keys, name, prefix="tml-") for name in ("alice", "bob", "carol")}
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "tinker", "--set", f"model_path={smollm2}"]
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "tinker", "--set", f"model_path={smollm2}"]
     for k, v in {
         "api_keys_path": keys,
         "root": where / "root",

@@ -61,7 +61,7 @@ def test_a_missing_environment_or_model_is_a_clear_error_not_a_hang(tiny_model, 
     cmd = [
         sys.executable,
         "-m",
-        "services.cli",
+        "launch.cli",
         "serve",
         "engine",
         "--set",

@@ -229,7 +229,7 @@ def test_the_tinker_service_samples_its_clients_weights_through_vllm(vllm_engine
         "tinker.root": tmp_path / "root",  # below the engine's load roots
         "tinker.port": port,
     }
-    cmd = [sys.executable, "-m", "services.cli", "serve", "tinker"]
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "tinker"]
     cmd += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     with open(tmp_path / "server.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

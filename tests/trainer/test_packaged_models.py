@@ -49,7 +49,7 @@ def test_a_gguf_that_does_not_convert_or_a_missing_package_is_a_clear_error(bad_
 
 def test_the_cli_refuses_an_unknown_model_with_exit_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "init-model", "--from", "gpt-9", "--out", str(tmp_path / "m")],
+        [sys.executable, "-m", "launch.cli", "init-model", "--from", "gpt-9", "--out", str(tmp_path / "m")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from services.cli import app
+from launch.cli import app
 from trainer.tiny_model import count_parameters
 
 

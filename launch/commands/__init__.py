@@ -1,0 +1,1 @@
+"""The ``rollmesh`` subcommands, one module per group (``launch/cli.py`` puts them together)."""
