@@ -6,6 +6,9 @@ PIP     := .venv/bin/pip
 # caller's environment says.
 INSTALL := install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
+# Two set-ups: what running needs (RUN_STAMP: `make run`), and on top of it what the tests and the
+# examples use (STAMP: the dev extras, OpenEnv, GEM, SwanLab, tinker and its cookbook, ...).
+RUN_STAMP := .venv/.installed-run
 STAMP   := .venv/.installed
 # A CPU build of torch where there is no GPU (the machine's pip finds it locally).
 TORCH   ?= torch==2.13.0
@@ -32,17 +35,23 @@ endef
 servers:
 	$(call apt_tools,$(APT_TOOLS))
 
-$(STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) $(INSTALL) --upgrade pip
 	$(PIP) $(INSTALL) "$(TORCH)"
+	$(PIP) $(INSTALL) -e .
+	# xgrammar, constrained decoding (the engine's masks, the trainer's replay, the gateway's forced calls):
+	# without its dependencies, which bring triton (285 MB) for GPU kernels; its CPU bitmask needs tvm-ffi only.
+	$(PIP) $(INSTALL) --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	@# What every engine and trainer process imports, compiled once here rather than by the first few at once.
+	$(PY) -c "import services.engine.server, trainer.engine, transformers.models.qwen2.modeling_qwen2, launch.cli"
+	touch $@
+
+$(STAMP): $(RUN_STAMP) pyproject.toml
 	$(PIP) $(INSTALL) -e ".[dev]"
 	# OpenEnv, for the tests that plug a server written with it into rollmesh (and its client into ours):
 	# without its dependencies, which bring a web UI (gradio) and model-hub clients the tests never use.
 	$(PIP) $(INSTALL) --no-deps openenv-core==0.3.0
-	# xgrammar, the embedded engine's constrained decoding (json_schema / regex / ebnf): without its
-	# dependencies, which bring triton (285 MB) for GPU kernels; its CPU bitmask needs tvm-ffi only.
-	$(PIP) $(INSTALL) --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	# GEM's games (env.type gem); its pins (reasoning-gym 0.1.23) would downgrade the tasks' reasoning-gym.
 	$(PIP) $(INSTALL) --no-deps gem-llm==0.1.0
 	# SwanLab's tracker (train_loop.tracking.swanlab_project): it declares protobuf<7, which the gRPC stubs
@@ -53,20 +62,18 @@ $(STAMP): pyproject.toml
 	# which PyPI mirrors may lack and only Inkling/Kimi models use: the dependencies its recipes import.
 	$(PIP) $(INSTALL) --no-deps tinker-cookbook==0.6.1
 	$(PIP) $(INSTALL) chz blobfile datasets pylatexenc
-	@# What every engine and trainer process imports (and the Tinker tests' SDK and cookbook), compiled once
-	@# here rather than by the first few processes at once.
-	$(PY) -c "import services.engine.server, trainer.engine, transformers.models.qwen2.modeling_qwen2, \
-	  launch.cli, openai, tinker, tinker_cookbook.recipes.math_rl.train, tinker_cookbook.recipes.chat_sl.train"
+	@# The Tinker tests' SDK and cookbook, compiled once here rather than by the first few processes at once.
+	$(PY) -c "import openai, tinker, tinker_cookbook.recipes.math_rl.train, tinker_cookbook.recipes.chat_sl.train"
 	touch $(STAMP)
 
-$(MODEL)/config.json: | $(STAMP)
+$(MODEL)/config.json: | $(RUN_STAMP)
 	.venv/bin/rollmesh init-model --out $(MODEL)
 
 model: $(MODEL)/config.json
 
 # The quickstart's starting point: the tiny model after a format-only warm-up (answers with a
 # digit, at chance on which one; see trainer/format_prior.py).
-models/tiny-digits/config.json: | $(STAMP)
+models/tiny-digits/config.json: | $(RUN_STAMP)
 	.venv/bin/rollmesh init-model --out models/tiny-digits --digit-prior-steps 100
 
 # The same as a Qwen3-MoE (examples/moe-quickstart.yaml): the warm-up takes minutes (the experts' loop).
@@ -103,7 +110,7 @@ $(VLLM_STAMP):
 vllm: $(VLLM_STAMP)
 
 # The quickstart: the whole mesh on this machine, GRPO on "find the digit" (kq7x -> 7).
-run: $(STAMP) models/tiny-digits/config.json
+run: $(RUN_STAMP) models/tiny-digits/config.json
 	.venv/bin/rollmesh run examples/quickstart.yaml --fresh
 
 # The examples' learning runs, one after another (docs/examples.md has what each learns; hours on

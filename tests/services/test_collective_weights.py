@@ -17,7 +17,7 @@ from rollout.engines.weight_group import bucket_checksum
 from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
 from services.weight_transports.collective import CollectivePublisher
-from tests.launch.mesh import local_mesh
+from tests.services.mesh import local_mesh
 from tests.services.test_weight_transports import _engine_state, _loop, _perturbed_trainer
 from trainer.ports import PublishError
 

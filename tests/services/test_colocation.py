@@ -15,7 +15,7 @@ import pytest
 from services.auth import AuthConfig, http_headers
 from services.trainer.colocation import ProxyMemory
 from services.weight_transports.disk import DiskPublisher
-from tests.launch.mesh import digit_rollout, local_mesh
+from tests.services.mesh import digit_rollout, local_mesh
 from trainer.config import TrainerConfig, TrainLoopConfig
 from trainer.engine import TrainEngine
 from trainer.loop import TrainLoop

@@ -19,7 +19,7 @@ from rollout.engines.sglang.client import EngineRejected
 from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
 from services.weight_transports.http_buckets import BucketPublisher
-from tests.launch.mesh import local_mesh
+from tests.services.mesh import local_mesh
 from tests.services.test_weight_transports import _engine_state, _loop, _perturbed_trainer
 
 BF16 = ("dtype=bfloat16",)

@@ -19,7 +19,7 @@ from services.env_manager.server import build_loop
 from services.llm_proxy.client import ProxyClient, ProxyGenerate
 from services.llm_proxy.server import start_proxy
 from services.processes import free_port
-from tests.launch.mesh import local_mesh
+from tests.services.mesh import local_mesh
 
 
 def test_env_manager_fills_the_buffer_within_the_admission_bound(engine_url, tiny_model):
@@ -270,7 +270,7 @@ def test_a_conversation_that_outgrows_the_context_ends_as_an_env_error_of_kind_c
     from rollout.ports import FinishReason
     from rollout.sampling import SamplingParams
     from services.llm_proxy.client import ProxyGenerate
-    from tests.launch.mesh import local_mesh
+    from tests.services.mesh import local_mesh
 
     class Chatty:  # the second turn's observation is longer than any context here
         name = "chatty"

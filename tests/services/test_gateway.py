@@ -23,7 +23,7 @@ from services.gateway.keys import KeyRing
 from services.gateway.server import create_app
 from services.llm_proxy.client import ProxyGenerate
 from services.processes import free_port
-from tests.launch.mesh import local_mesh
+from tests.services.mesh import local_mesh
 
 KEYS = {"alice": "key-alice", "bob": "key-bob"}
 TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "examples" / "agent" / "chatml_tools.jinja"

@@ -10,7 +10,7 @@ import asyncio
 
 from services.env_manager.config import EnvManagerConfig
 from services.env_manager.server import build_loop
-from tests.launch.mesh import disk_train_loop, local_mesh, short_run
+from tests.services.mesh import disk_train_loop, local_mesh, short_run
 from trainer.config import TrainerConfig
 from trainer.engine import TrainEngine
 

@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 
 from services.env_manager.config import EnvManagerConfig
 from services.env_manager.server import build_loop
-from tests.launch.mesh import disk_train_loop, local_mesh, short_run
+from tests.services.mesh import disk_train_loop, local_mesh, short_run
 from trainer.config import TrainerConfig
 from trainer.engine import TrainEngine
 from trainer.loss_config import PolicyLossConfig

@@ -20,7 +20,7 @@ from services.auth import AuthConfig, grpc_sync_channel
 from services.pb.rollmesh.v1 import reward_pb2 as pb
 from services.processes import free_port, serve_command, start_service_process, stop_process
 from services.reward.client import RewardClient
-from tests.launch.mesh import local_mesh
+from tests.services.mesh import local_mesh
 from tests.services.test_env_manager import two_groups_with
 
 

@@ -19,7 +19,7 @@ from rollout.engines.sglang.config import SGLangEngineConfig
 from services.auth import AuthConfig, AuthError
 from services.engine.sglang_server import SGLangNotInstalled, sglang_command
 from services.processes import start_engine_process, stop_process
-from tests.launch.mesh import local_mesh
+from tests.services.mesh import local_mesh
 
 STANDIN_PACKAGE = Path(__file__).parent / "sglang_package"
 

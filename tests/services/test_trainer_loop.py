@@ -7,7 +7,7 @@ import json
 
 from services.metrics_log import MetricsLog
 from services.trainer.metrics import TrainerMetrics, TrainerObserver
-from tests.launch.mesh import digit_rollout, disk_train_loop, local_mesh
+from tests.services.mesh import digit_rollout, disk_train_loop, local_mesh
 from trainer.config import TrainerConfig, TrainLoopConfig
 from trainer.engine import TrainEngine
 from trainer.loop import TrainLoop

@@ -16,7 +16,7 @@ from rollout.engines.sglang.client import EngineRejected
 from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
 from services.weight_transports.http_buckets import BucketPublisher
-from tests.launch.mesh import local_mesh
+from tests.services.mesh import local_mesh
 from trainer.config import TrainerConfig, TrainLoopConfig
 from trainer.engine import TrainEngine
 from trainer.loop import TrainLoop
