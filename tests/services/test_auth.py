@@ -31,8 +31,8 @@ from services.pb.rollmesh.v1 import controller_pb2, env_manager_pb2, llm_proxy_p
 from services.processes import free_port, start_engine_process, start_service_process, stop_process, wait_grpc_healthy
 from services.sample_buffer.client import BufferClient
 from services.sample_buffer.server import start_buffer_service
-from tests.services.mesh import local_mesh
 from tests.sample_buffer.helpers import make_group
+from tests.services.mesh import local_mesh
 
 WRONG = [("authorization", "Bearer not-the-token")]
 

@@ -21,8 +21,8 @@ from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import controller_pb2_grpc
 from services.sample_buffer.client import BufferClient
 from services.sample_buffer.server import start_buffer_service
-from tests.services.mesh import local_mesh
 from tests.sample_buffer.helpers import make_group
+from tests.services.mesh import local_mesh
 from tests.services.proxy_waits import decoding
 
 

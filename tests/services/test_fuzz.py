@@ -60,8 +60,8 @@ from services.sample_buffer.client import BufferClient
 from services.sample_buffer.server import start_buffer_service
 from services.wire_limits import PROXY_MAX_MESSAGE_BYTES, SAMPLE_BUFFER_MAX_PUT_BYTES
 from tests.engines import TEST_LOAD_ROOTS
-from tests.services.mesh import local_mesh
 from tests.sample_buffer.helpers import make_group
+from tests.services.mesh import local_mesh
 
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
 # Answers a service may give to bad input. UNKNOWN / INTERNAL (an unhandled exception), UNAVAILABLE (an engine
