@@ -11,7 +11,7 @@ import json
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sample_buffer.trajectory import GRAMMAR_FIELDS, MAX_GRAMMAR_CHARS
+from sample_buffer.grammars import GRAMMAR_FIELDS, MAX_GRAMMAR_CHARS
 
 
 class SamplingParams(BaseModel):

@@ -15,6 +15,7 @@ from enum import StrEnum
 import numpy as np
 
 from sample_buffer import routing as routing_ids
+from sample_buffer.grammars import GRAMMAR_FIELDS, MAX_GRAMMAR_CHARS
 from sample_buffer.vision import MAX_IMAGE_BYTES, content_hash
 
 _HASH = re.compile(r"[0-9a-f]{64}")
@@ -46,12 +47,6 @@ class PutRefusal(StrEnum):
     FILTERED = "filtered"  # a filter found no learning signal in it (zero variance)
     FULL = "full"  # the buffer stayed at capacity for the whole put timeout
 
-
-# Constrained decoding: the sampling params a grammar comes in (SGLang's names) and the longest text
-# one may have (a tool-call schema is a few KB; xgrammar's compile time grows with it). A turn decoded
-# under one records it (``metadata.turn_grammars``), so the trainer replays its masks.
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
-MAX_GRAMMAR_CHARS = 65_536
 
 # A domain's name: it becomes a Redis key and a Prometheus label, so a short plain word ("": none).
 DOMAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{0,64}")

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sample_buffer.grammars import compile_grammar, stop_token_ids
+
 log = logging.getLogger(__name__)
 
 CACHE = 64  # compiled grammars kept (an agent's every turn sends the same schema)
@@ -96,16 +98,10 @@ class GrammarReplay:
         except ImportError:
             raise ReplayError("xgrammar is not installed (pip install rollmesh[grammar])") from None
         if self._compiler is None:
-            from transformers import AutoTokenizer, GenerationConfig
+            from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-            try:  # the engine's stop tokens: a finished answer may end with any of them
-                eos = GenerationConfig.from_pretrained(self.model_path, local_files_only=True).eos_token_id
-            except OSError:
-                from transformers import AutoConfig
-
-                eos = AutoConfig.from_pretrained(self.model_path, local_files_only=True).eos_token_id
-            stops = sorted([eos] if isinstance(eos, int) else (eos or []))
+            stops = sorted(stop_token_ids(self.model_path))  # the engine's: a finished answer ends with one
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=stops)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return xgr
@@ -115,13 +111,8 @@ class GrammarReplay:
         if (found := self._compiled.get(key)) is not None:
             self._compiled.move_to_end(key)
             return found
-        try:  # compiled as the engine compiles it (rollout/engines/embedded/grammar.py)
-            if field == "json_schema":
-                compiled = self._compiler.compile_json_schema(text, strict_mode=True)
-            elif field == "regex":
-                compiled = self._compiler.compile_regex(text)
-            else:
-                compiled = self._compiler.compile_grammar(text)
+        try:  # compiled as the engine compiles it
+            compiled = compile_grammar(self._compiler, field, text)
         except Exception as e:
             raise ReplayError(f"{field} does not compile: {str(e).strip()[:200]}") from None
         self._compiled[key] = compiled

@@ -21,9 +21,9 @@ import re
 from functools import lru_cache
 
 from rollout.agent.sessions import SessionError
-from sample_buffer.trajectory import MAX_GRAMMAR_CHARS
+from sample_buffer.grammars import MAX_GRAMMAR_CHARS
 
-ANY_OBJECT = json.dumps({"type": "object"})
+ANY_OBJECT = {"type": "object"}
 
 
 def _refused(field: str, message: str) -> SessionError:
@@ -38,10 +38,10 @@ def response_grammar(fmt: dict | None) -> tuple[str, str] | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return "ebnf", _ebnf("response_format", ANY_OBJECT, False)
+        return "ebnf", _ebnf("response_format", _bounded("response_format", ANY_OBJECT), False)
     field = "response_format.json_schema.schema"
     schema = (fmt.get("json_schema") or {}).get("schema")
-    return "ebnf", _ebnf(field, _bounded(field, {"type": "object"} if schema is None else schema), False)
+    return "ebnf", _ebnf(field, _bounded(field, ANY_OBJECT if schema is None else schema), False)
 
 
 def tool_call_grammar(tools: list[dict], name: str | None) -> tuple[str, str]:
@@ -52,7 +52,7 @@ def tool_call_grammar(tools: list[dict], name: str | None) -> tuple[str, str]:
     for tool in tools:
         fn = tool.get("function") or {}
         if name is None or fn.get("name") == name:
-            params = fn.get("parameters") or {"type": "object"}
+            params = fn.get("parameters") or ANY_OBJECT
             calls.append(
                 {
                     "type": "object",

@@ -422,10 +422,19 @@ def agent_model(tmp_path_factory, agent_tools):
     return build_tool_agent_model(tmp_path_factory.mktemp("agent-model"), agent_tools[1])
 
 
+async def sdk_session_model(http: httpx.AsyncClient, url: str):
+    """A new gateway session, and the Agents SDK's chat-completions model bound to it."""
+    from agents import OpenAIChatCompletionsModel
+
+    made = (await http.post(url + "/v1/sessions", json={})).json()
+    client = openai.AsyncOpenAI(base_url=made["base_url"], api_key="key-alice", max_retries=0)
+    return made, OpenAIChatCompletionsModel(model="rollmesh-policy", openai_client=client)
+
+
 def test_an_agents_sdk_agent_runs_its_tool_loop_and_its_session_is_trained_token_exact(
     agent_model, agent_tools, engine_pool
 ):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+    from agents import Agent, ModelSettings, Runner, set_tracing_disabled
 
     from tests.services.agent_model import INSTRUCTIONS, TEMPLATE
 
@@ -436,11 +445,7 @@ def test_an_agents_sdk_agent_runs_its_tool_loop_and_its_session_is_trained_token
     async def main():
         async with gateway(url_engine, agent_model, template=TEMPLATE) as (url, mesh, sessions):
             http = httpx.AsyncClient(headers={"authorization": "Bearer key-alice"}, timeout=30)
-            made = (await http.post(url + "/v1/sessions", json={})).json()
-            model = OpenAIChatCompletionsModel(
-                model="rollmesh-policy",
-                openai_client=openai.AsyncOpenAI(base_url=made["base_url"], api_key="key-alice", max_retries=0),
-            )
+            made, model = await sdk_session_model(http, url)
             agent = Agent(
                 name="adder",
                 instructions=INSTRUCTIONS,
@@ -453,11 +458,7 @@ def test_an_agents_sdk_agent_runs_its_tool_loop_and_its_session_is_trained_token
             await http.post(f"{url}/v1/sessions/{made['id']}/end", json={"reward": 1.0})
             batch = await mesh.buffer_client.get(1, 0, 1, timeout_s=5.0)
             # The same agent streaming: the SDK reads the answer and the tool call from the chunks.
-            made = (await http.post(url + "/v1/sessions", json={})).json()
-            agent.model = OpenAIChatCompletionsModel(
-                model="rollmesh-policy",
-                openai_client=openai.AsyncOpenAI(base_url=made["base_url"], api_key="key-alice", max_retries=0),
-            )
+            made, agent.model = await sdk_session_model(http, url)
             run = Runner.run_streamed(agent, "Add 3 and 4.", max_turns=4)
             deltas = [e async for e in run.stream_events() if e.type == "raw_response_event"]
             streamed_state = (await http.get(f"{url}/v1/sessions/{made['id']}")).json()
@@ -492,7 +493,7 @@ def test_an_agents_sdk_agent_that_forces_its_tool_call_is_trained_a_step_through
     """The Agents SDK's ``tool_choice="required"``: the first turn is decoded under the call's
     grammar (the SDK then lets the model answer freely: ``reset_tool_choice``). The session is
     trained a step: the constrained turn's masks are replayed, the free one's tokens left as they are."""
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+    from agents import Agent, ModelSettings, Runner, set_tracing_disabled
 
     from tests.services.agent_model import INSTRUCTIONS, TEMPLATE
     from trainer.batch import batch_from_groups
@@ -506,11 +507,7 @@ def test_an_agents_sdk_agent_that_forces_its_tool_call_is_trained_a_step_through
     async def main():
         async with gateway(url_engine, agent_model, template=TEMPLATE) as (url, mesh, _):
             http = httpx.AsyncClient(headers={"authorization": "Bearer key-alice"}, timeout=30)
-            made = (await http.post(url + "/v1/sessions", json={})).json()
-            model = OpenAIChatCompletionsModel(
-                model="rollmesh-policy",
-                openai_client=openai.AsyncOpenAI(base_url=made["base_url"], api_key="key-alice", max_retries=0),
-            )
+            made, model = await sdk_session_model(http, url)
             settings = ModelSettings(temperature=0.0, max_tokens=128, tool_choice="required")
             agent = Agent(name="adder", instructions=INSTRUCTIONS, tools=[add], model=model, model_settings=settings)
             result = await Runner.run(agent, "Add 3 and 4.", max_turns=4)

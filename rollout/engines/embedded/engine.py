@@ -43,6 +43,7 @@ from rollout.engines.embedded.sampling import sample_next_tokens, top_logprobs
 from rollout.engines.embedded.weights import check_named_tensors, copy_named_tensors, weights_checksum
 from rollout.engines.scheduler import SchedulerCommands
 from rollout.sampling import SamplingParams
+from sample_buffer.grammars import stop_token_ids
 from sample_buffer.routing import routers_of, routing_dtype
 from sample_buffer.vision import Vision, VisionError, VisionPrompt, is_vision_model, model_class
 
@@ -128,7 +129,7 @@ class EmbeddedEngine(SchedulerCommands):
         text = self.hf_config.get_text_config()
         self.vocab_size = int(text.vocab_size)
         self.max_context = int(getattr(text, "max_position_embeddings", 2048))
-        self.eos_ids = self._eos_ids(config.model_path)
+        self.eos_ids = stop_token_ids(config.model_path)
         layout = AttentionLayout.of(self.hf_config, config.model_path)  # refuses what it cannot serve, unloaded
         self.model = self._load(config.model_path)
         self.capture = RoutingCapture(self.model) if routers_of(self.model) else None  # MoE: experts per token
@@ -180,20 +181,6 @@ class EmbeddedEngine(SchedulerCommands):
     def _new_batch(self) -> KVSlots:
         layers = int(self.hf_config.get_text_config().num_hidden_layers)
         return KVSlots(self.layout, layers, self.config.max_running_requests, self.max_context, self.device)
-
-    @staticmethod
-    def _eos_ids(path: str) -> frozenset[int]:
-        from transformers import GenerationConfig
-
-        try:
-            eos = GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id
-        except OSError:  # no generation_config.json: fall back to the model config
-            from transformers import AutoConfig
-
-            eos = AutoConfig.from_pretrained(path, local_files_only=True).eos_token_id
-        if eos is None:
-            return frozenset()
-        return frozenset([eos] if isinstance(eos, int) else eos)
 
     @property
     def grammars(self) -> Grammars:

@@ -6,7 +6,7 @@ computed from them, so the token is sampled from the masked, renormalised distri
 log-prob the engine reports (μ, and the top log-probs) is that distribution's: what the row was
 really sampled from. Unconstrained rows of the same batch are untouched.
 
-Compiling is bounded: a grammar's text is at most ``MAX_GRAMMAR_CHARS`` (``sample_buffer.trajectory``),
+Compiling is bounded: a grammar's text is at most ``MAX_GRAMMAR_CHARS`` (``sample_buffer.grammars``),
 and the engine server compiles before it queues a request, off its event loop and with a deadline
 (``compile_within``); a grammar that does not compile is refused naming its field. Compiled
 grammars are kept (the last ``CACHE`` of them): an agent's every turn sends the same schema.
@@ -23,6 +23,7 @@ import torch
 
 from rollout.engines.contract import EngineError
 from rollout.sampling import SamplingParams
+from sample_buffer.grammars import compile_grammar
 
 CACHE = 64  # compiled grammars kept
 COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer is refused (its compile goes on, alone, in the background)
@@ -100,12 +101,7 @@ class Grammars:
     def _compile(self, key: tuple[str, str]):
         kind, text = key
         try:
-            if kind == "json_schema":
-                compiled = self._compiler.compile_json_schema(text, strict_mode=True)
-            elif kind == "regex":
-                compiled = self._compiler.compile_regex(text)
-            else:
-                compiled = self._compiler.compile_grammar(text)
+            compiled = compile_grammar(self._compiler, kind, text)
         except Exception as e:  # xgrammar's errors are RuntimeErrors naming the position
             raise EngineError(f"sampling_params.{kind}", f"does not compile: {str(e).strip()[:500]}") from None
         finally:
