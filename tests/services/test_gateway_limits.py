@@ -64,7 +64,9 @@ def test_a_stream_is_in_flight_until_its_last_chunk(engine_url, tiny_model):
     async def main():
         async with gateway(engine_url, tiny_model, max_concurrent_requests=1) as (url, mesh, _):
             c, other = client(url), client(url)
-            stream = await c.chat.completions.create(model="m", messages=USER, max_tokens=256, stream=True)
+            stream = await c.chat.completions.create(
+                model="m", messages=USER, max_tokens=256, stream=True, seed=3
+            )  # seeded: unseeded, an early end of sequence left no content chunk to pause at, by chance
             refused_while, in_flight = None, None
             async for ch in stream:
                 if refused_while is None and ch.choices and ch.choices[0].delta.content:
@@ -82,6 +84,7 @@ def test_a_stream_is_in_flight_until_its_last_chunk(engine_url, tiny_model):
             return refused_while, in_flight, after
 
     refused_while, in_flight, after = asyncio.run(main())
+    assert in_flight is not None, "the stream sent no content to pause at"
     assert in_flight == 1 and refused_while is True
     assert after.choices  # the slot came back with the stream's end
 
