@@ -7,7 +7,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from rollout.ports import TransientError
-from rollout.proxy.proxy import RequestInvalid
+from rollout.proxy import RequestInvalid
 from rollout.sampling import SamplingParams
 from sample_buffer import routing
 from sample_buffer.trajectory import FinishReason

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Literal
 
 SuspendMode = Literal["continue", "abort", "in_place"]
+# How the engines pause for each: ``continue`` aborts at the engines too (the proxy keeps the partial tokens).
+ENGINE_PAUSE_MODE = {"continue": "abort", "abort": "abort", "in_place": "in_place"}
 ADAPTER_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*@v\d+\.[0-9a-f]{6}\d+$")  # what only lanes name adapters
 _TAG = secrets.token_hex(3)  # this proxy's: a restarted proxy's names never meet its predecessor's
 _NAMES = itertools.count()

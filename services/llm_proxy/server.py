@@ -13,8 +13,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rollout.engines.http_engine import HTTPEngineClient
-from rollout.proxy import LLMProxy, ProxyConfig, ProxyRequest, RequestInvalid
-from rollout.proxy.proxy import UPDATE_FAILURE_CAUSES, NoEngineAvailable
+from rollout.proxy import UPDATE_FAILURE_CAUSES, LLMProxy, NoEngineAvailable, ProxyConfig, ProxyRequest, RequestInvalid
 from sample_buffer.trajectory import FinishReason
 from services.auth import AuthConfig, RunTokens, http_headers
 from services.convert import finish_to_pb, routed_experts_to_pb, sampling_from_pb

@@ -14,7 +14,7 @@ async def decoding(proxy, timeout_s: float = 30.0, tokens_time_s: float = 0.05) 
     ask for a generation that takes ten or more times as long (600-1000 tokens of the tiny model)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not proxy._in_flight:
+    while not proxy.in_flight:
         assert loop.time() < deadline, f"no generation reached the proxy in {timeout_s} s"
         await asyncio.sleep(0.002)
     await asyncio.sleep(tokens_time_s)

@@ -67,7 +67,9 @@ def test_a_colocated_step_trains_while_the_engines_are_released(make_engine_proc
     assert seen["released"] == [["kv_cache", "weights"]] * 2 and seen["suspended"]
     assert metrics["published"] and after == [[], []] and not mesh.proxy.suspended
     assert out.weight_version == 1 and len(out.output_ids) == 3
-    assert mesh.proxy.counters["memory_releases"] == 1 and mesh.proxy._lease is None  # the update ended the lease
+    assert (
+        mesh.proxy.counters["memory_releases"] == 1 and mesh.proxy.control.lease is None
+    )  # the update ended the lease
 
 
 def test_the_lease_gives_the_engines_back_when_the_trainer_never_returns(engine_url, tiny_model):

@@ -126,7 +126,7 @@ def test_in_place_suspend_keeps_requests_inside_the_engine_across_an_update(engi
         long = asyncio.create_task(gen.generate([1, 30, 31], LONG, temperature=0.0, ignore_eos=True))
         await decoding(proxy)
         update = await stub.BeginUpdate(pb.BeginUpdateRequest(new_version=1, timeout_s=30))
-        in_flight_while_suspended = len(proxy._in_flight)
+        in_flight_while_suspended = len(proxy.in_flight)
         pushed = await gen.update_weights(tiny_model_b, 1)
         await stub.CommitUpdate(pb.CommitUpdateRequest(update_id=update.update_id, version=1, model_path=tiny_model_b))
         return in_flight_while_suspended, pushed, await long

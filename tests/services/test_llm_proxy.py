@@ -383,10 +383,10 @@ def test_a_stream_whose_caller_goes_away_is_aborted(two_engines):
         first = await call.read()
         call.cancel()
         for _ in range(100):  # the proxy aborts it at the engine and forgets it
-            if not proxy._in_flight:
+            if not proxy.in_flight:
                 break
             await asyncio.sleep(0.05)
-        return first, dict(proxy._in_flight), proxy.counters
+        return first, dict(proxy.in_flight), proxy.counters
 
     first, in_flight, counters = run(scenario, two_engines)
     assert len(first.output_ids) >= 1 and not first.HasField("result")

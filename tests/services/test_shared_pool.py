@@ -59,7 +59,7 @@ def serving(proxy) -> list[str]:
 async def in_flight(proxy, run: str, rid: str) -> None:
     """Until ``run``'s request ``rid`` is at an engine, plus a few tokens' time."""
     for _ in range(3000):
-        fl = proxy._in_flight.get((run, rid))
+        fl = proxy.in_flight.get((run, rid))
         if fl is not None and fl.slot is not None:
             await asyncio.sleep(0.05)
             return
@@ -210,10 +210,10 @@ def test_a_runs_suspend_stops_its_requests_only_and_they_continue_under_its_new_
         stream.cancel()
         assert len((await theirs).output_ids) == 300
         for _ in range(200):  # the proxy aborts math's at the engine
-            if ("math", "y") not in proxy._in_flight:
+            if ("math", "y") not in proxy.in_flight:
                 break
             await asyncio.sleep(0.05)
-        assert ("math", "y") not in proxy._in_flight and proxy.counters["finished_abort"] == aborted + 1
+        assert ("math", "y") not in proxy.in_flight and proxy.counters["finished_abort"] == aborted + 1
 
     run(scenario, pool, run_tokens, both)
 
