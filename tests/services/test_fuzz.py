@@ -556,7 +556,7 @@ def must_refuse_control(method: str, req, field: str, under_way) -> bool:
 def test_llm_proxy_control_and_weight_updates_with_hostile_values(aio, proxy, model_paths):
     async def one(name: str, req):
         method, field = name.split(".")
-        refuse = must_refuse_control(method, req, field, proxy.core._bucket_update)
+        refuse = must_refuse_control(method, req, field, proxy.core.updates.bucket_update)
         code, details, out = await call(proxy.channel, f"/rollmesh.v1.LLMProxy/{method}", req.SerializeToString())
         if code == OK and method == "Suspend":
             await proxy.client.resume(timeout_s=10)  # first: a failed check must not leave the proxy suspended
