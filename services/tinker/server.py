@@ -17,7 +17,6 @@ per user or team; ``rollmesh gateway-key FILE NAME --tinker``); never the mesh's
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -29,12 +28,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.body_limit import BodyLimit
 from services.gateway.keys import KeyRing
 from services.tinker import wire
-from services.tinker.service import TinkerError, TinkerService, user_error
+from services.tinker.routes import API, Calls, sampling_router, session_router, training_router
+from services.tinker.service import TinkerError, TinkerService
 
 log = logging.getLogger(__name__)
-API = "/api/v1"
 OPEN = ("/health", "/metrics", f"{API}/healthz")
-PROTO = "application/x-protobuf"
 JSON_BODY_BYTES = 8 * 2**20
 
 
@@ -69,186 +67,9 @@ def create_app(service: TinkerService, keys: KeyRing | None, max_body_bytes: int
 
     app.add_middleware(KeyCheck, keys=keys, counts=counts)  # outermost: before the body limit reads a byte
 
-    async def body(request: Request) -> dict:
-        try:
-            data = json.loads(await request.body() or b"{}")
-        except ValueError as e:
-            raise TinkerError("body", f"malformed JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise TinkerError("body", "a JSON object")
-        return data
-
-    def future(request: Request, route: str, make, proto: bool = False, samples: int = 0) -> dict:
-        """Start ``make()``'s work and answer its request id. A call sent again with its idempotency key
-        (the SDK retries a POST whose answer it lost) gets the first one's answer, and runs once."""
-        owner, key = request.state.owner, request.headers.get("x-idempotency-key")
-        if key and (seen := service.answered(owner, key)) is not None:
-            return seen
-        service.check_room(owner)
-        work = make()
-        counts[(route, "accepted")] += 1
-        answer = {"request_id": service.submit(owner, _counted(route, work), proto)}
-        if samples:  # asample: an id per sample, which the SDK puts on its sequences
-            answer["sample_sequence_ids"] = [f"{answer['request_id']}:{i}" for i in range(samples)]
-        if key:
-            service.remember(owner, key, answer)
-        return answer
-
-    async def _counted(route: str, work):
-        try:
-            result = await work
-        except Exception as e:
-            counts[(route, "error")] += 1
-            if user_error(e) is None:
-                log.exception("%s failed", route)
-            raise
-        counts[(route, "ok")] += 1
-        return result
-
-    # ---------------------------------------------------------------- client bootstrap, sessions
-    @app.post(f"{API}/client/config")
-    async def client_config():
-        # a static key (no JWT exchange), protobuf uncompressed. The SDK's own transport (pyqwest), as its
-        # default: over httpx, a cookbook run lost one poll's answer each step and waited 45 s for its timeout.
-        return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
-
-    @app.post(f"{API}/client/dynamic_config")
-    async def dynamic_config():
-        return {}
-
-    @app.get(f"{API}/healthz")
-    async def healthz():
-        return {"status": "ok"}
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get(f"{API}/get_server_capabilities")
-    async def capabilities():
-        return {"supported_models": [{"model_name": service.base_model, "trainable": True, "sampleable": True}]}
-
-    @app.post(f"{API}/create_session")
-    async def create_session(request: Request):
-        await body(request)
-        return {"session_id": service.create_session(request.state.owner), "type": "create_session"}
-
-    @app.post(f"{API}/session_heartbeat")
-    async def heartbeat(request: Request):
-        b = await body(request)
-        service.heartbeat(request.state.owner, str(b.get("session_id", "")))
-        return {"type": "session_heartbeat"}
-
-    @app.post(f"{API}/sessions/{{sid}}/finish")
-    async def finish(sid: str, request: Request):
-        await service.finish_session(request.state.owner, sid)
-        return {}
-
-    @app.post(f"{API}/telemetry")
-    async def telemetry():
-        return {"status": "accepted"}  # nothing is sent anywhere
-
-    # ---------------------------------------------------------------- training
-    @app.post(f"{API}/create_model")
-    async def create_model(request: Request):
-        b = await body(request)
-        return future(request, "create_model", lambda: service.create_model(request.state.owner, b))
-
-    @app.post(f"{API}/get_info")
-    async def get_info(request: Request):
-        return service.info(request.state.owner, str((await body(request)).get("model_id", "")))
-
-    @app.post(f"{API}/unload_model")
-    async def unload_model(request: Request):
-        b = await body(request)
-        return future(
-            request, "unload_model", lambda: service.unload_model(request.state.owner, str(b.get("model_id", "")))
-        )
-
-    @app.post(f"{API}/forward_backward")
-    async def forward_backward(request: Request):
-        if request.headers.get("content-encoding", "identity") != "identity":
-            raise TinkerError("content-encoding", "compressed bodies are not taken (client/config says so)")
-        service.check_room(request.state.owner)  # before its body (up to max_body_bytes) is read
-        msg = wire.parse_forward_backward(await request.body())
-        m = service.model(request.state.owner, msg.model_id)  # an unknown model: 404 now, not in a future
-        limits = (service.pool.max_positions, max_body_bytes // 4)  # the values of a dense float32 body at most
-        req = service.checked_call(m, int(msg.seq_id), lambda: wire.read_forward_backward(msg, *limits))
-        return future(
-            request, "forward_backward", lambda: service.forward_backward(request.state.owner, req), proto=True
-        )
-
-    @app.post(f"{API}/optim_step")
-    async def optim_step(request: Request):
-        b = await body(request)
-        return future(request, "optim_step", lambda: service.optim_step(request.state.owner, b))
-
-    @app.post(f"{API}/save_weights")
-    async def save_weights(request: Request):
-        b = await body(request)
-        return future(request, "save_weights", lambda: service.save_weights(request.state.owner, b))
-
-    @app.post(f"{API}/save_weights_for_sampler")
-    async def save_for_sampler(request: Request):
-        b = await body(request)
-        return future(
-            request, "save_weights_for_sampler", lambda: service.save_weights_for_sampler(request.state.owner, b)
-        )
-
-    @app.post(f"{API}/load_weights")
-    async def load_weights(request: Request):
-        b = await body(request)
-        return future(request, "load_weights", lambda: service.load_weights(request.state.owner, b))
-
-    # ---------------------------------------------------------------- the REST client: runs and checkpoints
-    @app.get(f"{API}/training_runs/{{run_id}}")
-    async def training_run(run_id: str, request: Request):
-        return service.training_run(request.state.owner, run_id)
-
-    @app.get(f"{API}/training_runs/{{run_id}}/checkpoints")
-    async def list_checkpoints(run_id: str, request: Request):
-        return service.checkpoints(request.state.owner, run_id)
-
-    @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
-    async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):
-        await service.delete_checkpoint(request.state.owner, run_id, checkpoint_id)
-        return None
-
-    @app.post(f"{API}/weights_info")
-    async def weights_info(request: Request):
-        return service.weights_info(request.state.owner, await body(request))
-
-    # ---------------------------------------------------------------- sampling
-    @app.post(f"{API}/create_sampling_session")
-    async def create_sampling_session(request: Request):
-        sid = service.create_sampling_session(request.state.owner, await body(request))
-        return {"sampling_session_id": sid, "type": "create_sampling_session"}
-
-    @app.get(f"{API}/samplers/{{sampler_id}}")
-    async def get_sampler(sampler_id: str, request: Request):
-        return service.sampler_info(request.state.owner, sampler_id)
-
-    @app.post(f"{API}/asample")
-    async def asample(request: Request):
-        b = await body(request)
-        make = lambda: service.sample(request.state.owner, b)  # noqa: E731
-        return future(request, "asample", make, proto=True, samples=b.get("num_samples", 1))
-
-    # ---------------------------------------------------------------- results
-    @app.post(f"{API}/retrieve_future")
-    async def retrieve_future(request: Request):
-        rid = str((await body(request)).get("request_id", ""))
-        r = await service.retrieve(request.state.owner, rid, service.config.poll_hold_s)
-        if r is None:
-            return {"type": "try_again", "request_id": rid, "queue_state": "active"}
-        e = r.future.exception()
-        if e is not None:
-            refused = user_error(e)
-            if refused is None:
-                return {"error": f"internal error: {type(e).__name__}: {e}", "category": "server"}
-            return {"error": str(refused), "category": refused.category}
-        result = r.future.result()
-        return Response(result, media_type=PROTO) if r.proto else result
+    calls = Calls(service, max_body_bytes)
+    for router in (session_router(calls), training_router(calls), sampling_router(calls)):
+        app.include_router(router)
 
     @app.get("/metrics")
     async def metrics():
