@@ -11,7 +11,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from services.tinker import wire
-from services.tinker.service import TinkerError, TinkerService, user_error
+from services.tinker.errors import TinkerError, user_error
+from services.tinker.service import TinkerService
 
 log = logging.getLogger(__name__)
 API = "/api/v1"

@@ -28,8 +28,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.body_limit import BodyLimit
 from services.gateway.keys import KeyRing
 from services.tinker import wire
+from services.tinker.errors import TinkerError
 from services.tinker.routes import API, Calls, sampling_router, session_router, training_router
-from services.tinker.service import TinkerError, TinkerService
+from services.tinker.service import TinkerService
 
 log = logging.getLogger(__name__)
 OPEN = ("/health", "/metrics", f"{API}/healthz")

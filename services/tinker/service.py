@@ -16,47 +16,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import re
-import shutil
 import time
 import uuid
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 
-from rollout.engines.http_engine import EngineRejected, EngineUnavailable
-from rollout.sampling import SamplingParams
-from sample_buffer.trajectory import FinishReason
 from services.tinker import wire
+from services.tinker.checkpoints import CHECKPOINT_KINDS, EXPIRES, Checkpoints
 from services.tinker.config import TinkerConfig
+from services.tinker.errors import TinkerError, json_object, string_id, unknown
+from services.tinker.sampling import Sampler, Sampling
 from trainer.adapter_pool import AdamParams, AdapterPool
 from trainer.lora import LoraConfig
-from trainer.token_losses import LossInputError
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 KINDS = ("weights", "sampler_weights")
-
-
-class TinkerError(Exception):
-    """A call refused or failed. ``category`` is the SDK's: ``user`` (the request is wrong; HTTP 400
-    where it is answered at once) or ``server``; ``status``: 404 for an id the caller does not own."""
-
-    def __init__(self, field: str, message: str, category: str = "user", status: int = 400) -> None:
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field, self.category, self.status = field, category, status
-
-
-CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}  # tinker://RUN/KIND/NAME: the SDK's types
-
-
-EXPIRES = "expires_at"  # beside saved weights with a ttl_seconds: when they go (Unix time)
 
 
 def _ttl(body: dict) -> float | None:
@@ -69,39 +50,6 @@ def _ttl(body: dict) -> float | None:
 def _expires(d: Path, ttl: float | None) -> None:
     if ttl is not None:
         (d / EXPIRES).write_text(repr(time.time() + ttl))
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat()
-
-
-def _saved_rank(run: Path, saved: list[dict]) -> int | None:
-    """The rank of a run whose model is gone, from its last saved adapter's config."""
-    if not saved:
-        return None
-    name = saved[-1]["checkpoint_id"]
-    return json.loads((run / name / "adapter_config.json").read_text()).get("r")
-
-
-def unknown(what: str, value: str) -> TinkerError:
-    return TinkerError(what, f"no {what.rsplit('.', 1)[-1]} {value!r} of this key", status=404)
-
-
-def _object(body: dict, key: str) -> dict:
-    """``body[key]``, an optional JSON object ({} when null or left out)."""
-    value = body.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise TinkerError(key, f"{str(value)[:100]!r}: an object")
-    return value
-
-
-def _name(what: str, value) -> str:
-    """An id a JSON body gives: a string (a list or a number is no key of this service's tables)."""
-    if not isinstance(value, str):
-        raise TinkerError(what, f"{str(value)[:100]!r}: a string")
-    return value
 
 
 @dataclass
@@ -119,21 +67,13 @@ class Model:
 
 
 @dataclass
-class Sampler:
-    id: str
-    owner: str
-    weights: Path | None  # a PEFT adapter directory; None: the base model
-    model_path: str | None  # its tinker:// path, when it has one
-
-
-@dataclass
 class Result:
     owner: str
     future: asyncio.Future
     proto: bool  # the SDK takes this result as protobuf only
 
 
-class TinkerService:
+class TinkerService(Sampling, Checkpoints):
     def __init__(
         self,
         config: TinkerConfig,
@@ -231,7 +171,7 @@ class TinkerService:
         return sid
 
     def _session(self, owner: str, sid: str) -> str:
-        if self.sessions.get(_name("session_id", sid)) != owner:
+        if self.sessions.get(string_id("session_id", sid)) != owner:
             raise unknown("session_id", sid)
         return sid
 
@@ -332,7 +272,7 @@ class TinkerService:
         """Checks the call now (a bad one is answered 400) and returns the work to run."""
         self._check_base(body.get("base_model"))
         _adamw_only(body.get("optimizer_config"))
-        lora, seed = self._lora(_object(body, "lora_config"))
+        lora, seed = self._lora(json_object(body, "lora_config"))
         model = self._new_model(owner, str(body.get("session_id", "")), _int(body, "model_seq_id"), lora)
 
         async def create() -> dict:
@@ -354,7 +294,7 @@ class TinkerService:
             self._pending[m.owner] -= 1
 
     def model(self, owner: str, mid: str) -> Model:
-        m = self.models.get(_name("model_id", mid))
+        m = self.models.get(string_id("model_id", mid))
         if m is None or m.owner != owner:
             raise unknown("model_id", mid)
         return m
@@ -460,7 +400,7 @@ class TinkerService:
 
     def _parse(self, owner: str, path: str, kind: str) -> Path:
         """A ``tinker://MODEL/KIND/NAME`` path this key saved, as its directory."""
-        path = _name("path", path)  # (a JSON body's model_path may be anything)
+        path = string_id("path", path)  # (a JSON body's model_path may be anything)
         parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
         if len(parts) != 3 or parts[1] != kind:
             raise TinkerError("path", f"{path!r} is not a tinker://MODEL_ID/{kind}/NAME path")
@@ -541,250 +481,8 @@ class TinkerService:
         except ValueError as e:  # the model has no adapter now: its client is poisoned anyway (the SDK's rule)
             raise TinkerError("path", str(e)) from None
 
-    # ------------------------------------------------------------------ sampling
-    def _new_sampler(self, owner: str, sid: str, seq, weights: Path | None, path: str | None) -> str:
-        self._session(owner, sid)
-        if seq is None:
-            seq = self.session_seq[sid]
-        if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 2**31:
-            raise TinkerError("sampling_session_seq_id", f"{seq!r}: an integer in [0, 2^31)")
-        self.session_seq[sid] = max(self.session_seq[sid], seq + 1)
-        sampler_id = f"{sid}:sample:{seq}"
-        self.samplers[sampler_id] = Sampler(sampler_id, owner, weights, path)
-        return sampler_id
-
-    # ------------------------------------------------------------------ the REST client's runs and checkpoints
-    def _owns(self, owner: str, run_id: str) -> bool:
-        """Whether training run ``run_id`` (a model id) is this key's: its saved weights outlive the
-        model (and the service: the owner is written beside them)."""
-        owner_file = self.root / run_id / "owner"
-        return (
-            "/" not in run_id
-            and run_id not in ("", ".", "..")
-            and owner_file.is_file()
-            and owner_file.read_text() == owner
-        )
-
-    def _run(self, owner: str, run_id: str) -> Path:
-        if not self._owns(owner, run_id):
-            raise unknown("training_run_id", run_id)
-        return self.root / run_id
-
-    def checkpoints(self, owner: str, run_id: str) -> dict:
-        """``CheckpointsListResponse``: the run's saved states and sampler weights, oldest first."""
-        return {"checkpoints": self._saved(self._run(owner, run_id), run_id)}
-
-    def _saved(self, run: Path, run_id: str) -> list[dict]:
-        found = []
-        for kind, ctype in CHECKPOINT_KINDS.items():
-            for config in (run / kind).glob("*/adapter_config.json"):
-                d = config.parent
-                found.append(
-                    {
-                        "checkpoint_id": f"{kind}/{d.name}",
-                        "checkpoint_type": ctype,
-                        "time": _iso(config.stat().st_mtime),
-                        "tinker_path": f"tinker://{run_id}/{kind}/{d.name}",
-                        "size_bytes": sum(f.stat().st_size for f in d.rglob("*") if f.is_file()),
-                        "expires_at": _iso(float((d / EXPIRES).read_text())) if (d / EXPIRES).is_file() else None,
-                    }
-                )
-        return sorted(found, key=lambda c: (c["time"], c["checkpoint_id"]))
-
-    def training_run(self, owner: str, run_id: str) -> dict:
-        """``TrainingRun``: what the run is and its last checkpoints (the cookbook reads it on resume)."""
-        run = self._run(owner, run_id)
-        saved = self._saved(run, run_id)
-        last = {
-            t: next((c for c in reversed(saved) if c["checkpoint_type"] == t), None) for t in ("training", "sampler")
-        }
-        m = self.models.get(run_id)
-        rank = m.lora.rank if m is not None else _saved_rank(run, saved)
-        touched = max([run.stat().st_mtime, *(datetime.fromisoformat(c["time"]).timestamp() for c in saved)])
-        return {
-            "training_run_id": run_id,
-            "base_model": self.base_model,
-            "model_owner": owner,
-            "is_lora": True,
-            "corrupted": bool(m is not None and m.broken),
-            "lora_rank": rank,
-            "last_request_time": _iso(touched),
-            "last_checkpoint": last["training"],
-            "last_sampler_checkpoint": last["sampler"],
-        }
-
-    def weights_info(self, owner: str, body: dict) -> dict:
-        """``WeightsInfoResponse`` of a ``tinker://`` path of this key."""
-        path = str(body.get("tinker_path") or "")
-        kind = path.removeprefix("tinker://").split("/")[1] if path.count("/") == 4 else ""
-        if kind not in CHECKPOINT_KINDS:
-            raise TinkerError("tinker_path", f"{path!r} is not a tinker://MODEL_ID/(weights|sampler_weights)/NAME path")
-        d = self._parse(owner, path, kind)
-        rank = json.loads((d / "adapter_config.json").read_text()).get("r")
-        return {"base_model": self.base_model, "is_lora": True, "lora_rank": rank}
-
-    async def delete_checkpoint(self, owner: str, run_id: str, checkpoint_id: str) -> None:
-        """Remove a saved state or sampler weights; sampler weights the engine holds are unloaded first
-        (refused while a sample uses them)."""
-        kind = checkpoint_id.split("/", 1)[0]
-        if kind not in CHECKPOINT_KINDS:
-            raise TinkerError("checkpoint_id", f"{checkpoint_id!r}: weights/NAME or sampler_weights/NAME")
-        self._run(owner, run_id)
-        await self._remove(self._parse(owner, f"tinker://{run_id}/{checkpoint_id}", kind))
-        log.info("deleted %s/%s (%s)", run_id, checkpoint_id, owner)
-
-    async def _remove(self, d: Path) -> None:
-        async with self._load_lock:
-            name = self._loaded.get(d)
-            if name is not None:
-                if self._busy[name]:
-                    raise TinkerError("checkpoint_id", "a sample is using these weights now; try again", status=409)
-                await self.engine.unload_lora_adapter(name)
-                self._busy.pop(self._loaded.pop(d), None)
-            shutil.rmtree(d)
-
-    def create_sampling_session(self, owner: str, body: dict) -> str:
-        path = body.get("model_path")
-        weights = self._parse(owner, path, "sampler_weights") if path else None
-        if path is None:
-            self._check_base(body.get("base_model"))
-        return self._new_sampler(owner, body.get("session_id", ""), body.get("sampling_session_seq_id"), weights, path)
-
-    def sampler(self, owner: str, sampler_id: str) -> Sampler:
-        s = self.samplers.get(_name("sampling_session_id", sampler_id))
-        if s is None or s.owner != owner:
-            raise unknown("sampling_session_id", sampler_id)
-        return s
-
-    def sampler_info(self, owner: str, sampler_id: str) -> dict:
-        s = self.sampler(owner, sampler_id)
-        return {"sampler_id": s.id, "base_model": self.base_model, "model_path": s.model_path}
-
-    def sample(self, owner: str, body: dict):
-        """Everything a sample needs, checked before it is accepted (a 400 names what is wrong); the work."""
-        if "sampling_session_id" in body:
-            s = self.sampler(owner, body["sampling_session_id"])
-        elif body.get("model_path"):
-            s = Sampler("", owner, self._parse(owner, body["model_path"], "sampler_weights"), body["model_path"])
-        else:
-            self._check_base(body.get("base_model"))
-            s = Sampler("", owner, None, None)
-        n = body.get("num_samples", 1)
-        if not isinstance(n, int) or not 1 <= n <= 128:
-            raise TinkerError("num_samples", f"{n!r}: an integer in [1, 128]")
-        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-            if body.get(key):
-                raise TinkerError(key, "not served yet")
-        if body.get("target_prompt_logprobs") is not None:
-            raise TinkerError("target_prompt_logprobs", "not served yet")
-        tokens = prompt_tokens(body.get("prompt"), self.pool.vocab_size)
-        params = self._sampling_params(_object(body, "sampling_params"))
-        return self._sample(s, tokens, params, n, bool(body.get("prompt_logprobs")))
-
-    def _sampling_params(self, p: dict) -> SamplingParams:
-        stop = p.get("stop")
-        if isinstance(stop, str) or (isinstance(stop, list) and any(isinstance(x, str) for x in stop)):
-            raise TinkerError("sampling_params.stop", "stop strings are not served yet: give stop token ids")
-        if stop is not None and not (isinstance(stop, list) and all(isinstance(x, int) for x in stop)):
-            raise TinkerError("sampling_params.stop", f"{stop!r}: a list of token ids")
-        max_tokens = p.get("max_tokens")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1 << 16):
-            raise TinkerError("sampling_params.max_tokens", f"{max_tokens!r}: an integer in [1, 65536]")
-        try:
-            return SamplingParams(
-                max_new_tokens=max_tokens or self.config.default_max_tokens,
-                temperature=p.get("temperature", 1.0),
-                top_p=p.get("top_p", 1.0),
-                top_k=p.get("top_k", -1),
-                # omitted: end at EOS; a list: at those tokens only ([]: run to max_tokens)
-                stop_token_ids=stop or [],
-                ignore_eos=stop is not None,
-                sampling_seed=p.get("seed"),
-            )
-        except ValueError as e:
-            err = e.errors()[0] if hasattr(e, "errors") else {"loc": (), "msg": str(e)}
-            where = ".".join(str(x) for x in err["loc"])
-            raise TinkerError(f"sampling_params.{where}", err["msg"]) from None
-
-    async def _sample(self, s: Sampler, tokens: list[int], params: SamplingParams, n: int, prompt_lp: bool) -> bytes:
-        seed = params.sampling_seed
-        async with self._adapter(s.weights) as lora:
-            # every request ends (or fails) before the adapter is let go: none still uses it when unloaded
-            results = await asyncio.gather(
-                *(
-                    self.engine.generate(
-                        tokens,
-                        params.model_copy(update={"sampling_seed": None if seed is None else seed + i}),
-                        timeout_s=self.config.generate_timeout_s,
-                        lora_path=lora,
-                    )
-                    for i in range(n)
-                ),
-                return_exceptions=True,
-            )
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:
-            raise failed
-        ended = {r.finish_reason for r in results} - {FinishReason.STOP, FinishReason.LENGTH}
-        if ended:  # cut short by the engine: not a sample the client may train on as if complete
-            raise TinkerError("", f"the engine ended a sample early ({sorted(ended)[0]}); sample again", "server")
-        seqs = [wire.Sequence(r.output_ids, r.behavior_logprobs, r.finish_reason is FinishReason.STOP) for r in results]
-        self.sampled_tokens += sum(len(r.output_ids) for r in results)
-        scores = await self._train(self.pool.score, tokens, s.weights) if prompt_lp else None
-        return wire.sample_response(seqs, scores)
-
-    def _adapter(self, weights: Path | None):
-        return _Using(self, weights)
-
-    async def _acquire(self, weights: Path | None) -> str | None:
-        """The engine's name of the adapter in ``weights`` (loaded now if it is not; the least
-        recently used idle one unloaded to make room, waiting for one to be idle), held until
-        ``_release``."""
-        if weights is None:
-            return None
-        deadline = asyncio.get_running_loop().time() + self.config.generate_timeout_s
-        async with self._load_lock:
-            name = self._loaded.get(weights)
-            while name is None and len(self._loaded) >= self.config.max_loaded_adapters:
-                idle = next((d for d, a in self._loaded.items() if not self._busy[a]), None)
-                if idle is not None:
-                    await self.engine.unload_lora_adapter(self._loaded[idle])
-                    self._busy.pop(self._loaded.pop(idle), None)  # forgotten once the engine let it go
-                    continue
-                async with self._idle:  # every one is sampling: wait for one to end
-                    left = deadline - asyncio.get_running_loop().time()
-                    try:
-                        await asyncio.wait_for(self._idle.wait(), max(left, 0.01))
-                    except TimeoutError:
-                        raise TinkerError("", "every loaded adapter stayed in use; try again", "server", 503) from None
-            if name is None:
-                name = f"a{next(self._adapters)}"
-                await self.engine.load_lora_adapter(name, str(weights))
-                self._loaded[weights] = name
-            self._loaded.move_to_end(weights)
-            self._busy[name] += 1
-            return name
-
-    async def _release(self, name: str | None) -> None:
-        if name is not None:
-            self._busy[name] -= 1
-            async with self._idle:
-                self._idle.notify_all()
-
     async def close(self) -> None:
         self._trainer.shutdown(wait=False, cancel_futures=True)
-
-
-class _Using:
-    def __init__(self, service: TinkerService, weights: Path | None) -> None:
-        self.service, self.weights, self.name = service, weights, None
-
-    async def __aenter__(self) -> str | None:
-        self.name = await self.service._acquire(self.weights)
-        return self.name
-
-    async def __aexit__(self, *exc) -> None:
-        await self.service._release(self.name)
 
 
 def _nothing() -> None:
@@ -816,34 +514,3 @@ def _adam(p) -> AdamParams:
     if not (out.beta1 < 1 and out.beta2 < 1):
         raise TinkerError("adam_params.beta1", "betas below 1")
     return out
-
-
-def prompt_tokens(prompt, vocab: int) -> list[int]:
-    """A ``ModelInput``'s tokens (text chunks only)."""
-    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
-        raise TinkerError("prompt", "a ModelInput: {chunks: [{type: encoded_text, tokens: [...]}]}")
-    tokens: list[int] = []
-    for i, c in enumerate(prompt["chunks"]):
-        if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
-            kind = c.get("type") if isinstance(c, dict) else type(c).__name__
-            raise TinkerError(f"prompt.chunks[{i}]", f"{kind} chunks are not served (text)")
-        t = c.get("tokens")
-        if not isinstance(t, list) or not all(isinstance(x, int) and 0 <= x < vocab for x in t):
-            raise TinkerError(f"prompt.chunks[{i}].tokens", f"token ids in [0, {vocab})")
-        tokens += t
-    if not tokens:
-        raise TinkerError("prompt", "no tokens")
-    return tokens
-
-
-def user_error(e: Exception) -> TinkerError | None:
-    """An exception of a call as what the client did wrong, where it was."""
-    if isinstance(e, TinkerError):
-        return e
-    if isinstance(e, LossInputError | wire.WireError):
-        return TinkerError(e.field, str(e).removeprefix(e.field + ": "))
-    if isinstance(e, EngineRejected):
-        return TinkerError(e.field or "sample", str(e).removeprefix(f"{e.field}: "))
-    if isinstance(e, EngineUnavailable):
-        return TinkerError("", f"the engine did not answer: {e}", "server", 503)
-    return None

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from services.tinker.config import TinkerConfig
-from services.tinker.service import TinkerError, TinkerService
+from services.tinker.errors import TinkerError
+from services.tinker.service import TinkerService
 from trainer.adapter_pool import AdapterPool, Datum
 
 
