@@ -12,6 +12,7 @@ member is the rollout loop's call (``RolloutConfig.faulty_members``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import re
@@ -198,171 +199,205 @@ async def _expanded(vision, ids: list[int], images: tuple[bytes, ...], before: t
     return vision.expand(ids, [m.tokens for m in measured], "images")
 
 
+class _Ended(Exception):
+    """The episode ends here, for this reason; ``why`` goes into the trajectory's metadata."""
+
+    def __init__(self, finish: FinishReason, **why) -> None:
+        super().__init__(finish)
+        self.finish, self.why = finish, why
+
+
+def _observation(obs, vision) -> tuple[str, tuple[bytes, ...]]:
+    """An environment's observation as text with one placeholder per image first (as vision-language
+    chat templates put them), and its images."""
+    if not isinstance(obs, Observation):
+        return obs, ()
+    text, images = obs.text, tuple(obs.images)
+    if images and vision is None:
+        raise _Ended(
+            FinishReason.ENV_ERROR, error="the environment sent images to a text-only model", error_kind="images"
+        )
+    return (vision.placeholder * len(images) + text if images else text), images
+
+
+class _Episode:
+    """One episode's record so far: the tokens the model read (each image placeholder expanded), what
+    the engines are sent (one placeholder per image), which tokens are the policy's, their
+    log-probs, versions and experts, and the images."""
+
+    def __init__(self, env, tokenizer, vision, image_store: dict, trajectory_id: str) -> None:
+        self.env, self.tokenizer, self.vision, self.image_store = env, tokenizer, vision, image_store
+        self.trajectory_id = trajectory_id
+        self.images: tuple[bytes, ...] = ()
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.turns: list[int] = []  # where each generated turn starts
+        # MoE routing replay: each forwarded position's experts, from the latest turn (whose forward the newest
+        # tokens came from); a turn without them (not asked, or not sent) leaves the trajectory without any
+        self.experts, self.turn_without_routing = None, False
+
+    async def begin(self, seed, step_timeout_s: float) -> None:
+        try:
+            obs = await env_call(self.env.reset, seed, step_timeout_s)
+        except TimeoutError:
+            raise _Ended(FinishReason.TIMEOUT, timeout="reset") from None
+        except Exception as e:
+            log.warning("%s: reset failed: %s: %s", self.trajectory_id, type(e).__name__, e)
+            raise _Ended(FinishReason.ENV_ERROR, **_env_error(e)) from None
+        obs, self.images = _observation(obs, self.vision)
+        self.chat = Conversation(self.tokenizer, obs)
+        sent = self.chat.prompt_ids()  # the conversation as the engines take it: one placeholder per image
+        try:  # what the model reads (and the engine consumes): each placeholder expanded to its image's tokens
+            self.tokens = await _expanded(self.vision, sent, self.images)
+        except VisionError as e:
+            raise _Ended(FinishReason.ENV_ERROR, error=str(e)[:500], error_kind="images") from None
+        self.sent = list(sent)
+        self.image_store.update({content_hash(x): x for x in self.images})
+        self.mask = [0] * len(self.tokens)
+
+    async def generate(self, generate: GenerateFn, sampling: SamplingParams, timeout_s: float) -> Generation:
+        try:
+            with_images = {"images": self.images} if self.images else {}
+            return await generate(
+                self.sent if self.images else self.tokens, sampling, self.trajectory_id, timeout_s, **with_images
+            )
+        except ValueError as e:
+            if not _CONTEXT_FULL.search(str(e)):  # a request the config made wrong: not this episode's
+                raise
+            # The engine refused the turn: the conversation outgrew the model's context.
+            log.warning("%s: generation refused: %s", self.trajectory_id, e)
+            raise _Ended(FinishReason.ENV_ERROR, error=str(e)[:500], error_kind="context") from None
+
+    def record(self, gen: Generation) -> None:
+        """A generated turn: the policy's tokens, trained on."""
+        self.turns.append(len(self.tokens))
+        self.tokens += gen.output_ids
+        self.sent += gen.output_ids
+        self.mask += [1] * len(gen.output_ids)
+        self.logprobs += gen.behavior_logprobs
+        self.versions += gen.token_versions
+        if gen.routed_experts is None:
+            self.turn_without_routing = True
+        else:
+            try:
+                self.experts = routing.latest(self.experts, gen.routed_experts)
+            except routing.RoutingError as e:  # another width than the turn before: not this run's model
+                log.warning("%s: %s; its routing is dropped", self.trajectory_id, e)
+                self.turn_without_routing = True
+        if self.vision is not None and self.vision.image_token_id in gen.output_ids:  # no forward reads it as text
+            raise _Ended(FinishReason.ERROR, error="sampled an image placeholder", error_kind="image_token")
+
+    async def step(self, gen: Generation, timeout_s: float, budget: str, report):
+        """The environment's answer to the turn; ``report(step_s)`` once it is in (or failed)."""
+        action = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        t_step = time.monotonic()
+        try:
+            if timeout_s <= 0:
+                raise TimeoutError(budget)
+            return await env_call(self.env.step, action, timeout_s)
+        except TimeoutError:  # the provider's own deadline too (ProviderTimeout)
+            raise _Ended(FinishReason.TIMEOUT, timeout=budget) from None
+        except Exception as e:  # the environment's fault, not the policy's: the member is not trained
+            log.warning("%s: step failed: %s: %s", self.trajectory_id, type(e).__name__, e)
+            raise _Ended(FinishReason.ENV_ERROR, **_env_error(e)) from None
+        finally:
+            report(time.monotonic() - t_step)
+
+    async def observe(self, gen: Generation, result) -> None:
+        """The environment's next observation, as the next turn's prompt tokens (not trained on)."""
+        observation, shown = _observation(result.observation, self.vision)
+        try:
+            next_turn = self.chat.next_turn(
+                gen.output_ids, gen.finish_reason == FinishReason.STOP, result.role, observation
+            )
+        except Exception as e:  # a role the chat does not have, a template that refuses the turn
+            raise _Ended(FinishReason.ENV_ERROR, **_env_error(e)) from None
+        try:  # the turn's images (a screenshot after an action) expanded as the first turn's
+            seen = await _expanded(self.vision, next_turn, shown, self.images)
+        except VisionError as e:
+            raise _Ended(FinishReason.ENV_ERROR, error=str(e)[:500], error_kind="images") from None
+        self.images += shown
+        self.image_store.update({content_hash(x): x for x in shown})
+        self.tokens += seen
+        self.sent += next_turn
+        self.mask += [0] * len(seen)
+
+
 async def _run_episode(
     env, seed, generate, tokenizer, config, trajectory_id, group_id, prompt_id, barrier, observer, vision, image_store
 ):
-    def ended(finish, **why) -> Trajectory:  # before its first generation
+    ids = {"trajectory_id": trajectory_id, "group_id": group_id, "prompt_id": prompt_id}
+    started = time.monotonic()
+    ep = _Episode(env, tokenizer, vision, image_store, trajectory_id)
+    try:
+        await ep.begin(seed, config.step_timeout_s)
+    except _Ended as e:  # before its first generation
         return Trajectory(
-            trajectory_id=trajectory_id,
-            group_id=group_id,
-            prompt_id=prompt_id,
+            **ids,
             token_ids=[],
             loss_mask=[],
             behavior_logprobs=[],
             token_versions=[],
             reward=0.0,
             start_version=0,
-            finish_reason=finish,
-            metadata={"env": env.name, **why},
+            finish_reason=e.finish,
+            metadata={"env": env.name, **e.why},
         )
-
-    started = time.monotonic()
-    try:
-        obs = await env_call(env.reset, seed, config.step_timeout_s)
-    except TimeoutError:
-        return ended(FinishReason.TIMEOUT, timeout="reset")
-    except Exception as e:
-        log.warning("%s: reset failed: %s: %s", trajectory_id, type(e).__name__, e)
-        return ended(FinishReason.ENV_ERROR, **_env_error(e))
-    images: tuple[bytes, ...] = ()
-    if isinstance(obs, Observation):
-        obs, images = obs.text, tuple(obs.images)
-    if images:
-        if vision is None:
-            return ended(
-                FinishReason.ENV_ERROR, error="the environment sent images to a text-only model", error_kind="images"
-            )
-        obs = vision.placeholder * len(images) + obs  # the images first, as vision-language chat templates put them
-    chat = Conversation(tokenizer, obs)
-    sent = chat.prompt_ids()  # the conversation as the engines take it: one placeholder per image
-    try:  # what the model reads (and the engine consumes): each placeholder expanded to its image's tokens
-        tokens = await _expanded(vision, sent, images)
-    except VisionError as e:
-        return ended(FinishReason.ENV_ERROR, error=str(e)[:500], error_kind="images")
-    sent = list(sent)
-    image_store.update({content_hash(x): x for x in images})
-    mask = [0] * len(tokens)
-    logprobs: list[float] = []
-    versions: list[int] = []
-    # MoE routing replay: each forwarded position's experts, from the latest turn (whose forward the newest
-    # tokens came from); a turn without them (not asked, or not sent) leaves the trajectory without any
-    experts, turn_without_routing = None, False
     # The environment's budgets (a remote one's are known once it is reset) within the config's limits.
     clock = EpisodeClock(config.step_timeout_s, config.generation_timeout_s, getattr(env, "budgets", None), started)
     sampling, penalty = clock.sampling(config.sampling), config.latency_penalty
     if vision is not None:  # its image placeholder is input only: one sampled ends the turn (and the member)
         sampling = sampling.model_copy(update={"stop_token_ids": [*sampling.stop_token_ids, vision.image_token_id]})
-    reward, finish, turns, why, over_target = 0.0, FinishReason.STOP, [], {}, 0
-    for _ in range(config.max_turns):
-        timeout_s, budget = clock.generation()
-        if timeout_s <= 0:
-            finish, why = FinishReason.TIMEOUT, {"timeout": budget}
-            break
-        t_gen = time.monotonic()
-        try:
-            with_images = {"images": images} if images else {}
-            gen = await generate(sent if images else tokens, sampling, trajectory_id, timeout_s, **with_images)
-        except ValueError as e:
-            if not _CONTEXT_FULL.search(str(e)):  # a request the config made wrong: not this episode's
-                raise
-            # The engine refused the turn: the conversation outgrew the model's context.
-            log.warning("%s: generation refused: %s", trajectory_id, e)
-            finish, why = FinishReason.ENV_ERROR, {"error": str(e)[:500], "error_kind": "context"}
-            break
-        generate_s = time.monotonic() - t_gen
-        turns.append(len(tokens))
-        tokens += gen.output_ids
-        sent += gen.output_ids
-        mask += [1] * len(gen.output_ids)
-        logprobs += gen.behavior_logprobs
-        versions += gen.token_versions
-        if gen.routed_experts is None:
-            turn_without_routing = True
-        else:
-            try:
-                experts = routing.latest(experts, gen.routed_experts)
-            except routing.RoutingError as e:  # another width than the turn before: not this run's model
-                log.warning("%s: %s; its routing is dropped", trajectory_id, e)
-                turn_without_routing = True
-        if vision is not None and vision.image_token_id in gen.output_ids:  # no forward reads it as text
-            finish, why = FinishReason.ERROR, {"error": "sampled an image placeholder", "error_kind": "image_token"}
-            break
-        if gen.finish_reason in _ENDS_EPISODE:
-            _report(observer.turn, env.name, generate_s, None)
-            finish = gen.finish_reason
-            why = {"timeout": budget} if finish == FinishReason.TIMEOUT else {}
-            break
-        if barrier is not None:
-            await barrier.wait()  # generate all, then step all
-        action = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-        timeout_s, budget = clock.step()
-        t_step = time.monotonic()
-        try:
+    reward, finish, why, over_target = 0.0, FinishReason.STOP, {}, 0
+    try:
+        for _ in range(config.max_turns):
+            timeout_s, budget = clock.generation()
             if timeout_s <= 0:
-                raise TimeoutError(budget)
-            result = await env_call(env.step, action, timeout_s)
-        except TimeoutError:  # the provider's own deadline too (ProviderTimeout)
-            finish, why = FinishReason.TIMEOUT, {"timeout": budget}
-            break
-        except Exception as e:  # the environment's fault, not the policy's: the member is not trained
-            log.warning("%s: step failed: %s: %s", trajectory_id, type(e).__name__, e)
-            finish, why = FinishReason.ENV_ERROR, _env_error(e)
-            break
-        finally:
-            _report(observer.turn, env.name, generate_s, time.monotonic() - t_step)
-        if barrier is not None and not (result.done or result.observation is None):
-            await barrier.wait()  # step all, then generate the next turn together
-        reward += result.reward
-        if penalty is not None and time.monotonic() - t_gen > penalty.target_s:  # the turn, as its user waits
-            reward -= penalty.penalty
-            over_target += 1
-        finish = gen.finish_reason
-        if result.done or result.observation is None:
-            break
-        observation, shown = result.observation, ()
-        if isinstance(observation, Observation):
-            observation, shown = observation.text, tuple(observation.images)
-            if shown and vision is None:
-                finish, why = FinishReason.ENV_ERROR, {"error": "images to a text-only model", "error_kind": "images"}
+                raise _Ended(FinishReason.TIMEOUT, timeout=budget)
+            t_gen = time.monotonic()
+            gen = await ep.generate(generate, sampling, timeout_s)
+            generate_s = time.monotonic() - t_gen
+            ep.record(gen)
+            if gen.finish_reason in _ENDS_EPISODE:
+                _report(observer.turn, env.name, generate_s, None)
+                finish = gen.finish_reason
+                why = {"timeout": budget} if finish == FinishReason.TIMEOUT else {}
                 break
-            observation = vision.placeholder * len(shown) + observation if shown else observation
-        try:
-            next_turn = chat.next_turn(gen.output_ids, gen.finish_reason == FinishReason.STOP, result.role, observation)
-        except Exception as e:  # a role the chat does not have, a template that refuses the turn
-            finish, why = FinishReason.ENV_ERROR, _env_error(e)
-            break
-        try:  # the turn's images (a screenshot after an action) expanded as the first turn's
-            seen = await _expanded(vision, next_turn, shown, images)
-        except VisionError as e:
-            finish, why = FinishReason.ENV_ERROR, {"error": str(e)[:500], "error_kind": "images"}
-            break
-        images += shown
-        image_store.update({content_hash(x): x for x in shown})
-        tokens += seen
-        sent += next_turn
-        mask += [0] * len(seen)
+            if barrier is not None:
+                await barrier.wait()  # generate all, then step all
+            result = await ep.step(gen, *clock.step(), functools.partial(_report, observer.turn, env.name, generate_s))
+            if barrier is not None and not (result.done or result.observation is None):
+                await barrier.wait()  # step all, then generate the next turn together
+            reward += result.reward
+            if penalty is not None and time.monotonic() - t_gen > penalty.target_s:  # the turn, as its user waits
+                reward -= penalty.penalty
+                over_target += 1
+            finish = gen.finish_reason
+            if result.done or result.observation is None:
+                break
+            await ep.observe(gen, result)
+    except _Ended as e:
+        finish, why = e.finish, e.why
     return Trajectory(
-        trajectory_id=trajectory_id,
-        group_id=group_id,
-        prompt_id=prompt_id,
-        token_ids=tokens,
-        loss_mask=mask,
-        behavior_logprobs=logprobs,
-        token_versions=versions,
+        **ids,
+        token_ids=ep.tokens,
+        loss_mask=ep.mask,
+        behavior_logprobs=ep.logprobs,
+        token_versions=ep.versions,
         reward=reward,
-        start_version=versions[0] if versions else 0,
+        start_version=ep.versions[0] if ep.versions else 0,
         finish_reason=finish,
-        routed_experts=None if turn_without_routing else experts,
-        images=tuple(content_hash(x) for x in images),
+        routed_experts=None if ep.turn_without_routing else ep.experts,
+        images=tuple(content_hash(x) for x in ep.images),
         metadata={
             "env": env.name,
-            "turn_starts": turns,
+            "turn_starts": ep.turns,
             # the temperature each turn was sampled at: μ is at it, so the trainer's π must be too
-            "turn_temperatures": [sampling.temperature] * len(turns),
+            "turn_temperatures": [sampling.temperature] * len(ep.turns),
             # and under its grammar, if any: μ is the masked distribution's, so the trainer masks π too
-            **({"turn_grammars": [list(grammar)] * len(turns)} if (grammar := sampling.grammar()) else {}),
+            **({"turn_grammars": [list(grammar)] * len(ep.turns)} if (grammar := sampling.grammar()) else {}),
             **why,
-            **({} if chat.exact else {"chat_render": "alone"}),
+            **({} if ep.chat.exact else {"chat_render": "alone"}),
             **({"turns_over_target": over_target} if penalty is not None else {}),
         },
     )
