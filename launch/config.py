@@ -23,6 +23,7 @@ from services.engine.backends import EngineVariant, backend
 from services.env_manager.config import EnvManagerConfig
 from services.env_provider.config import EnvProviderConfig
 from services.gateway.config import GatewayConfig
+from services.mesh_config import MeshConfig
 from services.reward.config import RewardServiceConfig
 from services.tinker.config import TinkerConfig
 from services.trainer.config import TrainerProcessConfig
@@ -103,22 +104,6 @@ class SlurmConfig(BaseModel):
         if isinstance(value, int):  # YAML 1.1 reads 2:00:00 as 7200 and 120 as a number
             raise ValueError(f"write it as a quoted string in Slurm's format ('2:00:00', '1-00:00:00'), got {value}")
         return value
-
-
-class MeshConfig(BaseModel):
-    """Where each service of the mesh is reached: written once, read by every client.
-    (``rollmesh run`` fills these in with the ports it picks; a cluster names its Services.)"""
-
-    model_config = ConfigDict(extra="forbid")
-
-    proxy: str = Field("127.0.0.1:50051", description="LLMProxy gRPC address (host:port).")
-    buffer: str = Field("127.0.0.1:50052", description="SampleBuffer gRPC address (host:port).")
-    controller: str = Field("127.0.0.1:50053", description="AsyncController gRPC address (host:port).")
-    reward: str = Field(
-        "127.0.0.1:50057",
-        description="RewardService gRPC address (host:port): where a `reward: {type: service}` naming no address "
-        "is scored.",
-    )
 
 
 CONTROLLER_STATE = "controller.json"  # in the run directory: the controller's version across restarts

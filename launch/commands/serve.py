@@ -11,18 +11,59 @@ from launch.commands.common import ConfigOpt, SetOpt, load_or_exit, setup_loggin
 app = typer.Typer(no_args_is_help=True, help="Run one service in the foreground (what containers run).")
 
 
-# rollmesh serve NAME: (module with serve(config), its config section, or None for the whole run config (a service
-# that calls others reads their addresses from ``mesh``), help)
+# rollmesh serve NAME: (module with serve(...), what of the run config it takes, help). Each service takes its own
+# typed section, the credentials, and the few values it shares with the run (the mesh's addresses, the policy's
+# model path, a deadline another section owns): never the whole config, so what it reads is in its signature.
 SERVICES = {
-    "engine": ("services.engine.server", "engine", "The engine server of engine.type (embedded, vllm, sglang, sim)."),
-    "llm-proxy": ("services.llm_proxy.server", "proxy", "The LLMProxy gRPC service in front of the engines."),
-    "sample-buffer": ("services.sample_buffer.server", "buffer", "The SampleBuffer gRPC service."),
-    "controller": ("services.controller.server", None, "The AsyncController: admission, weight updates."),
-    "env-manager": ("services.env_manager.server", None, "An EnvManager pool running episodes."),
-    "gateway": ("services.gateway.main", None, "The OpenAI-compatible agent gateway: sessions become trained groups."),
-    "trainer": ("services.trainer.main", None, "The trainer process: train, publish, checkpoint; exits when done."),
-    "reward": ("services.reward.server", None, "The reward service: one verifier pool scoring answers for the mesh."),
-    "tinker": ("services.tinker.server", None, "The Tinker training API (LoRA on model_path) for the tinker SDK."),
+    "engine": (
+        "services.engine.server",
+        lambda c: (c.engine, c.auth),
+        "The engine server of engine.type (embedded, vllm, sglang, sim).",
+    ),
+    "llm-proxy": (
+        "services.llm_proxy.server",
+        lambda c: (c.proxy, c.auth),
+        "The LLMProxy gRPC service in front of the engines.",
+    ),
+    "sample-buffer": ("services.sample_buffer.server", lambda c: (c.buffer, c.auth), "The SampleBuffer gRPC service."),
+    "controller": (
+        "services.controller.server",
+        lambda c: (c.controller, c.auth, c.mesh),
+        "The AsyncController: admission, weight updates.",
+    ),
+    "env-manager": (
+        "services.env_manager.server",
+        lambda c: (c.env_manager, c.auth, c.mesh, c.buffer.put_timeout_s),
+        "An EnvManager pool running episodes.",
+    ),
+    "gateway": (
+        "services.gateway.main",
+        lambda c: (c.gateway, c.auth, c.mesh, c.model_path, c.buffer.put_timeout_s),
+        "The OpenAI-compatible agent gateway: sessions become trained groups.",
+    ),
+    "trainer": (
+        "services.trainer.main",
+        lambda c: (
+            c.train_loop,
+            c.trainer,
+            c.auth,
+            c.mesh,
+            c.controller.groups_per_step,
+            c.controller.async_ratio,
+            c.devices.placement == "colocated",
+        ),
+        "The trainer process: train, publish, checkpoint; exits when done.",
+    ),
+    "reward": (
+        "services.reward.server",
+        lambda c: (c.reward_service, c.auth, c.mesh.proxy, c.model_path),
+        "The reward service: one verifier pool scoring answers for the mesh.",
+    ),
+    "tinker": (
+        "services.tinker.server",
+        lambda c: (c.tinker, c.auth, c.model_path, c.engine, c.trainer.device, c.run.startup_timeout_s),
+        "The Tinker training API (LoRA on model_path) for the tinker SDK.",
+    ),
 }
 
 
@@ -49,7 +90,7 @@ def service_config(config: Path | None, overrides: list[str], provider: bool = F
     return cfg
 
 
-def _register_serve(name: str, module: str, section: str | None, doc: str) -> None:
+def _register_serve(name: str, module: str, args, doc: str) -> None:
     def command(config: Path = ConfigOpt, set_: list[str] = SetOpt) -> None:
         cfg = service_config(config, set_, mesh_token=name not in OWN_KEYS)
         import importlib
@@ -58,7 +99,7 @@ def _register_serve(name: str, module: str, section: str | None, doc: str) -> No
 
         service = importlib.import_module(module)
         try:
-            service.serve(getattr(cfg, section), cfg.auth) if section else service.serve(cfg)
+            service.serve(*args(cfg))
         except AuthError as e:  # a credential it needs is missing (the gateway's key file): say so, exit 2
             typer.echo(f"config error: {e}", err=True)
             raise typer.Exit(2) from None
@@ -67,8 +108,8 @@ def _register_serve(name: str, module: str, section: str | None, doc: str) -> No
     app.command(name)(command)
 
 
-for _name, (_module, _section, _doc) in SERVICES.items():
-    _register_serve(_name, _module, _section, _doc)
+for _name, (_module, _args, _doc) in SERVICES.items():
+    _register_serve(_name, _module, _args, _doc)
 
 
 @app.command("env-provider")

@@ -15,6 +15,7 @@ from services.controller.controller import AsyncController, BufferCount, Restore
 from services.controller.errors import UpdateConflict
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.llm_proxy.client import ProxyClient
+from services.mesh_config import MeshConfig
 from services.metrics import serve_metrics
 from services.pb.rollmesh.v1 import controller_pb2 as pb
 from services.pb.rollmesh.v1 import llm_proxy_pb2
@@ -257,13 +258,12 @@ async def start_controller(
     return server, ctl, clients
 
 
-def serve(cfg) -> None:
-    """``cfg``: the whole run config (the controller's section and the LLMProxy's address)."""
-    config = cfg.controller
+def serve(config: ControllerConfig, auth: AuthConfig, mesh: MeshConfig) -> None:
+    """The controller's section, and the mesh's addresses (the LLMProxy's and the SampleBuffer's)."""
 
     async def start():
         try:
-            server, ctl, clients = await start_controller(config, cfg.mesh.proxy, cfg.auth, cfg.mesh.buffer)
+            server, ctl, clients = await start_controller(config, mesh.proxy, auth, mesh.buffer)
         except RestoreError as e:
             log.error("%s", e)
             raise SystemExit(1) from None

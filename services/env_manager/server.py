@@ -23,6 +23,7 @@ from services.env_manager.metrics import EnvMetrics
 from services.env_provider.clients import build_pool
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.llm_proxy.client import ProxyClient, ProxyGenerate
+from services.mesh_config import MeshConfig
 from services.metrics import serve_metrics
 from services.pb.rollmesh.v1 import env_manager_pb2 as pb
 from services.reward.metrics import SummedRewards
@@ -138,19 +139,18 @@ def _local_env(env, rows: list[dict], reward_fn, _episode_id: str):
     return env.build(rows, reward_fn)
 
 
-def serve(cfg) -> None:
-    """``cfg``: the whole run config (the EnvManager's section and the mesh's addresses)."""
+def serve(config: EnvManagerConfig, auth: AuthConfig, mesh: MeshConfig, put_timeout_s: float) -> None:
+    """The EnvManager's section, the mesh's addresses and the SampleBuffer's put deadline."""
 
     async def start():
-        proxy = ProxyClient(cfg.mesh.proxy, auth=cfg.auth)
-        buffer = BufferClient(cfg.mesh.buffer, auth=cfg.auth, put_timeout_s=cfg.buffer.put_timeout_s)
-        config = cfg.env_manager
+        proxy = ProxyClient(mesh.proxy, auth=auth)
+        buffer = BufferClient(mesh.buffer, auth=auth, put_timeout_s=put_timeout_s)
         # Named by where it serves, which a restart keeps: its successor's first report frees the slots
         # of the groups this process had in flight when it died.
         holder = f"{socket.gethostname()}:{config.port}"
-        controller = ControllerClient(cfg.mesh.controller, auth=cfg.auth, holder=holder)
-        loop = build_loop(config, proxy, buffer, controller, cfg.auth, cfg.mesh.reward)
-        server = await start_server(build_handler(loop), SERVICE, config.host, config.port, auth=cfg.auth)
+        controller = ControllerClient(mesh.controller, auth=auth, holder=holder)
+        loop = build_loop(config, proxy, buffer, controller, auth, mesh.reward)
+        server = await start_server(build_handler(loop), SERVICE, config.host, config.port, auth=auth)
         serve_metrics(loop.observer.registry, config.host, config.metrics_port, "EnvManager")
         lease = asyncio.create_task(controller.keep_lease(config.heartbeat_s))
         if config.autostart:

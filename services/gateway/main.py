@@ -17,6 +17,7 @@ from services.gateway.keys import KeyRing
 from services.gateway.server import create_app, expire_forever
 from services.grpc_util import serve_until_signal
 from services.llm_proxy.client import ProxyClient, ProxyGenerate
+from services.mesh_config import MeshConfig
 from services.sample_buffer.client import BufferClient
 from services.uvicorn_serving import start_uvicorn
 
@@ -49,24 +50,22 @@ def build_sessions(
     return AgentSessions(config.sessions, renderer, ProxyGenerate(proxy), admission=controller, sink=buffer)
 
 
-def serve(cfg) -> None:
-    """``cfg``: the whole run config (the gateway's section and the mesh's addresses)."""
-    config = cfg.gateway
-    keys = key_ring(config, cfg.auth)  # before anything starts: no key file, no gateway
+def serve(config: GatewayConfig, auth: AuthConfig, mesh: MeshConfig, model_path: str, put_timeout_s: float) -> None:
+    """The gateway's section and what it shares with the run: the mesh's addresses, the policy's
+    ``model_path`` (its chat template, unless ``tokenizer_path``) and the SampleBuffer's put deadline."""
+    keys = key_ring(config, auth)  # before anything starts: no key file, no gateway
 
     async def start():
-        proxy = ProxyClient(cfg.mesh.proxy, auth=cfg.auth)
-        buffer = BufferClient(cfg.mesh.buffer, auth=cfg.auth, put_timeout_s=cfg.buffer.put_timeout_s)
+        proxy = ProxyClient(mesh.proxy, auth=auth)
+        buffer = BufferClient(mesh.buffer, auth=auth, put_timeout_s=put_timeout_s)
         # Named by where it serves, which a restart keeps: its successor's first report frees the slots
         # of the groups this process had in flight when it died (on port 0 the name is this process's own).
         where = config.port or f"pid{os.getpid()}"
-        controller = ControllerClient(
-            cfg.mesh.controller, auth=cfg.auth, holder=f"{socket.gethostname()}:gateway:{where}"
-        )
-        tokenizer = config.tokenizer_path or cfg.model_path
-        sessions = build_sessions(config, cfg.model_path, tokenizer, proxy, buffer, controller)
+        controller = ControllerClient(mesh.controller, auth=auth, holder=f"{socket.gethostname()}:gateway:{where}")
+        tokenizer = config.tokenizer_path or model_path
+        sessions = build_sessions(config, model_path, tokenizer, proxy, buffer, controller)
         app = create_app(sessions, config, keys)
-        serving = start_uvicorn(app, config.host, config.port, cfg.auth)
+        serving = start_uvicorn(app, config.host, config.port, auth)
         lease = asyncio.create_task(controller.keep_lease(5.0))
         expiry = asyncio.create_task(expire_forever(sessions, min(30.0, config.sessions.idle_s / 2)))
         log.info("agent gateway on http://%s:%d (model %r)", config.host, config.port, config.model_name)

@@ -23,6 +23,7 @@ import grpc
 
 from rollout.reward_pool import RewardPool
 from rollout.rewards import build_reward
+from services.auth import AuthConfig
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import serve_metrics
 from services.pb.rollmesh.v1 import reward_pb2 as pb
@@ -113,19 +114,19 @@ def hosted_reward(config: RewardServiceConfig, ports: dict):
     return build_reward(config.reward, **ports)
 
 
-def serve(cfg) -> None:
-    """``cfg``: the whole run config (the reward_service section; mesh.proxy for a judge)."""
+def serve(config: RewardServiceConfig, auth: AuthConfig, proxy_address: str, model_path: str) -> None:
+    """The reward service's section, the LLMProxy's address and the policy's ``model_path`` (a judge
+    generates through them)."""
     from services.llm_proxy.client import ProxyClient
     from services.reward.ports import reward_ports
 
     async def start():
-        config: RewardServiceConfig = cfg.reward_service
-        proxy = ProxyClient(cfg.mesh.proxy, auth=cfg.auth)
-        ports = reward_ports(cfg.auth, proxy=proxy, tokenizer_path=cfg.model_path)
+        proxy = ProxyClient(proxy_address, auth=auth)
+        ports = reward_ports(auth, proxy=proxy, tokenizer_path=model_path)
         service = RewardService(config, hosted_reward(config, ports))
         # Requests up to max_chars of (up to 4-byte) characters in each field are refused by name, not by size.
         options = [("grpc.max_receive_message_length", 8 * config.max_chars + 65_536)]
-        server = await start_server(build_handler(service), SERVICE, config.host, config.port, options, cfg.auth)
+        server = await start_server(build_handler(service), SERVICE, config.host, config.port, options, auth)
         serve_metrics(service.metrics.registry, config.host, config.metrics_port, "RewardService")
         log.info("RewardService (%s) serving on %s:%d", config.reward, config.host, server.bound_port)
 

@@ -25,9 +25,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.auth import AuthConfig
 from services.body_limit import BodyLimit
 from services.gateway.keys import KeyRing
 from services.tinker import wire
+from services.tinker.config import TinkerConfig
 from services.tinker.errors import TinkerError
 from services.tinker.routes import API, Calls, sampling_router, session_router, training_router
 from services.tinker.service import TinkerService
@@ -127,41 +129,47 @@ class _Collector:
 
 
 # ---------------------------------------------------------------------------- the process
-def key_ring(cfg) -> KeyRing | None:
+def key_ring(config: TinkerConfig, auth: AuthConfig) -> KeyRing | None:
     from services.auth import AuthError
 
-    if cfg.auth.disabled:
+    if auth.disabled:
         log.warning("tinker service: auth.disabled: serving WITHOUT keys; anyone who reaches its port may train")
         return None
-    if cfg.tinker.api_keys_path is None:
+    if config.api_keys_path is None:
         raise AuthError(
             "tinker.api_keys_path: no key file; each user needs a key of their own (never the mesh token): issue one "
             "with `rollmesh gateway-key FILE NAME --tinker`"
         )
-    return KeyRing(path=cfg.tinker.api_keys_path)
+    return KeyRing(path=config.api_keys_path)
 
 
-def _start_engine(cfg) -> tuple[object | None, str]:
+def _start_engine(
+    config: TinkerConfig, engine, model_path: str, startup_timeout_s: float, auth: AuthConfig
+) -> tuple[object | None, str]:
     """The engine the service samples with: ``tinker.engine_url``, or an embedded one it starts."""
     from pathlib import Path
 
     from services.engine.backends import backend
     from services.processes import start_engine_process
 
-    if cfg.tinker.engine_url:
-        return None, cfg.tinker.engine_url
-    if not backend(cfg.engine).serves_adapters:
+    if config.engine_url:
+        return None, config.engine_url
+    if not backend(engine).serves_adapters:
         raise ValueError(
-            f"engine.type: {cfg.engine.type!r} serves no LoRA adapters as rollmesh starts it (embedded and vllm "
+            f"engine.type: {engine.type!r} serves no LoRA adapters as rollmesh starts it (embedded and vllm "
             "engines do); give tinker.engine_url to use an engine started otherwise"
         )
-    root = Path(cfg.tinker.root).resolve()
-    extra = [f"type={cfg.engine.type}", f"load_roots=[{root}]", f"max_loaded_loras={cfg.tinker.max_loaded_adapters}"]
-    return start_engine_process(cfg.model_path, None, extra, cfg.run.startup_timeout_s, None, cfg.auth)
+    root = Path(config.root).resolve()
+    extra = [f"type={engine.type}", f"load_roots=[{root}]", f"max_loaded_loras={config.max_loaded_adapters}"]
+    return start_engine_process(model_path, None, extra, startup_timeout_s, None, auth)
 
 
-def serve(cfg) -> None:
-    """``cfg``: the whole run config (``tinker``, ``model_path``, ``engine``, ``auth``)."""
+def serve(
+    config: TinkerConfig, auth: AuthConfig, model_path: str, engine, device: str, startup_timeout_s: float
+) -> None:
+    """The Tinker API's section and what it shares with the run: the base model (``model_path``),
+    the ``engine`` section (the engine it starts, or the type of ``tinker.engine_url``'s), the
+    trainer's ``device`` and how long a started engine may take."""
     from transformers import AutoConfig
 
     from services.auth import ensure_token
@@ -172,25 +180,22 @@ def serve(cfg) -> None:
     from services.uvicorn_serving import start_uvicorn
     from trainer.adapter_pool import AdapterPool
 
-    config = cfg.tinker
-    keys = key_ring(cfg)  # before anything starts: no key file, no service
+    keys = key_ring(config, auth)  # before anything starts: no key file, no service
     if not config.engine_url:  # its own engine's API takes the control token: one of this process's own if none is set
-        ensure_token(cfg.auth)
-    engine_proc, engine_url = _start_engine(cfg)
-    device = cfg.trainer.device
+        ensure_token(auth)
+    engine_proc, engine_url = _start_engine(config, engine, model_path, startup_timeout_s, auth)
     if device == "auto":
         device = "cuda" if _cuda() else "cpu"
 
     async def start():
-        pool = await asyncio.to_thread(AdapterPool, cfg.model_path, device, config.micro_batch_tokens)
-        arch = AutoConfig.from_pretrained(cfg.model_path, local_files_only=True).model_type
-        api = backend(cfg.engine).api  # tinker.engine_url: an engine of the configured type
-        engine = engine_client(engine_url, cfg.auth, api, timeout_s=config.generate_timeout_s)
-        serves = backend(cfg.engine)
-        max_rank = getattr(cfg.engine, "max_lora_rank", None)
-        service = TinkerService(config, pool, engine, cfg.model_path, arch, serves.adapts_lm_head, max_rank)
+        pool = await asyncio.to_thread(AdapterPool, model_path, device, config.micro_batch_tokens)
+        arch = AutoConfig.from_pretrained(model_path, local_files_only=True).model_type
+        serves = backend(engine)  # tinker.engine_url: an engine of the configured type
+        client = engine_client(engine_url, auth, serves.api, timeout_s=config.generate_timeout_s)
+        max_rank = getattr(engine, "max_lora_rank", None)
+        service = TinkerService(config, pool, client, model_path, arch, serves.adapts_lm_head, max_rank)
         app = create_app(service, keys, config.max_body_bytes)
-        serving = start_uvicorn(app, config.host, config.port, cfg.auth)
+        serving = start_uvicorn(app, config.host, config.port, auth)
         expiry = asyncio.create_task(_expire_forever(service))
         log.info(
             "tinker service on http://%s:%d: base model %r, engine %s",
@@ -203,7 +208,7 @@ def serve(cfg) -> None:
         async def cleanup() -> None:
             expiry.cancel()
             await service.close()
-            await engine.close()
+            await client.close()
             if engine_proc is not None:
                 stop_process(engine_proc)
 
