@@ -59,6 +59,132 @@ def _length(rng: random.Random, sim: SimEngineConfig, max_new_tokens: int) -> fl
     return float(max(1, min(round(draw), lengths.cap, max_new_tokens)))
 
 
+class _Play:
+    """The event-driven model: engines decoding, groups completing, the trainer training and the
+    weights loading, each advanced to the next event (a sequence ending, training or a load done)."""
+
+    def __init__(
+        self, sim, trainer, engines, max_running, groups_per_step, group_size, async_ratio, max_new_tokens, rng
+    ):
+        self.sim, self.trainer, self.rng = sim, trainer, rng
+        self.engines, self.max_running, self.group_size = engines, max_running, group_size
+        self.groups_per_step, self.async_ratio, self.max_new_tokens = groups_per_step, async_ratio, max_new_tokens
+        self.t, self.version = 0.0, 0
+        self.finished = self.in_flight = 0  # groups, as the controller counts them
+        self.running: list[list[_Seq]] = [[] for _ in range(engines)]
+        self.waiting: list[_Seq] = []
+        self.groups: dict[int, _Group] = {}
+        self.buffer: list[tuple[int, int, float]] = []  # (group, start version, tokens), completion order
+        self.trainer_busy_until: float | None = None
+        self.loading_until, self.loading = 0.0, False
+        self.step_times: list[float] = []
+        self.trained: list[float] = []  # tokens of each step's batch
+        self.busy_slot_s = self.measured_s = 0.0
+        self.next_group = 0
+
+    def admit(self) -> None:
+        capacity = admission_capacity(
+            self.async_ratio, self.version, self.groups_per_step, self.finished, self.in_flight
+        )
+        for _ in range(capacity):
+            seqs = [
+                _Seq(self.next_group, _length(self.rng, self.sim, self.max_new_tokens)) for _ in range(self.group_size)
+            ]
+            self.groups[self.next_group] = _Group(self.group_size, tokens=sum(s.remaining for s in seqs))
+            self.waiting.extend(seqs)
+            self.in_flight += 1
+            self.next_group += 1
+
+    def schedule(self) -> None:
+        while self.waiting:
+            e = min(range(self.engines), key=lambda i: len(self.running[i]))
+            if len(self.running[e]) >= self.max_running:
+                return
+            self.running[e].append(self.waiting.pop(0))
+
+    def abort_stale(self) -> None:
+        """As the EnvManager does: stop groups a finished member shows can never be trained on."""
+        doomed = {
+            gid for gid, g in self.groups.items() if group_is_stale(g.start_versions, self.version, self.async_ratio)
+        }
+        if doomed:
+            for e in range(self.engines):
+                self.running[e] = [s for s in self.running[e] if s.group not in doomed]
+            self.waiting[:] = [s for s in self.waiting if s.group not in doomed]
+            for gid in doomed:
+                del self.groups[gid]
+            self.in_flight -= len(doomed)
+
+    def rate(self, e: int) -> float:  # tokens/s of each sequence on engine e
+        return 0.0 if self.loading or not self.running[e] else 1.0 / self.sim.step_s(len(self.running[e]))
+
+    def try_train(self) -> None:
+        fresh = [b for b in self.buffer if b[1] >= self.version - self.async_ratio]
+        self.finished -= len(self.buffer) - len(fresh)  # stale groups are dropped: their slots return
+        self.buffer[:] = fresh
+        if len(self.buffer) >= self.groups_per_step:
+            batch, self.buffer[:] = self.buffer[: self.groups_per_step], self.buffer[self.groups_per_step :]
+            tokens = sum(b[2] for b in batch)
+            self.trained.append(tokens)
+            self.trainer_busy_until = self.t + self.trainer.step_overhead_s + tokens / self.trainer.train_tokens_per_s
+
+    def next_event_s(self) -> float:
+        """Seconds to the next event; a sequence's version is the one its first token is decoded at."""
+        for e in range(self.engines):
+            if self.rate(e) > 0:
+                for s in self.running[e]:
+                    if s.start_version is None:
+                        s.start_version = self.version
+        candidates = [
+            min(s.remaining for s in self.running[e]) / self.rate(e) for e in range(self.engines) if self.rate(e) > 0
+        ]
+        if self.loading:
+            candidates.append(max(0.0, self.loading_until - self.t))
+        if self.trainer_busy_until is not None:
+            candidates.append(max(0.0, self.trainer_busy_until - self.t))
+        if not candidates:
+            raise RuntimeError("the model stalled: no decoding, no training, no load in progress")
+        return min(candidates)
+
+    def decode(self, dt: float, measured: bool) -> None:
+        """Every running sequence advanced ``dt``; the ones that end complete their groups."""
+        if measured:
+            self.busy_slot_s += dt * sum(len(r) for e, r in enumerate(self.running) if self.rate(e) > 0)
+            self.measured_s += dt
+        for e in range(self.engines):
+            r = self.rate(e)
+            for s in self.running[e]:
+                s.remaining -= dt * r
+        self.t += dt
+        for e in range(self.engines):
+            done = [s for s in self.running[e] if s.remaining <= 1e-6]
+            self.running[e] = [s for s in self.running[e] if s.remaining > 1e-6]
+            for s in done:
+                g = self.groups[s.group]
+                g.start_versions.append(s.start_version)
+                g.members -= 1
+                if g.members == 0:
+                    self.buffer.append((s.group, min(g.start_versions), g.tokens))
+                    del self.groups[s.group]
+                    self.in_flight -= 1
+                    self.finished += 1
+
+    def train_and_load(self) -> None:
+        """A finished training step starts the weight load (engines paused); a finished load commits
+        the new version, and admission moves on."""
+        if self.trainer_busy_until is not None and self.t >= self.trainer_busy_until - 1e-9:
+            self.trainer_busy_until = None
+            self.loading_until = self.t + self.sim.weight_load_s
+            self.loading = True
+        if self.loading and self.t >= self.loading_until - 1e-9:
+            self.loading = False
+            self.version += 1
+            self.step_times.append(self.t)
+            self.abort_stale()
+        if self.trainer_busy_until is None and not self.loading:
+            self.try_train()
+
+
 def ceiling(
     sim: SimEngineConfig,
     trainer: SimTrainer,
@@ -74,113 +200,27 @@ def ceiling(
     seed: int = 0,
 ) -> dict:
     """Simulated seconds per step (after ``warmup``) and the engines' mean occupancy."""
-    rng = random.Random(seed)
-    t, version = 0.0, 0
-    finished = in_flight = 0  # groups, as the controller counts them
-    running: list[list[_Seq]] = [[] for _ in range(engines)]
-    waiting: list[_Seq] = []
-    groups: dict[int, _Group] = {}
-    buffer: list[tuple[int, int, float]] = []  # (group, start version, tokens), completion order
-    trainer_busy_until, loading_until, loading = None, 0.0, False
-    step_times: list[float] = []
-    trained: list[float] = []  # tokens of each step's batch
-    busy_slot_s = measured_s = 0.0
-    next_group = 0
-
-    def admit() -> None:
-        nonlocal in_flight, next_group
-        for _ in range(admission_capacity(async_ratio, version, groups_per_step, finished, in_flight)):
-            seqs = [_Seq(next_group, _length(rng, sim, max_new_tokens)) for _ in range(group_size)]
-            groups[next_group] = _Group(group_size, tokens=sum(s.remaining for s in seqs))
-            waiting.extend(seqs)
-            in_flight += 1
-            next_group += 1
-
-    def schedule() -> None:
-        while waiting:
-            e = min(range(engines), key=lambda i: len(running[i]))
-            if len(running[e]) >= max_running:
-                return
-            running[e].append(waiting.pop(0))
-
-    def abort_stale() -> None:
-        """As the EnvManager does: stop groups a finished member shows can never be trained on."""
-        nonlocal in_flight
-        doomed = {gid for gid, g in groups.items() if group_is_stale(g.start_versions, version, async_ratio)}
-        if doomed:
-            for e in range(engines):
-                running[e] = [s for s in running[e] if s.group not in doomed]
-            waiting[:] = [s for s in waiting if s.group not in doomed]
-            for gid in doomed:
-                del groups[gid]
-            in_flight -= len(doomed)
-
-    def rate(e: int) -> float:  # tokens/s of each sequence on engine e
-        return 0.0 if loading or not running[e] else 1.0 / sim.step_s(len(running[e]))
-
-    def try_train() -> None:
-        nonlocal trainer_busy_until, finished
-        fresh = [b for b in buffer if b[1] >= version - async_ratio]
-        finished -= len(buffer) - len(fresh)  # stale groups are dropped: their slots return
-        buffer[:] = fresh
-        if len(buffer) >= groups_per_step:
-            batch, buffer[:] = buffer[:groups_per_step], buffer[groups_per_step:]
-            tokens = sum(b[2] for b in batch)
-            trained.append(tokens)
-            trainer_busy_until = t + trainer.step_overhead_s + tokens / trainer.train_tokens_per_s
-
-    admit()
-    schedule()
-    while len(step_times) < warmup + steps:
-        for e in range(engines):  # a sequence's version is the one its first token is decoded at
-            if rate(e) > 0:
-                for s in running[e]:
-                    if s.start_version is None:
-                        s.start_version = version
-        candidates = [min(s.remaining for s in running[e]) / rate(e) for e in range(engines) if rate(e) > 0]
-        if loading:
-            candidates.append(max(0.0, loading_until - t))
-        if trainer_busy_until is not None:
-            candidates.append(max(0.0, trainer_busy_until - t))
-        if not candidates:
-            raise RuntimeError("the model stalled: no decoding, no training, no load in progress")
-        dt = min(candidates)
-        if len(step_times) >= warmup:
-            busy_slot_s += dt * sum(len(r) for e, r in enumerate(running) if rate(e) > 0)
-            measured_s += dt
-        for e in range(engines):
-            r = rate(e)
-            for s in running[e]:
-                s.remaining -= dt * r
-        t += dt
-        for e in range(engines):
-            done = [s for s in running[e] if s.remaining <= 1e-6]
-            running[e] = [s for s in running[e] if s.remaining > 1e-6]
-            for s in done:
-                g = groups[s.group]
-                g.start_versions.append(s.start_version)
-                g.members -= 1
-                if g.members == 0:
-                    buffer.append((s.group, min(g.start_versions), g.tokens))
-                    del groups[s.group]
-                    in_flight -= 1
-                    finished += 1
-        if trainer_busy_until is not None and t >= trainer_busy_until - 1e-9:
-            trainer_busy_until = None
-            loading_until = t + sim.weight_load_s  # engines paused while the new weights load
-            loading = True
-        if loading and t >= loading_until - 1e-9:
-            loading = False
-            version += 1  # committed: the new version is served and admission moves on
-            step_times.append(t)
-            abort_stale()
-        if trainer_busy_until is None and not loading:
-            try_train()
-        admit()
-        schedule()
-    measured = step_times[warmup:]
-    step_s = (measured[-1] - step_times[warmup - 1]) / len(measured)
-    tokens = sum(trained[warmup:]) / max(1, len(trained[warmup:]))
+    play = _Play(
+        sim,
+        trainer,
+        engines,
+        max_running,
+        groups_per_step,
+        group_size,
+        async_ratio,
+        max_new_tokens,
+        random.Random(seed),
+    )
+    play.admit()
+    play.schedule()
+    while len(play.step_times) < warmup + steps:
+        play.decode(play.next_event_s(), len(play.step_times) >= warmup)
+        play.train_and_load()
+        play.admit()
+        play.schedule()
+    measured = play.step_times[warmup:]
+    step_s = (measured[-1] - play.step_times[warmup - 1]) / len(measured)
+    tokens = sum(play.trained[warmup:]) / max(1, len(play.trained[warmup:]))
     ideal = ideal_step_s(
         tokens,
         tokens / trainer.train_tokens_per_s + trainer.step_overhead_s,
@@ -190,7 +230,7 @@ def ceiling(
     )
     return {
         "step_s": step_s,
-        "engine_occupancy": busy_slot_s / max(1e-9, measured_s) / (engines * max_running),
+        "engine_occupancy": play.busy_slot_s / max(1e-9, play.measured_s) / (engines * max_running),
         "tokens_per_step": tokens,
         "ideal_step_s": ideal,
         "efficiency": ideal / step_s,
