@@ -97,10 +97,6 @@ def run(
     factors (an update is absolute: the same version again replaces the same weights)."""
     from launch.config import load_config
     from services.llm_proxy.client import ProxyClient
-    from services.weight_transports.collective import CollectivePublisher
-    from services.weight_transports.disk import DiskPublisher
-    from services.weight_transports.http_buckets import BucketPublisher
-    from services.weight_transports.ipc import IpcPublisher
     from trainer.engine import TrainEngine
 
     for name, value, low in (("steps", steps, 2), ("prompts", prompts, 1), ("bucket-mb", bucket_mb, 1)):
@@ -139,25 +135,8 @@ def run(
             async def main() -> list[tuple[str, str]]:
                 clients = [ProxyClient(a) for a in addresses]
                 try:
-                    full = BucketPublisher(clients[0], Path(tmp) / "full", bucket_mb=bucket_mb)
-                    delta = BucketPublisher(
-                        clients[1], Path(tmp) / "delta", bucket_mb=bucket_mb, delta_dtype="bfloat16"
-                    )
-                    publishers = {"full": full, "delta": delta}
-                    if lora_rank:
-                        publishers["adapter"] = BucketPublisher(
-                            clients[2], Path(tmp) / "adapter", bucket_mb=bucket_mb, adapter_dtype="bfloat16"
-                        )
-                        publishers["disk"] = DiskPublisher(clients[3], Path(tmp) / "disk")
-                        publishers["served"] = DiskPublisher(clients[4], Path(tmp) / "served", adapter=True)
-                        for kind in others:
-                            client, where = clients[2 if "adapter" in kind else 0], Path(tmp) / kind
-                            factors = {"adapter_dtype": "bfloat16"} if "adapter" in kind else {}
-                            publishers[kind] = (
-                                IpcPublisher(client, where, bucket_mb=bucket_mb, **factors)
-                                if kind.startswith("ipc")
-                                else CollectivePublisher(client, where, bucket_mb=bucket_mb, **factors)
-                            )
+                    publishers = _publishers(clients, Path(tmp), bucket_mb, bool(lora_rank), others)
+                    delta = publishers["delta"]
                     for i, batch in enumerate(batches):
                         t0 = time.perf_counter()
                         metrics = trainer.train_step(batch)
@@ -167,23 +146,7 @@ def run(
                         if i:  # the first update has no base: whole on both
                             shares.append(delta.delta_stats.changed_share)
                             stats.append(delta.delta_stats)
-                        progress(
-                            f"step {i + 1}/{steps}: loss {metrics['loss']:.4f}, trained in {train_s:.1f} s; "
-                            f"whole {out['full'][-1]['bytes'] / 1e6:.0f} MB in {out['full'][-1]['load_s']:.2f} s, "
-                            f"delta {out['delta'][-1]['bytes'] / 1e6:.1f} MB in {out['delta'][-1]['load_s']:.2f} s"
-                            + (
-                                f", adapter {out['adapter'][-1]['bytes'] / 1e6:.2f} MB in "
-                                f"{out['adapter'][-1]['load_s']:.2f} s; disk whole {out['disk'][-1]['load_s']:.2f} s, "
-                                f"served adapter {out['served'][-1]['bytes'] / 1e6:.2f} MB in "
-                                f"{out['served'][-1]['load_s']:.2f} s; ipc whole {out['ipc'][-1]['load_s']:.2f} s, "
-                                f"factors {out['ipc_adapter'][-1]['load_s']:.2f} s; collective whole "
-                                f"{out['collective'][-1]['load_s']:.2f} s, factors "
-                                f"{out['collective_adapter'][-1]['load_s']:.2f} s"
-                                if lora_rank
-                                else ""
-                            )
-                            + (f" ({shares[-1]:.2%} of values changed)" if i else "")
-                        )
+                        progress(_step_line(i, steps, metrics, train_s, out, bool(lora_rank), shares))
                     for kind, publisher in publishers.items():
                         if getattr(publisher, "delta_fallbacks", 0):
                             raise RuntimeError(f"{publisher.delta_fallbacks} {kind} update(s) fell back to whole ones")
@@ -196,6 +159,61 @@ def run(
         finally:
             for p in procs:
                 stop_process(p)
+    return _result(cfg, n_params, steps, out, shares, stats, states, lora_rank)
+
+
+def _publishers(clients: list, tmp: Path, bucket_mb: int, lora: bool, others: tuple) -> dict:
+    """A publisher per engine: whole and delta buckets; with LoRA, the factors alone, disk whole,
+    the adapter's directory served by name, and ipc and collective whole and as factors."""
+    from services.weight_transports.collective import CollectivePublisher
+    from services.weight_transports.disk import DiskPublisher
+    from services.weight_transports.http_buckets import BucketPublisher
+    from services.weight_transports.ipc import IpcPublisher
+
+    publishers = {
+        "full": BucketPublisher(clients[0], tmp / "full", bucket_mb=bucket_mb),
+        "delta": BucketPublisher(clients[1], tmp / "delta", bucket_mb=bucket_mb, delta_dtype="bfloat16"),
+    }
+    if lora:
+        publishers["adapter"] = BucketPublisher(
+            clients[2], tmp / "adapter", bucket_mb=bucket_mb, adapter_dtype="bfloat16"
+        )
+        publishers["disk"] = DiskPublisher(clients[3], tmp / "disk")
+        publishers["served"] = DiskPublisher(clients[4], tmp / "served", adapter=True)
+        for kind in others:
+            client, where = clients[2 if "adapter" in kind else 0], tmp / kind
+            factors = {"adapter_dtype": "bfloat16"} if "adapter" in kind else {}
+            publishers[kind] = (
+                IpcPublisher(client, where, bucket_mb=bucket_mb, **factors)
+                if kind.startswith("ipc")
+                else CollectivePublisher(client, where, bucket_mb=bucket_mb, **factors)
+            )
+    return publishers
+
+
+def _step_line(i: int, steps: int, metrics: dict, train_s: float, out: dict, lora: bool, shares: list) -> str:
+    """One step's progress line: the loss, and each engine's bytes and load time."""
+    return (
+        f"step {i + 1}/{steps}: loss {metrics['loss']:.4f}, trained in {train_s:.1f} s; "
+        f"whole {out['full'][-1]['bytes'] / 1e6:.0f} MB in {out['full'][-1]['load_s']:.2f} s, "
+        f"delta {out['delta'][-1]['bytes'] / 1e6:.1f} MB in {out['delta'][-1]['load_s']:.2f} s"
+        + (
+            f", adapter {out['adapter'][-1]['bytes'] / 1e6:.2f} MB in "
+            f"{out['adapter'][-1]['load_s']:.2f} s; disk whole {out['disk'][-1]['load_s']:.2f} s, "
+            f"served adapter {out['served'][-1]['bytes'] / 1e6:.2f} MB in "
+            f"{out['served'][-1]['load_s']:.2f} s; ipc whole {out['ipc'][-1]['load_s']:.2f} s, "
+            f"factors {out['ipc_adapter'][-1]['load_s']:.2f} s; collective whole "
+            f"{out['collective'][-1]['load_s']:.2f} s, factors "
+            f"{out['collective_adapter'][-1]['load_s']:.2f} s"
+            if lora
+            else ""
+        )
+        + (f" ({shares[-1]:.2%} of values changed)" if i else "")
+    )
+
+
+def _result(cfg, n_params: int, steps: int, out: dict, shares: list, stats: list, states: list, lora_rank: int) -> dict:
+    """The JSON line: medians over the steps after the first, per engine."""
     later = slice(1, None)  # step 1 sends everything on both: a delta needs a version the engine holds
     med = lambda rows, key: statistics.median(r[key] for r in rows[later])  # noqa: E731
     sent = sum(s.bytes for s in stats)
