@@ -26,6 +26,13 @@ from pathlib import Path
 import yaml
 
 from launch.bench import BadOption
+from launch.bench.mesh_metrics import (
+    buffer_stats,
+    kept_length_buckets,
+    member_fates,
+    running_sequences,
+    stale_token_share,
+)
 from rollout.engines.sim.ceiling import SHAPE
 
 SCENARIOS = {
@@ -151,14 +158,14 @@ def run_scenario(config_path: Path, warmup: int) -> dict:
         trainer = start_trainer(config_path, [], mesh, run_dir / "logs" / "trainer.log")
         limit = time.monotonic() + 900
         while trainer.poll() is None and time.monotonic() < limit:
-            occupancy.append((time.time(), _running_sequences(mesh.engine_urls)))
+            occupancy.append((time.time(), running_sequences(mesh.engine_urls)))
             time.sleep(0.25)
         if trainer.returncode != 0:
             raise RuntimeError(f"trainer failed ({trainer.returncode}): see {run_dir / 'logs' / 'trainer.log'}")
-        stats = _buffer_stats(mesh.buffer)
-        stale_share = _stale_token_share(mesh.metrics.get("env-manager", []))
-        members = _member_fates(mesh.metrics.get("env-manager", []))
-        kept_lengths = _kept_length_buckets(mesh.metrics.get("env-manager", []))
+        stats = buffer_stats(mesh.buffer)
+        stale_share = stale_token_share(mesh.metrics.get("env-manager", []))
+        members = member_fates(mesh.metrics.get("env-manager", []))
+        kept_lengths = kept_length_buckets(mesh.metrics.get("env-manager", []))
     finally:
         if trainer is not None:
             stop_process(trainer)
@@ -222,125 +229,6 @@ def _rules_reference(cfg, warmup: int, steps: int) -> dict:
     # running): compare like with like, and give the steady state too.
     window = [play(steps=steps, warmup=warmup, seed=s)["step_s"] for s in range(20)]
     return {"window_step_s": sum(window) / len(window), "steady": play(steps=200, warmup=20)}
-
-
-def _scrape(url: str) -> dict[str, float]:
-    """A /metrics page's samples by name (labels summed); empty when it cannot be read."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(_scrape_text(url)):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
-
-
-def _running_sequences(engine_urls: list[str]) -> float:
-    """Sequences in the engines' running batches now (paused engines count as idle)."""
-    total = 0.0
-    for url in engine_urls:
-        values = _scrape(url)
-        if values.get("rollmesh_engine_paused", 0.0) == 0:
-            total += values.get("rollmesh_engine_running_requests", 0.0)
-    return total
-
-
-def _stale_token_share(env_manager_targets: list[str]) -> float | None:
-    """Share of the EnvManagers' generated tokens (every ended episode's, stale groups' included)
-    that went to groups stopped as too stale."""
-    stale = generated = 0.0
-    for target in env_manager_targets:
-        values = _scrape(f"http://{target}")
-        stale += values.get("rollmesh_env_stale_tokens_total", 0.0)
-        generated += values.get("rollmesh_env_generated_tokens_total", 0.0)
-    return round(stale / generated, 3) if generated else None
-
-
-def _member_fates(env_manager_targets: list[str]) -> dict:
-    """Redundant rollout's price and bias, from the EnvManagers' metrics: the share of generated tokens
-    that went to members cancelled when their group was full, and the mean generated tokens of a kept
-    member (against a run without redundancy: the bias toward episodes that end sooner)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    sums: dict[str, float] = {}
-    for target in env_manager_targets:
-        try:
-            text = httpx.get(f"http://{target}/metrics", timeout=2).text
-        except httpx.HTTPError:
-            continue
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                label = sample.labels.get("fate") or sample.labels.get("cause") or ""
-                key = f"{sample.name}:{label}"
-                sums[key] = sums.get(key, 0.0) + sample.value
-    generated = sums.get("rollmesh_env_generated_tokens_total:", 0.0)
-    kept_n = sums.get("rollmesh_env_member_generated_tokens_count:kept", 0.0)
-    return {
-        "redundant_token_share": round(
-            sums.get("rollmesh_env_dropped_member_tokens_total:redundant", 0.0) / generated, 3
-        )
-        if generated
-        else None,
-        "members_cancelled": sums.get("rollmesh_env_members_dropped_total:redundant", 0.0),
-        "members_timed_out": sums.get("rollmesh_env_members_dropped_total:timeout", 0.0),
-        "kept_member_mean_tokens": round(sums.get("rollmesh_env_member_generated_tokens_sum:kept", 0.0) / kept_n, 1)
-        if kept_n
-        else None,
-    }
-
-
-LENGTH_BUCKETS = (1024, 4096, 16384)  # kept members' generated tokens (edges of TOKEN_BUCKETS)
-
-
-def _kept_length_buckets(env_manager_targets: list[str]) -> dict[str, float] | None:
-    """Share of the members put in the buffer (trained) by generated length, from the EnvManagers'
-    ``rollmesh_env_member_generated_tokens{fate="kept"}`` histogram (whole run)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    cumulative: dict[float, float] = {}
-    for target in env_manager_targets:
-        text = _scrape_text(f"http://{target}")
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "rollmesh_env_member_generated_tokens_bucket" and sample.labels["fate"] == "kept":
-                    le = float(sample.labels["le"])
-                    cumulative[le] = cumulative.get(le, 0.0) + sample.value
-    total = cumulative.get(float("inf"), 0.0)
-    if not total:
-        return None
-    out, below = {}, 0.0
-    for edge in LENGTH_BUCKETS:
-        upto = max((v for le, v in cumulative.items() if le <= edge), default=0.0)
-        out[f"<={edge}"] = round((upto - below) / total, 3)
-        below = upto
-    out[f">{LENGTH_BUCKETS[-1]}"] = round((total - below) / total, 3)
-    return out
-
-
-def _scrape_text(url: str) -> str:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/metrics", timeout=2).text
-    except httpx.HTTPError:
-        return ""
-
-
-def _buffer_stats(address: str) -> dict:
-    import asyncio
-
-    from services.sample_buffer.client import BufferClient
-
-    async def go():
-        client = BufferClient(address, timeout_s=10)
-        try:
-            s = await client.stats()
-            return {"consumed": s.consumed_total, **dict(s.dropped_by_reason)}
-        finally:
-            await client.close()
-
-    return asyncio.run(go())
 
 
 def run(

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from launch.bench import BadOption
-from launch.bench.async_bench import _scrape_text
+from launch.bench.mesh_metrics import scrape_text
 
 # name -> (weight, median reward seconds, simulated)
 DOMAINS = {"verifier": (0.5, 0.1), "sandbox": (0.3, 2.0), "judge": (0.2, 20.0)}
@@ -92,7 +92,7 @@ def run_mesh(config_path: Path) -> dict:
         if trainer.returncode != 0:
             raise RuntimeError(f"trainer failed ({trainer.returncode}): see {run_dir / 'logs' / 'trainer.log'}")
         # the trainer's own page went with it: its numbers are in metrics.jsonl
-        pages = {job: "".join(_scrape_text(f"http://{t}") for t in targets) for job, targets in mesh.metrics.items()}
+        pages = {job: "".join(scrape_text(f"http://{t}") for t in targets) for job, targets in mesh.metrics.items()}
     finally:
         if trainer is not None:
             stop_process(trainer)
