@@ -96,7 +96,8 @@ class EnvMetrics(RolloutObserver):
             "rollmesh_env_errors",
             "Episodes ended as env_error, by kind (a provider's: unreachable, garbage, refused, "
             "observation, action; a local environment's: raised; context: the conversation outgrew the "
-            "model's context and the engine refused the next turn)",
+            "model's context and the engine refused the next turn; workflow: a custom workflow raised or broke "
+            "a rule)",
             ["kind"],
             registry=r,
         )

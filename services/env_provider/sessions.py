@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rollout.env_calls import close_env, env_call
 from rollout.envs import base
 from rollout.envs.base import Env
 from rollout.envs.remote import Observation, ProviderInfo
-from rollout.episode import close_env, env_call
 from sample_buffer.vision import MAX_IMAGE_BYTES, MAX_IMAGES
 
 log = logging.getLogger(__name__)

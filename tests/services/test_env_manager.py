@@ -76,9 +76,8 @@ async def two_groups_with(engine_url: str, tiny_model: str, **cfg):
     async with local_mesh(
         engine_url, tiny_model, {"filter_zero_variance": False}, async_ratio=0, groups_per_step=2
     ) as mesh:
-        config = EnvManagerConfig(
-            tokenizer_path=tiny_model, group_size=2, num_workers=2, episode={"sampling": {"max_new_tokens": 3}}, **cfg
-        )
+        episode = {"sampling": {"max_new_tokens": 3}, **cfg.pop("episode", {})}
+        config = EnvManagerConfig(tokenizer_path=tiny_model, group_size=2, num_workers=2, episode=episode, **cfg)
         manager = build_loop(config, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
         await manager.start()
         for _ in range(400):
@@ -351,3 +350,43 @@ def test_a_domain_on_an_environment_provider_beside_a_local_one(engine_url, tiny
     turns = {g.domain: {len(t.metadata["turn_starts"]) for t in g.trajectories} for g in groups}
     assert turns["digits"] == {1} and max(turns["tool"]) <= 2
     assert "rollmesh_env_providers_up 1.0" in metrics
+
+
+def test_a_users_workflow_runs_the_pools_episodes_and_its_failures_are_counted(engine_url, tiny_model):
+    """env_manager.episode.workflow names a user's function: the EnvManager's episodes are that
+    workflow's (two turns each, the critique between them), put as groups; one that raises ends its
+    episodes as env_error of kind workflow, counted on /metrics, and the pool keeps serving."""
+    fns = "tests.rollout.workflow_fns"
+    episode = {"sampling": {"max_new_tokens": 3}, "workflow": {"type": "custom", "path": f"{fns}:retry_with_critique"}}
+    manager, groups, _, requests = asyncio.run(two_groups_with(engine_url, tiny_model, episode=episode))
+    assert manager.counters["groups_put"] >= 2
+    for t in (t for g in groups for t in g.trajectories):
+        assert len(t.metadata["turn_starts"]) == 2 and t.metadata["critique_turns"] == 1
+        assert t.loss_mask.sum() == len(t.behavior_logprobs) > 0
+    assert requests >= 2 * 2 * 2  # two generations an episode
+
+    async def failing():
+        async with local_mesh(engine_url, tiny_model, async_ratio=0, groups_per_step=2) as mesh:
+            config = EnvManagerConfig(
+                tokenizer_path=tiny_model,
+                group_size=2,
+                num_workers=2,
+                episode={"sampling": {"max_new_tokens": 3}, "workflow": {"type": "custom", "path": f"{fns}:raises"}},
+            )
+            manager = build_loop(config, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
+            await manager.start()
+            for _ in range(400):
+                if manager.counters["groups_failed"] >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            await manager.stop()
+            from prometheus_client import generate_latest
+
+            return manager.counters, generate_latest(manager.observer.registry).decode()
+
+    counters, metrics = asyncio.run(failing())
+    assert counters["groups_failed"] >= 2 and counters["groups_put"] == 0
+    errors = next(
+        line for line in metrics.splitlines() if line.startswith('rollmesh_env_errors_total{kind="workflow"}')
+    )
+    assert float(errors.split()[-1]) >= 4
