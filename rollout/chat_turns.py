@@ -66,14 +66,23 @@ class NotAPrefix(ValueError):
 class Conversation:
     """The messages of one episode so far and the text the template rendered for them."""
 
-    def __init__(self, tokenizer, first_message: str) -> None:
+    def __init__(self, tokenizer, first_message: str | list[dict]) -> None:
+        """``first_message``: the user's first message, or the messages before the first generation
+        (a system prompt, few-shot turns, then the user's), as chat templates take them."""
         self.tokenizer = tokenizer
-        self.messages: list[dict] = [{"role": "user", "content": first_message}]
+        if isinstance(first_message, str):
+            self.messages: list[dict] = [{"role": "user", "content": first_message}]
+        else:
+            self.messages = [dict(m) for m in first_message]
+            if not self.messages or self.messages[-1].get("role") not in ROLES:
+                raise ValueError("messages: the last message before a generation is the user's (or a tool's)")
         self.exact = True  # False once a turn had to be rendered on its own
         self._text: str | None = None  # the template's text for ``messages`` + generation prompt
 
     def prompt_ids(self) -> list[int]:
-        return render_prompt(self.tokenizer, self.messages[0]["content"])
+        if len(self.messages) == 1 and self.messages[0]["role"] == "user":
+            return render_prompt(self.tokenizer, self.messages[0]["content"])
+        return token_ids(self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True))
 
     def next_turn(self, generated_ids: list[int], stopped: bool, role: str, content: str) -> list[int]:
         """Tokens between one generation and the next: the rest of the assistant turn's closing,

@@ -169,9 +169,16 @@ class EpisodeContext:
 
     async def chat(self, observation) -> Thread:
         """A conversation opened by ``observation`` (text, or an ``Observation`` with images) as its
-        first user message, rendered with the chat template."""
-        text, images = observation_text(observation, self.vision)
-        chat = Conversation(self.tokenizer, text)
+        first user message, or by a list of chat messages (a system prompt, few-shot turns, then the
+        user's), rendered with the chat template."""
+        if isinstance(observation, list):
+            text, images = observation, ()
+        else:
+            text, images = observation_text(observation, self.vision)
+        try:
+            chat = Conversation(self.tokenizer, text)
+        except ValueError as e:
+            raise WorkflowError(str(e)) from None
         sent = chat.prompt_ids()  # the conversation as the engines take it: one placeholder per image
         try:  # what the model reads (and the engine consumes): each placeholder expanded to its image's tokens
             tokens = await expanded(self.vision, sent, images)
