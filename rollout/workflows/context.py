@@ -114,6 +114,7 @@ class EpisodeContext:
         except TimeoutError:
             raise Ended(FinishReason.TIMEOUT, timeout="reset") from None
         except Exception as e:
+            log.warning("%s: reset failed: %s: %s", self.trajectory_id, type(e).__name__, e)
             raise Ended(FinishReason.ENV_ERROR, **env_error(e)) from None
         budgets = getattr(self.env, "budgets", None)
         self.clock = EpisodeClock(self.config.step_timeout_s, self.config.generation_timeout_s, budgets, self.started)
@@ -130,6 +131,7 @@ class EpisodeContext:
         except TimeoutError:  # the provider's own deadline too (ProviderTimeout)
             raise Ended(FinishReason.TIMEOUT, timeout=budget) from None
         except Exception as e:  # the environment's fault, not the policy's: the member is not trained
+            log.warning("%s: step failed: %s: %s", self.trajectory_id, type(e).__name__, e)
             raise Ended(FinishReason.ENV_ERROR, **env_error(e)) from None
         finally:
             self.report_turn(time.monotonic() - t_step)
@@ -161,6 +163,7 @@ class EpisodeContext:
             if not _CONTEXT_FULL.search(str(e)):  # a request the config made wrong: not this episode's
                 raise
             # The engine refused the turn: the conversation outgrew the model's context.
+            log.warning("%s: generation refused: %s", self.trajectory_id, e)
             raise Ended(FinishReason.ENV_ERROR, error=str(e)[:500], error_kind="context") from None
         self._generate_s = time.monotonic() - t_gen
         self.budget = budget  # which budget bounded it: a timeout's trajectory names it
