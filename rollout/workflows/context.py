@@ -96,8 +96,7 @@ class EpisodeContext:
         self._generate = generate
         self.started = time.monotonic()
         self.clock = EpisodeClock(config.step_timeout_s, config.generation_timeout_s, None, self.started)
-        self.generations: list[Generation] = []  # every generation, in order: what trajectories are checked against
-        self.threads: list[Thread] = []
+        self.threads: list[Thread] = []  # what a custom workflow's trajectory must be one of
         self._generate_s: float | None = None  # the latest generation's, reported with the step that follows
         self.budget = "generation"  # the budget that bounded the latest generation
 
@@ -167,7 +166,6 @@ class EpisodeContext:
             raise Ended(FinishReason.ENV_ERROR, error=str(e)[:500], error_kind="context") from None
         self._generate_s = time.monotonic() - t_gen
         self.budget = budget  # which budget bounded it: a timeout's trajectory names it
-        self.generations.append(gen)
         return gen
 
     async def chat(self, observation) -> Thread:
