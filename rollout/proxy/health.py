@@ -30,6 +30,10 @@ class Health:
         versions = {s.weight_version for s in pool.in_rotation()}
         if len(versions) == 1:
             pool.base.version = versions.pop()
+        # ... and in its suspend state, as an engine that rejoins is: a predecessor killed between a
+        # weight update's pause and its resume left them paused, and nothing else would resume them
+        timeout = pool.config.control_timeout_s
+        await pool.fan_out(lambda c: c.resume(timeout_s=timeout), "resume")
         # what a predecessor proxy loaded for its lanes is no lane's now
         await asyncio.gather(*(self.adapters.tidy(s, sweep=True) for s in pool.in_rotation()))
         self._task = asyncio.create_task(self._loop())

@@ -316,6 +316,20 @@ def test_a_proxy_started_in_front_of_updated_engines_serves_their_version(make_e
     assert stats.weight_version == 3 and stats.engines[0].weight_version == 3 and set(out.token_versions) == {3}
 
 
+def test_a_proxy_started_in_front_of_paused_engines_resumes_them(make_engine_process):
+    """A proxy killed between a weight update's pause and its resume left its engine paused; its
+    successor starts unsuspended, so it resumes the engine: a request is answered, not held until
+    its deadline (the SLURM run once waited out every generation after such a kill)."""
+    _, url = make_engine_process()
+    asyncio.run(engine_client(url).pause("abort"))
+
+    async def scenario(client, proxy):
+        return await client.stats(), await client.generate([1, 2], 3, timeout_s=20)
+
+    stats, out = run(scenario, [url])
+    assert not stats.suspended and out.finish_reason != common_pb2.FINISH_REASON_TIMEOUT and len(out.output_ids) >= 1
+
+
 def test_suspend_abort_mode_and_gate(two_engines):
     async def scenario(client, proxy):
         task = asyncio.create_task(client.generate([1, 5], 1000, ignore_eos=True))

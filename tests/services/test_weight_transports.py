@@ -146,7 +146,7 @@ def test_a_bucket_over_the_limit_is_refused_as_its_pieces_pass_it(engine_url, ti
     from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
     from services.wire_limits import PROXY_MAX_MESSAGE_BYTES
 
-    monkeypatch.setattr("services.llm_proxy.server.MAX_WEIGHT_BUCKET_MB", 2)
+    monkeypatch.setattr("services.llm_proxy.control_handlers.MAX_WEIGHT_BUCKET_MB", 2)
     monkeypatch.setattr("services.llm_proxy.client.WEIGHT_CHUNK_BYTES", 1 << 20)
 
     async def main():
