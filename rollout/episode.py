@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.env_calls import close_env
@@ -87,10 +88,10 @@ async def run_episode(
     for all episodes' steps. ``vision``: a vision-language model's ``sample_buffer.vision.Vision``
     (an environment's images need one); ``image_store`` receives the images the trajectory
     references, by content hash (its group's)."""
-    observer = observer or RolloutObserver()
-    ids = {"trajectory_id": trajectory_id, "group_id": group_id, "prompt_id": prompt_id}
-    ctx = EpisodeContext(env, seed, generate, tokenizer, config, ids, observer, vision, image_store, barrier)
     try:
+        observer = observer or RolloutObserver()
+        ids = {"trajectory_id": trajectory_id, "group_id": group_id, "prompt_id": prompt_id}
+        ctx = EpisodeContext(env, seed, generate, tokenizer, config, ids, observer, vision, image_store, barrier)
         t0 = time.monotonic()
         traj = await _run(ctx, config.workflow)
         report(observer.episode_ended, traj, time.monotonic() - t0, domain)
@@ -129,8 +130,11 @@ def _checked(ctx: EpisodeContext, out) -> Trajectory:
         raise WorkflowError(f"returned {type(out).__name__}, not a Trajectory (thread.trajectory(reward))")
     if any(getattr(out, k) != v for k, v in ctx.ids.items()):
         raise WorkflowError("the trajectory's ids are not this episode's (thread.trajectory keeps them)")
+    logprobs = np.asarray(out.behavior_logprobs, dtype=np.float32)  # as the data model keeps them
     made = any(
-        t.tokens == list(out.token_ids) and t.mask == list(out.loss_mask) and t.logprobs == list(out.behavior_logprobs)
+        t.tokens == list(out.token_ids)
+        and t.mask == list(out.loss_mask)
+        and np.array_equal(np.asarray(t.logprobs, dtype=np.float32), logprobs)
         for t in ctx.threads
     )
     if not made:

@@ -25,15 +25,14 @@ class Health:
         """The first round, the engines' versions and a sweep of old adapters, then the loop."""
         pool = self.pool
         await self.check_health()
-        # A proxy (re)started in front of engines that were updated before serves their version.
-        await asyncio.gather(*(self._read_version(s) for s in pool.in_rotation()))
+        # A proxy (re)started in front of engines that were updated before serves their version,
+        # and resumes them, as it resumes an engine that rejoins: a predecessor killed between a
+        # weight update's pause and its resume left them paused, and nothing else would resume them.
+        infos = await asyncio.gather(*(self._read_version(s) for s in pool.in_rotation()))
         versions = {s.weight_version for s in pool.in_rotation()}
         if len(versions) == 1:
             pool.base.version = versions.pop()
-        # ... and in its suspend state, as an engine that rejoins is: a predecessor killed between a
-        # weight update's pause and its resume left them paused, and nothing else would resume them
-        timeout = pool.config.control_timeout_s
-        await pool.fan_out(lambda c: c.resume(timeout_s=timeout), "resume")
+        await asyncio.gather(*(self._resume(s, info) for s, info in zip(pool.in_rotation(), infos) if info))
         # what a predecessor proxy loaded for its lanes is no lane's now
         await asyncio.gather(*(self.adapters.tidy(s, sweep=True) for s in pool.in_rotation()))
         self._task = asyncio.create_task(self._loop())
@@ -45,12 +44,24 @@ class Health:
     async def check_health(self) -> None:
         await asyncio.gather(*(self._probe(s) for s in self.pool.router.engines))
 
-    async def _read_version(self, slot: EngineSlot) -> None:
+    async def _read_version(self, slot: EngineSlot) -> dict | None:
         try:
             info = await self.pool.clients[slot.name].model_info(self.pool.config.health_check_timeout_s)
             slot.weight_version = int_version(info.get("weight_version"))
+            return info
         except (EngineUnavailable, EngineRejected, ValueError) as e:
             self.pool.take_out(slot, f"model info failed: {e}")
+            return None
+
+    async def _resume(self, slot: EngineSlot, info: dict) -> None:
+        """``slot`` generating again, unless a colocated trainer holds its memory (the trainer's
+        ResumeMemory resumes it); one that refuses stays in rotation, as it was."""
+        if info.get("memory_released"):
+            return
+        try:
+            await self.pool.clients[slot.name].resume(timeout_s=self.pool.config.control_timeout_s)
+        except (EngineUnavailable, EngineRejected, ValueError, TimeoutError) as e:
+            log.warning("engine %s: not resumed at start: %s", slot.name, e)
 
     async def _probe(self, slot: EngineSlot) -> None:
         pool, config = self.pool, self.pool.config

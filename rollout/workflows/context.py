@@ -284,7 +284,10 @@ class Thread:
     def trajectory(self, reward: float, finish: FinishReason = FinishReason.STOP, **metadata) -> Trajectory:
         if not math.isfinite(reward):
             raise WorkflowError(f"reward: {reward!r} is not a finite number")
+        # every turn's, if any had one; none generated: the episode's own (as a turn would have had)
         grammars = self.grammars if any(self.grammars) else None
+        if grammars is None and not self.turns and self.ctx.sampling().grammar() is not None:
+            grammars = []
         return Trajectory(
             **self.ctx.ids,
             token_ids=self.tokens,
@@ -302,7 +305,11 @@ class Thread:
                 # the temperature each turn was sampled at: μ is at it, so the trainer's π must be too
                 "turn_temperatures": self.temperatures,
                 # and under its grammar, if any: μ is the masked distribution's, so the trainer masks π too
-                **({"turn_grammars": [None if g is None else list(g) for g in grammars]} if grammars else {}),
+                **(
+                    {"turn_grammars": [None if g is None else list(g) for g in grammars]}
+                    if grammars is not None
+                    else {}
+                ),
                 **metadata,
                 **({} if self.chat is None or self.chat.exact else {"chat_render": "alone"}),
             },

@@ -330,6 +330,29 @@ def test_a_proxy_started_in_front_of_paused_engines_resumes_them(make_engine_pro
     assert not stats.suspended and out.finish_reason != common_pb2.FINISH_REASON_TIMEOUT and len(out.output_ids) >= 1
 
 
+def test_a_proxy_started_while_a_colocated_trainer_holds_the_memory_leaves_it_to_the_trainer(make_engine_process):
+    """Engines whose memory a colocated trainer holds refuse to resume: a starting proxy keeps them in
+    rotation and paused, and the trainer's ResumeMemory through it gives the memory back and resumes."""
+    _, url = make_engine_process()
+
+    async def release():
+        engine = engine_client(url)
+        await engine.pause("abort")
+        await engine.release_memory_occupation()
+        await engine.close()
+
+    asyncio.run(release())
+
+    async def scenario(client, proxy):
+        before = await client.stats()
+        back = await client.resume_memory()
+        return before, back, await client.generate([1, 2], 3, timeout_s=20)
+
+    before, back, out = run(scenario, [url])
+    assert before.engines[0].healthy and back.success, (before, back)
+    assert out.finish_reason != common_pb2.FINISH_REASON_TIMEOUT and len(out.output_ids) >= 1
+
+
 def test_suspend_abort_mode_and_gate(two_engines):
     async def scenario(client, proxy):
         task = asyncio.create_task(client.generate([1, 5], 1000, ignore_eos=True))
