@@ -68,9 +68,9 @@ def test_env_manager_fills_the_buffer_within_the_admission_bound(engine_url, tin
             assert t.reward == want and t.start_version == 0 and t.finish_reason in ("stop", "length")
 
 
-async def two_groups_with(engine_url: str, tiny_model: str, **cfg):
-    """An EnvManager with ``cfg`` on a real mesh until 2 groups of 2 are put: the manager, the groups,
-    its /metrics text and the LLMProxy's request count."""
+async def two_groups_with(engine_url: str, tiny_model: str, until: str = "groups_put", **cfg):
+    """An EnvManager with ``cfg`` on a real mesh until 2 groups of 2 are put (``until``: or counted so
+    otherwise): the manager, the groups, its /metrics text and the LLMProxy's request count."""
     from prometheus_client import generate_latest
 
     async with local_mesh(
@@ -81,7 +81,7 @@ async def two_groups_with(engine_url: str, tiny_model: str, **cfg):
         manager = build_loop(config, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
         await manager.start()
         for _ in range(400):
-            if manager.counters["groups_put"] >= 2:
+            if manager.counters[until] >= 2:
                 break
             await asyncio.sleep(0.05)
         await manager.stop()
@@ -365,26 +365,11 @@ def test_a_users_workflow_runs_the_pools_episodes_and_its_failures_are_counted(e
         assert t.loss_mask.sum() == len(t.behavior_logprobs) > 0
     assert requests >= 2 * 2 * 2  # two generations an episode
 
-    async def failing():
-        async with local_mesh(engine_url, tiny_model, async_ratio=0, groups_per_step=2) as mesh:
-            config = EnvManagerConfig(
-                tokenizer_path=tiny_model,
-                group_size=2,
-                num_workers=2,
-                episode={"sampling": {"max_new_tokens": 3}, "workflow": {"type": "custom", "path": f"{fns}:raises"}},
-            )
-            manager = build_loop(config, mesh.proxy_client, mesh.buffer_client, mesh.controller_client)
-            await manager.start()
-            for _ in range(400):
-                if manager.counters["groups_failed"] >= 2:
-                    break
-                await asyncio.sleep(0.05)
-            await manager.stop()
-            from prometheus_client import generate_latest
-
-            return manager.counters, generate_latest(manager.observer.registry).decode()
-
-    counters, metrics = asyncio.run(failing())
+    raising = {**episode, "workflow": {"type": "custom", "path": f"{fns}:raises"}}
+    manager, _, metrics, _ = asyncio.run(
+        two_groups_with(engine_url, tiny_model, until="groups_failed", episode=raising)
+    )
+    counters = manager.counters
     assert counters["groups_failed"] >= 2 and counters["groups_put"] == 0
     errors = next(
         line for line in metrics.splitlines() if line.startswith('rollmesh_env_errors_total{kind="workflow"}')
