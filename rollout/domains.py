@@ -34,6 +34,7 @@ class Domain:
     make_env: Callable[[str], Env]  # episode id -> a fresh environment
     episode: EpisodeConfig
     group_size: int
+    reward_fn: Callable | None = None  # the task's reward, for a workflow's ``ctx.score`` (a remote env: None)
 
     def prompt_id(self, row: int) -> str:
         return f"{self.name}/p{row}" if self.name else f"p{row}"

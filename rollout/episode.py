@@ -67,7 +67,15 @@ class EpisodeConfig(BaseModel):
     )
 
 
-async def run_episode(
+MAX_TRAJECTORIES = 64  # of one episode: its threads (branches, sub-agents) each become one
+
+
+async def run_episode(env: Env, seed: int, generate: GenerateFn, tokenizer, config: EpisodeConfig, **kw) -> Trajectory:
+    """The episode's trajectory (its first, where a workflow returned several): ``run_trajectories``'."""
+    return (await run_trajectories(env, seed, generate, tokenizer, config, **kw))[0]
+
+
+async def run_trajectories(
     env: Env,
     seed: int,
     generate: GenerateFn,
@@ -82,65 +90,90 @@ async def run_episode(
     domain: str = "",
     vision=None,
     image_store: dict[str, bytes] | None = None,
-) -> Trajectory:
-    """Run one episode by the config's workflow (``rollout/workflows``). With a ``barrier`` (batch
-    rollout) every turn's generation waits for all episodes' generations, and every environment step
-    for all episodes' steps. ``vision``: a vision-language model's ``sample_buffer.vision.Vision``
-    (an environment's images need one); ``image_store`` receives the images the trajectory
-    references, by content hash (its group's)."""
+    row: dict | None = None,
+    reward_fn=None,
+) -> list[Trajectory]:
+    """Run one episode by the config's workflow (``rollout/workflows``): its trajectories, the first
+    the episode's own, any others its branches (``trajectory_id.k``; a custom workflow's). With a
+    ``barrier`` (batch rollout) every turn's generation waits for all episodes' generations, and every
+    environment step for all episodes' steps. ``vision``: a vision-language model's
+    ``sample_buffer.vision.Vision`` (an environment's images need one); ``image_store`` receives the
+    images the trajectories reference, by content hash (its group's). ``row`` and ``reward_fn``: the
+    dataset row and the task's reward, for a workflow's ``ctx.row`` and ``ctx.score``."""
     try:
         observer = observer or RolloutObserver()
         ids = {"trajectory_id": trajectory_id, "group_id": group_id, "prompt_id": prompt_id}
-        ctx = EpisodeContext(env, seed, generate, tokenizer, config, ids, observer, vision, image_store, barrier)
+        ctx = EpisodeContext(
+            env,
+            seed,
+            generate,
+            tokenizer,
+            config,
+            ids,
+            observer,
+            vision=vision,
+            image_store=image_store,
+            barrier=barrier,
+            row=row,
+            reward_fn=reward_fn,
+        )
         t0 = time.monotonic()
-        traj = await _run(ctx, config.workflow)
-        report(observer.episode_ended, traj, time.monotonic() - t0, domain)
-        return traj
+        trajectories = await _run(ctx, config.workflow)
+        for t in trajectories:
+            report(observer.episode_ended, t, time.monotonic() - t0, domain)
+        return trajectories
     finally:
         if barrier is not None:
             barrier.leave()
         await close_env(env, config.step_timeout_s)
 
 
-async def _run(ctx: EpisodeContext, workflow) -> Trajectory:
+async def _run(ctx: EpisodeContext, workflow) -> list[Trajectory]:
     if workflow.type == "env":
         try:
-            return await env_episode(ctx)
+            return [await env_episode(ctx)]
         except Ended as e:  # before its first generation
-            return _nothing(ctx, e.finish, e.why)
+            return [_nothing(ctx, e.finish, e.why)]
     try:
         return _checked(ctx, await workflow.function()(ctx))
     except Ended as e:  # a deadline or the environment, let through by the workflow: what its thread has
         thread = ctx.threads[-1] if ctx.threads else None
-        return thread.trajectory(0.0, e.finish, **e.why) if thread is not None else _nothing(ctx, e.finish, e.why)
+        return [thread.trajectory(0.0, e.finish, **e.why) if thread is not None else _nothing(ctx, e.finish, e.why)]
     except Exception as e:  # the user's code: this episode ends, never the worker
         log.warning("%s: workflow %s failed", ctx.trajectory_id, workflow.path, exc_info=True)
-        return _nothing(
-            ctx, FinishReason.ENV_ERROR, {"error": f"{type(e).__name__}: {e}"[:500], "error_kind": "workflow"}
-        )
+        return [
+            _nothing(ctx, FinishReason.ENV_ERROR, {"error": f"{type(e).__name__}: {e}"[:500], "error_kind": "workflow"})
+        ]
 
 
-def _checked(ctx: EpisodeContext, out) -> Trajectory:
-    """A custom workflow's result, if it is a trajectory one of the episode's threads made."""
-    if isinstance(out, list | tuple):
-        if len(out) != 1:
-            raise WorkflowError(f"returned {len(out)} trajectories; a workflow returns one trajectory an episode")
-        out = out[0]
-    if not isinstance(out, Trajectory):
-        raise WorkflowError(f"returned {type(out).__name__}, not a Trajectory (thread.trajectory(reward))")
-    if any(getattr(out, k) != v for k, v in ctx.ids.items()):
-        raise WorkflowError("the trajectory's ids are not this episode's (thread.trajectory keeps them)")
-    logprobs = np.asarray(out.behavior_logprobs, dtype=np.float32)  # as the data model keeps them
-    made = any(
-        t.tokens == list(out.token_ids)
-        and t.mask == list(out.loss_mask)
-        and np.array_equal(np.asarray(t.logprobs, dtype=np.float32), logprobs)
-        for t in ctx.threads
-    )
-    if not made:
-        raise WorkflowError("token_ids: not the tokens a thread of this episode recorded from the engines")
-    if not math.isfinite(out.reward):
-        raise WorkflowError(f"reward: {out.reward!r} is not a finite number")
+def _checked(ctx: EpisodeContext, out) -> list[Trajectory]:
+    """A custom workflow's result: one trajectory, or a list of them, each made by its own thread of
+    this episode (the tokens, mask and log-probs it recorded), with a finite reward."""
+    out = list(out) if isinstance(out, list | tuple) else [out]
+    if not 1 <= len(out) <= MAX_TRAJECTORIES:
+        raise WorkflowError(f"returned {len(out)} trajectories; an episode returns 1 to {MAX_TRAJECTORIES}")
+    threads = {t.trajectory_id: t for t in ctx.threads}
+    seen: set[str] = set()
+    for traj in out:
+        if not isinstance(traj, Trajectory):
+            raise WorkflowError(f"returned {type(traj).__name__}, not a Trajectory (thread.trajectory(reward))")
+        if traj.group_id != ctx.ids["group_id"] or traj.prompt_id != ctx.ids["prompt_id"]:
+            raise WorkflowError("the trajectory's ids are not this episode's (thread.trajectory keeps them)")
+        thread = threads.get(traj.trajectory_id)
+        if thread is None:
+            raise WorkflowError(f"trajectory_id {traj.trajectory_id!r}: not a thread of this episode")
+        if traj.trajectory_id in seen:
+            raise WorkflowError(f"trajectory_id {traj.trajectory_id!r}: returned twice (one trajectory a thread)")
+        seen.add(traj.trajectory_id)
+        logprobs = np.asarray(traj.behavior_logprobs, dtype=np.float32)  # as the data model keeps them
+        if not (
+            thread.tokens == list(traj.token_ids)
+            and thread.mask == list(traj.loss_mask)
+            and np.array_equal(np.asarray(thread.logprobs, dtype=np.float32), logprobs)
+        ):
+            raise WorkflowError("token_ids: not the tokens its thread recorded from the engines")
+        if not math.isfinite(traj.reward):
+            raise WorkflowError(f"reward: {traj.reward!r} is not a finite number")
     return out
 
 

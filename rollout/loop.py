@@ -28,7 +28,7 @@ from rollout.admission import RefusalGate, group_is_stale
 from rollout.config import RolloutConfig
 from rollout.domains import Domain, DomainSampler, Pick
 from rollout.envs.base import Env
-from rollout.episode import run_episode
+from rollout.episode import run_trajectories
 from rollout.ports import Admission, Generate, Generation, GroupOutcome, RolloutObserver, SampleSink, TransientError
 from rollout.sampling import SamplingParams
 from rollout.scheduling import Scheduling, Seats, make_scheduling
@@ -110,7 +110,7 @@ class RolloutLoop:
         if domains is None:
             rows = rows or []
             make_env = make_env or (lambda _: config.env.build(rows, reward_fn))
-            domains = [Domain("", 1.0, rows, make_env, config.episode, config.group_size)]
+            domains = [Domain("", 1.0, rows, make_env, config.episode, config.group_size, reward_fn)]
         self.domains = {d.name: d for d in domains}
         self.sampler = DomainSampler(domains, config.seed, config.domain_oversampling)
         self.config, self.tokenizer, self.vision = config, tokenizer, vision
@@ -163,13 +163,14 @@ class RolloutLoop:
         if self._group_requests and size > 1:
             state.first_turns = _FirstTurns(waiting_for=size)
         try:  # generate → reward, every episode on its own, scored by its env the moment it ends
-            trajectories = await self._first_members(domain, pick.row, gid, state, size, barrier)
+            members = await self._first_members(domain, pick.row, gid, state, size, barrier)
         finally:
             del self._rolling[gid]
+        trajectories = [t for member in members for t in member]  # a member's branches beside it
         if state.stale:  # never put: the buffer would only drop it
             return self._ended(GroupOutcome.STALE, trajectories, t0, domain.name)
-        if len(trajectories) < min(self.config.min_group_members, domain.group_size):
-            log.warning("group %s: %d of %d members usable: not put", gid, len(trajectories), size)
+        if len(members) < min(self.config.min_group_members, domain.group_size):
+            log.warning("group %s: %d of %d members usable: not put", gid, len(members), size)
             self.counters["groups_too_few_members"] += 1
             return self._ended(GroupOutcome.FAILED, trajectories, t0, domain.name)
         if seats is not None and not await seats.take():
@@ -261,12 +262,15 @@ class RolloutLoop:
         return self.scheduling.workers if self._tasks else 0
 
     # ------------------------------------------------------------------ the stages' details
-    async def _episode(self, domain: Domain, row: int, gid: str, i: int, state: _GroupState, barrier) -> Trajectory:
+    async def _episode(
+        self, domain: Domain, row: int, gid: str, i: int, state: _GroupState, barrier
+    ) -> list[Trajectory]:
+        """One member's episode: its trajectory, and its branches' where a workflow makes several."""
         tid = f"{gid}/{i}"
         env = domain.make_env(tid)
         self.running_episodes += 1
         try:
-            t = await run_episode(
+            made = await run_trajectories(
                 env,
                 row,
                 self.generate,
@@ -280,18 +284,22 @@ class RolloutLoop:
                 domain=domain.name,
                 vision=self.vision,
                 image_store=state.images,
+                row=domain.rows[row] if row < len(domain.rows) else None,
+                reward_fn=domain.reward_fn,
             )
         finally:
             self.running_episodes -= 1
             state.running.discard(tid)
+            state.running.difference_update([b for b in state.running if b.startswith(f"{tid}.")])
             turns = state.first_turns
             if turns is not None and not turns.settled(tid):  # ended without asking: not waited for
                 turns.waiting_for -= 1
                 self._send_first_turns(gid, state)
-        if len(t.token_versions):
-            state.finished_starts.append(t.start_version)
+        starts = [t.start_version for t in made if len(t.token_versions)]
+        if starts:
+            state.finished_starts += starts
             await self._abort_stale_groups()  # a finished member may reveal the group is already too old
-        return t
+        return made
 
     async def generate(
         self, ids: list[int], sampling: SamplingParams, tid: str, timeout_s: float, images: tuple[bytes, ...] = ()
@@ -300,9 +308,13 @@ class RolloutLoop:
         generation's deadline. The request id is the trajectory id (one request at a time per
         trajectory); without prompt replication the route is the group, so a prompt's samples
         share an engine."""
-        gid = tid.rsplit("/", 1)[0]
+        gid, member = tid.rsplit("/", 1)
         state = self._rolling.get(gid)
         turns = state.first_turns if state is not None else None
+        if "." in member:  # a branch's thread (``<member>.<k>``): its own request, always alone
+            turns = None
+            if state is not None:
+                state.running.add(tid)  # aborted with its group
         if turns is not None and not turns.settled(tid):
             turns.waiting_for -= 1
             if not images:  # gathered: answered once every member has asked
@@ -387,24 +399,28 @@ class RolloutLoop:
 
     async def _first_members(
         self, domain: Domain, row: int, gid: str, state: _GroupState, size: int, barrier
-    ) -> list[Trajectory]:
-        """Run ``size`` episodes and return the first ``group_size`` to end usable (redundant
-        rollout: the rest are cancelled the moment the group is full, so a fail-slow or fail-stop
-        environment cannot hold it). One member's failure never sinks the group: it is left out
-        and counted (``RolloutConfig.faulty_members``)."""
+    ) -> list[list[Trajectory]]:
+        """Run ``size`` episodes and return the first ``group_size`` to end usable, each as its
+        trajectories (redundant rollout: the rest are cancelled the moment the group is full, so a
+        fail-slow or fail-stop environment cannot hold it). One member's failure never sinks the group:
+        it is left out and counted (``RolloutConfig.faulty_members``); so is a branch's."""
         tasks = [asyncio.create_task(self._episode(domain, row, gid, i, state, barrier)) for i in range(size)]
-        kept: list[Trajectory] = []
+        kept: dict[int, list[Trajectory]] = {}
         pending = set(tasks)
         try:
             while pending and len(kept) < domain.group_size:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in sorted(done, key=tasks.index):  # ended together: the lower index first
-                    member = task.exception() or task.result()
-                    if self._usable(gid, member):
-                        if len(kept) < domain.group_size:
-                            kept.append(member)
-                        else:  # ended in the same instant as the one that filled the group
-                            self._dropped("redundant", member.num_generated)
+                    if isinstance(error := task.exception(), BaseException):
+                        self._usable(gid, error)
+                        continue
+                    usable = [t for t in task.result() if self._usable(gid, t)]
+                    if not usable:
+                        continue
+                    if len(kept) < domain.group_size:
+                        kept[tasks.index(task)] = usable
+                    else:  # ended in the same instant as the one that filled the group
+                        self._dropped("redundant", sum(t.num_generated for t in usable))
         except asyncio.CancelledError:  # the group itself is cancelled: so are its episodes
             for task in pending:
                 task.cancel()
@@ -415,7 +431,7 @@ class RolloutLoop:
                 task.cancel()
                 task.add_done_callback(_retrieve)
                 self._dropped("redundant", state.tokens.get(f"{gid}/{tasks.index(task)}", 0))
-        return sorted(kept, key=lambda t: int(t.trajectory_id.rsplit("/", 1)[1]))  # in member order, as before
+        return [kept[i] for i in sorted(kept)]  # in member order, as before
 
     def _usable(self, gid: str, member: Trajectory | BaseException) -> bool:
         """Whether a member that ended is trained on; the others are counted as

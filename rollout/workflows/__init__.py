@@ -1,13 +1,15 @@
 """Rollout workflows: the function that *is* an episode.
 
-A workflow is ``async def workflow(ctx) -> Trajectory``: ``ctx`` (``context.EpisodeContext``) holds
-the episode's ids, its environment (``ctx.reset()``, ``ctx.step(action)``, each within its budget),
-the policy (``ctx.chat(message)`` opens a token-in/token-out ``Thread``: ``thread.generate()``,
-``thread.add(role, text)``, ``thread.trajectory(reward)``), and the budgets. The default, ``env``,
+A workflow is ``async def workflow(ctx) -> Trajectory | list[Trajectory]``: ``ctx``
+(``context.EpisodeContext``) holds the episode's ids and dataset row, its environment (``ctx.reset()``,
+``ctx.step(action)``, each within its budget), the task's reward (``ctx.score(text)``), the policy
+(``ctx.chat(message)`` opens a token-in/token-out ``Thread``: ``thread.generate()``,
+``thread.add(role, text)``, ``thread.trajectory(reward)``; each thread after the first is a branch with
+its own trajectory), and the budgets. The default, ``env``,
 is an ``Env``'s episode (``env.py``); ``custom`` runs a user's own function, named in the config
 (``env_manager.episode.workflow: {type: custom, path: module:function}``).
 
-A custom workflow's trajectory must be one its threads made, with the tokens they recorded and a
+A custom workflow's trajectories must be ones its threads made, with the tokens they recorded and a
 finite reward; an exception in its code (or a broken rule) ends the episode as ``env_error`` of
 kind ``workflow``, with the traceback in the log, and the worker goes on.
 """

@@ -87,10 +87,25 @@ class EpisodeContext:
     environment is reset to; ``config`` the episode section (``EpisodeConfig``)."""
 
     def __init__(
-        self, env, seed, generate, tokenizer, config, ids: dict, observer, vision=None, image_store=None, barrier=None
+        self,
+        env,
+        seed,
+        generate,
+        tokenizer,
+        config,
+        ids: dict,
+        observer,
+        *,
+        vision=None,
+        image_store=None,
+        barrier=None,
+        row: dict | None = None,
+        reward_fn=None,
     ) -> None:
         self.env, self.seed, self.tokenizer, self.config, self.ids = env, seed, tokenizer, config, ids
         self.observer, self.vision = observer, vision
+        self.row = row  # the dataset row the episode is reset to (None: a remote provider's, which it keeps)
+        self._reward_fn = reward_fn  # the task's reward, as its environment scores with it
         self.barrier = barrier  # batch rollout: every episode's turns in step (the env workflow waits at it)
         self.image_store = {} if image_store is None else image_store
         self._generate = generate
@@ -140,6 +155,28 @@ class EpisodeContext:
             report(self.observer.turn, self.env.name, self._generate_s, step_s)
             self._generate_s = None
 
+    async def score(self, response: str, answer=None) -> float:
+        """The task's reward for ``response`` (against ``answer``, default the row's), computed as the
+        environment's step computes it (the reward workers, the sandbox, the judge or the reward service
+        the config names), within the step's budget."""
+        if self._reward_fn is None:
+            raise WorkflowError("ctx.score: this task has no reward function here (a remote provider scores in step)")
+        if answer is None:
+            if self.row is None or "answer" not in self.row:
+                raise WorkflowError("ctx.score: no answer given, and the dataset row has none")
+            answer = self.row["answer"]
+        timeout_s, budget = self.clock.step()
+        try:
+            if timeout_s <= 0:
+                raise TimeoutError(budget)
+            reward = await env_call(lambda r: self._reward_fn(r, answer), response, timeout_s)
+        except TimeoutError:
+            raise Ended(FinishReason.TIMEOUT, timeout=budget) from None
+        except Exception as e:  # the verifier's fault, as in an environment's step: not trained on
+            log.warning("%s: scoring failed: %s: %s", self.trajectory_id, type(e).__name__, e)
+            raise Ended(FinishReason.ENV_ERROR, **env_error(e)) from None
+        return float(reward)
+
     # ------------------------------------------------------------------ the policy
     def sampling(self, sampling: SamplingParams | None = None) -> SamplingParams:
         """``sampling`` (default: the episode section's) within the episode's budgets; a
@@ -149,15 +186,18 @@ class EpisodeContext:
             params = params.model_copy(update={"stop_token_ids": [*params.stop_token_ids, self.vision.image_token_id]})
         return params
 
-    async def generate(self, ids: list[int], sampling: SamplingParams, images: tuple[bytes, ...] = ()) -> Generation:
-        """One generation through the LLMProxy within the generation's budget; recorded."""
+    async def generate(
+        self, ids: list[int], sampling: SamplingParams, images: tuple[bytes, ...] = (), request_id: str | None = None
+    ) -> Generation:
+        """One generation through the LLMProxy within the generation's budget; recorded. ``request_id``:
+        the thread's (default: the episode's first, its trajectory id)."""
         timeout_s, budget = self.clock.generation()
         if timeout_s <= 0:
             raise Ended(FinishReason.TIMEOUT, timeout=budget)
         t_gen = time.monotonic()
         try:
             with_images = {"images": images} if images else {}
-            gen = await self._generate(ids, sampling, self.trajectory_id, timeout_s, **with_images)
+            gen = await self._generate(ids, sampling, request_id or self.trajectory_id, timeout_s, **with_images)
         except ValueError as e:
             if not _CONTEXT_FULL.search(str(e)):  # a request the config made wrong: not this episode's
                 raise
@@ -186,13 +226,17 @@ class EpisodeContext:
         except VisionError as e:
             raise Ended(FinishReason.ENV_ERROR, error=str(e)[:500], error_kind="images") from None
         self.image_store.update({content_hash(x): x for x in images})
-        thread = Thread(self, tokens, list(sent), images, chat)
-        self.threads.append(thread)
-        return thread
+        return self._opened(Thread(self, tokens, list(sent), images, chat))
 
     def thread(self, prompt_ids: list[int]) -> Thread:
         """A thread over prompt token ids the workflow rendered itself (no chat template)."""
-        thread = Thread(self, list(prompt_ids), list(prompt_ids), (), None)
+        return self._opened(Thread(self, list(prompt_ids), list(prompt_ids), (), None))
+
+    def _opened(self, thread: Thread) -> Thread:
+        """The episode's first thread is its trajectory id; each later one (a branch, a sub-agent) is
+        ``<id>.<k>``: its own request at the engines and its own trajectory, in the same group."""
+        k = len(self.threads)
+        thread.trajectory_id = self.trajectory_id if k == 0 else f"{self.trajectory_id}.{k}"
         self.threads.append(thread)
         return thread
 
@@ -214,13 +258,14 @@ class Thread:
         # tokens came from); a turn without them (not asked, or not sent) leaves the trajectory without any
         self.experts, self.turn_without_routing = None, False
         self.last: Generation | None = None
+        self.trajectory_id = ctx.trajectory_id  # set by the context that opens it
 
     async def generate(self, sampling: SamplingParams | None = None) -> Generation:
         """The policy's next turn, appended (trained on). A generation cut by the episode's deadline
         or aborted is kept, then ends the episode (``Ended``)."""
         ctx = self.ctx
         params = ctx.sampling(sampling)
-        gen = await ctx.generate(self.sent if self.images else self.tokens, params, self.images)
+        gen = await ctx.generate(self.sent if self.images else self.tokens, params, self.images, self.trajectory_id)
         self.turns.append(len(self.tokens))
         self.temperatures.append(params.temperature)
         self.grammars.append(params.grammar())
@@ -289,7 +334,7 @@ class Thread:
         if grammars is None and not self.turns and self.ctx.sampling().grammar() is not None:
             grammars = []
         return Trajectory(
-            **self.ctx.ids,
+            **{**self.ctx.ids, "trajectory_id": self.trajectory_id},
             token_ids=self.tokens,
             loss_mask=self.mask,
             behavior_logprobs=self.logprobs,

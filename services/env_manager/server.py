@@ -118,7 +118,7 @@ def build_loop(
             reward_fn = metrics.timed_reward(reward_fn)
         if make_env is None:
             make_env = functools.partial(_local_env, d.env, rows, reward_fn)
-        built.append(Domain(d.name, d.weight, rows, make_env, config.episode_of(d), config.group_size_of(d)))
+        built.append(Domain(d.name, d.weight, rows, make_env, config.episode_of(d), config.group_size_of(d), reward_fn))
     loop = RolloutLoop(
         config,
         tokenizer=AutoTokenizer.from_pretrained(config.tokenizer_path),

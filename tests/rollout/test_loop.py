@@ -451,6 +451,38 @@ def test_redundant_members_fill_a_group_without_waiting_for_the_slowest():
     assert loop.observer.dropped == ["redundant"] * 4 and loop.observer.dropped_tokens == [1] * 4
 
 
+def test_a_workflows_branches_go_into_the_group_and_are_aborted_with_it():
+    """A workflow that makes three trajectories an episode (``tests.rollout.workflow_fns:branches``):
+    each put group holds every usable member's three, scored by the task's reward. With a redundant
+    member, a member whose sub-agent never answers is not waited for: its branch's request is aborted
+    at the engine with the group's, and none of its trajectories is put."""
+    workflow = {"type": "custom", "path": "tests.rollout.workflow_fns:branches"}
+
+    async def main():
+        hold = lambda rid: rid.endswith("/2.1")  # noqa: E731  member 2's first sub-agent hangs
+        loop, ctl, buffer, engine = make_loop(
+            {"hold": hold, "reply": lambda rid: "7" if rid.endswith(".2") else "1"},
+            redundant_members=1,
+            group_size=2,
+            grouped=True,
+            episode={"workflow": workflow},
+        )
+        await loop.start()
+        await until(lambda: loop.counters["groups_put"] >= 2)
+        await loop.stop()
+        batch = await buffer.get(10, version=0, max_staleness=0, timeout_s=0)
+        return loop, ctl, engine, batch.decode()
+
+    loop, ctl, engine, groups = asyncio.run(main())
+    assert len(groups) == 2 and ctl.in_flight == 0
+    for g in groups:
+        ids = [t.trajectory_id.removeprefix(f"{g.group_id}/") for t in g.trajectories]
+        assert ids == ["0", "0.1", "0.2", "1", "1.1", "1.2"]
+        assert [t.reward for t in g.trajectories] == [0.0, 0.0, 1.0] * 2  # exact_match against "7"
+        assert f"{g.group_id}/2.1" in engine.aborted
+    assert loop.counters["trajectories_put"] == 12
+
+
 def test_redundant_members_cover_for_failed_ones():
     """A member whose generation fails does not count toward the group: the redundant one takes its place."""
 

@@ -3,6 +3,7 @@ module would hold them."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 
@@ -58,3 +59,25 @@ def not_async(ctx):
 
 async def two_args(ctx, row):
     return None
+
+
+async def scores_itself(ctx):
+    """Answers the dataset row's prompt and scores the answer with the task's reward (no env step)."""
+    thread = await ctx.chat(ctx.row["prompt"])
+    await thread.generate()
+    return thread.trajectory(await ctx.score(thread.text()), scored="ctx")
+
+
+async def branches(ctx):
+    """The episode's answer, then two sub-agents asked at once: three trajectories, each scored."""
+    main = await ctx.chat(ctx.row["prompt"])
+    await main.generate()
+    subs = [await ctx.chat(f"{ctx.row['prompt']} (sub-agent {k})") for k in (1, 2)]
+    await asyncio.gather(*(s.generate() for s in subs))
+    return [t.trajectory(await ctx.score(t.text()), branch=k) for k, t in enumerate([main, *subs])]
+
+
+async def returns_a_thread_twice(ctx):
+    thread = await ctx.chat(await ctx.reset())
+    await thread.generate()
+    return [thread.trajectory(1.0), thread.trajectory(0.0)]

@@ -365,6 +365,15 @@ def test_a_users_workflow_runs_the_pools_episodes_and_its_failures_are_counted(e
         assert t.loss_mask.sum() == len(t.behavior_logprobs) > 0
     assert requests >= 2 * 2 * 2  # two generations an episode
 
+    branching = {**episode, "workflow": {"type": "custom", "path": f"{fns}:branches"}}
+    manager, groups, metrics, _ = asyncio.run(two_groups_with(engine_url, tiny_model, episode=branching))
+    for g in groups:  # every member with its two sub-agents, each scored by the pool's own reward
+        ids = [t.trajectory_id.removeprefix(f"{g.group_id}/") for t in g.trajectories]
+        assert ids == ["0", "0.1", "0.2", "1", "1.1", "1.2"]
+        assert all(t.loss_mask.sum() == len(t.behavior_logprobs) > 0 for t in g.trajectories)
+    scored = next(line for line in metrics.splitlines() if line.startswith("rollmesh_env_reward_latency_seconds_count"))
+    assert float(scored.split()[-1]) >= 3 * 2 * 2
+
     raising = {**episode, "workflow": {"type": "custom", "path": f"{fns}:raises"}}
     manager, _, metrics, _ = asyncio.run(
         two_groups_with(engine_url, tiny_model, until="groups_failed", episode=raising)
