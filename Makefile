@@ -15,7 +15,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: setup test-setup run test deploy-test proto lint format bench model clean servers vllm gpu-check examples
+.PHONY: setup test-setup run test deploy-test proto lint format bench model clean servers vllm verifiers gpu-check examples
 
 setup: $(STAMP)
 
@@ -109,6 +109,19 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
+# verifiers environments (env_manager.env.type verifiers) run in their own environment: verifiers' pins (mcp<2,
+# its openai) cannot share the mesh's. 0.3.1 is the last release with the classic Environment API
+# (load_environment, env_response, parsers and rubrics) that the Environments Hub's environments use.
+VERIFIERS_PKG   ?= verifiers==0.3.1
+VERIFIERS_STAMP := .venv-verifiers/.installed
+$(VERIFIERS_STAMP):
+	test -x .venv-verifiers/bin/python || python3 -m venv .venv-verifiers
+	.venv-verifiers/bin/pip $(INSTALL) "$(VERIFIERS_PKG)"
+	.venv-verifiers/bin/python -c "import verifiers as vf; vf.load_environment"  # its bytecode, once (see INSTALL)
+	touch $@
+
+verifiers: $(VERIFIERS_STAMP)
+
 # The quickstart: the whole mesh on this machine, GRPO on "find the digit" (kq7x -> 7).
 run: $(RUN_STAMP) models/tiny-digits/config.json
 	.venv/bin/rollmesh run examples/quickstart.yaml --fresh
@@ -129,7 +142,7 @@ examples: $(STAMP) servers models/tiny-digits/config.json $(SMOLLM2)/config.json
 
 # What the tests need (the quickstart's model too: its e2e test runs on it). pip works on one core:
 # `make test` builds the two environments side by side.
-test-setup: $(STAMP) $(VLLM_STAMP) servers $(SMOLLM2)/config.json models/tiny-digits/config.json
+test-setup: $(STAMP) $(VLLM_STAMP) $(VERIFIERS_STAMP) servers $(SMOLLM2)/config.json models/tiny-digits/config.json
 
 test:
 	@$(MAKE) --no-print-directory -j2 test-setup

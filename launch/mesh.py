@@ -16,7 +16,7 @@ from pathlib import Path
 
 from launch.device_map import Placement
 from launch.supervisor import Supervised
-from services.auth import Role
+from services.auth import Role, environment_of
 from services.processes import (
     DATA_ONLY,
     LOCAL,
@@ -149,13 +149,15 @@ def start_mesh(
                 **up,
             )
             mesh.services.append(Supervised("reward", proc, logs / "reward.log", roles=DATA_ONLY))
-        if cfg.run.rollout == "gateway":  # external agents make the rollouts
+        if cfg.run.rollout == "gateway" or verifiers_env(cfg):  # agents (a verifiers environment's) make them
             keys = [] if cfg.gateway.api_keys_path else [f"gateway.api_keys_path={agent_key(logs.parent, mesh)}"]
             proc, mesh.gateway = start_gateway_process(
                 [*overrides, *mesh.wiring, *keys], cfg.gateway.port or free_port(), log_path=logs / "gateway.log", **up
             )
             mesh.metrics["gateway"] = [mesh.gateway.split("://", 1)[1]]  # /metrics beside the API
             mesh.services.append(Supervised("gateway", proc, logs / "gateway.log", roles=DATA_ONLY))
+            if verifiers_env(cfg):
+                mesh.services.append(start_verifiers_driver(cfg, mesh, logs))
         else:
             env = [*overrides, *mesh.wiring, f"env_manager.metrics_port={mesh.metrics_port('env-manager', host)}"]
             held = ["env_manager.autostart=false"] if hold_rollouts else []
@@ -214,6 +216,45 @@ def _start_engines_and_proxy(cfg, config_path, overrides, logs, placement, mesh:
         **up,
     )
     mesh.services.append(Supervised("llm-proxy", proc, logs / "proxy.log"))
+
+
+def verifiers_env(cfg):
+    """The run's verifiers environment (``env_manager.env: {type: verifiers}``), or None."""
+    env = cfg.env_manager.env
+    return env if env.type == "verifiers" else None
+
+
+def start_verifiers_driver(cfg, mesh: Mesh, logs: Path) -> Supervised:
+    """The verifiers environment's driver (``services/verifiers_driver/``), in the environment's own
+    venv, playing its rollouts through this run's gateway with the key issued to its agents."""
+    env, em = verifiers_env(cfg), cfg.env_manager
+    if not mesh.agent_key:
+        raise ValueError(
+            "env_manager.env.type verifiers: its driver uses the key rollmesh run issues; leave gateway.api_keys_path"
+        )
+    sampling = em.episode.sampling
+    spec = {
+        "gateway": mesh.gateway,
+        "key_file": mesh.agent_key,
+        "name": env.name,
+        "args": env.args,
+        "path": [str(Path(p).resolve()) for p in env.path],
+        "model": cfg.gateway.model_name,
+        "group_size": em.group_size,
+        "concurrency": env.concurrency,
+        "sampling_args": {"temperature": sampling.temperature, "max_tokens": sampling.max_new_tokens},
+        "request_timeout_s": cfg.gateway.sessions.request_timeout_s,
+        "rollouts_log": str(logs.parent / "verifiers_rollouts.jsonl"),
+        "seed": em.seed,
+    }
+    path = logs.parent / "verifiers_driver.json"
+    path.write_text(json.dumps(spec, indent=1))
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [env.python, "-m", "services.verifiers_driver", str(path)]
+    out = open(logs / "verifiers.log", "ab")  # noqa: SIM115 (lives as long as the process)
+    extra = {"PYTHONPATH": str(repo)}  # its driver, from this checkout; it holds none of the mesh's tokens
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**environment_of(frozenset()), **extra})
+    return Supervised("verifiers", proc, logs / "verifiers.log", env=extra, roles=frozenset())
 
 
 def agent_key(run_dir: Path, mesh: Mesh) -> Path:

@@ -8,6 +8,7 @@ the same problem kills a service during start-up, its reason only in that servic
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from services.engine.backends import backend
@@ -45,6 +46,8 @@ def _tasks(cfg) -> list[str]:
             out.append(f"{where}.dataset_path: no file {d.dataset_path} (the prompts to roll out, JSONL)")
         if d.heldout_path and not Path(d.heldout_path).is_file():
             out.append(f"{where}.heldout_path: no file {d.heldout_path} (the held-out prompts, JSONL)")
+        if env.type == "verifiers" and not shutil.which(env.python):
+            out.append(f"{where}.env.python: no interpreter {env.python} (the verifiers venv: `make verifiers`)")
         if env.type != "remote":
             continue
         if env.token_env and not cfg.auth.disabled and not os.environ.get(env.token_env):

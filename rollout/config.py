@@ -56,7 +56,7 @@ class TaskConfig(BaseModel):
     env: EnvConfig = Field(
         default_factory=SingleTurnEnvConfig,
         description="The environment, a typed variant chosen by 'type' (single_turn | sim | calculator | gem | "
-        "custom | remote) with its own arguments.",
+        "custom | remote | verifiers) with its own arguments.",
     )
     reward: RewardSpec = Field(
         "exact_match",

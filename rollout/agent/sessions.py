@@ -260,6 +260,19 @@ class AgentSessions:
             return "waiting"
         return await self._finish(group)
 
+    async def abandon(self, session: Session) -> None:
+        """Give up a session's group (a member failed, so no reward is right for it): none of it is
+        trained, its slot is released unused, and its sessions are gone."""
+        group = session.group
+        if group.closed:
+            raise Conflict(f"session: the group of {session.session_id!r} has ended", "session")
+        if any(s.in_flight for s in group.sessions):
+            raise Conflict(f"session: the group of {session.session_id!r} has a request being generated", "session")
+        group.closed = True
+        self._forget(group)
+        self.counters["groups_abandoned"] += 1
+        await asyncio.shield(self._release(unused=1))
+
     async def _finish(self, group: _Group) -> GroupOutcome:
         """Put the ended group; its slot is released exactly once whatever happens (finished if the
         buffer kept it, else unused). A group that cannot be stored is lost, and counted."""

@@ -14,6 +14,7 @@ from rollout.envs.gem_game import GemEnvConfig
 from rollout.envs.remote import RemoteEnvConfig
 from rollout.envs.sim import SimEnvConfig
 from rollout.envs.single_turn import SingleTurnEnv
+from rollout.envs.verifiers_env import VerifiersEnvConfig
 from sample_buffer.registry import resolve, tagged_union
 
 
@@ -79,5 +80,6 @@ EnvConfig = tagged_union(
     GemEnvConfig,
     CustomEnvConfig,
     RemoteEnvConfig,
+    VerifiersEnvConfig,
     default="single_turn",
 )

@@ -1,5 +1,5 @@
 """The gateway's session routes: open a session (in a group, or a group of its own), describe it,
-give it a reward, end it (its group goes to the SampleBuffer once every member has ended)."""
+give it a reward, end it or give its group up (its group goes to the SampleBuffer once every member has ended)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ def session_router(sessions: AgentSessions) -> APIRouter:
     async def reward_session(request: Request, session_id: str, body: RewardRequest):
         sessions.set_reward(sessions.get(session_id, request.state.owner), body.reward)
         return {"id": session_id, "reward": body.reward}
+
+    @router.post("/v1/sessions/{session_id}/abandon")
+    async def abandon_session(request: Request, session_id: str):
+        session = sessions.get(session_id, request.state.owner)
+        await sessions.abandon(session)
+        return {"id": session_id, "group": session.group.group_id, "group_state": "abandoned"}
 
     @router.post("/v1/sessions/{session_id}/end")
     async def end_session(request: Request, session_id: str, body: EndRequest | None = None):

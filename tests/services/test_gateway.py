@@ -383,6 +383,40 @@ def test_a_group_waits_for_a_slot_under_the_staleness_bound(engine_url, tiny_mod
     assert 'rollmesh_gateway_events_total{event="groups_empty"} 1.0' in metrics
 
 
+def test_an_abandoned_group_is_not_trained_and_gives_its_slot_back(engine_url, tiny_model):
+    """A member failed (a verifiers rollout's error): the agent gives its group up. Its answered
+    sessions are not stored, its slot comes back at once, and its sessions are gone."""
+
+    async def main():
+        controller = {"async_ratio": 0, "groups_per_step": 1}
+        async with gateway(
+            engine_url, tiny_model, controller=controller, sessions=SessionsConfig(admit_timeout_s=0.5)
+        ) as (url, _, _):
+            http = httpx.AsyncClient(headers={"authorization": "Bearer key-alice"}, timeout=30)
+            a = (await http.post(url + "/v1/sessions", json={"group": "g", "group_size": 2})).json()
+            b = (await http.post(url + "/v1/sessions", json={"group": "g", "group_size": 2})).json()
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            answered = await http.post(a["base_url"] + "/chat/completions", json=chat)
+            await http.post(f"{url}/v1/sessions/{a['id']}/reward", json={"reward": 1.0})
+            other = await http.post(url + "/v1/sessions", headers={"authorization": "Bearer key-bob"}, json={})
+            given_up = await http.post(f"{url}/v1/sessions/{b['id']}/abandon")
+            again = await http.post(f"{url}/v1/sessions/{a['id']}/abandon")
+            ended = await http.post(f"{url}/v1/sessions/{a['id']}/end", json={"reward": 1.0})
+            next_group = await http.post(url + "/v1/sessions", json={})
+            metrics = (await http.get(url + "/metrics")).text
+            await http.aclose()
+            return answered, other, given_up, again, ended, next_group, metrics
+
+    answered, other, given_up, again, ended, next_group, metrics = asyncio.run(main())
+    assert answered.status_code == 200
+    assert other.status_code == 503  # the one slot is the group's while it is open
+    assert given_up.status_code == 200 and given_up.json()["group_state"] == "abandoned"
+    assert again.status_code == 404 and ended.status_code == 404  # its sessions are gone
+    assert next_group.status_code == 200  # the slot came back, unused
+    assert 'rollmesh_gateway_events_total{event="groups_abandoned"} 1.0' in metrics
+    assert 'rollmesh_gateway_events_total{event="trajectories_put"} 0.0' in metrics
+
+
 def test_tools_reach_the_template(engine_url, tiny_model):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 

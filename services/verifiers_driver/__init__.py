@@ -1,0 +1,1 @@
+"""Runs a verifiers environment against the mesh (``__main__.py``)."""
