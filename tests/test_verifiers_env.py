@@ -1,7 +1,7 @@
 """verifiers environments run unchanged against the mesh: ``env_manager.env: {type: verifiers}``
 makes ``rollmesh run`` start the environment's driver in its own venv (``.venv-verifiers``, built by
 the test set-up) against the agent gateway. The environments are built from the library's own classes
-(tests/verifiers_envs/vf_digits.py)."""
+(examples/verifiers/vf_digits.py)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_a_verifiers_environment_trains_on_its_own_rollouts_with_its_rubrics_rew
 
 
 def test_an_environment_that_asks_a_judge_off_this_machine_is_refused_by_name(tmp_path):
-    spec = {"name": "vf_digits", "args": {"kind": "judged"}, "path": ["tests/verifiers_envs"]}
+    spec = {"name": "vf_digits", "args": {"kind": "judged"}, "path": ["examples/verifiers"]}
     code = "import json, sys; from services.verifiers_driver.__main__ import load; load(json.loads(sys.argv[1]))"
     proc = subprocess.run(
         [VF_PYTHON, "-c", code, json.dumps(spec)],

@@ -13,7 +13,7 @@ from pathlib import Path
 import verifiers as vf
 from datasets import Dataset
 
-TRAIN = Path(__file__).resolve().parents[2] / "examples" / "find_digit_train.jsonl"
+TRAIN = Path(__file__).resolve().parents[1] / "find_digit_train.jsonl"
 SYSTEM = "Answer with the digit only."
 
 
