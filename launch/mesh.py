@@ -227,11 +227,7 @@ def verifiers_env(cfg):
 def start_verifiers_driver(cfg, mesh: Mesh, logs: Path) -> Supervised:
     """The verifiers environment's driver (``services/verifiers_driver/``), in the environment's own
     venv, playing its rollouts through this run's gateway with the key issued to its agents."""
-    env, em = verifiers_env(cfg), cfg.env_manager
-    if not mesh.agent_key:
-        raise ValueError(
-            "env_manager.env.type verifiers: its driver uses the key rollmesh run issues; leave gateway.api_keys_path"
-        )
+    env, em = verifiers_env(cfg), cfg.env_manager  # preflight: no gateway.api_keys_path, so agent_key is ours
     sampling = em.episode.sampling
     spec = {
         "gateway": mesh.gateway,

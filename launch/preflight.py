@@ -64,6 +64,10 @@ def _tasks(cfg) -> list[str]:
 def _keys(cfg) -> list[str]:
     """Key files a service checks callers against (a missing one would refuse every caller)."""
     path = cfg.gateway.api_keys_path
+    if cfg.env_manager.env.type == "verifiers" and path:
+        return [
+            "gateway.api_keys_path: a verifiers environment's driver uses the key rollmesh run issues; leave it out"
+        ]
     if cfg.run.rollout == "gateway" and path and not Path(path).is_file():
         return [f"gateway.api_keys_path: no file {path} (the agents' keys: `rollmesh gateway-key {path} NAME`)"]
     return []

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 HEADER_TIMEOUT_S = 10.0  # from the connection (or the last response) to a whole request header
 MAX_CONNECTIONS = 1024  # open at once per server; descriptors are the resource at stake
 KEEP_ALIVE_S = 5.0  # uvicorn's own default, kept explicit: an idle connection after a response
+# A stopping server waits this long for requests in flight (uvicorn's default waits for ever: one
+# stuck handler would keep the process up past its supervisor's stop).
+GRACEFUL_SHUTDOWN_S = 10.0
 
 
 class GuardedHttp(HttpToolsProtocol):
@@ -79,5 +82,6 @@ def uvicorn_config(app, host: str, port: int, auth: AuthConfig, **kw) -> uvicorn
         ssl_keyfile=tls.key_path if tls else None,
         http=GuardedHttp,
         timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         **kw,
     )

@@ -90,7 +90,12 @@ def test_an_environment_that_asks_a_judge_off_this_machine_is_refused_by_name(tm
 def test_rollmesh_run_without_the_verifiers_venv_says_how_to_make_it(tmp_path):
     cmd = [sys.executable, "-m", "launch.cli", "run", "examples/verifiers/digits.yaml"]
     cmd += ["--set", f"train_loop.run_dir={tmp_path}", "--set", f"env_manager.env.python={tmp_path}/none/python"]
+    (tmp_path / "keys.json").write_text(json.dumps({"agent": "sha256:" + "0" * 64}))
+    cmd += ["--set", f"gateway.api_keys_path={tmp_path}/keys.json"]  # the driver's key is the one the run issues
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "env_manager.env.python: no interpreter" in proc.stdout + proc.stderr
     assert "make verifiers" in proc.stdout + proc.stderr
+    assert "gateway.api_keys_path: a verifiers environment's driver uses the key rollmesh run issues" in (
+        proc.stdout + proc.stderr
+    )

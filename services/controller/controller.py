@@ -138,6 +138,7 @@ class AsyncController:
             try:
                 count = await asyncio.wait_for(self.buffer.count(), self.config.control_timeout_s)
             except Exception as e:  # the buffer restarts: keep counting finished groups meanwhile
+                _raise_if_cancelled()
                 self.counters["buffer_poll_failures"] += 1
                 log.debug("buffer poll failed: %s", e)
             else:
@@ -174,6 +175,7 @@ class AsyncController:
             try:
                 await self.reconcile()
             except Exception as e:  # the LLMProxy restarts: next time
+                _raise_if_cancelled()
                 self.counters["reconcile_failures"] += 1
                 log.warning("bringing the engines to version %d failed: %s", self.version, e)
 
@@ -384,3 +386,12 @@ class AsyncController:
             self._update.watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._update.watchdog
+
+
+def _raise_if_cancelled() -> None:
+    """A loop that catches a failed call goes on; not when its task is being cancelled, which may
+    reach it as the call's error (asyncio.wait_for on 3.11, a gRPC call cancelled under it): a
+    ``close`` awaiting the task would otherwise wait for ever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -21,7 +21,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import random
 import sys
 import time
@@ -178,5 +177,4 @@ if __name__ == "__main__":
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     asyncio.run(main(spec))

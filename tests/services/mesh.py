@@ -35,12 +35,12 @@ async def local_mesh(engine_url: str | list[str], model_path: str, buffer: dict 
     try:
         yield mesh
     finally:
+        await ctl.close()  # its loops first: they call the proxy and the buffer through ctl_clients
         for client in (mesh.controller_client, mesh.proxy_client, mesh.buffer_client, ctl_clients):
             await client.close()
         refresh.cancel()
         for server in (ctl_server, buf_server, proxy_server):
             await server.stop(0)
-        await ctl.close()
         await buf.close()
         await proxy.close()
 

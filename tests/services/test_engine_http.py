@@ -132,10 +132,28 @@ def test_sglangs_grammar_params_constrain_the_answer(engine_url, tiny_model):
     ]
     r = post(engine_url, "/generate", json={"input_ids": [[1, 2, 3]] * 4, "sampling_params": params})
     assert r.status_code == 200, r.text
-    texts = [tok.decode(a["output_ids"][:-1]) for a in r.json()[:3]]
-    assert json.loads(texts[0])["n"] in (1, 2)
-    assert re.fullmatch("(red|blue)!", texts[1]) and re.fullmatch("A[0-9]Z", texts[2]), texts
-    assert all(a["meta_info"]["finish_reason"]["type"] == "stop" for a in r.json()[:3])
+    answers = r.json()
+    # SGLang's json_schema allows any whitespace between tokens, and an untrained policy may spend all
+    # 48 tokens in it: every token must be one the schema's grammar accepts, and a finished answer is
+    # a whole document of the schema.
+    ids, finish = answers[0]["output_ids"], answers[0]["meta_info"]["finish_reason"]["type"]
+    matcher = _matcher(tok, json.dumps(schema), len(tok))
+    assert all(matcher.accept_token(t) for t in ids), tok.decode(ids)
+    if finish == "stop":
+        assert matcher.is_terminated() and json.loads(tok.decode(ids[:-1]))["n"] in (1, 2)
+    else:
+        assert finish == "length" and len(ids) == 48
+    texts = [tok.decode(a["output_ids"][:-1]) for a in answers[1:3]]
+    assert re.fullmatch("(red|blue)!", texts[0]) and re.fullmatch("A[0-9]Z", texts[1]), texts
+    assert all(a["meta_info"]["finish_reason"]["type"] == "stop" for a in answers[1:3])
+
+
+def _matcher(tok, schema: str, vocab_size: int):
+    """xgrammar's matcher of a JSON schema as SGLang compiles it (any whitespace), for ``tok``."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=[tok.eos_token_id])
+    return xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(schema))
 
 
 def test_parallel_sampling_is_n_samples_of_one_prompt_each_with_its_rid(engine_url, tiny_model):

@@ -51,7 +51,11 @@ async def gateway(
         )
         server = uvicorn.Server(
             uvicorn.Config(
-                create_app(sessions, cfg, KeyRing.of_keys(KEYS)), host="127.0.0.1", port=cfg.port, log_level="warning"
+                create_app(sessions, cfg, KeyRing.of_keys(KEYS)),
+                host="127.0.0.1",
+                port=cfg.port,
+                log_level="warning",
+                timeout_graceful_shutdown=10,
             )
         )
         task = asyncio.create_task(server.serve())
