@@ -381,3 +381,36 @@ def test_an_env_manager_that_never_comes_back_loses_its_slots_after_its_lease(en
     assert after == 2 and expired == 2  # the dead holder's two came back, the live one's did not
     assert holders == {"env:alive": 2, "env:other": 2}
     assert returned == 2  # a holder that reports after its lease ran out was cut off: counted apart
+
+
+class _CallThatSwallowsCancel:
+    """A proxy whose calls answer a cancel with an error of their own, as a cancelled RPC may."""
+
+    def __init__(self) -> None:
+        self.calls, self.swallow = 0, True
+
+    async def served_versions(self) -> list[int]:
+        self.calls += 1
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if not self.swallow:
+                raise
+            raise RuntimeError("the call was cancelled") from None
+        return [0]
+
+
+def test_closing_ends_the_reconcile_loop_even_when_the_cancel_comes_back_as_an_error():
+    async def main():
+        proxy = _CallThatSwallowsCancel()
+        ctl = AsyncController(ControllerConfig(reconcile_s=0.01), proxy=proxy).start()
+        while proxy.calls == 0:  # the loop is inside the call
+            await asyncio.sleep(0.01)
+        closing = asyncio.create_task(ctl.close())
+        done, _ = await asyncio.wait({closing}, timeout=10)
+        proxy.swallow = False  # a loop that caught the error and went on ends at its next cancel
+        if not done:
+            closing.cancel()
+        return closing in done, proxy.calls, ctl.counters["reconcile_failures"]
+
+    assert asyncio.run(main()) == (True, 1, 0)
