@@ -137,7 +137,7 @@ def test_sglangs_grammar_params_constrain_the_answer(engine_url, tiny_model):
     # 48 tokens in it: every token must be one the schema's grammar accepts, and a finished answer is
     # a whole document of the schema.
     ids, finish = answers[0]["output_ids"], answers[0]["meta_info"]["finish_reason"]["type"]
-    matcher = _matcher(tok, json.dumps(schema), len(tok))
+    matcher = _matcher(tok, json.dumps(schema), tiny_model)
     assert all(matcher.accept_token(t) for t in ids), tok.decode(ids)
     if finish == "stop":
         assert matcher.is_terminated() and json.loads(tok.decode(ids[:-1]))["n"] in (1, 2)
@@ -148,11 +148,15 @@ def test_sglangs_grammar_params_constrain_the_answer(engine_url, tiny_model):
     assert all(a["meta_info"]["finish_reason"]["type"] == "stop" for a in answers[1:3])
 
 
-def _matcher(tok, schema: str, vocab_size: int):
-    """xgrammar's matcher of a JSON schema as SGLang compiles it (any whitespace), for ``tok``."""
+def _matcher(tok, schema: str, model_path: str):
+    """xgrammar's matcher of a JSON schema as SGLang compiles it (any whitespace), for ``tok``, ending
+    at the tokens the engine stops at."""
     import xgrammar as xgr
 
-    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=[tok.eos_token_id])
+    from sample_buffer.grammars import stop_token_ids
+
+    stops = sorted(stop_token_ids(model_path))
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=stops)
     return xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(schema))
 
 

@@ -18,9 +18,11 @@ from rollout.agent.render import TemplateRenderer
 from rollout.agent.sessions import AgentSessions, SessionsConfig
 from sample_buffer.codec import decode_group
 from sample_buffer.vision import vision_of
+from services.auth import AuthConfig
 from services.gateway.config import GatewayConfig
 from services.gateway.keys import KeyRing
 from services.gateway.server import create_app
+from services.http_limits import uvicorn_config
 from services.llm_proxy.client import ProxyGenerate
 from services.processes import free_port
 from tests.services.mesh import local_mesh
@@ -49,15 +51,10 @@ async def gateway(
             admission=mesh.controller_client,
             sink=mesh.buffer_client,
         )
-        server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(sessions, cfg, KeyRing.of_keys(KEYS)),
-                host="127.0.0.1",
-                port=cfg.port,
-                log_level="warning",
-                timeout_graceful_shutdown=10,
-            )
-        )
+        # served as the gateway is (its limits, a bounded wait for requests in flight at stop); of the
+        # AuthConfig only TLS is read, the agents' keys are the KeyRing's
+        app = create_app(sessions, cfg, KeyRing.of_keys(KEYS))
+        server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", cfg.port, AuthConfig(disabled=True)))
         task = asyncio.create_task(server.serve())
         while not server.started:
             await asyncio.sleep(0.02)
