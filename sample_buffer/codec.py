@@ -44,6 +44,7 @@ class GroupHeader:
     created_unix_s: float  # when the group was encoded: its age in the buffer is measured from here
     domain: str = ""  # the task domain ("": a run of one task); the buffer assembles batches by it
     images: int = 0  # distinct images its trajectories reference (vision-language prompts)
+    taught: bool = False  # a teacher scored its tokens: the zero-variance filter keeps it
 
 
 def _arr(a: np.ndarray | None, dtype) -> bytes | None:
@@ -62,6 +63,14 @@ def _routing_of(field) -> np.ndarray | None:
     return routing.from_bytes(data, width, itemsize)  # RoutingError is a ValueError: corrupt
 
 
+def _optional(t: Trajectory) -> list:
+    """A row's trailing fields, each written only where it or a later one is present: [routing,
+    images, teacher log-probs]."""
+    fields = [_routing(t.routed_experts), list(t.images), _arr(t.teacher_logprobs, np.float32)]
+    present = [t.routed_experts is not None, bool(t.images), t.teacher_logprobs is not None]
+    return fields[: max((i + 1 for i, p in enumerate(present) if p), default=0)]
+
+
 def encode_group(group: Group, compress: bool = False) -> bytes:
     header = msgpack.packb(
         {
@@ -75,6 +84,7 @@ def encode_group(group: Group, compress: bool = False) -> bytes:
         | ({"d": group.domain} if group.domain else {})  # written only where there is one: old bytes read alike
         | ({"i": len(group.images)} if group.images else {})  # the body is then [rows, images]: a reader
         # older than images refuses such a group as corrupt (by name), never misreads it
+        | ({"k": 1} if group.taught else {})
     )
     rows = [
         [
@@ -90,8 +100,7 @@ def encode_group(group: Group, compress: bool = False) -> bytes:
             _arr(t.token_rewards, np.float32),
             t.metadata,
         ]
-        + ([] if t.routed_experts is None and not t.images else [_routing(t.routed_experts)])
-        + ([list(t.images)] if t.images else [])  # old readers never see either
+        + _optional(t)  # old readers never see these
         for t in group.trajectories
     ]
     body = msgpack.packb([rows, group.images] if group.images else rows)
@@ -125,7 +134,15 @@ def read_header(data: bytes) -> GroupHeader:
         if not DOMAIN_NAME.fullmatch(domain):  # it names a Redis key and a metric's label
             raise ValueError(f"domain {domain[:80]!r} is not a domain name")
         return GroupHeader(
-            str(h["g"]), str(h["p"]), int(h["v"]), rewards, int(h["n"]), float(h["t"]), domain, int(h.get("i", 0))
+            str(h["g"]),
+            str(h["p"]),
+            int(h["v"]),
+            rewards,
+            int(h["n"]),
+            float(h["t"]),
+            domain,
+            int(h.get("i", 0)),
+            bool(h.get("k", 0)),
         )
     except (ValueError, KeyError, TypeError, OverflowError, AttributeError, msgpack.UnpackException) as e:
         raise CodecError(f"corrupt group header: {type(e).__name__}: {e}") from None
@@ -172,6 +189,7 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
                 metadata=r[10],
                 routed_experts=_routing_of(r[11]) if len(r) > 11 else None,
                 images=tuple(r[12]) if len(r) > 12 else (),
+                teacher_logprobs=np.frombuffer(r[13], dtype="<f4") if len(r) > 13 and r[13] is not None else None,
                 check=validate,
             )
             for r in rows
@@ -190,10 +208,14 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
         raise CodecError(f"decoded group {head.group_id!r} is invalid: {e}") from None
     # The buffer sorts and filters on the header alone: one that disagrees with the trajectories would
     # pass a stale group as fresh, or a group without learning signal through the filter.
-    if validate and (head.start_version, head.rewards) != (group.start_version, tuple(group.rewards)):
+    if validate and (head.start_version, head.rewards, head.taught) != (
+        group.start_version,
+        tuple(group.rewards),
+        group.taught,
+    ):
         raise CodecError(
             f"group {head.group_id!r}: header (start_version {head.start_version}, rewards "
-            f"{list(head.rewards)}) disagrees with its trajectories ({group.start_version}, "
-            f"{group.rewards})"
+            f"{list(head.rewards)}, taught {head.taught}) disagrees with its trajectories ({group.start_version}, "
+            f"{group.rewards}, {group.taught})"
         )
     return group

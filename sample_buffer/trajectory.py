@@ -2,8 +2,8 @@
 
 Arrays are numpy so that encoding is a memory copy, not a per-token Python loop. Per-token
 fields come in two lengths: ``token_ids``/``loss_mask``/``token_rewards`` cover the whole
-sequence; ``behavior_logprobs``/``token_versions`` cover only the generated tokens (where
-``loss_mask`` is 1), in order.
+sequence; ``behavior_logprobs``/``token_versions``/``teacher_logprobs`` cover only the generated
+tokens (where ``loss_mask`` is 1), in order.
 """
 
 from __future__ import annotations
@@ -63,6 +63,15 @@ def _array(name: str, value, dtype) -> np.ndarray:
     return arr
 
 
+def _check_logprobs(name: str, values: np.ndarray, g: int) -> None:
+    """One log-prob per generated token, each finite and <= 0."""
+    if len(values) != g:
+        raise TrajectoryError(f"{name}: length {len(values)} != generated tokens {g}")
+    # max() is NaN if any is NaN, so one reduction checks both "finite" and "<= 0" (-inf fails below).
+    if g and not (values.max() <= 0 and np.isfinite(values.min())):
+        raise TrajectoryError(f"{name}: log-probs must be finite and <= 0")
+
+
 @dataclass
 class Trajectory:
     trajectory_id: str
@@ -83,6 +92,9 @@ class Trajectory:
     # A vision-language prompt's images: each one's content hash (``sample_buffer/vision.py``), in the
     # order their expanded placeholders stand in ``token_ids``; the bytes are the group's (``Group.images``).
     images: tuple[str, ...] = ()
+    # [G] float32: a teacher's log-prob of each generated token (on-policy distillation,
+    # ``trainer/distillation.py``); None: no teacher scored it.
+    teacher_logprobs: np.ndarray | None = None
     # False skips the checks of ``validate`` for bytes already checked where they entered the buffer.
     check: InitVar[bool] = True
 
@@ -93,6 +105,8 @@ class Trajectory:
         self.token_versions = _array("token_versions", self.token_versions, np.int32)
         if self.token_rewards is not None:
             self.token_rewards = _array("token_rewards", self.token_rewards, np.float32)
+        if self.teacher_logprobs is not None:
+            self.teacher_logprobs = _array("teacher_logprobs", self.teacher_logprobs, np.float32)
         self.reward, self.start_version = float(self.reward), int(self.start_version)
         if self.finish_reason not in FINISH_REASONS:
             raise TrajectoryError(f"finish_reason: {self.finish_reason!r} is not one of {sorted(FINISH_REASONS)}")
@@ -113,18 +127,16 @@ class Trajectory:
         if t and (self.loss_mask.min() < 0 or self.loss_mask.max() > 1):  # min/max: ~10x cheaper than isin
             raise TrajectoryError("loss_mask: values must be 0 or 1")
         g = self.num_generated
-        if len(self.behavior_logprobs) != g:
-            raise TrajectoryError(f"behavior_logprobs: length {len(self.behavior_logprobs)} != generated tokens {g}")
+        _check_logprobs("behavior_logprobs", self.behavior_logprobs, g)
         if len(self.token_versions) != g:
             raise TrajectoryError(f"token_versions: length {len(self.token_versions)} != generated tokens {g}")
-        # max() is NaN if any is NaN, so one reduction checks both "finite" and "<= 0" (-inf fails below).
-        if g and not (self.behavior_logprobs.max() <= 0 and np.isfinite(self.behavior_logprobs.min())):
-            raise TrajectoryError("behavior_logprobs: log-probs must be finite and <= 0")
         if g and int(self.token_versions[0]) != self.start_version:
             raise TrajectoryError(
                 f"start_version: {self.start_version} != version of the first generated token "
                 f"{int(self.token_versions[0])}"
             )
+        if self.teacher_logprobs is not None:
+            _check_logprobs("teacher_logprobs", self.teacher_logprobs, g)
         if self.token_rewards is not None and len(self.token_rewards) != t:
             raise TrajectoryError(f"token_rewards: length {len(self.token_rewards)} != token_ids length {t}")
         if not np.isfinite(self.reward):
@@ -202,6 +214,14 @@ class Group:
                 raise TrajectoryError(f"group {self.group_id!r}: holds trajectory of group {t.group_id!r}")
         if self.images or any(t.images for t in self.trajectories):
             self._check_images()
+        if len({t.teacher_logprobs is None for t in self.trajectories}) > 1:  # one teacher scores a group
+            raise TrajectoryError(f"group {self.group_id!r}: teacher_logprobs on every trajectory or on none")
+
+    @property
+    def taught(self) -> bool:
+        """Whether a teacher scored its tokens (on-policy distillation): a signal even where the
+        rewards are all equal."""
+        return self.trajectories[0].teacher_logprobs is not None
 
     def _check_images(self) -> None:
         if not isinstance(self.images, dict) or not all(isinstance(h, str) for h in self.images):

@@ -48,6 +48,10 @@ class TrainBatch:
     grammar_tags: torch.Tensor | None = None
     # Per trajectory: its constrained tokens' masks (``RowMasks``), replayed by the trainer once per batch.
     grammar_masks: list | None = None
+    # [B, T] float: a teacher's log-prob of each generated token, 0 elsewhere and on rows no teacher
+    # scored (``taught`` [B] bool says which; on-policy distillation). None: no row has any.
+    teacher_logprobs: torch.Tensor | None = None
+    taught: torch.Tensor | None = None
 
     @cached_property
     def sequences(self) -> list[torch.Tensor]:
@@ -70,6 +74,8 @@ class TrainBatch:
         spans = None if self.grammar_spans is None else [self.grammar_spans[r] for r in rows]
         tags = None if self.grammar_tags is None else self.grammar_tags[rows, :width]
         masks = None if self.grammar_masks is None else [self.grammar_masks[r] for r in rows]
+        teacher = None if self.teacher_logprobs is None else self.teacher_logprobs[rows, :width]
+        taught = None if self.taught is None else self.taught[rows]
         return TrainBatch(
             ids,
             offsets,
@@ -84,6 +90,8 @@ class TrainBatch:
             spans,
             tags,
             masks,
+            teacher,
+            taught,
         )
 
 
@@ -109,6 +117,8 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
     temps = torch.ones(len(trajs), width)
     spans = [constrained_spans(t.metadata, t.loss_mask, len(t.token_ids)) for _, t in trajs]
     tags = torch.zeros(len(trajs), width, dtype=torch.long)
+    taught = torch.tensor([t.teacher_logprobs is not None for _, t in trajs])
+    teacher = torch.zeros(len(trajs), width) if bool(taught.any()) else None
     grammar_ids: dict[tuple[str, str], int] = {}
     for i, (_, t) in enumerate(trajs):
         m = torch.from_numpy(t.loss_mask.astype(np.float32))
@@ -116,6 +126,8 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
         behav[i, : len(m)][m > 0] = torch.from_numpy(t.behavior_logprobs.astype(np.float32))
         versions[i, : len(m)][m > 0] = torch.from_numpy(t.token_versions.astype(np.int64))
         _fill_temperatures(temps[i, : len(m)], t.metadata)
+        if teacher is not None and t.teacher_logprobs is not None:
+            teacher[i, : len(m)][m > 0] = torch.from_numpy(t.teacher_logprobs.astype(np.float32))
         for start, end, field, text in spans[i]:
             tag = grammar_ids.setdefault((field, text), len(grammar_ids) + 1)
             tags[i, start:end] = m[start:end].long() * tag
@@ -136,6 +148,8 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
         else [tuple(groups[gi].images[h] for h in t.images) for gi, t in trajs],
         grammar_spans=spans if grammar_ids else None,
         grammar_tags=tags if grammar_ids else None,
+        teacher_logprobs=teacher,
+        taught=taught if teacher is not None else None,
     )
 
 

@@ -43,6 +43,26 @@ class MixedPrecisionConfig(BaseModel):
     )
 
 
+class DistillConfig(BaseModel):
+    """On-policy distillation (trainer/distillation.py): how a teacher's log-probs of the sampled
+    tokens enter the advantage, Â = reward_coef·A − coef·(log π − log π_T). Applies to every
+    trajectory a teacher scored (the rollout's ``teachers``); the others train on their reward alone."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    coef: float = Field(1.0, ge=0, description="λ: weight of the per-token reverse KL to the teacher.")
+    reward_coef: float = Field(
+        1.0,
+        ge=0,
+        description="Weight of the verifiable reward's advantage on taught tokens (0: distillation alone).",
+    )
+    student: Literal["behavior", "proximal"] = Field(
+        "behavior",
+        description="The student's log π in the gap: behavior, the engine's log-prob μ of the sampled token (what "
+        "sampled it; free); proximal, the trainer's π_prox at the step's start (one more forward pass a step).",
+    )
+
+
 class MoEConfig(BaseModel):
     """Mixture-of-experts models (trainer/routing.py)."""
 
@@ -153,6 +173,10 @@ class TrainerConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference policy.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
     kl_in_reward: bool = Field(False, description="Subtract the KL from the rewards instead of adding a loss term.")
+    distill: DistillConfig = Field(
+        default_factory=DistillConfig,
+        description="On-policy distillation: how the log-probs a teacher gave the sampled tokens enter the advantage.",
+    )
     critic: bool = Field(False, description="Train a value model (needed by the 'gae' estimator).")
     critic_lr: float = Field(1e-5, gt=0, description="Learning rate of the critic.")
     value_clip: float | None = Field(0.2, gt=0, description="Clip range of the critic's value loss.")

@@ -26,6 +26,7 @@ from trainer.advantages import compute_advantages, masked_mean
 from trainer.batch import TrainBatch
 from trainer.collectives import all_reduce, all_reduce_all, all_reduce_dict, world
 from trainer.config import TrainerConfig
+from trainer.distillation import distillation_sums, distilled_advantages
 from trainer.forward import Forwards, row_inputs
 from trainer.grammar_masks import GrammarReplay
 from trainer.loss_config import PolicyLossConfig
@@ -244,6 +245,12 @@ class TrainEngine(Forwards):
             rewards = rewards - cfg.kl_coef * (kl_penalty(prox, ref, cfg.kl_estimator) * mask).sum(-1)
         values = self.values(batch) if self.critic is not None else None
         adv, returns = compute_advantages(cfg.advantages, rewards, mask, batch.group_ids.to(self.device), values)
+        distilled = [0.0, 0.0]  # every rank joins the step's one collective, taught rows or not
+        if batch.teacher_logprobs is not None:
+            d, teacher, taught = cfg.distill, batch.teacher_logprobs.to(self.device), batch.taught.to(self.device)
+            student = behav if d.student == "behavior" else prox
+            adv = distilled_advantages(adv, student, teacher, mask, taught, coef=d.coef, reward_coef=d.reward_coef)
+            distilled = distillation_sums(student, teacher, mask, taught)
         # Sampled by older weights than these (the engines served an earlier version).
         stale = (
             torch.zeros_like(mask, dtype=torch.bool)
@@ -292,6 +299,9 @@ class TrainEngine(Forwards):
             out |= {k: v / sums["stale_tokens"] for k, v in sums.items() if k.endswith("_stale")}
         out |= all_reduce_dict(mismatch_stats(prox, behav, mask, stale)) | audited | bounded
         out |= {"lr": self.scheduler.get_last_lr()[0], "tokens": all_reduce(float(mask.sum())), "updates": updates}
+        kl_sum, taught_tokens = all_reduce_all(distilled)
+        if taught_tokens:  # the share of the step's tokens a teacher scored, and the student's gap to it
+            out |= {"teacher_kl": kl_sum / taught_tokens, "taught_share": taught_tokens / max(out["tokens"], 1)}
         if self.replay:
             out["routing_dropped"] = all_reduce(float(dropped))
         out["too_long_dropped"] = all_reduce(float(too_long))
@@ -395,9 +405,12 @@ class TrainEngine(Forwards):
     def _prox_from_update(self, ref: torch.Tensor | None) -> bool:
         """Whether π_prox can come from the step's update itself: one optimizer step over the whole
         batch (one epoch, one mini-batch), and nothing needs π_prox before that update runs (a KL in
-        the reward, which shapes the advantages) or after it at the old weights (the trust region)."""
+        the reward or a distillation gap against π_prox, which shape the advantages) or after it at
+        the old weights (the trust region)."""
         cfg = self.config
         kl_first = ref is not None and cfg.kl_in_reward
+        # By the config, not the batch: every rank must take the same path (its forwards are collective).
+        kl_first |= cfg.distill.student == "proximal"
         return cfg.ppo_epochs == 1 and cfg.mini_batches == 1 and cfg.max_step_kl is None and not kl_first
 
     def _update(self, batch: TrainBatch, rows: list[int], s: _Step) -> dict[str, float] | None:

@@ -51,6 +51,15 @@ class EngineResult:
     routed_experts_start: int = 0
 
 
+@dataclass
+class ScoreResult:
+    """A scoring call's answer: the log-prob of each given token from the start on (temperature 1),
+    and the weight version that scored them."""
+
+    logprobs: list[float]
+    weight_version: int
+
+
 OnTokens = Callable[[list[int]], None]  # a streamed generation's new tokens, as they arrive
 
 

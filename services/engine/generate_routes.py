@@ -24,6 +24,7 @@ from rollout.engines.contract import MAX_TOP_LOGPROBS, EngineError, GenerateOutp
 from rollout.sampling import SamplingParams
 from sample_buffer import routing
 from services.engine.metrics import EngineMetrics
+from services.engine.score_route import is_scoring, score
 from services.engine.sglang_fields import expand_samples, strip_request
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class GenerateRoutes:
         return router
 
     async def generate(self, body: dict = Body(...)):
+        if is_scoring(body):  # SGLang's prefill-only request: the log-probs of the prompt's own tokens
+            return await score(self.engine, body)
         req = self._parse(body)
         prompts, batched = self._prompts(req)
         rids, params = self._per_prompt(req, prompts, batched)

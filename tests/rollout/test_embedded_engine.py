@@ -56,6 +56,34 @@ def test_logprobs_equal_teacher_forced_forward(engine, hf, temperature):
         assert out.finish_reason == {"type": "length", "length": len(out.output_ids)}
 
 
+@pytest.mark.parametrize("start", [0, 1, 4])
+def test_scoring_gives_each_token_from_start_its_teacher_forced_log_prob(engine, hf, start):
+    """A teacher's answer: log p(x_t | x_<t) at temperature 1 for t >= start (None at position 0)."""
+    seqs = PROMPTS[1:3]
+    futs = [engine.score(s, start) for s in seqs]
+    for s, f in zip(seqs, futs):
+        got = f.result(T)
+        first = max(start, 1)
+        ref = teacher_forced_logprobs(hf, s[:first], s[first:])
+        assert len(got) == len(s) - start and got[: first - start] == [None] * (first - start)
+        assert (ref - torch.tensor(got[first - start :])).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "ids, start, field",
+    [
+        ([], 0, "input_ids"),
+        ([1, 10**6], 1, "input_ids"),
+        ([1, 2, 3], 3, "logprob_start_len"),
+        ([1, 2], -1, "logprob_start_len"),
+    ],
+)
+def test_a_bad_scoring_request_is_refused_by_field(engine, ids, start, field):
+    with pytest.raises(EngineError) as e:
+        engine.score(ids, start)
+    assert e.value.field == field
+
+
 def test_greedy_equals_hf_generate(engine, hf):
     futs = [
         engine.submit(f"g{i}", p, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from sample_buffer.buffer import BufferFull
@@ -59,11 +60,16 @@ def test_zero_variance_groups_are_filtered_and_counted(buffer_factory):
         kept = await buf.put(make_group("mixed", rewards=(1.0, 0.0, 1.0)))
         unfiltered = buffer_factory(filter_zero_variance=False)
         also = await unfiltered.put(make_group("flat2", rewards=(0.0, 0.0)))
-        return flat, kept, also, await buf.stats()
+        # A teacher's per-token log-probs are a signal whatever the rewards (on-policy distillation).
+        zero = make_group("taught", rewards=(0.0, 0.0))
+        for t in zero.trajectories:
+            t.teacher_logprobs = np.full(t.num_generated, -1.0, dtype=np.float32)
+        taught = await buf.put(zero)
+        return flat, kept, also, taught, await buf.stats()
 
-    flat, kept, also, stats = run(go())
-    assert not flat.accepted and flat.reason == "filtered" and kept.accepted and also.accepted
-    assert stats["dropped_filtered"] == 1 and stats["put"] == 1
+    flat, kept, also, taught, stats = run(go())
+    assert not flat.accepted and flat.reason == "filtered" and kept.accepted and also.accepted and taught.accepted
+    assert stats["dropped_filtered"] == 1 and stats["put"] == 2
 
 
 def test_unacked_batch_is_redelivered_after_the_visibility_timeout(buffer_factory):

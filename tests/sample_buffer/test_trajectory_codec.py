@@ -32,6 +32,9 @@ def traj(**kw):
         ({"behavior_logprobs": [-0.5]}, "behavior_logprobs"),
         ({"behavior_logprobs": [-0.5, 0.1]}, "behavior_logprobs"),
         ({"behavior_logprobs": [-0.5, float("nan")]}, "behavior_logprobs"),
+        ({"teacher_logprobs": [-0.5]}, "teacher_logprobs"),  # fewer than the generated tokens
+        ({"teacher_logprobs": [-0.5, 0.2]}, "teacher_logprobs"),
+        ({"teacher_logprobs": [float("-inf"), -1.0]}, "teacher_logprobs"),
         ({"token_versions": [3]}, "token_versions"),
         ({"start_version": 2}, "start_version"),
         ({"token_rewards": [0.0]}, "token_rewards"),
@@ -176,3 +179,43 @@ def test_images_that_do_not_fit_their_group_are_refused_by_name():
     data = encode_group(_with_images(base, [[cat], [cat]]))
     with pytest.raises(CodecError, match="do not hash to their key"):
         decode_group(data.replace(b"cat", b"dog"))
+
+
+def _taught(group: Group, seed: int = 0) -> Group:
+    rng = np.random.default_rng(seed)
+    trajs = [
+        Trajectory(**{**t.__dict__, "teacher_logprobs": -rng.random(t.num_generated) * 3}) for t in group.trajectories
+    ]
+    return Group(group.group_id, group.prompt_id, trajs, group.domain, group.images)
+
+
+def test_teacher_log_probs_travel_exactly_and_the_header_says_the_group_is_taught():
+    group = _taught(make_group("opd", rewards=(1.0, 1.0, 0.0)))
+    group.trajectories[1].routed_experts = None  # a row with no routing and no images still carries them
+    for compress in (False, True):
+        data = encode_group(group, compress=compress)
+        back = decode_group(data)
+        assert read_header(data).taught and back.taught
+        for a, b in zip(group.trajectories, back.trajectories, strict=True):
+            assert b.teacher_logprobs.dtype == np.float32 and np.array_equal(a.teacher_logprobs, b.teacher_logprobs)
+    plain = encode_group(make_group("plain"))
+    assert not read_header(plain).taught and decode_group(plain).trajectories[0].teacher_logprobs is None
+    # With images (the field after them) the row's trailing fields keep their places.
+    cat = b"\x89PNG cat"
+    mixed = _taught(_with_images(make_group("both"), [[cat], []]))
+    back = decode_group(encode_group(mixed))
+    assert back.trajectories[0].images == mixed.trajectories[0].images
+    assert np.array_equal(back.trajectories[1].teacher_logprobs, mixed.trajectories[1].teacher_logprobs)
+
+
+def test_a_group_is_taught_whole_or_not_at_all_and_its_header_must_agree():
+    group = _taught(make_group("half", rewards=(0.0, 1.0)))
+    with pytest.raises(TrajectoryError, match="teacher_logprobs on every trajectory or on none"):
+        Group("half", group.prompt_id, [group.trajectories[0], make_group("half").trajectories[1]])
+    data = encode_group(group)
+    prefix, (flags, hlen) = struct.Struct("<BBI"), struct.unpack_from("<BI", data, 1)
+    header = msgpack.unpackb(data[prefix.size : prefix.size + hlen])
+    del header["k"]  # a header that hides the teacher: the filter would judge the group on rewards alone
+    forged = msgpack.packb(header)
+    with pytest.raises(CodecError, match="taught"):
+        decode_group(prefix.pack(1, flags, len(forged)) + forged + data[prefix.size + hlen :])

@@ -12,7 +12,12 @@ import uvicorn
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
-from rollout.engines.sglang.client import EngineRejected, parse_generate_response
+from rollout.engines.sglang.client import (
+    EngineRejected,
+    EngineUnavailable,
+    parse_generate_response,
+    parse_score_response,
+)
 from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
 
@@ -110,6 +115,81 @@ def test_batch_generate_and_logprobs_match_teacher_forcing(engine_url, tiny_mode
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(engine_url, payload, field):
+    r = post(engine_url, "/generate", json=payload)
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == field, r.json()
+
+
+def test_sglangs_scoring_request_returns_each_prompt_tokens_log_prob(engine_url, tiny_model):
+    """SGLang's prefill-only request (logprob_start_len, max_new_tokens 0): input_token_logprobs, one
+    [logprob, id, text] per token from the start on, equal to a forward of the model; nothing generated."""
+    seqs = [[1, 30, 31, 32, 33, 34], [2, 7, 7, 9]]
+    body = {"input_ids": seqs, "logprob_start_len": [2, 0], "sampling_params": {"max_new_tokens": 0}}
+    r = post(engine_url, "/generate", json=body | {"return_logprob": True})
+    assert r.status_code == 200, r.text
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    for s, start, out in zip(seqs, [2, 0], r.json(), strict=True):
+        assert out["output_ids"] == [] and out["meta_info"]["completion_tokens"] == 0
+        triples = out["meta_info"]["input_token_logprobs"]
+        assert [t[1] for t in triples] == s[start:]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([s])).logits[0, :-1].float(), -1)
+        want = ref.gather(-1, torch.tensor(s[1:])[:, None])[:, 0].tolist()
+        got = [t[0] for t in triples]
+        if start == 0:
+            assert got[0] is None
+            got = got[1:]
+        assert max(abs(a - b) for a, b in zip(got, want[max(start, 1) - 1 :], strict=True)) <= 1e-4
+    one = post(engine_url, "/generate", json={**body, "input_ids": seqs[0], "logprob_start_len": 5})
+    assert one.status_code == 200 and len(one.json()["meta_info"]["input_token_logprobs"]) == 1
+
+
+def test_the_engine_client_scores_and_refuses_an_answer_short_of_the_tokens_asked(engine_url):
+    seq = [1, 30, 31, 32, 33, 34]
+
+    async def go():
+        client = engine_client(engine_url)
+        try:
+            return await client.score(seq, 2)
+        finally:
+            await client.close()
+
+    got = asyncio.run(go())
+    body = {"input_ids": seq, "logprob_start_len": 2, "sampling_params": {"max_new_tokens": 0}}
+    direct = post(engine_url, "/generate", json=body).json()["meta_info"]["input_token_logprobs"]
+    assert got.logprobs == [t[0] for t in direct] and len(got.logprobs) == 4 and got.weight_version == 0
+    short = {"meta_info": {"input_token_logprobs": [[-1.0, 31, None], [-2.0, 32, None]]}}
+    with pytest.raises(EngineUnavailable, match="2 log-probs for the 4 tokens"):
+        parse_score_response(short, seq, 2)
+    positive = {"meta_info": {"input_token_logprobs": [[0.5, t, None] for t in seq[2:]]}}
+    with pytest.raises(EngineUnavailable, match="finite and <= 0"):
+        parse_score_response(positive, seq, 2)
+
+
+@pytest.mark.parametrize(
+    "payload, field",
+    [
+        (
+            {"input_ids": [1, 2], "logprob_start_len": 1, "sampling_params": {"max_new_tokens": 4}},
+            "sampling_params.max_new_tokens",
+        ),
+        ({"input_ids": [1, 2], "logprob_start_len": 1}, "sampling_params.max_new_tokens"),
+        ({"input_ids": [1, 2], "logprob_start_len": 2, "sampling_params": {"max_new_tokens": 0}}, "logprob_start_len"),
+        (
+            {"input_ids": [[1, 2], [1, 10**6]], "logprob_start_len": 1, "sampling_params": {"max_new_tokens": 0}},
+            "input_ids[1]",
+        ),
+        (
+            {"input_ids": [[1, 2]], "logprob_start_len": [1, 1], "sampling_params": {"max_new_tokens": 0}},
+            "logprob_start_len",
+        ),
+        (
+            {"input_ids": [1, 2], "logprob_start_len": 1, "sampling_params": {"max_new_tokens": 0}, "stream": True},
+            "stream",
+        ),
+    ],
+)
+def test_a_bad_scoring_request_is_a_400_naming_the_field(engine_url, payload, field):
     r = post(engine_url, "/generate", json=payload)
     assert r.status_code == 400, r.text
     assert r.json()["field"] == field, r.json()

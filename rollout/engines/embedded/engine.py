@@ -36,6 +36,7 @@ from rollout.engines.embedded.kv_slots import KVSlots
 from rollout.engines.embedded.lora import Adapters
 from rollout.engines.embedded.routing import RoutingCapture
 from rollout.engines.embedded.sampling import sample_next_tokens, top_logprobs
+from rollout.engines.embedded.scoring import token_logprobs
 from rollout.engines.embedded.updates import EngineUpdates
 from rollout.engines.embedded.weights import weights_checksum
 from rollout.engines.scheduler import SchedulerCommands
@@ -194,12 +195,15 @@ class EmbeddedEngine(EngineUpdates, SchedulerCommands):
             return self._grammars
 
     # ----------------------------------------------------------------- public API (any thread)
-    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+    def _check_ids(self, input_ids: list[int]) -> None:
         if not input_ids:
             raise EngineError("input_ids", "must not be empty")
         bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise EngineError("input_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+    def validate(self, input_ids: list[int], params: SamplingParams) -> None:
+        self._check_ids(input_ids)
         if params.max_new_tokens <= 0:
             raise EngineError("sampling_params.max_new_tokens", f"must be >= 1, got {params.max_new_tokens}")
         if len(input_ids) >= self.max_context:  # no max_new_tokens would fit: the prompt is at fault
@@ -283,6 +287,28 @@ class EmbeddedEngine(EngineUpdates, SchedulerCommands):
             req.mrope, req.rope_delta = self._rope_index(req)
         self._commands.put(lambda: self._enqueue(req))
         return fut
+
+    def score(self, input_ids: list[int], start: int) -> Future:
+        """The log-prob this model gives each token of ``input_ids`` from position ``start`` on, at
+        temperature 1 (``scoring.py``; None for position 0): a teacher's answer in on-policy
+        distillation. Runs in the scheduler thread between two steps, at the weights then served."""
+        self._check_ids(input_ids)
+        if len(input_ids) > self.max_context:
+            raise EngineError("input_ids", f"{len(input_ids)} tokens exceed the model's context of {self.max_context}")
+        if not 0 <= start < len(input_ids):
+            raise EngineError("logprob_start_len", f"must be in [0, {len(input_ids)}) for this prompt, got {start}")
+        if self.vision is not None:
+            raise EngineError(
+                "input_ids", f"{self.hf_config.model_type}: scoring a vision-language prompt is not built"
+            )
+
+        def run() -> list[float | None]:
+            self.adapters.select([None], self.device)  # the base model: a teacher serves no adapter
+            out = token_logprobs(self.model, input_ids, start, self.device, bool(self._keep_last))
+            self.counters["scored_tokens"] += len(input_ids) - start
+            return out
+
+        return self._call(run)
 
     def _vision_prompt(self, input_ids: list[int], images: list[str]) -> VisionPrompt | None:
         if self.vision is None:

@@ -20,6 +20,7 @@ from rollout.engines.http_engine import (  # noqa: F401 (the errors are part of 
     EngineUnavailable,
     HTTPEngineClient,
     OnTokens,
+    ScoreResult,
     int_version,
 )
 from rollout.sampling import SamplingParams
@@ -58,6 +59,25 @@ def parse_generate_response(body: dict, routing_start: int = 0) -> EngineResult:
         routed_experts=experts,
         routed_experts_start=routing_start,
     )
+
+
+def parse_score_response(body: dict, input_ids: list[int], start: int) -> ScoreResult:
+    """SGLang's ``meta_info.input_token_logprobs`` for tokens ``start``.. of ``input_ids``: one
+    finite log-prob <= 0 for each (position 0 has none, so ``start`` >= 1), for exactly those tokens.
+    An answer that says less or other is the engine's failure (``EngineUnavailable``), never padded."""
+    meta = body.get("meta_info", {}) if isinstance(body, dict) else {}
+    triples = meta.get("input_token_logprobs") or []
+    want = input_ids[start:]
+    try:
+        lps = [float(t[0]) for t in triples]
+        ids = [int(t[1]) for t in triples]
+    except (TypeError, ValueError, IndexError):
+        raise EngineUnavailable("input_token_logprobs: not [logprob, token id, text] triples") from None
+    if ids != want:
+        raise EngineUnavailable(f"input_token_logprobs: {len(ids)} log-probs for the {len(want)} tokens asked")
+    if lps and not all(-float("inf") < x <= 0 for x in lps):
+        raise EngineUnavailable("input_token_logprobs: log-probs must be finite and <= 0")
+    return ScoreResult(lps, int_version(meta.get("weight_version")))
 
 
 # What an incremental SGLang stream (``--incremental-streaming-output``) sends as deltas; joined here.
@@ -136,6 +156,19 @@ class SGLangClient(HTTPEngineClient):
         if not events:
             raise EngineUnavailable(f"{self.base_url}/generate: a stream without an answer")
         return parse_generate_response(join_events(events), start)
+
+    async def score(self, input_ids: list[int], start: int, timeout_s: float | None = None) -> ScoreResult:
+        """The log-prob the model gives each token of ``input_ids`` from ``start`` (>= 1) on: SGLang's
+        prefill-only request (``logprob_start_len``, ``max_new_tokens`` 0); a teacher's call."""
+        if start < 1:
+            raise EngineRejected("logprob_start_len: the first token has no log-prob; start at 1 or later", "start")
+        payload = {
+            "input_ids": input_ids,
+            "logprob_start_len": start,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+        }
+        return parse_score_response(await self._post("/generate", timeout_s, json=payload), input_ids, start)
 
     async def generate_samples(
         self,

@@ -1,0 +1,109 @@
+"""On-policy distillation: the advantage against its literal formula, and a step that moves the
+student toward the teacher on the tokens it sampled."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sample_buffer.trajectory import Group, Trajectory
+from tests.trainer.helpers import toy_batch
+from trainer.batch import batch_from_groups
+from trainer.config import TrainerConfig
+from trainer.distillation import distillation_sums, distilled_advantages, reverse_kl_advantage
+from trainer.engine import TrainEngine
+
+
+def _tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(5, 7, generator=g) > 0.3).double()
+    adv = torch.randn(5, 7, generator=g, dtype=torch.float64) * mask
+    student = -torch.rand(5, 7, generator=g, dtype=torch.float64) * 4
+    teacher = -torch.rand(5, 7, generator=g, dtype=torch.float64) * 4
+    return adv, student, teacher, mask, torch.tensor([True, False, True, True, False])
+
+
+@pytest.mark.parametrize("coef, reward_coef", [(1.0, 1.0), (0.5, 0.0), (2.0, 0.3)])
+def test_the_advantage_is_the_literal_formula_on_taught_rows_and_the_reward_s_elsewhere(coef, reward_coef):
+    adv, student, teacher, mask, taught = _tensors()
+    got = distilled_advantages(adv, student, teacher, mask, taught, coef=coef, reward_coef=reward_coef)
+    for b in range(5):
+        for t in range(7):
+            if not mask[b, t]:
+                want = float(adv[b, t])  # 0: the estimators' advantages are 0 off the mask
+            elif taught[b]:
+                want = reward_coef * float(adv[b, t]) - coef * (float(student[b, t]) - float(teacher[b, t]))
+            else:
+                want = float(adv[b, t])
+            assert got[b, t].item() == pytest.approx(want, abs=1e-12)
+    assert torch.equal(reverse_kl_advantage(student, teacher, mask, coef), -coef * (student - teacher) * mask)
+
+
+def test_the_gap_carries_no_gradient_and_its_sums_count_only_taught_tokens():
+    adv, student, teacher, mask, taught = _tensors(1)
+    student.requires_grad_(True)
+    assert not distilled_advantages(adv, student, teacher, mask, taught, coef=1.0, reward_coef=1.0).requires_grad
+    kl_sum, n = distillation_sums(student.detach(), teacher, mask, taught)
+    rows = [b for b in range(5) if taught[b]]
+    s = student.detach()
+    want = sum(float(s[b, t] - teacher[b, t]) for b in rows for t in range(7) if mask[b, t])
+    assert kl_sum == pytest.approx(want) and n == float(mask[rows].sum())
+
+
+def _groups_from(batch, teacher: torch.Tensor | None, taught_groups: set[int]) -> list[Group]:
+    """``batch`` (a toy batch) as the buffer hands it over, ``teacher`` [B, T] on the groups named."""
+    groups: dict[int, list[Trajectory]] = {}
+    for i, seq in enumerate(batch.sequences):
+        gi, m = int(batch.group_ids[i]), batch.loss_mask[i, : len(seq)].numpy().astype(np.int8)
+        gen = m > 0
+        groups.setdefault(gi, []).append(
+            Trajectory(
+                trajectory_id=f"g{gi}/{i}",
+                group_id=f"g{gi}",
+                prompt_id=f"p{gi}",
+                token_ids=seq.numpy(),
+                loss_mask=m,
+                behavior_logprobs=batch.behavior_logprobs[i, : len(seq)].numpy()[gen],
+                token_versions=np.zeros(int(gen.sum())),
+                reward=float(batch.rewards[i]),
+                start_version=0,
+                teacher_logprobs=None if gi not in taught_groups else teacher[i, : len(seq)].numpy()[gen],
+            )
+        )
+    return [Group(f"g{gi}", f"p{gi}", trajs) for gi, trajs in groups.items()]
+
+
+def test_the_batch_carries_each_taught_rows_teacher_log_probs_at_their_tokens():
+    toy = toy_batch(num_groups=3, group_size=2)
+    teacher = -torch.rand(toy.loss_mask.shape) * toy.loss_mask
+    batch = batch_from_groups(_groups_from(toy, teacher, {0, 2}))
+    assert batch.taught.tolist() == [True, True, False, False, True, True]
+    want = teacher * batch.taught[:, None]
+    assert torch.allclose(batch.teacher_logprobs, want) and batch.select([1, 2]).taught.tolist() == [True, False]
+    assert batch_from_groups(_groups_from(toy, None, set())).teacher_logprobs is None
+
+
+@pytest.mark.parametrize("student", ["behavior", "proximal"])
+def test_a_step_of_distillation_alone_moves_the_student_toward_the_teacher(tiny_model, tiny_model_b, student):
+    """Rewards all equal (no RL signal), μ the student's own log-probs, the teacher another model: one
+    step raises the tokens the teacher likes more than the student does and lowers the others."""
+    toy = toy_batch(num_groups=3, group_size=4)
+    toy.rewards = torch.ones_like(toy.rewards)
+    cfg = {"lr": 1e-3, "distill": {"coef": 1.0, "reward_coef": 0.0, "student": student}}
+    eng = TrainEngine(TrainerConfig(model_path=tiny_model, **cfg))
+    teacher = TrainEngine(TrainerConfig(model_path=tiny_model_b)).logprobs(toy) * toy.loss_mask
+    toy.behavior_logprobs = eng.logprobs(toy).detach() * toy.loss_mask
+    batch = batch_from_groups(_groups_from(toy, teacher, {0, 1, 2}))
+    before = eng.logprobs(batch).detach()
+    metrics = eng.train_step(batch)
+    after = eng.logprobs(batch).detach()
+    m = batch.loss_mask > 0
+    gap = (batch.teacher_logprobs - before)[m]  # > 0: the teacher gives the token more than the student
+    moved = (after - before)[m]
+    assert moved[gap > 0.5].mean() > 0 > moved[gap < -0.5].mean()
+    assert metrics["taught_share"] == 1.0
+    assert metrics["teacher_kl"] == pytest.approx(float((before - batch.teacher_logprobs)[m].mean()), abs=1e-4)
+    assert torch.nn.functional.mse_loss(after[m], batch.teacher_logprobs[m]) < torch.nn.functional.mse_loss(
+        before[m], batch.teacher_logprobs[m]
+    )
