@@ -70,6 +70,12 @@ class TaskConfig(BaseModel):
         default_factory=lambda: RewardWorkersConfig(),
         description="Score in worker processes (a verifier that hangs or crashes costs one score, 0, counted).",
     )
+    teacher: str | None = Field(
+        None,
+        description="On-policy distillation: the teacher (a name in the mesh's teachers, mesh.teachers) that scores "
+        "every token of this task's groups the moment the group ends (rollout/teachers.py); the trainer mixes its "
+        "log-probs into the advantage (trainer.distill). None: rewards alone.",
+    )
 
     @field_validator("reward")
     @classmethod
@@ -108,7 +114,7 @@ class TaskConfig(BaseModel):
         return rows, reward_fn, lambda: self.env.build(rows, reward_fn)
 
 
-TASK_KEYS = ("dataset_path", "generate", "env", "reward", "reward_workers")  # what a domain says for itself
+TASK_KEYS = ("dataset_path", "generate", "env", "reward", "reward_workers", "teacher")  # what a domain says for itself
 
 
 class DomainConfig(TaskConfig):
@@ -235,6 +241,12 @@ class RolloutConfig(TaskConfig):
         ge=1,
         description="A group left with fewer members than this (at most group_size) is not put: it fails and "
         "its slot goes back. GRPO's baseline needs two.",
+    )
+    teacher_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="On-policy distillation: how long a group's teacher call (every member scored at once) may "
+        "take; a group whose teacher fails or is late is not put (counted: groups_teacher_error).",
     )
 
     domains: list[DomainConfig] = Field(

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from rollout.envs.base import Env
 from rollout.episode import EpisodeConfig
+from rollout.ports import Teacher
 from sample_buffer.domains import WeightedTurns
 
 PUT_RATE_MEMORY = 16  # groups: the put rate is a moving average over about this many of a domain's groups
@@ -35,6 +36,7 @@ class Domain:
     episode: EpisodeConfig
     group_size: int
     reward_fn: Callable | None = None  # the task's reward, for a workflow's ``ctx.score`` (a remote env: None)
+    teacher: Teacher | None = None  # on-policy distillation: scores every group's tokens (``rollout/teachers.py``)
 
     def prompt_id(self, row: int) -> str:
         return f"{self.name}/p{row}" if self.name else f"p{row}"

@@ -32,6 +32,7 @@ from rollout.episode import run_trajectories
 from rollout.ports import Admission, Generate, Generation, GroupOutcome, RolloutObserver, SampleSink, TransientError
 from rollout.sampling import SamplingParams
 from rollout.scheduling import Scheduling, Seats, make_scheduling
+from rollout.teachers import TeacherFailed, teach
 from rollout.turn_barrier import TurnBarrier
 from sample_buffer.trajectory import FinishReason, Group, Trajectory
 
@@ -173,6 +174,13 @@ class RolloutLoop:
             log.warning("group %s: %d of %d members usable: not put", gid, len(members), size)
             self.counters["groups_too_few_members"] += 1
             return self._ended(GroupOutcome.FAILED, trajectories, t0, domain.name)
+        if domain.teacher is not None:  # the moment its last member ended, as its rewards were
+            try:
+                trajectories = await teach(domain.teacher, trajectories, gid, self.config.teacher_timeout_s)
+            except TeacherFailed as e:
+                log.warning("group %s: the teacher failed (%s): not put", gid, e)
+                self.counters["groups_teacher_error"] += 1
+                return self._ended(GroupOutcome.FAILED, trajectories, t0, domain.name)
         if seats is not None and not await seats.take():
             return self._ended(GroupOutcome.SURPLUS, trajectories, t0, domain.name)
         accepted = False

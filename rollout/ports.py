@@ -84,6 +84,15 @@ class Admission(Protocol):
         """The policy version now and at every change."""
 
 
+class Teacher(Protocol):
+    """A teacher's LLMProxy (on-policy distillation, ``rollout/teachers.py``)."""
+
+    async def score(self, token_ids: list[int], start: int, *, route: str, timeout_s: float) -> list[float]:
+        """The log-prob the teacher gives each token of ``token_ids`` from ``start`` (>= 1) on, at
+        temperature 1; ``route`` keeps a group's sequences on one engine. Raises ``TransientError``
+        when another try may succeed, ``TimeoutError`` past ``timeout_s``."""
+
+
 class Generate(Protocol):
     """The LLMProxy as the rollout loop sees it."""
 

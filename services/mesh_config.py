@@ -20,3 +20,8 @@ class MeshConfig(BaseModel):
         description="RewardService gRPC address (host:port): where a `reward: {type: service}` naming no address "
         "is scored.",
     )
+    teachers: dict[str, str] = Field(
+        default_factory=dict,
+        description="On-policy distillation: each teacher's LLMProxy gRPC address (host:port) by name, as a task's "
+        "teacher names it.",
+    )

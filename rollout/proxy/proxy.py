@@ -1,6 +1,6 @@
 """The LLMProxy: one front door to a pool of inference engines (no sockets of its own).
 
-It is five parts over one shared pool (``pool.py``: the engines, lanes, requests in flight and
+It is six parts over one shared pool (``pool.py``: the engines, lanes, requests in flight and
 counters), each in a file of its own:
 
 - ``generation``: a request from the suspend gate to its end, retried on another engine when
@@ -9,7 +9,8 @@ counters), each in a file of its own:
 - ``updates``: weight updates fanned out to every engine (a directory, buckets, a collective);
 - ``adapters``: the LoRA adapters of runs that share the engines, each in a lane of its own
   (``lanes.py``): its requests served with its adapter, its suspend and updates touching only them;
-- ``health``: probes; an engine out of rotation rejoins at the mesh's version.
+- ``health``: probes; an engine out of rotation rejoins at the mesh's version;
+- ``scoring``: the log-probs an engine gives tokens it is handed (a teacher's, in distillation).
 
 ``LLMProxy`` builds them and names each verb of its API after the part that owns it.
 """
@@ -25,6 +26,7 @@ from rollout.proxy.control import Control
 from rollout.proxy.generation import Generation
 from rollout.proxy.health import Health
 from rollout.proxy.pool import EnginePool
+from rollout.proxy.scoring import Scoring
 from rollout.proxy.updates import WeightUpdates
 
 
@@ -52,6 +54,7 @@ class LLMProxy:
         self.update_weights_distributed = self.updates.update_weights_distributed
         self.health = Health(pool, self.adapters)
         self.check_health = self.health.check_health
+        self.score = Scoring(pool).score
 
     async def start(self) -> LLMProxy:
         await self.health.start()

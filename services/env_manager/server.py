@@ -22,7 +22,7 @@ from services.env_manager.config import EnvManagerConfig
 from services.env_manager.metrics import EnvMetrics
 from services.env_provider.clients import build_pool
 from services.grpc_util import serve_until_signal, start_server, unary_service
-from services.llm_proxy.client import ProxyClient, ProxyGenerate
+from services.llm_proxy.client import ProxyClient, ProxyGenerate, ProxyTeacher
 from services.mesh_config import MeshConfig
 from services.metrics import serve_metrics
 from services.pb.rollmesh.v1 import env_manager_pb2 as pb
@@ -39,6 +39,7 @@ _FAILURES = (
     "groups_filtered",
     "groups_stale",
     "groups_too_few_members",
+    "groups_teacher_error",
     "finish_timeout",
     "finish_abort",
     "release_failures",
@@ -85,10 +86,17 @@ def build_loop(
     controller: ControllerClient,
     auth: AuthConfig | None = None,
     reward_address: str | None = None,
+    teachers: dict[str, ProxyClient] | None = None,
 ) -> RolloutLoop:
     """The rollout loop over the mesh's clients, reporting to Prometheus. A remote environment's
     episodes go to its providers through one pool of connections; ``reward_address``: the mesh's
-    reward service (``reward: {type: service}`` naming none)."""
+    reward service (``reward: {type: service}`` naming none); ``teachers``: the teachers' LLMProxies
+    by name (on-policy distillation: a task's ``teacher``)."""
+    teachers = teachers or {}
+    for d in config.task_domains():
+        if d.teacher is not None and d.teacher not in teachers:
+            where = f"domains[{d.name}].teacher" if d.name else "teacher"
+            raise ValueError(f"{where}: no teacher {d.teacher!r} in the mesh (mesh.teachers: {sorted(teachers)})")
     from transformers import AutoTokenizer
 
     pools, domains = [], []
@@ -118,7 +126,10 @@ def build_loop(
             reward_fn = metrics.timed_reward(reward_fn)
         if make_env is None:
             make_env = functools.partial(_local_env, d.env, rows, reward_fn)
-        built.append(Domain(d.name, d.weight, rows, make_env, config.episode_of(d), config.group_size_of(d), reward_fn))
+        teacher = ProxyTeacher(teachers[d.teacher]) if d.teacher is not None else None
+        built.append(
+            Domain(d.name, d.weight, rows, make_env, config.episode_of(d), config.group_size_of(d), reward_fn, teacher)
+        )
     loop = RolloutLoop(
         config,
         tokenizer=AutoTokenizer.from_pretrained(config.tokenizer_path),
@@ -149,7 +160,8 @@ def serve(config: EnvManagerConfig, auth: AuthConfig, mesh: MeshConfig, put_time
         # of the groups this process had in flight when it died.
         holder = f"{socket.gethostname()}:{config.port}"
         controller = ControllerClient(mesh.controller, auth=auth, holder=holder)
-        loop = build_loop(config, proxy, buffer, controller, auth, mesh.reward)
+        teachers = {name: ProxyClient(address, auth=auth) for name, address in mesh.teachers.items()}
+        loop = build_loop(config, proxy, buffer, controller, auth, mesh.reward, teachers)
         server = await start_server(build_handler(loop), SERVICE, config.host, config.port, auth=auth)
         serve_metrics(loop.observer.registry, config.host, config.metrics_port, "EnvManager")
         lease = asyncio.create_task(controller.keep_lease(config.heartbeat_s))

@@ -8,19 +8,23 @@ import contextlib
 import grpc
 
 from rollout.proxy import LLMProxy, NoEngineAvailable, RequestInvalid
+from rollout.proxy.scoring import ScoreTimeout
 from services.auth import RunTokens
 from services.llm_proxy.metrics import ProxyMetrics
 
 
 @contextlib.asynccontextmanager
 async def refusals(ctx):
-    """Bad input: INVALID_ARGUMENT naming its field; no engine left to serve: UNAVAILABLE."""
+    """Bad input: INVALID_ARGUMENT naming its field; no engine left to serve: UNAVAILABLE; a score
+    not in time: DEADLINE_EXCEEDED."""
     try:
         yield
     except RequestInvalid as e:
         await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except NoEngineAvailable as e:
         await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    except ScoreTimeout as e:
+        await ctx.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
 
 
 class ProxyCalls:

@@ -171,6 +171,22 @@ class ProxyClient:
         return await self.stub.Stats(pb.StatsRequest(), timeout=10)
 
 
+class ProxyTeacher:
+    """The rollout loop's ``Teacher`` port: a teacher's LLMProxy, scoring the tokens it is handed
+    (``ScoreTokens``); a transient gRPC failure becomes ``TransientError``."""
+
+    def __init__(self, client: ProxyClient) -> None:
+        self.client = client
+
+    async def score(self, token_ids: list[int], start: int, *, route: str, timeout_s: float) -> list[float]:
+        req = pb.ScoreTokensRequest(input_ids=token_ids, start=start, timeout_s=timeout_s, route=route)
+        try:
+            res = await self.client.stub.ScoreTokens(req, timeout=timeout_s + 5.0)
+        except grpc.aio.AioRpcError as e:
+            raise project_error(e) from None
+        return list(res.logprobs)
+
+
 class ProxyGenerate:
     """The rollout loop's ``Generate`` port: one LLMProxy call per generation, the response in
     the trajectory's names; a transient gRPC failure becomes ``TransientError``."""

@@ -1,5 +1,6 @@
 """The LLMProxy's generation RPCs: ``Generate``, ``GenerateGroup``, ``GenerateStream`` (chunks of new
-tokens, then the result) and ``Abort``, with their messages converted to the proxy's types."""
+tokens, then the result), ``ScoreTokens`` (a teacher's log-probs of given tokens) and ``Abort``, with
+their messages converted to the proxy's types."""
 
 from __future__ import annotations
 
@@ -83,6 +84,11 @@ class GenerateHandlers(ProxyCalls):
                 await self.proxy.abort(preq.request_id, run=self.run_of(ctx))
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await asyncio.wait_for(task, self.proxy.config.abort_grace_s)
+
+    async def score_tokens(self, req: pb.ScoreTokensRequest, ctx) -> pb.ScoreTokensResponse:
+        async with refusals(ctx):
+            out = await self.proxy.score(list(req.input_ids), req.start, req.timeout_s, req.route)
+        return pb.ScoreTokensResponse(logprobs=out.logprobs, weight_version=out.weight_version)
 
     async def abort(self, req: pb.AbortRequest, ctx) -> pb.AbortResponse:
         if not req.request_id and not req.abort_all:

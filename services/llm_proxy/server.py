@@ -34,6 +34,7 @@ def build_handler(proxy: LLMProxy, metrics: ProxyMetrics, runs: RunTokens | None
             "Generate": (pb.GenerateRequest, gen.generate),
             "GenerateGroup": (pb.GenerateGroupRequest, gen.generate_group),
             "Abort": (pb.AbortRequest, gen.abort),
+            "ScoreTokens": (pb.ScoreTokensRequest, gen.score_tokens),
             "Suspend": (pb.SuspendRequest, ctl.suspend),
             "Resume": (pb.ResumeRequest, ctl.resume),
             "UpdateWeights": (pb.UpdateWeightsRequest, ctl.update_weights),

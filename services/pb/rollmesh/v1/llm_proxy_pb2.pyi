@@ -19,6 +19,26 @@ SUSPEND_MODE_CONTINUE: SuspendMode
 SUSPEND_MODE_ABORT: SuspendMode
 SUSPEND_MODE_IN_PLACE: SuspendMode
 
+class ScoreTokensRequest(_message.Message):
+    __slots__ = ("input_ids", "start", "timeout_s", "route")
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    start: int
+    timeout_s: float
+    route: str
+    def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., timeout_s: _Optional[float] = ..., route: _Optional[str] = ...) -> None: ...
+
+class ScoreTokensResponse(_message.Message):
+    __slots__ = ("logprobs", "weight_version")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    weight_version: int
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed", "json_schema", "regex", "ebnf")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -100,6 +100,11 @@ class LLMProxyStub:
                 request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.StatsRequest.SerializeToString,
                 response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.ProxyStats.FromString,
                 _registered_method=True)
+        self.ScoreTokens = channel.unary_unary(
+                '/rollmesh.v1.LLMProxy/ScoreTokens',
+                request_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.ScoreTokensRequest.SerializeToString,
+                response_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.ScoreTokensResponse.FromString,
+                _registered_method=True)
 
 
 class LLMProxyServicer:
@@ -196,6 +201,14 @@ class LLMProxyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreTokens(self, request, context):
+        """The log-prob the engines' model gives each of the tokens it is handed, from `start` on (a
+        prefill at temperature 1, nothing generated): a teacher's answer in on-policy distillation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LLMProxyServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +276,11 @@ def add_LLMProxyServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.StatsRequest.FromString,
                     response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.ProxyStats.SerializeToString,
+            ),
+            'ScoreTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreTokens,
+                    request_deserializer=rollmesh_dot_v1_dot_llm__proxy__pb2.ScoreTokensRequest.FromString,
+                    response_serializer=rollmesh_dot_v1_dot_llm__proxy__pb2.ScoreTokensResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -617,6 +635,33 @@ class LLMProxy:
             '/rollmesh.v1.LLMProxy/Stats',
             rollmesh_dot_v1_dot_llm__proxy__pb2.StatsRequest.SerializeToString,
             rollmesh_dot_v1_dot_llm__proxy__pb2.ProxyStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollmesh.v1.LLMProxy/ScoreTokens',
+            rollmesh_dot_v1_dot_llm__proxy__pb2.ScoreTokensRequest.SerializeToString,
+            rollmesh_dot_v1_dot_llm__proxy__pb2.ScoreTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,65 @@
+"""A group's teacher call (on-policy distillation): the moment its last member ends, the teacher
+scores every member's tokens and each trajectory carries the log-probs of its generated ones.
+
+The teacher is another model behind its own LLMProxy (the ``Teacher`` port); it sees the student's
+tokens as they are, so it must share the student's tokenizer (checked when the run loads). A
+member's tokens from its first generated one on go in one call (a multi-turn episode's environment
+tokens between its turns are context the teacher reads, never scored). A teacher that fails, times
+out or answers other than one log-prob per token fails the group (``TeacherFailed``), which the loop
+counts and never puts: a group is trained on whole, its members taught alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from rollout.ports import Teacher
+from sample_buffer.errors import TransientError
+from sample_buffer.trajectory import Trajectory
+
+
+class TeacherFailed(RuntimeError):
+    """The teacher did not score a group's tokens in time or in full; the message says which and why."""
+
+
+def first_generated(loss_mask: np.ndarray) -> int:
+    """The position of a trajectory's first generated token (-1: none)."""
+    hits = np.flatnonzero(loss_mask)
+    return int(hits[0]) if len(hits) else -1
+
+
+def generated_logprobs(loss_mask: np.ndarray, start: int, scored: list[float]) -> np.ndarray:
+    """The scores of positions ``start``.. kept where the policy generated the token ([G] float32)."""
+    if len(scored) != len(loss_mask) - start:
+        raise TeacherFailed(f"{len(scored)} log-probs for the {len(loss_mask) - start} tokens asked")
+    return np.asarray(scored, dtype=np.float32)[loss_mask[start:] > 0]
+
+
+async def teach(teacher: Teacher, trajectories: list[Trajectory], route: str, timeout_s: float) -> list[Trajectory]:
+    """``trajectories`` with their teacher's log-probs, every member scored at once within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+
+    async def one(t: Trajectory) -> Trajectory:
+        start = first_generated(t.loss_mask)
+        if start < 0:  # nothing generated: nothing to score
+            return replace(t, teacher_logprobs=np.zeros(0, dtype=np.float32))
+        if start == 0:
+            raise TeacherFailed(f"{t.trajectory_id}: its first token is generated, with no context to score it in")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TeacherFailed("the deadline passed before the call")
+        try:
+            scored = await asyncio.wait_for(
+                teacher.score(t.token_ids.tolist(), start, route=route, timeout_s=left), left
+            )
+        except TimeoutError:
+            raise TeacherFailed(f"no answer within {timeout_s:g} s") from None
+        except (TransientError, ValueError, RuntimeError, ConnectionError) as e:  # refusals, a failed engine
+            raise TeacherFailed(f"{type(e).__name__}: {e}") from None
+        return replace(t, teacher_logprobs=generated_logprobs(t.loss_mask, start, scored))
+
+    return list(await asyncio.gather(*(one(t) for t in trajectories)))
