@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from launch.device_map import DeviceMapConfig, check_shape, gpus_per_engine
+from launch.teachers import TeacherConfig
 from rollout.engines.embedded.config import EngineConfig
 from rollout.proxy.config import ProxyConfig
 from sample_buffer.config import BufferConfig
@@ -161,6 +162,12 @@ class RollmeshConfig(BaseModel):
     )
     train_loop: TrainerProcessConfig = Field(
         default_factory=TrainerProcessConfig, description="The training loop and the trainer process around it."
+    )
+    teachers: list[TeacherConfig] = Field(
+        default_factory=list,
+        description="On-policy distillation: teacher models, each behind engines (the engine section's type and "
+        "settings, its own model_path) and an LLMProxy of its own; a task names one as its teacher "
+        "(env_manager.teacher, or a domain's). The student's tokenizer is required (checked before the run).",
     )
     run: RunConfig = Field(default_factory=RunConfig, description="`rollmesh run`: how the local mesh is laid out.")
     slurm: SlurmConfig = Field(
@@ -378,6 +385,24 @@ class RollmeshConfig(BaseModel):
                 f"controller.holder_lease_s ({self.controller.holder_lease_s:g}) must be at least 3 x "
                 f"env_manager.heartbeat_s ({self.env_manager.heartbeat_s:g})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _teachers_are_named_and_served(self) -> RollmeshConfig:
+        """Each task's teacher is one of ``teachers`` (a mesh's whose addresses are given: any name it
+        has), every teacher distinct; teachers' engines are not placed on GPUs yet."""
+        names = [t.name for t in self.teachers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"teachers: each name once, got {names}")
+        known = set(names) | set(self.mesh.teachers)
+        for d in self.env_manager.task_domains():
+            if d.teacher is not None and d.teacher not in known:
+                where = f"env_manager.domains[{d.name}].teacher" if d.name else "env_manager.teacher"
+                raise ValueError(f"{where}: no teacher {d.teacher!r} (teachers: {sorted(known)})")
+        if self.teachers and self.devices.placement != "none":
+            raise ValueError("teachers: their engines are not placed on GPUs yet (devices.placement: none)")
+        if self.teachers and self.run.rollout != "env_manager":
+            raise ValueError("teachers: the EnvManager's groups are scored by teachers, not the gateway's sessions")
         return self
 
 

@@ -44,6 +44,7 @@ class Mesh:
     reward: str = ""  # the reward service's address, where the run starts one
     env_manager: str = ""  # the EnvManager's gRPC address, where the run starts one
     agent_key: str = ""  # the file holding the key `rollmesh run` issued its agents (no key file given)
+    teachers: dict[str, str] = field(default_factory=dict)  # each teacher's LLMProxy address, by name
     hosts: Hosts = field(default_factory=lambda: Hosts())  # where each process runs
 
     def metrics_port(self, job: str, host: Host = LOCAL) -> str:
@@ -61,7 +62,8 @@ class Mesh:
     def wiring(self) -> list[str]:
         """``--set`` overrides that point a client (EnvManager, trainer) at this mesh."""
         wiring = [f"mesh.proxy={self.proxy}", f"mesh.buffer={self.buffer}", f"mesh.controller={self.controller}"]
-        return wiring + ([f"mesh.reward={self.reward}"] if self.reward else [])
+        wiring += [f"mesh.reward={self.reward}"] if self.reward else []
+        return wiring + [f"mesh.teachers.{name}={address}" for name, address in self.teachers.items()]
 
     def stop(self) -> None:
         for s in reversed(self.services):
@@ -120,6 +122,8 @@ def start_mesh(
             _start_engines_and_proxy(cfg, config_path, overrides, logs, placement, mesh, up)
         else:  # a shared pool's: this run's tokens tell it which run's lane its calls are
             mesh.proxy = cfg.mesh.proxy
+        for teacher in cfg.teachers:
+            _start_teacher(cfg, config_path, overrides, logs, teacher, mesh, up)
         proc, mesh.buffer = start_service_process(
             "sample-buffer",
             "buffer",
@@ -177,45 +181,63 @@ def start_mesh(
 
 def _start_engines_and_proxy(cfg, config_path, overrides, logs, placement, mesh: Mesh, up: dict) -> None:
     """The engines (in parallel, on the GPUs ``placement`` gives them), then the LLMProxy in front."""
-    hosts, host = mesh.hosts, mesh.hosts.services
+    n = cfg.run.num_engines
+    envs = [cuda_env(placement.engines[i]) for i in range(n)]
+    names = [f"engine-{i}" for i in range(n)]
+    where = [mesh.hosts.engine(i) for i in range(n)]
+    pool = (cfg, config_path, overrides, logs, mesh)
+    mesh.engine_urls += _start_engine_pool(*pool, cfg.engine.model_path, names, envs, where)
+    mesh.metrics["engine"] = [u.split("://", 1)[1] for u in mesh.engine_urls]  # /metrics beside the API
+    mesh.proxy = _start_proxy(overrides, mesh.engine_urls, "llm-proxy", logs / "proxy.log", mesh, up)
+
+
+def _start_teacher(cfg, config_path, overrides, logs, teacher, mesh: Mesh, up: dict) -> None:
+    """A teacher's engines (the engine section's settings, its model) and its own LLMProxy, each
+    supervised and restarted like the policy's; not placed on GPUs (the config refuses a placement)."""
+    tag, n = f"teacher-{teacher.name}", teacher.num_engines
+    names = [f"{tag}-engine-{i}" for i in range(n)]
+    pool = (cfg, config_path, overrides, logs, mesh)
+    urls = _start_engine_pool(*pool, teacher.model_path, names, [None] * n, [mesh.hosts.services] * n)
+    mesh.teachers[teacher.name] = _start_proxy(overrides, urls, f"{tag}-proxy", logs / f"{tag}-proxy.log", mesh, up)
+
+
+def _start_engine_pool(cfg, config_path, overrides, logs, mesh: Mesh, model_path, names, envs, hosts) -> list[str]:
+    """Engines of ``model_path``, one per name, loading in parallel, supervised; their URLs."""
 
     def engine(i):
         return start_engine_process(
-            cfg.engine.model_path,
+            model_path,
             free_port(),
             overrides,
             cfg.run.startup_timeout_s,
             str(config_path),
             cfg.auth,
-            cuda_env(placement.engines[i]),
-            hosts.engine(i),
-            logs / f"engine-{i}.log",
+            envs[i],
+            hosts[i],
+            logs / f"{names[i]}.log",
         )
 
-    with ThreadPoolExecutor(cfg.run.num_engines) as pool:  # engines load in parallel
-        futures = [pool.submit(engine, i) for i in range(cfg.run.num_engines)]
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = [pool.submit(engine, i) for i in range(len(names))]
     started = [f.result() for f in futures if f.exception() is None]
-    mesh.services += [
-        Supervised(f"engine-{i}", p, logs / f"engine-{i}.log", env=cuda_env(placement.engines[i]), roles=ENGINE_ROLES)
+    mesh.services += [  # before any failure is raised: the mesh stops what did start
+        Supervised(names[i], p, logs / f"{names[i]}.log", env=envs[i], roles=ENGINE_ROLES)
         for i, (p, _) in enumerate(started)
     ]
-    mesh.engine_urls += [u for _, u in started]
-    mesh.metrics["engine"] = [u.split("://", 1)[1] for u in mesh.engine_urls]  # /metrics beside the API
     for f in futures:
         if f.exception() is not None:
             raise f.exception()
-    proc, mesh.proxy = start_service_process(
-        "llm-proxy",
-        "proxy",
-        [
-            *overrides,
-            f"proxy.engine_urls=[{','.join(mesh.engine_urls)}]",
-            f"proxy.metrics_port={mesh.metrics_port('llm-proxy', host)}",
-        ],
-        log_path=logs / "proxy.log",
-        **up,
-    )
-    mesh.services.append(Supervised("llm-proxy", proc, logs / "proxy.log"))
+    return [u for _, u in started]
+
+
+def _start_proxy(overrides, urls: list[str], name: str, log: Path, mesh: Mesh, up: dict) -> str:
+    """An LLMProxy in front of ``urls``, supervised as ``name`` (its /metrics the job of that name),
+    writing to ``log``; its address."""
+    args = [*overrides, f"proxy.engine_urls=[{','.join(urls)}]"]
+    args.append(f"proxy.metrics_port={mesh.metrics_port(name, mesh.hosts.services)}")
+    proc, address = start_service_process("llm-proxy", "proxy", args, log_path=log, **up)
+    mesh.services.append(Supervised(name, proc, log))
+    return address
 
 
 def verifiers_env(cfg):

@@ -16,7 +16,20 @@ from services.engine.backends import backend
 
 def problems(cfg) -> list[str]:
     """Everything the run ``cfg`` would stop on for want of a credential or a file, one line each."""
-    return [*_models(cfg), *_tasks(cfg), *_keys(cfg)]
+    return [*_models(cfg), *_tasks(cfg), *_keys(cfg), *_teachers(cfg)]
+
+
+def _teachers(cfg) -> list[str]:
+    """Each teacher's model, and its vocabulary the student's (it scores the student's token ids)."""
+    from launch.teachers import vocabulary_problem
+
+    out = []
+    for t in cfg.teachers:
+        if not (Path(t.model_path) / "config.json").is_file():
+            out.append(f"teachers[{t.name}].model_path: no model at {t.model_path} (a directory with config.json)")
+        elif (why := vocabulary_problem(cfg.env_manager.tokenizer_path or cfg.model_path, t)) is not None:
+            out.append(why)
+    return out
 
 
 def _models(cfg) -> list[str]:

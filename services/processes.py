@@ -166,7 +166,7 @@ def wait_grpc_healthy(
 # import: tests/test_config.py keeps the two equal).
 RUN_CONFIG_KEYS = frozenset(
     {"model_path", "mesh", "auth", "engine", "proxy", "buffer", "controller", "env_manager", "env_provider"}
-    | {"trainer", "gateway", "tinker", "reward_service", "train_loop", "run", "slurm", "devices"}
+    | {"trainer", "gateway", "tinker", "reward_service", "train_loop", "teachers", "run", "slurm", "devices"}
 )
 
 

@@ -24,7 +24,8 @@ NOT_CONFIG = {
     "metadata.error_kind",
     "metadata.turn_temperatures",
     "sglang.launch_server",
-    "meta_info.routed_experts",  # SGLang's answer field
+    "meta_info.routed_experts",  # SGLang's answer fields
+    "meta_info.input_token_logprobs",
     "kernel.unprivileged_userns_clone",
 }  # (a sysctl)
 

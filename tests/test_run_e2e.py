@@ -40,7 +40,9 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     """With the episodes and the held-out answers scored by a reward service the run starts
     (`reward: {type: service}`; the quickstart's other runs score in the EnvManager), and the trainer
     under torchrun (run.trainer_procs=2): two gloo ranks (FSDP2) train on whole groups; rank 0
-    publishes (over the http_buckets transport: both ranks gather, rank 0 sends) and logs."""
+    publishes (over the http_buckets transport: both ranks gather, rank 0 sends) and logs. A teacher
+    (on-policy distillation) of the policy's own weights, on its own engine and LLMProxy, scores
+    every group: its log-probs are the sampling engine's, so the student's gap to it is ~0."""
     run_dir = tmp_path / "run"
     cmd = quickstart_cmd(
         tiny_model,
@@ -53,6 +55,8 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
         "run.trainer_procs=2",
         "train_loop.publisher.type=http_buckets",
         "train_loop.publisher.bucket_mb=1",
+        f"teachers=[{{name: self, model_path: {tiny_model}}}]",
+        "env_manager.teacher=self",
     )
     # No token in the environment: rollmesh run makes one for the run and every service gets it.
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
@@ -68,6 +72,8 @@ def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["published"] for m in steps)  # rank 0 only writes
+    # Every trained token scored by the teacher, at the policy's first weights: the gap is the updates'.
+    assert all(m["taught_share"] == 1.0 for m in steps) and abs(steps[0]["teacher_kl"]) < 1e-3, steps
     ckpt = run_dir / "checkpoints" / "step_4"
     assert (ckpt / "COMPLETE").exists() and (ckpt / "extra_rank1.pt").exists()
     assert (run_dir / "weights" / "v4" / "model.safetensors").exists()  # the restore point
