@@ -40,6 +40,7 @@ def test_all_five_services_have_contracts():
                 "UpdateWeightsDistributed",
                 "ReleaseMemory",
                 "ResumeMemory",
+                "ScoreTokens",
                 "Stats",
             },
         ),
