@@ -310,3 +310,43 @@ def test_the_process_launcher_knows_the_run_configs_top_level_keys():
     from services.processes import RUN_CONFIG_KEYS
 
     assert set(RUN_CONFIG_KEYS) == set(RollmeshConfig.model_fields)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["env_manager.teacher=big"], r"env_manager.teacher: no teacher 'big' \(teachers: \[\]\)"),
+        (
+            ["teachers=[{name: t, model_path: m}]", "env_manager.domains=[{name: a, dataset_path: x, teacher: u}]"],
+            r"env_manager.domains\[a\].teacher: no teacher 'u' \(teachers: \['t'\]\)",
+        ),
+        (["teachers=[{name: t, model_path: m}, {name: t, model_path: n}]"], "teachers: each name once"),
+        (["teachers=[{name: 'a b', model_path: m}]"], "teachers.0.name"),
+        (
+            [
+                "teachers=[{name: t, model_path: m}]",
+                "devices={placement: disaggregated, engine_gpus: [0], trainer_gpus: [1]}",
+            ],
+            "not placed on GPUs yet",
+        ),
+        (["teachers=[{name: t, model_path: m}]", "run.rollout=gateway"], "not the gateway's sessions"),
+        (["env_provider.teacher=t"], "teacher: a provider plays episodes"),
+    ],
+)
+def test_a_teacher_the_run_cannot_serve_is_refused_at_load_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_before_anything_starts(tiny_model, smollm2, tmp_path):
+    from launch import preflight
+
+    ok = load_config(None, [f"model_path={tiny_model}", f"teachers=[{{name: same, model_path: {tiny_model}}}]"])
+    assert preflight.problems(ok) == []
+    other = load_config(None, [f"model_path={tiny_model}", f"teachers=[{{name: smol, model_path: {smollm2}}}]"])
+    [line] = preflight.problems(other)
+    assert line.startswith("teachers[smol]: its tokenizer's vocabulary (49152 tokens) is not the student's")
+    missing = load_config(None, [f"model_path={tiny_model}", f"teachers=[{{name: gone, model_path: {tmp_path}}}]"])
+    assert preflight.problems(missing) == [
+        f"teachers[gone].model_path: no model at {tmp_path} (a directory with config.json)"
+    ]

@@ -35,61 +35,6 @@ def _processes_with(variable: str) -> list[int]:
     return found
 
 
-@pytest.mark.timeout(480)  # a mesh with a reward service and two trainer ranks, beside the other worker
-def test_rollmesh_run_trains_publishes_and_shuts_down(tiny_model, tmp_path):
-    """With the episodes and the held-out answers scored by a reward service the run starts
-    (`reward: {type: service}`; the quickstart's other runs score in the EnvManager), and the trainer
-    under torchrun (run.trainer_procs=2): two gloo ranks (FSDP2) train on whole groups; rank 0
-    publishes (over the http_buckets transport: both ranks gather, rank 0 sends) and logs. A teacher
-    (on-policy distillation) of the policy's own weights, on its own engine and LLMProxy, scores
-    every group: its log-probs are the sampling engine's, so the student's gap to it is ~0."""
-    run_dir = tmp_path / "run"
-    cmd = quickstart_cmd(
-        tiny_model,
-        run_dir,
-        "train_loop.steps=4",
-        "controller.groups_per_step=2",
-        "buffer.filter_zero_variance=false",  # a random model's groups are mostly all-zero: keep them
-        "env_manager.reward={type: service}",
-        "reward_service.reward=digit_answer",
-        "run.trainer_procs=2",
-        "train_loop.publisher.type=http_buckets",
-        "train_loop.publisher.bucket_mb=1",
-        f"teachers=[{{name: self, model_path: {tiny_model}}}]",
-        "env_manager.teacher=self",
-    )
-    # No token in the environment: rollmesh run makes one for the run and every service gets it.
-    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    trainer_log = run_dir / "logs" / "trainer.log"
-    log = trainer_log.read_text() if trainer_log.exists() else ""
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log[-3000:]
-    assert "trainer: 2 rank(s)" in log and "weights over http_buckets" in log
-    final = re.search(
-        r"^final: steps=(\d+) reward_mean_last5=([\d.]+) heldout_accuracy=([\d.]+) wall_s=([\d.]+)$", proc.stdout, re.M
-    )
-    assert final and int(final.group(1)) == 4 and 0.0 <= float(final.group(3)) <= 1.0
-    assert (run_dir / "reward_curve.png").stat().st_size > 1000
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["published"] for m in steps)  # rank 0 only writes
-    # Every trained token scored by the teacher, at the policy's first weights: the gap is the updates'.
-    assert all(m["taught_share"] == 1.0 for m in steps) and abs(steps[0]["teacher_kl"]) < 1e-3, steps
-    ckpt = run_dir / "checkpoints" / "step_4"
-    assert (ckpt / "COMPLETE").exists() and (ckpt / "extra_rank1.pt").exists()
-    assert (run_dir / "weights" / "v4" / "model.safetensors").exists()  # the restore point
-    # The EnvManager's workers started after the first evaluation and were stopped before the last;
-    # its Stats went into the summary: at least the 4 x 2 groups trained were put.
-    rollouts = json.loads((run_dir / "summary.json").read_text())["rollouts"]
-    assert rollouts["running"] is False and rollouts["groups_put"] >= 4 * 2, rollouts
-    assert re.search(rf"^rollouts: {rollouts['groups_put']} groups put, failures: ", proc.stdout, re.M)
-    leftovers = subprocess.run(["pgrep", "-f", f"train_loop.run_dir={run_dir}"], capture_output=True, text=True)
-    assert leftovers.stdout.strip() == "", "services still running after rollmesh run returned"
-    # Every trained episode (4 steps x 2 groups x 8) and the held-out answers, before and after, were scored there.
-    scored = re.search(r"scored (\d+) answers \(\{'ok': (\d+)\}\)", (run_dir / "logs" / "reward.log").read_text())
-    heldout = len(Path("examples/find_digit_heldout.jsonl").read_text().splitlines())
-    assert scored and int(scored.group(1)) == int(scored.group(2)) >= 4 * 2 * 8 + 2 * heldout
-
-
 def test_rollmesh_run_on_vllm_engines(tiny_model, tmp_path):
     """The quickstart with `engine: {type: vllm}`: the launcher starts vLLM, the proxy speaks its
     API, the trainer's versions reach it from disk, held-out evaluation runs through it, and
@@ -184,31 +129,72 @@ def test_the_quickstart_trains_reports_resumes_where_it_stopped_and_stops_on_sig
     far it learns is a learning curve, `make examples`' (300 steps: held-out 0.91-1.00); that a step
     moves the policy towards rewarded answers is tests/trainer/test_engine.py's. (It asserted learning
     within 50 steps here until one run of many did not: 50 steps of 1,280 answers each are a curve,
-    not a behaviour.)"""
+    not a behaviour.)
+
+    Both runs take the mesh's other paths at once: the episodes and the held-out answers are scored by
+    a reward service the run starts (`reward: {type: service}`); the trainer runs under torchrun
+    (run.trainer_procs=2: two gloo ranks (FSDP2) train on whole groups, rank 0 publishes over the
+    http_buckets transport and logs, and both resume from the checkpoint); a teacher (on-policy
+    distillation) of the policy's own weights, on its own engine and LLMProxy, scores every group (its
+    log-probs are the sampling engine's, so the student's gap to it starts at ~0); and no token is in
+    the environment (rollmesh run makes one and every service gets it)."""
     model = tiny_digits
     run_dir = tmp_path / "run"
     # A quarter of its batch (4 groups of 8 a step): the steps, the report and the resume are what is tested.
     sync = ("train_loop.checkpoint_every=4", "controller.async_ratio=0", "controller.groups_per_step=4")
-    proc = subprocess.run(
-        quickstart_cmd(model, run_dir, "train_loop.steps=4", *sync), capture_output=True, text=True, timeout=300
+    paths = (
+        "env_manager.reward={type: service}",
+        "reward_service.reward=digit_answer",
+        "run.trainer_procs=2",
+        "train_loop.publisher.type=http_buckets",
+        "train_loop.publisher.bucket_mb=1",
+        f"teachers=[{{name: self, model_path: {model}}}]",
+        "env_manager.teacher=self",
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    cmd = quickstart_cmd(model, run_dir, "train_loop.steps=4", *sync, *paths)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    trainer_log = run_dir / "logs" / "trainer.log"
+    log = trainer_log.read_text() if trainer_log.exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log[-3000:]
     before = re.search(r"held-out accuracy before training: ([\d.]+)", proc.stdout)
-    final = re.search(r"^final: steps=4 .* heldout_accuracy=([\d.]+)", proc.stdout, re.M)
+    final = re.search(
+        r"^final: steps=4 reward_mean_last5=[\d.]+ heldout_accuracy=([\d.]+) wall_s=[\d.]+$", proc.stdout, re.M
+    )
     assert before and final, proc.stdout[-2000:]
     assert float(before.group(1)) < 0.25  # the format prior answers digits, at chance on which one
-    rewards = [json.loads(x)["reward_mean"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(rewards) == 4 and all(0 <= r <= 1 for r in rewards), rewards
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["published"] for m in steps)  # rank 0 only writes
+    assert all(0 <= m["reward_mean"] <= 1 for m in steps), steps
     assert re.search(r"^step 4/4  reward [\d.]+ .* elapsed [\d:]+  eta 0:00$", proc.stdout, re.M), proc.stdout[-1000:]
     assert f"reward curve: {run_dir / 'reward_curve.png'}" in proc.stdout
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    assert "trainer: 2 rank(s)" in log and "weights over http_buckets" in log
+    ckpt = run_dir / "checkpoints" / "step_4"
+    assert (ckpt / "COMPLETE").exists() and (ckpt / "extra_rank1.pt").exists()
+    assert (run_dir / "weights" / "v4" / "model.safetensors").exists()  # the restore point
+    # Every trained token scored by the teacher; at the policy's first weights the gap is the engines' numerics.
+    assert all(m["taught_share"] == 1.0 for m in steps) and abs(steps[0]["teacher_kl"]) < 1e-3, steps
+    # The EnvManager's workers started after the first evaluation and were stopped before the last;
+    # its Stats went into the summary: at least the 4 x 4 groups trained were put.
+    rollouts = json.loads((run_dir / "summary.json").read_text())["rollouts"]
+    assert rollouts["running"] is False and rollouts["groups_put"] >= 4 * 4, rollouts
+    assert re.search(rf"^rollouts: {rollouts['groups_put']} groups put, failures: ", proc.stdout, re.M)
+    # Every trained episode (4 steps x 4 groups x 8) and the held-out answers, before and after, were scored there.
+    scored = re.search(r"scored (\d+) answers \(\{'ok': (\d+)\}\)", (run_dir / "logs" / "reward.log").read_text())
+    heldout = len(Path("examples/find_digit_heldout.jsonl").read_text().splitlines())
+    assert scored and int(scored.group(1)) == int(scored.group(2)) >= 4 * 4 * 8 + 2 * heldout
+    leftovers = subprocess.run(["pgrep", "-f", f"train_loop.run_dir={run_dir}"], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", "services still running after rollmesh run returned"
 
     # The second run is stopped with SIGTERM once it has trained a step: every service goes with it.
     metrics = run_dir / "metrics.jsonl"
     proc = subprocess.Popen(
-        quickstart_cmd(model, run_dir, "train_loop.steps=1000", *sync),
+        quickstart_cmd(model, run_dir, "train_loop.steps=1000", *sync, *paths),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=env,
     )
     try:
         deadline = time.monotonic() + 180

@@ -38,4 +38,6 @@ class EnvProviderConfig(TaskConfig):
     def _hosts_a_local_env(self) -> EnvProviderConfig:
         if self.env.type == "remote":
             raise ValueError("env.type: a provider hosts an environment of its own, not another provider's")
+        if self.teacher is not None:  # the EnvManager that runs the episodes has its groups taught
+            raise ValueError("teacher: a provider plays episodes; the EnvManager's task names the teacher")
         return self
