@@ -20,7 +20,7 @@ from rollout.proxy.config import ProxyConfig
 from sample_buffer.config import BufferConfig
 from services.auth import AuthConfig
 from services.controller.config import ControllerConfig
-from services.engine.backends import EngineVariant, backend
+from services.engine.backends import ENGINE_APIS, EngineVariant, backend
 from services.env_manager.config import EnvManagerConfig
 from services.env_provider.config import EnvProviderConfig
 from services.gateway.config import GatewayConfig
@@ -401,6 +401,10 @@ class RollmeshConfig(BaseModel):
                 raise ValueError(f"{where}: no teacher {d.teacher!r} (teachers: {sorted(known)})")
         if self.teachers and self.devices.placement != "none":
             raise ValueError("teachers: their engines are not placed on GPUs yet (devices.placement: none)")
+        if self.teachers and not hasattr(ENGINE_APIS[backend(self.engine).api], "score"):
+            raise ValueError(
+                f"teachers: engine.type {self.engine.type!r} does not score given tokens yet (embedded and sglang do)"
+            )
         if self.teachers and self.run.rollout != "env_manager":
             raise ValueError("teachers: the EnvManager's groups are scored by teachers, not the gateway's sessions")
         return self

@@ -331,6 +331,7 @@ def test_the_process_launcher_knows_the_run_configs_top_level_keys():
         ),
         (["teachers=[{name: t, model_path: m}]", "run.rollout=gateway"], "not the gateway's sessions"),
         (["env_provider.teacher=t"], "teacher: a provider plays episodes"),
+        (["teachers=[{name: t, model_path: m}]", "engine.type=vllm"], "engine.type 'vllm' does not score given tokens"),
     ],
 )
 def test_a_teacher_the_run_cannot_serve_is_refused_at_load_by_name(overrides, message):
