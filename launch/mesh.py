@@ -196,7 +196,8 @@ def _start_teacher(cfg, config_path, overrides, logs, teacher, mesh: Mesh, up: d
     supervised and restarted like the policy's; not placed on GPUs (the config refuses a placement)."""
     tag, n = f"teacher-{teacher.name}", teacher.num_engines
     names = [f"{tag}-engine-{i}" for i in range(n)]
-    pool = (cfg, config_path, overrides, logs, mesh)
+    # Last: the run's own overrides may name the policy's model_path, which is not the teacher's.
+    pool = (cfg, config_path, [*overrides, f"engine.model_path={teacher.model_path}"], logs, mesh)
     urls = _start_engine_pool(*pool, teacher.model_path, names, [None] * n, [mesh.hosts.services] * n)
     mesh.teachers[teacher.name] = _start_proxy(overrides, urls, f"{tag}-proxy", logs / f"{tag}-proxy.log", mesh, up)
 

@@ -45,7 +45,7 @@ class MixedPrecisionConfig(BaseModel):
 
 class DistillConfig(BaseModel):
     """On-policy distillation (trainer/distillation.py): how a teacher's log-probs of the sampled
-    tokens enter the advantage, Â = reward_coef·A − coef·(log π − log π_T). Applies to every
+    tokens enter the advantage, Â = reward_coef·A − coef·(log π − log π_T − b). Applies to every
     trajectory a teacher scored (the rollout's ``teachers``); the others train on their reward alone."""
 
     model_config = ConfigDict(extra="forbid")
@@ -55,6 +55,11 @@ class DistillConfig(BaseModel):
         1.0,
         ge=0,
         description="Weight of the verifiable reward's advantage on taught tokens (0: distillation alone).",
+    )
+    baseline: Literal["group", "none"] = Field(
+        "group",
+        description="group: the gap log π − log π_T minus its mean over the group's tokens (an unbiased "
+        "baseline: far less variance); none: the gap as it is (slime's form).",
     )
     student: Literal["behavior", "proximal"] = Field(
         "behavior",

@@ -1,15 +1,19 @@
 """On-policy distillation (OPD): a teacher's log-probs of the student's own tokens as the signal.
 
 The student samples; a teacher scores each sampled token (its prefill, in the reward stage:
-``Trajectory.teacher_logprobs``). Per token, log π_T(y_t) − log π(y_t) is a one-sample estimate of
-minus the reverse KL, KL(π ‖ π_T) at that position, and its gradient through the policy-gradient
-estimator moves π toward the teacher on the states the student itself visits. It is added to the
-verifiable-reward advantage (slime's ``--use-opd``, ROLL's mixed pipelines):
+``Trajectory.teacher_logprobs``). Per token, g_t = log π(y_t) − log π_T(y_t) is a one-sample
+estimate of the reverse KL, KL(π ‖ π_T) at that position, and its gradient through the
+policy-gradient estimator moves π toward the teacher on the states the student itself visits. It
+is added to the verifiable-reward advantage (slime's ``--use-opd``, ROLL's mixed pipelines):
 
-    Â_t = w·A_t − λ·(log π(y_t) − log π_T(y_t))
+    Â_t = w·A_t − λ·(g_t − b)
 
-with π the student's log-prob as ``DistillConfig.student`` says (μ, the engine's, by default: what
-sampled the token). Â then enters whichever policy loss is configured, so decoupled PPO, TIS and
+π is the student's log-prob as ``DistillConfig.student`` says (μ, the engine's, by default: what
+sampled the token). b is a baseline: the mean gap over the group's tokens (``baseline: group``),
+or 0 (``none``, slime's and the Thinking Machines recipe's form). Without one, every sampled token
+the teacher dislikes is pushed down by several nats at once. On a one-token answer that spreads
+probability over the whole vocabulary rather than toward the teacher's answer (the digit task,
+docs/distillation.md). Â then enters whichever policy loss is configured, so decoupled PPO, TIS and
 the mismatch corrections treat it as any advantage. Pure functions over [B, T] tensors.
 """
 
@@ -18,9 +22,21 @@ from __future__ import annotations
 import torch
 
 
-def reverse_kl_advantage(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
-    """−λ·(log π − log π_T) on the masked tokens, 0 elsewhere (no gradient: it is an advantage)."""
-    return (-coef * (student - teacher) * mask).detach()
+def reverse_kl_advantage(
+    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, coef: float, group_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """−λ·(g_t − b) on the masked tokens, 0 elsewhere, g_t = log π − log π_T (no gradient: it is an
+    advantage). ``group_ids`` given: b is the mean of g over the masked tokens of the row's group (a
+    baseline: E[b ∇log π] = 0, so the expected gradient is the reverse KL's, at a fraction of its
+    variance); None: b = 0."""
+    gap = (student - teacher) * mask
+    if group_ids is not None:
+        _, inverse = torch.unique(group_ids, return_inverse=True)
+        k = int(inverse.max()) + 1 if len(inverse) else 0
+        sums = torch.zeros(k, dtype=gap.dtype, device=gap.device).index_add_(0, inverse, gap.sum(-1))
+        counts = torch.zeros(k, dtype=gap.dtype, device=gap.device).index_add_(0, inverse, mask.sum(-1).to(gap.dtype))
+        gap = (gap - (sums / counts.clamp(min=1))[inverse][:, None]) * mask
+    return (-coef * gap).detach()
 
 
 def distilled_advantages(
@@ -32,11 +48,13 @@ def distilled_advantages(
     *,
     coef: float,
     reward_coef: float,
+    group_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Â = w·A − λ·(log π − log π_T) on rows a teacher scored (``taught`` [B] bool); the reward's A
-    alone elsewhere (a domain without a teacher in a multi-domain batch)."""
+    """Â = w·A − λ·(g − b) on rows a teacher scored (``taught`` [B] bool), b the group's mean gap
+    where ``group_ids`` is given (``reverse_kl_advantage``); the reward's A alone elsewhere (a domain
+    without a teacher in a multi-domain batch)."""
     rows = taught.to(mask.dtype)[:, None] * mask
-    mixed = reward_coef * advantages + reverse_kl_advantage(student, teacher, rows, coef)
+    mixed = reward_coef * advantages + reverse_kl_advantage(student, teacher, rows, coef, group_ids)
     return torch.where(rows > 0, mixed, advantages)
 
 

@@ -249,7 +249,10 @@ class TrainEngine(Forwards):
         if batch.teacher_logprobs is not None:
             d, teacher, taught = cfg.distill, batch.teacher_logprobs.to(self.device), batch.taught.to(self.device)
             student = behav if d.student == "behavior" else prox
-            adv = distilled_advantages(adv, student, teacher, mask, taught, coef=d.coef, reward_coef=d.reward_coef)
+            groups = batch.group_ids.to(self.device) if d.baseline == "group" else None
+            adv = distilled_advantages(
+                adv, student, teacher, mask, taught, coef=d.coef, reward_coef=d.reward_coef, group_ids=groups
+            )
             distilled = distillation_sums(student, teacher, mask, taught)
         # Sampled by older weights than these (the engines served an earlier version).
         stale = (

@@ -40,6 +40,23 @@ def test_the_advantage_is_the_literal_formula_on_taught_rows_and_the_reward_s_el
     assert torch.equal(reverse_kl_advantage(student, teacher, mask, coef), -coef * (student - teacher) * mask)
 
 
+def test_the_group_baseline_is_the_mean_gap_over_each_groups_taught_tokens():
+    adv, student, teacher, mask, taught = _tensors(2)
+    groups = torch.tensor([0, 0, 1, 1, 1])
+    got = distilled_advantages(adv, student, teacher, mask, taught, coef=0.5, reward_coef=1.0, group_ids=groups)
+    for b in range(5):
+        mates = [r for r in range(5) if groups[r] == groups[b] and taught[r]]
+        gaps = [float(student[r, t] - teacher[r, t]) for r in mates for t in range(7) if mask[r, t]]
+        base = sum(gaps) / len(gaps)
+        for t in range(7):
+            gap = float(student[b, t] - teacher[b, t])
+            want = float(adv[b, t]) - 0.5 * (gap - base) if taught[b] and mask[b, t] else float(adv[b, t])
+            assert got[b, t].item() == pytest.approx(want, abs=1e-12)
+    # Over a group's taught tokens the distillation term sums to zero: it only ranks them.
+    term = got - adv
+    assert abs(float(term[2:][mask[2:] > 0].sum())) < 1e-9
+
+
 def test_the_gap_carries_no_gradient_and_its_sums_count_only_taught_tokens():
     adv, student, teacher, mask, taught = _tensors(1)
     student.requires_grad_(True)
