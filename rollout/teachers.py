@@ -62,4 +62,8 @@ async def teach(teacher: Teacher, trajectories: list[Trajectory], route: str, ti
             raise TeacherFailed(f"{type(e).__name__}: {e}") from None
         return replace(t, teacher_logprobs=generated_logprobs(t.loss_mask, start, scored))
 
-    return list(await asyncio.gather(*(one(t) for t in trajectories)))
+    # Every call to its end (each within the deadline), so none is left running when one fails.
+    results = await asyncio.gather(*(one(t) for t in trajectories), return_exceptions=True)
+    if failed := next((r for r in results if isinstance(r, BaseException)), None):
+        raise failed
+    return results

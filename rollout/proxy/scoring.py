@@ -47,7 +47,10 @@ class Scoring:
             slot.outstanding_tokens += len(input_ids)
             slot.requests_total += 1
             try:
-                out = await asyncio.wait_for(client.score(input_ids, start, timeout_s=remaining), remaining)
+                # The engine's own timeout a little later than the deadline: a slow answer is this call's
+                # timeout, not a failed engine taken out of rotation.
+                call = client.score(input_ids, start, timeout_s=remaining + self.pool.config.abort_grace_s)
+                out = await asyncio.wait_for(call, remaining)
             except TimeoutError:
                 self.pool.counters["score_timeouts"] += 1
                 raise ScoreTimeout(f"no engine scored {len(input_ids)} tokens within the deadline") from None
