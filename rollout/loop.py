@@ -34,6 +34,7 @@ from rollout.sampling import SamplingParams
 from rollout.scheduling import Scheduling, Seats, make_scheduling
 from rollout.teachers import TeacherFailed, teach
 from rollout.turn_barrier import TurnBarrier
+from sample_buffer.errors import raise_if_cancelled
 from sample_buffer.trajectory import FinishReason, Group, Trajectory
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,7 @@ class RolloutLoop:
         try:
             admitted = await self.admission.admit(num_groups)
         except Exception as e:  # the controller restarts or is gone: wait, never let a worker die
+            raise_if_cancelled()  # (but a stopped one goes)
             log.warning("admit: %s; retrying in 1 s", e)
             await asyncio.sleep(1.0)
             return 0
@@ -473,6 +475,7 @@ class RolloutLoop:
         try:
             return await self.run_group(barrier, pick, seats)
         except Exception:  # one failed group must not stop the pool: logged, counted, its slot returned
+            raise_if_cancelled()  # the pool is stopping: the worker goes with it
             log.exception("group failed")
             return self._ended(GroupOutcome.FAILED, [], None, pick.domain)
 
@@ -520,6 +523,7 @@ class RolloutLoop:
                     self.version = max(self.version, version)
                     await self._abort_stale_groups()
             except Exception as e:  # the controller restarted or is gone: follow again, never stop
+                raise_if_cancelled()  # (unless the loop is stopping)
                 log.warning("watching versions: %s; retrying in 1 s", e)
             await asyncio.sleep(1.0)
 

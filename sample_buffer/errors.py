@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 
 class TransientError(Exception):
     """A call that never reached its target, or found it busy or restarting (no engine in
@@ -11,3 +13,12 @@ class TransientError(Exception):
     def __init__(self, code: str, message: str = "") -> None:
         super().__init__(f"{code}: {message}" if message else code)
         self.code = code
+
+
+def raise_if_cancelled() -> None:
+    """For a loop that catches a failed call and goes on: not when its task is being cancelled. The
+    cancel may reach it as the call's error (asyncio.wait_for on 3.11, a gRPC call cancelled under
+    it), and a loop that took it for a failure would go on for ever, with whoever stops it waiting."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -12,6 +12,7 @@ from rollout.proxy.adapters import Adapters
 from rollout.proxy.lanes import ENGINE_PAUSE_MODE
 from rollout.proxy.pool import EnginePool
 from rollout.proxy.router import EngineSlot
+from sample_buffer.errors import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -99,4 +100,5 @@ class Health:
             try:
                 await self.check_health()
             except Exception:  # the loop must outlive any single probe
+                raise_if_cancelled()  # but not its own stop
                 log.exception("health check round failed")

@@ -11,6 +11,7 @@ import logging
 import grpc
 
 from rollout.ports import Admitted
+from sample_buffer.errors import raise_if_cancelled
 from services.auth import AuthConfig
 from services.convert import project_error
 from services.grpc_util import channel
@@ -68,6 +69,7 @@ class ControllerClient:
             try:
                 await self.admit(0)
             except Exception as e:
+                raise_if_cancelled()
                 log.warning("lease report to the controller failed: %s", e)
 
     async def watch_versions(self):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rollout.admission import admission_capacity
 from rollout.ports import Admitted
+from sample_buffer.errors import raise_if_cancelled
 from services.controller.config import ControllerConfig
 from services.controller.errors import UpdateConflict
 from trainer.durable import write_durably
@@ -138,7 +139,7 @@ class AsyncController:
             try:
                 count = await asyncio.wait_for(self.buffer.count(), self.config.control_timeout_s)
             except Exception as e:  # the buffer restarts: keep counting finished groups meanwhile
-                _raise_if_cancelled()
+                raise_if_cancelled()
                 self.counters["buffer_poll_failures"] += 1
                 log.debug("buffer poll failed: %s", e)
             else:
@@ -175,7 +176,7 @@ class AsyncController:
             try:
                 await self.reconcile()
             except Exception as e:  # the LLMProxy restarts: next time
-                _raise_if_cancelled()
+                raise_if_cancelled()
                 self.counters["reconcile_failures"] += 1
                 log.warning("bringing the engines to version %d failed: %s", self.version, e)
 
@@ -386,12 +387,3 @@ class AsyncController:
             self._update.watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._update.watchdog
-
-
-def _raise_if_cancelled() -> None:
-    """A loop that catches a failed call goes on; not when its task is being cancelled, which may
-    reach it as the call's error (asyncio.wait_for on 3.11, a gRPC call cancelled under it): a
-    ``close`` awaiting the task would otherwise wait for ever."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError

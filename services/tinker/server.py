@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sample_buffer.errors import raise_if_cancelled
 from services.auth import AuthConfig
 from services.body_limit import BodyLimit
 from services.gateway.keys import KeyRing
@@ -228,6 +229,7 @@ async def _expire_forever(service: TinkerService) -> None:
         try:
             await service.expire()
         except Exception:  # noqa: BLE001 (logged; the next round tries again)
+            raise_if_cancelled()
             log.exception("expiring idle sessions failed")
 
 

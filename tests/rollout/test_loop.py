@@ -266,6 +266,49 @@ def test_stop_with_drain_lets_groups_in_flight_end():
     assert abandoned == 0 and ctl.in_flight == 0
 
 
+class _WatchThatSwallowsCancel:
+    """The controller, but its version stream answers a cancel with an error of its own, as a
+    cancelled gRPC stream may."""
+
+    def __init__(self, controller: AsyncController) -> None:
+        self.controller, self.watching, self.swallow = controller, 0, True
+
+    def __getattr__(self, name):  # admit, release: the controller's own
+        return getattr(self.controller, name)
+
+    async def watch_versions(self):
+        self.watching += 1
+        yield self.controller.version
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            if not self.swallow:
+                raise
+            raise RuntimeError("the stream was cancelled") from None
+
+
+def test_stopping_ends_the_version_watch_even_when_the_cancel_comes_back_as_an_error():
+    """The loop that follows the controller's version watches again after a failed stream; a stop
+    whose cancel reached it as the stream's error had it watch again for ever, and stop never returned."""
+
+    async def main():
+        loop, ctl, _, _ = make_loop()
+        loop.admission = watch = _WatchThatSwallowsCancel(ctl)
+        await loop.start()
+        await until(lambda: watch.watching >= 1)
+        await asyncio.sleep(0.05)  # inside the stream's wait
+        stopping = asyncio.create_task(loop.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=10)
+        watch.swallow = False  # a loop that took the error for a failure ends at its next cancel
+        if not done:
+            for t in loop._tasks:
+                t.cancel()
+            await stopping
+        return stopping in done, watch.watching
+
+    assert asyncio.run(main()) == (True, 1)
+
+
 def test_a_group_the_full_buffer_cannot_take_fails_and_gives_its_slot_back():
     async def main():
         loop, ctl, _, _ = make_loop(async_ratio=1, capacity=1, put_timeout_s=0.05)
