@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
+import sys
+import threading
+import weakref
 
 import pytest
 
@@ -143,6 +147,51 @@ def _no_process_outlives_its_test(request):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+class _LoopRecordingPolicy(asyncio.DefaultEventLoopPolicy):
+    """The default policy, keeping a weak reference to each loop it makes (asyncio.run's among them)."""
+
+    loops: weakref.WeakSet = weakref.WeakSet()
+
+    def new_event_loop(self):
+        loop = super().new_event_loop()
+        self.loops.add(loop)
+        return loop
+
+
+asyncio.set_event_loop_policy(_LoopRecordingPolicy())
+
+
+def _print_tasks(loop) -> None:
+    tasks = asyncio.all_tasks(loop)
+    print(f"\n+++ {len(tasks)} asyncio tasks of a loop still running near the test's timeout +++", file=sys.stderr)
+    for task in tasks:
+        print(f"--- {task!r}", file=sys.stderr)
+        task.print_stack(limit=12, file=sys.stderr)
+
+
+@pytest.fixture(autouse=True)
+def _hung_loops_show_their_tasks(request):
+    """pytest-timeout's dump shows a test hung in asyncio.run as its main thread in `select`: which
+    coroutine waits on what is in the loop's tasks. Twenty seconds before the timeout, each running loop
+    prints its tasks' stacks (to the test's captured stderr, shown with its failure)."""
+    marker = request.node.get_closest_marker("timeout")
+    timeout = float(marker.args[0] if marker and marker.args else request.config.getini("timeout") or 0)
+    if timeout <= 30:
+        yield
+        return
+
+    def dump() -> None:
+        for loop in list(_LoopRecordingPolicy.loops):
+            if loop.is_running():
+                loop.call_soon_threadsafe(_print_tasks, loop)
+
+    timer = threading.Timer(timeout - 20, dump)
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
 
 
 @pytest.fixture(scope="session")
