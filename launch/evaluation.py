@@ -7,6 +7,8 @@ import functools
 import time
 from dataclasses import dataclass
 
+from sample_buffer.deadlines import wait_for
+
 
 @dataclass
 class HeldOut:
@@ -160,7 +162,7 @@ async def heldout_episodes(proxy_address: str, cfg) -> HeldOut:
 
     async def play(seed: int):
         tid = f"heldout-{seed}-{time.monotonic_ns()}"
-        return await asyncio.wait_for(
+        return await wait_for(
             run_episode(
                 RemoteEnv(pool, tid),
                 seed,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 
+from sample_buffer.deadlines import wait_for
+
 
 def admission_capacity(async_ratio: int, version: int, groups_per_step: int, finished: int, in_flight: int) -> int:
     if async_ratio < 0:
@@ -55,7 +57,7 @@ class RefusalGate:
             self.open()
             return
         try:
-            await asyncio.wait_for(self._open.wait(), self.max_wait_s)
+            await wait_for(self._open.wait(), self.max_wait_s)
         except TimeoutError:
             pass
 

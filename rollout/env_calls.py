@@ -8,6 +8,7 @@ import inspect
 import logging
 
 from rollout.call_threads import run_in_thread
+from sample_buffer.deadlines import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,8 @@ async def env_call(fn, arg, timeout_s: float):
         # is given a moment beyond it to say why it missed it (no provider up is the provider's
         # fault, not a slow step): the outer bound is a backstop.
         if "timeout_s" in inspect.signature(fn).parameters:
-            return await asyncio.wait_for(fn(arg, timeout_s=timeout_s), timeout_s + _TOLD_GRACE_S)
-        return await asyncio.wait_for(fn(arg), timeout_s)
+            return await wait_for(fn(arg, timeout_s=timeout_s), timeout_s + _TOLD_GRACE_S)
+        return await wait_for(fn(arg), timeout_s)
     loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
 
     def settle(result, error) -> None:
@@ -43,7 +44,7 @@ async def env_call(fn, arg, timeout_s: float):
             pass
 
     run_in_thread(call)
-    return await asyncio.wait_for(done, timeout_s)
+    return await wait_for(done, timeout_s)
 
 
 def env_error(e: BaseException) -> dict:
@@ -59,7 +60,7 @@ async def close_env(env, timeout_s: float) -> None:
         return
     try:
         if inspect.iscoroutinefunction(close):
-            await asyncio.wait_for(close(), timeout_s)
+            await wait_for(close(), timeout_s)
         else:
             await env_call(lambda _: close(), None, timeout_s)
     except Exception as e:  # the episode is over either way

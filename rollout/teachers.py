@@ -18,6 +18,7 @@ from dataclasses import replace
 import numpy as np
 
 from rollout.ports import Teacher
+from sample_buffer.deadlines import wait_for
 from sample_buffer.errors import TransientError
 from sample_buffer.trajectory import Trajectory
 
@@ -53,9 +54,7 @@ async def teach(teacher: Teacher, trajectories: list[Trajectory], route: str, ti
         if left <= 0:
             raise TeacherFailed("the deadline passed before the call")
         try:
-            scored = await asyncio.wait_for(
-                teacher.score(t.token_ids.tolist(), start, route=route, timeout_s=left), left
-            )
+            scored = await wait_for(teacher.score(t.token_ids.tolist(), start, route=route, timeout_s=left), left)
         except TimeoutError:
             raise TeacherFailed(f"no answer within {timeout_s:g} s") from None
         except (TransientError, ValueError, RuntimeError, ConnectionError) as e:  # refusals, a failed engine

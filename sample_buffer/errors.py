@@ -17,8 +17,9 @@ class TransientError(Exception):
 
 def raise_if_cancelled() -> None:
     """For a loop that catches a failed call and goes on: not when its task is being cancelled. The
-    cancel may reach it as the call's error (asyncio.wait_for on 3.11, a gRPC call cancelled under
-    it), and a loop that took it for a failure would go on for ever, with whoever stops it waiting."""
+    cancel may reach it as the call's error (a gRPC call cancelled under it), and a loop that took it
+    for a failure would go on for ever, with whoever stops it waiting. (A cancel that is lost
+    altogether is ``asyncio.wait_for``'s on 3.11: ``sample_buffer/deadlines.py``.)"""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError

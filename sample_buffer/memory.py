@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 from sample_buffer.buffer import COUNTERS, SampleBuffer, by_domain
 from sample_buffer.codec import GroupHeader
 from sample_buffer.config import BufferConfig
+from sample_buffer.deadlines import wait_for
 
 
 class MemoryBuffer(SampleBuffer):
@@ -68,7 +69,7 @@ class MemoryBuffer(SampleBuffer):
         if not ready and wait_s > 0:
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), timeout=min(wait_s, self._until_next_expiry()))
+                await wait_for(self._arrived.wait(), timeout=min(wait_s, self._until_next_expiry()))
             except TimeoutError:
                 pass
             self._redeliver_expired()

@@ -14,6 +14,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from sample_buffer.deadlines import wait_for
 from services.auth import (
     AuthConfig,
     RunTokens,
@@ -67,7 +68,7 @@ async def _acquire(slots: asyncio.Semaphore, method: str, context: grpc.aio.Serv
     its own deadline passes; a minute without one), else RESOURCE_EXHAUSTED."""
     remaining = context.time_remaining()
     try:
-        await asyncio.wait_for(slots.acquire(), 60.0 if remaining is None else 0.9 * remaining)
+        await wait_for(slots.acquire(), 60.0 if remaining is None else 0.9 * remaining)
     except TimeoutError:
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: every receive slot stayed busy until the call's deadline"

@@ -9,7 +9,9 @@ environment (``make vllm``) with its defaults (torch.compile on), at the same ru
 
 It also reports the train/inference mismatch of each engine: the engine's returned log-probs of
 the first 16 responses against a teacher-forced forward of the same tokens (what the trainer
-computes), mean and max |Δ|.
+computes), mean and max |Δ|. And the embedded engine as a teacher (on-policy distillation): every
+response scored, prompt as context (``/generate`` with ``logprob_start_len``, all at once), in
+scored tokens a second, beside the tokens a second it generated them at.
 """
 
 from __future__ import annotations
@@ -48,6 +50,19 @@ async def _engine_run(url: str, prompts, lengths, api: str = "sglang"):
     return wall, outs
 
 
+async def _score_run(url: str, prompts, outs) -> float:
+    """Seconds to score every response with its prompt as context (a teacher's calls, all at once)."""
+    from services.llm_proxy.server import engine_client
+
+    client = engine_client(url, timeout_s=600)
+    t0 = time.perf_counter()
+    scored = await asyncio.gather(*(client.score(p + o.output_ids, len(p)) for p, o in zip(prompts, outs)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    assert [len(s.logprobs) for s in scored] == [len(o.output_ids) for o in outs]
+    return wall
+
+
 def mismatch(model, prompts, outs) -> dict:
     """Mean and max |engine log-prob − teacher-forced log-prob| over the tokens of ``outs``."""
     deltas = []
@@ -60,12 +75,17 @@ def mismatch(model, prompts, outs) -> dict:
     return {"mean": float(f"{sum(deltas) / len(deltas):.3g}"), "max": float(f"{max(deltas):.3g}")}
 
 
-def _served(model_path: str, extra: list[str], prompts, lengths, api: str = "sglang"):
-    """Start an engine, warm it up, time the workload; (wall seconds, outputs)."""
+def _served(model_path: str, extra: list[str], prompts, lengths, api: str = "sglang", score: bool = False):
+    """Start an engine, warm it up, time the workload; (wall seconds, outputs, seconds to score the
+    outputs as a teacher: with ``score``, else None)."""
     proc, url = start_engine_process(model_path, extra=extra, timeout_s=600)
     try:
-        asyncio.run(_engine_run(url, prompts[:16], lengths[:16], api))  # warm-up
-        return asyncio.run(_engine_run(url, prompts, lengths, api))
+        warm = asyncio.run(_engine_run(url, prompts[:16], lengths[:16], api))[1]
+        wall, outs = asyncio.run(_engine_run(url, prompts, lengths, api))
+        if not score:
+            return wall, outs, None
+        asyncio.run(_score_run(url, prompts[:16], warm))
+        return wall, outs, asyncio.run(_score_run(url, prompts, outs))
     finally:
         stop_process(proc, 30)
 
@@ -121,11 +141,11 @@ def run(
     walls, outs = {}, {}
     progress(f"embedded engine: {num_prompts} prompts, {useful} tokens")
     embedded = [f"max_running_requests={batch_size}", f"device={device}", f"dtype={dtype}"]
-    walls["embedded"], outs["embedded"] = _served(model_path, embedded, prompts, lengths)
+    walls["embedded"], outs["embedded"], score_wall = _served(model_path, embedded, prompts, lengths, score=True)
     if vllm:
         progress("vLLM (starting takes a minute or two)")
         extra = ["type=vllm", f"max_running_requests={batch_size}", f"context_length={48 + max_new_tokens + 16}"]
-        walls["vllm"], outs["vllm"] = _served(model_path, extra, prompts, lengths, "vllm")
+        walls["vllm"], outs["vllm"], _ = _served(model_path, extra, prompts, lengths, "vllm")
     progress("HF generate")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     _hf_run(model, prompts[:16], lengths[:16], batch_size)  # warm-up
@@ -141,6 +161,10 @@ def run(
         **{f"{k}_wall_s": round(w, 3) for k, w in walls.items()},
         **{f"{k}_tokens_per_s": round(useful / w, 1) for k, w in walls.items()},
         "speedup": round(walls["hf_generate"] / walls["embedded"], 3),  # embedded vs HF generate
+        # the embedded engine as a teacher: the same responses scored, prompt as context
+        "embedded_score_wall_s": round(score_wall, 3),
+        "embedded_score_tokens_per_s": round(useful / score_wall, 1),
+        "embedded_score_vs_generate": round(walls["embedded"] / score_wall, 3),
     }
     if vllm:
         result["embedded_vs_vllm"] = round(walls["vllm"] / walls["embedded"], 3)

@@ -19,6 +19,7 @@ from rollout.proxy.config import ProxyConfig
 from rollout.proxy.lanes import Lane
 from rollout.proxy.request import InFlight, RequestInvalid
 from rollout.proxy.router import EngineSlot, Router
+from sample_buffer.deadlines import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class EnginePool:
     async def engine_update(self, slot: EngineSlot, version: int, applies: bool, timeout: float, call) -> dict:
         """One engine's part of an update; ``applies``: the call must leave it serving ``version``."""
         try:
-            res = await asyncio.wait_for(call(self.clients[slot.name]), timeout)
+            res = await wait_for(call(self.clients[slot.name]), timeout)
             got = int(res.get("weight_version", -1)) if applies else slot.weight_version
             slot.weight_version = got
             ok = got == version or not applies

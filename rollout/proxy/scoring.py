@@ -9,12 +9,12 @@ versions of its own, but a suspended proxy holds scoring at its gate as it holds
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from rollout.engines.http_engine import EngineRejected, EngineUnavailable, ScoreResult
 from rollout.proxy.pool import EnginePool
 from rollout.proxy.request import NoEngineAvailable, RequestInvalid
+from sample_buffer.deadlines import wait_for
 
 
 class ScoreTimeout(TimeoutError):
@@ -50,7 +50,7 @@ class Scoring:
                 # The engine's own timeout a little later than the deadline: a slow answer is this call's
                 # timeout, not a failed engine taken out of rotation.
                 call = client.score(input_ids, start, timeout_s=remaining + self.pool.config.abort_grace_s)
-                out = await asyncio.wait_for(call, remaining)
+                out = await wait_for(call, remaining)
             except TimeoutError:
                 self.pool.counters["score_timeouts"] += 1
                 raise ScoreTimeout(f"no engine scored {len(input_ids)} tokens within the deadline") from None
@@ -75,6 +75,6 @@ class Scoring:
         if gate.is_set():
             return
         try:
-            await asyncio.wait_for(gate.wait(), max(0.0, deadline - time.perf_counter()))
+            await wait_for(gate.wait(), max(0.0, deadline - time.perf_counter()))
         except TimeoutError:
             raise ScoreTimeout("the proxy stayed suspended past the deadline") from None

@@ -18,6 +18,7 @@ from rollout.proxy.adapters import Adapters
 from rollout.proxy.pool import EnginePool
 from rollout.proxy.request import RequestInvalid, check_timeout
 from rollout.proxy.router import EngineSlot
+from sample_buffer.deadlines import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ class WeightUpdates:
             try:
                 if group.joined.cancelled():  # superseded by a newer InitWeightsGroup
                     raise TimeoutError
-                joined = await asyncio.wait_for(asyncio.shield(group.joined), timeout)
+                joined = await wait_for(asyncio.shield(group.joined), timeout)
             except TimeoutError:
                 joined = [
                     {

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rollout.admission import admission_capacity
 from rollout.ports import Admitted
+from sample_buffer.deadlines import wait_for
 from sample_buffer.errors import raise_if_cancelled
 from services.controller.config import ControllerConfig
 from services.controller.errors import UpdateConflict
@@ -137,7 +138,7 @@ class AsyncController:
         while True:
             sent = self._unpolled
             try:
-                count = await asyncio.wait_for(self.buffer.count(), self.config.control_timeout_s)
+                count = await wait_for(self.buffer.count(), self.config.control_timeout_s)
             except Exception as e:  # the buffer restarts: keep counting finished groups meanwhile
                 raise_if_cancelled()
                 self.counters["buffer_poll_failures"] += 1
@@ -190,9 +191,7 @@ class AsyncController:
             if self._update is not None:
                 return False
             log.warning("the engines do not all serve version %d: sending them %s", self.version, self.model_path)
-            await asyncio.wait_for(
-                self.proxy.update_weights(self.model_path, self.version), self.config.control_timeout_s
-            )
+            await wait_for(self.proxy.update_weights(self.model_path, self.version), self.config.control_timeout_s)
             self.counters["reconciles"] += 1
             return True
 
@@ -252,7 +251,7 @@ class AsyncController:
             raise RestoreError(f"{path}: not a controller state ({e}); delete it to start at version 0") from None
         if self.proxy is not None:
             try:
-                await asyncio.wait_for(self.proxy.update_weights(model_path, version), self.config.control_timeout_s)
+                await wait_for(self.proxy.update_weights(model_path, version), self.config.control_timeout_s)
             except Exception as e:
                 raise RestoreError(
                     f"{path}: cannot bring the engines to version {version} ({model_path}): {e}; "
@@ -294,7 +293,7 @@ class AsyncController:
                 raise ValueError(f"timeout_s: must be a finite number >= 0 (0 = the default), got {timeout_s}")
             update = _Update(uuid.uuid4().hex, new_version, time.monotonic())
             if self.proxy is not None:
-                await asyncio.wait_for(self.proxy.suspend(), self.config.control_timeout_s)
+                await wait_for(self.proxy.suspend(), self.config.control_timeout_s)
             self._update = update
             update.watchdog = asyncio.create_task(self._watchdog(update, timeout_s or self.config.update_timeout_s))
             self.counters["updates_begun"] += 1
@@ -321,9 +320,7 @@ class AsyncController:
         log.warning("weight update to v%d aborted: %s", update.new_version, reason)
         if self.proxy is not None:
             try:  # some engines may already hold the new weights: bring every engine back
-                await asyncio.wait_for(
-                    self.proxy.update_weights(self.model_path, self.version), self.config.control_timeout_s
-                )
+                await wait_for(self.proxy.update_weights(self.model_path, self.version), self.config.control_timeout_s)
             except Exception as e:  # reported and counted; generation resumes regardless
                 log.error("restoring v%d (%s) failed: %s", self.version, self.model_path, e)
                 self.counters["restore_failures"] += 1
@@ -338,7 +335,7 @@ class AsyncController:
         self.counters["update_seconds_total"] += time.monotonic() - update.started
         if self.proxy is not None:
             try:
-                await asyncio.wait_for(self.proxy.resume(), self.config.control_timeout_s)
+                await wait_for(self.proxy.resume(), self.config.control_timeout_s)
             except Exception as e:
                 log.error("resume after %s update failed: %s", result, e)
                 self.counters["resume_failures"] += 1

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.engines.contract import EngineError
 from rollout.sampling import SamplingParams
+from sample_buffer.deadlines import wait_for
 
 if TYPE_CHECKING:
     from rollout.engines.embedded.engine import EmbeddedEngine
@@ -89,7 +90,7 @@ def control_router(engine: EmbeddedEngine) -> APIRouter:
         rid = f"HEALTH_CHECK_{next(health_checks)}"
         try:
             fut = engine.submit(rid, [0], SamplingParams(max_new_tokens=1, temperature=0.0))
-            await asyncio.wait_for(asyncio.wrap_future(fut), 20.0)
+            await wait_for(asyncio.wrap_future(fut), 20.0)
         except (TimeoutError, EngineError):
             engine.abort(rid, False)
             return Response(status_code=503)

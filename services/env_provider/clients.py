@@ -19,6 +19,7 @@ import grpc
 
 from rollout.budgets import Budgets
 from rollout.envs.remote import Observation, ProviderError, ProviderInfo, ProviderTimeout, RemoteEnvConfig
+from sample_buffer.deadlines import wait_for
 from sample_buffer.vision import MAX_IMAGES, VisionError, image_bytes
 from services.auth import AuthConfig, AuthError, Role, http_headers, provider_auth
 from services.grpc_util import channel
@@ -377,7 +378,7 @@ class OpenEnvClient(_HttpBase):
             raise ProviderError("unreachable", f"{self.address}/ws: the session of {episode_id!r} was closed")
         try:
             await sock.ws.send_str(json.dumps(message))
-            reply = await asyncio.wait_for(sock.replies.get(), timeout_s)
+            reply = await wait_for(sock.replies.get(), timeout_s)
         except TimeoutError:
             await self._drop(episode_id)  # an answer arriving later would be read as the next one's
             raise TimeoutError(f"{self.address}/ws: no answer in {timeout_s:g} s") from None
@@ -432,7 +433,7 @@ class OpenEnvClient(_HttpBase):
         sock = self._sockets.get(episode_id)
         if sock is not None and not sock.ws.closed:
             try:
-                await asyncio.wait_for(sock.ws.send_str(json.dumps({"type": "close"})), timeout_s)
+                await wait_for(sock.ws.send_str(json.dumps({"type": "close"})), timeout_s)
             except (TimeoutError, aiohttp.ClientError, ConnectionError):
                 pass
         await self._drop(episode_id)

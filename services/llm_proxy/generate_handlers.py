@@ -11,6 +11,7 @@ import uuid
 import grpc
 
 from rollout.proxy import ProxyRequest
+from sample_buffer.deadlines import wait_for
 from services.convert import finish_to_pb, routed_experts_to_pb, sampling_from_pb
 from services.llm_proxy.calls import ProxyCalls, refusals
 from services.pb.rollmesh.v1 import llm_proxy_pb2 as pb
@@ -83,7 +84,7 @@ class GenerateHandlers(ProxyCalls):
             if not task.done():  # the caller went away mid-stream
                 await self.proxy.abort(preq.request_id, run=self.run_of(ctx))
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await asyncio.wait_for(task, self.proxy.config.abort_grace_s)
+                    await wait_for(task, self.proxy.config.abort_grace_s)
 
     async def score_tokens(self, req: pb.ScoreTokensRequest, ctx) -> pb.ScoreTokensResponse:
         async with refusals(ctx):

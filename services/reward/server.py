@@ -23,6 +23,7 @@ import grpc
 
 from rollout.reward_pool import RewardPool
 from rollout.rewards import build_reward
+from sample_buffer.deadlines import wait_for
 from services.auth import AuthConfig
 from services.grpc_util import serve_until_signal, start_server, unary_service
 from services.metrics import serve_metrics
@@ -57,7 +58,7 @@ class RewardService:
         try:
             # The hosted reward gets the time left and bounds its own run (a thread is never killed).
             work = asyncio.get_running_loop().run_in_executor(self._threads, self._run, response, answer, t0 + limit)
-            reward, failure = await asyncio.wait_for(work, limit + GRACE_S)
+            reward, failure = await wait_for(work, limit + GRACE_S)
             reward = float(reward)
         except TimeoutError:
             reward, failure = 0.0, "timeout"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.sampling import SamplingParams
+from sample_buffer.deadlines import wait_for
 from sample_buffer.trajectory import FinishReason
 from services.tinker import wire
 from services.tinker.errors import TinkerError, json_object, string_id, unknown
@@ -167,7 +168,7 @@ class Sampling:
                 async with self._idle:  # every one is sampling: wait for one to end
                     left = deadline - asyncio.get_running_loop().time()
                     try:
-                        await asyncio.wait_for(self._idle.wait(), max(left, 0.01))
+                        await wait_for(self._idle.wait(), max(left, 0.01))
                     except TimeoutError:
                         raise TinkerError("", "every loaded adapter stayed in use; try again", "server", 503) from None
             if name is None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sample_buffer.deadlines import wait_for
 from services.tinker import wire
 from services.tinker.checkpoints import CHECKPOINT_KINDS, EXPIRES, Checkpoints
 from services.tinker.config import TinkerConfig
@@ -155,7 +156,7 @@ class TinkerService(Sampling, Checkpoints):
         if r is None or r.owner != owner:
             raise unknown("request_id", rid)
         try:
-            await asyncio.wait_for(asyncio.shield(r.future), hold_s)
+            await wait_for(asyncio.shield(r.future), hold_s)
         except TimeoutError:
             return None
         except Exception:  # noqa: BLE001 (the result is the error; it is answered to the client)
@@ -327,9 +328,7 @@ class TinkerService(Sampling, Checkpoints):
                 raise TinkerError("seq_id", f"{seq} was used already (next: {m.next_seq})")
             m.claimed.add(seq)
             try:
-                await asyncio.wait_for(
-                    m.turn.wait_for(lambda: m.next_seq >= seq or m.broken), self.config.order_timeout_s
-                )
+                await wait_for(m.turn.wait_for(lambda: m.next_seq >= seq or m.broken), self.config.order_timeout_s)
             except TimeoutError:
                 m.broken = f"call {m.next_seq} never came ({self.config.order_timeout_s} s); create a new client"
                 m.turn.notify_all()

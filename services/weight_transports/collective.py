@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from sample_buffer.deadlines import wait_for
 from services.convert import project_error
 from services.llm_proxy.client import ProxyClient
 from services.weight_transports.common import AdapterFields, EngineSide, engine_failures, failed, held_checksum
@@ -201,10 +202,10 @@ class CollectivePublisher:
         if send in done and send.exception() is not None:
             self.close()
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(call, 10)
+                await wait_for(call, 10)
             raise PublishError(f"bucket {i} of {n}: broadcast failed: {send.exception()}")
         try:
-            res = await asyncio.wait_for(call, self._left(deadline, f"bucket {i} of {n}"))
+            res = await wait_for(call, self._left(deadline, f"bucket {i} of {n}"))
         except grpc.aio.AioRpcError as e:
             raise PublishError(f"LLMProxy, bucket {i} of {n}: {project_error(e)}") from None
         except TimeoutError:
@@ -212,7 +213,7 @@ class CollectivePublisher:
         if not res.success:
             raise PublishError(f"bucket {i} of {n}: {engine_failures(res)}")
         try:  # every engine received everything: the broadcast has ended or is about to
-            await asyncio.wait_for(send, self._left(deadline, f"bucket {i} of {n}"))
+            await wait_for(send, self._left(deadline, f"bucket {i} of {n}"))
         except (TimeoutError, RuntimeError) as e:
             raise PublishError(f"bucket {i} of {n}: broadcast failed: {e}") from None
 

@@ -5,6 +5,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from rollout.envs import EnvConfig, SimEnv
 from rollout.turn_barrier import TurnBarrier
+from sample_buffer.deadlines import wait_for
 
 
 def test_nobody_passes_until_every_live_party_arrives():
@@ -19,7 +20,7 @@ def test_nobody_passes_until_every_live_party_arrives():
                 order.append(f"{name}{r}-pass")
             barrier.leave()
 
-        await asyncio.wait_for(asyncio.gather(party("a", 0.0, 2), party("b", 0.01, 1), party("c", 0.03, 2)), 5)
+        await wait_for(asyncio.gather(party("a", 0.0, 2), party("b", 0.01, 1), party("c", 0.03, 2)), 5)
         return order
 
     order = asyncio.run(main())

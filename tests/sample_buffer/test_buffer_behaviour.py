@@ -9,6 +9,7 @@ import pytest
 
 from sample_buffer.buffer import BufferFull
 from sample_buffer.codec import CodecError
+from sample_buffer.deadlines import wait_for
 from tests.sample_buffer.helpers import make_group, run
 
 
@@ -130,7 +131,7 @@ def test_full_buffer_makes_put_wait_then_fail_clearly(buffer_factory):
         await asyncio.sleep(0.1)
         assert not waiting.done()  # handed out but not acked still takes room
         await buf.ack(batch.batch_id)
-        assert (await asyncio.wait_for(waiting, 5)).accepted
+        assert (await wait_for(waiting, 5)).accepted
         return await buf.stats()
 
     stats = run(go())

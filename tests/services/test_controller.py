@@ -10,6 +10,7 @@ import pytest
 
 from rollout.proxy import ProxyConfig
 from sample_buffer.config import BufferConfig
+from sample_buffer.deadlines import wait_for
 from services.controller.client import ControllerClient
 from services.controller.config import ControllerConfig
 from services.controller.controller import AsyncController, RestoreError
@@ -108,7 +109,7 @@ def test_update_protocol_continues_generation_under_new_weights(engine, tiny_mod
             pb.CommitUpdateRequest(update_id=update.update_id, version=1, model_path=tiny_model_b)
         )
         out = await long
-        await asyncio.wait_for(watcher, 10)
+        await wait_for(watcher, 10)
         return suspended, pushed, conflict.value, committed, out, events, proxy.suspended
 
     suspended, pushed, conflict, committed, out, events, still = run(scenario, engine, tiny_model)

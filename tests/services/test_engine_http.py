@@ -18,6 +18,7 @@ from rollout.engines.sglang.client import (
     parse_generate_response,
     parse_score_response,
 )
+from sample_buffer.deadlines import wait_for
 from services.auth import AuthConfig, http_headers
 from services.llm_proxy.server import engine_client
 
@@ -303,7 +304,7 @@ def test_pause_continue_and_model_info(engine_url):
         await asyncio.sleep(0.3)
         waiting = not task.done()
         await client.resume()
-        out = await asyncio.wait_for(task, 30)
+        out = await wait_for(task, 30)
         info = await client.model_info()
         with pytest.raises(EngineRejected, match="mode"):
             await client.pause("sideways")

@@ -14,6 +14,7 @@ from rollout.envs import load_jsonl
 from rollout.ports import TransientError
 from rollout.proxy import ProxyConfig
 from rollout.sampling import SamplingParams
+from sample_buffer.deadlines import wait_for
 from services.env_manager.config import EnvManagerConfig
 from services.env_manager.server import build_loop
 from services.llm_proxy.client import ProxyClient, ProxyGenerate
@@ -153,7 +154,7 @@ class HeldEnv:
         from rollout.envs.base import StepResult
 
         if self.index % 2:
-            await asyncio.wait_for(HeldEnv.held.wait(), 30)
+            await wait_for(HeldEnv.held.wait(), 30)
         return StepResult(None, float(self.index % 2), True)
 
 
@@ -222,7 +223,7 @@ def test_a_generation_waits_out_an_unreachable_proxy_and_gives_up_at_its_deadlin
         await asyncio.sleep(1.0)  # the proxy comes up a second late
         server, proxy = await start_proxy(ProxyConfig(engine_urls=[engine_url], port=port, metrics_port=0))
         try:
-            gen = await asyncio.wait_for(call, 30)
+            gen = await wait_for(call, 30)
             waited_out = retried._value.get()
             with pytest.raises(ValueError, match="input_ids"):  # not transient: raised at once
                 await loop.generate([], SamplingParams(max_new_tokens=4), "g/1", 30.0)

@@ -25,6 +25,7 @@ from openenv.core import GenericEnvClient  # isort: skip
 from rollout.budgets import Budgets
 from rollout.envs.base import Observation
 from rollout.envs.remote import PROTOCOLS, ProviderError, ProviderTimeout, RemoteEnv, RemoteEnvConfig
+from sample_buffer.deadlines import wait_for
 from services.auth import AuthConfig
 from services.env_provider.clients import build_pool
 from services.pb.rollmesh.v1 import env_provider_pb2 as pb
@@ -168,7 +169,7 @@ def test_every_route_but_health_needs_the_token(provider, monkeypatch):
         pool = build_pool(config, AuthConfig())
         try:
             with pytest.raises(ProviderError) as e:
-                await asyncio.wait_for(RemoteEnv(pool, "e").reset(0, timeout_s=5), 10)
+                await wait_for(RemoteEnv(pool, "e").reset(0, timeout_s=5), 10)
             return e.value.kind
         finally:
             await pool.aclose()

@@ -40,6 +40,7 @@ from safetensors.torch import save
 from rollout.proxy import ProxyConfig
 from sample_buffer.codec import _PREFIX, decode_group, encode_group, read_header
 from sample_buffer.config import BufferConfig
+from sample_buffer.deadlines import wait_for
 from services.auth import AuthConfig, http_headers
 from services.controller.client import ControllerClient
 from services.controller.config import ControllerConfig
@@ -131,7 +132,7 @@ class Loop:
         self.loop = uvloop.new_event_loop()
 
     def run(self, coro, timeout_s: float = 120.0):
-        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
+        return self.loop.run_until_complete(wait_for(coro, timeout_s))
 
     def close(self) -> None:
         async def cancel_the_rest():

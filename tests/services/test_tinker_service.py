@@ -7,6 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from sample_buffer.deadlines import wait_for
 from services.tinker.config import TinkerConfig
 from services.tinker.errors import TinkerError
 from services.tinker.service import TinkerService
@@ -37,14 +38,14 @@ def test_a_refused_call_passes_its_turn_and_a_duplicate_number_is_refused(pool, 
         with pytest.raises(TinkerError, match="adam_params.learning_rate"):  # seq 1: refused at once
             svc.optim_step("alice", {"model_id": m.id, "seq_id": 1, "adam_params": {"learning_rate": -1}})
         step = svc.optim_step("alice", {"model_id": m.id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}})
-        assert (await asyncio.wait_for(step, 5))["type"] == "optim_step"  # did not wait for seq 1
+        assert (await wait_for(step, 5))["type"] == "optim_step"  # did not wait for seq 1
         again = svc.optim_step("alice", {"model_id": m.id, "seq_id": 2, "adam_params": {}})
         with pytest.raises(TinkerError, match="seq_id"):
             await again
         with pytest.raises(TinkerError, match="saved already"):  # a name is saved for samplers once
             await svc.save_weights_for_sampler("alice", {"model_id": m.id, "seq_id": 3, "path": "s"})
             svc.save_weights_for_sampler("alice", {"model_id": m.id, "seq_id": 4, "path": "s"})
-        await asyncio.wait_for(svc.optim_step("alice", {"model_id": m.id, "seq_id": 5, "adam_params": {}}), 5)
+        await wait_for(svc.optim_step("alice", {"model_id": m.id, "seq_id": 5, "adam_params": {}}), 5)
         svc.pool.remove(m.adapter)
 
     asyncio.run(main())
@@ -107,8 +108,8 @@ def test_saved_weights_with_a_ttl_are_listed_with_it_and_deleted_once_it_passes(
         with pytest.raises(TinkerError, match="ttl_seconds"):
             svc.save_weights("alice", {"model_id": m.id, "seq_id": 1, "path": "x", "ttl_seconds": -5})
         short = {"model_id": m.id, "seq_id": 2, "path": "short", "ttl_seconds": 0.01}
-        await asyncio.wait_for(svc.save_weights("alice", short), 30)
-        await asyncio.wait_for(svc.save_weights("alice", {"model_id": m.id, "seq_id": 3, "path": "kept"}), 30)
+        await wait_for(svc.save_weights("alice", short), 30)
+        await wait_for(svc.save_weights("alice", {"model_id": m.id, "seq_id": 3, "path": "kept"}), 30)
         listed = {c["checkpoint_id"]: c["expires_at"] for c in svc.checkpoints("alice", m.id)["checkpoints"]}
         assert listed["weights/kept"] is None and listed["weights/short"] is not None
         await asyncio.sleep(0.05)  # past its expiry time
