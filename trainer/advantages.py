@@ -38,18 +38,18 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6, shift_
     return out * mask
 
 
+def group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """For each row ([B]), the sum of ``values`` ([B]) over the rows of its group."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    k = int(inverse.max()) + 1 if len(inverse) else 0
+    return torch.zeros(k, dtype=values.dtype, device=values.device).index_add_(0, inverse, values)[inverse]
+
+
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-trajectory (group size, group sum, group std (unbiased)) of its group."""
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    k = int(inverse.max()) + 1
-    count = torch.zeros(k, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, torch.ones_like(rewards))
-    total = torch.zeros(k, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
-    mean = total / count
-    sq = torch.zeros(k, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, inverse, (rewards - mean[inverse]) ** 2
-    )
-    std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    return count[inverse], total[inverse], std[inverse]
+    count, total = group_sums(torch.ones_like(rewards), group_ids), group_sums(rewards, group_ids)
+    sq = group_sums((rewards - total / count) ** 2, group_ids)
+    return count, total, torch.sqrt(sq / (count - 1).clamp(min=1))
 
 
 def grpo(rewards, mask, group_ids, *, norm_by_std: bool = True, eps: float = 1e-6, **_) -> tuple:

@@ -64,8 +64,8 @@ class DistillConfig(BaseModel):
     )
     baseline: Literal["group", "none"] = Field(
         "group",
-        description="group: the gap log π − log π_T minus its mean over the group's tokens (an unbiased "
-        "baseline: far less variance); none: the gap as it is (slime's form).",
+        description="group: the gap log π − log π_T minus its mean over the group's tokens (a baseline, nearly "
+        "unbiased, that lowers the estimate's variance); none: the gap as it is (slime's form).",
     )
     student: Literal["behavior", "proximal"] = Field(
         "behavior",

@@ -21,21 +21,20 @@ from __future__ import annotations
 
 import torch
 
+from trainer.advantages import group_sums
+
 
 def reverse_kl_advantage(
     student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, coef: float, group_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
     """−λ·(g_t − b) on the masked tokens, 0 elsewhere, g_t = log π − log π_T (no gradient: it is an
     advantage). ``group_ids`` given: b is the mean of g over the masked tokens of the row's group (a
-    baseline: E[b ∇log π] = 0, so the expected gradient is the reverse KL's, at a fraction of its
-    variance); None: b = 0."""
+    baseline, as GRPO's group mean is: it includes the row's own tokens, so nearly but not exactly
+    unbiased, and it lowers the estimate's variance); None: b = 0."""
     gap = (student - teacher) * mask
     if group_ids is not None:
-        _, inverse = torch.unique(group_ids, return_inverse=True)
-        k = int(inverse.max()) + 1 if len(inverse) else 0
-        sums = torch.zeros(k, dtype=gap.dtype, device=gap.device).index_add_(0, inverse, gap.sum(-1))
-        counts = torch.zeros(k, dtype=gap.dtype, device=gap.device).index_add_(0, inverse, mask.sum(-1).to(gap.dtype))
-        gap = (gap - (sums / counts.clamp(min=1))[inverse][:, None]) * mask
+        tokens = group_sums(mask.sum(-1).to(gap.dtype), group_ids)
+        gap = (gap - (group_sums(gap.sum(-1), group_ids) / tokens.clamp(min=1))[:, None]) * mask
     return (-coef * gap).detach()
 
 
