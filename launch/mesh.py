@@ -198,7 +198,8 @@ def _start_teacher(cfg, config_path, overrides, logs, teacher, mesh: Mesh, up: d
     names = [f"{tag}-engine-{i}" for i in range(n)]
     # Last: the run's own overrides may name the policy's model_path, which is not the teacher's.
     pool = (cfg, config_path, [*overrides, f"engine.model_path={teacher.model_path}"], logs, mesh)
-    urls = _start_engine_pool(*pool, teacher.model_path, names, [None] * n, [mesh.hosts.services] * n)
+    urls = _start_engine_pool(*pool, teacher.model_path, names, [cuda_env(None)] * n, [mesh.hosts.services] * n)
+    mesh.metrics[f"{tag}-engine"] = [u.split("://", 1)[1] for u in urls]  # /metrics beside the API
     mesh.teachers[teacher.name] = _start_proxy(overrides, urls, f"{tag}-proxy", logs / f"{tag}-proxy.log", mesh, up)
 
 

@@ -219,18 +219,19 @@ def test_the_quickstart_trains_reports_resumes_where_it_stopped_and_stops_on_sig
 @pytest.mark.timeout(900)
 def test_every_service_killed_mid_run_comes_back_and_no_group_is_lost_or_trained_twice(tiny_model):
     """`rollmesh bench chaos` without its undisturbed baseline, on a fixed schedule: the engine,
-    LLMProxy, controller, SampleBuffer, redis-server, EnvManager and trainer each get SIGKILL 0.2 s
-    after a step ends (the buffer on Redis); the run trains every step, and every group the buffer
-    stored is accounted for. (The bench kills at random moments within a step.)"""
-    from launch.bench.chaos_bench import SERVICES, run
+    LLMProxy, controller, SampleBuffer, redis-server, EnvManager, trainer, and a teacher's engine and
+    LLMProxy (the run distills from one) each get SIGKILL 0.2 s after a step ends (the buffer on
+    Redis); the run trains every step, and every group the buffer stored is accounted for. (The
+    bench kills at random moments within a step.)"""
+    from launch.bench.chaos_bench import SERVICES, TEACHER_SERVICES, run
 
     lines: list[str] = []
-    result = run(tiny_model, steps_between=1, baseline=False, progress=lines.append, kill_delay_s=0.2)
+    result = run(tiny_model, steps_between=1, baseline=False, progress=lines.append, kill_delay_s=0.2, teacher=True)
     shown = json.dumps(result)  # every number, whatever fails (how long each took is the bench's to report)
-    assert list(result["kill_to_next_step_s"]) == list(SERVICES), lines
+    assert list(result["kill_to_next_step_s"]) == [*SERVICES, *TEACHER_SERVICES], lines
     # 0.0: a step already under way when the service died (rounded to 0.1 s)
     assert all(s >= 0 for s in result["kill_to_next_step_s"].values()), shown
-    assert list(result["kill_to_serving_again_s"]) == list(SERVICES)
+    assert list(result["kill_to_serving_again_s"]) == [*SERVICES, *TEACHER_SERVICES]
     assert all(s >= 0 for s in result["kill_to_serving_again_s"].values()), shown
     # each came back (a restarted controller that cannot restore yet exits and is started again)
     assert all(n >= 1 for n in result["restarts_by_the_launcher"].values()), shown

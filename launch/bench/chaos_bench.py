@@ -11,7 +11,10 @@ waits for that, so each recovery is timed alone. For the run: groups trained
 twice (the same group id in two steps of ``metrics.jsonl``) and groups lost: every group the buffer
 stored must be consumed (acked), dropped with a reason, or still in the buffer; groups of steps a
 killed trainer trained but lost before its checkpoint (``lost_steps.jsonl``) are listed apart.
-Then the slowdown against the same run undisturbed.
+Then the slowdown against the same run undisturbed. With ``teacher``, the run distills from a
+teacher (the policy's own model, on its own engine and LLMProxy: on-policy distillation), and its
+engine and proxy are killed too: the groups it cannot score meanwhile are dropped, counted, and
+rollout goes on.
 """
 
 from __future__ import annotations
@@ -33,10 +36,14 @@ import httpx
 from launch.bench import BadOption
 
 SERVICES = ("engine", "llm-proxy", "controller", "sample-buffer", "redis-server", "env-manager", "trainer")
+TEACHER_SERVICES = ("teacher-self-engine", "teacher-self-proxy")  # with ``teacher``: its engine and LLMProxy
 REDIS = "redis-server"
+# Found by the port on their command line (the one their Prometheus target names): a run with a teacher
+# has two processes of each kind.
+_BY_PORT = {"engine": "engine", "llm-proxy": "proxy", "teacher-self-engine": "engine", "teacher-self-proxy": "proxy"}
 
 
-def _command(model: str, run_dir: Path, redis_url: str, steps: int) -> list[str]:
+def _command(model: str, run_dir: Path, redis_url: str, steps: int, teacher: bool = False) -> list[str]:
     overrides = [
         f"model_path={model}",
         f"train_loop.run_dir={run_dir}",
@@ -51,6 +58,8 @@ def _command(model: str, run_dir: Path, redis_url: str, steps: int) -> list[str]
         f"buffer.redis_url={redis_url}",
         f"buffer.key_prefix=chaos-{run_dir.name}",
     ]
+    if teacher:
+        overrides += [f"teachers=[{{name: self, model_path: {model}}}]", "env_manager.teacher=self"]
     cmd = [sys.executable, "-m", "launch.cli", "run", "examples/quickstart.yaml"]
     return cmd + [a for o in overrides for a in ("--set", o)]
 
@@ -80,17 +89,28 @@ def _kill(service: str, run_dir: Path, redis) -> None:
         redis.start()
         return
     pattern = f"launch.cli serve {service} .*train_loop.run_dir={run_dir}"
+    if service in _BY_PORT:
+        port = _target(service, run_dir).rsplit(":", 1)[1]
+        kind = _BY_PORT[service]
+        key = "engine.port" if kind == "engine" else "proxy.metrics_port"
+        pattern = f"launch.cli serve {'engine' if kind == 'engine' else 'llm-proxy'} .*{key}={port}( |$)"
     pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
     if not pids:
         raise RuntimeError(f"no {service} process of this run to kill")
     os.kill(int(pids[0]), signal.SIGKILL)
 
 
+def _target(service: str, run_dir: Path) -> str:
+    """``service``'s host:port as the run lists it for Prometheus (an engine's: its API's)."""
+    targets = json.loads((run_dir / "prometheus_targets.json").read_text())
+    [address] = [t["targets"][0] for t in targets if t["labels"]["job"] == service][:1]
+    return address
+
+
 def _serving(service: str, run_dir: Path, http) -> float | None:
     """The time if ``service`` answers again (its /metrics, as listed for Prometheus), asked with the
     ``httpx.Client`` ``http`` (one for every poll: each new one builds an SSL context, ~70 ms)."""
-    targets = json.loads((run_dir / "prometheus_targets.json").read_text())
-    [address] = [t["targets"][0] for t in targets if t["labels"]["job"] == service][:1]
+    address = _target(service, run_dir)
     try:
         return time.time() if http.get(f"http://{address}/metrics").status_code == 200 else None
     except httpx.HTTPError:
@@ -98,14 +118,23 @@ def _serving(service: str, run_dir: Path, http) -> float | None:
 
 
 def _run(
-    model: str, run_dir: Path, redis, total: int, kills: list[str], steps_between: int, pause, progress
+    model: str,
+    run_dir: Path,
+    redis,
+    total: int,
+    kills: list[str],
+    steps_between: int,
+    pause,
+    progress,
+    teacher: bool = False,
 ) -> tuple[dict, dict, float, str]:
     """One run; kills ``kills`` in order, each once the last victim serves again and
     ``steps_between`` more steps were trained, ``pause()`` seconds after that step ends. Returns
     (seconds from kill to next step, seconds from kill to serving again, per service), wall, output."""
     log = open(run_dir.parent / f"{run_dir.name}.out", "w+")  # noqa: SIM115 (read back below)
     t0 = time.time()
-    proc = subprocess.Popen(_command(model, run_dir, redis.url, total), stdout=log, stderr=subprocess.STDOUT, text=True)
+    cmd = _command(model, run_dir, redis.url, total, teacher)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     recovery: dict[str, float] = {}
     serving: dict[str, float] = {}
     http = httpx.Client(timeout=1.0)
@@ -192,16 +221,19 @@ def run(
     progress=print,
     keep: str | None = None,
     kill_delay_s: float | None = None,
+    teacher: bool = False,
 ) -> dict:
     """``kill_delay_s``: kill each service this long after a step ends (a fixed schedule, as the
-    tests run it); default a random moment within 0.5 s, drawn from ``seed``."""
+    tests run it); default a random moment within 0.5 s, drawn from ``seed``. ``teacher``: the run
+    distills from a teacher, whose engine and proxy are among the services."""
     from services.auth import AuthConfig, ensure_token
     from services.processes import RedisServer
 
-    services = list(services or SERVICES)
-    unknown = [s for s in services if s not in SERVICES]
+    known = SERVICES + TEACHER_SERVICES if teacher else SERVICES
+    services = list(services or known)
+    unknown = [s for s in services if s not in known]
     if unknown or not services:
-        raise BadOption(f"--service: choose from {', '.join(SERVICES)} (got {unknown or 'none'})")
+        raise BadOption(f"--service: choose from {', '.join(known)} (got {unknown or 'none'})")
     if steps_between < 1:
         raise BadOption(f"--steps-between: must be >= 1, got {steps_between}")
     if not (Path(model_path) / "config.json").exists():
@@ -225,11 +257,12 @@ def run(
             undisturbed = None
             if baseline:
                 progress(f"undisturbed run: {steps} steps")
-                _, _, undisturbed, _ = _run(model_path, tmp / "calm", redis, steps, [], steps_between, pause, progress)
+                calm = (model_path, tmp / "calm", redis, steps, [], steps_between, pause, progress, teacher)
+                _, _, undisturbed, _ = _run(*calm)
             progress(f"disturbed run: {steps} steps, killing {', '.join(services)}")
             run_dir = tmp / "chaos"
             recovery, serving, disturbed, out = _run(
-                model_path, run_dir, redis, steps, services, steps_between, pause, progress
+                model_path, run_dir, redis, steps, services, steps_between, pause, progress, teacher
             )
             restarts = {s: len(re.findall(rf"^{s}(-\d+)? exited with code", out, re.M)) for s in services}
             result = {

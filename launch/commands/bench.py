@@ -385,6 +385,7 @@ def bench_chaos(
     seed: int = typer.Option(0, help="Seed of the kill moments."),
     baseline: bool = typer.Option(True, help="Also time the same run undisturbed (the slowdown)."),
     keep: Path = typer.Option(None, help="Keep both runs' output, logs and metrics in this (new) directory."),
+    teacher: bool = typer.Option(False, help="Distill from a teacher, whose engine and proxy are killed too."),
     json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
 ) -> None:
     """Kill each service once mid-run: seconds to the next step, groups lost and trained twice."""
@@ -400,6 +401,8 @@ def bench_chaos(
             baseline,
             progress_printer(json_),
             str(keep) if keep else None,
+            None,
+            teacher,
         ),
         json_,
     )
