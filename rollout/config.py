@@ -248,6 +248,14 @@ class RolloutConfig(TaskConfig):
         description="On-policy distillation: how long a group's teacher call (every member scored at once) may "
         "take; a group whose teacher fails or is late is not put (counted: groups_teacher_error).",
     )
+    teacher_top_k: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="On-policy distillation: also ask the teacher for its this many most likely tokens at every "
+        "generated position, for the top-k forward KL (trainer.distill.top_k_coef); 0: the sampled tokens' "
+        "log-probs alone.",
+    )
 
     domains: list[DomainConfig] = Field(
         default_factory=list,

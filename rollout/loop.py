@@ -177,7 +177,9 @@ class RolloutLoop:
             return self._ended(GroupOutcome.FAILED, trajectories, t0, domain.name)
         if domain.teacher is not None:  # the moment its last member ended, as its rewards were
             try:
-                trajectories = await teach(domain.teacher, trajectories, gid, self.config.teacher_timeout_s)
+                trajectories = await teach(
+                    domain.teacher, trajectories, gid, self.config.teacher_timeout_s, self.config.teacher_top_k
+                )
             except TeacherFailed as e:
                 log.warning("group %s: the teacher failed (%s): not put", gid, e)
                 self.counters["groups_teacher_error"] += 1

@@ -28,6 +28,8 @@ __all__ = [
     "Rewarder",
     "RolloutObserver",
     "SampleSink",
+    "Teacher",
+    "TeacherScores",
     "TransientError",
 ]
 
@@ -84,13 +86,26 @@ class Admission(Protocol):
         """The policy version now and at every change."""
 
 
+@dataclass
+class TeacherScores:
+    """A teacher's answer for tokens ``start``.. of a sequence: its log-prob of each, and with top-k
+    each position's k most likely tokens and their log-probs ([n, k]; [n, 0] when none were asked)."""
+
+    logprobs: list[float]
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
 class Teacher(Protocol):
     """A teacher's LLMProxy (on-policy distillation, ``rollout/teachers.py``)."""
 
-    async def score(self, token_ids: list[int], start: int, *, route: str, timeout_s: float) -> list[float]:
+    async def score(
+        self, token_ids: list[int], start: int, *, route: str, timeout_s: float, top_k: int = 0
+    ) -> TeacherScores:
         """The log-prob the teacher gives each token of ``token_ids`` from ``start`` (>= 1) on, at
-        temperature 1; ``route`` keeps a group's sequences on one engine. Raises ``TransientError``
-        when another try may succeed, ``TimeoutError`` past ``timeout_s``."""
+        temperature 1, and each position's ``top_k`` most likely tokens; ``route`` keeps a group's
+        sequences on one engine. Raises ``TransientError`` when another try may succeed,
+        ``TimeoutError`` past ``timeout_s``."""
 
 
 class Generate(Protocol):

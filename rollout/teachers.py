@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from rollout.ports import Teacher
+from rollout.ports import Teacher, TeacherScores
 from sample_buffer.deadlines import wait_for
 from sample_buffer.errors import TransientError
 from sample_buffer.trajectory import Trajectory
@@ -40,26 +40,46 @@ def generated_logprobs(loss_mask: np.ndarray, start: int, scored: list[float]) -
     return np.asarray(scored, dtype=np.float32)[loss_mask[start:] > 0]
 
 
-async def teach(teacher: Teacher, trajectories: list[Trajectory], route: str, timeout_s: float) -> list[Trajectory]:
-    """``trajectories`` with their teacher's log-probs, every member scored at once within ``timeout_s``."""
+def taught(t: Trajectory, start: int, scores: TeacherScores, top_k: int) -> Trajectory:
+    """``t`` with the teacher's answer for its positions ``start``.., kept at its generated tokens."""
+    lps = generated_logprobs(t.loss_mask, start, scores.logprobs)
+    if not top_k:
+        return replace(t, teacher_logprobs=lps)
+    if scores.top_ids.shape != (len(scores.logprobs), top_k):
+        raise TeacherFailed(f"top-k of shape {scores.top_ids.shape} for {len(scores.logprobs)} tokens of {top_k}")
+    kept = t.loss_mask[start:] > 0
+    return replace(
+        t, teacher_logprobs=lps, teacher_top_ids=scores.top_ids[kept], teacher_top_logprobs=scores.top_logprobs[kept]
+    )
+
+
+async def teach(
+    teacher: Teacher, trajectories: list[Trajectory], route: str, timeout_s: float, top_k: int = 0
+) -> list[Trajectory]:
+    """``trajectories`` with their teacher's log-probs (and with ``top_k`` each generated position's
+    most likely tokens), every member scored at once within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
 
     async def one(t: Trajectory) -> Trajectory:
         start = first_generated(t.loss_mask)
         if start < 0:  # nothing generated: nothing to score
-            return replace(t, teacher_logprobs=np.zeros(0, dtype=np.float32))
+            none = np.zeros((0, top_k), dtype=np.float32)
+            top = {"teacher_top_ids": none.astype(np.int32), "teacher_top_logprobs": none} if top_k else {}
+            return replace(t, teacher_logprobs=np.zeros(0, dtype=np.float32), **top)
         if start == 0:
             raise TeacherFailed(f"{t.trajectory_id}: its first token is generated, with no context to score it in")
         left = deadline - time.monotonic()
         if left <= 0:
             raise TeacherFailed("the deadline passed before the call")
         try:
-            scored = await wait_for(teacher.score(t.token_ids.tolist(), start, route=route, timeout_s=left), left)
+            scored = await wait_for(
+                teacher.score(t.token_ids.tolist(), start, route=route, timeout_s=left, top_k=top_k), left
+            )
         except TimeoutError:
             raise TeacherFailed(f"no answer within {timeout_s:g} s") from None
         except (TransientError, ValueError, RuntimeError, ConnectionError) as e:  # refusals, a failed engine
             raise TeacherFailed(f"{type(e).__name__}: {e}") from None
-        return replace(t, teacher_logprobs=generated_logprobs(t.loss_mask, start, scored))
+        return taught(t, start, scored, top_k)
 
     # Every call to its end (each within the deadline), so none is left running when one fails.
     results = await asyncio.gather(*(one(t) for t in trajectories), return_exceptions=True)

@@ -63,11 +63,29 @@ def _routing_of(field) -> np.ndarray | None:
     return routing.from_bytes(data, width, itemsize)  # RoutingError is a ValueError: corrupt
 
 
+def _top(t: Trajectory) -> list | None:
+    """A teacher's top-k tables as ``[ids, log-probs, k]``."""
+    if t.teacher_top_ids is None:
+        return None
+    return [_arr(t.teacher_top_ids, np.int32), _arr(t.teacher_top_logprobs, np.float32), t.teacher_top_ids.shape[1]]
+
+
+def _top_of(field) -> tuple[np.ndarray | None, np.ndarray | None]:
+    if field is None:
+        return None, None
+    ids, lps, k = field
+    ids, lps = np.frombuffer(ids, dtype="<i4"), np.frombuffer(lps, dtype="<f4")
+    if not isinstance(k, int) or k < 1 or len(ids) % k or len(ids) != len(lps):
+        raise CodecError(f"teacher top-k: {len(ids)} ids and {len(lps)} log-probs are no table of {k} a row")
+    return ids.reshape(-1, k), lps.reshape(-1, k)
+
+
 def _optional(t: Trajectory) -> list:
     """A row's trailing fields, each written only where it or a later one is present: [routing,
-    images, teacher log-probs]."""
-    fields = [_routing(t.routed_experts), list(t.images), _arr(t.teacher_logprobs, np.float32)]
+    images, teacher log-probs, teacher top-k]."""
+    fields = [_routing(t.routed_experts), list(t.images), _arr(t.teacher_logprobs, np.float32), _top(t)]
     present = [t.routed_experts is not None, bool(t.images), t.teacher_logprobs is not None]
+    present.append(t.teacher_top_ids is not None)
     return fields[: max((i + 1 for i, p in enumerate(present) if p), default=0)]
 
 
@@ -190,6 +208,8 @@ def decode_group(data: bytes, validate: bool = True) -> Group:
                 routed_experts=_routing_of(r[11]) if len(r) > 11 else None,
                 images=tuple(r[12]) if len(r) > 12 else (),
                 teacher_logprobs=np.frombuffer(r[13], dtype="<f4") if len(r) > 13 and r[13] is not None else None,
+                teacher_top_ids=(top := _top_of(r[14] if len(r) > 14 else None))[0],
+                teacher_top_logprobs=top[1],
                 check=validate,
             )
             for r in rows

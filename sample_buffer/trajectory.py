@@ -63,6 +63,13 @@ def _array(name: str, value, dtype) -> np.ndarray:
     return arr
 
 
+def _table(name: str, value, dtype) -> np.ndarray:
+    arr = np.asarray(value, dtype=dtype)
+    if arr.ndim != 2:
+        raise TrajectoryError(f"{name}: expected a [tokens, k] table, got shape {arr.shape}")
+    return arr
+
+
 def _check_logprobs(name: str, values: np.ndarray, g: int) -> None:
     """One log-prob per generated token, each finite and <= 0."""
     if len(values) != g:
@@ -95,6 +102,10 @@ class Trajectory:
     # [G] float32: a teacher's log-prob of each generated token (on-policy distillation,
     # ``trainer/distillation.py``); None: no teacher scored it.
     teacher_logprobs: np.ndarray | None = None
+    # [G, k] int32 and float32: the teacher's k most likely tokens at each generated token's position and
+    # their log-probs, most likely first (the top-k forward KL, ``trainer/distillation.py``); None: not asked.
+    teacher_top_ids: np.ndarray | None = None
+    teacher_top_logprobs: np.ndarray | None = None
     # False skips the checks of ``validate`` for bytes already checked where they entered the buffer.
     check: InitVar[bool] = True
 
@@ -107,12 +118,32 @@ class Trajectory:
             self.token_rewards = _array("token_rewards", self.token_rewards, np.float32)
         if self.teacher_logprobs is not None:
             self.teacher_logprobs = _array("teacher_logprobs", self.teacher_logprobs, np.float32)
+        if self.teacher_top_ids is not None:
+            self.teacher_top_ids = _table("teacher_top_ids", self.teacher_top_ids, np.int32)
+        if self.teacher_top_logprobs is not None:
+            self.teacher_top_logprobs = _table("teacher_top_logprobs", self.teacher_top_logprobs, np.float32)
         self.reward, self.start_version = float(self.reward), int(self.start_version)
         if self.finish_reason not in FINISH_REASONS:
             raise TrajectoryError(f"finish_reason: {self.finish_reason!r} is not one of {sorted(FINISH_REASONS)}")
         self.finish_reason = FinishReason(self.finish_reason)
         if check:
             self.validate()
+
+    def _check_teacher_top(self, g: int) -> None:
+        ids, lps = self.teacher_top_ids, self.teacher_top_logprobs
+        if ids is None and lps is None:
+            return
+        if ids is None or lps is None or self.teacher_logprobs is None:
+            raise TrajectoryError("teacher_top_ids and teacher_top_logprobs: both or neither, with teacher_logprobs")
+        if ids.shape != lps.shape or len(ids) != g or not ids.shape[1]:
+            raise TrajectoryError(
+                f"teacher_top_ids {ids.shape} and teacher_top_logprobs {lps.shape}: one row of k >= 1 a generated "
+                f"token ({g})"
+            )
+        if ids.size and ids.min() < 0:
+            raise TrajectoryError("teacher_top_ids: token ids must be >= 0")
+        if lps.size and not (lps.max() <= 0 and np.isfinite(lps.min())):
+            raise TrajectoryError("teacher_top_logprobs: log-probs must be finite and <= 0")
 
     @property
     def num_generated(self) -> int:
@@ -137,6 +168,7 @@ class Trajectory:
             )
         if self.teacher_logprobs is not None:
             _check_logprobs("teacher_logprobs", self.teacher_logprobs, g)
+        self._check_teacher_top(g)
         if self.token_rewards is not None and len(self.token_rewards) != t:
             raise TrajectoryError(f"token_rewards: length {len(self.token_rewards)} != token_ids length {t}")
         if not np.isfinite(self.reward):
@@ -216,6 +248,8 @@ class Group:
             self._check_images()
         if len({t.teacher_logprobs is None for t in self.trajectories}) > 1:  # one teacher scores a group
             raise TrajectoryError(f"group {self.group_id!r}: teacher_logprobs on every trajectory or on none")
+        if len({None if t.teacher_top_ids is None else t.teacher_top_ids.shape[1] for t in self.trajectories}) > 1:
+            raise TrajectoryError(f"group {self.group_id!r}: teacher_top_ids of one k on every trajectory or on none")
 
     @property
     def taught(self) -> bool:

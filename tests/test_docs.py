@@ -26,6 +26,7 @@ NOT_CONFIG = {
     "sglang.launch_server",
     "meta_info.routed_experts",  # SGLang's answer fields
     "meta_info.input_token_logprobs",
+    "meta_info.input_top_logprobs",
     "kernel.unprivileged_userns_clone",
 }  # (a sysctl)
 

@@ -1,6 +1,7 @@
 """`rollmesh run` end to end on the quickstart config, cut down to a few steps."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -150,6 +151,7 @@ def test_the_quickstart_trains_reports_resumes_where_it_stopped_and_stops_on_sig
         "train_loop.publisher.bucket_mb=1",
         f"teachers=[{{name: self, model_path: {model}}}]",
         "env_manager.teacher=self",
+        "env_manager.teacher_top_k=4",
     )
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     cmd = quickstart_cmd(model, run_dir, "train_loop.steps=4", *sync, *paths)
@@ -175,6 +177,10 @@ def test_the_quickstart_trains_reports_resumes_where_it_stopped_and_stops_on_sig
     assert (run_dir / "weights" / "v4" / "model.safetensors").exists()  # the restore point
     # Every trained token scored by the teacher; at the policy's first weights the gap is the engines' numerics.
     assert all(m["taught_share"] == 1.0 for m in steps) and abs(steps[0]["teacher_kl"]) < 1e-3, steps
+    # and its top 4 at each: at the policy's own weights the forward KL to them is -log of the policy's
+    # mass on them, which is at least 4 / vocabulary (they are its 4 most likely)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    assert 0 <= steps[0]["teacher_top_kl"] <= math.log(vocab / 4) and all(m["teacher_top_kl"] >= 0 for m in steps)
     # The EnvManager's workers started after the first evaluation and were stopped before the last;
     # its Stats went into the summary: at least the 4 x 4 groups trained were put.
     rollouts = json.loads((run_dir / "summary.json").read_text())["rollouts"]

@@ -52,6 +52,12 @@ class TrainBatch:
     # scored (``taught`` [B] bool says which; on-policy distillation). None: no row has any.
     teacher_logprobs: torch.Tensor | None = None
     taught: torch.Tensor | None = None
+    # [B, T, k] long and float: the teacher's k most likely tokens at each generated token's position and
+    # their log-probs (−inf pads a row of a smaller k; 0s where none: ``topped`` [B] bool says which rows
+    # have them). None: no row has any.
+    teacher_top_ids: torch.Tensor | None = None
+    teacher_top_logprobs: torch.Tensor | None = None
+    topped: torch.Tensor | None = None
 
     @cached_property
     def sequences(self) -> list[torch.Tensor]:
@@ -76,6 +82,7 @@ class TrainBatch:
         masks = None if self.grammar_masks is None else [self.grammar_masks[r] for r in rows]
         teacher = None if self.teacher_logprobs is None else self.teacher_logprobs[rows, :width]
         taught = None if self.taught is None else self.taught[rows]
+        top = [None if x is None else x[rows, :width] for x in (self.teacher_top_ids, self.teacher_top_logprobs)]
         return TrainBatch(
             ids,
             offsets,
@@ -92,6 +99,8 @@ class TrainBatch:
             masks,
             teacher,
             taught,
+            *top,
+            None if self.topped is None else self.topped[rows],
         )
 
 
@@ -119,6 +128,10 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
     tags = torch.zeros(len(trajs), width, dtype=torch.long)
     taught = torch.tensor([t.teacher_logprobs is not None for _, t in trajs])
     teacher = torch.zeros(len(trajs), width) if bool(taught.any()) else None
+    topped = torch.tensor([t.teacher_top_ids is not None for _, t in trajs])
+    k = max((t.teacher_top_ids.shape[1] for _, t in trajs if t.teacher_top_ids is not None), default=0)
+    top_ids = torch.zeros(len(trajs), width, k, dtype=torch.long) if k else None
+    top_lps = torch.zeros(len(trajs), width, k) if k else None
     grammar_ids: dict[tuple[str, str], int] = {}
     for i, (_, t) in enumerate(trajs):
         m = torch.from_numpy(t.loss_mask.astype(np.float32))
@@ -128,6 +141,11 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
         _fill_temperatures(temps[i, : len(m)], t.metadata)
         if teacher is not None and t.teacher_logprobs is not None:
             teacher[i, : len(m)][m > 0] = torch.from_numpy(t.teacher_logprobs.astype(np.float32))
+        if top_ids is not None and t.teacher_top_ids is not None:
+            k = t.teacher_top_ids.shape[1]
+            top_ids[i, : len(m)][m > 0, :k] = torch.from_numpy(t.teacher_top_ids.astype(np.int64))
+            top_lps[i, : len(m)][m > 0] = float("-inf")
+            top_lps[i, : len(m)][m > 0, :k] = torch.from_numpy(t.teacher_top_logprobs.astype(np.float32))
         for start, end, field, text in spans[i]:
             tag = grammar_ids.setdefault((field, text), len(grammar_ids) + 1)
             tags[i, start:end] = m[start:end].long() * tag
@@ -150,6 +168,9 @@ def batch_from_groups(groups: list[Group]) -> TrainBatch:
         grammar_tags=tags if grammar_ids else None,
         teacher_logprobs=teacher,
         taught=taught if teacher is not None else None,
+        teacher_top_ids=top_ids,
+        teacher_top_logprobs=top_lps,
+        topped=topped if k else None,
     )
 
 

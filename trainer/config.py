@@ -45,8 +45,9 @@ class MixedPrecisionConfig(BaseModel):
 
 class DistillConfig(BaseModel):
     """On-policy distillation (trainer/distillation.py): how a teacher's log-probs of the sampled
-    tokens enter the advantage, Â = reward_coef·A − coef·(log π − log π_T − b). Applies to every
-    trajectory a teacher scored (the rollout's ``teachers``); the others train on their reward alone."""
+    tokens enter the advantage, Â = reward_coef·A − coef·(log π − log π_T − b), and, where the teacher
+    sent its top-k tokens (env_manager.teacher_top_k), the loss gains top_k_coef · KL(p̃_T ‖ π) over them.
+    Applies to every trajectory a teacher scored; the others train on their reward alone."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -66,6 +67,14 @@ class DistillConfig(BaseModel):
         "group",
         description="group: the gap log π − log π_T minus its mean over the group's tokens (a baseline, nearly "
         "unbiased, that lowers the estimate's variance); none: the gap as it is (slime's form).",
+    )
+    top_k_coef: float = Field(
+        1.0,
+        ge=0,
+        description="Weight of the top-k forward KL, KL(p̃_T ‖ π) per taught token over the teacher's k most likely "
+        "tokens (p̃_T: their probabilities renormalised), in the loss as a token mean. A dense signal at every "
+        "position, not only at the sampled token: what a one-token answer needs. Used where the rollout asked "
+        "for them (env_manager.teacher_top_k > 0).",
     )
     student: Literal["behavior", "proximal"] = Field(
         "behavior",

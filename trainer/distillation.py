@@ -14,7 +14,12 @@ or 0 (``none``, slime's and the Thinking Machines recipe's form). Without one, e
 the teacher dislikes is pushed down by several nats at once. On a one-token answer that spreads
 probability over the whole vocabulary rather than toward the teacher's answer (the digit task,
 docs/distillation.md). Â then enters whichever policy loss is configured, so decoupled PPO, TIS and
-the mismatch corrections treat it as any advantage. Pure functions over [B, T] tensors.
+the mismatch corrections treat it as any advantage.
+
+Where the teacher also sent its k most likely tokens at each position (``env_manager.teacher_top_k``),
+the loss gains a term of its own, the forward KL from the teacher's top-k (renormalised) to the
+student at every taught position, ``top_k_forward_kl``: a gradient toward the teacher's whole
+distribution there, not only a judgement of the one token sampled. Pure functions over [B, T] tensors.
 """
 
 from __future__ import annotations
@@ -63,3 +68,12 @@ def distillation_sums(student: torch.Tensor, teacher: torch.Tensor, mask: torch.
     student's own samples (it falls as the student learns the teacher)."""
     rows = taught.to(mask.dtype)[:, None] * mask
     return [float(((student - teacher) * rows).sum()), float(rows.sum())]
+
+
+def top_k_forward_kl(student_top: torch.Tensor, teacher_top: torch.Tensor) -> torch.Tensor:
+    """Per position, KL(p̃_T ‖ π) = Σ_k p̃_T(k)·(log p̃_T(k) − log π(k)) over the teacher's top-k tokens:
+    ``teacher_top`` their teacher log-probs ([..., k]; −inf pads a row of fewer), p̃_T those renormalised
+    to sum 1; ``student_top`` π's log-probs of the same tokens. It is >= 0, as π's mass on the k tokens
+    is at most 1, and 0 only where π puts all its mass on them in the teacher's proportions."""
+    p = torch.softmax(teacher_top, dim=-1)
+    return (torch.xlogy(p, p) - p * student_top).sum(-1)

@@ -26,7 +26,7 @@ from trainer.advantages import compute_advantages, masked_mean
 from trainer.batch import TrainBatch
 from trainer.collectives import all_reduce, all_reduce_all, all_reduce_dict, world
 from trainer.config import TrainerConfig
-from trainer.distillation import distillation_sums, distilled_advantages
+from trainer.distillation import distillation_sums, distilled_advantages, top_k_forward_kl
 from trainer.forward import Forwards, row_inputs
 from trainer.grammar_masks import GrammarReplay
 from trainer.loss_config import PolicyLossConfig
@@ -72,6 +72,11 @@ class _Step:
     # π_prox (and the mismatch weights made from it) still to be filled in by each micro-batch's own
     # forward: the step's one update runs at the proximal weights (TrainEngine._prox_from_update).
     prox_pending: bool = False
+    # The top-k forward KL's tokens (generated, on rows the teacher sent its top-k for) and the teacher's
+    # top-k ids and log-probs there; None: no row has them, or trainer.distill.top_k_coef is 0.
+    top_mask: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
 def lr_lambda(config: TrainerConfig, total_steps: int | None):
@@ -274,6 +279,9 @@ class TrainEngine(Forwards):
             loss=loss,
             prox_pending=from_update,
         )
+        if batch.teacher_top_ids is not None and cfg.distill.top_k_coef > 0:
+            step.top_mask = mask * batch.topped.to(self.device)[:, None]
+            step.top_ids, step.top_logprobs = batch.teacher_top_ids, batch.teacher_top_logprobs.to(self.device)
         audited, before = {}, None
         if self.audit is not None:  # these weights are π_v: measured against older ones, then kept
             audited = self.audit.measure(self.model, batch, self.version, mask, behav, self.device)
@@ -297,7 +305,10 @@ class TrainEngine(Forwards):
         self.step += 1
         self.version += 1
         out = {"loss": 0.0, "pg_loss": 0.0, "grad_norm": 0.0}  # what a step with no token to train on reports
+        top_kl, top_tokens = sums.pop("top_kl_sum", 0.0), sums.pop("top_tokens", 0.0)
         out |= {k: v / max(updates, 1) for k, v in sums.items() if not k.endswith(("_stale", "stale_tokens"))}
+        if top_tokens:  # per taught token, over every update of the step
+            out["teacher_top_kl"] = top_kl / top_tokens
         if sums["stale_tokens"]:  # means over stale tokens, weighted by how many each update had
             out |= {k: v / sums["stale_tokens"] for k, v in sums.items() if k.endswith("_stale")}
         out |= all_reduce_dict(mismatch_stats(prox, behav, mask, stale)) | audited | bounded
@@ -429,12 +440,13 @@ class TrainEngine(Forwards):
         sums: dict[str, float] = defaultdict(float)
         for micro in self.micro_batches(batch, rows):
             seqs = [batch.sequences[r] for r in micro]
-            lp, ent = self._forward(
+            lp, ent, top = self._forward(
                 self.model,
                 seqs,
                 mask.shape[1],
                 cfg.entropy_coef > 0,
                 *row_inputs(batch, micro),
+                top_ids=None if s.top_ids is None else s.top_ids[micro],
             )
             if not micro:  # filler micro-batch: a zero loss that still runs the backward collectives
                 (lp.sum() * 0.0).backward()
@@ -465,6 +477,11 @@ class TrainEngine(Forwards):
                 kl = aggregate(kl_penalty(lp, s.ref[micro], cfg.kl_estimator), m, s.loss.agg_mode, s.loss.norm_len)
                 total = total + cfg.kl_coef * kl * weight
                 sums["kl"] += float(kl.detach()) * weight
+            if top is not None:  # a token mean over the update's tokens, whichever micro-batch holds them
+                fkl = (top_k_forward_kl(top, s.top_logprobs[micro]) * s.top_mask[micro]).sum()
+                total = total + cfg.distill.top_k_coef * fkl / n_tok
+                sums["top_kl_sum"] += float(fkl.detach())
+                sums["top_tokens"] += float(s.top_mask[micro].sum())
             (total * self.world).backward()
             sums["loss"] += float(total.detach())
             sums["pg_loss"] += float(pg.detach()) * weight
@@ -479,6 +496,7 @@ class TrainEngine(Forwards):
         names = ["loss", "pg_loss", *RATIO_METRICS, *(f"{k}_stale" for k in RATIO_METRICS), "stale_tokens"]
         names += ["entropy"] if cfg.entropy_coef > 0 else []
         names += ["kl"] if s.ref is not None and not cfg.kl_in_reward and cfg.kl_coef > 0 else []
+        names += ["top_kl_sum", "top_tokens"] if s.top_mask is not None else []
         return dict(zip(names, all_reduce_all([sums[k] for k in names]), strict=True)) | {"grad_norm": grad_norm}
 
     def full_weights(self, on_device: bool = False) -> dict[str, torch.Tensor]:

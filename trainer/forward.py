@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from trainer.batch import TrainBatch
 from trainer.collectives import all_reduce
 from trainer.grammar_masks import GrammarReplay, ReplayError, RowMasks, mask_logits
 from trainer.losses import entropy_from_logits
-from trainer.packing import padded_inputs, plan_micro_batches, scale_by_temperature, scaled_token_logprobs
+from trainer.packing import padded_inputs, plan_micro_batches, scale_by_temperature, scaled_logprobs
 from trainer.prefix_tree import build_layout, tree_tokens
 from trainer.routing import RoutingReplay, replay_ids
 from trainer.varlen import KWARG, plan_attention
@@ -76,6 +77,15 @@ def _mask_places(masks: list[RowMasks | None], place, lengths: list[int]) -> tup
     return torch.cat(index), torch.cat(bits)
 
 
+class Forward(NamedTuple):
+    """A forward's [b, width] log-probs of the tokens; their entropies when asked; the log-probs of
+    each position's candidate tokens when given ([b, width, k]: a teacher's top-k)."""
+
+    lp: torch.Tensor
+    ent: torch.Tensor | None = None
+    top: torch.Tensor | None = None
+
+
 class Forwards:
     """Mixin of ``TrainEngine`` (its model, device, config, routing replay and grammar replay)."""
 
@@ -90,13 +100,15 @@ class Forwards:
         images=None,
         masks=None,
         tags=None,
-    ):
+        top_ids=None,
+    ) -> Forward:
         """Per-token log-probs (and entropies) of ``seqs``: [b, width], aligned to the tokens, each
         at its sampling temperature (``temps`` [b, width]; None: 1), as the engines report μ; with
         routing replay, each sequence's MoE layers use its ``experts`` (a list aligned to ``seqs``);
         a vision-language policy sees each sequence's ``images`` (a list aligned to ``seqs``);
         a constrained token's distribution is masked to what its grammar allowed (``masks``, a list
-        of ``RowMasks`` aligned to ``seqs``; ``tags``: their grammar tags, for tree packing). An
+        of ``RowMasks`` aligned to ``seqs``; ``tags``: their grammar tags, for tree packing); with
+        ``top_ids`` ([b, width, k] token ids), also the log-probs of each position's k candidates. An
         empty ``seqs`` (a rank's filler micro-batch) runs one dummy token and returns [0, width]
         tensors still attached to the graph, so its backward joins the collectives."""
         replay = self.replay.get(id(model))
@@ -107,11 +119,15 @@ class Forwards:
                 dummy = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
             zero = dummy.sum() * 0.0
             lp = torch.zeros(0, width, device=self.device) + zero
-            return lp, (torch.zeros(0, width, device=self.device) + zero if entropy else None)
+            ent = torch.zeros(0, width, device=self.device) + zero if entropy else None
+            top = None if top_ids is None else torch.zeros(0, width, top_ids.shape[-1], device=self.device) + zero
+            return Forward(lp, ent, top)
         if (limit := self._max_positions(model)) is not None:  # past it, positions the model never saw:
             seqs = [s[:limit] for s in seqs]  # not computed (train_step does not train on such a trajectory)
         if self.config.pack_sequences:
-            return self._packed_forward(model, seqs, width, entropy, temps, experts, images, replay, masks, tags)
+            return self._packed_forward(
+                model, seqs, width, entropy, temps, experts, images, replay, masks, tags, top_ids
+            )
         ids, attn = padded_inputs(seqs, self.device)
         if replay is not None and experts is not None:
             replay.set(self._replay_ids(experts, {i: (i, 0) for i in range(len(seqs))}, ids.shape, replay))
@@ -124,15 +140,21 @@ class Forwards:
         # token p of sequence i is predicted at flat row i·n + p − 1
         if (masked := _mask_places(masks, lambda i, p: i * n + p - 1, [len(x) for x in seqs])) is not None:
             scaled = mask_logits(scaled.reshape(b * n, v), *(t.to(self.device) for t in masked)).view(b, n, v)
-        lp = scaled_token_logprobs(scaled, ids) * attn
+        candidates = None if top_ids is None else top_ids[:, :n].to(self.device)
+        lp, top = scaled_logprobs(scaled, ids, candidates)
+        lp = lp * attn
         ent = torch.nn.functional.pad(entropy_from_logits(scaled[:, :-1]), (1, 0)) * attn if entropy else None
         pad = width - lp.shape[1]
         if pad:
             lp = torch.nn.functional.pad(lp, (0, pad))
             ent = torch.nn.functional.pad(ent, (0, pad)) if entropy else None
-        return lp, ent
+        if top is not None:
+            top = torch.nn.functional.pad(top * attn[..., None], (0, 0, 0, pad))
+        return Forward(lp, ent, top)
 
-    def _packed_forward(self, model, seqs, width: int, entropy: bool, temps, experts, images, replay, masks, tags):
+    def _packed_forward(
+        self, model, seqs, width: int, entropy: bool, temps, experts, images, replay, masks, tags, top_ids
+    ) -> Forward:
         """``_forward`` over one packed row (``trainer/prefix_tree.py``): with tree packing each
         run of tokens that sequences share is computed once, and each token's log-prob is read
         from the logits of the token before it in its own sequence."""
@@ -156,16 +178,26 @@ class Forwards:
         if (masked := _mask_places(masks, lambda i, p: layout.token_index[i, p], [len(x) for x in seqs])) is not None:
             scaled = mask_logits(scaled, *(t.to(self.device) for t in masked))
         first = layout.first.to(self.device)
-        packed_lp = torch.log_softmax(scaled, -1).gather(-1, ids[0, :, None])[:, 0].masked_fill(first, 0.0)
+        logp = torch.log_softmax(scaled, -1)
+        packed_lp = logp.gather(-1, ids[0, :, None])[:, 0].masked_fill(first, 0.0)
         index = layout.token_index.to(self.device)
         beyond = torch.arange(width, device=self.device)[None] >= torch.tensor([len(s) for s in seqs])[:, None].to(
             self.device
         )
         lp = packed_lp.index_select(0, index.flatten()).view(index.shape).masked_fill(beyond, 0.0)
+        top = None
+        if top_ids is not None:  # each token's candidates at its packed row (a shared token's are its context's)
+            k = top_ids.shape[-1]
+            within = ~beyond
+            packed_ids = torch.zeros(len(packed_lp), k, dtype=torch.long, device=self.device)
+            packed_ids[index[within]] = top_ids[:, : index.shape[1]].to(self.device)[within]
+            packed_top = logp.gather(-1, packed_ids).masked_fill(first[:, None], 0.0)
+            top = packed_top.index_select(0, index.flatten()).view(*index.shape, k).masked_fill(beyond[..., None], 0.0)
         if not entropy:
-            return lp, None
+            return Forward(lp, None, top)
         packed_ent = entropy_from_logits(scaled).masked_fill(first, 0.0)
-        return lp, packed_ent.index_select(0, index.flatten()).view(index.shape).masked_fill(beyond, 0.0)
+        ent = packed_ent.index_select(0, index.flatten()).view(index.shape).masked_fill(beyond, 0.0)
+        return Forward(lp, ent, top)
 
     def _vision_inputs(self, model, seqs, images, places: dict, shape) -> dict:
         if self.vision is None or images is None:
@@ -226,13 +258,7 @@ class Forwards:
         ent = torch.zeros_like(out) if entropy else None
         for rows in self.micro_batches(batch):
             seqs = [batch.sequences[r] for r in rows]
-            lp, e = self._forward(
-                model,
-                seqs,
-                width,
-                entropy,
-                *row_inputs(batch, rows),
-            )
+            lp, e, _ = self._forward(model, seqs, width, entropy, *row_inputs(batch, rows))
             out[rows] = lp
             if entropy:
                 ent[rows] = e

@@ -57,6 +57,17 @@ def gather_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temps: torch.
 
 def scaled_token_logprobs(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``gather_token_logprobs`` of logits already at their temperature (and under any grammar's mask)."""
+    return scaled_logprobs(scaled, ids)[0]
+
+
+def scaled_logprobs(
+    scaled: torch.Tensor, ids: torch.Tensor, candidates: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``scaled_token_logprobs``, and with ``candidates`` ([..., L, k] token ids aligned to ``ids``)
+    the log-probs of each position's candidates from the same softmax ([..., L, k]; position 0 gets
+    0s): a teacher's top-k tokens, for the forward KL. One log-softmax of [..., L, V] serves both."""
     logp = torch.log_softmax(scaled[..., :-1, :], dim=-1)
-    picked = logp.gather(-1, ids[..., 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(picked, (1, 0))
+    picked = torch.nn.functional.pad(logp.gather(-1, ids[..., 1:, None]).squeeze(-1), (1, 0))
+    if candidates is None:
+        return picked, None
+    return picked, torch.nn.functional.pad(logp.gather(-1, candidates[..., 1:, :]), (0, 0, 1, 0))

@@ -375,6 +375,27 @@ def _peers_summary(result: dict) -> dict:
     return rows | {"details": result}
 
 
+@app.command("distill")
+def bench_distill(
+    variant: list[str] = typer.Option(
+        [], "--variant", help="Variants (repeatable): grpo, grpo+opd, grpo+opd+top8, top8; default: all."
+    ),
+    seeds: int = typer.Option(3, help="Runs per variant, seeds 0..n-1."),
+    steps: int = typer.Option(100, help="Training steps of each run."),
+    eval_every: int = typer.Option(10, help="Held-out evaluation every this many steps."),
+    target: float = typer.Option(0.8, help="The held-out accuracy whose first step is counted."),
+    teacher: str = typer.Option("runs/quickstart/weights/v300", help="The teacher: the quickstart's policy."),
+    out: Path = typer.Option(Path("runs/bench-distill"), help="Where the runs, their logs and result.json go."),
+    json_: bool = typer.Option(False, "--json", help="Print the result as one JSON line last."),
+) -> None:
+    """On-policy distillation against GRPO alone on the digit task, side by side over seeds: the steps
+    and training seconds to the held-out target, and each variant's steps as a share of GRPO's."""
+    from launch.bench.distill_bench import run
+
+    result = checked(run, variant or None, seeds, steps, eval_every, target, teacher, str(out), progress_printer(json_))
+    emit(result, json_)
+
+
 @app.command("chaos")
 def bench_chaos(
     model: Path = typer.Option(Path("models/tiny"), help="Model directory (make model builds models/tiny)."),

@@ -54,10 +54,11 @@ class EngineResult:
 @dataclass
 class ScoreResult:
     """A scoring call's answer: the log-prob of each given token from the start on (temperature 1),
-    and the weight version that scored them."""
+    and the weight version that scored them; when asked, each position's most likely tokens."""
 
     logprobs: list[float]
     weight_version: int
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, lp), best first
 
 
 OnTokens = Callable[[list[int]], None]  # a streamed generation's new tokens, as they arrive

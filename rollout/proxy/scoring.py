@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from rollout.engines.contract import MAX_TOP_LOGPROBS
 from rollout.engines.http_engine import EngineRejected, EngineUnavailable, ScoreResult
 from rollout.proxy.pool import EnginePool
 from rollout.proxy.request import NoEngineAvailable, RequestInvalid
@@ -25,13 +26,18 @@ class Scoring:
     def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
 
-    async def score(self, input_ids: list[int], start: int, timeout_s: float = 0.0, route: str = "") -> ScoreResult:
-        """The log-prob of each token of ``input_ids`` from ``start`` (>= 1) on. ``route``: an affinity
-        key (a group's sequences share their prompt: one engine's prefix cache serves them)."""
+    async def score(
+        self, input_ids: list[int], start: int, timeout_s: float = 0.0, route: str = "", top_k: int = 0
+    ) -> ScoreResult:
+        """The log-prob of each token of ``input_ids`` from ``start`` (>= 1) on, and with ``top_k``
+        each position's most likely tokens. ``route``: an affinity key (a group's sequences share
+        their prompt: one engine's prefix cache serves them)."""
         if not input_ids:
             raise RequestInvalid("input_ids", "must not be empty")
         if not 1 <= start < len(input_ids):
             raise RequestInvalid("start", f"must be in [1, {len(input_ids)}) for {len(input_ids)} tokens, got {start}")
+        if not 0 <= top_k <= MAX_TOP_LOGPROBS:
+            raise RequestInvalid("top_k", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_k}")
         deadline = time.perf_counter() + (timeout_s or self.pool.config.request_timeout_s)
         failed: set[str] = set()
         while True:
@@ -49,7 +55,7 @@ class Scoring:
             try:
                 # The engine's own timeout a little later than the deadline: a slow answer is this call's
                 # timeout, not a failed engine taken out of rotation.
-                call = client.score(input_ids, start, timeout_s=remaining + self.pool.config.abort_grace_s)
+                call = client.score(input_ids, start, remaining + self.pool.config.abort_grace_s, top_k)
                 out = await wait_for(call, remaining)
             except TimeoutError:
                 self.pool.counters["score_timeouts"] += 1

@@ -1,7 +1,9 @@
 """SGLang's scoring request on ``/generate``: ``logprob_start_len`` k >= 0 with ``max_new_tokens: 0``
 returns, for each prompt, the log-prob the model gives each of its own tokens from position k on
 (``meta_info.input_token_logprobs``, SGLang's ``[logprob, token id, text]`` triples; None at position
-0) and generates nothing. A teacher's call in on-policy distillation (``trainer/distillation.py``)."""
+0) and generates nothing; with ``top_logprobs_num`` k also each position's k most likely tokens
+(``meta_info.input_top_logprobs``, a list of triples per position, None at position 0). A teacher's
+call in on-policy distillation (``trainer/distillation.py``)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class ScoreReq(BaseModel):
     )
     sampling_params: _ScoreSampling | None = None
     return_logprob: bool = True
+    top_logprobs_num: int = Field(0, ge=0, description="Also each position's this many most likely tokens.")
     rid: str | list[str] | None = None
 
 
@@ -61,7 +64,7 @@ async def score(engine, body: dict) -> Response:
     futures = []
     for i, (ids, start) in enumerate(zip(seqs, starts, strict=True)):
         try:
-            futures.append(engine.score(ids, start))
+            futures.append(engine.score(ids, start, req.top_logprobs_num))
         except EngineError as e:
             raise EngineError(
                 e.field.replace("input_ids", f"input_ids[{i}]") if batched else e.field, e.message
@@ -78,8 +81,13 @@ async def score(engine, body: dict) -> Response:
                 "finish_reason": {"type": "length", "length": 0},
                 "weight_version": version,
                 "input_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids[start:], strict=True)],
-            },
+            }
+            | ({"input_top_logprobs": [_triples(top) for top in tops]} if req.top_logprobs_num else {}),
         }
-        for ids, start, lps in zip(seqs, starts, scored, strict=True)
+        for ids, start, (lps, tops) in zip(seqs, starts, scored, strict=True)
     ]
     return Response(json.dumps(body if batched else body[0]), media_type="application/json")
+
+
+def _triples(top: list[tuple[int, float]] | None) -> list | None:
+    return None if top is None else [[lp, t, None] for t, lp in top]

@@ -6,8 +6,9 @@ import logging
 from collections.abc import Callable
 
 import grpc
+import numpy as np
 
-from rollout.ports import Generation, TransientError
+from rollout.ports import Generation, TeacherScores, TransientError
 from rollout.sampling import SamplingParams
 from sample_buffer.routing import RoutingError
 from services.auth import AuthConfig
@@ -178,13 +179,22 @@ class ProxyTeacher:
     def __init__(self, client: ProxyClient) -> None:
         self.client = client
 
-    async def score(self, token_ids: list[int], start: int, *, route: str, timeout_s: float) -> list[float]:
-        req = pb.ScoreTokensRequest(input_ids=token_ids, start=start, timeout_s=timeout_s, route=route)
+    async def score(
+        self, token_ids: list[int], start: int, *, route: str, timeout_s: float, top_k: int = 0
+    ) -> TeacherScores:
+        req = pb.ScoreTokensRequest(input_ids=token_ids, start=start, timeout_s=timeout_s, route=route, top_k=top_k)
         try:
             res = await self.client.stub.ScoreTokens(req, timeout=timeout_s + 5.0)
         except grpc.aio.AioRpcError as e:
             raise project_error(e) from None
-        return list(res.logprobs)
+        n = len(res.logprobs)
+        if len(res.top_ids) != n * top_k or len(res.top_logprobs) != n * top_k:
+            raise ValueError(f"ScoreTokens: {len(res.top_ids)} top tokens for {n} positions of {top_k}")
+        return TeacherScores(
+            list(res.logprobs),
+            np.asarray(res.top_ids, dtype=np.int32).reshape(n, top_k),
+            np.asarray(res.top_logprobs, dtype=np.float32).reshape(n, top_k),
+        )
 
 
 class ProxyGenerate:

@@ -88,8 +88,13 @@ class GenerateHandlers(ProxyCalls):
 
     async def score_tokens(self, req: pb.ScoreTokensRequest, ctx) -> pb.ScoreTokensResponse:
         async with refusals(ctx):
-            out = await self.proxy.score(list(req.input_ids), req.start, req.timeout_s, req.route)
-        return pb.ScoreTokensResponse(logprobs=out.logprobs, weight_version=out.weight_version)
+            out = await self.proxy.score(list(req.input_ids), req.start, req.timeout_s, req.route, req.top_k)
+        return pb.ScoreTokensResponse(
+            logprobs=out.logprobs,
+            weight_version=out.weight_version,
+            top_ids=[t for row in out.top_logprobs for t, _ in row],
+            top_logprobs=[lp for row in out.top_logprobs for _, lp in row],
+        )
 
     async def abort(self, req: pb.AbortRequest, ctx) -> pb.AbortResponse:
         if not req.request_id and not req.abort_all:

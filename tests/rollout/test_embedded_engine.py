@@ -60,13 +60,22 @@ def test_logprobs_equal_teacher_forced_forward(engine, hf, temperature):
 def test_scoring_gives_each_token_from_start_its_teacher_forced_log_prob(engine, hf, start):
     """A teacher's answer: log p(x_t | x_<t) at temperature 1 for t >= start (None at position 0)."""
     seqs = PROMPTS[1:3]
-    futs = [engine.score(s, start) for s in seqs]
+    futs = [engine.score(s, start, top_k=4) for s in seqs]
     for s, f in zip(seqs, futs):
-        got = f.result(T)
+        got, tops = f.result(T)
         first = max(start, 1)
         ref = teacher_forced_logprobs(hf, s[:first], s[first:])
         assert len(got) == len(s) - start and got[: first - start] == [None] * (first - start)
         assert (ref - torch.tensor(got[first - start :])).abs().max().item() <= 1e-4
+        # each position's four most likely tokens, best first, from the same distribution
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([s])).logits[0, first - 1 : -1].float(), -1)
+        best = logp.topk(4, dim=-1)
+        assert len(tops) == len(got) and tops[: first - start] == [None] * (first - start)
+        assert [[i for i, _ in row] for row in tops[first - start :]] == best.indices.tolist()
+        values = torch.tensor([[lp for _, lp in row] for row in tops[first - start :]])
+        assert (best.values - values).abs().max() <= 1e-4
+    assert engine.score(seqs[0], start).result(T)[1] == []  # none asked, none sent
 
 
 @pytest.mark.parametrize(
@@ -76,11 +85,12 @@ def test_scoring_gives_each_token_from_start_its_teacher_forced_log_prob(engine,
         ([1, 10**6], 1, "input_ids"),
         ([1, 2, 3], 3, "logprob_start_len"),
         ([1, 2], -1, "logprob_start_len"),
+        ([1, 2], 1, "top_logprobs_num"),
     ],
 )
 def test_a_bad_scoring_request_is_refused_by_field(engine, ids, start, field):
     with pytest.raises(EngineError) as e:
-        engine.score(ids, start)
+        engine.score(ids, start, top_k=65 if field == "top_logprobs_num" else 0)
     assert e.value.field == field
 
 

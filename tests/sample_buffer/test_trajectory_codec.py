@@ -24,6 +24,10 @@ def traj(**kw):
     return Trajectory(**(base | kw))
 
 
+def _top(ids, lps) -> dict:
+    return {"teacher_logprobs": [-1.0, -1.0], "teacher_top_ids": ids, "teacher_top_logprobs": lps}
+
+
 @pytest.mark.parametrize(
     "kw, field",
     [
@@ -35,6 +39,13 @@ def traj(**kw):
         ({"teacher_logprobs": [-0.5]}, "teacher_logprobs"),  # fewer than the generated tokens
         ({"teacher_logprobs": [-0.5, 0.2]}, "teacher_logprobs"),
         ({"teacher_logprobs": [float("-inf"), -1.0]}, "teacher_logprobs"),
+        ({"teacher_logprobs": [-1.0, -1.0], "teacher_top_ids": [[1], [2]]}, "both or neither"),
+        ({"teacher_top_ids": [[1], [2]], "teacher_top_logprobs": [[-1.0], [-1.0]]}, "both or neither"),
+        (_top([[1, 2]], [[-1.0, -2.0]]), "one row of k >= 1 a generated token"),
+        (_top([[1], [2]], [[-1.0, -2.0], [-1.0, -2.0]]), "one row of k >= 1"),
+        (_top([[1, -2], [2, 3]], [[-1.0, -2.0], [-1.0, -2.0]]), "teacher_top_ids: token ids must be >= 0"),
+        (_top([[1, 2], [2, 3]], [[-1.0, 0.5], [-1.0, -2.0]]), "teacher_top_logprobs: log-probs must be finite"),
+        (_top([1, 2], [-1.0, -2.0]), r"teacher_top_ids: expected a \[tokens, k\] table"),
         ({"token_versions": [3]}, "token_versions"),
         ({"start_version": 2}, "start_version"),
         ({"token_rewards": [0.0]}, "token_rewards"),
@@ -206,6 +217,42 @@ def test_teacher_log_probs_travel_exactly_and_the_header_says_the_group_is_taugh
     back = decode_group(encode_group(mixed))
     assert back.trajectories[0].images == mixed.trajectories[0].images
     assert np.array_equal(back.trajectories[1].teacher_logprobs, mixed.trajectories[1].teacher_logprobs)
+
+
+def _topped(group: Group, k: int, seed: int = 0) -> Group:
+    rng = np.random.default_rng(seed)
+    trajs = [
+        Trajectory(
+            **{
+                **t.__dict__,
+                "teacher_top_ids": rng.integers(0, 1000, (t.num_generated, k)),
+                "teacher_top_logprobs": -rng.random((t.num_generated, k)) * 3,
+            }
+        )
+        for t in group.trajectories
+    ]
+    return Group(group.group_id, group.prompt_id, trajs, group.domain, group.images)
+
+
+def test_a_teachers_top_k_travels_exactly_and_a_corrupt_table_is_refused():
+    group = _topped(_taught(make_group("top", rewards=(1.0, 0.0))), k=3)
+    for compress in (False, True):
+        back = decode_group(encode_group(group, compress=compress))
+        for a, b in zip(group.trajectories, back.trajectories, strict=True):
+            assert b.teacher_top_ids.dtype == np.int32 and np.array_equal(a.teacher_top_ids, b.teacher_top_ids)
+            assert b.teacher_top_logprobs.dtype == np.float32
+            assert np.array_equal(a.teacher_top_logprobs, b.teacher_top_logprobs)
+    assert decode_group(encode_group(_taught(make_group("no-top")))).trajectories[0].teacher_top_ids is None
+    with pytest.raises(TrajectoryError, match="teacher_top_ids of one k on every trajectory"):
+        Group("top", "p", [_topped(group, 2).trajectories[0], group.trajectories[1]])
+    # A table whose length is no multiple of its k: a clear error, not a reshape's.
+    data = encode_group(group)
+    prefix, (_, hlen) = struct.Struct("<BBI"), struct.unpack_from("<BI", data, 1)
+    rows = msgpack.unpackb(data[prefix.size + hlen :])
+    rows[0][14][2] = 5
+    body = msgpack.packb(rows)
+    with pytest.raises(CodecError, match="no table of 5 a row"):
+        decode_group(data[: prefix.size + hlen] + body)
 
 
 def test_a_group_is_taught_whole_or_not_at_all_and_its_header_must_agree():

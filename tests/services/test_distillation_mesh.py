@@ -49,7 +49,7 @@ def test_a_teachers_log_probs_of_each_generated_token_reach_the_trainers_groups(
         try:
             async with local_mesh(engine_url, tiny_model, async_ratio=0, groups_per_step=3) as mesh:
                 manager = build_loop(
-                    _config(tiny_model, teacher="big"),
+                    _config(tiny_model, teacher="big", teacher_top_k=3),
                     mesh.proxy_client,
                     mesh.buffer_client,
                     mesh.controller_client,
@@ -77,6 +77,10 @@ def test_a_teachers_log_probs_of_each_generated_token_reach_the_trainers_groups(
             assert t.teacher_logprobs.shape == t.behavior_logprobs.shape
             assert np.abs(ref - t.teacher_logprobs).max() <= 1e-4  # the teacher's, token by token
             assert np.abs(t.behavior_logprobs - t.teacher_logprobs).max() > 1e-3  # not the student's
+            # and at each generated position its three most likely tokens, best first
+            best = lp[torch.from_numpy(gen[1:])].topk(3, dim=-1)
+            assert t.teacher_top_ids.tolist() == best.indices.tolist()
+            assert np.abs(t.teacher_top_logprobs - best.values.numpy()).max() <= 1e-4
             scored += t.num_generated
     assert teacher_counters["scored_tokens"] >= scored
 
@@ -124,11 +128,11 @@ def test_the_teachers_proxy_retries_a_failed_engine_and_refuses_bad_input_by_fie
         client = ProxyClient(f"127.0.0.1:{server.bound_port}")
         teacher = ProxyTeacher(client)
         try:
-            got = [await teacher.score([1, 30, 31, 32], 1, route="", timeout_s=30) for _ in range(3)]
+            got = [await teacher.score([1, 30, 31, 32], 1, route="", timeout_s=30, top_k=2) for _ in range(3)]
             errors = []
-            for ids, start in (([], 1), ([1, 2], 0), ([1, 2], 2), ([1, 10**6], 1)):
+            for ids, start, k in (([], 1, 0), ([1, 2], 0, 0), ([1, 2], 2, 0), ([1, 10**6], 1, 0), ([1, 2], 1, 65)):
                 try:
-                    await teacher.score(ids, start, route="", timeout_s=10)
+                    await teacher.score(ids, start, route="", timeout_s=10, top_k=k)
                 except ValueError as e:
                     errors.append(str(e))
             healthy = {s.url: s.healthy for s in proxy.router.engines}
@@ -139,6 +143,9 @@ def test_the_teachers_proxy_retries_a_failed_engine_and_refuses_bad_input_by_fie
             await proxy.close()
 
     got, errors, healthy = asyncio.run(main())
-    assert all(g == got[0] and len(g) == 3 for g in got)
-    assert [e.split(":")[0] for e in errors] == ["input_ids", "start", "start", "input_ids"], errors
+    assert all(g.logprobs == got[0].logprobs and len(g.logprobs) == 3 for g in got)
+    assert got[0].top_ids.shape == got[0].top_logprobs.shape == (3, 2)
+    assert (got[0].top_logprobs[:, 0] >= got[0].top_logprobs[:, 1]).all()
+    assert (got[0].top_logprobs[:, 0] >= np.asarray(got[0].logprobs) - 1e-6).all()  # the best is at least the token
+    assert [e.split(":")[0] for e in errors] == ["input_ids", "start", "start", "input_ids", "top_k"], errors
     assert not any(v for u, v in healthy.items() if u != url) and healthy[url]

@@ -151,14 +151,22 @@ def test_the_engine_client_scores_and_refuses_an_answer_short_of_the_tokens_aske
     async def go():
         client = engine_client(engine_url)
         try:
-            return await client.score(seq, 2)
+            return await client.score(seq, 2), await client.score(seq, 2, top_k=3)
         finally:
             await client.close()
 
-    got = asyncio.run(go())
+    got, topped = asyncio.run(go())
     body = {"input_ids": seq, "logprob_start_len": 2, "sampling_params": {"max_new_tokens": 0}}
-    direct = post(engine_url, "/generate", json=body).json()["meta_info"]["input_token_logprobs"]
-    assert got.logprobs == [t[0] for t in direct] and len(got.logprobs) == 4 and got.weight_version == 0
+    direct = post(engine_url, "/generate", json=body).json()["meta_info"]
+    assert got.logprobs == [t[0] for t in direct["input_token_logprobs"]] and len(got.logprobs) == 4
+    assert got.weight_version == 0 and got.top_logprobs == [] and "input_top_logprobs" not in direct
+    # SGLang's top_logprobs_num: each position's most likely tokens, as [logprob, id, text] triples
+    meta = post(engine_url, "/generate", json=body | {"top_logprobs_num": 3}).json()["meta_info"]
+    assert topped.logprobs == got.logprobs
+    assert topped.top_logprobs == [[(t[1], t[0]) for t in row] for row in meta["input_top_logprobs"]]
+    assert [len(row) for row in topped.top_logprobs] == [3] * 4
+    with pytest.raises(EngineUnavailable, match="not 3 for each of the 4 tokens"):
+        parse_score_response({"meta_info": meta | {"input_top_logprobs": meta["input_top_logprobs"][:3]}}, seq, 2, 3)
     short = {"meta_info": {"input_token_logprobs": [[-1.0, 31, None], [-2.0, 32, None]]}}
     with pytest.raises(EngineUnavailable, match="2 log-probs for the 4 tokens"):
         parse_score_response(short, seq, 2)

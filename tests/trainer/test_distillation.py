@@ -1,5 +1,6 @@
-"""On-policy distillation: the advantage against its literal formula, and a step that moves the
-student toward the teacher on the tokens it sampled."""
+"""On-policy distillation: the advantage and the top-k forward KL against their literal formulas, and
+steps that move the student toward the teacher: on the tokens it sampled, and toward the teacher's
+top-k distribution at each position, through the padded, packed and tree-packed forwards."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from sample_buffer.trajectory import Group, Trajectory
 from tests.trainer.helpers import toy_batch
 from trainer.batch import batch_from_groups
 from trainer.config import TrainerConfig
-from trainer.distillation import distillation_sums, distilled_advantages, reverse_kl_advantage
+from trainer.distillation import distillation_sums, distilled_advantages, reverse_kl_advantage, top_k_forward_kl
 from trainer.engine import TrainEngine
 
 
@@ -68,8 +69,32 @@ def test_the_gap_carries_no_gradient_and_its_sums_count_only_taught_tokens():
     assert kl_sum == pytest.approx(want) and n == float(mask[rows].sum())
 
 
-def _groups_from(batch, teacher: torch.Tensor | None, taught_groups: set[int]) -> list[Group]:
-    """``batch`` (a toy batch) as the buffer hands it over, ``teacher`` [B, T] on the groups named."""
+def test_the_top_k_forward_kl_is_the_literal_sum_zero_only_at_the_teachers_proportions():
+    g = torch.Generator().manual_seed(3)
+    student = torch.log_softmax(torch.randn(4, 6, 10, generator=g, dtype=torch.float64), -1)
+    teacher = -torch.rand(4, 6, 3, generator=g, dtype=torch.float64) * 3
+    teacher[0, 0, 2] = float("-inf")  # a row of fewer than k
+    ids = torch.randint(0, 10, (4, 6, 3), generator=g)
+    got = top_k_forward_kl(student.gather(-1, ids), teacher)
+    for b in range(4):
+        for t in range(6):
+            z = sum(np.exp(float(x)) for x in teacher[b, t])
+            want = sum(
+                np.exp(float(x)) / z * (float(x) - np.log(z) - float(student[b, t, ids[b, t, k]]))
+                for k, x in enumerate(teacher[b, t])
+                if x > float("-inf")
+            )
+            assert got[b, t].item() == pytest.approx(want, abs=1e-9)
+    assert (got >= 0).all()
+    # A student with all its mass on the teacher's k tokens, in its proportions: 0, whatever their scale.
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    assert top_k_forward_kl(p.log(), (p * 0.1).log()).item() == pytest.approx(0.0, abs=1e-12)
+    assert top_k_forward_kl((p * 0.5).log(), p.log()).item() == pytest.approx(np.log(2), abs=1e-12)
+
+
+def _groups_from(batch, teacher: torch.Tensor | None, taught_groups: set[int], top=None) -> list[Group]:
+    """``batch`` (a toy batch) as the buffer hands it over, ``teacher`` [B, T] on the groups named;
+    ``top``: the teacher's top-k ids and log-probs, each [B, T, k] (or a function of the row giving them)."""
     groups: dict[int, list[Trajectory]] = {}
     for i, seq in enumerate(batch.sequences):
         gi, m = int(batch.group_ids[i]), batch.loss_mask[i, : len(seq)].numpy().astype(np.int8)
@@ -86,9 +111,17 @@ def _groups_from(batch, teacher: torch.Tensor | None, taught_groups: set[int]) -
                 reward=float(batch.rewards[i]),
                 start_version=0,
                 teacher_logprobs=None if gi not in taught_groups else teacher[i, : len(seq)].numpy()[gen],
+                **_top_of_row(top, i, len(seq), gen, gi in taught_groups),
             )
         )
     return [Group(f"g{gi}", f"p{gi}", trajs) for gi, trajs in groups.items()]
+
+
+def _top_of_row(top, i: int, n: int, gen: np.ndarray, taught: bool) -> dict:
+    if top is None or not taught:
+        return {}
+    ids, lps = top(i) if callable(top) else (top[0][i], top[1][i])
+    return {"teacher_top_ids": ids[:n].numpy()[gen], "teacher_top_logprobs": lps[:n].numpy()[gen]}
 
 
 def test_the_batch_carries_each_taught_rows_teacher_log_probs_at_their_tokens():
@@ -124,3 +157,68 @@ def test_a_step_of_distillation_alone_moves_the_student_toward_the_teacher(tiny_
     assert torch.nn.functional.mse_loss(after[m], batch.teacher_logprobs[m]) < torch.nn.functional.mse_loss(
         before[m], batch.teacher_logprobs[m]
     )
+
+
+def test_the_batch_carries_the_teachers_top_k_at_each_generated_position_padded_to_the_largest_k():
+    toy = toy_batch(num_groups=3, group_size=2)
+    teacher = -torch.rand(toy.loss_mask.shape) * toy.loss_mask
+    b, t = toy.loss_mask.shape
+    ids, lps = torch.randint(0, 250, (b, t, 3)), -torch.rand(b, t, 3)
+
+    def top(i):  # group 2's teacher sent two a position, the others three
+        k = 2 if int(toy.group_ids[i]) == 2 else 3
+        return ids[i, :, :k], lps[i, :, :k]
+
+    batch = batch_from_groups(_groups_from(toy, teacher, {0, 2}, top))
+    m = batch.loss_mask > 0
+    assert batch.topped.tolist() == [True, True, False, False, True, True]
+    assert batch.teacher_top_ids.shape == (b, t, 3)
+    for i in range(b):
+        if not batch.topped[i]:
+            assert not batch.teacher_top_ids[i].any() and not batch.teacher_top_logprobs[i].any()
+            continue
+        k = 2 if int(toy.group_ids[i]) == 2 else 3
+        assert torch.equal(batch.teacher_top_ids[i][m[i], :k], ids[i][m[i], :k])
+        assert torch.equal(batch.teacher_top_logprobs[i][m[i], :k], lps[i][m[i], :k])
+        assert (batch.teacher_top_logprobs[i][m[i], k:] == float("-inf")).all()  # the padding weighs nothing
+        assert not batch.teacher_top_logprobs[i][~m[i]].any()
+    picked = batch.select([1, 2])
+    assert picked.topped.tolist() == [True, False] and picked.teacher_top_ids.shape[0] == 2
+    assert batch_from_groups(_groups_from(toy, teacher, {0})).teacher_top_ids is None
+
+
+def _distributions(model_path: str, batch) -> torch.Tensor:
+    """A model's log-probs over the vocabulary at each position of ``batch`` (the token's own position:
+    the logits of the one before; 0 at the first and past the end), [B, T, V]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    width = batch.loss_mask.shape[1]
+    with torch.no_grad():
+        rows = [torch.log_softmax(model(seq[None]).logits[0, :-1].float(), -1) for seq in batch.sequences]
+    return torch.stack([torch.nn.functional.pad(r, (0, 0, 1, width - 1 - len(r))) for r in rows])
+
+
+@pytest.mark.parametrize("packing", ["padded", "packed", "tree"])
+def test_a_step_of_top_k_distillation_moves_the_student_toward_the_teachers_distribution(
+    tiny_model, tiny_model_b, packing
+):
+    """No reward signal and no sampled-token term (coef 0): the loss is the top-k forward KL alone. Its
+    metric is the formula at the step's start; a few steps lower it; every forward path agrees."""
+    toy = toy_batch(num_groups=2, group_size=3)
+    toy.rewards = torch.ones_like(toy.rewards)
+    kw = {"padded": {}, "packed": {"pack_sequences": True}, "tree": {"pack_sequences": True, "tree_packing": True}}
+    cfg = {"lr": 3e-3, "distill": {"coef": 0.0, "reward_coef": 0.0, "top_k_coef": 1.0}, **kw[packing]}
+    eng = TrainEngine(TrainerConfig(model_path=tiny_model, **cfg))
+    toy.behavior_logprobs = eng.logprobs(toy).detach() * toy.loss_mask
+    best = _distributions(tiny_model_b, toy).topk(4, dim=-1)
+    top_ids, top_lps = best.indices, best.values
+    teacher = top_lps[..., 0] * toy.loss_mask  # any log-probs: coef 0 leaves them out
+    batch = batch_from_groups(_groups_from(toy, teacher, {0, 1}, (top_ids, top_lps)))
+    m = batch.loss_mask > 0
+    before = top_k_forward_kl(_distributions(tiny_model, batch).gather(-1, top_ids), top_lps)[m]
+    first = eng.train_step(batch)
+    assert first["teacher_top_kl"] == pytest.approx(float(before.mean()), rel=1e-4)
+    for _ in range(4):
+        last = eng.train_step(batch)
+    assert last["teacher_top_kl"] < 0.8 * first["teacher_top_kl"]

@@ -107,7 +107,7 @@ def _logprobs_and_grads(eng: TrainEngine, batch: TrainBatch):
     lps, ents = torch.zeros(len(batch.sequences), width), torch.zeros(len(batch.sequences), width)
     for rows in eng.micro_batches(batch):
         seqs = [batch.sequences[r] for r in rows]
-        lp, ent = eng._forward(eng.model, seqs, width, True, batch.temperatures[rows])
+        lp, ent, _ = eng._forward(eng.model, seqs, width, True, batch.temperatures[rows])
         ((lp * weights[rows]).sum() + (ent * weights[rows]).sum()).backward()
         lps[rows], ents[rows] = lp.detach(), ent.detach()
     grads = {n: p.grad.clone() for n, p in eng.model.named_parameters() if p.grad is not None}

@@ -288,10 +288,11 @@ class EmbeddedEngine(EngineUpdates, SchedulerCommands):
         self._commands.put(lambda: self._enqueue(req))
         return fut
 
-    def score(self, input_ids: list[int], start: int) -> Future:
+    def score(self, input_ids: list[int], start: int, top_k: int = 0) -> Future:
         """The log-prob this model gives each token of ``input_ids`` from position ``start`` on, at
-        temperature 1 (``scoring.py``; None for position 0): a teacher's answer in on-policy
-        distillation. Runs in the scheduler thread between two steps, at the weights then served."""
+        temperature 1 (``scoring.py``; None for position 0), and with ``top_k`` each position's most
+        likely tokens: a teacher's answer in on-policy distillation. Runs in the scheduler thread
+        between two steps, at the weights then served."""
         self._check_ids(input_ids)
         if len(input_ids) > self.max_context:
             raise EngineError("input_ids", f"{len(input_ids)} tokens exceed the model's context of {self.max_context}")
@@ -302,9 +303,13 @@ class EmbeddedEngine(EngineUpdates, SchedulerCommands):
                 "input_ids", f"{self.hf_config.model_type}: scoring a vision-language prompt is not built"
             )
 
-        def run() -> list[float | None]:
+        if not 0 <= top_k <= min(MAX_TOP_LOGPROBS, self.vocab_size):
+            limit = min(MAX_TOP_LOGPROBS, self.vocab_size)
+            raise EngineError("top_logprobs_num", f"must be in [0, {limit}], got {top_k}")
+
+        def run() -> tuple[list[float | None], list]:
             self.adapters.select([None], self.device)  # the base model: a teacher serves no adapter
-            out = token_logprobs(self.model, input_ids, start, self.device, bool(self._keep_last))
+            out = token_logprobs(self.model, input_ids, start, self.device, bool(self._keep_last), top_k)
             self.counters["scored_tokens"] += len(input_ids) - start
             return out
 

@@ -10,9 +10,13 @@ from __future__ import annotations
 import torch
 
 
-def token_logprobs(model, input_ids: list[int], start: int, device, keep_last: bool) -> list[float | None]:
+def token_logprobs(
+    model, input_ids: list[int], start: int, device, keep_last: bool, top_k: int = 0
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
     """log p(x_t | x_<t) at temperature 1 for every position t in [start, N), one forward of the
-    whole sequence; position 0 has no context, so its entry is None (SGLang's convention).
+    whole sequence; position 0 has no context, so its entry is None (SGLang's convention). With
+    ``top_k``, also each position's ``top_k`` most likely tokens as (id, log-prob), most likely first
+    (SGLang's ``input_top_logprobs``; the second list is empty without it).
 
     Only the logits that predict a scored token are kept (``logits_to_keep`` where the model takes it):
     a whole sequence's [N, vocab] would be most of the memory."""
@@ -25,4 +29,9 @@ def token_logprobs(model, input_ids: list[int], start: int, device, keep_last: b
     logits = logits[-(n - first + 1) : -1]  # position p's logits predict token p + 1
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(-1, ids[0, first:, None].to(logp.device))[:, 0]
-    return [None] * (first - start) + chosen.tolist()
+    lead = [None] * (first - start)
+    if not top_k:
+        return lead + chosen.tolist(), []
+    values, indices = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+    tops = [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+    return lead + chosen.tolist(), lead + tops

@@ -61,10 +61,11 @@ def parse_generate_response(body: dict, routing_start: int = 0) -> EngineResult:
     )
 
 
-def parse_score_response(body: dict, input_ids: list[int], start: int) -> ScoreResult:
+def parse_score_response(body: dict, input_ids: list[int], start: int, top_k: int = 0) -> ScoreResult:
     """SGLang's ``meta_info.input_token_logprobs`` for tokens ``start``.. of ``input_ids``: one
-    finite log-prob <= 0 for each (position 0 has none, so ``start`` >= 1), for exactly those tokens.
-    An answer that says less or other is the engine's failure (``EngineUnavailable``), never padded."""
+    finite log-prob <= 0 for each (position 0 has none, so ``start`` >= 1), for exactly those tokens;
+    with ``top_k``, ``input_top_logprobs``: ``top_k`` of them at each position. An answer that says
+    less or other is the engine's failure (``EngineUnavailable``), never padded."""
     meta = body.get("meta_info", {}) if isinstance(body, dict) else {}
     triples = meta.get("input_token_logprobs") or []
     want = input_ids[start:]
@@ -77,7 +78,23 @@ def parse_score_response(body: dict, input_ids: list[int], start: int) -> ScoreR
         raise EngineUnavailable(f"input_token_logprobs: {len(ids)} log-probs for the {len(want)} tokens asked")
     if lps and not all(-float("inf") < x <= 0 for x in lps):
         raise EngineUnavailable("input_token_logprobs: log-probs must be finite and <= 0")
-    return ScoreResult(lps, int_version(meta.get("weight_version")))
+    return ScoreResult(lps, int_version(meta.get("weight_version")), _top_logprobs(meta, len(want), top_k))
+
+
+def _top_logprobs(meta: dict, n: int, k: int) -> list[list[tuple[int, float]]]:
+    """``input_top_logprobs``: k (id, log-prob) pairs for each of the n positions (none asked: [])."""
+    if not k:
+        return []
+    rows = meta.get("input_top_logprobs") or []
+    try:
+        tops = [[(int(t[1]), float(t[0])) for t in row] for row in rows]
+    except (TypeError, ValueError, IndexError):
+        raise EngineUnavailable("input_top_logprobs: not lists of [logprob, token id, text] triples") from None
+    if len(tops) != n or any(len(row) != k for row in tops):
+        raise EngineUnavailable(f"input_top_logprobs: not {k} for each of the {n} tokens asked")
+    if not all(-float("inf") < lp <= 0 for row in tops for _, lp in row):
+        raise EngineUnavailable("input_top_logprobs: log-probs must be finite and <= 0")
+    return tops
 
 
 # What an incremental SGLang stream (``--incremental-streaming-output``) sends as deltas; joined here.
@@ -157,9 +174,12 @@ class SGLangClient(HTTPEngineClient):
             raise EngineUnavailable(f"{self.base_url}/generate: a stream without an answer")
         return parse_generate_response(join_events(events), start)
 
-    async def score(self, input_ids: list[int], start: int, timeout_s: float | None = None) -> ScoreResult:
-        """The log-prob the model gives each token of ``input_ids`` from ``start`` (>= 1) on: SGLang's
-        prefill-only request (``logprob_start_len``, ``max_new_tokens`` 0); a teacher's call."""
+    async def score(
+        self, input_ids: list[int], start: int, timeout_s: float | None = None, top_k: int = 0
+    ) -> ScoreResult:
+        """The log-prob the model gives each token of ``input_ids`` from ``start`` (>= 1) on, and with
+        ``top_k`` each position's most likely tokens: SGLang's prefill-only request
+        (``logprob_start_len``, ``max_new_tokens`` 0, ``top_logprobs_num``); a teacher's call."""
         if start < 1:
             raise EngineRejected("logprob_start_len: the first token has no log-prob; start at 1 or later", "start")
         payload = {
@@ -167,8 +187,9 @@ class SGLangClient(HTTPEngineClient):
             "logprob_start_len": start,
             "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True,
-        }
-        return parse_score_response(await self._post("/generate", timeout_s, json=payload), input_ids, start)
+        } | ({"top_logprobs_num": top_k} if top_k else {})
+        body = await self._post("/generate", timeout_s, json=payload)
+        return parse_score_response(body, input_ids, start, top_k)
 
     async def generate_samples(
         self,

@@ -20,24 +20,30 @@ SUSPEND_MODE_ABORT: SuspendMode
 SUSPEND_MODE_IN_PLACE: SuspendMode
 
 class ScoreTokensRequest(_message.Message):
-    __slots__ = ("input_ids", "start", "timeout_s", "route")
+    __slots__ = ("input_ids", "start", "timeout_s", "route", "top_k")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     start: int
     timeout_s: float
     route: str
-    def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., timeout_s: _Optional[float] = ..., route: _Optional[str] = ...) -> None: ...
+    top_k: int
+    def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., timeout_s: _Optional[float] = ..., route: _Optional[str] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class ScoreTokensResponse(_message.Message):
-    __slots__ = ("logprobs", "weight_version")
+    __slots__ = ("logprobs", "weight_version", "top_ids", "top_logprobs")
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     weight_version: int
-    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed", "json_schema", "regex", "ebnf")

@@ -1,0 +1,129 @@
+"""`rollmesh bench distill`: on-policy distillation against GRPO alone, side by side over seeds.
+
+The digit task as ``examples/distill/digits.yaml`` has it: the student models/tiny-digits untrained
+(a digit at chance), the teacher the quickstart's own policy after its run. Every variant is that
+config with a few overrides (``VARIANTS``), run as a user runs it (``rollmesh run``) for the same
+steps with the same seeds, held out every ``eval_every`` steps. Per run: the first step whose
+held-out accuracy reaches the target and the training time to it; per variant: their medians over
+the seeds (a run that never reaches it counts as past the last step), and the ratio of each
+variant's median steps to GRPO's (below 1: fewer steps than GRPO alone).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from launch.bench import BadOption
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = "examples/distill/digits.yaml"
+# Each variant as overrides of the example (which is GRPO + the sampled-token gap at λ = 0.1).
+VARIANTS = {
+    "grpo": ["teachers=[]", "env_manager.teacher=null"],
+    "grpo+opd": [],
+    "grpo+opd+top8": ["env_manager.teacher_top_k=8"],
+    "top8": ["env_manager.teacher_top_k=8", "trainer.distill.coef=0", "trainer.distill.reward_coef=0"],
+}
+
+
+def _run_one(variant: str, seed: int, steps: int, eval_every: int, teacher: str, out: Path) -> dict:
+    run_dir = out / f"{variant}-seed{seed}"
+    sets = [
+        f"train_loop.run_dir={run_dir}",
+        f"train_loop.steps={steps}",
+        "train_loop.checkpoint_every=0",
+        f"run.eval_every={eval_every}",
+        f"env_manager.seed={seed}",
+        f"trainer.seed={seed}",
+    ]
+    if variant != "grpo":
+        sets.append(f"teachers=[{{name: digits, model_path: {teacher}}}]")
+    cmd = [sys.executable, "-m", "launch.cli", "run", CONFIG, "--fresh"]
+    for s in sets + VARIANTS[variant]:
+        cmd += ["--set", s]
+    log = out / f"{variant}-seed{seed}.log"
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=3600).returncode
+    if rc != 0:
+        raise RuntimeError(f"{variant} (seed {seed}): rollmesh run failed ({rc}): see {log}")
+    return curve_of(run_dir)
+
+
+def curve_of(run_dir: Path) -> dict:
+    """A finished run's held-out curve, each point with the training time to its step."""
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    heldout = [json.loads(x) for x in (run_dir / "heldout.jsonl").read_text().splitlines()]
+    first = steps[0]
+    origin = first["wall"] - sum(first.get(k, 0.0) for k in ("time_get_s", "time_train_s", "time_publish_s"))
+    wall_at = {s["step"]: s["wall"] - origin for s in steps}
+    curve = []
+    for h in heldout:
+        step = h["step"] if h["step"] is not None else (0 if h["when"].startswith("before") else steps[-1]["step"])
+        curve.append({"step": step, "accuracy": h["accuracy"], "train_wall_s": wall_at.get(step, 0.0)})
+    return {"heldout": curve, "steps": len(steps), "train_wall_s": steps[-1]["wall"] - origin}
+
+
+def reached(curve: list[dict], target: float) -> dict | None:
+    """The first held-out point at or above ``target`` (None: none)."""
+    return next((h for h in curve if h["accuracy"] >= target), None)
+
+
+def summarise(runs: dict[str, list[dict]], target: float, steps: int) -> dict:
+    """Per variant the medians over seeds of the steps and training seconds to ``target`` (a run that
+    never reaches it: steps + 1, and no time), and each variant's ratio of steps to GRPO's."""
+    out: dict = {}
+    for variant, seeds in runs.items():
+        hits = [reached(r["heldout"], target) for r in seeds]
+        to_target = [h["step"] if h else steps + 1 for h in hits]
+        out[f"{variant}.steps_to_target"] = statistics.median(to_target)
+        out[f"{variant}.reached"] = sum(h is not None for h in hits)
+        walls = [h["train_wall_s"] for h in hits if h]
+        if walls:
+            out[f"{variant}.train_s_to_target"] = statistics.median(walls)
+        out[f"{variant}.heldout_final"] = statistics.median(r["heldout"][-1]["accuracy"] for r in seeds)
+    if "grpo" in runs:
+        for variant in runs:
+            if variant != "grpo":
+                out[f"{variant}.steps_vs_grpo"] = out[f"{variant}.steps_to_target"] / out["grpo.steps_to_target"]
+    return out
+
+
+def run(
+    variants: list[str] | None,
+    seeds: int,
+    steps: int,
+    eval_every: int,
+    target: float,
+    teacher: str,
+    out: str,
+    progress=print,
+) -> dict:
+    variants = variants or list(VARIANTS)
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        raise BadOption(f"--variant: {unknown} unknown (one of {sorted(VARIANTS)})")
+    if seeds < 1 or steps < 1 or eval_every < 1 or not 0 < target <= 1:
+        raise BadOption("--seeds, --steps and --eval-every must be >= 1 and --target in (0, 1]")
+    if not (ROOT / teacher / "config.json").exists() and not (Path(teacher) / "config.json").exists():
+        raise BadOption(f"--teacher: no model at {teacher} (the quickstart's run writes it: make examples)")
+    where = Path(out)
+    where.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    for seed in range(seeds):  # seed-major: a study cut short still has every variant of the first seeds
+        for variant in variants:
+            got = _run_one(variant, seed, steps, eval_every, teacher, where)
+            hit = reached(got["heldout"], target)
+            curve = " ".join(f"{h['accuracy']:.2f}" for h in got["heldout"])
+            progress(
+                f"{variant} seed {seed}: held-out {curve}; "
+                + (f"{target} at step {hit['step']} ({hit['train_wall_s']:.0f} s)" if hit else f"{target} not reached")
+            )
+            runs[variant].append(got)
+    result = summarise(runs, target, steps) | {
+        "details": {"runs": runs, "steps": steps, "eval_every": eval_every, "target": target, "teacher": teacher}
+    }
+    (where / "result.json").write_text(json.dumps(result, indent=1))
+    return result
