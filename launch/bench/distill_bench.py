@@ -12,26 +12,37 @@ variant's median steps to GRPO's (below 1: fewer steps than GRPO alone).
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from launch.bench import BadOption
 
 ROOT = Path(__file__).resolve().parents[2]
+STOPPED_RC = 130  # rollmesh run's exit status after a SIGTERM
 CONFIG = "examples/distill/digits.yaml"
 # Each variant as overrides of the example (which is GRPO + the sampled-token gap at λ = 0.1).
+# grpo: no teacher; grpo+opd: the sampled-token gap mixed in; top8: the forward KL to the teacher's top 8
+# alone (no reward, no gap); grpo+top8: the reward's advantage and the forward KL; top8/g1: top8 with
+# one sample of each of 128 prompts a step rather than 8 of 16 (the same answers a step: distillation
+# needs no group to compare within, and a one-token answer's 8 samples all see the same context).
+_TOP8 = ["env_manager.teacher_top_k=8", "trainer.distill.coef=0", "trainer.distill.reward_coef=0"]
 VARIANTS = {
     "grpo": ["teachers=[]", "env_manager.teacher=null"],
     "grpo+opd": [],
-    "grpo+opd+top8": ["env_manager.teacher_top_k=8"],
-    "top8": ["env_manager.teacher_top_k=8", "trainer.distill.coef=0", "trainer.distill.reward_coef=0"],
+    "top8": _TOP8,
+    "grpo+top8": ["env_manager.teacher_top_k=8", "trainer.distill.coef=0"],
+    "top8/g1": [*_TOP8, "env_manager.group_size=1", "controller.groups_per_step=128"],
 }
 
 
-def _run_one(variant: str, seed: int, steps: int, eval_every: int, teacher: str, out: Path) -> dict:
-    run_dir = out / f"{variant}-seed{seed}"
+def _run_one(
+    variant: str, seed: int, steps: int, eval_every: int, teacher: str, out: Path, target: float | None
+) -> dict:
+    run_dir = out / f"{variant.replace('/', '-')}-seed{seed}"
     sets = [
         f"train_loop.run_dir={run_dir}",
         f"train_loop.steps={steps}",
@@ -45,18 +56,36 @@ def _run_one(variant: str, seed: int, steps: int, eval_every: int, teacher: str,
     cmd = [sys.executable, "-m", "launch.cli", "run", CONFIG, "--fresh"]
     for s in sets + VARIANTS[variant]:
         cmd += ["--set", s]
-    log = out / f"{variant}-seed{seed}.log"
+    log = out / f"{variant.replace('/', '-')}-seed{seed}.log"
     with log.open("w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=3600).returncode
-    if rc != 0:
-        raise RuntimeError(f"{variant} (seed {seed}): rollmesh run failed ({rc}): see {log}")
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        stopped = _stop_at(proc, run_dir / "heldout.jsonl", target, time.monotonic() + 3600)
+    if proc.returncode != 0 and not (stopped and proc.returncode == STOPPED_RC):
+        raise RuntimeError(f"{variant} (seed {seed}): rollmesh run failed ({proc.returncode}): see {log}")
     return curve_of(run_dir)
+
+
+def _stop_at(proc: subprocess.Popen, heldout: Path, target: float | None, deadline: float) -> bool:
+    """Wait for ``proc``; with ``target``, stop it (SIGTERM: every service goes with it) once a held-out
+    evaluation during training reaches it: the rest of its curve is not what is measured. True if stopped."""
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"rollmesh run still running after an hour: killed (pid {proc.pid})")
+        if target is not None and heldout.exists():
+            points = [json.loads(x) for x in heldout.read_text().splitlines() if x.strip()]
+            if any(h["step"] is not None and h["accuracy"] >= target for h in points):
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(120)
+                return True
+        time.sleep(0.5)
+    return False
 
 
 def curve_of(run_dir: Path) -> dict:
     """A finished run's held-out curve, each point with the training time to its step."""
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    heldout = [json.loads(x) for x in (run_dir / "heldout.jsonl").read_text().splitlines()]
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    heldout = [json.loads(x) for x in (run_dir / "heldout.jsonl").read_text().splitlines() if x.strip()]
     first = steps[0]
     origin = first["wall"] - sum(first.get(k, 0.0) for k in ("time_get_s", "time_train_s", "time_publish_s"))
     wall_at = {s["step"]: s["wall"] - origin for s in steps}
@@ -84,7 +113,7 @@ def summarise(runs: dict[str, list[dict]], target: float, steps: int) -> dict:
         walls = [h["train_wall_s"] for h in hits if h]
         if walls:
             out[f"{variant}.train_s_to_target"] = statistics.median(walls)
-        out[f"{variant}.heldout_final"] = statistics.median(r["heldout"][-1]["accuracy"] for r in seeds)
+        out[f"{variant}.heldout_last"] = statistics.median(r["heldout"][-1]["accuracy"] for r in seeds)
     if "grpo" in runs:
         for variant in runs:
             if variant != "grpo":
@@ -101,7 +130,9 @@ def run(
     teacher: str,
     out: str,
     progress=print,
+    stop_at_target: bool = True,
 ) -> dict:
+    """``stop_at_target``: a run ends once held out at the target (the steps after it are not measured)."""
     variants = variants or list(VARIANTS)
     if unknown := [v for v in variants if v not in VARIANTS]:
         raise BadOption(f"--variant: {unknown} unknown (one of {sorted(VARIANTS)})")
@@ -114,7 +145,7 @@ def run(
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for seed in range(seeds):  # seed-major: a study cut short still has every variant of the first seeds
         for variant in variants:
-            got = _run_one(variant, seed, steps, eval_every, teacher, where)
+            got = _run_one(variant, seed, steps, eval_every, teacher, where, target if stop_at_target else None)
             hit = reached(got["heldout"], target)
             curve = " ".join(f"{h['accuracy']:.2f}" for h in got["heldout"])
             progress(

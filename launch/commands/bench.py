@@ -378,7 +378,7 @@ def _peers_summary(result: dict) -> dict:
 @app.command("distill")
 def bench_distill(
     variant: list[str] = typer.Option(
-        [], "--variant", help="Variants (repeatable): grpo, grpo+opd, grpo+opd+top8, top8; default: all."
+        [], "--variant", help="Variants (repeatable): grpo, grpo+opd, top8, grpo+top8, top8/g1; default: all."
     ),
     seeds: int = typer.Option(3, help="Runs per variant, seeds 0..n-1."),
     steps: int = typer.Option(100, help="Training steps of each run."),

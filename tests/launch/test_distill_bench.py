@@ -5,11 +5,15 @@ tests/test_run_e2e.py runs one; the bench itself is `make examples`' and its num
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
 from launch.bench import BadOption
-from launch.bench.distill_bench import curve_of, reached, run, summarise
+from launch.bench.distill_bench import _stop_at, curve_of, reached, run, summarise
 
 
 def _run(*points: tuple[int, float]) -> dict:
@@ -26,7 +30,7 @@ def test_each_variant_counts_its_median_steps_to_the_target_and_its_share_of_grp
     assert got["grpo.reached"] == 2 and got["grpo.train_s_to_target"] == 120.0  # of 160 s and 80 s
     assert got["top8.steps_to_target"] == 10 and got["top8.reached"] == 3
     assert got["top8.steps_vs_grpo"] == pytest.approx(10 / 80)
-    assert got["grpo.heldout_final"] == 0.8
+    assert got["grpo.heldout_last"] == 0.8
     assert reached(runs["grpo"][2]["heldout"], 0.8) is None
 
 
@@ -67,3 +71,26 @@ def test_bad_options_are_refused_by_name_before_any_run(kw, field, tmp_path):
     with pytest.raises(BadOption, match=field):
         run(**(args | kw), out=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_is_stopped_once_held_out_at_the_target_during_training(tmp_path):
+    heldout = tmp_path / "heldout.jsonl"
+    # before training (step None) at the target does not count; step 10 below it neither
+    heldout.write_text(json.dumps({"step": None, "accuracy": 0.9}) + "\n" + json.dumps({"step": 10, "accuracy": 0.5}))
+
+    def evaluate_step_20():
+        time.sleep(1)
+        with heldout.open("a") as f:
+            f.write("\n" + json.dumps({"step": 20, "accuracy": 0.85}))
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    writer = threading.Thread(target=evaluate_step_20)
+    writer.start()
+    try:
+        assert _stop_at(proc, heldout, 0.8, time.monotonic() + 30) is True
+        assert proc.returncode is not None  # stopped, not waited out
+    finally:
+        proc.kill()
+        writer.join()
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert _stop_at(done, heldout, None, time.monotonic() + 30) is False and done.returncode == 0
