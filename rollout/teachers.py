@@ -4,9 +4,10 @@ scores every member's tokens and each trajectory carries the log-probs of its ge
 The teacher is another model behind its own LLMProxy (the ``Teacher`` port); it sees the student's
 tokens as they are, so it must share the student's tokenizer (checked when the run loads). A
 member's tokens from its first generated one on go in one call (a multi-turn episode's environment
-tokens between its turns are context the teacher reads, never scored). A teacher that fails, times
-out or answers other than one log-prob per token fails the group (``TeacherFailed``), which the loop
-counts and never puts: a group is trained on whole, its members taught alike.
+tokens between its turns are context the teacher reads, never scored). A teacher that is down
+(unavailable: restarting) is asked again until the deadline; one that refuses, fails, stays down
+past the deadline or answers other than one log-prob per token fails the group (``TeacherFailed``),
+which the loop counts and never puts: a group is trained on whole, its members taught alike.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from rollout.ports import Teacher, TeacherScores
 from sample_buffer.deadlines import wait_for
 from sample_buffer.errors import TransientError
 from sample_buffer.trajectory import Trajectory
+
+# A teacher that is down (its proxy or engine restarting) is asked again after these pauses, doubling.
+RETRY_FIRST_S, RETRY_MAX_S = 0.25, 2.0
 
 
 class TeacherFailed(RuntimeError):
@@ -68,18 +72,25 @@ async def teach(
             return replace(t, teacher_logprobs=np.zeros(0, dtype=np.float32), **top)
         if start == 0:
             raise TeacherFailed(f"{t.trajectory_id}: its first token is generated, with no context to score it in")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TeacherFailed("the deadline passed before the call")
-        try:
-            scored = await wait_for(
-                teacher.score(t.token_ids.tolist(), start, route=route, timeout_s=left, top_k=top_k), left
-            )
-        except TimeoutError:
-            raise TeacherFailed(f"no answer within {timeout_s:g} s") from None
-        except (TransientError, ValueError, RuntimeError, ConnectionError) as e:  # refusals, a failed engine
-            raise TeacherFailed(f"{type(e).__name__}: {e}") from None
-        return taught(t, start, scored, top_k)
+        pause = RETRY_FIRST_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TeacherFailed(f"no answer within {timeout_s:g} s")
+            try:
+                scored = await wait_for(
+                    teacher.score(t.token_ids.tolist(), start, route=route, timeout_s=left, top_k=top_k), left
+                )
+                return taught(t, start, scored, top_k)
+            except TimeoutError:
+                raise TeacherFailed(f"no answer within {timeout_s:g} s") from None
+            except TransientError as e:  # its proxy or engine restarting: again, within the deadline
+                if deadline - time.monotonic() <= pause:
+                    raise TeacherFailed(f"{type(e).__name__} until the deadline: {e}") from None
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, RETRY_MAX_S)
+            except (ValueError, RuntimeError, ConnectionError) as e:  # refusals, a failed engine
+                raise TeacherFailed(f"{type(e).__name__}: {e}") from None
 
     # Every call to its end (each within the deadline), so none is left running when one fails.
     results = await asyncio.gather(*(one(t) for t in trajectories), return_exceptions=True)

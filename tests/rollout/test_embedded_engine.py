@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -76,6 +77,26 @@ def test_scoring_gives_each_token_from_start_its_teacher_forced_log_prob(engine,
         values = torch.tensor([[lp for _, lp in row] for row in tops[first - start :]])
         assert (best.values - values).abs().max() <= 1e-4
     assert engine.score(seqs[0], start).result(T)[1] == []  # none asked, none sent
+
+
+def test_scores_that_wait_together_are_one_forward_and_each_equals_its_own(engine):
+    """A group's members arrive at once: scored in one left-padded forward, each distinct sequence once,
+    every answer what scoring it alone gives (lengths, starts and top-k all differ; one is sent twice)."""
+    jobs = [(PROMPTS[1], 30, 3), (PROMPTS[0], 1, 0), (PROMPTS[3], 4, 2), (PROMPTS[0], 1, 0), ([5], 0, 2)]
+    alone = [engine.score(ids, start, top_k=k).result(T) for ids, start, k in jobs]
+    batches = engine.counters["score_batches"]
+    gate = threading.Event()
+    engine._commands.put(lambda: gate.wait(T))  # the scheduler thread busy: the scores wait together
+    futures = [engine.score(ids, start, top_k=k) for ids, start, k in jobs]
+    gate.set()
+    together = [f.result(T) for f in futures]
+    assert engine.counters["score_batches"] == batches + 1
+    for (lps, tops), (want_lps, want_tops) in zip(together, alone, strict=True):
+        assert len(lps) == len(want_lps) and len(tops) == len(want_tops)
+        assert all(a == b or abs(a - b) <= 1e-4 for a, b in zip(lps, want_lps, strict=True))
+        for row, want in zip(tops, want_tops, strict=True):
+            assert row is want is None or [t for t, _ in row] == [t for t, _ in want]
+    assert together[4] == ([None], [None])  # a lone token: no context, nothing scored
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ def test_a_teacher_that_is_down_drops_its_groups_counted_and_rollout_goes_on(eng
         try:
             async with local_mesh(engine_url, tiny_model, async_ratio=1, groups_per_step=2) as mesh:
                 manager = build_loop(
-                    _config(tiny_model, teacher="big", teacher_timeout_s=5),
+                    _config(tiny_model, teacher="big", teacher_timeout_s=1),
                     mesh.proxy_client,
                     mesh.buffer_client,
                     mesh.controller_client,
@@ -106,6 +106,45 @@ def test_a_teacher_that_is_down_drops_its_groups_counted_and_rollout_goes_on(eng
 
     counters = asyncio.run(main())
     assert counters["groups_teacher_error"] >= 6 and counters.get("groups_put", 0) == 0
+
+
+def test_a_teacher_that_comes_back_within_the_deadline_loses_no_group(engine_url, make_engine_process, tiny_model):
+    """The teacher's proxy is down when rollout starts (a restart): its groups are asked again until
+    their deadline, and once it serves they are taught and put, none dropped."""
+    _, teacher_url = make_engine_process()
+    port = free_port()
+
+    async def main():
+        teacher = ProxyClient(f"127.0.0.1:{port}")
+        server = proxy = None
+        try:
+            async with local_mesh(engine_url, tiny_model, async_ratio=1, groups_per_step=2) as mesh:
+                manager = build_loop(
+                    _config(tiny_model, teacher="big", teacher_timeout_s=30),
+                    mesh.proxy_client,
+                    mesh.buffer_client,
+                    mesh.controller_client,
+                    teachers={"big": teacher},
+                )
+                await manager.start()
+                await asyncio.sleep(1.5)  # groups end meanwhile, their teacher unreachable
+                down = manager.counters["groups_put"]
+                server, proxy = await start_proxy(ProxyConfig(engine_urls=[teacher_url], port=port, metrics_port=0))
+                for _ in range(600):
+                    if manager.counters["groups_put"] >= 2:
+                        break
+                    await asyncio.sleep(0.05)
+                await manager.stop()
+                return down, dict(manager.counters)
+        finally:
+            await teacher.close()
+            if server is not None:
+                await server.stop(0)
+                await proxy.close()
+
+    down, counters = asyncio.run(main())
+    assert down == 0 and counters["groups_put"] >= 2, counters
+    assert counters.get("groups_teacher_error", 0) == 0, counters
 
 
 def test_a_task_naming_a_teacher_the_mesh_lacks_is_refused_by_name(engine_url, tiny_model):

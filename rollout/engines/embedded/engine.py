@@ -36,7 +36,7 @@ from rollout.engines.embedded.kv_slots import KVSlots
 from rollout.engines.embedded.lora import Adapters
 from rollout.engines.embedded.routing import RoutingCapture
 from rollout.engines.embedded.sampling import sample_next_tokens, top_logprobs
-from rollout.engines.embedded.scoring import token_logprobs
+from rollout.engines.embedded.scoring import ScoreJob, chunks, score_batch
 from rollout.engines.embedded.updates import EngineUpdates
 from rollout.engines.embedded.weights import weights_checksum
 from rollout.engines.scheduler import SchedulerCommands
@@ -148,6 +148,9 @@ class EmbeddedEngine(EngineUpdates, SchedulerCommands):
         self._adapter_base: dict[str, torch.Tensor] = {}  # adapter-only updates: base weights, as the files hold them
 
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Scores waiting for the scheduler thread (``score``): taken all at once, batched
+        self._scores: list[tuple[ScoreJob, Future]] = []
+        self._score_lock = threading.Lock()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._batch = self._new_batch()
@@ -307,13 +310,37 @@ class EmbeddedEngine(EngineUpdates, SchedulerCommands):
             limit = min(MAX_TOP_LOGPROBS, self.vocab_size)
             raise EngineError("top_logprobs_num", f"must be in [0, {limit}], got {top_k}")
 
-        def run() -> tuple[list[float | None], list]:
-            self.adapters.select([None], self.device)  # the base model: a teacher serves no adapter
-            out = token_logprobs(self.model, input_ids, start, self.device, bool(self._keep_last), top_k)
-            self.counters["scored_tokens"] += len(input_ids) - start
-            return out
+        future: Future = Future()
+        with self._score_lock:
+            self._scores.append((ScoreJob(tuple(input_ids), start, top_k), future))
+        self._commands.put(self._score_waiting)
+        return future
 
-        return self._call(run)
+    def _score_waiting(self) -> None:
+        """Every score waiting, in batched forwards (``scoring.py``), each distinct sequence once. The
+        first of the commands queued with them takes them all; the others find none."""
+        with self._score_lock:
+            waiting, self._scores = self._scores, []
+        if not waiting:
+            return
+        futures: dict[ScoreJob, list[Future]] = {}
+        for job, future in waiting:
+            if future.set_running_or_notify_cancel():
+                futures.setdefault(job, []).append(future)
+        for batch in chunks(list(futures), self.config.max_prefill_tokens, self.vocab_size):
+            try:
+                self.adapters.select([None] * len(batch), self.device)  # the base model: a teacher has none
+                results = score_batch(self.model, batch, self.device, bool(self._keep_last))
+            except Exception as e:  # the batch's callers get the error; the engine goes on
+                for job in batch:
+                    for f in futures[job]:
+                        f.set_exception(e)
+                continue
+            self.counters["score_batches"] += 1
+            for job, result in zip(batch, results, strict=True):
+                self.counters["scored_tokens"] += len(job.input_ids) - job.start
+                for f in futures[job]:
+                    f.set_result(result)
 
     def _vision_prompt(self, input_ids: list[int], images: list[str]) -> VisionPrompt | None:
         if self.vision is None:
