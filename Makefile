@@ -125,6 +125,7 @@ verifiers: $(VERIFIERS_STAMP)
 # The quickstart: the whole mesh on this machine, GRPO on "find the digit" (kq7x -> 7).
 run: $(RUN_STAMP) models/tiny-digits/config.json
 	.venv/bin/rollmesh run examples/quickstart.yaml --fresh
+	.venv/bin/rollmesh run examples/distill/digits.yaml --fresh  # its teacher: the quickstart's policy
 
 # The examples' learning runs, one after another (docs/examples.md has what each learns; hours on
 # 2 cores): the quickstart, SmolLM2 on math, on code and on three domains at once, and the digit task with a second try in an

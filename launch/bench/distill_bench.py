@@ -24,17 +24,17 @@ from launch.bench import BadOption
 ROOT = Path(__file__).resolve().parents[2]
 STOPPED_RC = 130  # rollmesh run's exit status after a SIGTERM
 CONFIG = "examples/distill/digits.yaml"
-# Each variant as overrides of the example (which is GRPO + the sampled-token gap at λ = 0.1).
-# grpo: no teacher; grpo+opd: the sampled-token gap mixed in; top8: the forward KL to the teacher's top 8
-# alone (no reward, no gap); grpo+top8: the reward's advantage and the forward KL; top8/g1: top8 with
-# one sample of each of 128 prompts a step rather than 8 of 16 (the same answers a step: distillation
-# needs no group to compare within, and a one-token answer's 8 samples all see the same context).
-_TOP8 = ["env_manager.teacher_top_k=8", "trainer.distill.coef=0", "trainer.distill.reward_coef=0"]
+# Each variant as overrides of the example (GRPO + the forward KL to the teacher's top 8). grpo: no
+# teacher; grpo+opd: the sampled-token gap (λ = 0.1) instead of the forward KL; top8: the forward KL
+# alone (no reward); grpo+top8: the example as it is; top8/g1: top8 with one sample of each of 128
+# prompts a step rather than 8 of 16 (the same answers a step: distillation needs no group to compare
+# within, and a one-token answer's 8 samples all see the same context).
+_TOP8 = ["trainer.distill.reward_coef=0"]
 VARIANTS = {
-    "grpo": ["teachers=[]", "env_manager.teacher=null"],
-    "grpo+opd": [],
+    "grpo": ["teachers=[]", "env_manager.teacher=null", "env_manager.teacher_top_k=0"],
+    "grpo+opd": ["env_manager.teacher_top_k=0", "trainer.distill.coef=0.1"],
     "top8": _TOP8,
-    "grpo+top8": ["env_manager.teacher_top_k=8", "trainer.distill.coef=0"],
+    "grpo+top8": [],
     "top8/g1": [*_TOP8, "env_manager.group_size=1", "controller.groups_per_step=128"],
 }
 

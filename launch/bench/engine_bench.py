@@ -124,10 +124,16 @@ def run(
     dtype: str = "float32",
 ) -> dict:
     """``device``/``dtype``: of the embedded engine and of HF generate alike (vLLM keeps its own)."""
+    from pathlib import Path
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from launch.bench import BadOption
+
+    if not (Path(model_path) / "config.json").exists():  # never a hub name: nothing is downloaded
+        raise BadOption(f"--model: no model at {model_path} (make model builds models/tiny)")
+
     if vllm:
-        from launch.bench import BadOption
         from rollout.engines.vllm.config import VLLMEngineConfig
         from services.engine.vllm_server import VLLMNotInstalled, interpreter
 
