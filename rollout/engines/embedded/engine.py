@@ -316,6 +316,14 @@ class EmbeddedEngine(EngineUpdates, SchedulerCommands):
         self._commands.put(self._score_waiting)
         return future
 
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        super().shutdown(timeout_s)
+        with self._score_lock:  # scores the scheduler thread never took: their callers are told
+            waiting, self._scores = self._scores, []
+        for _, future in waiting:
+            if not future.done():
+                future.set_exception(RuntimeError("engine shut down"))
+
     def _score_waiting(self) -> None:
         """Every score waiting, in batched forwards (``scoring.py``), each distinct sequence once. The
         first of the commands queued with them takes them all; the others find none."""
