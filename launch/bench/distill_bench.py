@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from launch.bench import BadOption
+from launch.bench.run_analysis import heldout_curve, training_origin
 
 ROOT = Path(__file__).resolve().parents[2]
 STOPPED_RC = 130  # rollmesh run's exit status after a SIGTERM
@@ -86,14 +87,8 @@ def curve_of(run_dir: Path) -> dict:
     """A finished run's held-out curve, each point with the training time to its step."""
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     heldout = [json.loads(x) for x in (run_dir / "heldout.jsonl").read_text().splitlines() if x.strip()]
-    first = steps[0]
-    origin = first["wall"] - sum(first.get(k, 0.0) for k in ("time_get_s", "time_train_s", "time_publish_s"))
-    wall_at = {s["step"]: s["wall"] - origin for s in steps}
-    curve = []
-    for h in heldout:
-        step = h["step"] if h["step"] is not None else (0 if h["when"].startswith("before") else steps[-1]["step"])
-        curve.append({"step": step, "accuracy": h["accuracy"], "train_wall_s": wall_at.get(step, 0.0)})
-    return {"heldout": curve, "steps": len(steps), "train_wall_s": steps[-1]["wall"] - origin}
+    curve = heldout_curve(steps, heldout)
+    return {"heldout": curve, "steps": len(steps), "train_wall_s": steps[-1]["wall"] - training_origin(steps)}
 
 
 def reached(curve: list[dict], target: float) -> dict | None:

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from launch.bench import BadOption
+from launch.bench.run_analysis import heldout_curve, training_origin
 
 TRL_VERSION = "1.16.0"
 PEERS_VENV = Path(".venv-peers")
@@ -205,13 +206,7 @@ def run_rollmesh(task: Task, out_dir: Path, seed: int) -> dict:
         raise RuntimeError(f"rollmesh run failed ({rc}): see {log}")
     steps = [json.loads(x) for x in metrics.read_text().splitlines()]
     heldout = [json.loads(x) for x in (run_dir / "heldout.jsonl").read_text().splitlines()]
-    first = steps[0]
-    origin = first["wall"] - sum(first.get(k, 0.0) for k in ("time_get_s", "time_train_s", "time_publish_s"))
-    wall_at = {s["step"]: s["wall"] - origin for s in steps}
-    curve = []
-    for h in heldout:
-        step = h["step"] if h["step"] is not None else (0 if h["when"].startswith("before") else steps[-1]["step"])
-        curve.append({"step": step, "accuracy": h["accuracy"], "train_wall_s": wall_at.get(step, 0.0)})
+    curve, origin = heldout_curve(steps, heldout), training_origin(steps)
     ends = [s["wall"] - origin for s in steps]
     durations = [b - a for a, b in zip([0.0, *ends], ends)][task.warmup :]
     cpu = {}

@@ -81,3 +81,21 @@ def movement(lines: list[dict]) -> dict[str, float]:
         if values := [line[key] for line in lines if key in line]:
             out[key] = max(values)
     return out
+
+
+def training_origin(steps: list[dict]) -> float:
+    """The wall-clock moment training began: the first step's end less its phases."""
+    first = steps[0]
+    return first["wall"] - sum(first.get(k, 0.0) for k in ("time_get_s", "time_train_s", "time_publish_s"))
+
+
+def heldout_curve(steps: list[dict], heldout: list[dict]) -> list[dict]:
+    """A run's held-out evaluations (``heldout.jsonl``'s lines), each at its step (before training:
+    0; after: the last) with the training seconds to that step."""
+    origin = training_origin(steps)
+    wall_at = {s["step"]: s["wall"] - origin for s in steps}
+    curve = []
+    for h in heldout:
+        step = h["step"] if h["step"] is not None else (0 if h["when"].startswith("before") else steps[-1]["step"])
+        curve.append({"step": step, "accuracy": h["accuracy"], "train_wall_s": wall_at.get(step, 0.0)})
+    return curve
