@@ -20,7 +20,7 @@ import numpy as np
 
 from rollout.ports import Teacher, TeacherScores
 from sample_buffer.deadlines import wait_for
-from sample_buffer.errors import TransientError
+from sample_buffer.errors import TransientError, raise_if_cancelled
 from sample_buffer.trajectory import Trajectory
 
 # A teacher that is down (its proxy or engine restarting) is asked again after these pauses, doubling.
@@ -85,6 +85,7 @@ async def teach(
             except TimeoutError:
                 raise TeacherFailed(f"no answer within {timeout_s:g} s") from None
             except TransientError as e:  # its proxy or engine restarting: again, within the deadline
+                raise_if_cancelled()  # a cancel of ours that came back as the call's error
                 if deadline - time.monotonic() <= pause:
                     raise TeacherFailed(f"{type(e).__name__} until the deadline: {e}") from None
                 await asyncio.sleep(pause)

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 
 from sample_buffer import routing
-from sample_buffer.trajectory import DOMAIN_NAME, Group, Trajectory, TrajectoryError
+from sample_buffer.trajectory import DOMAIN_NAME, MAX_TEACHER_TOP_K, Group, Trajectory, TrajectoryError
 
 FORMAT_VERSION = 1
 _FLAG_ZLIB = 1
@@ -75,7 +75,7 @@ def _top_of(field) -> tuple[np.ndarray | None, np.ndarray | None]:
         return None, None
     ids, lps, k = field
     ids, lps = np.frombuffer(ids, dtype="<i4"), np.frombuffer(lps, dtype="<f4")
-    if not isinstance(k, int) or k < 1 or len(ids) % k or len(ids) != len(lps):
+    if not isinstance(k, int) or not 1 <= k <= MAX_TEACHER_TOP_K or len(ids) % k or len(ids) != len(lps):
         raise CodecError(f"teacher top-k: {len(ids)} ids and {len(lps)} log-probs are no table of {k} a row")
     return ids.reshape(-1, k), lps.reshape(-1, k)
 

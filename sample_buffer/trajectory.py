@@ -63,6 +63,9 @@ def _array(name: str, value, dtype) -> np.ndarray:
     return arr
 
 
+MAX_TEACHER_TOP_K = 64  # a teacher's most likely tokens a position (the engines' MAX_TOP_LOGPROBS)
+
+
 def _table(name: str, value, dtype) -> np.ndarray:
     arr = np.asarray(value, dtype=dtype)
     if arr.ndim != 2:
@@ -135,10 +138,10 @@ class Trajectory:
             return
         if ids is None or lps is None or self.teacher_logprobs is None:
             raise TrajectoryError("teacher_top_ids and teacher_top_logprobs: both or neither, with teacher_logprobs")
-        if ids.shape != lps.shape or len(ids) != g or not ids.shape[1]:
+        if ids.shape != lps.shape or len(ids) != g or not 1 <= ids.shape[1] <= MAX_TEACHER_TOP_K:
             raise TrajectoryError(
-                f"teacher_top_ids {ids.shape} and teacher_top_logprobs {lps.shape}: one row of k >= 1 a generated "
-                f"token ({g})"
+                f"teacher_top_ids {ids.shape} and teacher_top_logprobs {lps.shape}: one row of k in "
+                f"[1, {MAX_TEACHER_TOP_K}] a generated token ({g})"
             )
         if ids.size and ids.min() < 0:
             raise TrajectoryError("teacher_top_ids: token ids must be >= 0")

@@ -72,9 +72,10 @@ class DistillConfig(BaseModel):
         1.0,
         ge=0,
         description="Weight of the top-k forward KL, KL(p̃_T ‖ π) per taught token over the teacher's k most likely "
-        "tokens (p̃_T: their probabilities renormalised), in the loss as a token mean. A dense signal at every "
-        "position, not only at the sampled token: what a one-token answer needs. Used where the rollout asked "
-        "for them (env_manager.teacher_top_k > 0).",
+        "tokens (p̃_T: their probabilities renormalised), summed over taught tokens and divided by all the "
+        "update's tokens, as the policy loss's token mean is (a batch half taught weighs it half). A dense signal "
+        "at every position, not only at the sampled token: what a one-token answer needs. Used where the rollout "
+        "asked for them (env_manager.teacher_top_k > 0).",
     )
     student: Literal["behavior", "proximal"] = Field(
         "behavior",

@@ -28,6 +28,8 @@ import torch
 
 from trainer.advantages import group_sums
 
+_REFUSED = -1e30  # at or below: a log-prob of a token masked out (mask_logits' lowest value)
+
 
 def reverse_kl_advantage(
     student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, coef: float, group_ids: torch.Tensor | None = None
@@ -74,6 +76,9 @@ def top_k_forward_kl(student_top: torch.Tensor, teacher_top: torch.Tensor) -> to
     """Per position, KL(p̃_T ‖ π) = Σ_k p̃_T(k)·(log p̃_T(k) − log π(k)) over the teacher's top-k tokens:
     ``teacher_top`` their teacher log-probs ([..., k]; −inf pads a row of fewer), p̃_T those renormalised
     to sum 1; ``student_top`` π's log-probs of the same tokens. It is >= 0, as π's mass on the k tokens
-    is at most 1, and 0 only where π puts all its mass on them in the teacher's proportions."""
-    p = torch.softmax(teacher_top, dim=-1)
-    return (torch.xlogy(p, p) - p * student_top).sum(-1)
+    is at most 1, and 0 only where π puts all its mass on them in the teacher's proportions. A token π
+    cannot produce (log-prob −inf or the dtype's lowest: a grammar refused it) is no candidate, the
+    others renormalised; a position with none left contributes 0."""
+    allowed = student_top > _REFUSED
+    p = torch.nan_to_num(torch.softmax(teacher_top.masked_fill(~allowed, float("-inf")), dim=-1), nan=0.0)
+    return (torch.xlogy(p, p) - p * student_top.masked_fill(~allowed, 0.0)).sum(-1)

@@ -281,7 +281,11 @@ class TrainEngine(Forwards):
         )
         if batch.teacher_top_ids is not None and cfg.distill.top_k_coef > 0:
             step.top_mask = mask * batch.topped.to(self.device)[:, None]
-            step.top_ids, step.top_logprobs = batch.teacher_top_ids, batch.teacher_top_logprobs.to(self.device)
+            # A teacher id the student's vocabulary lacks (a padded teacher vocabulary) is no candidate.
+            vocab = int(self.model.config.get_text_config().vocab_size)
+            outside = batch.teacher_top_ids >= vocab
+            step.top_ids = batch.teacher_top_ids.masked_fill(outside, 0)
+            step.top_logprobs = batch.teacher_top_logprobs.masked_fill(outside, float("-inf")).to(self.device)
         audited, before = {}, None
         if self.audit is not None:  # these weights are π_v: measured against older ones, then kept
             audited = self.audit.measure(self.model, batch, self.version, mask, behav, self.device)
@@ -496,7 +500,7 @@ class TrainEngine(Forwards):
         names = ["loss", "pg_loss", *RATIO_METRICS, *(f"{k}_stale" for k in RATIO_METRICS), "stale_tokens"]
         names += ["entropy"] if cfg.entropy_coef > 0 else []
         names += ["kl"] if s.ref is not None and not cfg.kl_in_reward and cfg.kl_coef > 0 else []
-        names += ["top_kl_sum", "top_tokens"] if s.top_mask is not None else []
+        names += ["top_kl_sum", "top_tokens"] if cfg.distill.top_k_coef > 0 else []  # every rank, taught or not
         return dict(zip(names, all_reduce_all([sums[k] for k in names]), strict=True)) | {"grad_norm": grad_norm}
 
     def full_weights(self, on_device: bool = False) -> dict[str, torch.Tensor]:

@@ -186,13 +186,10 @@ class Forwards:
         )
         lp = packed_lp.index_select(0, index.flatten()).view(index.shape).masked_fill(beyond, 0.0)
         top = None
-        if top_ids is not None:  # each token's candidates at its packed row (a shared token's are its context's)
-            k = top_ids.shape[-1]
-            within = ~beyond
-            packed_ids = torch.zeros(len(packed_lp), k, dtype=torch.long, device=self.device)
-            packed_ids[index[within]] = top_ids[:, : index.shape[1]].to(self.device)[within]
-            packed_top = logp.gather(-1, packed_ids).masked_fill(first[:, None], 0.0)
-            top = packed_top.index_select(0, index.flatten()).view(*index.shape, k).masked_fill(beyond[..., None], 0.0)
+        if top_ids is not None:  # each sequence's own candidates, read at its token's packed row
+            candidates = top_ids[:, : index.shape[1]].to(self.device)
+            top = logp[index[..., None], candidates]  # [b, width, k]: a shared row, each its own ids
+            top = top.masked_fill((first[index] | beyond)[..., None], 0.0)
         if not entropy:
             return Forward(lp, None, top)
         packed_ent = entropy_from_logits(scaled).masked_fill(first, 0.0)

@@ -13,8 +13,8 @@ stored must be consumed (acked), dropped with a reason, or still in the buffer; 
 killed trainer trained but lost before its checkpoint (``lost_steps.jsonl``) are listed apart.
 Then the slowdown against the same run undisturbed. With ``teacher``, the run distills from a
 teacher (the policy's own model, on its own engine and LLMProxy: on-policy distillation), and its
-engine and proxy are killed too: the groups it cannot score meanwhile are dropped, counted, and
-rollout goes on.
+engine and proxy are killed too: groups wait for it within their deadline (or are dropped, counted),
+and rollout goes on.
 """
 
 from __future__ import annotations

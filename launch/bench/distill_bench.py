@@ -73,13 +73,26 @@ def _stop_at(proc: subprocess.Popen, heldout: Path, target: float | None, deadli
         if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"rollmesh run still running after an hour: killed (pid {proc.pid})")
-        if target is not None and heldout.exists():
-            points = [json.loads(x) for x in heldout.read_text().splitlines() if x.strip()]
-            if any(h["step"] is not None and h["accuracy"] >= target for h in points):
-                proc.send_signal(signal.SIGTERM)
+        if target is not None and heldout.exists() and _reached_during_training(heldout, target):
+            proc.send_signal(signal.SIGTERM)
+            try:
                 proc.wait(120)
-                return True
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+            return True
         time.sleep(0.5)
+    return False
+
+
+def _reached_during_training(heldout: Path, target: float) -> bool:
+    for line in heldout.read_text().splitlines():
+        try:
+            h = json.loads(line)
+        except json.JSONDecodeError:  # a line still being written
+            continue
+        if h["step"] is not None and h["accuracy"] >= target:
+            return True
     return False
 
 

@@ -90,6 +90,13 @@ def test_the_top_k_forward_kl_is_the_literal_sum_zero_only_at_the_teachers_propo
     p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     assert top_k_forward_kl(p.log(), (p * 0.1).log()).item() == pytest.approx(0.0, abs=1e-12)
     assert top_k_forward_kl((p * 0.5).log(), p.log()).item() == pytest.approx(np.log(2), abs=1e-12)
+    # A candidate the student's grammar refused (its log-prob the dtype's lowest, or -inf) is none: the
+    # others renormalised; a position with none left weighs 0, never inf or NaN.
+    refused = torch.tensor([np.log(0.5), np.log(0.5), torch.finfo(torch.float64).min], dtype=torch.float64)
+    want = 0.625 * np.log(0.625 / 0.5) + 0.375 * np.log(0.375 / 0.5)  # the teacher's 0.5 : 0.3, renormalised
+    assert top_k_forward_kl(refused, p.log()).item() == pytest.approx(want, abs=1e-12)
+    none = torch.full((3,), float("-inf"), dtype=torch.float64)
+    assert top_k_forward_kl(none, p.log()).item() == 0.0
 
 
 def _groups_from(batch, teacher: torch.Tensor | None, taught_groups: set[int], top=None) -> list[Group]:

@@ -312,11 +312,15 @@ class EmbeddedEngine(EngineUpdates, SchedulerCommands):
 
         future: Future = Future()
         with self._score_lock:
+            if self._stop.is_set():
+                raise RuntimeError("the engine is shutting down")
             self._scores.append((ScoreJob(tuple(input_ids), start, top_k), future))
         self._commands.put(self._score_waiting)
         return future
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self._score_lock:  # no score is queued from now on
+            self._stop.set()
         super().shutdown(timeout_s)
         with self._score_lock:  # scores the scheduler thread never took: their callers are told
             waiting, self._scores = self._scores, []
